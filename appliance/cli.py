@@ -1,0 +1,172 @@
+"""`appliance <verb> [hydra overrides]`.
+
+Every verb composes the same config tree; overrides follow the verb
+(``appliance plan +profile=h100_fp8 model=llama3_1_8b``). Config and
+deployment problems print one clear message and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from appliance.config.compose import ConfigError, list_profiles, resolve
+
+EXIT_CONFIG = 2
+
+
+def _add_overrides(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +profile=cpu model=tiny_random")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="appliance",
+        description="Declarative LLM serving: every verb takes Hydra overrides of the config tree.",
+    )
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+
+    p = sub.add_parser("run", help="serve the deployment (OpenAI-compatible HTTP)")
+    _add_overrides(p)
+    p.add_argument("--api-key", default=None, help="same as server.api_key=...")
+
+    p = sub.add_parser("plan", help="explain what would run, and why, without a GPU")
+    _add_overrides(p)
+    p.add_argument("--json", action="store_true", help="machine-readable plan")
+
+    p = sub.add_parser("config", help="print the fully resolved config as canonical YAML")
+    _add_overrides(p)
+
+    p = sub.add_parser("diff", help="semantic diff of two configs (profile names, files or override sets)")
+    p.add_argument("a")
+    p.add_argument("b")
+
+    sub.add_parser("profiles", help="list profiles and whether they can run here")
+
+    p = sub.add_parser("lock", help="regenerate the committed resolved configs (resolved/)")
+    p.add_argument("--check", action="store_true", help="fail with the semantic diff if they drifted")
+
+    p = sub.add_parser("generate", help="offline generation: appliance generate prompt='...' [overrides]")
+    _add_overrides(p)
+
+    p = sub.add_parser("bench", help="benchmarks: appliance bench KIND [options] [overrides]")
+    p.add_argument("kind")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from appliance.config.plan import format_plan, make_plan
+
+    r = resolve(args.overrides)
+    plan = make_plan(r.cfg)
+    if args.json:
+        out = plan.to_dict()
+        out["config_hash"] = r.hash
+        out["profile_reason"] = r.profile_reason
+        print(json.dumps(out, indent=2))
+    else:
+        if r.profile_reason:
+            print(f"profile auto -> {r.cfg.profile}: {r.profile_reason}")
+        print(format_plan(plan))
+        print(f"config hash        {r.hash}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    r = resolve(args.overrides)
+    sys.stdout.write(r.yaml)
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from appliance.config.lock import load_any, semantic_diff
+
+    a, b = load_any(args.a), load_any(args.b)
+    lines = semantic_diff(a.cfg, b.cfg)
+    print("\n".join(lines) if lines else "no differences")
+    return 0
+
+
+def cmd_profiles(args: argparse.Namespace) -> int:
+    from appliance.config.detect import detect_device
+    from appliance.config.plan import make_plan
+    from appliance.runner import device_problems
+
+    here = detect_device()
+    print(f"{'profile':<14}{'hardware':<10}{'backend':<14}{'quant':<8}{'kv':<10}runs here")
+    for name in list_profiles():
+        r = resolve([f"+profile={name}"], check=False)
+        p = make_plan(r.cfg)
+        problems = device_problems(r.cfg, here)
+        runs = "yes" if not problems else f"no: {problems[0]}"
+        print(f"{name:<14}{p.hardware:<10}{str(p.attention_backend):<14}{p.quantization:<8}{p.kv_cache_dtype:<10}{runs}")
+    return 0
+
+
+def cmd_lock(args: argparse.Namespace) -> int:
+    from appliance.config.lock import check_locks, write_locks
+
+    if args.check:
+        drift = check_locks()
+        for profile, lines in drift.items():
+            print(f"resolved/{profile}.yaml drifted from the config tree:")
+            print("\n".join(f"  {ln}" for ln in lines))
+        if drift:
+            print("run `appliance lock` and commit resolved/ if the change is intended")
+            return 1
+        print("resolved configs match the tree")
+        return 0
+    for path in write_locks():
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from appliance.runner import serve
+
+    overrides = list(args.overrides)
+    if args.api_key:
+        overrides.append(f"server.api_key={args.api_key}")
+    return serve(resolve(overrides))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from appliance.entrypoint import generate_cli
+
+    return generate_cli(args.overrides)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from appliance.bench import main as bench_main
+
+    return bench_main(args.kind, args.rest)
+
+
+VERBS = {
+    "run": cmd_run,
+    "plan": cmd_plan,
+    "config": cmd_config,
+    "diff": cmd_diff,
+    "profiles": cmd_profiles,
+    "lock": cmd_lock,
+    "generate": cmd_generate,
+    "bench": cmd_bench,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return VERBS[args.verb](args)
+    except ConfigError as e:
+        print(f"appliance {args.verb}: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Compose, type-check and validate the config tree.
+
+``resolve(overrides)`` is the one entry: Hydra composes ``conf/`` (with
+``profiles/`` reachable as the ``profile`` group), the typed schema rejects
+unknown keys and bad values, ``+profile=auto`` (or no profile) is replaced by
+the detected machine's profile, and the cross-field rules run. The result is
+a frozen, hashable ``ResolvedConfig``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from appliance.config import schema
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class ConfigError(Exception):
+    """A config problem a user can fix; printed without a traceback."""
+
+
+def conf_dir() -> Path:
+    return Path(os.environ.get("APPLIANCE_CONF_DIR", REPO_ROOT / "conf")).resolve()
+
+
+def profiles_dir() -> Path:
+    return conf_dir() / "profile"
+
+
+def list_profiles() -> list[str]:
+    return sorted(p.stem for p in profiles_dir().glob("*.yaml"))
+
+
+def list_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    cfg: Any  # schema.ApplianceConfig
+    yaml: str  # canonical YAML of the whole tree
+    overrides: tuple[str, ...]
+    profile_reason: Optional[str] = None
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(self.yaml.encode()).hexdigest()[:16]
+
+    def as_dict(self) -> dict:
+        return OmegaConf.to_container(OmegaConf.create(self.yaml))
+
+
+def _profile_override(overrides: Sequence[str]) -> tuple[Optional[str], list[str]]:
+    """Split out ``+profile=NAME`` / ``profile=NAME``; return (name, rest)."""
+    name, rest = None, []
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        if sep and key.lstrip("+~") == "profile":
+            name = value
+        else:
+            rest.append(o)
+    return name, rest
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    schema.register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            return compose(config_name="appliance", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(_explain_compose_error(e, overrides)) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _explain_compose_error(e: BaseException, overrides: list[str]) -> str:
+    # Hydra wraps the OmegaConf error that names the key; read the whole chain.
+    chain = []
+    while e is not None:
+        chain.append(str(e).strip())
+        e = e.__cause__ or e.__context__
+    text = "\n".join(chain)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
+    if "Could not find 'profile/" in text:
+        return f"unknown profile; available profiles: {', '.join(list_profiles())} (or auto)"
+    if "Could not find" in text or "Could not load" in text:
+        first = next(ln for ln in lines if "Could not" in ln)
+        for group in ("model", "quantization", "parallel", "scheduler", "cache", "hardware", "server", "speculative"):
+            if f"'{group}/" in first:
+                return f"{first}; available {group} options: {', '.join(list_options(group))}"
+        return first
+    for ln in lines:
+        if ln.startswith("Key '") and " not in " in ln:
+            where = full_key or ln
+            parent = where.rsplit(".", 1)[0] if "." in where else ""
+            allowed = _allowed_keys(parent)
+            hint = f"; allowed keys under {parent or 'the top level'}: {', '.join(allowed)}" if allowed else ""
+            return f"unknown config key {where}{hint}"
+        if ln.startswith("Invalid value") or "could not be converted" in ln or ln.startswith("Value '"):
+            return f"{full_key}: {ln}" if full_key else ln
+    return lines[0] + (f" (key {full_key})" if full_key else "") if lines else "invalid config"
+
+
+def _allowed_keys(path: str) -> list[str]:
+    node: Any = OmegaConf.structured(schema.ApplianceConfig)
+    for part in [p for p in path.split(".") if p]:
+        if not isinstance(node, DictConfig) or part not in node:
+            return []
+        node = node[part]
+    return list(node.keys()) if isinstance(node, DictConfig) else []
+
+
+def resolve(overrides: Sequence[str] = (), *, check: bool = True, device: Any = None) -> ResolvedConfig:
+    """Compose ``conf/`` with Hydra-style overrides into a validated config.
+
+    ``device`` is a ``DeviceDescription`` for ``+profile=auto``; detected
+    from torch when omitted.
+    """
+    profile, rest = _profile_override(overrides)
+    reason = None
+    if profile is None or profile == "auto":
+        from appliance.config.detect import detect_device, pick_profile
+
+        profile, reason = pick_profile(device or detect_device())
+    if profile not in list_profiles():
+        raise ConfigError(f"unknown profile {profile!r}; available profiles: {', '.join(list_profiles())} (or auto)")
+    composed = _compose([f"+profile={profile}", *rest])
+    try:
+        # `+key=value` can add keys past struct mode; a fresh typed merge
+        # rejects them like any other unknown key.
+        plain = OmegaConf.to_container(composed, resolve=True)
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema.ApplianceConfig), plain))
+    except OmegaConfBaseException as e:
+        raise ConfigError(_explain_compose_error(e, rest)) from None
+    canonical = OmegaConf.to_yaml(OmegaConf.structured(obj), sort_keys=True)
+    resolved = ResolvedConfig(cfg=obj, yaml=canonical, overrides=tuple([f"+profile={profile}", *rest]), profile_reason=reason)
+    if check:
+        from appliance.config.validate import validate
+
+        problems = validate(obj)
+        if problems:
+            raise ConfigError(
+                f"the deployment (profile {profile}) is invalid:\n" + "\n".join(f"  - {p}" for p in problems)
+            )
+    return resolved

@@ -1,0 +1,246 @@
+"""What a resolved deployment would run, computed without a GPU.
+
+All figures are per device (one tensor/pipeline shard) unless named
+otherwise. Memory model, in the order vLLM's worker sizes the KV pool:
+
+    usable      = memory_gib * memory_utilization      (or cache.kv_cache_memory_gib)
+    kv_bytes    = usable - weight_bytes - activation_bytes
+    num_blocks  = kv_bytes // (block_size * kv_bytes_per_token)
+
+``activation_bytes`` is an estimate of the forward pass's peak for one
+``max_num_batched_tokens`` step; vLLM measures it with a profiling run and
+the model runner does the same at start-up where it can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from appliance.kernels.registry import BACKENDS, select_backend
+
+GIB = 1024**3
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_DTYPE_BYTES = {"fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def _v(x: Any) -> Any:
+    return getattr(x, "value", x)
+
+
+def resolve_dtype(cfg: Any) -> str:
+    """``model.dtype=auto`` takes the hardware's first supported dtype."""
+    dtype = _v(cfg.model.dtype)
+    if dtype == "auto":
+        return cfg.hardware.supported_dtypes[0] if cfg.hardware.supported_dtypes else "float32"
+    return dtype
+
+
+def parameter_counts(m: Any) -> dict[str, int]:
+    """Parameters of a Llama-family decoder by where they live."""
+    embed = m.vocab_size * m.hidden_size
+    q = m.hidden_size * m.num_heads * m.head_dim
+    kv = 2 * m.hidden_size * m.num_kv_heads * m.head_dim
+    o = m.num_heads * m.head_dim * m.hidden_size
+    bias = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim if m.qkv_bias else 0
+    qk_norm = 2 * m.head_dim if m.qk_norm else 0
+    mlp = 3 * m.hidden_size * m.intermediate_size
+    norms = 2 * m.hidden_size
+    per_layer_linear = q + kv + o + mlp
+    per_layer_other = bias + qk_norm + norms
+    lm_head = 0 if m.tie_word_embeddings else embed
+    return {
+        "embedding": embed,
+        "lm_head": lm_head,
+        "linear": m.num_layers * per_layer_linear,
+        "other": m.num_layers * per_layer_other + m.hidden_size,
+        "total": embed + lm_head + m.num_layers * (per_layer_linear + per_layer_other) + m.hidden_size,
+    }
+
+
+def weight_bytes(cfg: Any, dtype: str) -> int:
+    """Bytes of all weights (before sharding).
+
+    Quantized methods store the decoder's linear layers at
+    ``quantization.weight_bits`` plus one 16-bit scale (and, for int4
+    methods, one 16-bit zero point) per group; embeddings, the LM head and
+    norms stay in the compute dtype, as vLLM keeps them.
+    """
+    counts = parameter_counts(cfg.model)
+    full = DTYPE_BYTES[dtype]
+    q = cfg.quantization
+    method = _v(q.method)
+    if method == "none":
+        return counts["total"] * full
+    bits = q.weight_bits
+    if q.group_size > 0:
+        per_group = 16 if method in ("fp8", "gguf") else 32
+        bits += per_group / q.group_size
+    linear = int(counts["linear"] * bits / 8)
+    if method == "fp8":  # per-output-channel fp32 scales
+        linear += 4 * cfg.model.num_layers * (
+            cfg.model.num_heads * cfg.model.head_dim
+            + 2 * cfg.model.num_kv_heads * cfg.model.head_dim
+            + cfg.model.hidden_size
+            + 2 * cfg.model.intermediate_size
+        )
+    return linear + (counts["embedding"] + counts["lm_head"] + counts["other"]) * full
+
+
+def kv_dtype(cfg: Any, dtype: str) -> str:
+    kv = _v(cfg.cache.kv_cache_dtype)
+    return dtype if kv == "auto" else kv
+
+
+def kv_bytes_per_token(cfg: Any, dtype: str) -> int:
+    """K and V of every layer for one token, per device."""
+    m = cfg.model
+    tp = cfg.parallel.tensor_parallel_size
+    pp = cfg.parallel.pipeline_parallel_size
+    kv_heads = max(1, m.num_kv_heads // tp)  # kv heads replicate when tp > num_kv_heads
+    layers = -(-m.num_layers // pp)
+    elem = KV_DTYPE_BYTES.get(kv_dtype(cfg, dtype), DTYPE_BYTES.get(kv_dtype(cfg, dtype), 2))
+    return 2 * layers * kv_heads * m.head_dim * elem
+
+
+def activation_bytes(cfg: Any, dtype: str) -> int:
+    """Peak activations of one step: the widest intermediate tensors of one
+    layer for ``max_num_batched_tokens`` tokens plus fp32 logits for the
+    sampled rows (one per sequence)."""
+    m = cfg.model
+    s = cfg.scheduler
+    tp = cfg.parallel.tensor_parallel_size
+    per_token = (4 * m.hidden_size + 3 * m.intermediate_size // tp) * DTYPE_BYTES[dtype]
+    logits = min(s.max_num_seqs, s.max_num_batched_tokens) * m.vocab_size * 4 // tp
+    return s.max_num_batched_tokens * per_token + logits
+
+
+@dataclass
+class Plan:
+    profile: str
+    model: str
+    hardware: str
+    device_kind: str
+    dtype: str
+    quantization: str
+    kv_cache_dtype: str
+    attention_backend: str | None
+    attention_chain: list[str]
+    attention_provider_here: str | None
+    parallel: dict[str, int]
+    num_devices_used: int
+    parameter_count: int
+    weight_bytes_total: int
+    weight_bytes_per_device: int
+    activation_bytes_per_device: int
+    kv_bytes_per_token: int
+    kv_cache_bytes: int
+    block_size: int
+    num_kv_blocks: int
+    kv_tokens: int
+    max_model_len: int
+    max_concurrency_at_max_len: float
+    decode_roofline_tok_s: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def max_model_len(cfg: Any) -> int:
+    return cfg.model.max_model_len or cfg.model.max_position_embeddings
+
+
+def make_plan(cfg: Any) -> Plan:
+    dtype = resolve_dtype(cfg)
+    par = cfg.parallel
+    shards = par.tensor_parallel_size * par.pipeline_parallel_size
+    devices = shards * par.data_parallel_size
+    total_w = weight_bytes(cfg, dtype)
+    w_dev = total_w // shards
+    act = activation_bytes(cfg, dtype)
+    if cfg.cache.kv_cache_memory_gib is not None:
+        kv_bytes = int(cfg.cache.kv_cache_memory_gib * GIB)
+    else:
+        usable = int(cfg.hardware.memory_gib * GIB * cfg.cache.memory_utilization)
+        kv_bytes = max(0, usable - w_dev - act)
+    per_tok = kv_bytes_per_token(cfg, dtype)
+    bs = cfg.cache.block_size
+    num_blocks = kv_bytes // (bs * per_tok) if per_tok else 0
+    mml = max_model_len(cfg)
+    sel = select_backend(cfg, dtype, check_import=False)
+    notes = []
+    provider_here = None
+    if sel.chosen:
+        from appliance.kernels.registry import probe_importable
+
+        provider_here, err = probe_importable(sel.chosen)
+        if provider_here is None:
+            notes.append(f"{sel.chosen} is not importable on this machine ({err}); it is chosen for the target hardware")
+    bw = cfg.hardware.memory_bandwidth_gbps * 1e9
+    roofline = bw / w_dev if w_dev else 0.0
+    return Plan(
+        profile=cfg.profile,
+        model=cfg.model.name,
+        hardware=cfg.hardware.name,
+        device_kind=_v(cfg.hardware.device_kind),
+        dtype=dtype,
+        quantization=_v(cfg.quantization.method),
+        kv_cache_dtype=kv_dtype(cfg, dtype),
+        attention_backend=sel.chosen,
+        attention_chain=sel.explain(),
+        attention_provider_here=provider_here,
+        parallel={
+            "tensor_parallel_size": par.tensor_parallel_size,
+            "pipeline_parallel_size": par.pipeline_parallel_size,
+            "data_parallel_size": par.data_parallel_size,
+            "expert_parallel_size": par.tensor_parallel_size * par.data_parallel_size
+            if par.enable_expert_parallel
+            else 1,
+        },
+        num_devices_used=devices,
+        parameter_count=parameter_counts(cfg.model)["total"],
+        weight_bytes_total=total_w,
+        weight_bytes_per_device=w_dev,
+        activation_bytes_per_device=act,
+        kv_bytes_per_token=per_tok,
+        kv_cache_bytes=kv_bytes,
+        block_size=bs,
+        num_kv_blocks=num_blocks,
+        kv_tokens=num_blocks * bs,
+        max_model_len=mml,
+        max_concurrency_at_max_len=round(num_blocks * bs / mml, 2) if mml else 0.0,
+        decode_roofline_tok_s=round(roofline, 1),
+        notes=notes,
+    )
+
+
+def format_plan(p: Plan) -> str:
+    def gib(b: int) -> str:
+        return f"{b / GIB:.2f} GiB"
+
+    par = p.parallel
+    lines = [
+        f"profile            {p.profile}",
+        f"model              {p.model} ({p.parameter_count / 1e9:.3f} B parameters)",
+        f"hardware           {p.hardware} ({p.device_kind}), {p.num_devices_used} device(s) used",
+        f"parallel           tp={par['tensor_parallel_size']} pp={par['pipeline_parallel_size']} "
+        f"dp={par['data_parallel_size']} ep={par['expert_parallel_size']}",
+        f"dtype              {p.dtype}; quantization {p.quantization}; kv cache {p.kv_cache_dtype}",
+        f"attention backend  {p.attention_backend or 'NONE'}",
+    ]
+    lines += [f"  {line}" for line in p.attention_chain]
+    lines += [
+        f"weights            {gib(p.weight_bytes_total)} total, {gib(p.weight_bytes_per_device)} per device",
+        f"activations        {gib(p.activation_bytes_per_device)} per device (estimate)",
+        f"kv cache           {gib(p.kv_cache_bytes)} per device, {p.kv_bytes_per_token} bytes/token",
+        f"kv blocks          {p.num_kv_blocks} x {p.block_size} tokens = {p.kv_tokens} tokens",
+        f"max_model_len      {p.max_model_len}; max concurrency at that length {p.max_concurrency_at_max_len}x",
+        f"decode roofline    {p.decode_roofline_tok_s} tok/s per sequence at batch 1 (weights / bandwidth)",
+    ]
+    lines += [f"note: {n}" for n in p.notes]
+    return "\n".join(lines)
+
+
+__all__ = ["BACKENDS", "Plan", "make_plan", "format_plan", "resolve_dtype", "parameter_counts"]

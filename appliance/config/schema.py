@@ -1,0 +1,221 @@
+"""Typed schema of the config tree.
+
+Every key a deployment may set is a field here. The top-level schema is
+registered in Hydra's ConfigStore as ``appliance_schema`` and is the first
+entry of ``conf/appliance.yaml``'s defaults list, so composition runs in
+struct mode: an unknown key, a wrong type or a bad enum value fails at
+compose time with the key path (see ``appliance.config.compose``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+class DType(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class QuantMethod(str, Enum):
+    none = "none"
+    fp8 = "fp8"
+    gguf = "gguf"
+    awq = "awq"
+    gptq = "gptq"
+
+
+class KVCacheDType(str, Enum):
+    auto = "auto"
+    fp8_e4m3 = "fp8_e4m3"
+    fp8_e5m2 = "fp8_e5m2"
+
+
+class HashAlgo(str, Enum):
+    sha256 = "sha256"
+    sha256_cbor = "sha256_cbor"
+    builtin = "builtin"
+
+
+class Policy(str, Enum):
+    fcfs = "fcfs"
+    priority = "priority"
+
+
+class DeviceKind(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+    rocm = "rocm"
+
+
+class SpecMethod(str, Enum):
+    off = "off"
+    ngram = "ngram"
+
+
+class Fallback(str, Enum):
+    deny = "deny"
+    allow = "allow"
+
+
+class RopeScalingType(str, Enum):
+    none = "none"
+    llama3 = "llama3"
+    linear = "linear"
+
+
+@dataclass
+class RopeScaling:
+    type: RopeScalingType = RopeScalingType.none
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    name: str = "???"
+    # Where weights come from: a folder, a .gguf file, a Hugging Face id, or one
+    # of the built-in sources "smollm2_gguf" / "tiny_random".
+    path: str = "???"
+    architecture: str = "LlamaForCausalLM"
+    num_layers: int = 0
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    vocab_size: int = 0
+    max_position_embeddings: int = 0
+    # Catalog figure (billions); plan checks it against the architecture count.
+    param_count_b: float = 0.0
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    dtype: DType = DType.auto
+    max_model_len: Optional[int] = None
+    seed: int = 0
+
+
+@dataclass
+class QuantizationConfig:
+    method: QuantMethod = QuantMethod.none
+    # Bits per weight of the quantized linear layers (plan's weight bytes).
+    weight_bits: float = 16.0
+    # Quantize activations as well (W8A8); fp8 only.
+    activations: bool = False
+    group_size: int = -1
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    policy: Policy = Policy.fcfs
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_dtype: KVCacheDType = KVCacheDType.auto
+    memory_utilization: float = 0.9
+    # Explicit KV pool size; when set it replaces the utilization estimate
+    # (the CPU profile uses it, as vLLM's VLLM_CPU_KVCACHE_SPACE does).
+    kv_cache_memory_gib: Optional[float] = None
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: HashAlgo = HashAlgo.sha256
+    swap_space_gib: float = 0.0
+    cpu_offload_gib: float = 0.0
+
+
+@dataclass
+class PeakTflops:
+    fp32: float = 0.0
+    bf16: float = 0.0
+    fp16: float = 0.0
+    fp8: float = 0.0
+
+
+@dataclass
+class HardwareConfig:
+    name: str = "???"
+    device_kind: DeviceKind = DeviceKind.cpu
+    compute_capability: Optional[str] = None
+    num_devices: int = 1
+    memory_gib: float = 0.0
+    memory_bandwidth_gbps: float = 0.0
+    peak_tflops: PeakTflops = field(default_factory=PeakTflops)
+    attention_backends: list[str] = field(default_factory=list)
+    supported_dtypes: list[str] = field(default_factory=list)
+    fp8: bool = False
+    min_block_size: int = 1
+    max_block_size: int = 1024
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None
+    served_model_name: Optional[str] = None
+    max_queue_len: int = 1024
+    max_body_bytes: int = 4 * 1024 * 1024
+    request_timeout_s: float = 600.0
+    shutdown_timeout_s: float = 30.0
+    cors_origins: list[str] = field(default_factory=list)
+    dev_mode: bool = False
+
+
+@dataclass
+class SpeculativeConfig:
+    method: SpecMethod = SpecMethod.off
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+
+
+@dataclass
+class AttentionConfig:
+    # "auto" walks hardware.attention_backends; a backend name forces it.
+    backend: str = "auto"
+    fallback: Fallback = Fallback.deny
+
+
+@dataclass
+class ApplianceConfig:
+    profile: str = "none"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="appliance_schema", node=ApplianceConfig)

@@ -1,0 +1,174 @@
+"""Cross-field rules of a composed config, all in one place.
+
+``validate`` returns every problem at once; each message names the keys
+involved and the fix. Per-key type and enum checks happen earlier, at
+compose time, through the typed schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from appliance.config.plan import GIB, activation_bytes, kv_bytes_per_token, max_model_len, resolve_dtype, weight_bytes
+from appliance.kernels.registry import BACKENDS
+
+FP8_HARDWARE = "h100, h200, b200 or mi300x"
+
+
+def _v(x: Any) -> Any:
+    return getattr(x, "value", x)
+
+
+def validate(cfg: Any) -> list[str]:
+    problems: list[str] = []
+    m, hw, q, cache, s, par, spec = (
+        cfg.model,
+        cfg.hardware,
+        cfg.quantization,
+        cfg.cache,
+        cfg.scheduler,
+        cfg.parallel,
+        cfg.speculative,
+    )
+    dtype = resolve_dtype(cfg)
+
+    # Numeric ranges.
+    for key, value, low in [
+        ("scheduler.max_num_batched_tokens", s.max_num_batched_tokens, 1),
+        ("scheduler.max_num_seqs", s.max_num_seqs, 1),
+        ("scheduler.max_num_partial_prefills", s.max_num_partial_prefills, 1),
+        ("scheduler.max_long_partial_prefills", s.max_long_partial_prefills, 1),
+        ("cache.block_size", cache.block_size, 1),
+        ("parallel.tensor_parallel_size", par.tensor_parallel_size, 1),
+        ("parallel.pipeline_parallel_size", par.pipeline_parallel_size, 1),
+        ("parallel.data_parallel_size", par.data_parallel_size, 1),
+        ("server.max_queue_len", cfg.server.max_queue_len, 1),
+    ]:
+        if value < low:
+            problems.append(f"{key}={value} must be at least {low}")
+    if not 0.0 < cache.memory_utilization <= 1.0:
+        problems.append(f"cache.memory_utilization={cache.memory_utilization} must be in (0, 1]")
+    if not 0 < cfg.server.port < 65536:
+        problems.append(f"server.port={cfg.server.port} must be in 1..65535")
+
+    # dtype and fp8.
+    if dtype not in hw.supported_dtypes:
+        problems.append(
+            f"model.dtype={dtype} is not supported by hardware={hw.name} (supported: {list(hw.supported_dtypes)}); "
+            f"set model.dtype to one of those"
+        )
+    if _v(q.method) == "fp8" and not hw.fp8:
+        problems.append(
+            f"quantization=fp8 (W8A8) needs native fp8 and hardware={hw.name} has none; "
+            f"use quantization=none, or a profile on {FP8_HARDWARE}"
+        )
+    kv = _v(cache.kv_cache_dtype)
+    if kv != "auto" and not hw.fp8:
+        problems.append(
+            f"cache.kv_cache_dtype={kv} needs native fp8 and hardware={hw.name} has none; "
+            f"use cache.kv_cache_dtype=auto, or a profile on {FP8_HARDWARE}"
+        )
+    if kv == "fp8_e5m2" and _v(hw.device_kind) == "rocm":
+        problems.append("cache.kv_cache_dtype=fp8_e5m2 is not available on ROCm; use fp8_e4m3")
+
+    # Block size: the hardware's limits and at least one backend of its list.
+    bs = cache.block_size
+    if not hw.min_block_size <= bs <= hw.max_block_size:
+        problems.append(
+            f"cache.block_size={bs} is outside hardware={hw.name}'s range "
+            f"[{hw.min_block_size}, {hw.max_block_size}]"
+        )
+    known = [b for b in hw.attention_backends if b in BACKENDS]
+    for b in hw.attention_backends:
+        if b not in BACKENDS:
+            problems.append(f"hardware.attention_backends names unknown backend {b!r}; known: {sorted(BACKENDS)}")
+    if known and not any(BACKENDS[b].supports_block_size(bs) for b in known):
+        problems.append(
+            f"cache.block_size={bs} is supported by none of hardware={hw.name}'s backends {known}; "
+            f"use a multiple of {min(BACKENDS[b].block_size_multiple for b in known)} such as 16"
+        )
+    if cfg.attention.backend != "auto" and cfg.attention.backend not in BACKENDS:
+        problems.append(f"attention.backend={cfg.attention.backend} is unknown; use auto or one of {sorted(BACKENDS)}")
+
+    # Lengths and budgets.
+    mml = max_model_len(cfg)
+    if mml > m.max_position_embeddings:
+        problems.append(
+            f"model.max_model_len={mml} exceeds {m.name}'s max_position_embeddings={m.max_position_embeddings}; "
+            f"lower model.max_model_len"
+        )
+    if not s.enable_chunked_prefill and s.max_num_batched_tokens < mml:
+        problems.append(
+            f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} is below max_model_len={mml} with "
+            f"chunked prefill off, so a long prompt could never be scheduled; enable scheduler.enable_chunked_prefill, "
+            f"raise max_num_batched_tokens, or lower model.max_model_len"
+        )
+    if s.max_long_partial_prefills > s.max_num_partial_prefills:
+        problems.append(
+            f"scheduler.max_long_partial_prefills={s.max_long_partial_prefills} exceeds "
+            f"scheduler.max_num_partial_prefills={s.max_num_partial_prefills}"
+        )
+    if s.long_prefill_token_threshold < 0:
+        problems.append("scheduler.long_prefill_token_threshold must be 0 (no cap) or positive")
+
+    # Parallelism.
+    world = par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
+    if world > hw.num_devices:
+        problems.append(
+            f"parallel tp x pp x dp = {par.tensor_parallel_size} x {par.pipeline_parallel_size} x "
+            f"{par.data_parallel_size} = {world} devices, but hardware={hw.name} has {hw.num_devices}; "
+            f"choose a smaller parallel option"
+        )
+    if m.num_heads % par.tensor_parallel_size:
+        problems.append(
+            f"model.num_heads={m.num_heads} is not divisible by parallel.tensor_parallel_size={par.tensor_parallel_size}"
+        )
+    if par.pipeline_parallel_size > m.num_layers:
+        problems.append(f"parallel.pipeline_parallel_size={par.pipeline_parallel_size} exceeds model.num_layers={m.num_layers}")
+    if par.enable_expert_parallel and par.tensor_parallel_size * par.data_parallel_size == 1:
+        problems.append("parallel.enable_expert_parallel needs tp x dp > 1 (EP width = dp x tp)")
+
+    # Speculative decoding.
+    if _v(spec.method) == "ngram":
+        if spec.num_speculative_tokens < 1:
+            problems.append("speculative.method=ngram needs speculative.num_speculative_tokens >= 1")
+        if not 1 <= spec.prompt_lookup_min <= spec.prompt_lookup_max:
+            problems.append(
+                f"speculative.prompt_lookup_min={spec.prompt_lookup_min} must be between 1 and "
+                f"prompt_lookup_max={spec.prompt_lookup_max}"
+            )
+        if par.pipeline_parallel_size > 1:
+            problems.append("speculative decoding is not supported with pipeline_parallel_size > 1; use speculative=off")
+        if s.max_num_batched_tokens < s.max_num_seqs * (1 + spec.num_speculative_tokens):
+            problems.append(
+                f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} cannot hold max_num_seqs="
+                f"{s.max_num_seqs} sequences with {spec.num_speculative_tokens} draft tokens each; raise it or lower max_num_seqs"
+            )
+    elif spec.num_speculative_tokens:
+        problems.append("speculative.num_speculative_tokens is set but speculative=off; set speculative=ngram")
+
+    # Memory: weights must fit, and the pool must hold one full-length request.
+    if dtype in ("float32", "bfloat16", "float16") and not problems:
+        shards = par.tensor_parallel_size * par.pipeline_parallel_size
+        w_dev = weight_bytes(cfg, dtype) // shards
+        usable = hw.memory_gib * GIB * cache.memory_utilization
+        if w_dev + activation_bytes(cfg, dtype) > usable:
+            problems.append(
+                f"weights ({w_dev / GIB:.1f} GiB per device) and activations do not fit in "
+                f"{usable / GIB:.1f} GiB ({hw.memory_gib} GiB x cache.memory_utilization={cache.memory_utilization}); "
+                f"use more tensor parallelism, a quantization, or bigger hardware"
+            )
+        else:
+            if cache.kv_cache_memory_gib is not None:
+                kv_bytes = cache.kv_cache_memory_gib * GIB
+            else:
+                kv_bytes = usable - w_dev - activation_bytes(cfg, dtype)
+            per_block = bs * kv_bytes_per_token(cfg, dtype)
+            blocks = int(kv_bytes // per_block)
+            need = -(-mml // bs)
+            if blocks < need:
+                problems.append(
+                    f"the KV cache holds {blocks} blocks ({blocks * bs} tokens) but one max_model_len={mml} "
+                    f"request needs {need}; lower model.max_model_len or give the cache more memory"
+                )
+    return problems

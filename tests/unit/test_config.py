@@ -1,0 +1,219 @@
+"""Config tree: composition, typed validation, cross-field rules, plan numbers, auto detection."""
+
+import json
+
+import pytest
+
+from appliance.config.compose import ConfigError, list_options, list_profiles, resolve
+from appliance.config.detect import DeviceDescription, pick_profile
+from appliance.config.plan import GIB, make_plan, parameter_counts
+from appliance.config.validate import validate
+
+PROFILES = ["b200_fp8", "cpu", "h100_bf16", "h100_fp8", "h200_fp8", "mi300x_bf16"]
+MODELS = ["llama3_1_8b", "mistral_7b", "qwen2_5_0_5b", "qwen3_8b", "smollm2_135m", "tiny_random"]
+
+
+def test_catalog_is_complete():
+    assert list_profiles() == PROFILES
+    assert list_options("model") == MODELS
+    assert list_options("quantization") == ["awq", "fp8", "gguf", "gptq", "none"]
+    assert list_options("parallel") == ["dp8_ep", "single", "tp2", "tp8", "tp8_pp2"]
+    assert list_options("scheduler") == ["default", "latency", "throughput"]
+    assert list_options("hardware") == ["b200", "cpu", "h100", "h200", "mi300x"]
+    assert list_options("speculative") == ["ngram", "off"]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("model", MODELS)
+def test_every_profile_composes_with_every_model(profile, model):
+    r = resolve([f"+profile={profile}", f"model={model}"], check=False)
+    assert r.cfg.profile == profile
+    plan = make_plan(r.cfg)
+    assert plan.kv_bytes_per_token > 0 and plan.weight_bytes_total > 0
+    problems = validate(r.cfg)
+    if profile != "cpu" or model in ("smollm2_135m", "tiny_random", "qwen2_5_0_5b"):
+        assert problems == []
+    else:  # 7-8B models in fp32 do not fit the cpu profile's 24 GiB
+        assert any("do not fit" in p for p in problems)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_catalog_parameter_counts_match_architecture(model):
+    cfg = resolve(["+profile=cpu", f"model={model}"], check=False).cfg
+    counted = parameter_counts(cfg.model)["total"] / 1e9
+    assert counted == pytest.approx(cfg.model.param_count_b, rel=0.01)
+
+
+def test_profiles_pick_hardware_and_quantization():
+    cfg = resolve(["+profile=h100_fp8", "model=llama3_1_8b"]).cfg
+    assert cfg.hardware.name == "h100"
+    assert cfg.quantization.method.value == "fp8"
+    assert cfg.cache.kv_cache_dtype.value == "fp8_e4m3"
+    assert cfg.model.name == "meta-llama/Llama-3.1-8B-Instruct"
+    assert resolve(["+profile=mi300x_bf16"]).cfg.hardware.attention_backends == ["triton"]
+
+
+def test_hash_is_stable_and_sensitive():
+    a = resolve(["+profile=cpu"])
+    assert a.hash == resolve(["+profile=cpu"]).hash
+    assert a.hash != resolve(["+profile=cpu", "cache.block_size=32"]).hash
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("model.foo=1", "unknown config key model.foo; allowed keys under model: name, path"),
+        ("+foo=1", "unknown config key foo; allowed keys under the top level: profile, model"),
+        ("+model.typo=1", "unknown config key model.typo"),
+        ("cache.kv_cache_dtype=fp9", "cache.kv_cache_dtype: Invalid value 'fp9', expected one of [auto, fp8_e4m3, fp8_e5m2]"),
+        ("scheduler.policy=lifo", "expected one of [fcfs, priority]"),
+        ("cache.block_size=abc", "cache.block_size: Value 'abc' of type 'str' could not be converted to Integer"),
+        ("model=nope", "available model options: llama3_1_8b, mistral_7b"),
+        ("+profile=nope", "unknown profile 'nope'; available profiles: b200_fp8, cpu"),
+    ],
+)
+def test_typed_errors_name_the_key_and_allowed_values(override, expected):
+    overrides = [override] if override.startswith("+profile") else ["+profile=cpu", override]
+    with pytest.raises(ConfigError) as e:
+        resolve(overrides)
+    assert expected in str(e.value)
+
+
+def _problems(*overrides):
+    return validate(resolve(list(overrides), check=False).cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["+profile=cpu", "quantization=fp8"], "quantization=fp8 (W8A8) needs native fp8 and hardware=cpu has none"),
+        (["+profile=cpu", "cache.kv_cache_dtype=fp8_e4m3"], "cache.kv_cache_dtype=fp8_e4m3 needs native fp8"),
+        (["+profile=h100_bf16", "cache.block_size=8"], "cache.block_size=8 is outside hardware=h100's range [16, 256]"),
+        (["+profile=h100_bf16", "cache.block_size=24", "hardware.attention_backends=[flash_attn3,triton]"],
+         "cache.block_size=24 is supported by none of hardware=h100's backends ['flash_attn3', 'triton']"),
+        (["+profile=cpu", "scheduler.enable_chunked_prefill=false", "scheduler.max_num_batched_tokens=1024"],
+         "scheduler.max_num_batched_tokens=1024 is below max_model_len=8192 with chunked prefill off"),
+        (["+profile=h100_bf16", "parallel=tp8_pp2", "model=llama3_1_8b"], "= 16 devices, but hardware=h100 has 8"),
+        (["+profile=cpu", "model.max_model_len=9000"], "model.max_model_len=9000 exceeds smollm2-135m-instruct's max_position_embeddings=8192"),
+        (["+profile=cpu", "speculative=ngram", "speculative.num_speculative_tokens=0"],
+         "speculative.method=ngram needs speculative.num_speculative_tokens >= 1"),
+        (["+profile=cpu", "speculative=ngram", "speculative.prompt_lookup_min=5"], "speculative.prompt_lookup_min=5 must be between 1"),
+        (["+profile=h100_bf16", "parallel=tp8_pp2", "hardware.num_devices=16", "speculative=ngram", "model=llama3_1_8b"],
+         "speculative decoding is not supported with pipeline_parallel_size > 1"),
+        (["+profile=cpu", "model.dtype=float16"], "model.dtype=float16 is not supported by hardware=cpu"),
+        (["+profile=cpu", "parallel=tp2", "hardware.num_devices=2"], "model.num_heads=9 is not divisible by parallel.tensor_parallel_size=2"),
+        (["+profile=cpu", "cache.kv_cache_memory_gib=0.01"], "the KV cache holds 14 blocks (224 tokens) but one max_model_len=8192 request needs 512"),
+        (["+profile=h100_bf16", "model=llama3_1_8b", "model.dtype=float32", "hardware.memory_gib=30"], "do not fit in 27.0 GiB"),
+        (["+profile=cpu", "scheduler.max_long_partial_prefills=2"], "scheduler.max_long_partial_prefills=2 exceeds"),
+        (["+profile=cpu", "attention.backend=magic"], "attention.backend=magic is unknown"),
+        (["+profile=cpu", "cache.memory_utilization=1.5"], "cache.memory_utilization=1.5 must be in (0, 1]"),
+    ],
+)
+def test_cross_field_rules(overrides, expected):
+    problems = _problems(*overrides)
+    assert any(expected in p for p in problems), problems
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ConfigError) as e:
+        resolve(["+profile=cpu", "quantization=fp8", "model.max_model_len=9000", "parallel=tp8"])
+    msg = str(e.value)
+    assert "quantization=fp8" in msg and "max_model_len=9000" in msg and "8 devices" in msg
+
+
+def test_plan_numbers_smollm2_cpu():
+    p = make_plan(resolve(["+profile=cpu"]).cfg)
+    # 30 layers x 3 kv heads x 64 dims x (K, V) x 4 bytes
+    assert p.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4 == 46080
+    assert p.kv_cache_bytes == 2 * GIB
+    assert p.num_kv_blocks == (2 * GIB) // (16 * 46080) == 2912
+    assert p.kv_tokens == 2912 * 16
+    assert p.parameter_count == 134_515_008
+    assert p.weight_bytes_total == 134_515_008 * 4
+    assert p.max_concurrency_at_max_len == round(2912 * 16 / 8192, 2)
+    assert p.decode_roofline_tok_s == round(30e9 / (134_515_008 * 4), 1)
+    assert p.attention_backend == "torch_sdpa"
+
+
+def test_plan_numbers_llama3_h100_bf16():
+    p = make_plan(resolve(["+profile=h100_bf16", "model=llama3_1_8b"]).cfg)
+    weights = 8_030_261_248 * 2
+    act = 8192 * (4 * 4096 + 3 * 14336) * 2 + 256 * 128256 * 4
+    kv = int(79.6 * GIB * 0.9) - weights - act
+    per_tok = 2 * 32 * 8 * 128 * 2
+    assert p.weight_bytes_per_device == weights
+    assert p.activation_bytes_per_device == act
+    assert p.kv_bytes_per_token == per_tok == 131072
+    assert p.kv_cache_bytes == kv
+    assert p.num_kv_blocks == kv // (16 * per_tok)
+    assert p.max_model_len == 131072
+    assert p.attention_backend == "flash_attn3"
+
+
+def test_plan_tensor_parallel_shards_weights_and_kv():
+    one = make_plan(resolve(["+profile=h100_bf16", "model=llama3_1_8b"]).cfg)
+    tp8 = make_plan(resolve(["+profile=h100_bf16", "model=llama3_1_8b", "parallel=tp8"]).cfg)
+    assert tp8.weight_bytes_per_device == one.weight_bytes_per_device // 8
+    assert tp8.kv_bytes_per_token == one.kv_bytes_per_token // 8
+    ep = make_plan(resolve(["+profile=h100_bf16", "model=llama3_1_8b", "parallel=dp8_ep"]).cfg)
+    assert ep.parallel["expert_parallel_size"] == 8 and ep.num_devices_used == 8
+
+
+def test_fp8_kv_doubles_capacity_per_byte():
+    bf16 = make_plan(resolve(["+profile=h100_bf16", "model=llama3_1_8b"]).cfg)
+    fp8 = make_plan(resolve(["+profile=h100_bf16", "model=llama3_1_8b", "cache.kv_cache_dtype=fp8_e4m3"]).cfg)
+    assert fp8.kv_bytes_per_token * 2 == bf16.kv_bytes_per_token
+
+
+@pytest.mark.parametrize(
+    "device,profile",
+    [
+        (DeviceDescription(kind="cpu"), "cpu"),
+        (DeviceDescription(kind="cuda", name="NVIDIA H100 80GB HBM3", capability=(9, 0), memory_gib=79.6, count=8), "h100_fp8"),
+        (DeviceDescription(kind="cuda", name="NVIDIA H200", capability=(9, 0), memory_gib=139.8, count=1), "h200_fp8"),
+        (DeviceDescription(kind="cuda", name="NVIDIA B200", capability=(10, 0), memory_gib=178, count=8), "b200_fp8"),
+        (DeviceDescription(kind="rocm", name="AMD Instinct MI300X", memory_gib=191.5, count=8), "mi300x_bf16"),
+    ],
+)
+def test_auto_profile_detection(device, profile):
+    assert pick_profile(device)[0] == profile
+    r = resolve(["+profile=auto"], device=device, check=False)
+    assert r.cfg.profile == profile and r.profile_reason
+    assert resolve([], device=device, check=False).cfg.profile == profile
+
+
+def test_auto_refuses_unknown_gpu():
+    with pytest.raises(ConfigError, match="no profile fits CUDA device NVIDIA A10"):
+        pick_profile(DeviceDescription(kind="cuda", name="NVIDIA A10", capability=(8, 6), memory_gib=24))
+
+
+def test_cli_plan_json_and_text(cli):
+    r = cli("plan", "+profile=h100_fp8", "model=llama3_1_8b", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["attention_backend"] == "flash_attn3"
+    assert data["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 1
+    r = cli("plan", "+profile=h100_fp8", "model=llama3_1_8b")
+    assert "attention backend  flash_attn3" in r.stdout
+
+
+def test_cli_run_gpu_profile_on_cpu_is_a_clear_error(cli):
+    r = cli("run", "+profile=h100_fp8")
+    assert r.returncode == 2
+    assert "profile h100_fp8 needs a CUDA device" in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_cli_bad_override_is_a_clear_error(cli):
+    r = cli("config", "+profile=cpu", "cache.blok_size=8")
+    assert r.returncode == 2
+    assert "unknown config key cache.blok_size" in r.stderr and "block_size" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_config_and_profiles(cli):
+    r = cli("config", "+profile=cpu", "model=tiny_random")
+    assert r.returncode == 0 and "name: tiny-random-llama" in r.stdout
+    r = cli("profiles")
+    assert r.returncode == 0
+    assert "cpu" in r.stdout and "yes" in r.stdout and "needs a CUDA device" in r.stdout
