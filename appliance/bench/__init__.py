@@ -1,0 +1,17 @@
+"""`appliance bench <kind>`: benchmarks that write JSON results and a PNG plot."""
+
+from __future__ import annotations
+
+import importlib
+
+KINDS = {
+    "scheduler": "appliance.bench.scheduler",
+}
+
+
+def main(kind: str, argv: list[str]) -> int:
+    if kind not in KINDS:
+        from appliance.config.compose import ConfigError
+
+        raise ConfigError(f"unknown bench kind {kind!r}; available: {', '.join(sorted(KINDS))}")
+    return importlib.import_module(KINDS[kind]).main(argv)

@@ -1,0 +1,80 @@
+"""Sampling parameters of one request (torch-free; shared by engine and API)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class SamplingParamsError(ValueError):
+    """An invalid parameter; ``param`` names it for the API's error body."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: Optional[int] = None  # number of top logprobs besides the sampled one
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.verify()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def verify(self) -> None:
+        def bad(msg: str, param: str) -> None:
+            raise SamplingParamsError(msg, param)
+
+        if self.n < 1:
+            bad(f"n must be at least 1, got {self.n}", "n")
+        if self.temperature < 0:
+            bad(f"temperature must be non-negative, got {self.temperature}", "temperature")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            bad(f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}", "top_k")
+        if not 0 <= self.min_p <= 1:
+            bad(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.min_tokens < 0:
+            bad(f"min_tokens must be non-negative, got {self.min_tokens}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens")
+        if not -2 <= self.presence_penalty <= 2:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}", "frequency_penalty")
+        if self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be positive, got {self.repetition_penalty}", "repetition_penalty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        if any(not s for s in self.stop):
+            bad("stop strings must not be empty", "stop")
+        for tok, bias in self.logit_bias.items():
+            if not -100 <= bias <= 100:
+                bad(f"logit_bias for token {tok} must be in [-100, 100], got {bias}", "logit_bias")
