@@ -144,6 +144,8 @@ class CacheConfig:
     # Explicit KV pool size; when set it replaces the utilization estimate
     # (the CPU profile uses it, as vLLM's VLLM_CPU_KVCACHE_SPACE does).
     kv_cache_memory_gib: Optional[float] = None
+    # Exact number of KV blocks (null block included); overrides both sizes above.
+    num_blocks: Optional[int] = None
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: HashAlgo = HashAlgo.sha256
     swap_space_gib: float = 0.0

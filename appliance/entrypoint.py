@@ -1,0 +1,151 @@
+"""The offline API: ``from appliance import LLM, SamplingParams``.
+
+``LLM(overrides=[...])`` composes the same config tree as the CLI (or takes
+a resolved config), builds the engine in-process, and ``generate`` /
+``chat`` run requests to completion through the same scheduler the server
+uses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+from appliance.config.compose import ResolvedConfig, resolve
+from appliance.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str]
+    stop_reason: Any = None
+    logprobs: Optional[list] = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+PromptType = Union[str, list[int]]
+
+
+class LLM:
+    def __init__(self, cfg: Optional[ResolvedConfig] = None, overrides: Sequence[str] = ()):
+        from appliance.engine.core import build_engine
+
+        self.resolved = cfg if cfg is not None else resolve(list(overrides))
+        self.engine, self.tokenizer = build_engine(self.resolved)
+        self._ids = itertools.count()
+
+    def _encode(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        return None, list(prompt)
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+        priority: Optional[Sequence[int]] = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts, list) and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        results: dict[str, RequestOutput] = {}
+        children: dict[str, tuple[str, int]] = {}
+        order = []
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            text, ids = self._encode(prompt)
+            rid = str(next(self._ids))
+            order.append(rid)
+            results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(k, "", [], None, None, [] if p.logprobs is not None else None) for k in range(p.n)])
+            for k in range(p.n):
+                child = f"{rid}-{k}" if p.n > 1 else rid
+                cp = p if p.n == 1 else _child_params(p, k)
+                children[child] = (rid, k)
+                self.engine.add_request(child, ids, cp, priority=priority[i] if priority else 0)
+        self._run(results, children, len(children), use_tqdm)
+        return [results[r] for r in order]
+
+    def chat(
+        self,
+        messages: Union[list[dict], list[list[dict]]],
+        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+            for c in conversations
+        ]
+        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        outs = self.generate(ids, params, use_tqdm=use_tqdm)
+        for o, p in zip(outs, prompts):
+            o.prompt = p
+        return outs
+
+    def _run(self, results, children, total, use_tqdm) -> None:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="generate", file=sys.stderr, disable=not use_tqdm or total < 8)
+        while self.engine.has_unfinished_requests():
+            for d in self.engine.step():
+                rid, k = children[d.request_id]
+                out = results[rid]
+                c = out.outputs[k]
+                c.token_ids.extend(d.new_token_ids)
+                c.text += d.new_text
+                if c.logprobs is not None:
+                    c.logprobs.extend(d.logprobs)
+                if d.finished:
+                    c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+                    out.num_cached_tokens = max(out.num_cached_tokens, d.num_cached_tokens)
+                    bar.update(1)
+        bar.close()
+
+
+def _child_params(p: SamplingParams, k: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(p, n=1, seed=None if p.seed is None else p.seed + k)
+
+
+def generate_cli(overrides: list[str]) -> int:
+    """`appliance generate prompt="..." [max_tokens=N] [temperature=T] [overrides]`."""
+    prompt, max_tokens, temperature, rest = None, 64, 0.0, []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key == "prompt":
+            prompt = value
+        elif key == "max_tokens":
+            max_tokens = int(value)
+        elif key == "temperature":
+            temperature = float(value)
+        else:
+            rest.append(o)
+    if prompt is None:
+        from appliance.config.compose import ConfigError
+
+        raise ConfigError('appliance generate needs prompt="..."')
+    llm = LLM(overrides=rest)
+    out = llm.chat([{"role": "user", "content": prompt}], SamplingParams(max_tokens=max_tokens, temperature=temperature),
+                   use_tqdm=False)
+    print(out[0].outputs[0].text)
+    return 0

@@ -1,0 +1,182 @@
+"""GGUF checkpoints: dequantize llama.cpp block quants and convert a GGUF
+file into a Hugging Face style folder (config.json, safetensors, tokenizer).
+
+Block layouts (32 weights a block, little endian):
+    Q4_0: f16 d, 16 bytes of nibbles          x = d * (q - 8)
+    Q4_1: f16 d, f16 m, 16 bytes of nibbles   x = d * q + m
+    Q8_0: f16 d, 32 x int8                    x = d * q
+Nibbles: byte j holds weight j (low 4 bits) and weight j + 16 (high 4 bits).
+llama.cpp stores Q and K projections with their rotary halves interleaved
+(its converter permutes them); ``unpermute`` restores Hugging Face's order.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+QK = 32
+
+
+def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
+    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    if raw.size % block_bytes:
+        raise ValueError(f"tensor of {raw.size} bytes is not a whole number of {block_bytes}-byte blocks")
+    return raw.reshape(-1, block_bytes)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+
+
+def dequant_q4_0(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, 2 + QK // 2)
+    d = b[:, :2].copy().view(np.float16).astype(np.float32)
+    return (d * (_nibbles(b[:, 2:]) - 8.0)).reshape(-1)
+
+
+def dequant_q4_1(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, 4 + QK // 2)
+    d = b[:, :2].copy().view(np.float16).astype(np.float32)
+    m = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    return (d * _nibbles(b[:, 4:]) + m).reshape(-1)
+
+
+def dequant_q8_0(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, 2 + QK)
+    d = b[:, :2].copy().view(np.float16).astype(np.float32)
+    q = b[:, 2:].copy().view(np.int8).astype(np.float32)
+    return (d * q).reshape(-1)
+
+
+def _plain(dtype) -> Callable[[np.ndarray], np.ndarray]:
+    return lambda raw: np.ascontiguousarray(raw).view(dtype).astype(np.float32).reshape(-1)
+
+
+def _bf16(raw: np.ndarray) -> np.ndarray:
+    u16 = np.ascontiguousarray(raw).view(np.uint16).reshape(-1)
+    return (u16.astype(np.uint32) << 16).view(np.float32)
+
+
+DEQUANT: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "F32": _plain(np.float32),
+    "F16": _plain(np.float16),
+    "BF16": _bf16,
+    "Q4_0": dequant_q4_0,
+    "Q4_1": dequant_q4_1,
+    "Q8_0": dequant_q8_0,
+}
+
+
+def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Dequantize one tensor to float32 in Hugging Face (row-major) shape."""
+    fn = DEQUANT.get(type_name)
+    if fn is None:
+        raise ValueError(f"GGUF tensor type {type_name} is not supported; supported: {sorted(DEQUANT)}")
+    return fn(raw).reshape(shape)
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+NAME_MAP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER_MAP = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+ARCH_MAP = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in NAME_MAP:
+        return NAME_MAP[gguf_name]
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in LAYER_MAP:
+        return f"model.layers.{parts[1]}.{LAYER_MAP[parts[2]]}.{parts[3]}"
+    raise ValueError(f"GGUF tensor {gguf_name} has no mapping to this model")
+
+
+def gguf_config(reader) -> dict:
+    """config.json contents from GGUF metadata."""
+
+    def field(key: str, default=None):
+        f = reader.fields.get(key)
+        return f.contents() if f is not None else default
+
+    arch = field("general.architecture")
+    if arch not in ARCH_MAP:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(ARCH_MAP)}")
+    heads = int(field(f"{arch}.attention.head_count"))
+    hidden = int(field(f"{arch}.embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens"))
+    return {
+        "architectures": [ARCH_MAP[arch]],
+        "model_type": arch,
+        "num_hidden_layers": int(field(f"{arch}.block_count")),
+        "hidden_size": hidden,
+        "intermediate_size": int(field(f"{arch}.feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(field(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(field(f"{arch}.attention.key_length", hidden // heads)),
+        "vocab_size": int(vocab),
+        "max_position_embeddings": int(field(f"{arch}.context_length")),
+        "rope_theta": float(field(f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+        "attention_bias": arch == "qwen2",
+    }
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: Optional[Callable[[int, int], None]] = None) -> Path:
+    """Write ``out_dir`` with config.json, model.safetensors and the tokenizer."""
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    config = gguf_config(reader)
+    tensors = {}
+    total = len(reader.tensors)
+    for i, t in enumerate(reader.tensors):
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # ggml lists the fastest dim first
+        w = dequantize(t.data, t.tensor_type.name, shape)
+        name = hf_name(t.name)
+        if name.endswith("self_attn.q_proj.weight"):
+            w = unpermute(w, config["num_attention_heads"])
+        elif name.endswith("self_attn.k_proj.weight"):
+            w = unpermute(w, config["num_key_value_heads"])
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
+        if progress:
+            progress(i + 1, total)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.save_pretrained(str(tmp))
+    tmp.rename(out_dir)
+    return out_dir

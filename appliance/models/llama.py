@@ -1,0 +1,217 @@
+"""The Llama family in one implementation: Llama 2/3 (llama3 rope scaling),
+SmolLM2, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm).
+
+The forward runs over a flattened token batch (prefill chunks and decodes
+mixed), writes K/V through the attention backend into the paged cache, and
+projects only the rows in ``logits_indices`` (the last scheduled position
+of each sampling request) through the LM head. Parameter names follow
+Hugging Face's so checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: Optional[dict] = None
+
+    @staticmethod
+    def from_model_config(m: Any) -> "ModelArch":
+        rs = m.rope_scaling
+        rs_type = getattr(rs.type, "value", rs.type)
+        scaling = None
+        if rs_type != "none":
+            scaling = {
+                "rope_type": rs_type,
+                "factor": rs.factor,
+                "low_freq_factor": rs.low_freq_factor,
+                "high_freq_factor": rs.high_freq_factor,
+                "original_max_position_embeddings": rs.original_max_position_embeddings,
+            }
+        return ModelArch(
+            architecture=m.architecture,
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            intermediate_size=m.intermediate_size,
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            vocab_size=m.vocab_size,
+            max_position_embeddings=m.max_position_embeddings,
+            rope_theta=m.rope_theta,
+            rms_norm_eps=m.rms_norm_eps,
+            tie_word_embeddings=m.tie_word_embeddings,
+            qkv_bias=m.qkv_bias,
+            qk_norm=m.qk_norm,
+            rope_scaling=scaling,
+        )
+
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+}
+
+
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = arch.rope_scaling
+    if rs is None:
+        return inv_freq
+    if rs["rope_type"] == "linear":
+        return inv_freq / rs["factor"]
+    if rs["rope_type"] == "llama3":
+        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old_len = rs["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling {rs['rope_type']!r}")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, backend: Any):
+        super().__init__()
+        h, kv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
+        self.q_proj = nn.Linear(arch.hidden_size, h * d, bias=arch.qkv_bias)
+        self.k_proj = nn.Linear(arch.hidden_size, kv * d, bias=arch.qkv_bias)
+        self.v_proj = nn.Linear(arch.hidden_size, kv * d, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(h * d, arch.hidden_size, bias=False)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(d, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(d, arch.rms_norm_eps)
+        self.qk_norm = arch.qk_norm
+        self.backend = backend
+
+    def forward(self, x, cos, sin, kv_cache, attn_metadata):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = self.backend.forward(q, k, v, kv_cache, attn_metadata)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, backend: Any):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, backend)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, x, cos, sin, kv_cache, attn_metadata):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, arch: ModelArch, backend: Any):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, backend) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, backend: Any):
+        super().__init__()
+        if arch.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch.architecture}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        self.arch = arch
+        self.model = Backbone(arch, backend)
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self._rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
+
+    def rope_cache(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+        inv_freq = rope_inv_freq(self.arch).to(device)
+        pos = torch.arange(max_positions, device=device, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._rope = (emb.cos().to(dtype), emb.sin().to(dtype))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: Any,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        assert self._rope is not None, "call rope_cache() once before forward"
+        cos = self._rope[0][positions].unsqueeze(1)  # [T, 1, D]
+        sin = self._rope[1][positions].unsqueeze(1)
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, attn_metadata)
+        x = self.model.norm(x[logits_indices])
+        return F.linear(x, self.lm_head_weight()).float()

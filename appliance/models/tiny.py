@@ -1,0 +1,104 @@
+"""A small random Llama-family model with its own trained BPE tokenizer,
+generated deterministically from the model config (tests and benchmarks of
+the machinery). The architecture flags pick the Hugging Face class, so
+Qwen2-style (qkv bias) and Qwen3-style (q/k norm) variants come out too."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "A scheduler hands out tokens under one budget every step.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Symbols: + - * / = ( ) [ ] { } < > ! ? . , ; :",
+    "Unicode: café naïve résumé 東京 こんにちは 😀 🚀 — “quotes” ‘single’",
+    "def main():\n    return 42\n",
+    "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\nHi there!<|im_end|>",
+] * 20
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def hf_config_dict(m: Any, vocab_size: int) -> dict:
+    cfg = {
+        "architectures": [m.architecture],
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.intermediate_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "head_dim": m.head_dim,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": m.max_position_embeddings,
+        "rope_theta": m.rope_theta,
+        "rms_norm_eps": m.rms_norm_eps,
+        "tie_word_embeddings": m.tie_word_embeddings,
+        "initializer_range": 0.1,
+        "attention_bias": m.qkv_bias,
+        "torch_dtype": "float32",
+    }
+    return cfg
+
+
+def generate_tiny(m: Any, out_dir: Path) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = build_tokenizer(m.vocab_size)
+    if len(tok) != m.vocab_size:
+        raise ValueError(f"tokenizer came out with {len(tok)} tokens, the config says {m.vocab_size}")
+    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                  "Qwen3ForCausalLM": "qwen3"}[m.architecture]
+    raw = hf_config_dict(m, m.vocab_size)
+    raw.pop("architectures")
+    if model_type == "qwen2":
+        raw.pop("attention_bias")  # Qwen2 always has qkv bias
+    config = AutoConfig.for_model(model_type, **raw)
+    config.bos_token_id = tok.bos_token_id
+    config.eos_token_id = tok.eos_token_id
+    config.pad_token_id = tok.pad_token_id
+    torch.manual_seed(m.seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # non-trivial norms exercise the loader
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tok.save_pretrained(str(tmp))
+    (tmp / "appliance_source.json").write_text(json.dumps({"generator": "tiny_random", "seed": m.seed}))
+    tmp.rename(out_dir)
+    return out_dir

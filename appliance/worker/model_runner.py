@@ -1,0 +1,181 @@
+"""The model runner: turns a SchedulerOutput into one forward and samples.
+
+It keeps a persistent input batch: each live request owns a row of a
+preallocated block table that grows by appending the step's new block
+ids, and its token ids; finished and preempted requests give their rows
+back. Per step it builds input ids, positions, slot mapping and
+``query_start_loc`` for the flattened batch, runs the model with the
+attention backend's metadata, and samples the requests that reached the
+end of their known tokens (a mid-prompt chunk samples nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from appliance.engine.scheduler import SchedulerOutput
+from appliance.kernels.base import CommonAttentionMetadata
+from appliance.sampling_params import SamplingParams
+from appliance.worker.sampler import SampleRequest, TokenLogprobs, sample
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    params: SamplingParams
+    row: int
+    generator: Optional[torch.Generator]
+    stop_ids: tuple[int, ...]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class RunnerOutput:
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[Optional[TokenLogprobs]]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Any,
+        backend: Any,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        device: torch.device,
+        eos_token_id: Optional[int],
+        seed: int = 0,
+    ):
+        arch = model.arch
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = device
+        self.eos_token_id = eos_token_id
+        shape = backend.kv_cache_shape(num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(arch.num_layers)]
+        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.block_table = np.zeros((max_num_seqs, self.max_blocks_per_req), dtype=np.int32)
+        self.num_blocks_in_row = np.zeros(max_num_seqs, dtype=np.int32)
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.requests: dict[str, CachedRequestState] = {}
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        model.rope_cache(max_model_len, dtype, device)
+
+    # -- persistent batch ----------------------------------------------------
+    def _remove(self, rid: str) -> None:
+        st = self.requests.pop(rid, None)
+        if st is not None:
+            self.num_blocks_in_row[st.row] = 0
+            self.free_rows.append(st.row)
+
+    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
+        n = self.num_blocks_in_row[row]
+        self.block_table[row, n : n + len(block_ids)] = block_ids
+        self.num_blocks_in_row[row] = n + len(block_ids)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids | so.preempted_req_ids:
+            self._remove(rid)
+        for new in so.scheduled_new_reqs:
+            self._remove(new.req_id)  # a resumed request starts over
+            p = new.sampling_params
+            gen = torch.Generator(device="cpu").manual_seed(p.seed) if p.seed is not None else None
+            stop_ids = tuple(p.stop_token_ids) + (() if p.ignore_eos or self.eos_token_id is None else (self.eos_token_id,))
+            st = CachedRequestState(new.req_id, list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
+                                    p, self.free_rows.pop(), gen, stop_ids)
+            if new.resumed and gen is not None:
+                # Replay the draws already made so a resumed seeded request continues its stream.
+                vocab = self.model.arch.vocab_size
+                for _ in range(len(new.token_ids) - new.num_prompt_tokens):
+                    torch.empty(vocab).exponential_(generator=gen)
+            self.requests[new.req_id] = st
+            self._append_blocks(st.row, new.block_ids)
+        for c in so.scheduled_cached_reqs:
+            st = self.requests[c.req_id]
+            st.num_computed_tokens = c.num_computed_tokens
+            self._append_blocks(st.row, c.new_block_ids)
+
+    # -- one step ------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        self._update_states(so)
+        out = RunnerOutput()
+        if not so.num_scheduled_tokens:
+            return out
+        rids = list(so.num_scheduled_tokens)
+        n_reqs = len(rids)
+        states = [self.requests[r] for r in rids]
+        counts = np.fromiter((so.num_scheduled_tokens[r] for r in rids), dtype=np.int64, count=n_reqs)
+        computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=n_reqs)
+        qsl = np.zeros(n_reqs + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        total = int(qsl[-1])
+        # positions: computed[i] + 0..counts[i]-1 for each request, flattened
+        req_of_token = np.repeat(np.arange(n_reqs), counts)
+        positions = computed[req_of_token] + (np.arange(total) - qsl[:-1][req_of_token])
+        input_ids = np.empty(total, dtype=np.int64)
+        for i, s in enumerate(states):
+            input_ids[qsl[i] : qsl[i + 1]] = s.token_ids[computed[i] : computed[i] + counts[i]]
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n_reqs)
+        bt = self.block_table[rows]
+        slot_mapping = bt[req_of_token, positions // self.block_size].astype(np.int64) * self.block_size + (
+            positions % self.block_size
+        )
+        seq_lens = computed + counts
+        sampling = [i for i, s in enumerate(states) if seq_lens[i] >= len(s.token_ids)]
+        logits_indices = qsl[1:][sampling] - 1
+        dev = self.device
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            num_computed_tokens=torch.from_numpy(computed.astype(np.int32)).to(dev),
+            block_table=torch.from_numpy(bt).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            block_size=self.block_size,
+            num_reqs=n_reqs,
+            num_actual_tokens=total,
+            max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        metadata = self.backend.build_metadata(common)
+        logits = self.model(
+            torch.from_numpy(input_ids).to(dev),
+            torch.from_numpy(positions).to(dev),
+            self.kv_caches,
+            metadata,
+            torch.from_numpy(logits_indices).to(dev),
+        )
+        for i, s in enumerate(states):
+            s.num_computed_tokens = int(seq_lens[i])
+        if sampling:
+            reqs = [
+                SampleRequest(states[i].params, states[i].token_ids[: states[i].num_prompt_tokens],
+                              states[i].output_token_ids, states[i].generator, states[i].stop_ids)
+                for i in sampling
+            ]
+            tokens, lps = sample(logits.cpu(), reqs, self.generator)
+            for j, i in enumerate(sampling):
+                s = states[i]
+                s.token_ids.append(tokens[j])
+                out.sampled_token_ids[s.req_id] = [tokens[j]]
+                if lps[j] is not None:
+                    out.logprobs[s.req_id] = [lps[j]]
+        return out

@@ -1,0 +1,81 @@
+"""torch SDPA over the paged KV cache: the CPU backend and the numerics
+reference every other backend is tested against.
+
+Decodes (query length 1) are batched into one SDPA call over their padded
+contexts; prefill chunks run one SDPA call each, causal inside the chunk
+with the already-computed prefix fully visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata, write_kv
+
+
+@dataclass
+class SDPAMetadata:
+    common: CommonAttentionMetadata
+    decode_reqs: torch.Tensor  # request indices with query length 1
+    decode_tokens: torch.Tensor  # their token indices in the flattened batch
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_ctx] True = attend
+    decode_bt: torch.Tensor | None
+    prefill_reqs: list[int]
+
+
+class TorchSDPABackend(AttentionBackend):
+    name = "torch_sdpa"
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> SDPAMetadata:
+        qsl = common.query_start_loc_cpu
+        seq_lens = common.seq_lens_cpu
+        decode, prefill = [], []
+        for i in range(common.num_reqs):
+            (decode if qsl[i + 1] - qsl[i] == 1 else prefill).append(i)
+        decode_mask = decode_bt = None
+        decode_reqs = torch.tensor(decode, dtype=torch.long)
+        decode_tokens = torch.tensor([qsl[i] for i in decode], dtype=torch.long)
+        if decode:
+            max_ctx = max(seq_lens[i] for i in decode)
+            nblocks = -(-max_ctx // common.block_size)
+            decode_bt = common.block_table[decode_reqs, :nblocks].long()
+            lens = common.seq_lens[decode_reqs].view(-1, 1)
+            decode_mask = (torch.arange(nblocks * common.block_size).view(1, -1) < lens).view(len(decode), 1, 1, -1)
+        return SDPAMetadata(common, decode_reqs, decode_tokens, decode_mask, decode_bt, prefill)
+
+    def forward(self, q, k, v, kv_cache, md: SDPAMetadata):
+        c = md.common
+        write_kv(kv_cache, k, v, c.slot_mapping)
+        out = torch.empty_like(q)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        bs = c.block_size
+        gqa = self.num_heads != self.num_kv_heads
+        if md.decode_bt is not None:
+            n = md.decode_bt.shape[0]
+            kk = key_cache[md.decode_bt].view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            vv = value_cache[md.decode_bt].view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            qq = q[md.decode_tokens].unsqueeze(2)  # [n, H, 1, D]
+            o = F.scaled_dot_product_attention(
+                qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=md.decode_mask, scale=self.scale, enable_gqa=gqa
+            )
+            out[md.decode_tokens] = o.squeeze(2)
+        qsl, seq_lens = c.query_start_loc_cpu, c.seq_lens_cpu
+        for i in md.prefill_reqs:
+            start, end = qsl[i], qsl[i + 1]
+            q_len, ctx = end - start, seq_lens[i]
+            nblocks = -(-ctx // bs)
+            bt = c.block_table[i, :nblocks].long()
+            kk = key_cache[bt].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx].transpose(0, 1)
+            vv = value_cache[bt].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx].transpose(0, 1)
+            qq = q[start:end].transpose(0, 1)  # [H, q_len, D]
+            prefix = ctx - q_len
+            if prefix == 0:
+                o = F.scaled_dot_product_attention(qq, kk.to(q.dtype), vv.to(q.dtype), is_causal=True, scale=self.scale, enable_gqa=gqa)
+            else:
+                mask = torch.arange(ctx).view(1, -1) <= (prefix + torch.arange(q_len)).view(-1, 1)
+                o = F.scaled_dot_product_attention(qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+            out[start:end] = o.transpose(0, 1)
+        return out

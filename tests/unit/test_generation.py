@@ -1,0 +1,140 @@
+"""Model execution: token-exact parity with Hugging Face transformers,
+sampling, stop conditions, logprobs, n > 1."""
+
+import pytest
+import torch
+
+from appliance import LLM, SamplingParams
+from tests.model_helpers import PROMPTS, TINY_VARIANTS, hf_greedy, hf_logprobs
+
+MAX_NEW = 12
+BASE = ["+profile=cpu", "model=tiny_random"]
+
+SCENARIOS = {
+    "default": [],
+    "chunked_prefill": ["scheduler.max_num_batched_tokens=16", "scheduler.max_num_seqs=4"],
+    # Block size 4 and 24 blocks: the 9 prompts cannot all stay resident, so requests get preempted.
+    "preemption": ["cache.block_size=4", "cache.num_blocks=24", "scheduler.max_num_batched_tokens=64"],
+    "prefix_cache": ["cache.block_size=4"],
+}
+
+
+@pytest.fixture(scope="module", params=list(TINY_VARIANTS))
+def variant(request):
+    return request.param
+
+
+def _greedy(llm, prompts, **kw):
+    ids = [llm.tokenizer.encode(p) for p in prompts]
+    outs = llm.generate(ids, SamplingParams(max_tokens=MAX_NEW, temperature=0, **kw), use_tqdm=False)
+    return ids, [o.outputs[0].token_ids for o in outs], outs
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_greedy_matches_hf_token_for_token(variant, scenario):
+    llm = LLM(overrides=BASE + TINY_VARIANTS[variant] + SCENARIOS[scenario])
+    prompts = PROMPTS
+    if scenario == "prefix_cache":
+        system = "A scheduler hands out tokens under one budget every step. "
+        prompts = [system + p for p in PROMPTS]
+    ids, got, outs = _greedy(llm, prompts)
+    for p_ids, g in zip(ids, got):
+        assert g == hf_greedy(llm, p_ids, MAX_NEW)
+    stats = llm.engine.scheduler
+    if scenario == "preemption":
+        assert stats.num_preemptions > 0
+    if scenario == "prefix_cache":
+        assert llm.engine.scheduler.kv.stats.hits > 0
+        assert max(o.num_cached_tokens for o in outs) >= 8
+    assert llm.engine.scheduler.kv.pool.num_free_blocks == llm.engine.scheduler.kv.pool.num_blocks - 1
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return LLM(overrides=BASE)
+
+
+def test_seeded_sampling_is_batch_invariant(tiny):
+    p = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = tiny.generate(PROMPTS[2], p, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=10, temperature=0.8, seed=i, ignore_eos=True) for i in range(15)]
+    batch = tiny.generate([PROMPTS[i % len(PROMPTS)] for i in range(15)] + [PROMPTS[2]], others + [p], use_tqdm=False)
+    assert batch[-1].outputs[0].token_ids == alone
+    unseeded = tiny.generate([PROMPTS[2]] * 2, SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 10 for o in unseeded)
+
+
+def test_logprobs_match_hf_log_softmax(tiny):
+    ids = tiny.tokenizer.encode(PROMPTS[3])
+    out = tiny.generate([ids], SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True), use_tqdm=False)[0]
+    c = out.outputs[0]
+    ref = hf_logprobs(tiny, ids + c.token_ids)
+    for step, lp in enumerate(c.logprobs):
+        row = ref[len(ids) - 1 + step]
+        assert lp.token_id == c.token_ids[step] and lp.rank == 1
+        assert lp.logprob == pytest.approx(float(row[lp.token_id]), abs=1e-4)
+        top = torch.topk(row, 3)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        for (_, v), ref_v in zip(lp.top, top.values.tolist()):
+            assert v == pytest.approx(ref_v, abs=1e-4)
+
+
+def test_stop_strings_cut_text_across_token_boundaries(tiny):
+    base = tiny.generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    text = base.text
+    assert len(text) > 6
+    stop = text[3:6]  # likely spans a token boundary
+    out = tiny.generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.text == text[: text.find(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == "stop_string"
+    inc = tiny.generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop],
+                                                   include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert inc.text == text[: text.find(stop) + len(stop)]
+
+
+def test_min_tokens_ignore_eos_and_stop_token_ids(tiny):
+    eos = tiny.tokenizer.eos_token_id
+    # Bias eos up so the model wants to stop at once.
+    biased = SamplingParams(max_tokens=8, temperature=0, logit_bias={eos: 100.0})
+    assert tiny.generate(PROMPTS[0], biased, use_tqdm=False)[0].outputs[0].token_ids == [eos]
+    o = tiny.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0, logit_bias={eos: 100.0}, min_tokens=3),
+                      use_tqdm=False)[0].outputs[0]
+    assert len(o.token_ids) == 4 and o.token_ids[-1] == eos and eos not in o.token_ids[:3]
+    o = tiny.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0, logit_bias={eos: 100.0}, ignore_eos=True),
+                      use_tqdm=False)[0].outputs[0]
+    assert o.token_ids == [eos] * 8 and o.finish_reason == "length"
+    sampled = dict(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)  # seeded: the same stream twice
+    first = tiny.generate(PROMPTS[1], SamplingParams(**sampled), use_tqdm=False)[0].outputs[0].token_ids
+    j = next(j for j in range(1, 8) if first[j] not in first[:j])  # first token not seen before
+    o = tiny.generate(PROMPTS[1], SamplingParams(**sampled, stop_token_ids=[first[j]]), use_tqdm=False)[0].outputs[0]
+    assert o.token_ids == first[: j + 1] and o.stop_reason == first[j]
+
+
+def test_penalties_change_greedy_choice(tiny):
+    plain = tiny.generate(PROMPTS[0], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    assert len(set(plain)) < len(plain)  # the random model repeats itself
+    pen = tiny.generate(PROMPTS[0], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, presence_penalty=2.0,
+                                                   frequency_penalty=2.0), use_tqdm=False)[0].outputs[0].token_ids
+    assert pen != plain and len(set(pen)) > len(set(plain))
+    rep = tiny.generate(PROMPTS[0], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, repetition_penalty=5.0),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    assert rep != plain
+
+
+def test_n_greater_than_one_shares_prefix_blocks(tiny):
+    kv = tiny.engine.scheduler.kv
+    before = kv.stats.hits
+    prompt = PROMPTS[7]
+    out = tiny.generate(prompt, SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 6 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    n_prompt = len(tiny.tokenizer.encode(prompt))
+    bs = tiny.resolved.cfg.cache.block_size
+    assert kv.stats.hits - before >= 3 * ((n_prompt - 1) // bs) * bs  # children 1..3 hit the first's blocks
+
+
+def test_chat_uses_template(tiny):
+    out = tiny.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0]
+    assert out.prompt.endswith("<|im_start|>assistant\n")
+    assert out.prompt_token_ids[0] == tiny.tokenizer.convert_tokens_to_ids("<|im_start|>")

@@ -1,0 +1,91 @@
+"""Loader: GGUF dequantization, name mapping, clear errors."""
+
+import json
+
+import numpy as np
+import pytest
+
+from appliance.config.compose import resolve
+from appliance.models import gguf as our
+from appliance.models.loader import ModelLoadError, check_checkpoint, resolve_model_folder
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16"])
+def test_dequant_matches_reference_implementation(qtype):
+    import gguf
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+    raw = gguf.quants.quantize(x, t)
+    ref = gguf.quants.dequantize(raw, t)
+    mine = our.dequantize(raw, qtype, (8, 64))
+    np.testing.assert_array_equal(mine, ref.reshape(8, 64).astype(np.float32))
+    if qtype.startswith("Q4"):
+        assert np.abs(mine - x).max() < 0.5  # 4-bit grid over a N(0,1) block
+
+
+def test_unsupported_tensor_type_is_named():
+    with pytest.raises(ValueError, match="GGUF tensor type Q2_K is not supported"):
+        our.dequantize(np.zeros(84, np.uint8), "Q2_K", (256,))
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    w = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    n_head = 2
+    permuted = w.reshape(n_head, 2, 8 // n_head // 2, 3).swapaxes(1, 2).reshape(w.shape)  # llama.cpp's converter
+    np.testing.assert_array_equal(our.unpermute(permuted, n_head), w)
+
+
+def test_gguf_names_map_to_hf_names():
+    assert our.hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert our.hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    with pytest.raises(ValueError, match="no mapping"):
+        our.hf_name("blk.0.mystery.weight")
+
+
+def test_missing_path_and_offline_hub_errors(tmp_path, monkeypatch):
+    m = resolve(["+profile=cpu", f"model.path={tmp_path}/nope"], check=False).cfg.model
+    with pytest.raises(ModelLoadError, match="no such folder or file"):
+        resolve_model_folder(m)
+    (tmp_path / "empty").mkdir()
+    m = resolve(["+profile=cpu", f"model.path={tmp_path}/empty"], check=False).cfg.model
+    with pytest.raises(ModelLoadError, match="folder has no config.json"):
+        resolve_model_folder(m)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    m = resolve(["+profile=cpu", "model.path=someone/some-model"], check=False).cfg.model
+    with pytest.raises(ModelLoadError, match="could not download from the Hugging Face hub"):
+        resolve_model_folder(m)
+
+
+def test_checkpoint_mismatch_and_unsupported_architecture(tmp_path):
+    m = resolve(["+profile=cpu"], check=False).cfg.model
+    hf = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 12, "hidden_size": 576, "intermediate_size": 1536,
+          "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
+    with pytest.raises(ModelLoadError, match=r"model.num_layers=30 but the checkpoint has num_hidden_layers=12"):
+        check_checkpoint(m, hf, tmp_path)
+    with pytest.raises(ModelLoadError, match="architecture GPT2LMHeadModel is not supported"):
+        check_checkpoint(m, {**hf, "architectures": ["GPT2LMHeadModel"]}, tmp_path)
+
+
+def test_missing_tensor_is_reported(tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from appliance.kernels.torch_sdpa import TorchSDPABackend
+    from appliance.models.loader import load_model
+    import torch
+
+    m = resolve(["+profile=cpu", "model=tiny_random"], check=False).cfg.model
+    src = resolve_model_folder(m)
+    dst = tmp_path / "broken"
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(tensors, str(dst / "model.safetensors"))
+    m2 = resolve(["+profile=cpu", "model=tiny_random", f"model.path={dst}"], check=False).cfg.model
+    backend = TorchSDPABackend(4, 2, 16, 0.25)
+    with pytest.raises(ModelLoadError, match="checkpoint lacks 1 tensors"):
+        load_model(m2, backend, torch.float32)
+    assert json.loads((dst / "config.json").read_text())["num_hidden_layers"] == 2
