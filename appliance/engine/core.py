@@ -32,6 +32,7 @@ class RequestOutputDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    queue_time: Optional[float] = None  # on the first delta with tokens: seconds waiting before first scheduled
 
 
 @dataclass
@@ -104,6 +105,9 @@ class EngineCore:
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_output_tokens=req.num_output_tokens,
                 num_cached_tokens=max(0, req.num_cached_tokens),
+                queue_time=(req.first_scheduled_time - req.arrival_time)
+                if u.new_token_ids and req.num_output_tokens == len(u.new_token_ids) and req.first_scheduled_time
+                else None,
             ))
         kv = self.scheduler.kv
         self.last_stats = StepStats(

@@ -1,0 +1,150 @@
+"""The engine-core process: a busy loop over ZeroMQ.
+
+Front end -> core (PUSH/PULL, msgpack):
+    {"type": "add", "request_id", "prompt_token_ids", "params", "priority", "cache_salt"}
+    {"type": "abort", "request_ids": [...]}
+    {"type": "reset_prefix_cache"}
+    {"type": "shutdown"}
+Core -> front end:
+    {"type": "ready", "num_kv_blocks", "backend", ...}   after loading and one real warm-up generation
+    {"type": "outputs", "outputs": [delta...], "stats": {...}}
+    {"type": "request_error", "request_id", "message"}
+    {"type": "reset_prefix_cache", "ok": bool}
+    {"type": "fatal", "message"}                           then the process exits non-zero
+
+The loop blocks on its input socket only while it has nothing to run, so
+HTTP work in the front end overlaps model work here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import traceback
+from typing import Any
+
+import msgspec
+
+from appliance.sampling_params import SamplingParams
+
+WARMUP_PROMPT = "Hello"
+
+
+def encode(obj: Any) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
+def decode(raw: bytes) -> Any:
+    return msgspec.msgpack.decode(raw, strict=False)
+
+
+def params_to_dict(p: SamplingParams) -> dict:
+    d = dataclasses.asdict(p)
+    d["logit_bias"] = {int(k): v for k, v in p.logit_bias.items()}
+    return d
+
+
+def params_from_dict(d: dict) -> SamplingParams:
+    d = dict(d)
+    d["logit_bias"] = {int(k): v for k, v in (d.get("logit_bias") or {}).items()}
+    return SamplingParams(**d)
+
+
+def delta_to_dict(d: Any) -> dict:
+    out = dataclasses.asdict(d)
+    out["logprobs"] = [dataclasses.asdict(lp) if lp is not None else None for lp in d.logprobs]
+    return out
+
+
+def run_core(resolved: Any, selection: Any, in_addr: str, out_addr: str) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(out_addr)
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(in_addr)
+    try:
+        from appliance.engine.core import build_engine
+
+        engine, tokenizer = build_engine(resolved, selection)
+        _warm_up(engine, tokenizer)
+        kv = engine.scheduler.kv
+        push.send(encode({
+            "type": "ready",
+            "num_kv_blocks": kv.pool.num_blocks,
+            "block_size": kv.block_size,
+            "backend": selection.chosen,
+            "pid": os.getpid(),
+        }))
+        _loop(engine, pull, push)
+    except Exception as e:
+        traceback.print_exc(file=sys.stderr)
+        push.send(encode({"type": "fatal", "message": f"{type(e).__name__}: {e}"}))
+        push.close(linger=1000)
+        sys.exit(1)
+    push.close(linger=1000)
+    pull.close(linger=0)
+    ctx.term()
+
+
+def _warm_up(engine: Any, tokenizer: Any) -> None:
+    """One real generation before /ready; then start from a clean cache."""
+    ids = tokenizer.encode(WARMUP_PROMPT)
+    engine.add_request("__warmup__", ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    kv = engine.scheduler.kv
+    kv.reset_prefix_cache()
+    from appliance.engine.kv_cache.manager import PrefixCacheStats
+
+    kv.stats = PrefixCacheStats()
+
+
+def _stats(engine: Any, num_tokens: int) -> dict:
+    st = engine.last_stats
+    return {
+        "num_running": len(engine.scheduler.running),
+        "num_waiting": len(engine.scheduler.waiting),
+        "kv_usage": engine.scheduler.kv.usage(),
+        "num_preemptions": engine.scheduler.num_preemptions,
+        "prefix_queries": engine.scheduler.kv.stats.queries,
+        "prefix_hits": engine.scheduler.kv.stats.hits,
+        "iteration_tokens": num_tokens if num_tokens else st.num_scheduled_tokens,
+    }
+
+
+def _loop(engine: Any, pull: Any, push: Any) -> None:
+    import zmq
+
+    shutting_down = False
+    while True:
+        timeout = 0 if engine.has_unfinished_requests() else 50
+        changed = False
+        while pull.poll(timeout, zmq.POLLIN):
+            timeout = 0
+            msg = decode(pull.recv())
+            kind = msg["type"]
+            changed = True
+            if kind == "add":
+                try:
+                    engine.add_request(msg["request_id"], msg["prompt_token_ids"], params_from_dict(msg["params"]),
+                                       priority=msg.get("priority", 0), cache_salt=msg.get("cache_salt"))
+                except ValueError as e:
+                    push.send(encode({"type": "request_error", "request_id": msg["request_id"], "message": str(e)}))
+            elif kind == "abort":
+                engine.abort(msg["request_ids"])
+            elif kind == "reset_prefix_cache":
+                push.send(encode({"type": "reset_prefix_cache", "ok": engine.scheduler.kv.reset_prefix_cache()}))
+            elif kind == "shutdown":
+                shutting_down = True
+        if shutting_down and not engine.has_unfinished_requests():
+            push.send(encode({"type": "outputs", "outputs": [], "stats": _stats(engine, 0)}))
+            return
+        if engine.has_unfinished_requests():
+            deltas = engine.step()
+            push.send(encode({"type": "outputs", "outputs": [delta_to_dict(d) for d in deltas],
+                              "stats": _stats(engine, engine.last_stats.num_scheduled_tokens)}))
+        elif changed:
+            push.send(encode({"type": "outputs", "outputs": [], "stats": _stats(engine, 0)}))

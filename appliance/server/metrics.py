@@ -1,0 +1,66 @@
+"""Prometheus metrics under the ``appliance:`` prefix, with the names vLLM
+users' dashboards know. Every series carries ``model_name``, ``profile``
+and ``config_hash``.
+
+Only the front-end process exports: the engine core reports its counters
+and gauges with every output batch, so there is one registry and no
+multi-process aggregation to get wrong.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class Metrics:
+    def __init__(self, model_name: str, profile: str, config_hash: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name", "profile", "config_hash"]
+        self.label_values = {"model_name": model_name, "profile": profile, "config_hash": config_hash}
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(f"appliance:{name}", doc, labels, registry=r).labels(**self.label_values)
+
+        def counter(name, doc):
+            return Counter(f"appliance:{name}", doc, labels, registry=r).labels(**self.label_values)
+
+        def hist(name, doc, buckets):
+            return Histogram(f"appliance:{name}", doc, labels, buckets=buckets, registry=r).labels(**self.label_values)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (recompute)")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self._success = Counter("appliance:request_success", "Finished requests by finish reason",
+                                labels + ["finished_reason"], registry=r)
+        self.time_to_first_token_seconds = hist("time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
+        self.inter_token_latency_seconds = hist("inter_token_latency_seconds", "Time between tokens", LATENCY_BUCKETS)
+        self.e2e_request_latency_seconds = hist("e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
+        self.request_queue_time_seconds = hist("request_queue_time_seconds", "Time waiting before first scheduled",
+                                               LATENCY_BUCKETS)
+        self.iteration_tokens = hist("iteration_tokens", "Tokens scheduled per engine step", TOKEN_BUCKETS)
+
+    def request_success(self, reason: str) -> None:
+        self._success.labels(**self.label_values, finished_reason=reason).inc()
+
+    def on_core_stats(self, old, new) -> None:
+        self.num_requests_running.set(new.num_running)
+        self.num_requests_waiting.set(new.num_waiting)
+        self.kv_cache_usage_perc.set(new.kv_usage)
+        self.prefix_cache_queries.inc(max(0, new.prefix_queries - old.prefix_queries))
+        self.prefix_cache_hits.inc(max(0, new.prefix_hits - old.prefix_hits))
+        self.num_preemptions.inc(max(0, new.num_preemptions - old.num_preemptions))
+        if new.iteration_tokens:
+            self.iteration_tokens.observe(new.iteration_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
