@@ -49,8 +49,24 @@ class ServerState:
     api_key: Optional[str]
     max_queue_len: int
     shutting_down: bool = False
-    counter: int = 0
-    extra: dict = field(default_factory=dict)
+    in_flight: int = 0  # admitted engine requests (children) not yet finished
+
+
+class Admission:
+    """Counts a request's children against the queue limit from the moment
+    the handler admits them (before any task runs) until they end; released
+    once, by the generation or by garbage collection if it never ran."""
+
+    def __init__(self, st: ServerState, n: int):
+        self.st, self.n = st, n
+        st.in_flight += n
+
+    def release(self) -> None:
+        if self.n:
+            self.st.in_flight -= self.n
+            self.n = 0
+
+    __del__ = release
 
 
 # -- errors ----------------------------------------------------------------------
@@ -94,7 +110,7 @@ def _check_serving(st: ServerState) -> None:
                           headers={"Retry-After": "30"})
     if st.shutting_down:
         raise OpenAIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
-    waiting = st.client.num_in_flight() - st.client.stats.num_running
+    waiting = st.in_flight - st.client.stats.num_running
     if waiting >= st.max_queue_len:
         raise OpenAIError(503, f"too many waiting requests ({waiting}, limit server.max_queue_len={st.max_queue_len})",
                           code="queue_full", headers={"Retry-After": "1"})
@@ -169,6 +185,8 @@ async def _fan_out(st: ServerState, g: GenerationRequest, base_id: str) -> Async
     """Run every (prompt, sample) child; yield (choice, delta) as they arrive."""
     from dataclasses import replace
 
+    admission = g.extra["admission"]
+
     merged: asyncio.Queue = asyncio.Queue()
     choices: list[_Choice] = []
     tasks = []
@@ -177,6 +195,7 @@ async def _fan_out(st: ServerState, g: GenerationRequest, base_id: str) -> Async
     async def child(choice: _Choice, rid: str, ids: list[int], params: Any) -> None:
         arrival = time.monotonic()
         first = last = None
+        finished = False
         try:
             async for d in st.client.generate(rid, ids, params, g.priority, g.cache_salt):
                 t = time.monotonic()
@@ -193,6 +212,7 @@ async def _fan_out(st: ServerState, g: GenerationRequest, base_id: str) -> Async
                     st.metrics.request_queue_time_seconds.observe(d["queue_time"])
                 await merged.put((choice, d))
                 if d["finished"]:
+                    finished = True
                     st.metrics.e2e_request_latency_seconds.observe(t - arrival)
                     st.metrics.generation_tokens.inc(d["num_output_tokens"])
                     st.metrics.request_success(d["finish_reason"] or "abort")
@@ -200,10 +220,15 @@ async def _fan_out(st: ServerState, g: GenerationRequest, base_id: str) -> Async
                         "request_id=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d ttft_s=%.4f total_s=%.4f "
                         "finish_reason=%s", rid, d["num_prompt_tokens"], d["num_output_tokens"], d["num_cached_tokens"],
                         (first or t) - arrival, t - arrival, d["finish_reason"])
+        except asyncio.CancelledError:
+            if not finished:  # client went away: the generator aborted it in the core
+                st.metrics.request_success("abort")
+                log.info("request_id=%s aborted after %.4f s", rid, time.monotonic() - arrival)
+            raise
         except Exception as e:  # delivered to the consumer
             await merged.put((choice, e))
         finally:
-            await merged.put((choice, None))
+            merged.put_nowait((choice, None))
 
     for pi, ids in enumerate(g.prompts):
         st.metrics.prompt_tokens.inc(len(ids))
@@ -227,6 +252,7 @@ async def _fan_out(st: ServerState, g: GenerationRequest, base_id: str) -> Async
             t.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        admission.release()
 
 
 def _map_engine_error(e: Exception) -> OpenAIError:
@@ -323,7 +349,7 @@ def _completion_prompts(st: ServerState, body: dict) -> tuple[list[list[int]], l
     return prompts, texts
 
 
-@post("/v1/completions")
+@post("/v1/completions", status_code=200)
 async def completions(request: Request) -> Response:
     st = _state(request)
     body = await _read_body(request, st)
@@ -337,6 +363,7 @@ async def completions(request: Request) -> Response:
     for ids in prompts:
         _check_length(st, len(ids), params, "prompt")
     g = GenerationRequest(prompts, texts, params, stream, include_usage, priority, salt, echo, lp_mode)
+    g.extra["admission"] = Admission(st, len(prompts) * params.n)
     base_id = new_id("cmpl")
     created = now()
     prompt_tokens = sum(len(p) for p in prompts)
@@ -415,7 +442,7 @@ def _chat_prompt(st: ServerState, body: dict) -> tuple[list[int], str]:
     return st.tokenizer.encode(text, add_special_tokens=False), text
 
 
-@post("/v1/chat/completions")
+@post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request) -> Response:
     st = _state(request)
     body = await _read_body(request, st)
@@ -425,6 +452,7 @@ async def chat_completions(request: Request) -> Response:
     ids, text = _chat_prompt(st, body)
     _check_length(st, len(ids), params, "messages")
     g = GenerationRequest([ids], [text], params, stream, include_usage, priority, salt, False, lp_mode)
+    g.extra["admission"] = Admission(st, params.n)
     base_id = new_id("chatcmpl")
     created = now()
     if not stream:
@@ -505,7 +533,7 @@ async def appliance_config(request: Request) -> Response:
     return Response({"profile": r.cfg.profile, "hash": r.hash, "overrides": list(r.overrides), "config": r.as_dict()})
 
 
-@post("/reset_prefix_cache")
+@post("/reset_prefix_cache", status_code=200)
 async def reset_prefix_cache(request: Request) -> Response:
     st = _state(request)
     _check_auth(request, st)

@@ -153,9 +153,6 @@ class EngineClient:
                 self._mark_dead(msg["message"])
 
     # -- requests ----------------------------------------------------------------
-    def num_in_flight(self) -> int:
-        return sum(1 for p in self.pending.values() if not p.finished)
-
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any, priority: int = 0,
                        cache_salt: Optional[str] = None) -> AsyncIterator[dict]:
         """Output deltas of one request; aborts it in the core if the

@@ -58,8 +58,14 @@ def delta_to_dict(d: Any) -> dict:
 
 
 def run_core(resolved: Any, selection: Any, in_addr: str, out_addr: str) -> None:
+    import signal
+
     import zmq
 
+    # The front end owns shutdown: a terminal's Ctrl-C or a process-group
+    # SIGTERM must not kill the core under in-flight requests.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.connect(out_addr)
@@ -119,7 +125,10 @@ def _loop(engine: Any, pull: Any, push: Any) -> None:
     import zmq
 
     shutting_down = False
+    parent = os.getppid()
     while True:
+        if os.getppid() != parent:
+            return  # the front end died without a word: nobody to serve
         timeout = 0 if engine.has_unfinished_requests() else 50
         changed = False
         while pull.poll(timeout, zmq.POLLIN):

@@ -54,6 +54,9 @@ async def _serve(resolved: Any, selection: Any) -> int:
         def handle_exit(self, sig: int, frame: Any) -> None:
             state.shutting_down = True
             super().handle_exit(sig, frame)
+            # uvicorn re-raises captured signals after serving, which would kill us
+            # before the core is stopped; a handled SIGTERM exits 0 instead.
+            getattr(self, "_captured_signals", []).clear()
 
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level="warning",
                             timeout_graceful_shutdown=int(cfg.server.shutdown_timeout_s), lifespan="off")

@@ -1,0 +1,297 @@
+"""The real server on 127.0.0.1 driven by the openai client and raw httpx."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from appliance import LLM, SamplingParams
+from tests.integration.server_helpers import ServerProcess, metric
+
+KEY = "sk-test-key"
+TINY = ["model=tiny_random", "cache.kv_cache_memory_gib=0.05", f"server.api_key={KEY}", "server.dev_mode=true",
+        "server.max_body_bytes=20000", "scheduler.max_num_seqs=64"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess(*TINY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def raw(server, method, path, auth=True, **kw):
+    headers = kw.pop("headers", {})
+    if auth:
+        headers["Authorization"] = f"Bearer {KEY}"
+    return httpx.request(method, f"{server.url}{path}", headers=headers, timeout=60, **kw)
+
+
+def test_models_health_ready_version_config(server, client, model):
+    assert model == "tiny-random-llama"
+    assert raw(server, "GET", "/health").json() == {"status": "ok"}
+    assert raw(server, "GET", "/ready").status_code == 200
+    assert "version" in raw(server, "GET", "/version").json()
+    cfg = raw(server, "GET", "/v1/appliance/config").json()
+    assert cfg["profile"] == "cpu" and len(cfg["hash"]) == 16 and cfg["config"]["model"]["path"] == "tiny_random"
+
+
+def test_completion_and_chat_sync(client, model):
+    r = client.completions.create(model=model, prompt="Hello world", max_tokens=5, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 5 and r.usage.total_tokens == r.usage.prompt_tokens + 5
+    c = client.chat.completions.create(model=model, messages=[{"role": "system", "content": "Be brief."},
+                                                              {"role": "user", "content": "Hi"}],
+                                       max_completion_tokens=4, temperature=0)
+    assert c.choices[0].message.role == "assistant" and c.usage.completion_tokens == 4
+
+
+def test_prompt_forms(client, model):
+    r = client.completions.create(model=model, prompt=["Hello", "The quick brown fox"], max_tokens=3, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    ids = client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=2, temperature=0)
+    assert ids.usage.prompt_tokens == 3
+    many = client.completions.create(model=model, prompt=[[5, 6], [7, 8, 9]], max_tokens=2, temperature=0)
+    assert many.usage.prompt_tokens == 5 and len(many.choices) == 2
+
+
+def test_greedy_server_equals_offline_generate(client, model):
+    prompt = "The quick brown fox jumps"
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+    llm = LLM(overrides=["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.01"])
+    ref = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0].outputs[0].text
+    assert r.choices[0].text == ref
+
+
+def test_streaming_deltas_concatenate_to_full_text(client, model):
+    kw = dict(model=model, prompt="Unicode: café 東京 😀", max_tokens=16, temperature=0)
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    chat_kw = dict(model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=10, temperature=0)
+    full = client.chat.completions.create(**chat_kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(**chat_kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full
+
+
+def test_raw_sse_ends_with_done(server):
+    r = raw(server, "POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    lines = [ln for ln in r.text.split("\n\n") if ln]
+    assert lines[-1] == "data: [DONE]"
+    assert all(ln.startswith("data: ") for ln in lines)
+
+
+def test_n_stop_seed_logprobs(client, model):
+    r = client.completions.create(model=model, prompt="Hello", max_tokens=6, n=3, temperature=1.0, seed=11)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    again = client.completions.create(model=model, prompt="Hello", max_tokens=6, n=3, temperature=1.0, seed=11)
+    assert [c.text for c in r.choices] == [c.text for c in again.choices]
+    base = client.completions.create(model=model, prompt="Paged attention", max_tokens=12, temperature=0).choices[0].text
+    stop = base[4:7]
+    s = client.completions.create(model=model, prompt="Paged attention", max_tokens=12, temperature=0, stop=[stop])
+    assert s.choices[0].text == base[: base.find(stop)] and s.choices[0].finish_reason == "stop"
+    lp = client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0, logprobs=2)
+    L = lp.choices[0].logprobs
+    assert len(L.tokens) == len(L.token_logprobs) == len(L.top_logprobs) == len(L.text_offset) == 3
+    assert all(len(t) >= 2 for t in L.top_logprobs) and all(v <= 0 for v in L.token_logprobs)
+    c = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    assert content[0].bytes == list(content[0].token.encode())
+
+
+def test_extension_fields(client, model):
+    r = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True, "min_tokens": 4, "top_k": 5, "min_p": 0.1,
+                                              "priority": 1, "cache_salt": "tenant-a", "repetition_penalty": 1.1})
+    assert r.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize(
+    "path,body,status,param,needle",
+    [
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", "temperature must be non-negative"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "'max_tokens' must be of type int"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2000}, 400, "max_tokens",
+         "maximum context length is 1024 tokens. However, you requested 2001 tokens (1 in the prompt, 2000"),
+        ("/v1/completions", {}, 400, "prompt", "'prompt' is required"),
+        ("/v1/completions", {"prompt": [999999]}, 400, "prompt", "outside the vocabulary"),
+        ("/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404, "model", "the model 'gpt-17' does not exist"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages", "'messages' must be a non-empty list"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+         "top_logprobs", "needs 'logprobs': true"),
+    ],
+)
+def test_client_errors_are_openai_shaped(server, path, body, status, param, needle):
+    r = raw(server, "POST", path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert needle in err["message"] and err["param"] == param
+    assert "Traceback" not in r.text
+
+
+def test_malformed_json_body_too_large_and_auth(server):
+    ok = raw(server, "POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+    assert ok.status_code == 200
+    r = raw(server, "POST", "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = raw(server, "POST", "/v1/completions", json={"prompt": "x" * 30000})
+    assert r.status_code == 413 and "error" in r.json()
+    r = raw(server, "POST", "/v1/completions", auth=False, json={"prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = raw(server, "GET", "/v1/models", auth=False, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    assert raw(server, "GET", "/health", auth=False).status_code == 200  # probes need no key
+
+
+def test_concurrent_streams_and_async_client(server, model):
+    async def one(ac, i):
+        stream = await ac.chat.completions.create(model=model, messages=[{"role": "user", "content": f"Number {i}"}],
+                                                  max_tokens=8, temperature=0, stream=True)
+        text = ""
+        async for ch in stream:
+            if ch.choices:
+                text += ch.choices[0].delta.content or ""
+        return text
+
+    async def main():
+        ac = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+        return await asyncio.gather(*(one(ac, i) for i in range(32)))
+
+    texts = asyncio.run(main())
+    assert len(texts) == 32 and all(isinstance(t, str) for t in texts)
+
+
+def _wait_idle(server, timeout=15):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = raw(server, "GET", "/metrics").text
+        if metric(m, "appliance:num_requests_running") == 0 and metric(m, "appliance:kv_cache_usage_perc") == 0:
+            return m
+        time.sleep(0.1)
+    raise AssertionError(f"server did not return to idle:\n{m}")
+
+
+def test_disconnect_mid_stream_frees_request_and_kv(server):
+    _wait_idle(server)
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "Hello", "max_tokens": 900, "stream": True, "ignore_eos": True}, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break  # close the connection mid-stream
+    m = _wait_idle(server)
+    assert metric(m, "appliance:request_success_total", finished_reason="abort") >= 1
+
+
+def test_metrics_names_and_labels(server):
+    m = raw(server, "GET", "/metrics").text
+    for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+                 "request_success_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket", "iteration_tokens_bucket"]:
+        assert f"appliance:{name}" in m, name
+    assert 'profile="cpu"' in m and 'model_name="tiny-random-llama"' in m and "config_hash=" in m
+    assert metric(m, "appliance:generation_tokens_total") > 0
+
+
+def test_prefix_cache_hits_and_reset(server, client, model):
+    system = "A scheduler hands out tokens under one budget every step. " * 3
+    before = metric(raw(server, "GET", "/metrics").text, "appliance:prefix_cache_hits_total")
+    for q in ("one", "two"):
+        client.completions.create(model=model, prompt=system + q, max_tokens=1, temperature=0)
+    assert metric(raw(server, "GET", "/metrics").text, "appliance:prefix_cache_hits_total") > before
+    _wait_idle(server)
+    r = raw(server, "POST", "/reset_prefix_cache")
+    assert r.status_code == 200 and r.json() == {"reset": True}
+
+
+def test_default_server_has_no_dev_endpoints_and_queue_limit():
+    s = ServerProcess("model=tiny_random", "cache.kv_cache_memory_gib=0.05", "server.max_queue_len=1",
+                      "scheduler.max_num_seqs=1")
+    try:
+        assert httpx.post(f"{s.url}/reset_prefix_cache").status_code == 404
+
+        async def flood():
+            async with httpx.AsyncClient(timeout=60) as ac:
+                return await asyncio.gather(*(ac.post(f"{s.url}/v1/completions", json={
+                    "prompt": "Hello", "max_tokens": 200, "ignore_eos": True}) for _ in range(8)))
+
+        codes = [r.status_code for r in asyncio.run(flood())]
+        assert 200 in codes and 503 in codes
+        rejected = next(r for r in asyncio.run(flood()) if r.status_code == 503)
+        assert rejected.headers["retry-after"] and rejected.json()["error"]["code"] == "queue_full"
+    finally:
+        s.stop()
+
+
+def test_graceful_shutdown_finishes_in_flight_and_exits_zero():
+    s = ServerProcess("model=tiny_random", "cache.kv_cache_memory_gib=0.05", "server.shutdown_timeout_s=30")
+    try:
+        result = {}
+
+        async def request():
+            async with httpx.AsyncClient(timeout=60) as ac:
+                r = await ac.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 300, "ignore_eos": True})
+                result["r"] = r
+
+        async def main():
+            t = asyncio.create_task(request())
+            await asyncio.sleep(0.5)
+            code = await asyncio.to_thread(s.terminate)
+            await t
+            return code
+
+        assert asyncio.run(main()) == 0
+        assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 300
+        assert "shut down cleanly" in s.output()
+    finally:
+        s.stop()
+
+
+def test_core_death_is_detected():
+    import os
+    import signal
+
+    s = ServerProcess("model=tiny_random", "cache.kv_cache_memory_gib=0.05")
+    try:
+        os.kill(s.core_pid(), signal.SIGKILL)
+        deadline = time.time() + 10
+        while httpx.get(f"{s.url}/health").status_code == 200 and time.time() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(f"{s.url}/health").status_code == 503
+        assert httpx.get(f"{s.url}/ready").status_code == 503
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    finally:
+        s.stop()
+
+
+def test_default_model_chat_over_http():
+    s = ServerProcess("cache.kv_cache_memory_gib=0.25", "model.max_model_len=2048")
+    try:
+        r = httpx.post(f"{s.url}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20,
+            "temperature": 0})
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+    finally:
+        s.stop()
