@@ -42,11 +42,13 @@ PromptType = Union[str, list[int]]
 
 
 class LLM:
-    def __init__(self, cfg: Optional[ResolvedConfig] = None, overrides: Sequence[str] = ()):
+    def __init__(self, cfg: Optional[ResolvedConfig] = None, overrides: Sequence[str] = (), selection: Any = None):
+        """``selection`` (a kernels.registry.Selection) bypasses backend
+        selection, e.g. to run the Triton kernels under the interpreter."""
         from appliance.engine.core import build_engine
 
         self.resolved = cfg if cfg is not None else resolve(list(overrides))
-        self.engine, self.tokenizer = build_engine(self.resolved)
+        self.engine, self.tokenizer = build_engine(self.resolved, selection)
         self._ids = itertools.count()
 
     def _encode(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:

@@ -52,13 +52,27 @@ class CommonAttentionMetadata:
 
 class AttentionBackend:
     name = "base"
+    # kv_cache_dtype names this backend stores besides "auto" (the model dtype).
+    kv_dtypes: dict[str, torch.dtype] = {}
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kv_cache_dtype: str = "auto"):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kv_cache_dtype: str = "auto",
+                 k_scale: float = 1.0, v_scale: float = 1.0):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.kv_cache_dtype = kv_cache_dtype
+        # Per-tensor fp8 scales: the cache holds k / k_scale (vLLM's default scale is 1.0).
+        self.k_scale, self.v_scale = k_scale, v_scale
+
+    @classmethod
+    def cache_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+        """Element type of the KV cache ("auto" keeps the model's dtype)."""
+        if kv_cache_dtype == "auto":
+            return model_dtype
+        if kv_cache_dtype not in cls.kv_dtypes:
+            raise ValueError(f"the {cls.name} backend has no {kv_cache_dtype} KV cache")
+        return cls.kv_dtypes[kv_cache_dtype]
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -66,6 +80,13 @@ class AttentionBackend:
 
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
         return common
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store the step's K/V, scaled into an fp8 cache when it is one."""
+        if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            write_kv(kv_cache, k.float() / self.k_scale, v.float() / self.v_scale, slot_mapping)
+        else:
+            write_kv(kv_cache, k, v, slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: Any) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> out [T, H, D]."""

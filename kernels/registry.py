@@ -15,7 +15,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from appliance.config.compose import ConfigError
+from appliance.errors import ConfigError
 
 
 def _cc_tuple(cc: Optional[str]) -> Optional[tuple[int, int]]:

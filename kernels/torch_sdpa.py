@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata, write_kv
+from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
 
 
 @dataclass
@@ -48,7 +48,7 @@ class TorchSDPABackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, md: SDPAMetadata):
         c = md.common
-        write_kv(kv_cache, k, v, c.slot_mapping)
+        self.write_kv(k, v, kv_cache, c.slot_mapping)
         out = torch.empty_like(q)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         bs = c.block_size

@@ -19,12 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from appliance.config import schema
+from appliance.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-class ConfigError(Exception):
-    """A config problem a user can fix; printed without a traceback."""
 
 
 def conf_dir() -> Path:

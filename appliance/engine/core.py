@@ -122,6 +122,10 @@ class EngineCore:
         return deltas
 
 
+# gguf checkpoints are dequantized into the compute dtype at load.
+RUNNABLE_QUANTIZATION = ("none", "gguf")
+
+
 def build_engine(resolved: Any, selection: Any = None) -> tuple[EngineCore, Any]:
     """Compose model, backend, KV cache and scheduler for a resolved config.
 
@@ -137,6 +141,14 @@ def build_engine(resolved: Any, selection: Any = None) -> tuple[EngineCore, Any]
     from appliance.worker.model_runner import ModelRunner
 
     cfg = resolved.cfg
+    method = getattr(cfg.quantization.method, "value", cfg.quantization.method)
+    if method not in RUNNABLE_QUANTIZATION:
+        from appliance.errors import ConfigError
+
+        raise ConfigError(
+            f"quantization={method} can be planned but its weight kernels are not built yet; "
+            f"serve with quantization=none (GGUF checkpoints are dequantized at load)"
+        )
     sel = selection or check_runnable(resolved)
     dtype_name = resolve_dtype(cfg)
     dtype = getattr(torch, dtype_name)
@@ -164,8 +176,9 @@ def build_engine(resolved: Any, selection: Any = None) -> tuple[EngineCore, Any]
         max_long_partial_prefills=s.max_long_partial_prefills,
     )
     eos = tokenizer.eos_token_id
+    kv_dtype = backend.cache_dtype(backend.kv_cache_dtype, dtype)
     runner = ModelRunner(model, backend, num_blocks, cfg.cache.block_size, mml, s.max_num_seqs, dtype,
-                         dtype, device, eos, seed=m.seed)
+                         kv_dtype, device, eos, seed=m.seed)
     return EngineCore(scheduler, runner, tokenizer, eos), tokenizer
 
 

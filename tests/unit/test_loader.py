@@ -89,3 +89,11 @@ def test_missing_tensor_is_reported(tmp_path):
     with pytest.raises(ModelLoadError, match="checkpoint lacks 1 tensors"):
         load_model(m2, backend, torch.float32)
     assert json.loads((dst / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_unbuilt_quantization_is_refused_clearly():
+    from appliance import LLM
+    from appliance.config.compose import ConfigError
+
+    with pytest.raises(ConfigError, match="quantization=awq can be planned but its weight kernels are not built yet"):
+        LLM(overrides=["+profile=cpu", "model=tiny_random", "quantization=awq"])

@@ -1,0 +1,6 @@
+"""Errors a user can fix (printed without a traceback). Dependency-free, so
+kernel modules can raise them on machines without the config stack."""
+
+
+class ConfigError(Exception):
+    """A config or deployment problem a user can fix."""

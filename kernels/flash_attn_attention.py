@@ -1,0 +1,99 @@
+"""FlashAttention-3 over our paged KV cache (the Hopper profiles' backend).
+
+Whichever FA3 build imports is used, probed in this order and reported by
+``appliance plan``: the FA3 ``flash_attn_interface`` (hopper/ build of
+flash-attention), the PyPI ``fa3-fwd`` package, ``sgl-kernel``'s FA3. All
+expose ``flash_attn_with_kvcache`` taking a varlen query:
+
+    q             [num_tokens, num_heads, head_dim]   flattened batch
+    k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]
+    cache_seqlens = seq_lens                           [num_reqs] int32
+    page_table    = block_table                        [num_reqs, max_blocks] int32
+    cu_seqlens_q  = query_start_loc, max_seqlen_q = max query length
+    causal=True   (aligned to the end of the KV: prefix visible)
+
+fp8 KV passes per-(request, kv head) descale factors. The kernel runs only
+on SM90; the metadata is plain torch and is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
+from appliance.kernels.registry import BACKENDS
+
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+
+
+def load_fa3() -> tuple[str, Callable]:
+    """(module name, flash_attn_with_kvcache) of the first importable FA3 build."""
+    errors = []
+    for mod in BACKENDS["flash_attn3"].probe_modules:
+        try:
+            m = importlib.import_module(mod)
+            return mod, getattr(m, "flash_attn_with_kvcache")
+        except Exception as e:
+            errors.append(f"{mod}: {type(e).__name__}: {e}")
+    raise ImportError("no FlashAttention-3 build importable: " + " | ".join(errors))
+
+
+@dataclass
+class FA3Metadata:
+    common: CommonAttentionMetadata
+    cu_seqlens_q: torch.Tensor  # int32 [num_reqs + 1]
+    cache_seqlens: torch.Tensor  # int32 [num_reqs]
+    page_table: torch.Tensor  # int32 [num_reqs, max_blocks_needed]
+    max_seqlen_q: int
+
+
+def build_fa3_metadata(common: CommonAttentionMetadata) -> FA3Metadata:
+    max_blocks = -(-common.max_seq_len // common.block_size)
+    return FA3Metadata(
+        common,
+        common.query_start_loc.to(torch.int32),
+        common.seq_lens.to(torch.int32),
+        common.block_table[:, :max_blocks].to(torch.int32).contiguous(),
+        common.max_query_len,
+    )
+
+
+class FlashAttn3Backend(AttentionBackend):
+    name = "flash_attn3"
+
+    kv_dtypes = FP8_DTYPES
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fn: Optional[Any] = None
+        self.provider: Optional[str] = None
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> FA3Metadata:
+        return build_fa3_metadata(common)
+
+    def forward(self, q, k, v, kv_cache, md: FA3Metadata):
+        if self._fn is None:
+            self.provider, self._fn = load_fa3()
+        fp8 = kv_cache.dtype == torch.float8_e4m3fn
+        self.write_kv(k, v, kv_cache, md.common.slot_mapping)
+        kw = {}
+        if fp8:
+            shape = (md.common.num_reqs, self.num_kv_heads)
+            kw = {
+                "q_descale": torch.ones(shape, dtype=torch.float32, device=q.device),
+                "k_descale": torch.full(shape, self.k_scale, dtype=torch.float32, device=q.device),
+                "v_descale": torch.full(shape, self.v_scale, dtype=torch.float32, device=q.device),
+            }
+            q = q.to(torch.float8_e4m3fn)
+        out = self._fn(
+            q, kv_cache[0], kv_cache[1],
+            cache_seqlens=md.cache_seqlens, page_table=md.page_table,
+            cu_seqlens_q=md.cu_seqlens_q, max_seqlen_q=md.max_seqlen_q,
+            softmax_scale=self.scale, causal=True, **kw,
+        )
+        out = out[0] if isinstance(out, tuple) else out
+        return out.to(k.dtype) if fp8 else out

@@ -1,0 +1,123 @@
+"""GPU check: every attention backend that imports against torch_sdpa on
+realistic shapes, plus a short end-to-end generation on each.
+
+Writes gpu_check.json (and prints a summary) into $OUT (or ./gpu-results).
+Needs only torch (+ triton, flashinfer, FA3 where installed); the end-to-end
+part also needs the config stack (hydra-core, omegaconf) and is skipped
+with a reason when it is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from appliance.kernels.registry import BACKENDS, load_backend, probe_importable  # noqa: E402
+from tests.kernel_helpers import make_problem  # noqa: E402
+
+OUT = os.environ.get("OUT") or "gpu-results"
+DEV = torch.device("cuda")
+
+
+def to_dev(common):
+    return type(common)(**{f: (getattr(common, f).to(DEV) if torch.is_tensor(getattr(common, f)) else getattr(common, f))
+                           for f in common.__dataclass_fields__})
+
+
+def time_ms(fn, iters=20, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def kernel_case(name: str, kv_dtype: str, dtype=torch.bfloat16) -> dict:
+    from appliance.kernels.torch_sdpa import TorchSDPABackend
+
+    # 64 sequences at 2k context: 48 decodes and 16 prefill chunks of 128 after a 1920-token prefix.
+    specs = [(2047, 1)] * 48 + [(1920, 128)] * 16
+    H, KVH, D, BS = 32, 4, 128, 16  # GQA 8
+    common, q, k, v, cache = make_problem(specs, BS, H, KVH, D, dtype=torch.float32, seed=0)
+    common = to_dev(common)
+    q, k, v = (t.to(DEV, dtype) for t in (q, k, v))
+    cache = cache.to(DEV, dtype)
+    fp8 = kv_dtype != "auto"
+    if fp8:
+        cache = cache.to(torch.float8_e4m3fn)
+        ref_cache = cache.to(dtype)
+        k_ref, v_ref = k.to(torch.float8_e4m3fn).to(dtype), v.to(torch.float8_e4m3fn).to(dtype)
+    else:
+        ref_cache, k_ref, v_ref = cache.clone(), k, v
+    ref = TorchSDPABackend(H, KVH, D, D ** -0.5)
+    ref_out = ref.forward(q.float(), k_ref.float(), v_ref.float(), ref_cache.float(), ref.build_metadata(common))
+    b = load_backend(name)(H, KVH, D, D ** -0.5, kv_dtype)
+    md = b.build_metadata(common)
+    out = b.forward(q, k, v, cache, md)
+    torch.cuda.synchronize()
+    err = (out.float() - ref_out).abs().max().item()
+    ms = time_ms(lambda: b.forward(q, k, v, cache, b.build_metadata(common)))
+    kv_bytes = sum(s for s, _ in specs) * 2 * KVH * D * cache.element_size()
+    return {"backend": name, "kv_cache_dtype": kv_dtype, "max_abs_err": err, "ms": ms,
+            "kv_read_GBps": kv_bytes / (ms * 1e-3) / 1e9, "ok": err < (0.1 if fp8 else 0.03)}
+
+
+def e2e_case(name: str) -> dict:
+    try:
+        from appliance import LLM, SamplingParams
+        from appliance.kernels.registry import Selection
+    except ImportError as e:
+        return {"backend": name, "skipped": f"config stack missing: {e}"}
+    overrides = ["+profile=h200_fp8", "model=tiny_random", "quantization=none", "cache.kv_cache_dtype=auto",
+                 "model.dtype=bfloat16", "model.hidden_size=256", "model.num_heads=4", "model.num_kv_heads=2",
+                 "model.head_dim=64", "model.intermediate_size=512", "cache.num_blocks=512"]
+    prompts = ["Hello", "The quick brown fox jumps over the lazy dog.", "What is the capital of France?"]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    ref = LLM(overrides=overrides, selection=Selection(chosen="torch_sdpa")).generate(prompts, params, use_tqdm=False)
+    got = LLM(overrides=overrides, selection=Selection(chosen=name)).generate(prompts, params, use_tqdm=False)
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(ref, got))
+    return {"backend": name, "prompts": len(prompts), "identical_to_sdpa": same, "seconds": time.perf_counter() - t0}
+
+
+def main() -> int:
+    os.makedirs(OUT, exist_ok=True)
+    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "kernels": [], "e2e": [],
+              "not_importable": {}}
+    for name in ("triton", "flashinfer", "flash_attn3"):
+        provider, err = probe_importable(name)
+        if provider is None:
+            report["not_importable"][name] = err
+            continue
+        for kv in BACKENDS[name].kv_dtypes:
+            if kv == "fp8_e5m2":
+                continue
+            try:
+                report["kernels"].append(kernel_case(name, kv))
+            except Exception as e:
+                report["kernels"].append({"backend": name, "kv_cache_dtype": kv, "error": repr(e),
+                                          "trace": traceback.format_exc()[-2000:]})
+        try:
+            report["e2e"].append(e2e_case(name))
+        except Exception as e:
+            report["e2e"].append({"backend": name, "error": repr(e), "trace": traceback.format_exc()[-2000:]})
+    with open(os.path.join(OUT, "gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    print(json.dumps(report, indent=2))
+    return 0 if all(k.get("ok") for k in report["kernels"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

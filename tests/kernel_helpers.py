@@ -1,0 +1,65 @@
+"""Random paged-attention problems shared by backend tests."""
+
+import numpy as np
+import torch
+
+from appliance.kernels.base import CommonAttentionMetadata, write_kv
+
+
+def make_problem(specs, block_size, num_heads, num_kv_heads, head_dim, dtype=torch.float32, seed=0, num_blocks=None):
+    """specs: [(num_computed_tokens, query_len)]. Returns (common, q, k, v, kv_cache) with
+    the computed prefixes already in the cache at shuffled physical blocks."""
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    need = [-(-(c + n) // block_size) for c, n in specs]
+    num_blocks = num_blocks or sum(need) + 3
+    perm = rng.permutation(np.arange(1, num_blocks))
+    tables, start = [], 0
+    for n in need:
+        tables.append(perm[start:start + n].tolist())
+        start += n
+    max_blocks = max(need)
+    bt = torch.zeros(len(specs), max_blocks, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    qsl = [0]
+    slots, seq_lens = [], []
+    for i, (c, n) in enumerate(specs):
+        # prefix K/V already cached
+        pos = np.arange(c)
+        pre_slots = torch.tensor([tables[i][p // block_size] * block_size + p % block_size for p in pos], dtype=torch.long)
+        if c:
+            write_kv(kv_cache, torch.randn(c, num_kv_heads, head_dim, generator=g).to(dtype),
+                     torch.randn(c, num_kv_heads, head_dim, generator=g).to(dtype), pre_slots)
+        slots += [tables[i][p // block_size] * block_size + p % block_size for p in range(c, c + n)]
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(c + n)
+    total = qsl[-1]
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_computed_tokens=torch.tensor([c for c, _ in specs], dtype=torch.int32),
+        block_table=bt,
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        block_size=block_size,
+        num_reqs=len(specs),
+        num_actual_tokens=total,
+        max_query_len=max(n for _, n in specs),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+    )
+    q = torch.randn(total, num_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(total, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(total, num_kv_heads, head_dim, generator=g).to(dtype)
+    return common, q, k, v, kv_cache
+
+
+def reference(common, q, k, v, kv_cache, num_heads, num_kv_heads, head_dim):
+    from appliance.kernels.torch_sdpa import TorchSDPABackend
+
+    b = TorchSDPABackend(num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
+    cache = kv_cache.clone().float()
+    out = b.forward(q.float(), k.float(), v.float(), cache, b.build_metadata(common))
+    return out, cache

@@ -1,0 +1,74 @@
+"""Metadata builders of the CUDA-only backends, against hand-computed arrays,
+and their kernels where CUDA is present."""
+
+import pytest
+import torch
+
+from appliance.kernels.flash_attn_attention import build_fa3_metadata
+from appliance.kernels.flashinfer_attention import FlashInferBackend, build_csr
+from tests.kernel_helpers import make_problem
+
+
+def _common():
+    from appliance.kernels.base import CommonAttentionMetadata
+
+    # Three requests, block size 4: seq lens 5 (2 pages), 4 (1 page, full), 9 (3 pages).
+    bt = torch.tensor([[7, 3, 0], [5, 0, 0], [1, 2, 9]], dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 5, 6, 9], dtype=torch.int32),
+        seq_lens=torch.tensor([5, 4, 9], dtype=torch.int32),
+        num_computed_tokens=torch.tensor([0, 3, 6], dtype=torch.int32),
+        block_table=bt,
+        slot_mapping=torch.tensor([28, 29, 30, 31, 12, 23, 37, 38, 39], dtype=torch.long),
+        block_size=4, num_reqs=3, num_actual_tokens=9, max_query_len=5, max_seq_len=9,
+        query_start_loc_cpu=[0, 5, 6, 9], seq_lens_cpu=[5, 4, 9],
+    )
+
+
+def test_flashinfer_csr_by_hand():
+    qo, indptr, indices, last = build_csr(_common())
+    assert qo.tolist() == [0, 5, 6, 9]
+    assert indptr.tolist() == [0, 2, 3, 6]
+    assert indices.tolist() == [7, 3, 5, 1, 2, 9]
+    assert last.tolist() == [1, 4, 1]
+    md = FlashInferBackend(4, 2, 64, 0.125).build_metadata(_common())
+    assert md.paged_kv_indices.dtype == torch.int32 and md.paged_kv_indices.tolist() == [7, 3, 5, 1, 2, 9]
+
+
+def test_fa3_metadata_by_hand():
+    md = build_fa3_metadata(_common())
+    assert md.cu_seqlens_q.tolist() == [0, 5, 6, 9]
+    assert md.cache_seqlens.tolist() == [5, 4, 9]
+    assert md.page_table.tolist() == [[7, 3, 0], [5, 0, 0], [1, 2, 9]]
+    assert md.max_seqlen_q == 5 and md.page_table.dtype == torch.int32
+
+
+def test_kv_cache_dtypes():
+    assert FlashInferBackend.cache_dtype("fp8_e5m2", torch.bfloat16) == torch.float8_e5m2
+    assert FlashInferBackend.cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    from appliance.kernels.torch_sdpa import TorchSDPABackend
+
+    with pytest.raises(ValueError, match="the torch_sdpa backend has no fp8_e4m3 KV cache"):
+        TorchSDPABackend.cache_dtype("fp8_e4m3", torch.float32)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel runs only on CUDA")
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["flashinfer", "flash_attn3", "triton"])
+def test_cuda_kernels_match_sdpa(name):
+    from appliance.kernels.registry import load_backend, probe_importable
+    from tests.kernel_helpers import reference
+
+    if probe_importable(name)[0] is None:
+        pytest.skip(f"{name} not importable here")
+    common, q, k, v, cache = make_problem([(0, 37), (50, 1), (16, 9)], 16, 8, 2, 128, dtype=torch.bfloat16)
+    ref, _ = reference(common, q, k, v, cache, 8, 2, 128)
+    dev = torch.device("cuda")
+    common = type(common)(**{f: (getattr(common, f).to(dev) if torch.is_tensor(getattr(common, f)) else getattr(common, f))
+                             for f in common.__dataclass_fields__})
+    b = load_backend(name)(8, 2, 128, 128 ** -0.5)
+    out = b.forward(q.to(dev), k.to(dev), v.to(dev), cache.to(dev), b.build_metadata(common))
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=3e-2, atol=3e-2)
