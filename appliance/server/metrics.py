@@ -42,6 +42,8 @@ class Metrics:
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self._success = Counter("appliance:request_success", "Finished requests by finish reason",
                                 labels + ["finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort"):  # exported from the start, at 0
+            self._success.labels(**self.label_values, finished_reason=reason)
         self.time_to_first_token_seconds = hist("time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
         self.inter_token_latency_seconds = hist("inter_token_latency_seconds", "Time between tokens", LATENCY_BUCKETS)
         self.e2e_request_latency_seconds = hist("e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)

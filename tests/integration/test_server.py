@@ -204,6 +204,7 @@ def test_disconnect_mid_stream_frees_request_and_kv(server):
 
 
 def test_metrics_names_and_labels(server):
+    raw(server, "POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
     m = raw(server, "GET", "/metrics").text
     for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
@@ -295,3 +296,14 @@ def test_default_model_chat_over_http():
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
     finally:
         s.stop()
+
+
+def test_dashboard_metric_names_exist(server):
+    from tests.unit.test_docker import dashboard_metric_names
+
+    names = dashboard_metric_names()
+    assert len(names) >= 10
+    exported = {line.split("{")[0].split(" ")[0] for line in raw(server, "GET", "/metrics").text.splitlines()
+                if line and not line.startswith("#")}
+    missing = sorted(n for n in names if n not in exported)
+    assert not missing, missing

