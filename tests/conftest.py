@@ -4,6 +4,10 @@ import sys
 
 import pytest
 
+# Token-exact tests compare fp32 runs; pin the CPU dtype choice so the suite
+# behaves the same on CPUs with and without native bf16 (subprocesses inherit it).
+os.environ.setdefault("APPLIANCE_CPU_BF16", "0")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -6,6 +6,11 @@ import importlib
 
 KINDS = {
     "scheduler": "appliance.bench.scheduler",
+    "machine": "appliance.bench.machine",
+    "throughput": "appliance.bench.throughput",
+    "serve": "appliance.bench.serve",
+    "latency": "appliance.bench.latency",
+    "prefix": "appliance.bench.prefix",
 }
 
 

@@ -50,3 +50,62 @@ def plot_lines(out_dir: str, name: str, title: str, xlabel: str, ylabel: str, se
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_bars(out_dir: str, name: str, title: str, values: dict[str, float], ylabel: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(values) + 2), 4.5))
+    ax.bar(list(values), list(values.values()))
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.tick_params(axis="x", rotation=45)
+    ax.grid(True, axis="y", alpha=0.3)
+    path = Path(out_dir) / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    """mean, p50, p90, p99 (milliseconds in, milliseconds out)."""
+    import numpy as np
+
+    if not xs:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    a = np.asarray(xs, dtype=float)
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99))}
+
+
+def split_overrides(parser, argv: list[str]):
+    """argparse options plus Hydra overrides (the remaining key=value words)."""
+    args, rest = parser.parse_known_args(argv)
+    bad = [r for r in rest if "=" not in r or r.startswith("--")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    return args, rest
+
+
+def random_prompts(n: int, lengths: list[int], vocab: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
+    """Token-id prompts (ids 100..vocab-1, avoiding special tokens at the low end)."""
+    import random
+
+    rng = random.Random(seed)
+    prefix = [rng.randrange(100, vocab) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(100, vocab) for _ in range(max(1, lengths[i] - shared_prefix))] for i in range(n)]
+
+
+def lengths_for(n: int, fixed: int, spread: str | None, seed: int = 0) -> list[int]:
+    """``spread`` 'lo,hi' draws uniform lengths; else every length is ``fixed``."""
+    import random
+
+    if not spread:
+        return [fixed] * n
+    lo, hi = (int(x) for x in spread.split(","))
+    rng = random.Random(seed + 1)
+    return [rng.randint(lo, hi) for _ in range(n)]

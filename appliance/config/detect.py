@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -13,6 +14,23 @@ class DeviceDescription:
     capability: Optional[tuple[int, int]] = None
     memory_gib: float = 0.0
     count: int = 0
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16).
+
+    Elsewhere torch's bf16 matmuls run 100x slower than fp32, so ``dtype=auto``
+    stays fp32. ``APPLIANCE_CPU_BF16=0|1`` overrides the detection.
+    """
+    forced = os.environ.get("APPLIANCE_CPU_BF16")
+    if forced in ("0", "1"):
+        return forced == "1"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def detect_device() -> DeviceDescription:

@@ -30,11 +30,18 @@ def _v(x: Any) -> Any:
 
 
 def resolve_dtype(cfg: Any) -> str:
-    """``model.dtype=auto`` takes the hardware's first supported dtype."""
+    """``model.dtype=auto``: on CPUs, bf16 where the CPU computes it natively
+    (and the profile allows it), else fp32; elsewhere the hardware's first
+    supported dtype."""
     dtype = _v(cfg.model.dtype)
-    if dtype == "auto":
-        return cfg.hardware.supported_dtypes[0] if cfg.hardware.supported_dtypes else "float32"
-    return dtype
+    if dtype != "auto":
+        return dtype
+    supported = list(cfg.hardware.supported_dtypes) or ["float32"]
+    if _v(cfg.hardware.device_kind) == "cpu":
+        from appliance.config.detect import cpu_has_fast_bf16
+
+        return "bfloat16" if "bfloat16" in supported and cpu_has_fast_bf16() else "float32"
+    return supported[0]
 
 
 def parameter_counts(m: Any) -> dict[str, int]:

@@ -217,3 +217,12 @@ def test_cli_config_and_profiles(cli):
     r = cli("profiles")
     assert r.returncode == 0
     assert "cpu" in r.stdout and "yes" in r.stdout and "needs a CUDA device" in r.stdout
+
+
+def test_cpu_dtype_auto_follows_native_bf16(monkeypatch):
+    monkeypatch.setenv("APPLIANCE_CPU_BF16", "1")
+    p = make_plan(resolve(["+profile=cpu"]).cfg)
+    assert p.dtype == "bfloat16" and p.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2
+    monkeypatch.setenv("APPLIANCE_CPU_BF16", "0")
+    assert make_plan(resolve(["+profile=cpu"]).cfg).dtype == "float32"
+    assert make_plan(resolve(["+profile=cpu", "hardware.supported_dtypes=[float32]"]).cfg).dtype == "float32"

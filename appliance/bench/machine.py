@@ -1,0 +1,91 @@
+"""`appliance bench machine`: this machine's roofline.
+
+Memory bandwidth (a large copy, counting bytes read + written, and a large
+read) and GEMM GFLOP/s per dtype, square and at the model's decode and
+prefill shapes. Every other bench reports its figures as fractions of
+these (read from ``<out>/machine.json`` when present, else measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from appliance.bench.common import plot_bars, write_results
+
+
+def _best(fn, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def bandwidth(mib: int = 512, repeat: int = 5) -> dict:
+    n = mib * 1024 * 1024 // 4
+    a = torch.ones(n, dtype=torch.float32)
+    b = torch.empty_like(a)
+    t_copy = _best(lambda: b.copy_(a), repeat)
+    t_read = _best(lambda: a.sum(), repeat)
+    nbytes = a.numel() * 4
+    return {"copy_GBps": 2 * nbytes / t_copy / 1e9, "read_GBps": nbytes / t_read / 1e9, "bytes": nbytes}
+
+
+def gemm(m: int, n: int, k: int, dtype: torch.dtype, repeat: int = 5) -> float:
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(k, n).to(dtype)
+    t = _best(lambda: torch.mm(a, b), repeat)
+    return 2 * m * n * k / t / 1e9
+
+
+def run(size: int = 2048, mib: int = 512, repeat: int = 5, hidden: int = 576, inter: int = 1536) -> dict:
+    shapes = {f"square_{size}": (size, size, size), "decode_mlp": (1, inter, hidden), "batch32_mlp": (32, inter, hidden),
+              "prefill_mlp": (512, inter, hidden)}
+    from appliance.config.detect import cpu_has_fast_bf16
+
+    dtypes = {"fp32": torch.float32}
+    if torch.cuda.is_available() or cpu_has_fast_bf16():
+        dtypes["bf16"] = torch.bfloat16  # emulated bf16 on other CPUs is 100x slower: not a peak worth timing
+    gemms = {}
+    for name, (m, n, k) in tqdm(shapes.items(), desc="bench machine: GEMM"):
+        gemms[name] = {d: gemm(m, n, k, dt, repeat) for d, dt in dtypes.items()}
+    bw = bandwidth(mib, repeat)
+    return {"threads": torch.get_num_threads(), "bandwidth": bw, "gemm_gflops": gemms,
+            "peak_bandwidth_GBps": max(bw["copy_GBps"], bw["read_GBps"]),
+            "peak_gflops": {d: max(g[d] for g in gemms.values()) for d in dtypes}}
+
+
+def load_or_measure(out_dir: str) -> dict:
+    """The machine roofline from a previous `bench machine` in ``out_dir``, or a quick measurement."""
+    import json
+
+    path = Path(out_dir) / "machine.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    return run(size=1024, mib=256, repeat=3)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="appliance bench machine")
+    p.add_argument("--size", type=int, default=2048, help="square GEMM size")
+    p.add_argument("--mib", type=int, default=512, help="bandwidth buffer size")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--out", default="bench-results")
+    a = p.parse_args(argv)
+    res = run(a.size, a.mib, a.repeat)
+    path = write_results(a.out, "machine", res)
+    png = plot_bars(a.out, "machine", "GEMM GFLOP/s by shape and dtype",
+                    {f"{s} {d}": v for s, g in res["gemm_gflops"].items() for d, v in g.items()}, "GFLOP/s")
+    bw = res["bandwidth"]
+    print(f"memory bandwidth: copy {bw['copy_GBps']:.1f} GB/s, read {bw['read_GBps']:.1f} GB/s ({res['threads']} threads)")
+    for s, g in res["gemm_gflops"].items():
+        print(f"GEMM {s:>14}: " + ", ".join(f"{d} {v:.1f} GFLOP/s" for d, v in g.items()))
+    print(f"wrote {path} and {png}")
+    return 0

@@ -1,0 +1,189 @@
+"""`appliance bench serve`: an OpenAI-compatible load client (ours or any
+other server), after `vllm bench serve`.
+
+Streams /v1/completions with token-id prompts at each ``--max-concurrency``
+(and/or Poisson ``--request-rate``) and reports TTFT, TPOT, ITL and E2E
+latency (mean, p50, p90, p99, ms), output tok/s and goodput under TTFT/ITL
+SLOs. Without ``--base-url`` it starts `appliance run` on a free loopback
+port with the given overrides and stops it afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import httpx
+from tqdm import tqdm
+
+from appliance.bench.common import percentiles, plot_lines, random_prompts, split_overrides, write_results
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: Optional[str], prompt: list[int], output_len: int,
+                      headers: dict) -> dict:
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    t0 = time.perf_counter()
+    times: list[float] = []
+    usage = None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                return {"ok": False, "error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+    except httpx.HTTPError as e:
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    end = time.perf_counter()
+    n_out = usage["completion_tokens"] if usage else len(times)
+    if not times:
+        return {"ok": False, "error": "no tokens streamed"}
+    ttft = times[0] - t0
+    itl = [b - a for a, b in zip(times, times[1:])]
+    tpot = (end - times[0]) / (n_out - 1) if n_out > 1 else 0.0
+    return {"ok": True, "ttft": ttft, "itl": itl, "tpot": tpot, "e2e": end - t0, "output_tokens": n_out}
+
+
+async def run_level(url: str, model: Optional[str], prompts: list[list[int]], output_len: int, concurrency: int,
+                    rate: float, headers: dict, seed: int) -> dict:
+    sem = asyncio.Semaphore(concurrency)
+    rng = random.Random(seed)
+    bar = tqdm(total=len(prompts), desc=f"bench serve c={concurrency}", file=sys.stderr)
+
+    async def guarded(client, p):
+        async with sem:
+            r = await one_request(client, url, model, p, output_len, headers)
+        bar.update(1)
+        return r
+
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        tasks = []
+        t0 = time.perf_counter()
+        for p in prompts:
+            tasks.append(asyncio.create_task(guarded(client, p)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - t0
+    bar.close()
+    return {"results": results, "elapsed_s": elapsed}
+
+
+def summarize(level: dict, concurrency: int, rate: float, ttft_slo_ms: float, itl_slo_ms: float) -> dict:
+    ok = [r for r in level["results"] if r["ok"]]
+    failed = [r["error"] for r in level["results"] if not r["ok"]]
+    elapsed = level["elapsed_s"]
+    out_tokens = sum(r["output_tokens"] for r in ok)
+    good = [r for r in ok if r["ttft"] * 1e3 <= ttft_slo_ms and all(x * 1e3 <= itl_slo_ms for x in r["itl"])]
+    return {
+        "max_concurrency": concurrency, "request_rate": None if rate == float("inf") else rate,
+        "completed": len(ok), "failed": len(failed), "errors": failed[:5], "elapsed_s": elapsed,
+        "output_tok_s": out_tokens / elapsed, "requests_s": len(ok) / elapsed,
+        "goodput_requests_s": len(good) / elapsed,
+        "ttft_ms": percentiles([r["ttft"] * 1e3 for r in ok]),
+        "tpot_ms": percentiles([r["tpot"] * 1e3 for r in ok]),
+        "itl_ms": percentiles([x * 1e3 for r in ok for x in r["itl"]]),
+        "e2e_ms": percentiles([r["e2e"] * 1e3 for r in ok]),
+    }
+
+
+class _OwnServer:
+    def __init__(self, overrides: list[str], timeout_s: float = 600):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "run", *overrides,
+                                      "server.host=127.0.0.1", f"server.port={self.port}"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"appliance run exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError("appliance run did not become ready")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="appliance bench serve")
+    p.add_argument("--base-url", default=None, help="an OpenAI-compatible server; default: start appliance run")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--max-concurrency", default="1,8,32", help="comma-separated levels")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    p.add_argument("--num-prompts", type=int, default=32, help="requests per level")
+    p.add_argument("--input-len", type=int, default=100)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=None, help="token ids are drawn below this (default: the model's)")
+    p.add_argument("--ttft-slo-ms", type=float, default=1000.0)
+    p.add_argument("--itl-slo-ms", type=float, default=50.0)
+    p.add_argument("--label", default=None, help="name of the server under test in the results")
+    p.add_argument("--out", default="bench-results")
+    a, overrides = split_overrides(p, argv)
+    own = None
+    url = a.base_url.rstrip("/") if a.base_url else None
+    if url is None:
+        own = _OwnServer(overrides)
+        url = own.url
+    headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    try:
+        models = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"]
+        model = a.model or models[0]["id"]
+        vocab = a.vocab
+        if vocab is None:
+            from appliance.config.compose import resolve
+
+            vocab = resolve(overrides or ["+profile=cpu"], check=False).cfg.model.vocab_size if own else 32000
+        levels = []
+        for c in (int(x) for x in a.max_concurrency.split(",")):
+            prompts = random_prompts(a.num_prompts, [a.input_len] * a.num_prompts, vocab, seed=c)
+            raw = asyncio.run(run_level(url, model, prompts, a.output_len, c, a.request_rate, headers, seed=c))
+            levels.append(summarize(raw, c, a.request_rate, a.ttft_slo_ms, a.itl_slo_ms))
+    finally:
+        if own:
+            own.stop()
+    label = a.label or ("appliance" if own else url)
+    path = write_results(a.out, f"serve-{label.replace('/', '_').replace(':', '_')}" if a.label else "serve",
+                         {"server": label, "model": model, "input_len": a.input_len, "output_len": a.output_len,
+                          "slo": {"ttft_ms": a.ttft_slo_ms, "itl_ms": a.itl_slo_ms}, "levels": levels})
+    png = plot_lines(a.out, path.stem, f"{label}: output tok/s by concurrency", "max concurrency", "output tok/s",
+                     {label: ([lv["max_concurrency"] for lv in levels], [lv["output_tok_s"] for lv in levels])},
+                     logx=True)
+    for lv in levels:
+        print(f"c={lv['max_concurrency']:>3}: {lv['output_tok_s']:7.1f} out tok/s, TTFT p50 {lv['ttft_ms']['p50']:.0f} ms "
+              f"p99 {lv['ttft_ms']['p99']:.0f} ms, TPOT p50 {lv['tpot_ms']['p50']:.1f} ms, ITL p99 {lv['itl_ms']['p99']:.1f} ms, "
+              f"goodput {lv['goodput_requests_s']:.2f} req/s, failed {lv['failed']}")
+    print(f"wrote {path} and {png}")
+    return 0

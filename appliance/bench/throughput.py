@@ -1,0 +1,135 @@
+"""`appliance bench throughput`: offline throughput through ``LLM.generate``,
+with Hugging Face transformers on the same model and prompts as the
+baseline in the same run (``--baseline hf``).
+
+Physics printed with every figure: achieved weight-streaming bandwidth
+(weights are read once per engine step) as a fraction of `bench machine`'s
+bandwidth, and achieved GFLOP/s (2 x parameters x tokens) as a fraction of
+its GEMM peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from appliance.bench.common import lengths_for, plot_bars, random_prompts, split_overrides, write_results
+from appliance.bench.machine import load_or_measure
+
+
+def run_ours(llm: Any, prompts: list[list[int]], output_len: int) -> dict:
+    from appliance import SamplingParams
+
+    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
+    steps = 0
+    orig = llm.engine.step
+
+    def counted():
+        nonlocal steps
+        steps += 1
+        return orig()
+
+    llm.engine.step = counted
+    t = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True))
+    elapsed = time.perf_counter() - t
+    llm.engine.step = orig
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"elapsed_s": elapsed, "output_tokens": out_tokens, "steps": steps,
+            "output_tok_s": out_tokens / elapsed, "total_tok_s": (out_tokens + sum(map(len, prompts))) / elapsed,
+            "requests_s": len(prompts) / elapsed}
+
+
+def run_hf(folder: str, prompts: list[list[int]], output_len: int, dtype: str, batch_size: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    res: dict = {}
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    t = time.perf_counter()
+    n_out = 0
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i : i + batch_size]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                                 do_sample=False, pad_token_id=pad)
+            n_out += (out.shape[1] - width) * len(chunk)
+    elapsed = time.perf_counter() - t
+    res["static"] = {"elapsed_s": elapsed, "output_tokens": n_out, "output_tok_s": n_out / elapsed,
+                     "batch_size": batch_size}
+    if hasattr(model, "generate_batch"):
+        try:
+            from transformers import GenerationConfig
+
+            gc = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                                  eos_token_id=None, pad_token_id=pad)
+            t = time.perf_counter()
+            outs = model.generate_batch(inputs=prompts, generation_config=gc, progress_bar=False)
+            elapsed = time.perf_counter() - t
+            n = sum(len(o.generated_tokens) for o in outs.values())
+            res["continuous"] = {"elapsed_s": elapsed, "output_tokens": n, "output_tok_s": n / elapsed}
+        except Exception as e:  # an API that moved between versions
+            res["continuous"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    return res
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="appliance bench throughput")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=100)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--input-len-range", default=None, help="lo,hi: uniform prompt lengths instead of --input-len")
+    p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt shares")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--hf-batch-size", type=int, default=0, help="static batch size of the HF baseline (default: all)")
+    p.add_argument("--out", default="bench-results")
+    a, overrides = split_overrides(p, argv)
+    from appliance import LLM
+    from appliance.config.plan import make_plan
+    from appliance.models.loader import resolve_model_folder
+
+    machine = load_or_measure(a.out)
+    llm = LLM(overrides=overrides)
+    cfg = llm.resolved.cfg
+    plan = make_plan(cfg)
+    lens = lengths_for(a.num_prompts, a.input_len, a.input_len_range)
+    prompts = random_prompts(a.num_prompts, lens, cfg.model.vocab_size, shared_prefix=a.shared_prefix)
+    ours = run_ours(llm, prompts, a.output_len)
+    gbps = ours["steps"] * plan.weight_bytes_per_device / ours["elapsed_s"] / 1e9
+    flops = 2 * plan.parameter_count * (ours["output_tokens"] + sum(lens)) / ours["elapsed_s"] / 1e9
+    peak_flops = machine["peak_gflops"].get("bf16" if plan.dtype == "bfloat16" else "fp32", machine["peak_gflops"]["fp32"])
+    ours.update({"weight_GBps": gbps, "bandwidth_fraction": gbps / machine["peak_bandwidth_GBps"],
+                 "gflops": flops, "gemm_peak_fraction": flops / peak_flops})
+    result = {"config_hash": llm.resolved.hash, "profile": cfg.profile, "model": cfg.model.name, "dtype": plan.dtype,
+              "num_prompts": a.num_prompts, "input_lens": lens, "output_len": a.output_len,
+              "shared_prefix": a.shared_prefix, "appliance": ours, "machine": machine}
+    bars = {"appliance": ours["output_tok_s"]}
+    if a.baseline == "hf":
+        del llm  # free the engine's KV pool before the baseline loads
+        hf = run_hf(str(resolve_model_folder(cfg.model)), prompts, a.output_len, plan.dtype,
+                    a.hf_batch_size or a.num_prompts)
+        result["hf"] = hf
+        result["ratio_vs_hf_static"] = ours["output_tok_s"] / hf["static"]["output_tok_s"]
+        bars["hf static"] = hf["static"]["output_tok_s"]
+        if "output_tok_s" in hf.get("continuous", {}):
+            result["ratio_vs_hf_continuous"] = ours["output_tok_s"] / hf["continuous"]["output_tok_s"]
+            bars["hf continuous"] = hf["continuous"]["output_tok_s"]
+    path = write_results(a.out, "throughput", result)
+    png = plot_bars(a.out, "throughput", f"Output tok/s, {a.num_prompts} prompts x {a.output_len} tokens", bars, "tok/s")
+    print(f"appliance: {ours['output_tok_s']:.1f} output tok/s, {ours['total_tok_s']:.1f} total tok/s, "
+          f"{ours['requests_s']:.2f} req/s")
+    print(f"  weights streamed at {gbps:.1f} GB/s = {100 * ours['bandwidth_fraction']:.0f}% of "
+          f"{machine['peak_bandwidth_GBps']:.1f} GB/s; {flops:.1f} GFLOP/s = {100 * ours['gemm_peak_fraction']:.0f}% of GEMM peak")
+    if "hf" in result:
+        print(f"hf static batching: {result['hf']['static']['output_tok_s']:.1f} tok/s "
+              f"(appliance x{result['ratio_vs_hf_static']:.2f})")
+        cb = result["hf"].get("continuous", {})
+        print(f"hf continuous batching: " + (f"{cb['output_tok_s']:.1f} tok/s (appliance x{result['ratio_vs_hf_continuous']:.2f})"
+                                             if "output_tok_s" in cb else cb.get("error", "not available")))
+    print(f"wrote {path} and {png}")
+    return 0

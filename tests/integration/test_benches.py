@@ -1,0 +1,77 @@
+"""Every bench in a bounded form on the tiny model: results are well formed.
+Never timings: only that the numbers exist, are positive and are consistent."""
+
+import json
+
+import pytest
+
+TINY = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05"]
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory, cli):
+    d = tmp_path_factory.mktemp("bench")
+    r = cli("bench", "machine", "--size", "256", "--mib", "32", "--repeat", "1", "--out", str(d))
+    assert r.returncode == 0, r.stderr
+    return d
+
+
+@pytest.fixture(scope="module")
+def cli():
+    from tests.conftest import run_cli
+
+    return run_cli
+
+
+def load(d, name):
+    return json.loads((d / f"{name}.json").read_text())
+
+
+def test_machine(out):
+    m = load(out, "machine")
+    assert m["peak_bandwidth_GBps"] > 0 and m["peak_gflops"]["fp32"] > 0
+    assert (out / "machine.png").stat().st_size > 0
+
+
+def test_throughput_with_hf_baseline(out, cli):
+    r = cli("bench", "throughput", "--num-prompts", "3", "--input-len-range", "8,24", "--output-len", "6",
+            "--baseline", "hf", "--out", str(out), *TINY)
+    assert r.returncode == 0, r.stderr
+    t = load(out, "throughput")
+    ours = t["appliance"]
+    assert ours["output_tokens"] == 18 and ours["output_tok_s"] > 0 and ours["steps"] >= 6
+    assert 0 < ours["bandwidth_fraction"] and 0 < ours["gemm_peak_fraction"]
+    assert all(8 <= n <= 24 for n in t["input_lens"])
+    assert t["hf"]["static"]["output_tokens"] == 18
+    assert t["ratio_vs_hf_static"] == pytest.approx(ours["output_tok_s"] / t["hf"]["static"]["output_tok_s"])
+
+
+def test_latency(out, cli):
+    r = cli("bench", "latency", "--input-lens", "8,32", "--batch-sizes", "1,2", "--decode-steps", "2",
+            "--repeat", "1", "--out", str(out), *TINY)
+    assert r.returncode == 0, r.stderr
+    lat = load(out, "latency")
+    assert [p["input_len"] for p in lat["prefill"]] == [8, 32]
+    assert [d["batch_size"] for d in lat["decode"]] == [1, 2] and all(d["ms_per_step"] > 0 for d in lat["decode"])
+
+
+def test_prefix(out, cli):
+    r = cli("bench", "prefix", "--num-prompts", "3", "--prefix-len", "40", "--suffix-len", "5", "--output-len", "2",
+            "--out", str(out), *TINY)
+    assert r.returncode == 0, r.stderr
+    s = load(out, "prefix")
+    # 40 shared tokens = 2 full blocks of 16 for requests 2 and 3, out of 45 tokens each
+    assert s["summary"]["ideal_hit_rate"] == pytest.approx(2 * 32 / (3 * 45))
+    assert s["on"]["hit_rate"] == pytest.approx(s["summary"]["ideal_hit_rate"])
+    assert s["off"]["hit_rate"] == 0
+
+
+def test_serve_starts_its_own_server(out, cli):
+    r = cli("bench", "serve", "--max-concurrency", "1,3", "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
+            "--out", str(out), *TINY)
+    assert r.returncode == 0, r.stderr
+    s = load(out, "serve")
+    assert [lv["max_concurrency"] for lv in s["levels"]] == [1, 3]
+    for lv in s["levels"]:
+        assert lv["completed"] == 3 and lv["failed"] == 0 and lv["output_tok_s"] > 0
+        assert set(lv["ttft_ms"]) == {"mean", "p50", "p90", "p99"} and lv["tpot_ms"]["mean"] > 0
