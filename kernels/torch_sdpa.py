@@ -55,8 +55,9 @@ class TorchSDPABackend(AttentionBackend):
         gqa = self.num_heads != self.num_kv_heads
         if md.decode_bt is not None:
             n = md.decode_bt.shape[0]
-            kk = key_cache[md.decode_bt].view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            vv = value_cache[md.decode_bt].view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            kv = kv_cache[:, md.decode_bt]  # one gather for K and V: [2, n, blocks, block_size, kvh, d]
+            kk = kv[0].view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            vv = kv[1].view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             qq = q[md.decode_tokens].unsqueeze(2)  # [n, H, 1, D]
             o = F.scaled_dot_product_attention(
                 qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=md.decode_mask, scale=self.scale, enable_gqa=gqa

