@@ -33,7 +33,6 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: Optional[int] = None  # number of top logprobs besides the sampled one
-    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:

@@ -149,6 +149,9 @@ class Plan:
     max_model_len: int
     max_concurrency_at_max_len: float
     decode_roofline_tok_s: float
+    prefill_roofline_tok_s: float
+    compute_dtype: str
+    swap_kv_blocks: int
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -165,7 +168,9 @@ def make_plan(cfg: Any) -> Plan:
     shards = par.tensor_parallel_size * par.pipeline_parallel_size
     devices = shards * par.data_parallel_size
     total_w = weight_bytes(cfg, dtype)
-    w_dev = total_w // shards
+    # cache.cpu_offload_gib of each device's weights live in host memory (vLLM's --cpu-offload-gb).
+    offload = min(int(cfg.cache.cpu_offload_gib * GIB), total_w // shards)
+    w_dev = total_w // shards - offload
     act = activation_bytes(cfg, dtype)
     if cfg.cache.kv_cache_memory_gib is not None:
         kv_bytes = int(cfg.cache.kv_cache_memory_gib * GIB)
@@ -187,6 +192,18 @@ def make_plan(cfg: Any) -> Plan:
             notes.append(f"{sel.chosen} is not importable on this machine ({err}); it is chosen for the target hardware")
     bw = cfg.hardware.memory_bandwidth_gbps * 1e9
     roofline = bw / w_dev if w_dev else 0.0
+    peak = cfg.hardware.peak_tflops
+    compute_dtype = "fp8" if _v(cfg.quantization.method) == "fp8" and cfg.quantization.activations else {
+        "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+    tflops = getattr(peak, compute_dtype)
+    counts = parameter_counts(cfg.model)
+    prefill_roofline = tflops * 1e12 * shards / (2 * counts["total"]) if tflops else 0.0
+    if cfg.model.param_count_b and abs(counts["total"] / 1e9 - cfg.model.param_count_b) > 0.02 * cfg.model.param_count_b:
+        notes.append(f"the architecture counts {counts['total'] / 1e9:.3f} B parameters but the catalog says "
+                     f"{cfg.model.param_count_b} B: check the model.* facts")
+    if offload:
+        notes.append(f"{offload / GIB:.2f} GiB of weights per device offloaded to host memory (cache.cpu_offload_gib)")
+    swap_blocks = int(cfg.cache.swap_space_gib * GIB) // (bs * per_tok) if per_tok else 0
     return Plan(
         profile=cfg.profile,
         model=cfg.model.name,
@@ -219,6 +236,9 @@ def make_plan(cfg: Any) -> Plan:
         max_model_len=mml,
         max_concurrency_at_max_len=round(num_blocks * bs / mml, 2) if mml else 0.0,
         decode_roofline_tok_s=round(roofline, 1),
+        prefill_roofline_tok_s=round(prefill_roofline, 1),
+        compute_dtype=compute_dtype,
+        swap_kv_blocks=swap_blocks,
         notes=notes,
     )
 
@@ -245,6 +265,8 @@ def format_plan(p: Plan) -> str:
         f"kv blocks          {p.num_kv_blocks} x {p.block_size} tokens = {p.kv_tokens} tokens",
         f"max_model_len      {p.max_model_len}; max concurrency at that length {p.max_concurrency_at_max_len}x",
         f"decode roofline    {p.decode_roofline_tok_s} tok/s per sequence at batch 1 (weights / bandwidth)",
+        f"prefill roofline   {p.prefill_roofline_tok_s} tok/s ({p.compute_dtype} peak / 2 x parameters)",
+        *([f"kv swap space      {p.swap_kv_blocks} blocks in host memory (cache.swap_space_gib)"] if p.swap_kv_blocks else []),
     ]
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)

@@ -46,6 +46,9 @@ def validate(cfg: Any) -> list[str]:
     ]:
         if value < low:
             problems.append(f"{key}={value} must be at least {low}")
+    for key, value in [("cache.swap_space_gib", cache.swap_space_gib), ("cache.cpu_offload_gib", cache.cpu_offload_gib)]:
+        if value < 0:
+            problems.append(f"{key}={value} must not be negative")
     if not 0.0 < cache.memory_utilization <= 1.0:
         problems.append(f"cache.memory_utilization={cache.memory_utilization} must be in (0, 1]")
     if not 0 < cfg.server.port < 65536:

@@ -181,8 +181,13 @@ class _Choice:
     cached: int = 0
 
 
+class RequestTimeout(Exception):
+    pass
+
+
 async def _fan_out(st: ServerState, g: GenerationRequest, base_id: str) -> AsyncIterator[tuple[_Choice, dict]]:
-    """Run every (prompt, sample) child; yield (choice, delta) as they arrive."""
+    """Run every (prompt, sample) child; yield (choice, delta) as they arrive;
+    past server.request_timeout_s every child is aborted and RequestTimeout raised."""
     from dataclasses import replace
 
     admission = g.extra["admission"]
@@ -238,9 +243,14 @@ async def _fan_out(st: ServerState, g: GenerationRequest, base_id: str) -> Async
             params = replace(g.params, n=1, seed=None if g.params.seed is None else g.params.seed + k)
             tasks.append(asyncio.create_task(child(c, f"{base_id}-{c.index}", ids, params)))
     remaining = len(tasks)
+    deadline = time.monotonic() + st.resolved.cfg.server.request_timeout_s
     try:
         while remaining:
-            choice, item = await merged.get()
+            try:
+                choice, item = await asyncio.wait_for(merged.get(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise RequestTimeout(f"the request ran longer than server.request_timeout_s="
+                                     f"{st.resolved.cfg.server.request_timeout_s:g} s and was aborted") from None
             if item is None:
                 remaining -= 1
                 continue
@@ -260,6 +270,8 @@ def _map_engine_error(e: Exception) -> OpenAIError:
         return OpenAIError(503, f"the engine is not available: {e}", code="engine_dead", headers={"Retry-After": "30"})
     if isinstance(e, RequestRejected):
         return OpenAIError(400, str(e))
+    if isinstance(e, RequestTimeout):
+        return OpenAIError(408, str(e), code="request_timeout")
     raise e
 
 
@@ -402,7 +414,7 @@ async def completions(request: Request) -> Response:
             if include_usage:
                 yield _sse({"id": base_id, "object": "text_completion", "created": created, "model": st.model_name,
                             "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
-        except (EngineDeadError, RequestRejected) as e:
+        except (EngineDeadError, RequestRejected, RequestTimeout) as e:
             yield _sse(_map_engine_error(e).body())
         yield "data: [DONE]\n\n"
 
@@ -483,7 +495,7 @@ async def chat_completions(request: Request) -> Response:
                     "finish_reason": d["finish_reason"] if d["finished"] else None}]})
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": usage(len(ids), completion_tokens)})
-        except (EngineDeadError, RequestRejected) as e:
+        except (EngineDeadError, RequestRejected, RequestTimeout) as e:
             yield _sse(_map_engine_error(e).body())
         yield "data: [DONE]\n\n"
 

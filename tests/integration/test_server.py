@@ -307,3 +307,25 @@ def test_dashboard_metric_names_exist(server):
                 if line and not line.startswith("#")}
     missing = sorted(n for n in names if n not in exported)
     assert not missing, missing
+
+
+def test_request_timeout_aborts_and_answers_408():
+    s = ServerProcess("model=tiny_random", "cache.kv_cache_memory_gib=0.05", "server.request_timeout_s=0.5")
+    try:
+        r = httpx.post(f"{s.url}/v1/completions", timeout=60,
+                       json={"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True})
+        assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
+        assert "server.request_timeout_s=0.5" in r.json()["error"]["message"]
+        with httpx.stream("POST", f"{s.url}/v1/completions", timeout=60,
+                          json={"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}) as st:
+            lines = [ln for ln in st.iter_lines() if ln]
+        assert lines[-1] == "data: [DONE]" and "request_timeout" in lines[-2]
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            m = httpx.get(f"{s.url}/metrics").text
+            if metric(m, "appliance:num_requests_running") == 0:
+                break
+            time.sleep(0.1)
+        assert metric(m, "appliance:num_requests_running") == 0  # both requests were aborted in the core
+    finally:
+        s.stop()

@@ -107,6 +107,7 @@ def _problems(*overrides):
         (["+profile=cpu", "scheduler.max_long_partial_prefills=2"], "scheduler.max_long_partial_prefills=2 exceeds"),
         (["+profile=cpu", "attention.backend=magic"], "attention.backend=magic is unknown"),
         (["+profile=cpu", "cache.memory_utilization=1.5"], "cache.memory_utilization=1.5 must be in (0, 1]"),
+        (["+profile=cpu", "cache.swap_space_gib=-1"], "cache.swap_space_gib=-1.0 must not be negative"),
     ],
 )
 def test_cross_field_rules(overrides, expected):
@@ -226,3 +227,18 @@ def test_cpu_dtype_auto_follows_native_bf16(monkeypatch):
     monkeypatch.setenv("APPLIANCE_CPU_BF16", "0")
     assert make_plan(resolve(["+profile=cpu"]).cfg).dtype == "float32"
     assert make_plan(resolve(["+profile=cpu", "hardware.supported_dtypes=[float32]"]).cfg).dtype == "float32"
+
+
+def test_plan_rooflines_offload_swap_and_catalog_check():
+    base = make_plan(resolve(["+profile=h100_fp8", "model=llama3_1_8b"]).cfg)
+    # fp8 W8A8 runs on the fp8 peak: 1979 TFLOP/s / (2 x 8.03e9 parameters)
+    assert base.compute_dtype == "fp8"
+    assert base.prefill_roofline_tok_s == round(1979e12 / (2 * 8_030_261_248), 1)
+    off = make_plan(resolve(["+profile=h100_fp8", "model=llama3_1_8b", "cache.cpu_offload_gib=2"]).cfg)
+    assert off.weight_bytes_per_device == base.weight_bytes_per_device - 2 * GIB
+    assert off.num_kv_blocks > base.num_kv_blocks
+    assert any("offloaded to host memory" in n for n in off.notes)
+    swap = make_plan(resolve(["+profile=h100_fp8", "model=llama3_1_8b", "cache.swap_space_gib=4"]).cfg)
+    assert swap.swap_kv_blocks == 4 * GIB // (16 * swap.kv_bytes_per_token)
+    wrong = make_plan(resolve(["+profile=cpu", "model.param_count_b=0.5"]).cfg)
+    assert any("catalog says 0.5 B" in n for n in wrong.notes)
