@@ -37,13 +37,15 @@ class RequestOutputDelta:
 
 @dataclass
 class StepStats:
-    num_scheduled_tokens: int = 0
+    """Gauges and counters of the core after a step (sent to the front end)."""
+
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
     num_preemptions: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    iteration_tokens: int = 0  # tokens scheduled by the last step (0: no step ran)
 
 
 class EngineCore:
@@ -78,6 +80,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def stats(self, iteration_tokens: int = 0) -> StepStats:
+        s, kv = self.scheduler, self.scheduler.kv
+        return StepStats(len(s.running), len(s.waiting), kv.usage(), s.num_preemptions, kv.stats.queries,
+                         kv.stats.hits, iteration_tokens)
+
     def step(self) -> list[RequestOutputDelta]:
         sched_out = self.scheduler.schedule()
         runner_out = self.runner.execute(sched_out)
@@ -109,16 +116,7 @@ class EngineCore:
                 if u.new_token_ids and req.num_output_tokens == len(u.new_token_ids) and req.first_scheduled_time
                 else None,
             ))
-        kv = self.scheduler.kv
-        self.last_stats = StepStats(
-            num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_usage=kv.usage(),
-            num_preemptions=self.scheduler.num_preemptions,
-            prefix_queries=kv.stats.queries,
-            prefix_hits=kv.stats.hits,
-        )
+        self.last_stats = self.stats(sched_out.total_num_scheduled_tokens)
         return deltas
 
 

@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
+from appliance.engine.core import StepStats
 from appliance.server.core_proc import decode, encode, params_to_dict, run_core
 
 log = logging.getLogger("appliance.server")
@@ -32,30 +33,19 @@ class RequestRejected(ValueError):
 
 
 @dataclass
-class CoreStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    num_preemptions: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    iteration_tokens: int = 0
-
-
-@dataclass
 class _Pending:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
 
 
 class EngineClient:
-    def __init__(self, resolved: Any, selection: Any, on_stats: Optional[Callable[[CoreStats, CoreStats], None]] = None):
+    def __init__(self, resolved: Any, selection: Any, on_stats: Optional[Callable[[StepStats, StepStats], None]] = None):
         self.resolved = resolved
         self.selection = selection
         self.on_stats = on_stats
         self.proc: Optional[mp.process.BaseProcess] = None
         self.pending: dict[str, _Pending] = {}
-        self.stats = CoreStats()
+        self.stats = StepStats()
         self.ready_info: dict = {}
         self.dead = False
         self.dead_reason = ""
@@ -139,7 +129,7 @@ class EngineClient:
                     p = self.pending.get(d["request_id"])
                     if p is not None:
                         p.queue.put_nowait(d)
-                old, self.stats = self.stats, CoreStats(**msg["stats"])
+                old, self.stats = self.stats, StepStats(**msg["stats"])
                 if self.on_stats:
                     self.on_stats(old, self.stats)
             elif kind == "request_error":

@@ -108,17 +108,8 @@ def _warm_up(engine: Any, tokenizer: Any) -> None:
     kv.stats = PrefixCacheStats()
 
 
-def _stats(engine: Any, num_tokens: int) -> dict:
-    st = engine.last_stats
-    return {
-        "num_running": len(engine.scheduler.running),
-        "num_waiting": len(engine.scheduler.waiting),
-        "kv_usage": engine.scheduler.kv.usage(),
-        "num_preemptions": engine.scheduler.num_preemptions,
-        "prefix_queries": engine.scheduler.kv.stats.queries,
-        "prefix_hits": engine.scheduler.kv.stats.hits,
-        "iteration_tokens": num_tokens if num_tokens else st.num_scheduled_tokens,
-    }
+def _stats(engine: Any, iteration_tokens: int = 0) -> dict:
+    return dataclasses.asdict(engine.stats(iteration_tokens))
 
 
 def _loop(engine: Any, pull: Any, push: Any) -> None:
@@ -154,6 +145,6 @@ def _loop(engine: Any, pull: Any, push: Any) -> None:
         if engine.has_unfinished_requests():
             deltas = engine.step()
             push.send(encode({"type": "outputs", "outputs": [delta_to_dict(d) for d in deltas],
-                              "stats": _stats(engine, engine.last_stats.num_scheduled_tokens)}))
+                              "stats": dataclasses.asdict(engine.last_stats)}))
         elif changed:
             push.send(encode({"type": "outputs", "outputs": [], "stats": _stats(engine, 0)}))
