@@ -73,6 +73,8 @@ def check_runnable(resolved: ResolvedConfig, device: DeviceDescription | None = 
 
 def serve(resolved: ResolvedConfig) -> int:
     sel = check_runnable(resolved)
+    if resolved.profile_reason:
+        print(f"profile auto -> {resolved.cfg.profile}: {resolved.profile_reason}")
     print(format_plan(make_plan(resolved.cfg)))
     print(f"attention backend at run time: {sel.chosen}")
     from appliance.server.launch import serve_forever
