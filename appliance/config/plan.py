@@ -85,13 +85,16 @@ def weight_bytes(cfg: Any, dtype: str) -> int:
         per_group = 16 if method in ("fp8", "gguf") else 32
         bits += per_group / q.group_size
     linear = int(counts["linear"] * bits / 8)
-    if method == "fp8":  # per-output-channel fp32 scales
+    if method in ("fp8", "int8_wo"):  # per-output-channel fp32 scales
         linear += 4 * cfg.model.num_layers * (
             cfg.model.num_heads * cfg.model.head_dim
             + 2 * cfg.model.num_kv_heads * cfg.model.head_dim
             + cfg.model.hidden_size
             + 2 * cfg.model.intermediate_size
         )
+    if method == "int8_wo":  # the LM head is quantized too (a tied model keeps its embedding for lookups)
+        lm_rows = cfg.model.vocab_size
+        return linear + lm_rows * (cfg.model.hidden_size + 4) + (counts["embedding"] + counts["other"]) * full
     return linear + (counts["embedding"] + counts["lm_head"] + counts["other"]) * full
 
 

@@ -29,6 +29,7 @@ class QuantMethod(str, Enum):
     gguf = "gguf"
     awq = "awq"
     gptq = "gptq"
+    int8_wo = "int8_wo"
 
 
 class KVCacheDType(str, Enum):

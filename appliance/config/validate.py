@@ -65,6 +65,10 @@ def validate(cfg: Any) -> list[str]:
             f"quantization=fp8 (W8A8) needs native fp8 and hardware={hw.name} has none; "
             f"use quantization=none, or a profile on {FP8_HARDWARE}"
         )
+    if _v(q.method) == "int8_wo" and _v(hw.device_kind) != "cpu":
+        problems.append(
+            f"quantization=int8_wo is the CPU weight-only path; on hardware={hw.name} use quantization=fp8, awq or gptq"
+        )
     kv = _v(cache.kv_cache_dtype)
     if kv != "auto" and not hw.fp8:
         problems.append(

@@ -121,7 +121,7 @@ class EngineCore:
 
 
 # gguf checkpoints are dequantized into the compute dtype at load.
-RUNNABLE_QUANTIZATION = ("none", "gguf")
+RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo")
 
 
 def build_engine(resolved: Any, selection: Any = None) -> tuple[EngineCore, Any]:
@@ -156,6 +156,10 @@ def build_engine(resolved: Any, selection: Any = None) -> tuple[EngineCore, Any]
     backend = backend_cls(m.num_heads, m.num_kv_heads, m.head_dim, m.head_dim ** -0.5,
                           getattr(cfg.cache.kv_cache_dtype, "value", cfg.cache.kv_cache_dtype))
     model, tokenizer, _ = load_model(m, backend, dtype, device)
+    if method == "int8_wo":
+        from appliance.models.quant import quantize_int8_weight_only
+
+        quantize_int8_weight_only(model)
     plan = make_plan(cfg)
     num_blocks = cfg.cache.num_blocks or plan.num_kv_blocks
     mml = max_model_len(cfg)

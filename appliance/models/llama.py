@@ -216,6 +216,7 @@ class LlamaForCausalLM(nn.Module):
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self._rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.lm_head_q: Optional[nn.Module] = None  # set by quantize_int8_weight_only
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
@@ -242,4 +243,6 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, attn_metadata)
         x = self.model.norm(x[logits_indices])
+        if self.lm_head_q is not None:
+            return self.lm_head_q(x).float()
         return F.linear(x, self.lm_head_weight()).float()

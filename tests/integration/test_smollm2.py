@@ -38,3 +38,22 @@ def test_generate_cli_answers_paris(cli):
     r = cli("generate", "prompt=What is the capital of France?", "max_tokens=20")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
+
+
+def test_int8_weight_only_keeps_next_token_log_likelihoods():
+    """Parity of quantization=int8_wo against the fp32 model: next-token
+    log-probabilities of the top candidates after each of 8 prompts."""
+    ref = LLM(overrides=BASE)
+    q = LLM(overrides=BASE + ["quantization=int8_wo"])
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=10)
+    diffs, top1 = [], 0
+    for prompt in PROMPTS[:8]:
+        a = ref.generate(prompt, params, use_tqdm=False)[0].outputs[0].logprobs[0]
+        b = q.generate(prompt, params, use_tqdm=False)[0].outputs[0].logprobs[0]
+        top1 += a.token_id == b.token_id
+        qb = dict(b.top)
+        diffs += [abs(v - qb[t]) for t, v in a.top[:5] if t in qb]
+    assert top1 >= 7
+    assert sum(diffs) / len(diffs) < 0.15  # mean |delta log p| in nats over the shared top candidates
+    assert "Paris" in q.chat([{"role": "user", "content": "What is the capital of France?"}],
+                             SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text

@@ -16,7 +16,7 @@ MODELS = ["llama3_1_8b", "mistral_7b", "qwen2_5_0_5b", "qwen3_8b", "smollm2_135m
 def test_catalog_is_complete():
     assert list_profiles() == PROFILES
     assert list_options("model") == MODELS
-    assert list_options("quantization") == ["awq", "fp8", "gguf", "gptq", "none"]
+    assert list_options("quantization") == ["awq", "fp8", "gguf", "gptq", "int8_wo", "none"]
     assert list_options("parallel") == ["dp8_ep", "single", "tp2", "tp8", "tp8_pp2"]
     assert list_options("scheduler") == ["default", "latency", "throughput"]
     assert list_options("hardware") == ["b200", "cpu", "h100", "h200", "mi300x"]
@@ -108,6 +108,7 @@ def _problems(*overrides):
         (["+profile=cpu", "attention.backend=magic"], "attention.backend=magic is unknown"),
         (["+profile=cpu", "cache.memory_utilization=1.5"], "cache.memory_utilization=1.5 must be in (0, 1]"),
         (["+profile=cpu", "cache.swap_space_gib=-1"], "cache.swap_space_gib=-1.0 must not be negative"),
+        (["+profile=h100_bf16", "quantization=int8_wo"], "quantization=int8_wo is the CPU weight-only path"),
     ],
 )
 def test_cross_field_rules(overrides, expected):
@@ -242,3 +243,12 @@ def test_plan_rooflines_offload_swap_and_catalog_check():
     assert swap.swap_kv_blocks == 4 * GIB // (16 * swap.kv_bytes_per_token)
     wrong = make_plan(resolve(["+profile=cpu", "model.param_count_b=0.5"]).cfg)
     assert any("catalog says 0.5 B" in n for n in wrong.notes)
+
+
+def test_int8_wo_plan_bytes():
+    fp32 = make_plan(resolve(["+profile=cpu"]).cfg)
+    q = make_plan(resolve(["+profile=cpu", "quantization=int8_wo"]).cfg)
+    counts = parameter_counts(resolve(["+profile=cpu"]).cfg.model)
+    scales = 4 * 30 * (576 + 2 * 192 + 576 + 2 * 1536)
+    assert q.weight_bytes_total == counts["linear"] + scales + 49152 * (576 + 4) + (counts["embedding"] + counts["other"]) * 4
+    assert q.weight_bytes_total < fp32.weight_bytes_total / 2
