@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
         print(f"hf static batching: {result['hf']['static']['output_tok_s']:.1f} tok/s "
               f"(appliance x{result['ratio_vs_hf_static']:.2f})")
         cb = result["hf"].get("continuous", {})
-        print(f"hf continuous batching: " + (f"{cb['output_tok_s']:.1f} tok/s (appliance x{result['ratio_vs_hf_continuous']:.2f})"
+        print("hf continuous batching: " + (f"{cb['output_tok_s']:.1f} tok/s (appliance x{result['ratio_vs_hf_continuous']:.2f})"
                                              if "output_tok_s" in cb else cb.get("error", "not available")))
     print(f"wrote {path} and {png}")
     return 0

@@ -400,7 +400,7 @@ class Scheduler:
         """
         stopped_by_caller = stopped_by_caller or {}
         updates = []
-        for rid, n in sched_out.num_scheduled_tokens.items():
+        for rid in sched_out.num_scheduled_tokens:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue  # aborted while the step ran

@@ -1,7 +1,6 @@
 """The real server on 127.0.0.1 driven by the openai client and raw httpx."""
 
 import asyncio
-import json
 import time
 
 import httpx

@@ -1,6 +1,5 @@
 """Committed resolved configs and semantic diffs."""
 
-import pytest
 
 import appliance.config.lock as lock
 from appliance.config.compose import resolve

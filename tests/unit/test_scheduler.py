@@ -4,7 +4,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from appliance.engine.request import RequestStatus
 from tests.unit.engine_helpers import EOS, make_req, make_scheduler, null_step
 
 
