@@ -67,15 +67,17 @@ class TorchSDPABackend(AttentionBackend):
         for i in md.prefill_reqs:
             start, end = qsl[i], qsl[i + 1]
             q_len, ctx = end - start, seq_lens[i]
-            nblocks = -(-ctx // bs)
-            bt = c.block_table[i, :nblocks].long()
-            kk = key_cache[bt].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx].transpose(0, 1)
-            vv = value_cache[bt].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx].transpose(0, 1)
             qq = q[start:end].transpose(0, 1)  # [H, q_len, D]
             prefix = ctx - q_len
             if prefix == 0:
-                o = F.scaled_dot_product_attention(qq, kk.to(q.dtype), vv.to(q.dtype), is_causal=True, scale=self.scale, enable_gqa=gqa)
+                # A fresh prompt attends only to its own chunk: use this step's K/V, no cache gather.
+                o = F.scaled_dot_product_attention(qq, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
+                                                   is_causal=True, scale=self.scale, enable_gqa=gqa)
             else:
+                nblocks = -(-ctx // bs)
+                bt = c.block_table[i, :nblocks].long()
+                kk = key_cache[bt].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx].transpose(0, 1)
+                vv = value_cache[bt].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx].transpose(0, 1)
                 mask = torch.arange(ctx).view(1, -1) <= (prefix + torch.arange(q_len)).view(-1, 1)
                 o = F.scaled_dot_product_attention(qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=mask, scale=self.scale, enable_gqa=gqa)
             out[start:end] = o.transpose(0, 1)
