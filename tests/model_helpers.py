@@ -24,6 +24,9 @@ TINY_VARIANTS = {
     "llama": [],
     "qwen2": ["model.architecture=Qwen2ForCausalLM", "model.qkv_bias=true"],
     "qwen3": ["model.architecture=Qwen3ForCausalLM", "model.qk_norm=true"],
+    # Llama 3 rope scaling with a short original context, so every frequency band is exercised.
+    "llama3_rope": ["model.rope_scaling.type=llama3", "model.rope_scaling.factor=8.0",
+                    "model.rope_scaling.original_max_position_embeddings=32", "model.rope_theta=500000.0"],
 }
 
 

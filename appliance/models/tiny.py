@@ -67,6 +67,12 @@ def hf_config_dict(m: Any, vocab_size: int) -> dict:
         "attention_bias": m.qkv_bias,
         "torch_dtype": "float32",
     }
+    rs = m.rope_scaling
+    rs_type = getattr(rs.type, "value", rs.type)
+    if rs_type != "none":
+        cfg["rope_scaling"] = {"rope_type": rs_type, "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+                               "high_freq_factor": rs.high_freq_factor,
+                               "original_max_position_embeddings": rs.original_max_position_embeddings}
     return cfg
 
 
