@@ -15,9 +15,6 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import time
 from typing import Optional
@@ -105,37 +102,6 @@ def summarize(level: dict, concurrency: int, rate: float, ttft_slo_ms: float, it
     }
 
 
-class _OwnServer:
-    def __init__(self, overrides: list[str], timeout_s: float = 600):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "run", *overrides,
-                                      "server.host=127.0.0.1", f"server.port={self.port}"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"appliance run exited: {self.proc.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError("appliance run did not become ready")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-
-
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="appliance bench serve")
     p.add_argument("--base-url", default=None, help="an OpenAI-compatible server; default: start appliance run")
@@ -155,7 +121,9 @@ def main(argv: list[str]) -> int:
     own = None
     url = a.base_url.rstrip("/") if a.base_url else None
     if url is None:
-        own = _OwnServer(overrides)
+        from appliance.server.local import LocalServer
+
+        own = LocalServer(overrides, ready_path="/ready")
         url = own.url
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     try:

@@ -1,0 +1,69 @@
+"""`appliance run` on a free loopback port, for benchmarks and tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """Starts the server in its own process group and waits until ``ready_path`` answers 200."""
+
+    def __init__(self, overrides: list[str], ready_path: str = "/health", timeout_s: float = 600,
+                 log_path: Optional[str] = None, cwd: Optional[str] = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path or os.path.join(tempfile.gettempdir(), f"appliance-server-{self.port}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "appliance.cli", "run", *overrides, "server.host=127.0.0.1", f"server.port={self.port}"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
+        )
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"appliance run exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}{ready_path}", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"appliance run was not ready after {timeout_s:.0f} s:\n{self.output()[-4000:]}")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def terminate(self, timeout: float = 60) -> int:
+        """SIGTERM to the server process alone (as an orchestrator sends it); its exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(60)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.log.close()
