@@ -124,14 +124,6 @@ class RequestUpdate:
     finished: bool
 
 
-@dataclass
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_preemptions: int = 0
-    kv_usage: float = 0.0
-
-
 class Scheduler:
     def __init__(
         self,
@@ -191,9 +183,6 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(len(self.waiting))
-
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions, self.kv.usage())
 
     # ------------------------------------------------------------------------
     def _rank(self, r: Request) -> tuple:
