@@ -105,6 +105,17 @@ BACKENDS: dict[str, BackendCapabilities] = {
         head_sizes=tuple(range(8, 513, 8)),
         block_size_multiple=1,
     ),
+    "cpu_native": BackendCapabilities(
+        name="cpu_native",
+        display_name="native CPU kernels (AVX2, whole-step forward)",
+        impl_path="appliance.kernels.cpu_native:CpuNativeBackend",
+        probe_modules=("appliance.kernels.cpu_native",),
+        device_kinds=("cpu",),
+        dtypes=("float32",),
+        kv_dtypes=("auto",),
+        head_sizes=tuple(range(8, 513, 8)),
+        block_size_multiple=1,
+    ),
     "triton": BackendCapabilities(
         name="triton",
         display_name="Triton unified paged attention",

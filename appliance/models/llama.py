@@ -217,6 +217,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self._rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.lm_head_q: Optional[nn.Module] = None  # set by quantize_int8_weight_only
+        # A backend with ``native_forward`` (cpu_native) runs the whole step in one
+        # native call; built at the first forward, after any quantization.
+        self._native_enabled = bool(getattr(backend, "native_forward", False))
+        self._native: Any = None
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
@@ -227,6 +231,7 @@ class LlamaForCausalLM(nn.Module):
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self._rope = (emb.cos().to(dtype), emb.sin().to(dtype))
+        self._native = None  # rebuilt on the next forward with the new tables
 
     def forward(
         self,
@@ -237,6 +242,12 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         assert self._rope is not None, "call rope_cache() once before forward"
+        if self._native_enabled:
+            if self._native is None:
+                from appliance.kernels.cpu_native import NativeForward
+
+                self._native = NativeForward(self)
+            return self._native(input_ids, positions, kv_caches, attn_metadata, logits_indices)
         cos = self._rope[0][positions].unsqueeze(1)  # [T, 1, D]
         sin = self._rope[1][positions].unsqueeze(1)
         x = self.model.embed_tokens(input_ids)

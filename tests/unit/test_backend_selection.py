@@ -9,7 +9,8 @@ from appliance.config.plan import make_plan
 from appliance.runner import check_runnable
 
 EXPECTED = {
-    "cpu": ("torch_sdpa", []),
+    "cpu": ("cpu_native", []),
+    "cpu_int8": ("cpu_native", []),
     "h100_bf16": ("flash_attn3", []),
     "h100_fp8": ("flash_attn3", []),
     "h200_fp8": ("flash_attn3", []),
@@ -19,6 +20,7 @@ EXPECTED = {
 
 DEVICES = {
     "cpu": DeviceDescription("cpu"),
+    "cpu_int8": DeviceDescription("cpu"),
     "h100_bf16": DeviceDescription("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 79.6, 8),
     "h100_fp8": DeviceDescription("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 79.6, 8),
     "h200_fp8": DeviceDescription("cuda", "NVIDIA H200", (9, 0), 139.8, 8),
@@ -38,7 +40,7 @@ def fake_packages(monkeypatch, importable):
 
 @pytest.mark.parametrize("profile", list(EXPECTED))
 def test_plan_names_backend_for_every_profile(profile):
-    p = make_plan(resolve([f"+profile={profile}", "model=llama3_1_8b" if profile != "cpu" else "model=smollm2_135m"]).cfg)
+    p = make_plan(resolve([f"+profile={profile}", "model=llama3_1_8b" if not profile.startswith("cpu") else "model=smollm2_135m"]).cfg)
     assert p.attention_backend == EXPECTED[profile][0]
     assert p.attention_chain[-1].startswith(f"{EXPECTED[profile][0]}: chosen")
 
@@ -106,3 +108,17 @@ def test_cli_plan_prints_chain_for_every_profile(cli):
         assert f"attention backend  {backend}" in r.stdout
         if backend in ("flash_attn3", "flashinfer"):  # CUDA-only packages, not installed on CPU machines
             assert f"{backend} is not importable on this machine" in r.stdout
+
+
+def test_cpu_falls_back_to_torch_sdpa_when_native_kernels_cannot_build(monkeypatch):
+    fake_packages(monkeypatch, {"torch_sdpa"})
+    sel = check_runnable(resolve(["+profile=cpu"]), DEVICES["cpu"])
+    assert sel.chosen == "torch_sdpa" and sel.fallback_used
+    assert any(line.startswith("cpu_native: rejected: package not importable") for line in sel.explain())
+
+
+def test_cpu_native_refuses_bf16_and_fp8_kv():
+    cfg = resolve(["+profile=cpu", "model.dtype=bfloat16"]).cfg
+    assert any("dtype bfloat16" in r for r in reg.BACKENDS["cpu_native"].validate(cfg, "bfloat16"))
+    p = make_plan(cfg)
+    assert p.attention_backend == "torch_sdpa"

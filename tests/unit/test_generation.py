@@ -30,9 +30,11 @@ def _greedy(llm, prompts, **kw):
     return ids, [o.outputs[0].token_ids for o in outs], outs
 
 
+@pytest.mark.parametrize("backend", ["cpu_native", "torch_sdpa"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_greedy_matches_hf_token_for_token(variant, scenario):
-    llm = LLM(overrides=BASE + TINY_VARIANTS[variant] + SCENARIOS[scenario])
+def test_greedy_matches_hf_token_for_token(variant, scenario, backend):
+    llm = LLM(overrides=BASE + TINY_VARIANTS[variant] + SCENARIOS[scenario] + [f"attention.backend={backend}"])
+    assert llm.engine.runner.backend.name == backend
     prompts = PROMPTS
     if scenario == "prefix_cache":
         system = "A scheduler hands out tokens under one budget every step. "

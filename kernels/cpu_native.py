@@ -1,0 +1,285 @@
+"""Native CPU execution (``attention.backend=cpu_native``).
+
+``csrc/cpu_ops.c`` holds AVX2/FMA kernels: int8-or-fp32-weight GEMMs with
+the dequantization in registers, paged attention that reads K/V blocks in
+place (no gather), fused RMSNorm/rope/KV-write/SiLU, and ``appl_forward``,
+which runs a whole Llama-family step in one call so a decode step pays no
+per-op Python or dispatcher cost. The library is compiled with the
+system's C compiler at first use and cached by source hash under
+``$APPLIANCE_CACHE_DIR/kernels`` (default ``~/.cache/appliance/kernels``).
+Importing this module builds or loads it; any failure (no compiler, no
+AVX2/FMA) raises ImportError with the reason, which the backend selector
+reports as "package not importable".
+
+As an attention backend it also serves the layer-by-layer torch model
+(``forward``); the model switches to ``NativeForward`` when its backend
+says ``native_forward``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+REQUIRED_CPU_FLAGS = ("avx2", "fma")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("APPLIANCE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "appliance")
+    return Path(root) / "kernels"
+
+
+def build_library() -> Path:
+    """Compile cpu_ops.c once per source/flags hash; return the .so path."""
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        raise ImportError(f"cpu_native needs a CPU with {', '.join(REQUIRED_CPU_FLAGS)}; this one lacks {', '.join(missing)}")
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        raise ImportError("cpu_native needs a C compiler (gcc) to build its kernels; none on PATH")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    out = _cache_root() / f"cpu_ops-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        try:
+            proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        except OSError as e:
+            raise ImportError(f"building cpu_native kernels with {cc} failed: {e}") from e
+        if proc.returncode != 0:
+            raise ImportError(f"building cpu_native kernels with {cc} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # atomic: concurrent builders agree on the result
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+# Load after torch so the library's libgomp.so.1 resolves to the one torch loaded.
+_LIB = ctypes.CDLL(str(build_library()))
+
+WTYPE_F32, WTYPE_I8 = 0, 1
+_p = ctypes.c_void_p
+_i32, _i64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [("w", _p), ("scale", _p), ("bias", _p), ("n", _i32), ("k", _i32), ("wtype", _i32), ("_pad", _i32)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("ln1", _p), ("ln2", _p), ("q_norm", _p), ("k_norm", _p),
+                ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
+                ("k_cache", _p), ("v_cache", _p)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("n_layers", _i32), ("hidden", _i32), ("inter", _i32), ("n_heads", _i32), ("n_kv_heads", _i32),
+                ("head_dim", _i32), ("vocab", _i32), ("max_pos", _i32), ("eps", _f32), ("attn_scale", _f32),
+                ("embed", _p), ("final_norm", _p), ("rope_cos", _p), ("rope_sin", _p),
+                ("lm_head", Linear), ("layers", ctypes.POINTER(Layer))]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [("n_tokens", _i32), ("n_reqs", _i32), ("n_logits", _i32), ("block_size", _i32),
+                ("bt_stride", _i32), ("_pad", _i32),
+                ("input_ids", _p), ("positions", _p), ("slot_mapping", _p), ("logits_indices", _p),
+                ("qsl", _p), ("seq_lens", _p), ("block_table", _p), ("scratch", _p), ("logits", _p)]
+
+
+_LIB.appl_forward.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Step)]
+_LIB.appl_forward.restype = None
+_LIB.appl_scratch_floats.argtypes = [ctypes.POINTER(Model), _i64]
+_LIB.appl_scratch_floats.restype = _i64
+_LIB.appl_linear.argtypes = [ctypes.POINTER(Linear), _p, _i64, _p, _i64, _i64, ctypes.c_int]
+_LIB.appl_linear.restype = None
+_LIB.appl_attention.argtypes = [_p, _i64, _p, _i64, _p, _p, ctypes.c_int, ctypes.c_int, _p, _p, _p,
+                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, _f32]
+_LIB.appl_attention.restype = None
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def _f32_contig(t: torch.Tensor, what: str) -> torch.Tensor:
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"cpu_native needs fp32 CPU tensors; {what} is {t.dtype} on {t.device}")
+    return t.contiguous()
+
+
+class NativeLinear:
+    """A ctypes view of an fp32 nn.Linear or an int8 weight-only linear.
+
+    Keeps references to the tensors it points at."""
+
+    def __init__(self, module: Any):
+        if hasattr(module, "weight_int8"):
+            w = module.weight_int8.contiguous()
+            scale = _f32_contig(module.scale, "an int8 scale")
+            wtype = WTYPE_I8
+        else:
+            w, scale, wtype = _f32_contig(module.weight.data, "a linear weight"), None, WTYPE_F32
+        bias = getattr(module, "bias", None)
+        bias = None if bias is None else _f32_contig(bias.data, "a linear bias")
+        self._keep = (w, scale, bias)
+        n, k = w.shape
+        self.struct = Linear(_ptr(w), _ptr(scale), _ptr(bias), n, k, wtype, 0)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor) -> "NativeLinear":
+        class _W:
+            pass
+
+        m = _W()
+        m.weight, m.bias = weight, None
+        return cls(m)
+
+    def __call__(self, x: torch.Tensor, out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
+        x = _f32_contig(x, "the activation")
+        m = x.shape[0]
+        if out is None:
+            out = torch.empty(m, self.struct.n, dtype=torch.float32)
+        _LIB.appl_linear(ctypes.byref(self.struct), x.data_ptr(), x.shape[1], out.data_ptr(), out.shape[1], m,
+                         int(accumulate))
+        return out
+
+
+@dataclass
+class NativeMetadata:
+    common: CommonAttentionMetadata
+    qsl: torch.Tensor  # int32, contiguous
+    seq_lens: torch.Tensor  # int32
+    block_table: torch.Tensor  # int32 [num_reqs, stride]
+
+
+def paged_attention(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, md: NativeMetadata,
+                    num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    """q [T, H*D] (row stride may exceed H*D), out [T, H*D]: attention over the paged cache in place."""
+    c = md.common
+    _LIB.appl_attention(q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), kv_cache[0].data_ptr(),
+                        kv_cache[1].data_ptr(), c.num_actual_tokens, c.num_reqs, md.qsl.data_ptr(),
+                        md.seq_lens.data_ptr(), md.block_table.data_ptr(), md.block_table.stride(0), c.block_size,
+                        num_heads, num_kv_heads, head_dim, scale)
+
+
+class CpuNativeBackend(AttentionBackend):
+    name = "cpu_native"
+    native_forward = True
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> NativeMetadata:
+        return NativeMetadata(
+            common,
+            common.query_start_loc.to(torch.int32).contiguous(),
+            common.seq_lens.to(torch.int32).contiguous(),
+            common.block_table.to(torch.int32).contiguous(),
+        )
+
+    def forward(self, q, k, v, kv_cache, md: NativeMetadata):
+        if kv_cache.dtype != torch.float32:
+            raise ValueError(f"cpu_native keeps an fp32 KV cache, got {kv_cache.dtype}")
+        self.write_kv(k, v, kv_cache, md.common.slot_mapping)
+        t = q.shape[0]
+        q2 = _f32_contig(q, "the query").view(t, -1)
+        out = torch.empty_like(q2)
+        paged_attention(q2, out, kv_cache, md, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+        return out.view_as(q)
+
+
+class NativeForward:
+    """The whole forward of a LlamaForCausalLM in one native call per step."""
+
+    def __init__(self, model: Any):
+        arch = model.arch
+        self.arch = arch
+        self.model = model
+        layers = model.model.layers
+        self._lin: list[NativeLinear] = []
+        self._held: list[torch.Tensor] = []  # every tensor a pointer below refers to
+        self._layers = (Layer * arch.num_layers)()
+        self._kv_ptrs: list[int] = []
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            lins = [NativeLinear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            self._lin += lins
+            L = self._layers[i]
+            L.ln1 = self._hold(layer.input_layernorm.weight.data)
+            L.ln2 = self._hold(layer.post_attention_layernorm.weight.data)
+            if arch.qk_norm:
+                L.q_norm, L.k_norm = self._hold(attn.q_norm.weight.data), self._hold(attn.k_norm.weight.data)
+            L.qkv, L.o, L.gate_up, L.down = (x.struct for x in lins)
+        lm = model.lm_head_q if model.lm_head_q is not None else None
+        self._lm_head = NativeLinear(lm) if lm is not None else NativeLinear.from_weight(model.lm_head_weight().data)
+        cos, sin = model._rope
+        self.struct = Model(
+            arch.num_layers, arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads,
+            arch.head_dim, arch.vocab_size, cos.shape[0], arch.rms_norm_eps, arch.head_dim ** -0.5,
+            self._hold(model.model.embed_tokens.weight.data), self._hold(model.model.norm.weight.data),
+            self._hold(cos), self._hold(sin), self._lm_head.struct, ctypes.cast(self._layers, ctypes.POINTER(Layer)),
+        )
+        self._scratch = torch.empty(0, dtype=torch.float32)
+
+    def _hold(self, t: torch.Tensor) -> int:
+        t = _f32_contig(t, "a weight")
+        self._held.append(t)
+        return t.data_ptr()
+
+    def _bind_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        ptrs = [c.data_ptr() for c in kv_caches]
+        if ptrs == self._kv_ptrs:
+            return
+        for i, c in enumerate(kv_caches):
+            if c.dtype != torch.float32 or not c.is_contiguous():
+                raise ValueError(f"cpu_native needs a contiguous fp32 KV cache, got {c.dtype}")
+            self._layers[i].k_cache, self._layers[i].v_cache = c[0].data_ptr(), c[1].data_ptr()
+        self._kv_ptrs = ptrs
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 md: NativeMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        self._bind_caches(kv_caches)
+        c = md.common
+        t = int(input_ids.shape[0])
+        need = _LIB.appl_scratch_floats(ctypes.byref(self.struct), t)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        ids = input_ids.to(torch.int64).contiguous()
+        pos = positions.to(torch.int64).contiguous()
+        if t and int(pos.max()) >= self.struct.max_pos:
+            raise ValueError(f"position {int(pos.max())} beyond the rope table ({self.struct.max_pos})")
+        slots = c.slot_mapping.to(torch.int64).contiguous()
+        li = logits_indices.to(torch.int64).contiguous()
+        logits = torch.empty(li.shape[0], self.arch.vocab_size, dtype=torch.float32)
+        step = Step(t, c.num_reqs, li.shape[0], c.block_size, md.block_table.stride(0), 0,
+                    ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), li.data_ptr(),
+                    md.qsl.data_ptr(), md.seq_lens.data_ptr(), md.block_table.data_ptr(),
+                    self._scratch.data_ptr(), logits.data_ptr())
+        _LIB.appl_forward(ctypes.byref(self.struct), ctypes.byref(step))
+        return logits

@@ -1,0 +1,462 @@
+/*
+ * Native CPU kernels for the Llama-family forward (AVX2 + FMA, OpenMP).
+ *
+ * One call runs a whole forward step over the flattened token batch:
+ * embedding, every decoder layer (RMSNorm, packed QKV GEMM, q/k norm, rope,
+ * paged KV write, paged attention read in place from the block pool,
+ * o_proj with the residual add fused, RMSNorm, packed gate|up GEMM, SiLU*up,
+ * down with the residual add fused), the final norm on the sampled rows and
+ * the LM head. Weights are fp32 or int8 with one fp32 scale per output
+ * channel; activations and the KV cache are fp32.
+ *
+ * Built at first use by kernels/cpu_native.py (gcc -O3 -mavx2 -mfma
+ * -fopenmp); OpenMP resolves to the libgomp torch has already loaded, so the
+ * kernels share torch's thread count.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define WTYPE_F32 0
+#define WTYPE_I8 1
+
+typedef struct {
+    const void *w;      /* [n, k] row-major, fp32 or int8 */
+    const float *scale; /* [n] per output channel (int8), else NULL */
+    const float *bias;  /* [n] or NULL */
+    int32_t n, k, wtype, _pad;
+} Linear;
+
+typedef struct {
+    const float *ln1, *ln2, *q_norm, *k_norm; /* q_norm/k_norm NULL unless qk_norm */
+    Linear qkv, o, gate_up, down;
+    float *k_cache, *v_cache; /* [num_slots, kv_heads, head_dim] */
+} Layer;
+
+typedef struct {
+    int32_t n_layers, hidden, inter, n_heads, n_kv_heads, head_dim, vocab, max_pos;
+    float eps, attn_scale;
+    const float *embed;      /* [vocab, hidden] */
+    const float *final_norm; /* [hidden] */
+    const float *rope_cos, *rope_sin; /* [max_pos, head_dim] */
+    Linear lm_head;
+    Layer *layers;
+} Model;
+
+typedef struct {
+    int32_t n_tokens, n_reqs, n_logits, block_size, bt_stride, _pad;
+    const int64_t *input_ids, *positions, *slot_mapping, *logits_indices;
+    const int32_t *qsl, *seq_lens, *block_table; /* block_table [n_reqs, bt_stride] */
+    float *scratch; /* see scratch_floats() */
+    float *logits;  /* [n_logits, vocab] */
+} Step;
+
+/* ---------------------------------------------------------------- helpers */
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* exp for float lanes (Cephes polynomial, about 1 ulp on the clamped range). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline __m256 load_w_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load_w_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* ------------------------------------------------------------------- GEMM */
+/*
+ * out[m, n] = (accumulate ? out[m, n] : 0) + scale[n] * <x[m, :], w[n, :]> + bias[n]
+ * A register tile is MR rows of x by NR rows of w, dot-product form (both
+ * operands contiguous along k); int8 weights widen to fp32 in registers, so
+ * a decode step streams a quarter of the fp32 bytes. Rows of x are blocked
+ * so a block stays in L2 while every weight row passes over it.
+ */
+#define MR 4
+#define NR 3
+
+#define DEFINE_TILE(SUFFIX, WT, LOADW)                                                                   \
+    static inline __attribute__((always_inline)) void tile_##SUFFIX(                                     \
+        const float *x, int64_t ldx, const WT *w, int64_t k, int mr, int nr, float c[MR][NR]) {          \
+        __m256 acc[MR][NR];                                                                              \
+        for (int i = 0; i < MR; i++)                                                                     \
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();                                \
+        int64_t kk = 0;                                                                                  \
+        for (; kk + 8 <= k; kk += 8) {                                                                   \
+            __m256 wv[NR];                                                                               \
+            for (int j = 0; j < NR; j++)                                                                 \
+                if (j < nr) wv[j] = LOADW(w + j * k + kk);                                               \
+            for (int i = 0; i < MR; i++) {                                                               \
+                if (i < mr) {                                                                            \
+                    __m256 xv = _mm256_loadu_ps(x + i * ldx + kk);                                       \
+                    for (int j = 0; j < NR; j++)                                                         \
+                        if (j < nr) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);                   \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        for (int i = 0; i < mr; i++)                                                                     \
+            for (int j = 0; j < nr; j++) {                                                               \
+                float s = hsum8(acc[i][j]);                                                              \
+                for (int64_t t = kk; t < k; t++) s += x[i * ldx + t] * (float)w[j * k + t];              \
+                c[i][j] = s;                                                                             \
+            }                                                                                            \
+    }
+
+DEFINE_TILE(f32, float, load_w_f32)
+DEFINE_TILE(i8, int8_t, load_w_i8)
+
+/* Specialize on (mr, nr) so the accumulators live in registers. */
+#define DISPATCH_TILE(SUFFIX, WT)                                                                         \
+    static void run_tile_##SUFFIX(const float *x, int64_t ldx, const WT *w, int64_t k, int mr, int nr,    \
+                                  float c[MR][NR]) {                                                      \
+        switch (mr * 8 + nr) {                                                                            \
+        case 4 * 8 + 3: tile_##SUFFIX(x, ldx, w, k, 4, 3, c); break;                                      \
+        case 1 * 8 + 3: tile_##SUFFIX(x, ldx, w, k, 1, 3, c); break;                                      \
+        case 2 * 8 + 3: tile_##SUFFIX(x, ldx, w, k, 2, 3, c); break;                                      \
+        case 3 * 8 + 3: tile_##SUFFIX(x, ldx, w, k, 3, 3, c); break;                                      \
+        case 4 * 8 + 2: tile_##SUFFIX(x, ldx, w, k, 4, 2, c); break;                                      \
+        case 4 * 8 + 1: tile_##SUFFIX(x, ldx, w, k, 4, 1, c); break;                                      \
+        default: tile_##SUFFIX(x, ldx, w, k, mr, nr, c); break;                                           \
+        }                                                                                                 \
+    }
+
+DISPATCH_TILE(f32, float)
+DISPATCH_TILE(i8, int8_t)
+
+/* One row of x against four weight rows, two k-phases each: eight
+ * independent FMA chains, enough to keep a decode GEMV streaming. */
+#define DEFINE_GEMV4(SUFFIX, WT, LOADW)                                                                  \
+    static void gemv4_##SUFFIX(const float *x, const WT *w, int64_t k, float c[4]) {                      \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;  \
+        int64_t kk = 0;                                                                                  \
+        const char *next = (const char *)(w + 4 * k); /* the next quad, prefetched as this one runs */  \
+        for (; kk + 16 <= k; kk += 16) {                                                                 \
+            for (int p = 0; p < (int)sizeof(WT); p++)                                                    \
+                _mm_prefetch(next + kk * 4 * (int64_t)sizeof(WT) + p * 64, _MM_HINT_T0);                    \
+            const __m256 x0 = _mm256_loadu_ps(x + kk), x1 = _mm256_loadu_ps(x + kk + 8);                  \
+            a0 = _mm256_fmadd_ps(x0, LOADW(w + kk), a0);                                                 \
+            b0 = _mm256_fmadd_ps(x1, LOADW(w + kk + 8), b0);                                             \
+            a1 = _mm256_fmadd_ps(x0, LOADW(w + k + kk), a1);                                             \
+            b1 = _mm256_fmadd_ps(x1, LOADW(w + k + kk + 8), b1);                                         \
+            a2 = _mm256_fmadd_ps(x0, LOADW(w + 2 * k + kk), a2);                                         \
+            b2 = _mm256_fmadd_ps(x1, LOADW(w + 2 * k + kk + 8), b2);                                     \
+            a3 = _mm256_fmadd_ps(x0, LOADW(w + 3 * k + kk), a3);                                         \
+            b3 = _mm256_fmadd_ps(x1, LOADW(w + 3 * k + kk + 8), b3);                                     \
+        }                                                                                                \
+        for (; kk + 8 <= k; kk += 8) {                                                                   \
+            const __m256 x0 = _mm256_loadu_ps(x + kk);                                                   \
+            a0 = _mm256_fmadd_ps(x0, LOADW(w + kk), a0);                                                 \
+            a1 = _mm256_fmadd_ps(x0, LOADW(w + k + kk), a1);                                             \
+            a2 = _mm256_fmadd_ps(x0, LOADW(w + 2 * k + kk), a2);                                         \
+            a3 = _mm256_fmadd_ps(x0, LOADW(w + 3 * k + kk), a3);                                         \
+        }                                                                                                \
+        c[0] = hsum8(_mm256_add_ps(a0, b0));                                                             \
+        c[1] = hsum8(_mm256_add_ps(a1, b1));                                                             \
+        c[2] = hsum8(_mm256_add_ps(a2, b2));                                                             \
+        c[3] = hsum8(_mm256_add_ps(a3, b3));                                                             \
+        for (; kk < k; kk++)                                                                             \
+            for (int j = 0; j < 4; j++) c[j] += x[kk] * (float)w[j * k + kk];                            \
+    }
+
+DEFINE_GEMV4(f32, float, load_w_f32)
+DEFINE_GEMV4(i8, int8_t, load_w_i8)
+
+static inline void store_row(const Linear *L, float *o, int64_t n0, const float *c, int nr, int accumulate) {
+    for (int j = 0; j < nr; j++) {
+        float v = c[j];
+        if (L->scale) v *= L->scale[n0 + j];
+        if (L->bias) v += L->bias[n0 + j];
+        o[j] = accumulate ? o[j] + v : v;
+    }
+}
+
+/* M == 1: blocks of four weight rows (gemv4), the last < 4 through the tile path. */
+static void gemv_rows(const Linear *L, const float *x, float *out, int64_t r0, int64_t r1, int accumulate) {
+    const int64_t k = L->k;
+    float c[4];
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) {
+        if (L->wtype == WTYPE_I8)
+            gemv4_i8(x, (const int8_t *)L->w + r * k, k, c);
+        else
+            gemv4_f32(x, (const float *)L->w + r * k, k, c);
+        store_row(L, out + r, r, c, 4, accumulate);
+    }
+    for (; r < r1; r++) {
+        float t[MR][NR];
+        if (L->wtype == WTYPE_I8)
+            run_tile_i8(x, k, (const int8_t *)L->w + r * k, k, 1, 1, t);
+        else
+            run_tile_f32(x, k, (const float *)L->w + r * k, k, 1, 1, t);
+        store_row(L, out + r, r, t[0], 1, accumulate);
+    }
+}
+
+static void gemm_rows(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m0,
+                      int64_t m1, int64_t nb0, int64_t nb1, int accumulate) {
+    const int64_t k = L->k, n = L->n;
+    float c[MR][NR];
+    for (int64_t nb = nb0; nb < nb1; nb++) {
+        const int64_t n0 = nb * NR;
+        const int nr = (int)(n - n0 < NR ? n - n0 : NR);
+        for (int64_t m = m0; m < m1; m += MR) {
+            const int mr = (int)(m1 - m < MR ? m1 - m : MR);
+            if (L->wtype == WTYPE_I8)
+                run_tile_i8(x + m * ldx, ldx, (const int8_t *)L->w + n0 * k, k, mr, nr, c);
+            else
+                run_tile_f32(x + m * ldx, ldx, (const float *)L->w + n0 * k, k, mr, nr, c);
+            for (int i = 0; i < mr; i++) {
+                float *o = out + (m + i) * ldo + n0;
+                for (int j = 0; j < nr; j++) {
+                    float v = c[i][j];
+                    if (L->scale) v *= L->scale[n0 + j];
+                    if (L->bias) v += L->bias[n0 + j];
+                    o[j] = accumulate ? o[j] + v : v;
+                }
+            }
+        }
+    }
+}
+
+void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m, int accumulate) {
+    if (m == 1) {
+        const int64_t quads = (L->n + 3) / 4;
+#pragma omp parallel
+        {
+            const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+            const int64_t per = (quads + nt - 1) / nt;
+            const int64_t r0 = id * per * 4, r1 = (id + 1) * per * 4 < L->n ? (id + 1) * per * 4 : L->n;
+            if (r0 < r1) gemv_rows(L, x, out, r0, r1, accumulate);
+        }
+        return;
+    }
+    const int64_t nblocks = (L->n + NR - 1) / NR;
+    /* rows per L2 block: about 192 KiB of activations */
+    int64_t mc = (192 * 1024 / 4) / (L->k > 0 ? L->k : 1);
+    mc = mc < MR ? MR : (mc / MR) * MR;
+#pragma omp parallel
+    {
+        for (int64_t m0 = 0; m0 < m; m0 += mc) {
+            const int64_t m1 = m0 + mc < m ? m0 + mc : m;
+            const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+            const int64_t per = (nblocks + nt - 1) / nt;
+            const int64_t b0 = id * per, b1 = b0 + per < nblocks ? b0 + per : nblocks;
+            if (b0 < b1) gemm_rows(L, x, ldx, out, ldo, m0, m1, b0, b1, accumulate);
+#pragma omp barrier
+        }
+    }
+}
+
+/* ----------------------------------------------------------- elementwise */
+
+static void rmsnorm_row(const float *x, const float *w, float *out, int n, float eps) {
+    __m256 ss = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    float s = hsum8(ss);
+    for (; i < n; i++) s += x[i] * x[i];
+    const float r = 1.0f / sqrtf(s / (float)n + eps);
+    for (i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+void appl_rmsnorm(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo, int64_t rows, int n,
+                  float eps) {
+#pragma omp parallel for schedule(static) if (rows >= 32)
+    for (int64_t t = 0; t < rows; t++) rmsnorm_row(x + t * ldx, w, out + t * ldo, n, eps);
+}
+
+/* rotate_half rope on `heads` vectors of size d at p (consecutive). */
+static void rope_heads(float *p, int heads, int d, const float *cos, const float *sin) {
+    const int half = d / 2;
+    for (int h = 0; h < heads; h++) {
+        float *v = p + h * d;
+        for (int i = 0; i < half; i++) {
+            const float a = v[i], b = v[i + half];
+            v[i] = a * cos[i] - b * sin[i];
+            v[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+    }
+}
+
+static void silu_mul_row(const float *gu, float *out, int inter) {
+    int i = 0;
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= inter; i += 8) {
+        __m256 g = _mm256_loadu_ps(gu + i), u = _mm256_loadu_ps(gu + inter + i);
+        __m256 e = exp8(_mm256_sub_ps(zero, g));
+        __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(s, u));
+    }
+    for (; i < inter; i++) {
+        const float g = gu[i];
+        out[i] = g / (1.0f + expf(-g)) * gu[inter + i];
+    }
+}
+
+/* ------------------------------------------------------------- attention */
+/*
+ * Paged attention read in place: token t of request r (query row t) attends
+ * positions [0, seq_lens[r] - (qsl[r+1] - 1 - t)) of its sequence, whose
+ * K/V sit at slot block_table[r][pos / bs] * bs + pos % bs. One work item is
+ * (token, kv head): the group's query heads share each K/V row read.
+ */
+void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const float *k_cache,
+                    const float *v_cache, int n_tokens, int n_reqs, const int32_t *qsl, const int32_t *seq_lens,
+                    const int32_t *block_table, int bt_stride, int bs, int n_heads, int n_kv_heads, int d,
+                    float scale) {
+    const int group = n_heads / n_kv_heads;
+    int max_len = 1;
+    for (int r = 0; r < n_reqs; r++)
+        if (seq_lens[r] > max_len) max_len = seq_lens[r];
+    const int64_t items = (int64_t)n_tokens * n_kv_heads;
+#pragma omp parallel if (items > 1)
+    {
+        float *scores = (float *)malloc(sizeof(float) * ((size_t)group * max_len + 8));
+        float *acc = (float *)malloc(sizeof(float) * (size_t)group * d);
+        int r = 0;
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t it = 0; it < items; it++) {
+            const int t = (int)(it / n_kv_heads), g = (int)(it % n_kv_heads);
+            if (t < qsl[r] || t >= qsl[r + 1]) { /* find the request owning token t */
+                int lo = 0, hi = n_reqs - 1;
+                while (lo < hi) {
+                    const int mid = (lo + hi + 1) / 2;
+                    if (qsl[mid] <= t) lo = mid; else hi = mid - 1;
+                }
+                r = lo;
+            }
+            const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t);
+            const int32_t *bt = block_table + (int64_t)r * bt_stride;
+            const float *qg = q + (int64_t)t * ldq + (int64_t)g * group * d;
+            for (int j = 0; j < n_vis; j++) {
+                const int64_t slot = (int64_t)bt[j / bs] * bs + j % bs;
+                const float *kp = k_cache + (slot * n_kv_heads + g) * d;
+                for (int h = 0; h < group; h++) {
+                    const float *qh = qg + h * d;
+                    __m256 s8 = _mm256_setzero_ps();
+                    int i = 0;
+                    for (; i + 8 <= d; i += 8) s8 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kp + i), s8);
+                    float s = hsum8(s8);
+                    for (; i < d; i++) s += qh[i] * kp[i];
+                    scores[(int64_t)h * max_len + j] = s * scale;
+                }
+            }
+            for (int h = 0; h < group; h++) {
+                float *sc = scores + (int64_t)h * max_len;
+                float mx = -INFINITY;
+                for (int j = 0; j < n_vis; j++) mx = sc[j] > mx ? sc[j] : mx;
+                const __m256 mv = _mm256_set1_ps(mx);
+                __m256 sum8 = _mm256_setzero_ps();
+                int j = 0;
+                for (; j + 8 <= n_vis; j += 8) {
+                    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
+                    _mm256_storeu_ps(sc + j, e);
+                    sum8 = _mm256_add_ps(sum8, e);
+                }
+                float sum = hsum8(sum8);
+                for (; j < n_vis; j++) {
+                    sc[j] = expf(sc[j] - mx);
+                    sum += sc[j];
+                }
+                const float inv = 1.0f / sum;
+                for (j = 0; j < n_vis; j++) sc[j] *= inv;
+            }
+            memset(acc, 0, sizeof(float) * (size_t)group * d);
+            for (int j = 0; j < n_vis; j++) {
+                const int64_t slot = (int64_t)bt[j / bs] * bs + j % bs;
+                const float *vp = v_cache + (slot * n_kv_heads + g) * d;
+                for (int h = 0; h < group; h++) {
+                    const __m256 p = _mm256_set1_ps(scores[(int64_t)h * max_len + j]);
+                    float *a = acc + h * d;
+                    int i = 0;
+                    for (; i + 8 <= d; i += 8)
+                        _mm256_storeu_ps(a + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + i), _mm256_loadu_ps(a + i)));
+                    for (; i < d; i++) a[i] += scores[(int64_t)h * max_len + j] * vp[i];
+                }
+            }
+            memcpy(out + (int64_t)t * ldo + (int64_t)g * group * d, acc, sizeof(float) * (size_t)group * d);
+        }
+        free(scores);
+        free(acc);
+    }
+}
+
+/* --------------------------------------------------------------- forward */
+
+int64_t appl_scratch_floats(const Model *M, int64_t n_tokens) {
+    const int64_t qkv = (int64_t)(M->n_heads + 2 * M->n_kv_heads) * M->head_dim;
+    return n_tokens * (2 * (int64_t)M->hidden + qkv + (int64_t)M->n_heads * M->head_dim + 3 * (int64_t)M->inter) + 64;
+}
+
+void appl_forward(const Model *M, const Step *S) {
+    const int64_t T = S->n_tokens, hid = M->hidden, d = M->head_dim;
+    const int H = M->n_heads, KVH = M->n_kv_heads;
+    const int64_t qkv_w = (int64_t)(H + 2 * KVH) * d, attn_w = (int64_t)H * d, inter = M->inter;
+    float *x = S->scratch;           /* residual stream [T, hid] */
+    float *h = x + T * hid;          /* normed input [T, hid] */
+    float *qkv = h + T * hid;        /* [T, (H + 2 KVH) d] */
+    float *att = qkv + T * qkv_w;    /* [T, H d] */
+    float *gu = att + T * attn_w;    /* [T, 2 inter] */
+    float *act = gu + T * 2 * inter; /* [T, inter] */
+
+    for (int64_t t = 0; t < T; t++) memcpy(x + t * hid, M->embed + S->input_ids[t] * hid, sizeof(float) * hid);
+
+    for (int l = 0; l < M->n_layers; l++) {
+        const Layer *L = &M->layers[l];
+        appl_rmsnorm(x, hid, L->ln1, h, hid, T, (int)hid, M->eps);
+        appl_linear(&L->qkv, h, hid, qkv, qkv_w, T, 0);
+#pragma omp parallel for schedule(static) if (T >= 16)
+        for (int64_t t = 0; t < T; t++) {
+            float *qt = qkv + t * qkv_w, *kt = qt + H * d, *vt = kt + KVH * d;
+            if (L->q_norm) {
+                for (int i = 0; i < H; i++) rmsnorm_row(qt + i * d, L->q_norm, qt + i * d, (int)d, M->eps);
+                for (int i = 0; i < KVH; i++) rmsnorm_row(kt + i * d, L->k_norm, kt + i * d, (int)d, M->eps);
+            }
+            const int64_t pos = S->positions[t];
+            const float *c = M->rope_cos + pos * d, *s = M->rope_sin + pos * d;
+            rope_heads(qt, H, (int)d, c, s);
+            rope_heads(kt, KVH, (int)d, c, s);
+            const int64_t slot = S->slot_mapping[t];
+            memcpy(L->k_cache + slot * KVH * d, kt, sizeof(float) * KVH * d);
+            memcpy(L->v_cache + slot * KVH * d, vt, sizeof(float) * KVH * d);
+        }
+        appl_attention(qkv, qkv_w, att, attn_w, L->k_cache, L->v_cache, (int)T, S->n_reqs, S->qsl, S->seq_lens,
+                       S->block_table, S->bt_stride, S->block_size, H, KVH, (int)d, M->attn_scale);
+        appl_linear(&L->o, att, attn_w, x, hid, T, 1);
+        appl_rmsnorm(x, hid, L->ln2, h, hid, T, (int)hid, M->eps);
+        appl_linear(&L->gate_up, h, hid, gu, 2 * inter, T, 0);
+#pragma omp parallel for schedule(static) if (T >= 8)
+        for (int64_t t = 0; t < T; t++) silu_mul_row(gu + t * 2 * inter, act + t * inter, (int)inter);
+        appl_linear(&L->down, act, inter, x, hid, T, 1);
+    }
+    for (int i = 0; i < S->n_logits; i++)
+        rmsnorm_row(x + S->logits_indices[i] * hid, M->final_norm, h + i * hid, (int)hid, M->eps);
+    appl_linear(&M->lm_head, h, hid, S->logits, M->vocab, S->n_logits, 0);
+}
