@@ -124,6 +124,17 @@ _LIB.appl_linear.restype = None
 _LIB.appl_attention.argtypes = [_p, _i64, _p, _i64, _p, _p, ctypes.c_int, ctypes.c_int, _p, _p, _p,
                                 ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, _f32]
 _LIB.appl_attention.restype = None
+_LIB.appl_phase_times.argtypes = [ctypes.POINTER(ctypes.c_double), ctypes.c_int]
+_LIB.appl_phase_times.restype = ctypes.c_int
+
+PHASES = ("norm", "qkv", "rope_kv_write", "attention", "o_proj", "gate_up", "silu_mul", "down", "lm_head")
+
+
+def phase_times(reset: bool = False) -> dict[str, float]:
+    """Seconds the native forward spent per phase since the last reset."""
+    buf = (ctypes.c_double * len(PHASES))()
+    _LIB.appl_phase_times(buf, int(reset))
+    return dict(zip(PHASES, buf))
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -194,6 +205,12 @@ def paged_attention(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, 
 class CpuNativeBackend(AttentionBackend):
     name = "cpu_native"
     native_forward = True
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *args: Any, **kw: Any):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, *args, **kw)
+        if head_dim % 8 or num_heads % num_kv_heads or num_heads // num_kv_heads > 64:
+            raise ValueError(f"cpu_native needs head_dim % 8 == 0 and at most 64 query heads per kv head; got "
+                             f"head_dim={head_dim}, {num_heads} heads over {num_kv_heads} kv heads")
 
     def build_metadata(self, common: CommonAttentionMetadata) -> NativeMetadata:
         return NativeMetadata(

@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define WTYPE_F32 0
 #define WTYPE_I8 1
@@ -321,25 +322,117 @@ static void silu_mul_row(const float *gu, float *out, int inter) {
 }
 
 /* ------------------------------------------------------------- attention */
+
+/* Four 8-lane sums in one vector: [sum a, sum b, sum c, sum d]. */
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+    const __m256 abcd = _mm256_hadd_ps(ab, cd);
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/*
+ * One (query token, kv head) item: the group's query heads qg [group, d]
+ * attend the first n_vis positions of a sequence whose blocks are bt.
+ * K/V rows are read in place from the block pool (row stride kv_stride
+ * floats); scores [group, ld] is scratch. d is a multiple of 8.
+ */
+static void attend_item(const float *qg, float *og, const float *k_base, const float *v_base, const int32_t *bt,
+                        int n_vis, int bs, int64_t kv_stride, int group, int d, float scale, float *scores, int ld) {
+    /* scores = q . k * scale, four positions per pass */
+    for (int j = 0, b = 0; j < n_vis; b++) {
+        const int cnt = n_vis - j < bs ? n_vis - j : bs;
+        const float *kp = k_base + (int64_t)bt[b] * bs * kv_stride;
+        int o = 0;
+        for (; o + 4 <= cnt; o += 4) {
+            const float *k0 = kp + o * kv_stride, *k1 = k0 + kv_stride, *k2 = k1 + kv_stride, *k3 = k2 + kv_stride;
+            for (int h = 0; h < group; h++) {
+                const float *qh = qg + h * d;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int i = 0; i < d; i += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qh + i);
+                    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+                    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+                    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+                    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+                }
+                _mm_storeu_ps(scores + h * ld + j + o, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+            }
+        }
+        for (; o < cnt; o++) {
+            const float *k0 = kp + o * kv_stride;
+            for (int h = 0; h < group; h++) {
+                const float *qh = qg + h * d;
+                __m256 a0 = _mm256_setzero_ps();
+                for (int i = 0; i < d; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(k0 + i), a0);
+                scores[h * ld + j + o] = hsum8(a0) * scale;
+            }
+        }
+        j += cnt;
+    }
+    /* softmax numerators in place; 1 / sum applied to the output */
+    float inv[64];
+    for (int h = 0; h < group; h++) {
+        float *sc = scores + h * ld;
+        float mx = -INFINITY;
+        for (int j = 0; j < n_vis; j++) mx = sc[j] > mx ? sc[j] : mx;
+        const __m256 mv = _mm256_set1_ps(mx);
+        __m256 sum8 = _mm256_setzero_ps();
+        int j = 0;
+        for (; j + 8 <= n_vis; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
+            _mm256_storeu_ps(sc + j, e);
+            sum8 = _mm256_add_ps(sum8, e);
+        }
+        float sum = hsum8(sum8);
+        for (; j < n_vis; j++) {
+            sc[j] = expf(sc[j] - mx);
+            sum += sc[j];
+        }
+        inv[h] = 1.0f / sum;
+    }
+    /* out = sum_j p_j v_j, 64 output lanes in registers at a time */
+    for (int h = 0; h < group; h++) {
+        const float *sc = scores + h * ld;
+        for (int dc = 0; dc < d; dc += 64) {
+            const int nv = (d - dc) / 8 < 8 ? (d - dc) / 8 : 8;
+            __m256 acc[8];
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+            for (int j = 0, b = 0; j < n_vis; b++) {
+                const int cnt = n_vis - j < bs ? n_vis - j : bs;
+                const float *vp = v_base + (int64_t)bt[b] * bs * kv_stride + dc;
+                for (int o = 0; o < cnt; o++, vp += kv_stride) {
+                    const __m256 p = _mm256_set1_ps(sc[j + o]);
+                    for (int i = 0; i < 8; i++)
+                        if (i < nv) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 8 * i), acc[i]);
+                }
+                j += cnt;
+            }
+            const __m256 s = _mm256_set1_ps(inv[h]);
+            for (int i = 0; i < nv; i++) _mm256_storeu_ps(og + h * d + dc + 8 * i, _mm256_mul_ps(acc[i], s));
+        }
+    }
+}
+
 /*
  * Paged attention read in place: token t of request r (query row t) attends
  * positions [0, seq_lens[r] - (qsl[r+1] - 1 - t)) of its sequence, whose
  * K/V sit at slot block_table[r][pos / bs] * bs + pos % bs. One work item is
  * (token, kv head): the group's query heads share each K/V row read.
+ * Needs head_dim % 8 == 0 and at most 64 query heads per kv head.
  */
 void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const float *k_cache,
                     const float *v_cache, int n_tokens, int n_reqs, const int32_t *qsl, const int32_t *seq_lens,
                     const int32_t *block_table, int bt_stride, int bs, int n_heads, int n_kv_heads, int d,
                     float scale) {
     const int group = n_heads / n_kv_heads;
-    int max_len = 1;
+    int max_len = 8;
     for (int r = 0; r < n_reqs; r++)
         if (seq_lens[r] > max_len) max_len = seq_lens[r];
-    const int64_t items = (int64_t)n_tokens * n_kv_heads;
+    const int ld = (max_len + 7) & ~7;
+    const int64_t items = (int64_t)n_tokens * n_kv_heads, kv_stride = (int64_t)n_kv_heads * d;
 #pragma omp parallel if (items > 1)
     {
-        float *scores = (float *)malloc(sizeof(float) * ((size_t)group * max_len + 8));
-        float *acc = (float *)malloc(sizeof(float) * (size_t)group * d);
+        float *scores = (float *)malloc(sizeof(float) * (size_t)group * ld);
         int r = 0;
 #pragma omp for schedule(dynamic, 2)
         for (int64_t it = 0; it < items; it++) {
@@ -353,62 +446,41 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
                 r = lo;
             }
             const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t);
-            const int32_t *bt = block_table + (int64_t)r * bt_stride;
-            const float *qg = q + (int64_t)t * ldq + (int64_t)g * group * d;
-            for (int j = 0; j < n_vis; j++) {
-                const int64_t slot = (int64_t)bt[j / bs] * bs + j % bs;
-                const float *kp = k_cache + (slot * n_kv_heads + g) * d;
-                for (int h = 0; h < group; h++) {
-                    const float *qh = qg + h * d;
-                    __m256 s8 = _mm256_setzero_ps();
-                    int i = 0;
-                    for (; i + 8 <= d; i += 8) s8 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kp + i), s8);
-                    float s = hsum8(s8);
-                    for (; i < d; i++) s += qh[i] * kp[i];
-                    scores[(int64_t)h * max_len + j] = s * scale;
-                }
-            }
-            for (int h = 0; h < group; h++) {
-                float *sc = scores + (int64_t)h * max_len;
-                float mx = -INFINITY;
-                for (int j = 0; j < n_vis; j++) mx = sc[j] > mx ? sc[j] : mx;
-                const __m256 mv = _mm256_set1_ps(mx);
-                __m256 sum8 = _mm256_setzero_ps();
-                int j = 0;
-                for (; j + 8 <= n_vis; j += 8) {
-                    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
-                    _mm256_storeu_ps(sc + j, e);
-                    sum8 = _mm256_add_ps(sum8, e);
-                }
-                float sum = hsum8(sum8);
-                for (; j < n_vis; j++) {
-                    sc[j] = expf(sc[j] - mx);
-                    sum += sc[j];
-                }
-                const float inv = 1.0f / sum;
-                for (j = 0; j < n_vis; j++) sc[j] *= inv;
-            }
-            memset(acc, 0, sizeof(float) * (size_t)group * d);
-            for (int j = 0; j < n_vis; j++) {
-                const int64_t slot = (int64_t)bt[j / bs] * bs + j % bs;
-                const float *vp = v_cache + (slot * n_kv_heads + g) * d;
-                for (int h = 0; h < group; h++) {
-                    const __m256 p = _mm256_set1_ps(scores[(int64_t)h * max_len + j]);
-                    float *a = acc + h * d;
-                    int i = 0;
-                    for (; i + 8 <= d; i += 8)
-                        _mm256_storeu_ps(a + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + i), _mm256_loadu_ps(a + i)));
-                    for (; i < d; i++) a[i] += scores[(int64_t)h * max_len + j] * vp[i];
-                }
-            }
-            memcpy(out + (int64_t)t * ldo + (int64_t)g * group * d, acc, sizeof(float) * (size_t)group * d);
+            attend_item(q + (int64_t)t * ldq + (int64_t)g * group * d, out + (int64_t)t * ldo + (int64_t)g * group * d,
+                        k_cache + (int64_t)g * d, v_cache + (int64_t)g * d, block_table + (int64_t)r * bt_stride, n_vis,
+                        bs, kv_stride, group, d, scale, scores, ld);
         }
         free(scores);
-        free(acc);
     }
 }
 
 /* --------------------------------------------------------------- forward */
+
+/* Seconds spent per phase of appl_forward since the last reset (read by
+ * `appliance bench latency` to say where a step's time goes). */
+enum { PH_NORM, PH_QKV, PH_ROPE_KV, PH_ATTN, PH_O, PH_GATE_UP, PH_ACT, PH_DOWN, PH_LM_HEAD, PH_N };
+static double g_phase[PH_N];
+
+static inline double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+int appl_phase_times(double *out, int reset) {
+    for (int i = 0; i < PH_N; i++) {
+        out[i] = g_phase[i];
+        if (reset) g_phase[i] = 0.0;
+    }
+    return PH_N;
+}
+
+#define PHASE(id, stmt)                      \
+    do {                                     \
+        const double t0_ = now_s();          \
+        stmt;                                \
+        g_phase[id] += now_s() - t0_;        \
+    } while (0)
 
 int64_t appl_scratch_floats(const Model *M, int64_t n_tokens) {
     const int64_t qkv = (int64_t)(M->n_heads + 2 * M->n_kv_heads) * M->head_dim;
@@ -430,8 +502,9 @@ void appl_forward(const Model *M, const Step *S) {
 
     for (int l = 0; l < M->n_layers; l++) {
         const Layer *L = &M->layers[l];
-        appl_rmsnorm(x, hid, L->ln1, h, hid, T, (int)hid, M->eps);
-        appl_linear(&L->qkv, h, hid, qkv, qkv_w, T, 0);
+        PHASE(PH_NORM, appl_rmsnorm(x, hid, L->ln1, h, hid, T, (int)hid, M->eps));
+        PHASE(PH_QKV, appl_linear(&L->qkv, h, hid, qkv, qkv_w, T, 0));
+        const double t_rope = now_s();
 #pragma omp parallel for schedule(static) if (T >= 16)
         for (int64_t t = 0; t < T; t++) {
             float *qt = qkv + t * qkv_w, *kt = qt + H * d, *vt = kt + KVH * d;
@@ -447,16 +520,22 @@ void appl_forward(const Model *M, const Step *S) {
             memcpy(L->k_cache + slot * KVH * d, kt, sizeof(float) * KVH * d);
             memcpy(L->v_cache + slot * KVH * d, vt, sizeof(float) * KVH * d);
         }
-        appl_attention(qkv, qkv_w, att, attn_w, L->k_cache, L->v_cache, (int)T, S->n_reqs, S->qsl, S->seq_lens,
-                       S->block_table, S->bt_stride, S->block_size, H, KVH, (int)d, M->attn_scale);
-        appl_linear(&L->o, att, attn_w, x, hid, T, 1);
-        appl_rmsnorm(x, hid, L->ln2, h, hid, T, (int)hid, M->eps);
-        appl_linear(&L->gate_up, h, hid, gu, 2 * inter, T, 0);
+        g_phase[PH_ROPE_KV] += now_s() - t_rope;
+        PHASE(PH_ATTN, appl_attention(qkv, qkv_w, att, attn_w, L->k_cache, L->v_cache, (int)T, S->n_reqs, S->qsl,
+                                      S->seq_lens, S->block_table, S->bt_stride, S->block_size, H, KVH, (int)d,
+                                      M->attn_scale));
+        PHASE(PH_O, appl_linear(&L->o, att, attn_w, x, hid, T, 1));
+        PHASE(PH_NORM, appl_rmsnorm(x, hid, L->ln2, h, hid, T, (int)hid, M->eps));
+        PHASE(PH_GATE_UP, appl_linear(&L->gate_up, h, hid, gu, 2 * inter, T, 0));
+        const double t_act = now_s();
 #pragma omp parallel for schedule(static) if (T >= 8)
         for (int64_t t = 0; t < T; t++) silu_mul_row(gu + t * 2 * inter, act + t * inter, (int)inter);
-        appl_linear(&L->down, act, inter, x, hid, T, 1);
+        g_phase[PH_ACT] += now_s() - t_act;
+        PHASE(PH_DOWN, appl_linear(&L->down, act, inter, x, hid, T, 1));
     }
+    const double t_lm = now_s();
     for (int i = 0; i < S->n_logits; i++)
         rmsnorm_row(x + S->logits_indices[i] * hid, M->final_norm, h + i * hid, (int)hid, M->eps);
     appl_linear(&M->lm_head, h, hid, S->logits, M->vocab, S->n_logits, 0);
+    g_phase[PH_LM_HEAD] += now_s() - t_lm;
 }
