@@ -217,16 +217,28 @@ static void gemv_rows(const Linear *L, const float *x, float *out, int64_t r0, i
     }
 }
 
+/* wbuf: NR * k floats of thread scratch. With more than one row tile, int8
+ * weight rows are widened once per n-block into wbuf and every row tile
+ * runs the fp32 tile against it (the widening is not repeated per tile). */
 static void gemm_rows(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m0,
-                      int64_t m1, int64_t nb0, int64_t nb1, int accumulate) {
+                      int64_t m1, int64_t nb0, int64_t nb1, int accumulate, float *wbuf) {
     const int64_t k = L->k, n = L->n;
+    const int widen = L->wtype == WTYPE_I8 && m1 - m0 > MR;
     float c[MR][NR];
     for (int64_t nb = nb0; nb < nb1; nb++) {
         const int64_t n0 = nb * NR;
         const int nr = (int)(n - n0 < NR ? n - n0 : NR);
+        if (widen) {
+            const int8_t *wq = (const int8_t *)L->w + n0 * k;
+            int64_t i = 0;
+            for (; i + 8 <= nr * k; i += 8) _mm256_storeu_ps(wbuf + i, load_w_i8(wq + i));
+            for (; i < nr * k; i++) wbuf[i] = (float)wq[i];
+        }
         for (int64_t m = m0; m < m1; m += MR) {
             const int mr = (int)(m1 - m < MR ? m1 - m : MR);
-            if (L->wtype == WTYPE_I8)
+            if (widen)
+                run_tile_f32(x + m * ldx, ldx, wbuf, k, mr, nr, c);
+            else if (L->wtype == WTYPE_I8)
                 run_tile_i8(x + m * ldx, ldx, (const int8_t *)L->w + n0 * k, k, mr, nr, c);
             else
                 run_tile_f32(x + m * ldx, ldx, (const float *)L->w + n0 * k, k, mr, nr, c);
@@ -261,14 +273,16 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
     mc = mc < MR ? MR : (mc / MR) * MR;
 #pragma omp parallel
     {
+        float *wbuf = L->wtype == WTYPE_I8 && m > MR ? (float *)malloc(sizeof(float) * NR * (size_t)L->k) : NULL;
         for (int64_t m0 = 0; m0 < m; m0 += mc) {
             const int64_t m1 = m0 + mc < m ? m0 + mc : m;
             const int nt = omp_get_num_threads(), id = omp_get_thread_num();
             const int64_t per = (nblocks + nt - 1) / nt;
             const int64_t b0 = id * per, b1 = b0 + per < nblocks ? b0 + per : nblocks;
-            if (b0 < b1) gemm_rows(L, x, ldx, out, ldo, m0, m1, b0, b1, accumulate);
+            if (b0 < b1) gemm_rows(L, x, ldx, out, ldo, m0, m1, b0, b1, accumulate, wbuf);
 #pragma omp barrier
         }
+        free(wbuf);
     }
 }
 
@@ -331,22 +345,25 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 }
 
 /*
- * One (query token, kv head) item: the group's query heads qg [group, d]
- * attend the first n_vis positions of a sequence whose blocks are bt.
- * K/V rows are read in place from the block pool (row stride kv_stride
- * floats); scores [group, ld] is scratch. d is a multiple of 8.
+ * One item: nh query heads of one token (qg [nh, d], consecutive) attend the
+ * first n_vis positions of a sequence whose blocks are bt. Head h reads kv
+ * head h / grp of the K/V rows (kv head 0 at k_base / v_base); rows are read
+ * in place from the block pool (row stride kv_stride floats). scores
+ * [nh, ld] and inv [nh] are scratch. d is a multiple of 8.
  */
 static void attend_item(const float *qg, float *og, const float *k_base, const float *v_base, const int32_t *bt,
-                        int n_vis, int bs, int64_t kv_stride, int group, int d, float scale, float *scores, int ld) {
+                        int n_vis, int bs, int64_t kv_stride, int nh, int grp, int d, float scale, float *scores,
+                        int ld, float *inv) {
     /* scores = q . k * scale, four positions per pass */
     for (int j = 0, b = 0; j < n_vis; b++) {
         const int cnt = n_vis - j < bs ? n_vis - j : bs;
         const float *kp = k_base + (int64_t)bt[b] * bs * kv_stride;
         int o = 0;
         for (; o + 4 <= cnt; o += 4) {
-            const float *k0 = kp + o * kv_stride, *k1 = k0 + kv_stride, *k2 = k1 + kv_stride, *k3 = k2 + kv_stride;
-            for (int h = 0; h < group; h++) {
+            for (int h = 0; h < nh; h++) {
                 const float *qh = qg + h * d;
+                const float *k0 = kp + o * kv_stride + (h / grp) * d, *k1 = k0 + kv_stride, *k2 = k1 + kv_stride,
+                            *k3 = k2 + kv_stride;
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                 for (int i = 0; i < d; i += 8) {
                     const __m256 qv = _mm256_loadu_ps(qh + i);
@@ -359,9 +376,8 @@ static void attend_item(const float *qg, float *og, const float *k_base, const f
             }
         }
         for (; o < cnt; o++) {
-            const float *k0 = kp + o * kv_stride;
-            for (int h = 0; h < group; h++) {
-                const float *qh = qg + h * d;
+            for (int h = 0; h < nh; h++) {
+                const float *qh = qg + h * d, *k0 = kp + o * kv_stride + (h / grp) * d;
                 __m256 a0 = _mm256_setzero_ps();
                 for (int i = 0; i < d; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(k0 + i), a0);
                 scores[h * ld + j + o] = hsum8(a0) * scale;
@@ -370,8 +386,7 @@ static void attend_item(const float *qg, float *og, const float *k_base, const f
         j += cnt;
     }
     /* softmax numerators in place; 1 / sum applied to the output */
-    float inv[64];
-    for (int h = 0; h < group; h++) {
+    for (int h = 0; h < nh; h++) {
         float *sc = scores + h * ld;
         float mx = -INFINITY;
         for (int j = 0; j < n_vis; j++) mx = sc[j] > mx ? sc[j] : mx;
@@ -391,7 +406,7 @@ static void attend_item(const float *qg, float *og, const float *k_base, const f
         inv[h] = 1.0f / sum;
     }
     /* out = sum_j p_j v_j, 64 output lanes in registers at a time */
-    for (int h = 0; h < group; h++) {
+    for (int h = 0; h < nh; h++) {
         const float *sc = scores + h * ld;
         for (int dc = 0; dc < d; dc += 64) {
             const int nv = (d - dc) / 8 < 8 ? (d - dc) / 8 : 8;
@@ -399,7 +414,7 @@ static void attend_item(const float *qg, float *og, const float *k_base, const f
             for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
             for (int j = 0, b = 0; j < n_vis; b++) {
                 const int cnt = n_vis - j < bs ? n_vis - j : bs;
-                const float *vp = v_base + (int64_t)bt[b] * bs * kv_stride + dc;
+                const float *vp = v_base + (int64_t)bt[b] * bs * kv_stride + (h / grp) * d + dc;
                 for (int o = 0; o < cnt; o++, vp += kv_stride) {
                     const __m256 p = _mm256_set1_ps(sc[j + o]);
                     for (int i = 0; i < 8; i++)
@@ -407,8 +422,8 @@ static void attend_item(const float *qg, float *og, const float *k_base, const f
                 }
                 j += cnt;
             }
-            const __m256 s = _mm256_set1_ps(inv[h]);
-            for (int i = 0; i < nv; i++) _mm256_storeu_ps(og + h * d + dc + 8 * i, _mm256_mul_ps(acc[i], s));
+            const __m256 sv = _mm256_set1_ps(inv[h]);
+            for (int i = 0; i < nv; i++) _mm256_storeu_ps(og + h * d + dc + 8 * i, _mm256_mul_ps(acc[i], sv));
         }
     }
 }
@@ -416,27 +431,30 @@ static void attend_item(const float *qg, float *og, const float *k_base, const f
 /*
  * Paged attention read in place: token t of request r (query row t) attends
  * positions [0, seq_lens[r] - (qsl[r+1] - 1 - t)) of its sequence, whose
- * K/V sit at slot block_table[r][pos / bs] * bs + pos % bs. One work item is
- * (token, kv head): the group's query heads share each K/V row read.
- * Needs head_dim % 8 == 0 and at most 64 query heads per kv head.
+ * K/V sit at slot block_table[r][pos / bs] * bs + pos % bs. With enough
+ * tokens to share out, one work item is a token with all its heads (each
+ * block is then read as one contiguous run); otherwise a (token, kv head)
+ * pair, so a single decode still uses every thread. Needs head_dim % 8 == 0.
  */
 void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const float *k_cache,
                     const float *v_cache, int n_tokens, int n_reqs, const int32_t *qsl, const int32_t *seq_lens,
                     const int32_t *block_table, int bt_stride, int bs, int n_heads, int n_kv_heads, int d,
                     float scale) {
-    const int group = n_heads / n_kv_heads;
+    const int grp = n_heads / n_kv_heads;
     int max_len = 8;
     for (int r = 0; r < n_reqs; r++)
         if (seq_lens[r] > max_len) max_len = seq_lens[r];
     const int ld = (max_len + 7) & ~7;
-    const int64_t items = (int64_t)n_tokens * n_kv_heads, kv_stride = (int64_t)n_kv_heads * d;
+    const int per_token = n_tokens >= 2 * omp_get_max_threads();
+    const int splits = per_token ? 1 : n_kv_heads, nh = per_token ? n_heads : grp;
+    const int64_t items = (int64_t)n_tokens * splits, kv_stride = (int64_t)n_kv_heads * d;
 #pragma omp parallel if (items > 1)
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)group * ld);
+        float *scores = (float *)malloc(sizeof(float) * ((size_t)nh * ld + nh));
         int r = 0;
-#pragma omp for schedule(dynamic, 2)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            const int t = (int)(it / n_kv_heads), g = (int)(it % n_kv_heads);
+            const int t = (int)(it / splits), g = (int)(it % splits);
             if (t < qsl[r] || t >= qsl[r + 1]) { /* find the request owning token t */
                 int lo = 0, hi = n_reqs - 1;
                 while (lo < hi) {
@@ -446,9 +464,10 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
                 r = lo;
             }
             const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t);
-            attend_item(q + (int64_t)t * ldq + (int64_t)g * group * d, out + (int64_t)t * ldo + (int64_t)g * group * d,
-                        k_cache + (int64_t)g * d, v_cache + (int64_t)g * d, block_table + (int64_t)r * bt_stride, n_vis,
-                        bs, kv_stride, group, d, scale, scores, ld);
+            const int64_t h0 = (int64_t)g * nh; /* first query head of the item */
+            attend_item(q + (int64_t)t * ldq + h0 * d, out + (int64_t)t * ldo + h0 * d, k_cache + (h0 / grp) * d,
+                        v_cache + (h0 / grp) * d, block_table + (int64_t)r * bt_stride, n_vis, bs, kv_stride, nh, grp,
+                        d, scale, scores, ld, scores + (size_t)nh * ld);
         }
         free(scores);
     }
