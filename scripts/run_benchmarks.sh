@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
-# The full benchmark run behind docs/benchmarks.md: cpu profile, SmolLM2-135M,
-# 100-token prompts, 128 output tokens, ignore_eos. Results: bench-results/full/.
+# The full benchmark run behind docs/benchmarks.md: SmolLM2-135M, 100-token
+# prompts, 128 output tokens, ignore_eos; the cpu profile (fp32) and the
+# cpu_int8 profile (= cpu + quantization=int8_wo). Results: bench-results/full/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 A=${APPLIANCE:-.venv/bin/appliance}
 OUT=${OUT:-bench-results/full}
-M="+profile=cpu cache.kv_cache_memory_gib=1.0 model.max_model_len=2048"
+L="cache.kv_cache_memory_gib=1.0 model.max_model_len=2048"
+M="+profile=cpu $L"
 mkdir -p "$OUT"
 $A bench machine --out "$OUT"
 for n in 1 8 32; do
   mkdir -p "$OUT/throughput-$n"; cp "$OUT/machine.json" "$OUT/throughput-$n/"
-  $A bench throughput --num-prompts $n --input-len 100 --output-len 128 --baseline hf --out "$OUT/throughput-$n" $M
+  $A bench throughput --num-prompts $n --input-len 100 --output-len 128 --baseline hf \
+    --also quantization=int8_wo --out "$OUT/throughput-$n" $M
 done
-mkdir -p "$OUT/serve-c1" "$OUT/serve-c8-32"
-$A bench serve --max-concurrency 1 --num-prompts 4 --input-len 100 --output-len 128 --out "$OUT/serve-c1" $M
-$A bench serve --max-concurrency 8,32 --num-prompts 32 --input-len 100 --output-len 128 --out "$OUT/serve-c8-32" $M
-cp "$OUT/machine.json" "$OUT/serve-c1/" 2>/dev/null || true
-$A bench latency --out "$OUT" $M
+for p in cpu cpu_int8; do
+  B="+profile=$p $L"
+  mkdir -p "$OUT/serve-$p-c1" "$OUT/serve-$p-c8-32" "$OUT/latency-$p"
+  $A bench serve --max-concurrency 1 --num-prompts 4 --input-len 100 --output-len 128 --out "$OUT/serve-$p-c1" $B
+  $A bench serve --max-concurrency 8,32 --num-prompts 32 --input-len 100 --output-len 128 --out "$OUT/serve-$p-c8-32" $B
+  cp "$OUT/machine.json" "$OUT/latency-$p/"
+  $A bench latency --out "$OUT/latency-$p" $B
+done
 $A bench prefix --out "$OUT" $M
 $A bench scheduler --out "$OUT"

@@ -2,6 +2,11 @@
 with Hugging Face transformers on the same model and prompts as the
 baseline in the same run (``--baseline hf``).
 
+``--also "OVERRIDES"`` (repeatable) runs our engine again with those extra
+overrides on the same prompts (e.g. ``--also quantization=int8_wo``, which
+is the cpu_int8 profile), so variants and baselines share one run. Where
+the native CPU forward ran, its per-phase seconds are recorded.
+
 Physics printed with every figure: achieved weight-streaming bandwidth
 (weights are read once per engine step) as a fraction of `bench machine`'s
 bandwidth, and achieved GFLOP/s (2 x parameters x tokens) as a fraction of
@@ -18,10 +23,18 @@ from appliance.bench.common import lengths_for, plot_bars, random_prompts, split
 from appliance.bench.machine import load_or_measure
 
 
+def _native_phases(reset: bool) -> dict[str, float] | None:
+    import sys
+
+    mod = sys.modules.get("appliance.kernels.cpu_native")
+    return mod.phase_times(reset=reset) if mod is not None else None
+
+
 def run_ours(llm: Any, prompts: list[list[int]], output_len: int) -> dict:
     from appliance import SamplingParams
 
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
+    _native_phases(reset=True)
     steps = 0
     orig = llm.engine.step
 
@@ -36,9 +49,31 @@ def run_ours(llm: Any, prompts: list[list[int]], output_len: int) -> dict:
     elapsed = time.perf_counter() - t
     llm.engine.step = orig
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"elapsed_s": elapsed, "output_tokens": out_tokens, "steps": steps,
-            "output_tok_s": out_tokens / elapsed, "total_tok_s": (out_tokens + sum(map(len, prompts))) / elapsed,
-            "requests_s": len(prompts) / elapsed}
+    res = {"elapsed_s": elapsed, "output_tokens": out_tokens, "steps": steps,
+           "output_tok_s": out_tokens / elapsed, "total_tok_s": (out_tokens + sum(map(len, prompts))) / elapsed,
+           "requests_s": len(prompts) / elapsed, "attention_backend": llm.engine.runner.backend.name}
+    phases = _native_phases(reset=True)
+    if phases and llm.engine.runner.backend.name == "cpu_native":
+        res["native_phases_s"] = phases
+    return res
+
+
+def measure(overrides: list[str], prompts: list[list[int]], output_len: int, machine: dict) -> tuple[dict, Any, Any]:
+    """Our engine on the prompts, with bandwidth and FLOP figures; (result, resolved config, plan)."""
+    from appliance import LLM
+    from appliance.config.plan import make_plan
+
+    llm = LLM(overrides=overrides)
+    resolved = llm.resolved
+    plan = make_plan(resolved.cfg)
+    ours = run_ours(llm, prompts, output_len)
+    del llm  # free the KV pool before the next engine or the baseline loads
+    gbps = ours["steps"] * plan.weight_bytes_per_device / ours["elapsed_s"] / 1e9
+    flops = 2 * plan.parameter_count * (ours["output_tokens"] + sum(map(len, prompts))) / ours["elapsed_s"] / 1e9
+    peak_flops = machine["peak_gflops"].get("bf16" if plan.dtype == "bfloat16" else "fp32", machine["peak_gflops"]["fp32"])
+    ours.update({"weight_GBps": gbps, "bandwidth_fraction": gbps / machine["peak_bandwidth_GBps"],
+                 "gflops": flops, "gemm_peak_fraction": flops / peak_flops})
+    return ours, resolved, plan
 
 
 def run_hf(folder: str, prompts: list[list[int]], output_len: int, dtype: str, batch_size: int) -> dict:
@@ -87,30 +122,29 @@ def main(argv: list[str]) -> int:
     p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt shares")
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--hf-batch-size", type=int, default=0, help="static batch size of the HF baseline (default: all)")
+    p.add_argument("--also", action="append", default=[], metavar="OVERRIDES",
+                   help="run our engine again with these extra overrides (space-separated), e.g. quantization=int8_wo")
     p.add_argument("--out", default="bench-results")
     a, overrides = split_overrides(p, argv)
-    from appliance import LLM
-    from appliance.config.plan import make_plan
+    from appliance.config.compose import resolve
     from appliance.models.loader import resolve_model_folder
 
     machine = load_or_measure(a.out)
-    llm = LLM(overrides=overrides)
-    cfg = llm.resolved.cfg
-    plan = make_plan(cfg)
+    cfg = resolve(overrides).cfg
     lens = lengths_for(a.num_prompts, a.input_len, a.input_len_range)
     prompts = random_prompts(a.num_prompts, lens, cfg.model.vocab_size, shared_prefix=a.shared_prefix)
-    ours = run_ours(llm, prompts, a.output_len)
-    gbps = ours["steps"] * plan.weight_bytes_per_device / ours["elapsed_s"] / 1e9
-    flops = 2 * plan.parameter_count * (ours["output_tokens"] + sum(lens)) / ours["elapsed_s"] / 1e9
-    peak_flops = machine["peak_gflops"].get("bf16" if plan.dtype == "bfloat16" else "fp32", machine["peak_gflops"]["fp32"])
-    ours.update({"weight_GBps": gbps, "bandwidth_fraction": gbps / machine["peak_bandwidth_GBps"],
-                 "gflops": flops, "gemm_peak_fraction": flops / peak_flops})
-    result = {"config_hash": llm.resolved.hash, "profile": cfg.profile, "model": cfg.model.name, "dtype": plan.dtype,
+    ours, resolved, plan = measure(overrides, prompts, a.output_len, machine)
+    gbps, flops = ours["weight_GBps"], ours["gflops"]
+    result = {"config_hash": resolved.hash, "profile": cfg.profile, "model": cfg.model.name, "dtype": plan.dtype,
               "num_prompts": a.num_prompts, "input_lens": lens, "output_len": a.output_len,
-              "shared_prefix": a.shared_prefix, "appliance": ours, "machine": machine}
+              "shared_prefix": a.shared_prefix, "appliance": ours, "machine": machine, "also": {}}
     bars = {"appliance": ours["output_tok_s"]}
+    for extra in a.also:
+        res, r2, _ = measure(overrides + extra.split(), prompts, a.output_len, machine)
+        res["config_hash"] = r2.hash
+        result["also"][extra] = res
+        bars[f"appliance {extra}"] = res["output_tok_s"]
     if a.baseline == "hf":
-        del llm  # free the engine's KV pool before the baseline loads
         hf = run_hf(str(resolve_model_folder(cfg.model)), prompts, a.output_len, plan.dtype,
                     a.hf_batch_size or a.num_prompts)
         result["hf"] = hf
@@ -119,12 +153,19 @@ def main(argv: list[str]) -> int:
         if "output_tok_s" in hf.get("continuous", {}):
             result["ratio_vs_hf_continuous"] = ours["output_tok_s"] / hf["continuous"]["output_tok_s"]
             bars["hf continuous"] = hf["continuous"]["output_tok_s"]
+        for res in result["also"].values():
+            res["ratio_vs_hf_static"] = res["output_tok_s"] / hf["static"]["output_tok_s"]
+            if "output_tok_s" in hf.get("continuous", {}):
+                res["ratio_vs_hf_continuous"] = res["output_tok_s"] / hf["continuous"]["output_tok_s"]
     path = write_results(a.out, "throughput", result)
     png = plot_bars(a.out, "throughput", f"Output tok/s, {a.num_prompts} prompts x {a.output_len} tokens", bars, "tok/s")
     print(f"appliance: {ours['output_tok_s']:.1f} output tok/s, {ours['total_tok_s']:.1f} total tok/s, "
           f"{ours['requests_s']:.2f} req/s")
     print(f"  weights streamed at {gbps:.1f} GB/s = {100 * ours['bandwidth_fraction']:.0f}% of "
           f"{machine['peak_bandwidth_GBps']:.1f} GB/s; {flops:.1f} GFLOP/s = {100 * ours['gemm_peak_fraction']:.0f}% of GEMM peak")
+    for extra, res in result["also"].items():
+        vs = f" (x{res['ratio_vs_hf_static']:.2f} HF static)" if "ratio_vs_hf_static" in res else ""
+        print(f"appliance {extra}: {res['output_tok_s']:.1f} output tok/s{vs}")
     if "hf" in result:
         print(f"hf static batching: {result['hf']['static']['output_tok_s']:.1f} tok/s "
               f"(appliance x{result['ratio_vs_hf_static']:.2f})")

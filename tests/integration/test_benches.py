@@ -35,11 +35,17 @@ def test_machine(out):
 
 def test_throughput_with_hf_baseline(out, cli):
     r = cli("bench", "throughput", "--num-prompts", "3", "--input-len-range", "8,24", "--output-len", "6",
-            "--baseline", "hf", "--out", str(out), *TINY)
+            "--baseline", "hf", "--also", "quantization=int8_wo", "--out", str(out), *TINY)
     assert r.returncode == 0, r.stderr
     t = load(out, "throughput")
     ours = t["appliance"]
     assert ours["output_tokens"] == 18 and ours["output_tok_s"] > 0 and ours["steps"] >= 6
+    assert ours["attention_backend"] == "cpu_native"
+    assert set(ours["native_phases_s"]) >= {"qkv", "attention", "lm_head"}
+    assert sum(ours["native_phases_s"].values()) <= ours["elapsed_s"]
+    q = t["also"]["quantization=int8_wo"]
+    assert q["output_tokens"] == 18 and q["config_hash"] != t["config_hash"]
+    assert q["ratio_vs_hf_static"] == pytest.approx(q["output_tok_s"] / t["hf"]["static"]["output_tok_s"])
     assert 0 < ours["bandwidth_fraction"] and 0 < ours["gemm_peak_fraction"]
     assert all(8 <= n <= 24 for n in t["input_lens"])
     assert t["hf"]["static"]["output_tokens"] == 18
