@@ -289,8 +289,13 @@ class NativeForward:
             self._scratch = torch.empty(need, dtype=torch.float32)
         ids = input_ids.to(torch.int64).contiguous()
         pos = positions.to(torch.int64).contiguous()
-        if t and int(pos.max()) >= self.struct.max_pos:
-            raise ValueError(f"position {int(pos.max())} beyond the rope table ({self.struct.max_pos})")
+        if t:  # the native side indexes tables with these: check them here, not with a crash there
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.arch.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.arch.vocab_size - 1})")
+            if int(pos.max()) >= self.struct.max_pos:
+                raise ValueError(f"position {int(pos.max())} beyond the rope table ({self.struct.max_pos})")
         slots = c.slot_mapping.to(torch.int64).contiguous()
         li = logits_indices.to(torch.int64).contiguous()
         logits = torch.empty(li.shape[0], self.arch.vocab_size, dtype=torch.float32)

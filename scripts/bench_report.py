@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("norm", "qkv", "rope_kv_write", "attention", "o_proj", "gate_up", "silu_mul", "down", "lm_head")
 SRC = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "bench-results" / "full"
 DOCS = ROOT / "docs"
 PLOTS = DOCS / "benchmarks"
@@ -44,47 +45,63 @@ def main() -> None:
         "This CPU (AMD EPYC, AVX2) has no AVX-512 and no native bf16: torch's bf16 matmuls run about 100x",
         "slower than fp32 here, so `model.dtype=auto` stays fp32 and the bf16 lever does not apply.",
         "",
-        "## Offline throughput (`appliance bench throughput --baseline hf`)",
+        "## Offline throughput (`appliance bench throughput --baseline hf --also quantization=int8_wo`)",
         "",
-        "SmolLM2-135M-Instruct, cpu profile (fp32), 100-token prompts, 128 output tokens, `ignore_eos`; Hugging",
-        "Face transformers on the same weights and prompts in the same process: static batching (`generate()`,",
-        "all prompts in one left-padded batch) and continuous batching (`generate_batch`).",
+        "SmolLM2-135M-Instruct, 100-token prompts, 128 output tokens, `ignore_eos`. `cpu` is the cpu profile",
+        "(fp32 weights, native kernels); `cpu_int8` is the same engine with `quantization=int8_wo` (the",
+        "cpu_int8 profile). Hugging Face transformers runs the same fp32 weights and prompts in the same",
+        "process: static batching (`generate()`, all prompts in one batch) and continuous batching",
+        "(`generate_batch`).",
         "",
-        "| requests | appliance out tok/s | HF static | HF continuous | x HF static | x HF continuous | weights GB/s (% of machine) | % GEMM peak |",
-        "|---|---|---|---|---|---|---|---|",
+        "| requests | cpu out tok/s | cpu_int8 out tok/s | HF static | HF continuous | cpu x HF static | cpu_int8 x HF static | cpu_int8 x HF continuous | cpu_int8 weights GB/s (% of machine) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for n in (1, 8, 32):
         t = load(f"throughput-{n}/throughput.json")
-        a, h = t["appliance"], t["hf"]
+        a, h, q = t["appliance"], t["hf"], t["also"]["quantization=int8_wo"]
         cb = h.get("continuous", {}).get("output_tok_s")
-        lines.append(
-            f"| {n} | {a['output_tok_s']:.1f} | {h['static']['output_tok_s']:.1f} | {cb:.1f} | "
-            f"{t['ratio_vs_hf_static']:.2f} | {t.get('ratio_vs_hf_continuous', 0):.2f} | "
-            f"{a['weight_GBps']:.1f} ({100 * a['bandwidth_fraction']:.0f}%) | {100 * a['gemm_peak_fraction']:.0f}% |"
-            if cb else f"| {n} | {a['output_tok_s']:.1f} | {h['static']['output_tok_s']:.1f} | n/a | "
-            f"{t['ratio_vs_hf_static']:.2f} | n/a | {a['weight_GBps']:.1f} ({100 * a['bandwidth_fraction']:.0f}%) | "
-            f"{100 * a['gemm_peak_fraction']:.0f}% |")
+        cb_cell = f"{cb:.1f}" if cb else "n/a"
+        q_cb = f"{q['ratio_vs_hf_continuous']:.2f}" if "ratio_vs_hf_continuous" in q else "n/a"
+        lines.append(f"| {n} | {a['output_tok_s']:.1f} | {q['output_tok_s']:.1f} | {h['static']['output_tok_s']:.1f} | "
+                     f"{cb_cell} | {t['ratio_vs_hf_static']:.2f} | {q['ratio_vs_hf_static']:.2f} | {q_cb} | "
+                     f"{q['weight_GBps']:.1f} ({100 * q['bandwidth_fraction']:.0f}%) |")
         shutil.copy(SRC / f"throughput-{n}/throughput.png", PLOTS / f"throughput-{n}.png")
     lines += ["", "![throughput at 32 requests](benchmarks/throughput-32.png)", "",
-              "## Online serving (`appliance bench serve`)", "",
+              "Where the native forward's time goes (seconds per phase over the whole run, from",
+              "`native_phases_s` in the JSON):", "",
+              "| run | " + " | ".join(PHASES) + " | total native | wall |",
+              "|---|" + "---|" * (len(PHASES) + 2)]
+    for n in (1, 32):
+        t = load(f"throughput-{n}/throughput.json")
+        for label, r in (("cpu", t["appliance"]), ("cpu_int8", t["also"]["quantization=int8_wo"])):
+            ph = r.get("native_phases_s")
+            if ph:
+                lines.append(f"| {label}, {n} requests | " + " | ".join(f"{ph[k]:.2f}" for k in PHASES)
+                             + f" | {sum(ph.values()):.2f} | {r['elapsed_s']:.2f} |")
+    lines += ["", "## Online serving (`appliance bench serve`)", "",
               "Streaming `/v1/completions` against `appliance run` started by the bench on a loopback port; same",
               "prompt and output lengths. Latencies in ms.", "",
-              "| concurrency | requests | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | ITL p99 | E2E p50 |",
-              "|---|---|---|---|---|---|---|---|"]
-    for rel in ("serve-c1/serve.json", "serve-c8-32/serve.json"):
-        s = load(rel)
-        for lv in s["levels"]:
-            lines.append(f"| {lv['max_concurrency']} | {lv['completed']} | {lv['output_tok_s']:.1f} | "
-                         f"{lv['ttft_ms']['p50']:.0f} | {lv['ttft_ms']['p99']:.0f} | {lv['tpot_ms']['p50']:.1f} | "
-                         f"{lv['itl_ms']['p99']:.1f} | {lv['e2e_ms']['p50']:.0f} |")
-    shutil.copy(SRC / "serve-c8-32/serve.png", PLOTS / "serve.png")
-    lat = load("latency.json")
-    lines += ["", "## Latency (`appliance bench latency`)", "", "| prefill tokens | ms | tok/s |", "|---|---|---|"]
-    lines += [f"| {p['input_len']} | {p['ms']:.1f} | {p['tok_s']:.0f} |" for p in lat["prefill"]]
-    lines += ["", "| decode batch | ms/step | tok/s | weights GB/s (% of machine) |", "|---|---|---|---|"]
-    lines += [f"| {d['batch_size']} | {d['ms_per_step']:.1f} | {d['tok_s']:.1f} | {d['weight_GBps']:.1f} "
-              f"({100 * d['bandwidth_fraction']:.0f}%) |" for d in lat["decode"]]
-    shutil.copy(SRC / "latency.png", PLOTS / "latency.png")
+              "| profile | concurrency | requests | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | ITL p99 | E2E p50 |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for prof in ("cpu", "cpu_int8"):
+        for rel in (f"serve-{prof}-c1/serve.json", f"serve-{prof}-c8-32/serve.json"):
+            sv = load(rel)
+            for lv in sv["levels"]:
+                lines.append(f"| {prof} | {lv['max_concurrency']} | {lv['completed']} | {lv['output_tok_s']:.1f} | "
+                             f"{lv['ttft_ms']['p50']:.0f} | {lv['ttft_ms']['p99']:.0f} | {lv['tpot_ms']['p50']:.1f} | "
+                             f"{lv['itl_ms']['p99']:.1f} | {lv['e2e_ms']['p50']:.0f} |")
+    shutil.copy(SRC / "serve-cpu_int8-c8-32/serve.png", PLOTS / "serve.png")
+    lines += ["", "## Latency (`appliance bench latency`)", "",
+              "| profile | prefill tokens | ms | tok/s |", "|---|---|---|---|"]
+    for prof in ("cpu", "cpu_int8"):
+        lat = load(f"latency-{prof}/latency.json")
+        lines += [f"| {prof} | {p['input_len']} | {p['ms']:.1f} | {p['tok_s']:.0f} |" for p in lat["prefill"]]
+    lines += ["", "| profile | decode batch | ms/step | tok/s | weights GB/s (% of machine) |", "|---|---|---|---|---|"]
+    for prof in ("cpu", "cpu_int8"):
+        lat = load(f"latency-{prof}/latency.json")
+        lines += [f"| {prof} | {d['batch_size']} | {d['ms_per_step']:.1f} | {d['tok_s']:.1f} | {d['weight_GBps']:.1f} "
+                  f"({100 * d['bandwidth_fraction']:.0f}%) |" for d in lat["decode"]]
+    shutil.copy(SRC / "latency-cpu_int8/latency.png", PLOTS / "latency.png")
     px = load("prefix.json")
     sm = px["summary"]
     lines += ["", "## Prefix caching (`appliance bench prefix`)", "",

@@ -110,3 +110,10 @@ def test_refuses_clearly_when_the_compiler_is_missing(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert "building cpu_native kernels with /nonexistent/gcc failed" in r.stdout or "C compiler" in r.stdout
+
+
+def test_out_of_vocabulary_ids_raise_instead_of_reading_past_the_table():
+    llm = LLM(overrides=["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.01"])
+    vocab = llm.resolved.cfg.model.vocab_size
+    with pytest.raises(ValueError, match=f"token id {vocab} is outside the vocabulary"):
+        llm.generate([[1, 2, vocab]], SamplingParams(max_tokens=2), use_tqdm=False)
