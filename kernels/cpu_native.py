@@ -6,7 +6,8 @@ place (no gather), fused RMSNorm/rope/KV-write/SiLU, and ``appl_forward``,
 which runs a whole Llama-family step in one call so a decode step pays no
 per-op Python or dispatcher cost. The library is compiled with the
 system's C compiler at first use and cached by source hash under
-``$APPLIANCE_CACHE_DIR/kernels`` (default ``~/.cache/appliance/kernels``).
+``$APPLIANCE_CACHE_DIR/kernels`` (default ``~/.cache/appliance/kernels``);
+images ship it prebuilt in ``$APPLIANCE_KERNEL_DIR``.
 Importing this module builds or loads it; any failure (no compiler, no
 AVX2/FMA) raises ImportError with the reason, which the backend selector
 reports as "package not importable".
@@ -19,69 +20,13 @@ says ``native_forward``.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
-
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
-REQUIRED_CPU_FLAGS = ("avx2", "fma")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _cache_root() -> Path:
-    root = os.environ.get("APPLIANCE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "appliance")
-    return Path(root) / "kernels"
-
-
-def build_library() -> Path:
-    """Compile cpu_ops.c once per source/flags hash; return the .so path."""
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        raise ImportError(f"cpu_native needs a CPU with {', '.join(REQUIRED_CPU_FLAGS)}; this one lacks {', '.join(missing)}")
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if not cc:
-        raise ImportError("cpu_native needs a C compiler (gcc) to build its kernels; none on PATH")
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    out = _cache_root() / f"cpu_ops-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        try:
-            proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
-        except OSError as e:
-            raise ImportError(f"building cpu_native kernels with {cc} failed: {e}") from e
-        if proc.returncode != 0:
-            raise ImportError(f"building cpu_native kernels with {cc} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)  # atomic: concurrent builders agree on the result
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
+from appliance.kernels.cpu_build import build_library
 
 # Load after torch so the library's libgomp.so.1 resolves to the one torch loaded.
 _LIB = ctypes.CDLL(str(build_library()))

@@ -98,6 +98,20 @@ def test_whole_step_forward_matches_torch_path(variant, extra):
             assert [t for t, _ in lb.top] == [t for t, _ in la.top]
 
 
+def test_prebuilt_library_needs_no_compiler(tmp_path):
+    import shutil
+
+    from appliance.kernels.cpu_build import build_library, library_name
+
+    shutil.copy(build_library(), tmp_path / library_name())
+    code = "import appliance.kernels.cpu_native as m; print(m._LIB._name)"
+    env = {"PATH": "/nonexistent", "CC": "/nonexistent/gcc", "APPLIANCE_KERNEL_DIR": str(tmp_path),
+           "APPLIANCE_CACHE_DIR": str(tmp_path / "empty"), "HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(tmp_path / library_name())
+
+
 def test_refuses_clearly_when_the_compiler_is_missing(tmp_path):
     code = (
         "import appliance.kernels.registry as reg\n"
