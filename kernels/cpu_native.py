@@ -92,32 +92,56 @@ def _f32_contig(t: torch.Tensor, what: str) -> torch.Tensor:
     return t.contiguous()
 
 
+PANEL = 16  # output channels per packed panel (PW in cpu_ops.c)
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """[n, k] -> [ceil(n / 16), k, 16]: each panel holds 16 output channels with
+    the channels of one k contiguous; rows past n are zero."""
+    n, k = w.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=w.dtype)
+    padded[:n] = w
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
 class NativeLinear:
-    """A ctypes view of an fp32 nn.Linear or an int8 weight-only linear.
+    """A ctypes view of an fp32 nn.Linear or an int8 weight-only linear, its
+    weight packed in panels. Keeps references to the tensors it points at.
 
-    Keeps references to the tensors it points at."""
+    With ``release`` the packed weight is stored on the module
+    (``weight_packed``) and the row-major original is freed, so the weights
+    are held once; the module is then usable only through this view."""
 
-    def __init__(self, module: Any):
+    def __init__(self, module: Any, release: bool = False):
+        packed = getattr(module, "weight_packed", None)
         if hasattr(module, "weight_int8"):
-            w = module.weight_int8.contiguous()
+            if packed is None:
+                packed = pack_panels(module.weight_int8)
             scale = _f32_contig(module.scale, "an int8 scale")
             wtype = WTYPE_I8
         else:
-            w, scale, wtype = _f32_contig(module.weight.data, "a linear weight"), None, WTYPE_F32
+            if packed is None:
+                packed = pack_panels(_f32_contig(module.weight.data, "a linear weight"))
+            scale, wtype = None, WTYPE_F32
+        n, k = module.out_features, module.in_features
+        if release and getattr(module, "weight_packed", None) is None:
+            module.weight_packed = packed
+            if wtype == WTYPE_I8:
+                module.weight_int8 = torch.empty(0, dtype=torch.int8)
+            else:
+                module.weight.data = torch.empty(0)
         bias = getattr(module, "bias", None)
         bias = None if bias is None else _f32_contig(bias.data, "a linear bias")
-        self._keep = (w, scale, bias)
-        n, k = w.shape
-        self.struct = Linear(_ptr(w), _ptr(scale), _ptr(bias), n, k, wtype, 0)
+        self._keep = (packed, scale, bias)
+        self.struct = Linear(_ptr(packed), _ptr(scale), _ptr(bias), n, k, wtype, 0)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> "NativeLinear":
-        class _W:
-            pass
+        """A view of a bare weight (the tied LM head): packs a copy."""
+        from types import SimpleNamespace
 
-        m = _W()
-        m.weight, m.bias = weight, None
-        return cls(m)
+        return cls(SimpleNamespace(weight=weight, bias=None, out_features=weight.shape[0], in_features=weight.shape[1]))
 
     def __call__(self, x: torch.Tensor, out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
         x = _f32_contig(x, "the activation")
@@ -190,7 +214,7 @@ class NativeForward:
         self._kv_ptrs: list[int] = []
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            lins = [NativeLinear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            lins = [NativeLinear(m, release=True) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             self._lin += lins
             L = self._layers[i]
             L.ln1 = self._hold(layer.input_layernorm.weight.data)
@@ -199,7 +223,12 @@ class NativeForward:
                 L.q_norm, L.k_norm = self._hold(attn.q_norm.weight.data), self._hold(attn.k_norm.weight.data)
             L.qkv, L.o, L.gate_up, L.down = (x.struct for x in lins)
         lm = model.lm_head_q if model.lm_head_q is not None else None
-        self._lm_head = NativeLinear(lm) if lm is not None else NativeLinear.from_weight(model.lm_head_weight().data)
+        if lm is not None:
+            self._lm_head = NativeLinear(lm, release=True)
+        elif model.arch.tie_word_embeddings:  # the embedding stays row-major for lookups: pack a copy
+            self._lm_head = NativeLinear.from_weight(model.lm_head_weight().data)
+        else:
+            self._lm_head = NativeLinear(model.lm_head, release=True)
         cos, sin = model._rope
         self.struct = Model(
             arch.num_layers, arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads,

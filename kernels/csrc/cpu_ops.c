@@ -7,7 +7,8 @@
  * o_proj with the residual add fused, RMSNorm, packed gate|up GEMM, SiLU*up,
  * down with the residual add fused), the final norm on the sampled rows and
  * the LM head. Weights are fp32 or int8 with one fp32 scale per output
- * channel; activations and the KV cache are fp32.
+ * channel, packed in panels of 16 output channels (kernels/cpu_native.py
+ * packs them); activations and the KV cache are fp32.
  *
  * Built at first use by kernels/cpu_native.py (gcc -O3 -mavx2 -mfma
  * -fopenmp); OpenMP resolves to the libgomp torch has already loaded, so the
@@ -25,7 +26,7 @@
 #define WTYPE_I8 1
 
 typedef struct {
-    const void *w;      /* [n, k] row-major, fp32 or int8 */
+    const void *w;      /* [ceil(n / 16), k, 16] panels, fp32 or int8 */
     const float *scale; /* [n] per output channel (int8), else NULL */
     const float *bias;  /* [n] or NULL */
     int32_t n, k, wtype, _pad;
@@ -89,105 +90,106 @@ static inline __m256 load_w_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* ------------------------------------------------------------------- GEMM */
+/* ------------------------------------------------------- packed GEMM */
 /*
- * out[m, n] = (accumulate ? out[m, n] : 0) + scale[n] * <x[m, :], w[n, :]> + bias[n]
- * A register tile is MR rows of x by NR rows of w, dot-product form (both
- * operands contiguous along k); int8 weights widen to fp32 in registers, so
- * a decode step streams a quarter of the fp32 bytes. Rows of x are blocked
- * so a block stays in L2 while every weight row passes over it.
+ * Weights packed in panels of PW output channels: panel[k][PW] (the
+ * channels of one k contiguous), zero rows past n. An outer-product tile
+ * broadcasts one activation per row and multiplies it into PW channels, so
+ * there are no horizontal sums and every weight load feeds up to six rows.
  */
-#define MR 4
-#define NR 3
+#define PW 16
 
-#define DEFINE_TILE(SUFFIX, WT, LOADW)                                                                   \
-    static inline __attribute__((always_inline)) void tile_##SUFFIX(                                     \
-        const float *x, int64_t ldx, const WT *w, int64_t k, int mr, int nr, float c[MR][NR]) {          \
-        __m256 acc[MR][NR];                                                                              \
-        for (int i = 0; i < MR; i++)                                                                     \
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();                                \
-        int64_t kk = 0;                                                                                  \
-        for (; kk + 8 <= k; kk += 8) {                                                                   \
-            __m256 wv[NR];                                                                               \
-            for (int j = 0; j < NR; j++)                                                                 \
-                if (j < nr) wv[j] = LOADW(w + j * k + kk);                                               \
-            for (int i = 0; i < MR; i++) {                                                               \
+static inline __attribute__((always_inline)) void pload_f32(const float *p, __m256 *a, __m256 *b) {
+    *a = _mm256_loadu_ps(p);
+    *b = _mm256_loadu_ps(p + 8);
+}
+static inline __attribute__((always_inline)) void pload_i8(const int8_t *p, __m256 *a, __m256 *b) {
+    *a = load_w_i8(p);
+    *b = load_w_i8(p + 8);
+}
+
+/* mr rows (<= 6) by one panel; mr rows (<= 2) by two panels. */
+#define DEFINE_PTILE(SUFFIX, WT, LOAD2)                                                                   \
+    static inline __attribute__((always_inline)) void ptile1_##SUFFIX(                                   \
+        const float *x, int64_t ldx, const WT *p, int64_t k, const int mr, float c[6][2 * PW]) {          \
+        __m256 a0[6], a1[6];                                                                             \
+        for (int i = 0; i < 6; i++) a0[i] = a1[i] = _mm256_setzero_ps();                                 \
+        for (int64_t kk = 0; kk < k; kk++) {                                                             \
+            __m256 w0, w1;                                                                               \
+            LOAD2(p + kk * PW, &w0, &w1);                                                                \
+            for (int i = 0; i < 6; i++)                                                                  \
                 if (i < mr) {                                                                            \
-                    __m256 xv = _mm256_loadu_ps(x + i * ldx + kk);                                       \
-                    for (int j = 0; j < NR; j++)                                                         \
-                        if (j < nr) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);                   \
+                    const __m256 xb = _mm256_broadcast_ss(x + i * ldx + kk);                             \
+                    a0[i] = _mm256_fmadd_ps(xb, w0, a0[i]);                                              \
+                    a1[i] = _mm256_fmadd_ps(xb, w1, a1[i]);                                              \
+                }                                                                                        \
+        }                                                                                                \
+        for (int i = 0; i < mr; i++) {                                                                   \
+            _mm256_storeu_ps(&c[i][0], a0[i]);                                                           \
+            _mm256_storeu_ps(&c[i][8], a1[i]);                                                           \
+        }                                                                                                \
+    }                                                                                                    \
+    static inline __attribute__((always_inline)) void ptile2_##SUFFIX(                                   \
+        const float *x, int64_t ldx, const WT *p, int64_t pstride, int64_t k, const int mr,              \
+        float c[6][2 * PW]) {                                                                            \
+        __m256 a0[2], a1[2], a2[2], a3[2];                                                               \
+        for (int i = 0; i < 2; i++) a0[i] = a1[i] = a2[i] = a3[i] = _mm256_setzero_ps();                 \
+        for (int64_t kk = 0; kk < k; kk++) {                                                             \
+            __m256 w0, w1, w2, w3;                                                                       \
+            LOAD2(p + kk * PW, &w0, &w1);                                                                \
+            LOAD2(p + pstride + kk * PW, &w2, &w3);                                                      \
+            for (int i = 0; i < 2; i++)                                                                  \
+                if (i < mr) {                                                                            \
+                    const __m256 xb = _mm256_broadcast_ss(x + i * ldx + kk);                             \
+                    a0[i] = _mm256_fmadd_ps(xb, w0, a0[i]);                                              \
+                    a1[i] = _mm256_fmadd_ps(xb, w1, a1[i]);                                              \
+                    a2[i] = _mm256_fmadd_ps(xb, w2, a2[i]);                                              \
+                    a3[i] = _mm256_fmadd_ps(xb, w3, a3[i]);                                              \
+                }                                                                                        \
+        }                                                                                                \
+        for (int i = 0; i < mr; i++) {                                                                   \
+            _mm256_storeu_ps(&c[i][0], a0[i]);                                                           \
+            _mm256_storeu_ps(&c[i][8], a1[i]);                                                           \
+            _mm256_storeu_ps(&c[i][16], a2[i]);                                                          \
+            _mm256_storeu_ps(&c[i][24], a3[i]);                                                          \
+        }                                                                                                \
+    }
+
+DEFINE_PTILE(f32, float, pload_f32)
+DEFINE_PTILE(i8, int8_t, pload_i8)
+
+/* One row by four panels (eight FMA chains): the decode GEMV. */
+#define DEFINE_PGEMV(SUFFIX, WT, LOAD2)                                                                   \
+    static void pgemv4_##SUFFIX(const float *x, const WT *p, int64_t pstride, int64_t k, int np,         \
+                                float c[4 * PW]) {                                                       \
+        __m256 a[8];                                                                                     \
+        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();                                          \
+        if (np == 4) {                                                                                   \
+            for (int64_t kk = 0; kk < k; kk++) {                                                         \
+                const __m256 xb = _mm256_broadcast_ss(x + kk);                                           \
+                __m256 w[8];                                                                             \
+                for (int q = 0; q < 4; q++) LOAD2(p + q * pstride + kk * PW, &w[2 * q], &w[2 * q + 1]);   \
+                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(xb, w[j], a[j]);                      \
+            }                                                                                            \
+        } else {                                                                                         \
+            for (int64_t kk = 0; kk < k; kk++) {                                                         \
+                const __m256 xb = _mm256_broadcast_ss(x + kk);                                           \
+                for (int q = 0; q < np; q++) {                                                           \
+                    __m256 w0, w1;                                                                       \
+                    LOAD2(p + q * pstride + kk * PW, &w0, &w1);                                          \
+                    a[2 * q] = _mm256_fmadd_ps(xb, w0, a[2 * q]);                                        \
+                    a[2 * q + 1] = _mm256_fmadd_ps(xb, w1, a[2 * q + 1]);                                \
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
-        for (int i = 0; i < mr; i++)                                                                     \
-            for (int j = 0; j < nr; j++) {                                                               \
-                float s = hsum8(acc[i][j]);                                                              \
-                for (int64_t t = kk; t < k; t++) s += x[i * ldx + t] * (float)w[j * k + t];              \
-                c[i][j] = s;                                                                             \
-            }                                                                                            \
+        for (int j = 0; j < 2 * np; j++) _mm256_storeu_ps(c + 8 * j, a[j]);                              \
     }
 
-DEFINE_TILE(f32, float, load_w_f32)
-DEFINE_TILE(i8, int8_t, load_w_i8)
+DEFINE_PGEMV(f32, float, pload_f32)
+DEFINE_PGEMV(i8, int8_t, pload_i8)
 
-/* Specialize on (mr, nr) so the accumulators live in registers. */
-#define DISPATCH_TILE(SUFFIX, WT)                                                                         \
-    static void run_tile_##SUFFIX(const float *x, int64_t ldx, const WT *w, int64_t k, int mr, int nr,    \
-                                  float c[MR][NR]) {                                                      \
-        switch (mr * 8 + nr) {                                                                            \
-        case 4 * 8 + 3: tile_##SUFFIX(x, ldx, w, k, 4, 3, c); break;                                      \
-        case 1 * 8 + 3: tile_##SUFFIX(x, ldx, w, k, 1, 3, c); break;                                      \
-        case 2 * 8 + 3: tile_##SUFFIX(x, ldx, w, k, 2, 3, c); break;                                      \
-        case 3 * 8 + 3: tile_##SUFFIX(x, ldx, w, k, 3, 3, c); break;                                      \
-        case 4 * 8 + 2: tile_##SUFFIX(x, ldx, w, k, 4, 2, c); break;                                      \
-        case 4 * 8 + 1: tile_##SUFFIX(x, ldx, w, k, 4, 1, c); break;                                      \
-        default: tile_##SUFFIX(x, ldx, w, k, mr, nr, c); break;                                           \
-        }                                                                                                 \
-    }
-
-DISPATCH_TILE(f32, float)
-DISPATCH_TILE(i8, int8_t)
-
-/* One row of x against four weight rows, two k-phases each: eight
- * independent FMA chains, enough to keep a decode GEMV streaming. */
-#define DEFINE_GEMV4(SUFFIX, WT, LOADW)                                                                  \
-    static void gemv4_##SUFFIX(const float *x, const WT *w, int64_t k, float c[4]) {                      \
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;  \
-        int64_t kk = 0;                                                                                  \
-        const char *next = (const char *)(w + 4 * k); /* the next quad, prefetched as this one runs */  \
-        for (; kk + 16 <= k; kk += 16) {                                                                 \
-            for (int p = 0; p < (int)sizeof(WT); p++)                                                    \
-                _mm_prefetch(next + kk * 4 * (int64_t)sizeof(WT) + p * 64, _MM_HINT_T0);                    \
-            const __m256 x0 = _mm256_loadu_ps(x + kk), x1 = _mm256_loadu_ps(x + kk + 8);                  \
-            a0 = _mm256_fmadd_ps(x0, LOADW(w + kk), a0);                                                 \
-            b0 = _mm256_fmadd_ps(x1, LOADW(w + kk + 8), b0);                                             \
-            a1 = _mm256_fmadd_ps(x0, LOADW(w + k + kk), a1);                                             \
-            b1 = _mm256_fmadd_ps(x1, LOADW(w + k + kk + 8), b1);                                         \
-            a2 = _mm256_fmadd_ps(x0, LOADW(w + 2 * k + kk), a2);                                         \
-            b2 = _mm256_fmadd_ps(x1, LOADW(w + 2 * k + kk + 8), b2);                                     \
-            a3 = _mm256_fmadd_ps(x0, LOADW(w + 3 * k + kk), a3);                                         \
-            b3 = _mm256_fmadd_ps(x1, LOADW(w + 3 * k + kk + 8), b3);                                     \
-        }                                                                                                \
-        for (; kk + 8 <= k; kk += 8) {                                                                   \
-            const __m256 x0 = _mm256_loadu_ps(x + kk);                                                   \
-            a0 = _mm256_fmadd_ps(x0, LOADW(w + kk), a0);                                                 \
-            a1 = _mm256_fmadd_ps(x0, LOADW(w + k + kk), a1);                                             \
-            a2 = _mm256_fmadd_ps(x0, LOADW(w + 2 * k + kk), a2);                                         \
-            a3 = _mm256_fmadd_ps(x0, LOADW(w + 3 * k + kk), a3);                                         \
-        }                                                                                                \
-        c[0] = hsum8(_mm256_add_ps(a0, b0));                                                             \
-        c[1] = hsum8(_mm256_add_ps(a1, b1));                                                             \
-        c[2] = hsum8(_mm256_add_ps(a2, b2));                                                             \
-        c[3] = hsum8(_mm256_add_ps(a3, b3));                                                             \
-        for (; kk < k; kk++)                                                                             \
-            for (int j = 0; j < 4; j++) c[j] += x[kk] * (float)w[j * k + kk];                            \
-    }
-
-DEFINE_GEMV4(f32, float, load_w_f32)
-DEFINE_GEMV4(i8, int8_t, load_w_i8)
-
-static inline void store_row(const Linear *L, float *o, int64_t n0, const float *c, int nr, int accumulate) {
-    for (int j = 0; j < nr; j++) {
+static inline void store_out(const Linear *L, float *o, int64_t n0, const float *c, int nv, int accumulate) {
+    for (int j = 0; j < nv; j++) {
         float v = c[j];
         if (L->scale) v *= L->scale[n0 + j];
         if (L->bias) v += L->bias[n0 + j];
@@ -195,94 +197,95 @@ static inline void store_row(const Linear *L, float *o, int64_t n0, const float 
     }
 }
 
-/* M == 1: blocks of four weight rows (gemv4), the last < 4 through the tile path. */
-static void gemv_rows(const Linear *L, const float *x, float *out, int64_t r0, int64_t r1, int accumulate) {
-    const int64_t k = L->k;
-    float c[4];
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        if (L->wtype == WTYPE_I8)
-            gemv4_i8(x, (const int8_t *)L->w + r * k, k, c);
-        else
-            gemv4_f32(x, (const float *)L->w + r * k, k, c);
-        store_row(L, out + r, r, c, 4, accumulate);
+#define DISPATCH_PTILE(SUFFIX, WT)                                                                        \
+    static void run_ptile_##SUFFIX(const float *x, int64_t ldx, const WT *p, int64_t pstride, int64_t k,  \
+                                   int mr, int np, float c[6][2 * PW]) {                                  \
+        if (np == 2) {                                                                                    \
+            if (mr == 2) ptile2_##SUFFIX(x, ldx, p, pstride, k, 2, c);                                    \
+            else ptile2_##SUFFIX(x, ldx, p, pstride, k, 1, c);                                            \
+            return;                                                                                       \
+        }                                                                                                 \
+        switch (mr) {                                                                                     \
+        case 6: ptile1_##SUFFIX(x, ldx, p, k, 6, c); break;                                               \
+        case 5: ptile1_##SUFFIX(x, ldx, p, k, 5, c); break;                                               \
+        case 4: ptile1_##SUFFIX(x, ldx, p, k, 4, c); break;                                               \
+        case 3: ptile1_##SUFFIX(x, ldx, p, k, 3, c); break;                                               \
+        case 2: ptile1_##SUFFIX(x, ldx, p, k, 2, c); break;                                               \
+        default: ptile1_##SUFFIX(x, ldx, p, k, 1, c); break;                                              \
+        }                                                                                                 \
     }
-    for (; r < r1; r++) {
-        float t[MR][NR];
-        if (L->wtype == WTYPE_I8)
-            run_tile_i8(x, k, (const int8_t *)L->w + r * k, k, 1, 1, t);
-        else
-            run_tile_f32(x, k, (const float *)L->w + r * k, k, 1, 1, t);
-        store_row(L, out + r, r, t[0], 1, accumulate);
-    }
-}
 
-/* wbuf: NR * k floats of thread scratch. With more than one row tile, int8
- * weight rows are widened once per n-block into wbuf and every row tile
- * runs the fp32 tile against it (the widening is not repeated per tile). */
-static void gemm_rows(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m0,
-                      int64_t m1, int64_t nb0, int64_t nb1, int accumulate, float *wbuf) {
-    const int64_t k = L->k, n = L->n;
-    const int widen = L->wtype == WTYPE_I8 && m1 - m0 > MR;
-    float c[MR][NR];
-    for (int64_t nb = nb0; nb < nb1; nb++) {
-        const int64_t n0 = nb * NR;
-        const int nr = (int)(n - n0 < NR ? n - n0 : NR);
+DISPATCH_PTILE(f32, float)
+DISPATCH_PTILE(i8, int8_t)
+
+/* Rows [m0, m1) against panels [p0, p1). wbuf (PW * k floats): with more
+ * than one row tile, an int8 panel is widened into it once and every tile
+ * runs the fp32 kernel against it. */
+static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m0,
+                        int64_t m1, int64_t p0, int64_t p1, int accumulate, float *wbuf) {
+    const int64_t k = L->k, n = L->n, pstride = k * PW;
+    const int widen = L->wtype == WTYPE_I8 && m1 - m0 > 6;
+    const int np = m1 - m0 <= 2 && !widen ? 2 : 1;
+    float c[6][2 * PW];
+    for (int64_t pn = p0; pn < p1; pn += np) {
+        const int64_t n0 = pn * PW;
+        const int npu = (int)(p1 - pn < np ? p1 - pn : np);
+        const int nv = (int)(n - n0 < npu * PW ? n - n0 : npu * PW);
+        const int8_t *pq = (const int8_t *)L->w + pn * pstride;
+        const float *pf = (const float *)L->w + pn * pstride;
         if (widen) {
-            const int8_t *wq = (const int8_t *)L->w + n0 * k;
-            int64_t i = 0;
-            for (; i + 8 <= nr * k; i += 8) _mm256_storeu_ps(wbuf + i, load_w_i8(wq + i));
-            for (; i < nr * k; i++) wbuf[i] = (float)wq[i];
+            for (int64_t i = 0; i < pstride; i += 8) _mm256_storeu_ps(wbuf + i, load_w_i8(pq + i));
+            pf = wbuf;
         }
-        for (int64_t m = m0; m < m1; m += MR) {
-            const int mr = (int)(m1 - m < MR ? m1 - m : MR);
-            if (widen)
-                run_tile_f32(x + m * ldx, ldx, wbuf, k, mr, nr, c);
-            else if (L->wtype == WTYPE_I8)
-                run_tile_i8(x + m * ldx, ldx, (const int8_t *)L->w + n0 * k, k, mr, nr, c);
+        for (int64_t m = m0; m < m1; m += 6) {
+            const int mr = (int)(m1 - m < 6 ? m1 - m : 6);
+            if (L->wtype == WTYPE_I8 && !widen)
+                run_ptile_i8(x + m * ldx, ldx, pq, pstride, k, mr, npu, c);
             else
-                run_tile_f32(x + m * ldx, ldx, (const float *)L->w + n0 * k, k, mr, nr, c);
-            for (int i = 0; i < mr; i++) {
-                float *o = out + (m + i) * ldo + n0;
-                for (int j = 0; j < nr; j++) {
-                    float v = c[i][j];
-                    if (L->scale) v *= L->scale[n0 + j];
-                    if (L->bias) v += L->bias[n0 + j];
-                    o[j] = accumulate ? o[j] + v : v;
-                }
-            }
+                run_ptile_f32(x + m * ldx, ldx, pf, pstride, k, mr, npu, c);
+            for (int i = 0; i < mr; i++) store_out(L, out + (m + i) * ldo + n0, n0, c[i], nv, accumulate);
         }
     }
 }
 
-void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m, int accumulate) {
-    if (m == 1) {
-        const int64_t quads = (L->n + 3) / 4;
-#pragma omp parallel
-        {
-            const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-            const int64_t per = (quads + nt - 1) / nt;
-            const int64_t r0 = id * per * 4, r1 = (id + 1) * per * 4 < L->n ? (id + 1) * per * 4 : L->n;
-            if (r0 < r1) gemv_rows(L, x, out, r0, r1, accumulate);
-        }
-        return;
+/* One row: groups of four panels. */
+static void packed_gemv(const Linear *L, const float *x, float *out, int64_t p0, int64_t p1, int accumulate) {
+    const int64_t k = L->k, n = L->n, pstride = k * PW;
+    float c[4 * PW];
+    for (int64_t pn = p0; pn < p1; pn += 4) {
+        const int64_t n0 = pn * PW;
+        const int np = (int)(p1 - pn < 4 ? p1 - pn : 4);
+        const int nv = (int)(n - n0 < np * PW ? n - n0 : np * PW);
+        if (L->wtype == WTYPE_I8)
+            pgemv4_i8(x, (const int8_t *)L->w + pn * pstride, pstride, k, np, c);
+        else
+            pgemv4_f32(x, (const float *)L->w + pn * pstride, pstride, k, np, c);
+        store_out(L, out + n0, n0, c, nv, accumulate);
     }
-    const int64_t nblocks = (L->n + NR - 1) / NR;
-    /* rows per L2 block: about 192 KiB of activations */
+}
+
+/* out[m, n] = (accumulate ? out : 0) + scale[n] * <x[m, :], w[n, :]> + bias[n],
+ * w packed in panels (see PW); threads split the panels. Rows are blocked so
+ * a block of activations stays in L2 while the panels pass over it. */
+void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m, int accumulate) {
+    const int64_t panels = (L->n + PW - 1) / PW;
     int64_t mc = (192 * 1024 / 4) / (L->k > 0 ? L->k : 1);
-    mc = mc < MR ? MR : (mc / MR) * MR;
+    mc = mc < 6 ? 6 : (mc / 6) * 6;
 #pragma omp parallel
     {
-        float *wbuf = L->wtype == WTYPE_I8 && m > MR ? (float *)malloc(sizeof(float) * NR * (size_t)L->k) : NULL;
-        for (int64_t m0 = 0; m0 < m; m0 += mc) {
-            const int64_t m1 = m0 + mc < m ? m0 + mc : m;
-            const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-            const int64_t per = (nblocks + nt - 1) / nt;
-            const int64_t b0 = id * per, b1 = b0 + per < nblocks ? b0 + per : nblocks;
-            if (b0 < b1) gemm_rows(L, x, ldx, out, ldo, m0, m1, b0, b1, accumulate, wbuf);
-#pragma omp barrier
+        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t per = (panels + nt - 1) / nt;
+        const int64_t p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
+        if (m == 1) {
+            if (p0 < p1) packed_gemv(L, x, out, p0, p1, accumulate);
+        } else {
+            float *wbuf = L->wtype == WTYPE_I8 && m > 6 ? (float *)malloc(sizeof(float) * PW * (size_t)L->k) : NULL;
+            for (int64_t m0 = 0; m0 < m; m0 += mc) {
+                const int64_t m1 = m0 + mc < m ? m0 + mc : m;
+                if (p0 < p1) packed_rows(L, x, ldx, out, ldo, m0, m1, p0, p1, accumulate, wbuf);
+            }
+            free(wbuf);
         }
-        free(wbuf);
     }
 }
 
