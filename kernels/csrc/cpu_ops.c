@@ -237,13 +237,16 @@ static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out
             for (int64_t i = 0; i < pstride; i += 8) _mm256_storeu_ps(wbuf + i, load_w_i8(pq + i));
             pf = wbuf;
         }
-        for (int64_t m = m0; m < m1; m += 6) {
-            const int mr = (int)(m1 - m < 6 ? m1 - m : 6);
+        for (int64_t m = m0, mr; m < m1; m += mr) {
+            /* six-row tiles; a short remainder shares the last twelve rows or fewer evenly
+             * (32 rows: 6 6 6 6 4 4), since a 1-2 row tile leaves the FMA units idle */
+            const int64_t left = m1 - m;
+            mr = left >= 12 || left <= 6 ? (left < 6 ? (int)left : 6) : (int)((left + 1) / 2);
             if (L->wtype == WTYPE_I8 && !widen)
                 run_ptile_i8(x + m * ldx, ldx, pq, pstride, k, mr, npu, c);
             else
                 run_ptile_f32(x + m * ldx, ldx, pf, pstride, k, mr, npu, c);
-            for (int i = 0; i < mr; i++) store_out(L, out + (m + i) * ldo + n0, n0, c[i], nv, accumulate);
+            for (int i = 0; i < (int)mr; i++) store_out(L, out + (m + i) * ldo + n0, n0, c[i], nv, accumulate);
         }
     }
 }
