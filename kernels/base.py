@@ -68,7 +68,7 @@ class AttentionBackend:
     @classmethod
     def cache_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
         """Element type of the KV cache ("auto" keeps the model's dtype)."""
-        if kv_cache_dtype == "auto":
+        if kv_cache_dtype == "auto" or getattr(torch, kv_cache_dtype, None) == model_dtype:
             return model_dtype
         if kv_cache_dtype not in cls.kv_dtypes:
             raise ValueError(f"the {cls.name} backend has no {kv_cache_dtype} KV cache")

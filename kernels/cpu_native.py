@@ -49,7 +49,7 @@ class Layer(ctypes.Structure):
 class Model(ctypes.Structure):
     _fields_ = [("n_layers", _i32), ("hidden", _i32), ("inter", _i32), ("n_heads", _i32), ("n_kv_heads", _i32),
                 ("head_dim", _i32), ("vocab", _i32), ("max_pos", _i32), ("eps", _f32), ("attn_scale", _f32),
-                ("embed", _p), ("final_norm", _p), ("rope_cos", _p), ("rope_sin", _p),
+                ("kv_bf16", _i32), ("_pad", _i32), ("embed", _p), ("final_norm", _p), ("rope_cos", _p), ("rope_sin", _p),
                 ("lm_head", Linear), ("layers", ctypes.POINTER(Layer))]
 
 
@@ -67,7 +67,7 @@ _LIB.appl_scratch_floats.restype = _i64
 _LIB.appl_linear.argtypes = [ctypes.POINTER(Linear), _p, _i64, _p, _i64, _i64, ctypes.c_int]
 _LIB.appl_linear.restype = None
 _LIB.appl_attention.argtypes = [_p, _i64, _p, _i64, _p, _p, ctypes.c_int, ctypes.c_int, _p, _p, _p,
-                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, _f32]
+                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, _f32, ctypes.c_int]
 _LIB.appl_attention.restype = None
 _LIB.appl_phase_times.argtypes = [ctypes.POINTER(ctypes.c_double), ctypes.c_int]
 _LIB.appl_phase_times.restype = ctypes.c_int
@@ -163,17 +163,22 @@ class NativeMetadata:
 
 def paged_attention(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, md: NativeMetadata,
                     num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-    """q [T, H*D] (row stride may exceed H*D), out [T, H*D]: attention over the paged cache in place."""
+    """q [T, H*D] (row stride may exceed H*D), out [T, H*D]: attention over the paged
+    cache (fp32 or bf16) in place."""
     c = md.common
     _LIB.appl_attention(q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), kv_cache[0].data_ptr(),
                         kv_cache[1].data_ptr(), c.num_actual_tokens, c.num_reqs, md.qsl.data_ptr(),
                         md.seq_lens.data_ptr(), md.block_table.data_ptr(), md.block_table.stride(0), c.block_size,
-                        num_heads, num_kv_heads, head_dim, scale)
+                        num_heads, num_kv_heads, head_dim, scale, int(kv_cache.dtype == torch.bfloat16))
+
+
+KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class CpuNativeBackend(AttentionBackend):
     name = "cpu_native"
     native_forward = True
+    kv_dtypes = {"bfloat16": torch.bfloat16}
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *args: Any, **kw: Any):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, *args, **kw)
@@ -190,8 +195,8 @@ class CpuNativeBackend(AttentionBackend):
         )
 
     def forward(self, q, k, v, kv_cache, md: NativeMetadata):
-        if kv_cache.dtype != torch.float32:
-            raise ValueError(f"cpu_native keeps an fp32 KV cache, got {kv_cache.dtype}")
+        if kv_cache.dtype not in KV_DTYPES:
+            raise ValueError(f"cpu_native keeps an fp32 or bf16 KV cache, got {kv_cache.dtype}")
         self.write_kv(k, v, kv_cache, md.common.slot_mapping)
         t = q.shape[0]
         q2 = _f32_contig(q, "the query").view(t, -1)
@@ -232,7 +237,7 @@ class NativeForward:
         cos, sin = model._rope
         self.struct = Model(
             arch.num_layers, arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads,
-            arch.head_dim, arch.vocab_size, cos.shape[0], arch.rms_norm_eps, arch.head_dim ** -0.5,
+            arch.head_dim, arch.vocab_size, cos.shape[0], arch.rms_norm_eps, arch.head_dim ** -0.5, 0, 0,
             self._hold(model.model.embed_tokens.weight.data), self._hold(model.model.norm.weight.data),
             self._hold(cos), self._hold(sin), self._lm_head.struct, ctypes.cast(self._layers, ctypes.POINTER(Layer)),
         )
@@ -247,9 +252,13 @@ class NativeForward:
         ptrs = [c.data_ptr() for c in kv_caches]
         if ptrs == self._kv_ptrs:
             return
+        dtypes = {c.dtype for c in kv_caches}
+        if len(dtypes) != 1 or not dtypes <= set(KV_DTYPES):
+            raise ValueError(f"cpu_native needs one fp32 or bf16 KV cache dtype, got {sorted(map(str, dtypes))}")
+        self.struct.kv_bf16 = int(kv_caches[0].dtype == torch.bfloat16)
         for i, c in enumerate(kv_caches):
-            if c.dtype != torch.float32 or not c.is_contiguous():
-                raise ValueError(f"cpu_native needs a contiguous fp32 KV cache, got {c.dtype}")
+            if not c.is_contiguous():
+                raise ValueError("cpu_native needs a contiguous KV cache")
             self._layers[i].k_cache, self._layers[i].v_cache = c[0].data_ptr(), c[1].data_ptr()
         self._kv_ptrs = ptrs
 

@@ -73,7 +73,7 @@ class BackendCapabilities:
         if dtype not in self.dtypes:
             reasons.append(f"dtype {dtype} not in {list(self.dtypes)}")
         kv = _enum_value(cfg.cache.kv_cache_dtype)
-        if kv not in self.kv_dtypes:
+        if kv not in self.kv_dtypes and kv != dtype:  # naming the model's own dtype is "auto"
             reasons.append(f"kv_cache_dtype {kv} not in {list(self.kv_dtypes)}")
         if cfg.model.head_dim not in self.head_sizes:
             reasons.append(f"head_dim {cfg.model.head_dim} not in {list(self.head_sizes)}")
@@ -101,7 +101,7 @@ BACKENDS: dict[str, BackendCapabilities] = {
         probe_modules=("torch",),
         device_kinds=("cpu", "cuda", "rocm"),
         dtypes=("float32", "bfloat16", "float16"),
-        kv_dtypes=("auto",),
+        kv_dtypes=("auto", "bfloat16"),
         head_sizes=tuple(range(8, 513, 8)),
         block_size_multiple=1,
     ),
@@ -112,7 +112,7 @@ BACKENDS: dict[str, BackendCapabilities] = {
         probe_modules=("appliance.kernels.cpu_native",),
         device_kinds=("cpu",),
         dtypes=("float32",),
-        kv_dtypes=("auto",),
+        kv_dtypes=("auto", "bfloat16"),
         head_sizes=tuple(range(8, 513, 8)),
         block_size_multiple=1,
     ),

@@ -28,6 +28,7 @@ class SDPAMetadata:
 
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
+    kv_dtypes = {"bfloat16": torch.bfloat16}
 
     def build_metadata(self, common: CommonAttentionMetadata) -> SDPAMetadata:
         qsl = common.query_start_loc_cpu
@@ -70,8 +71,12 @@ class TorchSDPABackend(AttentionBackend):
             qq = q[start:end].transpose(0, 1)  # [H, q_len, D]
             prefix = ctx - q_len
             if prefix == 0:
-                # A fresh prompt attends only to its own chunk: use this step's K/V, no cache gather.
-                o = F.scaled_dot_product_attention(qq, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
+                # A fresh prompt attends only to its own chunk: use this step's K/V, no cache gather
+                # (rounded as the cache stores them, so every step attends the same values).
+                kk, vv = k[start:end], v[start:end]
+                if kv_cache.dtype != q.dtype:
+                    kk, vv = kk.to(kv_cache.dtype).to(q.dtype), vv.to(kv_cache.dtype).to(q.dtype)
+                o = F.scaled_dot_product_attention(qq, kk.transpose(0, 1), vv.transpose(0, 1),
                                                    is_causal=True, scale=self.scale, enable_gqa=gqa)
             else:
                 nblocks = -(-ctx // bs)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The full benchmark run behind docs/benchmarks.md: SmolLM2-135M, 100-token
 # prompts, 128 output tokens, ignore_eos; the cpu profile (fp32) and the
-# cpu_int8 profile (= cpu + quantization=int8_wo). Results: bench-results/full/.
+# cpu_int8 profile (= cpu + quantization=int8_wo + cache.kv_cache_dtype=bfloat16).
+# Results: bench-results/full/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 A=${APPLIANCE:-.venv/bin/appliance}
@@ -13,7 +14,7 @@ $A bench machine --out "$OUT"
 for n in 1 8 32; do
   mkdir -p "$OUT/throughput-$n"; cp "$OUT/machine.json" "$OUT/throughput-$n/"
   $A bench throughput --num-prompts $n --input-len 100 --output-len 128 --baseline hf \
-    --also quantization=int8_wo --out "$OUT/throughput-$n" $M
+    --also "quantization=int8_wo cache.kv_cache_dtype=bfloat16" --out "$OUT/throughput-$n" $M
 done
 for p in cpu cpu_int8; do
   B="+profile=$p $L"

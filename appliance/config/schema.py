@@ -34,6 +34,7 @@ class QuantMethod(str, Enum):
 
 class KVCacheDType(str, Enum):
     auto = "auto"
+    bfloat16 = "bfloat16"
     fp8_e4m3 = "fp8_e4m3"
     fp8_e5m2 = "fp8_e5m2"
 

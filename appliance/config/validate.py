@@ -70,7 +70,7 @@ def validate(cfg: Any) -> list[str]:
             f"quantization=int8_wo is the CPU weight-only path; on hardware={hw.name} use quantization=fp8, awq or gptq"
         )
     kv = _v(cache.kv_cache_dtype)
-    if kv != "auto" and not hw.fp8:
+    if kv.startswith("fp8") and not hw.fp8:
         problems.append(
             f"cache.kv_cache_dtype={kv} needs native fp8 and hardware={hw.name} has none; "
             f"use cache.kv_cache_dtype=auto, or a profile on {FP8_HARDWARE}"

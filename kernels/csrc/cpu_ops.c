@@ -35,12 +35,13 @@ typedef struct {
 typedef struct {
     const float *ln1, *ln2, *q_norm, *k_norm; /* q_norm/k_norm NULL unless qk_norm */
     Linear qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* [num_slots, kv_heads, head_dim] */
+    void *k_cache, *v_cache; /* [num_slots, kv_heads, head_dim], fp32 or bf16 */
 } Layer;
 
 typedef struct {
     int32_t n_layers, hidden, inter, n_heads, n_kv_heads, head_dim, vocab, max_pos;
     float eps, attn_scale;
+    int32_t kv_bf16, _pad; /* KV cache elements: fp32, or bf16 (uint16) when set */
     const float *embed;      /* [vocab, hidden] */
     const float *final_norm; /* [hidden] */
     const float *rope_cos, *rope_sin; /* [max_pos, head_dim] */
@@ -354,83 +355,115 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
  * One item: nh query heads of one token (qg [nh, d], consecutive) attend the
  * first n_vis positions of a sequence whose blocks are bt. Head h reads kv
  * head h / grp of the K/V rows (kv head 0 at k_base / v_base); rows are read
- * in place from the block pool (row stride kv_stride floats). scores
+ * in place from the block pool (row stride kv_stride elements, fp32 or
+ * bf16). scores
  * [nh, ld] and inv [nh] are scratch. d is a multiple of 8.
  */
-static void attend_item(const float *qg, float *og, const float *k_base, const float *v_base, const int32_t *bt,
-                        int n_vis, int bs, int64_t kv_stride, int nh, int grp, int d, float scale, float *scores,
-                        int ld, float *inv) {
-    /* scores = q . k * scale, four positions per pass */
-    for (int j = 0, b = 0; j < n_vis; b++) {
-        const int cnt = n_vis - j < bs ? n_vis - j : bs;
-        const float *kp = k_base + (int64_t)bt[b] * bs * kv_stride;
-        int o = 0;
-        for (; o + 4 <= cnt; o += 4) {
-            for (int h = 0; h < nh; h++) {
-                const float *qh = qg + h * d;
-                const float *k0 = kp + o * kv_stride + (h / grp) * d, *k1 = k0 + kv_stride, *k2 = k1 + kv_stride,
-                            *k3 = k2 + kv_stride;
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                for (int i = 0; i < d; i += 8) {
-                    const __m256 qv = _mm256_loadu_ps(qh + i);
-                    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-                    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
-                    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
-                    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
-                }
-                _mm_storeu_ps(scores + h * ld + j + o, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
-            }
-        }
-        for (; o < cnt; o++) {
-            for (int h = 0; h < nh; h++) {
-                const float *qh = qg + h * d, *k0 = kp + o * kv_stride + (h / grp) * d;
-                __m256 a0 = _mm256_setzero_ps();
-                for (int i = 0; i < d; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(k0 + i), a0);
-                scores[h * ld + j + o] = hsum8(a0) * scale;
-            }
-        }
-        j += cnt;
+#define DEFINE_ATTEND(SUFFIX, KT, LOADKV)                                                                             \
+static void attend_item_##SUFFIX(const float *qg, float *og, const KT *k_base, const KT *v_base, const int32_t *bt,   \
+                        int n_vis, int bs, int64_t kv_stride, int nh, int grp, int d, float scale, float *scores,     \
+                        int ld, float *inv) {                                                                         \
+    /* scores = q . k * scale, four positions per pass */                                                             \
+    for (int j = 0, b = 0; j < n_vis; b++) {                                                                          \
+        const int cnt = n_vis - j < bs ? n_vis - j : bs;                                                              \
+        const KT *kp = k_base + (int64_t)bt[b] * bs * kv_stride;                                                      \
+        int o = 0;                                                                                                    \
+        for (; o + 4 <= cnt; o += 4) {                                                                                \
+            for (int h = 0; h < nh; h++) {                                                                            \
+                const float *qh = qg + h * d;                                                                         \
+                const KT *k0 = kp + o * kv_stride + (h / grp) * d, *k1 = k0 + kv_stride, *k2 = k1 + kv_stride,        \
+                         *k3 = k2 + kv_stride;                                                                        \
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                           \
+                for (int i = 0; i < d; i += 8) {                                                                      \
+                    const __m256 qv = _mm256_loadu_ps(qh + i);                                                        \
+                    a0 = _mm256_fmadd_ps(qv, LOADKV(k0 + i), a0);                                                     \
+                    a1 = _mm256_fmadd_ps(qv, LOADKV(k1 + i), a1);                                                     \
+                    a2 = _mm256_fmadd_ps(qv, LOADKV(k2 + i), a2);                                                     \
+                    a3 = _mm256_fmadd_ps(qv, LOADKV(k3 + i), a3);                                                     \
+                }                                                                                                     \
+                _mm_storeu_ps(scores + h * ld + j + o, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));        \
+            }                                                                                                         \
+        }                                                                                                             \
+        for (; o < cnt; o++) {                                                                                        \
+            for (int h = 0; h < nh; h++) {                                                                            \
+                const float *qh = qg + h * d;                                                                         \
+                const KT *k0 = kp + o * kv_stride + (h / grp) * d;                                                    \
+                __m256 a0 = _mm256_setzero_ps();                                                                      \
+                for (int i = 0; i < d; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), LOADKV(k0 + i), a0);     \
+                scores[h * ld + j + o] = hsum8(a0) * scale;                                                           \
+            }                                                                                                         \
+        }                                                                                                             \
+        j += cnt;                                                                                                     \
+    }                                                                                                                 \
+    /* softmax numerators in place; 1 / sum applied to the output */                                                  \
+    for (int h = 0; h < nh; h++) {                                                                                    \
+        float *sc = scores + h * ld;                                                                                  \
+        float mx = -INFINITY;                                                                                         \
+        for (int j = 0; j < n_vis; j++) mx = sc[j] > mx ? sc[j] : mx;                                                 \
+        const __m256 mv = _mm256_set1_ps(mx);                                                                         \
+        __m256 sum8 = _mm256_setzero_ps();                                                                            \
+        int j = 0;                                                                                                    \
+        for (; j + 8 <= n_vis; j += 8) {                                                                              \
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));                                        \
+            _mm256_storeu_ps(sc + j, e);                                                                              \
+            sum8 = _mm256_add_ps(sum8, e);                                                                            \
+        }                                                                                                             \
+        float sum = hsum8(sum8);                                                                                      \
+        for (; j < n_vis; j++) {                                                                                      \
+            sc[j] = expf(sc[j] - mx);                                                                                 \
+            sum += sc[j];                                                                                             \
+        }                                                                                                             \
+        inv[h] = 1.0f / sum;                                                                                          \
+    }                                                                                                                 \
+    /* out = sum_j p_j v_j, 64 output lanes in registers at a time */                                                 \
+    for (int h = 0; h < nh; h++) {                                                                                    \
+        const float *sc = scores + h * ld;                                                                            \
+        for (int dc = 0; dc < d; dc += 64) {                                                                          \
+            const int nv = (d - dc) / 8 < 8 ? (d - dc) / 8 : 8;                                                       \
+            __m256 acc[8];                                                                                            \
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();                                                 \
+            for (int j = 0, b = 0; j < n_vis; b++) {                                                                  \
+                const int cnt = n_vis - j < bs ? n_vis - j : bs;                                                      \
+                const KT *vp = v_base + (int64_t)bt[b] * bs * kv_stride + (h / grp) * d + dc;                         \
+                for (int o = 0; o < cnt; o++, vp += kv_stride) {                                                      \
+                    const __m256 p = _mm256_set1_ps(sc[j + o]);                                                       \
+                    for (int i = 0; i < 8; i++)                                                                       \
+                        if (i < nv) acc[i] = _mm256_fmadd_ps(p, LOADKV(vp + 8 * i), acc[i]);                          \
+                }                                                                                                     \
+                j += cnt;                                                                                             \
+            }                                                                                                         \
+            const __m256 sv = _mm256_set1_ps(inv[h]);                                                                 \
+            for (int i = 0; i < nv; i++) _mm256_storeu_ps(og + h * d + dc + 8 * i, _mm256_mul_ps(acc[i], sv));        \
+        }                                                                                                             \
+    }                                                                                                                 \
+}
+
+static inline __m256 load_kv_f32(const float *p) { return _mm256_loadu_ps(p); }
+/* bf16 -> fp32 is a 16-bit shift */
+static inline __m256 load_kv_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+DEFINE_ATTEND(f32, float, load_kv_f32)
+DEFINE_ATTEND(bf16, uint16_t, load_kv_bf16)
+
+/* fp32 -> bf16, round to nearest even (NaN kept quiet) */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+void appl_kv_write(void *k_cache, void *v_cache, const float *k, const float *v, int64_t slot, int64_t n, int bf16) {
+    if (!bf16) {
+        memcpy((float *)k_cache + slot * n, k, sizeof(float) * n);
+        memcpy((float *)v_cache + slot * n, v, sizeof(float) * n);
+        return;
     }
-    /* softmax numerators in place; 1 / sum applied to the output */
-    for (int h = 0; h < nh; h++) {
-        float *sc = scores + h * ld;
-        float mx = -INFINITY;
-        for (int j = 0; j < n_vis; j++) mx = sc[j] > mx ? sc[j] : mx;
-        const __m256 mv = _mm256_set1_ps(mx);
-        __m256 sum8 = _mm256_setzero_ps();
-        int j = 0;
-        for (; j + 8 <= n_vis; j += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
-            _mm256_storeu_ps(sc + j, e);
-            sum8 = _mm256_add_ps(sum8, e);
-        }
-        float sum = hsum8(sum8);
-        for (; j < n_vis; j++) {
-            sc[j] = expf(sc[j] - mx);
-            sum += sc[j];
-        }
-        inv[h] = 1.0f / sum;
-    }
-    /* out = sum_j p_j v_j, 64 output lanes in registers at a time */
-    for (int h = 0; h < nh; h++) {
-        const float *sc = scores + h * ld;
-        for (int dc = 0; dc < d; dc += 64) {
-            const int nv = (d - dc) / 8 < 8 ? (d - dc) / 8 : 8;
-            __m256 acc[8];
-            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-            for (int j = 0, b = 0; j < n_vis; b++) {
-                const int cnt = n_vis - j < bs ? n_vis - j : bs;
-                const float *vp = v_base + (int64_t)bt[b] * bs * kv_stride + (h / grp) * d + dc;
-                for (int o = 0; o < cnt; o++, vp += kv_stride) {
-                    const __m256 p = _mm256_set1_ps(sc[j + o]);
-                    for (int i = 0; i < 8; i++)
-                        if (i < nv) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 8 * i), acc[i]);
-                }
-                j += cnt;
-            }
-            const __m256 sv = _mm256_set1_ps(inv[h]);
-            for (int i = 0; i < nv; i++) _mm256_storeu_ps(og + h * d + dc + 8 * i, _mm256_mul_ps(acc[i], sv));
-        }
+    uint16_t *kc = (uint16_t *)k_cache + slot * n, *vc = (uint16_t *)v_cache + slot * n;
+    for (int64_t i = 0; i < n; i++) {
+        kc[i] = f32_to_bf16(k[i]);
+        vc[i] = f32_to_bf16(v[i]);
     }
 }
 
@@ -442,10 +475,10 @@ static void attend_item(const float *qg, float *og, const float *k_base, const f
  * block is then read as one contiguous run); otherwise a (token, kv head)
  * pair, so a single decode still uses every thread. Needs head_dim % 8 == 0.
  */
-void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const float *k_cache,
-                    const float *v_cache, int n_tokens, int n_reqs, const int32_t *qsl, const int32_t *seq_lens,
+void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const void *k_cache,
+                    const void *v_cache, int n_tokens, int n_reqs, const int32_t *qsl, const int32_t *seq_lens,
                     const int32_t *block_table, int bt_stride, int bs, int n_heads, int n_kv_heads, int d,
-                    float scale) {
+                    float scale, int kv_bf16) {
     const int grp = n_heads / n_kv_heads;
     int max_len = 8;
     for (int r = 0; r < n_reqs; r++)
@@ -471,9 +504,16 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
             }
             const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t);
             const int64_t h0 = (int64_t)g * nh; /* first query head of the item */
-            attend_item(q + (int64_t)t * ldq + h0 * d, out + (int64_t)t * ldo + h0 * d, k_cache + (h0 / grp) * d,
-                        v_cache + (h0 / grp) * d, block_table + (int64_t)r * bt_stride, n_vis, bs, kv_stride, nh, grp,
-                        d, scale, scores, ld, scores + (size_t)nh * ld);
+            const float *qi = q + (int64_t)t * ldq + h0 * d;
+            float *oi = out + (int64_t)t * ldo + h0 * d;
+            const int32_t *bt = block_table + (int64_t)r * bt_stride;
+            if (kv_bf16)
+                attend_item_bf16(qi, oi, (const uint16_t *)k_cache + (h0 / grp) * d,
+                                 (const uint16_t *)v_cache + (h0 / grp) * d, bt, n_vis, bs, kv_stride, nh, grp, d,
+                                 scale, scores, ld, scores + (size_t)nh * ld);
+            else
+                attend_item_f32(qi, oi, (const float *)k_cache + (h0 / grp) * d, (const float *)v_cache + (h0 / grp) * d,
+                                bt, n_vis, bs, kv_stride, nh, grp, d, scale, scores, ld, scores + (size_t)nh * ld);
         }
         free(scores);
     }
@@ -541,14 +581,12 @@ void appl_forward(const Model *M, const Step *S) {
             const float *c = M->rope_cos + pos * d, *s = M->rope_sin + pos * d;
             rope_heads(qt, H, (int)d, c, s);
             rope_heads(kt, KVH, (int)d, c, s);
-            const int64_t slot = S->slot_mapping[t];
-            memcpy(L->k_cache + slot * KVH * d, kt, sizeof(float) * KVH * d);
-            memcpy(L->v_cache + slot * KVH * d, vt, sizeof(float) * KVH * d);
+            appl_kv_write(L->k_cache, L->v_cache, kt, vt, S->slot_mapping[t], KVH * d, M->kv_bf16);
         }
         g_phase[PH_ROPE_KV] += now_s() - t_rope;
         PHASE(PH_ATTN, appl_attention(qkv, qkv_w, att, attn_w, L->k_cache, L->v_cache, (int)T, S->n_reqs, S->qsl,
                                       S->seq_lens, S->block_table, S->bt_stride, S->block_size, H, KVH, (int)d,
-                                      M->attn_scale));
+                                      M->attn_scale, M->kv_bf16));
         PHASE(PH_O, appl_linear(&L->o, att, attn_w, x, hid, T, 1));
         PHASE(PH_NORM, appl_rmsnorm(x, hid, L->ln2, h, hid, T, (int)hid, M->eps));
         PHASE(PH_GATE_UP, appl_linear(&L->gate_up, h, hid, gu, 2 * inter, T, 0));

@@ -40,11 +40,14 @@ def test_generate_cli_answers_paris(cli):
     assert "Paris" in r.stdout
 
 
-def test_int8_weight_only_keeps_next_token_log_likelihoods():
-    """Parity of quantization=int8_wo against the fp32 model: next-token
+@pytest.mark.parametrize("variant", [["quantization=int8_wo"], ["quantization=int8_wo", "cache.kv_cache_dtype=bfloat16"]],
+                         ids=["int8_wo", "int8_wo+bf16_kv (the cpu_int8 profile)"])
+def test_int8_weight_only_keeps_next_token_log_likelihoods(variant):
+    """Parity of quantization=int8_wo (and with a bf16 KV cache, as the
+    cpu_int8 profile runs) against the fp32 model: next-token
     log-probabilities of the top candidates after each of 8 prompts."""
     ref = LLM(overrides=BASE)
-    q = LLM(overrides=BASE + ["quantization=int8_wo"])
+    q = LLM(overrides=BASE + variant)
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=10)
     diffs, top1 = [], 0
     for prompt in PROMPTS[:8]:

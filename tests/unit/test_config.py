@@ -67,7 +67,7 @@ def test_hash_is_stable_and_sensitive():
         ("model.foo=1", "unknown config key model.foo; allowed keys under model: name, path"),
         ("+foo=1", "unknown config key foo; allowed keys under the top level: profile, model"),
         ("+model.typo=1", "unknown config key model.typo"),
-        ("cache.kv_cache_dtype=fp9", "cache.kv_cache_dtype: Invalid value 'fp9', expected one of [auto, fp8_e4m3, fp8_e5m2]"),
+        ("cache.kv_cache_dtype=fp9", "cache.kv_cache_dtype: Invalid value 'fp9', expected one of [auto, bfloat16, fp8_e4m3, fp8_e5m2]"),
         ("scheduler.policy=lifo", "expected one of [fcfs, priority]"),
         ("cache.block_size=abc", "cache.block_size: Value 'abc' of type 'str' could not be converted to Integer"),
         ("model=nope", "available model options: llama3_1_8b, mistral_7b"),
@@ -137,6 +137,14 @@ def test_plan_numbers_smollm2_cpu():
     assert p.max_concurrency_at_max_len == round(2912 * 16 / 8192, 2)
     assert p.decode_roofline_tok_s == round(30e9 / (134_515_008 * 4), 1)
     assert p.attention_backend == "cpu_native"
+
+
+def test_bf16_kv_cache_halves_kv_bytes_on_cpu():
+    r = resolve(["+profile=cpu", "cache.kv_cache_dtype=bfloat16"])
+    p = make_plan(r.cfg)
+    assert p.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2
+    assert p.kv_cache_dtype == "bfloat16" and p.attention_backend == "cpu_native"
+    assert validate(r.cfg) == []
 
 
 def test_plan_numbers_llama3_h100_bf16():

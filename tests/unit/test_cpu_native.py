@@ -70,6 +70,38 @@ def test_paged_attention_matches_sdpa(num_heads, num_kv_heads, head_dim, block_s
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (9, 3)])
+def test_bf16_kv_cache_matches_sdpa_on_the_rounded_values(num_heads, num_kv_heads):
+    common, q, k, v, cache = make_problem(MIXED, 16, num_heads, num_kv_heads, 64, seed=7)
+    bf_cache = cache.to(torch.bfloat16)
+    b = CpuNativeBackend(num_heads, num_kv_heads, 64, 0.125, kv_cache_dtype="bfloat16")
+    out = b.forward(q, k, v, bf_cache, b.build_metadata(common))
+    # The reference attends over exactly the values the bf16 cache holds (round to nearest even).
+    kq, vq = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
+    ref_out, ref_cache = reference(common, q, kq, vq, bf_cache.float(), num_heads, num_kv_heads, 64)
+    torch.testing.assert_close(bf_cache.float(), ref_cache, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_kv_cache_whole_model_matches_torch_path():
+    overrides = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "cache.kv_cache_dtype=bfloat16"]
+    p = SamplingParams(max_tokens=16, temperature=0, logprobs=3)
+    ref_llm = LLM(overrides=overrides, selection=Selection(chosen="torch_sdpa"))
+    assert ref_llm.engine.runner.kv_caches[0].dtype == torch.bfloat16
+    ref = ref_llm.generate(PROMPTS, p, use_tqdm=False)
+    nat_llm = LLM(overrides=overrides)
+    assert nat_llm.engine.runner.kv_caches[0].dtype == torch.bfloat16
+    nat = nat_llm.generate(PROMPTS, p, use_tqdm=False)
+    fp32 = LLM(overrides=overrides[:-1]).generate(PROMPTS, p, use_tqdm=False)
+    same_as_fp32 = 0
+    for a, b, c in zip(ref, nat, fp32):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        same_as_fp32 += b.outputs[0].token_ids == c.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert lb.logprob == pytest.approx(la.logprob, abs=1e-4)
+    assert same_as_fp32 >= len(PROMPTS) - 2  # bf16 K/V rounding may flip a near tie
+
+
 def test_long_context_softmax_is_stable():
     # 300 positions of large logits: the max-subtracted exp must not overflow.
     common, q, k, v, cache = make_problem([(290, 10), (0, 1)], 16, 4, 2, 64, seed=5)
