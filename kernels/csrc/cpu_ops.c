@@ -190,7 +190,15 @@ DEFINE_PGEMV(f32, float, pload_f32)
 DEFINE_PGEMV(i8, int8_t, pload_i8)
 
 static inline void store_out(const Linear *L, float *o, int64_t n0, const float *c, int nv, int accumulate) {
-    for (int j = 0; j < nv; j++) {
+    int j = 0;
+    for (; j + 8 <= nv; j += 8) {
+        __m256 v = _mm256_loadu_ps(c + j);
+        if (L->scale) v = _mm256_mul_ps(v, _mm256_loadu_ps(L->scale + n0 + j));
+        if (L->bias) v = _mm256_add_ps(v, _mm256_loadu_ps(L->bias + n0 + j));
+        if (accumulate) v = _mm256_add_ps(v, _mm256_loadu_ps(o + j));
+        _mm256_storeu_ps(o + j, v);
+    }
+    for (; j < nv; j++) {
         float v = c[j];
         if (L->scale) v *= L->scale[n0 + j];
         if (L->bias) v += L->bias[n0 + j];
