@@ -166,7 +166,14 @@ DEFINE_PTILE(i8, int8_t, pload_i8)
         __m256 a[8];                                                                                     \
         for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();                                          \
         if (np == 4) {                                                                                   \
+            /* the next group of panels follows this one in memory: stream it in, one line per k */     \
+            const char *next = (const char *)(p + 4 * pstride);                                          \
             for (int64_t kk = 0; kk < k; kk++) {                                                         \
+                _mm_prefetch(next + kk * 4 * PW * (int64_t)sizeof(WT), _MM_HINT_T0);                     \
+                if (sizeof(WT) == 4) {                                                                   \
+                    for (int l = 1; l < 4; l++)                                                          \
+                        _mm_prefetch(next + kk * 4 * PW * 4 + l * 64, _MM_HINT_T0);                      \
+                }                                                                                        \
                 const __m256 xb = _mm256_broadcast_ss(x + kk);                                           \
                 __m256 w[8];                                                                             \
                 for (int q = 0; q < 4; q++) LOAD2(p + q * pstride + kk * PW, &w[2 * q], &w[2 * q + 1]);   \
