@@ -52,7 +52,7 @@ def main() -> None:
         "(fp32 weights and KV, native kernels); `cpu_int8` is the same engine with `quantization=int8_wo",
         "cache.kv_cache_dtype=bfloat16` (the cpu_int8 profile). Hugging Face transformers runs the same fp32 weights and prompts in the same",
         "process: static batching (`generate()`, all prompts in one batch) and continuous batching",
-        "(`generate_batch`).",
+        "(`generate_batch`). Ours and HF static: the median of 3 runs (`--repeat 3`; every run is in the JSON).",
         "",
         "| requests | cpu out tok/s | cpu_int8 out tok/s | HF static | HF continuous | cpu x HF static | cpu_int8 x HF static | cpu_int8 x HF continuous | cpu_int8 weights GB/s (% of machine) |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -68,7 +68,7 @@ def main() -> None:
                      f"{q['weight_GBps']:.1f} ({100 * q['bandwidth_fraction']:.0f}%) |")
         shutil.copy(SRC / f"throughput-{n}/throughput.png", PLOTS / f"throughput-{n}.png")
     lines += ["", "![throughput at 32 requests](benchmarks/throughput-32.png)", "",
-              "Where the native forward's time goes (seconds per phase over the whole run, from",
+              "Where the native forward's time goes (seconds per phase, mean per run, from",
               "`native_phases_s` in the JSON):", "",
               "| run | " + " | ".join(PHASES) + " | total native | wall |",
               "|---|" + "---|" * (len(PHASES) + 2)]

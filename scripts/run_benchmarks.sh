@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 $A bench machine --out "$OUT"
 for n in 1 8 32; do
   mkdir -p "$OUT/throughput-$n"; cp "$OUT/machine.json" "$OUT/throughput-$n/"
-  $A bench throughput --num-prompts $n --input-len 100 --output-len 128 --baseline hf \
+  $A bench throughput --num-prompts $n --input-len 100 --output-len 128 --baseline hf --repeat 3 \
     --also "quantization=int8_wo cache.kv_cache_dtype=bfloat16" --out "$OUT/throughput-$n" $M
 done
 for p in cpu cpu_int8; do

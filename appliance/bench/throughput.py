@@ -30,7 +30,7 @@ def _native_phases(reset: bool) -> dict[str, float] | None:
     return mod.phase_times(reset=reset) if mod is not None else None
 
 
-def run_ours(llm: Any, prompts: list[list[int]], output_len: int) -> dict:
+def run_ours(llm: Any, prompts: list[list[int]], output_len: int, repeat: int = 1) -> dict:
     from appliance import SamplingParams
 
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
@@ -44,21 +44,28 @@ def run_ours(llm: Any, prompts: list[list[int]], output_len: int) -> dict:
         return orig()
 
     llm.engine.step = counted
-    t = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True))
-    elapsed = time.perf_counter() - t
+    runs = []
+    for i in range(repeat):
+        steps = 0
+        if i:
+            llm.engine.scheduler.kv.reset_prefix_cache()  # every run computes its prompts
+        t = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True))
+        runs.append((time.perf_counter() - t, steps))
     llm.engine.step = orig
+    elapsed, steps = sorted(runs)[len(runs) // 2]  # the median run
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    res = {"elapsed_s": elapsed, "output_tokens": out_tokens, "steps": steps,
+    res = {"elapsed_s": elapsed, "runs_elapsed_s": [r[0] for r in runs], "output_tokens": out_tokens, "steps": steps,
            "output_tok_s": out_tokens / elapsed, "total_tok_s": (out_tokens + sum(map(len, prompts))) / elapsed,
            "requests_s": len(prompts) / elapsed, "attention_backend": llm.engine.runner.backend.name}
     phases = _native_phases(reset=True)
     if phases and llm.engine.runner.backend.name == "cpu_native":
-        res["native_phases_s"] = phases
+        res["native_phases_s"] = {k: v / repeat for k, v in phases.items()}  # mean per run
     return res
 
 
-def measure(overrides: list[str], prompts: list[list[int]], output_len: int, machine: dict) -> tuple[dict, Any, Any]:
+def measure(overrides: list[str], prompts: list[list[int]], output_len: int, machine: dict,
+            repeat: int = 1) -> tuple[dict, Any, Any]:
     """Our engine on the prompts, with bandwidth and FLOP figures; (result, resolved config, plan)."""
     from appliance import LLM
     from appliance.config.plan import make_plan
@@ -66,7 +73,7 @@ def measure(overrides: list[str], prompts: list[list[int]], output_len: int, mac
     llm = LLM(overrides=overrides)
     resolved = llm.resolved
     plan = make_plan(resolved.cfg)
-    ours = run_ours(llm, prompts, output_len)
+    ours = run_ours(llm, prompts, output_len, repeat)
     del llm  # free the KV pool before the next engine or the baseline loads
     gbps = ours["steps"] * plan.weight_bytes_per_device / ours["elapsed_s"] / 1e9
     flops = 2 * plan.parameter_count * (ours["output_tokens"] + sum(map(len, prompts))) / ours["elapsed_s"] / 1e9
@@ -76,27 +83,31 @@ def measure(overrides: list[str], prompts: list[list[int]], output_len: int, mac
     return ours, resolved, plan
 
 
-def run_hf(folder: str, prompts: list[list[int]], output_len: int, dtype: str, batch_size: int) -> dict:
+def run_hf(folder: str, prompts: list[list[int]], output_len: int, dtype: str, batch_size: int,
+           repeat: int = 1) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     res: dict = {}
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    t = time.perf_counter()
-    n_out = 0
-    with torch.inference_mode():
-        for i in range(0, len(prompts), batch_size):
-            chunk = prompts[i : i + batch_size]
-            width = max(map(len, chunk))
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
-                                 do_sample=False, pad_token_id=pad)
-            n_out += (out.shape[1] - width) * len(chunk)
-    elapsed = time.perf_counter() - t
-    res["static"] = {"elapsed_s": elapsed, "output_tokens": n_out, "output_tok_s": n_out / elapsed,
-                     "batch_size": batch_size}
+    runs = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        n_out = 0
+        with torch.inference_mode():
+            for i in range(0, len(prompts), batch_size):
+                chunk = prompts[i : i + batch_size]
+                width = max(map(len, chunk))
+                ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                                     do_sample=False, pad_token_id=pad)
+                n_out += (out.shape[1] - width) * len(chunk)
+        runs.append(time.perf_counter() - t)
+    elapsed = sorted(runs)[len(runs) // 2]
+    res["static"] = {"elapsed_s": elapsed, "runs_elapsed_s": runs, "output_tokens": n_out,
+                     "output_tok_s": n_out / elapsed, "batch_size": batch_size}
     if hasattr(model, "generate_batch"):
         try:
             from transformers import GenerationConfig
@@ -122,6 +133,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt shares")
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--hf-batch-size", type=int, default=0, help="static batch size of the HF baseline (default: all)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of ours and of HF static batching; the median run is reported (all are recorded)")
     p.add_argument("--also", action="append", default=[], metavar="OVERRIDES",
                    help="run our engine again with these extra overrides (space-separated), e.g. quantization=int8_wo")
     p.add_argument("--out", default="bench-results")
@@ -133,20 +146,20 @@ def main(argv: list[str]) -> int:
     cfg = resolve(overrides).cfg
     lens = lengths_for(a.num_prompts, a.input_len, a.input_len_range)
     prompts = random_prompts(a.num_prompts, lens, cfg.model.vocab_size, shared_prefix=a.shared_prefix)
-    ours, resolved, plan = measure(overrides, prompts, a.output_len, machine)
+    ours, resolved, plan = measure(overrides, prompts, a.output_len, machine, a.repeat)
     gbps, flops = ours["weight_GBps"], ours["gflops"]
     result = {"config_hash": resolved.hash, "profile": cfg.profile, "model": cfg.model.name, "dtype": plan.dtype,
               "num_prompts": a.num_prompts, "input_lens": lens, "output_len": a.output_len,
               "shared_prefix": a.shared_prefix, "appliance": ours, "machine": machine, "also": {}}
     bars = {"appliance": ours["output_tok_s"]}
     for extra in a.also:
-        res, r2, _ = measure(overrides + extra.split(), prompts, a.output_len, machine)
+        res, r2, _ = measure(overrides + extra.split(), prompts, a.output_len, machine, a.repeat)
         res["config_hash"] = r2.hash
         result["also"][extra] = res
         bars[f"appliance {extra}"] = res["output_tok_s"]
     if a.baseline == "hf":
         hf = run_hf(str(resolve_model_folder(cfg.model)), prompts, a.output_len, plan.dtype,
-                    a.hf_batch_size or a.num_prompts)
+                    a.hf_batch_size or a.num_prompts, a.repeat)
         result["hf"] = hf
         result["ratio_vs_hf_static"] = ours["output_tok_s"] / hf["static"]["output_tok_s"]
         bars["hf static"] = hf["static"]["output_tok_s"]
