@@ -115,6 +115,7 @@ class NativeLinear:
 
     def __init__(self, module: Any, release: bool = False):
         packed = getattr(module, "weight_packed", None)
+        packed_before = packed is not None
         if hasattr(module, "weight_int8"):
             if packed is None:
                 packed = pack_panels(module.weight_int8)
@@ -125,7 +126,7 @@ class NativeLinear:
                 packed = pack_panels(_f32_contig(module.weight.data, "a linear weight"))
             scale, wtype = None, WTYPE_F32
         n, k = module.out_features, module.in_features
-        if release and getattr(module, "weight_packed", None) is None:
+        if release and not packed_before:
             module.weight_packed = packed
             if wtype == WTYPE_I8:
                 module.weight_int8 = torch.empty(0, dtype=torch.int8)
@@ -211,7 +212,6 @@ class NativeForward:
     def __init__(self, model: Any):
         arch = model.arch
         self.arch = arch
-        self.model = model
         layers = model.model.layers
         self._lin: list[NativeLinear] = []
         self._held: list[torch.Tensor] = []  # every tensor a pointer below refers to
@@ -227,10 +227,9 @@ class NativeForward:
             if arch.qk_norm:
                 L.q_norm, L.k_norm = self._hold(attn.q_norm.weight.data), self._hold(attn.k_norm.weight.data)
             L.qkv, L.o, L.gate_up, L.down = (x.struct for x in lins)
-        lm = model.lm_head_q if model.lm_head_q is not None else None
-        if lm is not None:
-            self._lm_head = NativeLinear(lm, release=True)
-        elif model.arch.tie_word_embeddings:  # the embedding stays row-major for lookups: pack a copy
+        if model.lm_head_q is not None:
+            self._lm_head = NativeLinear(model.lm_head_q, release=True)
+        elif arch.tie_word_embeddings:  # the embedding stays row-major for lookups: pack a copy
             self._lm_head = NativeLinear.from_weight(model.lm_head_weight().data)
         else:
             self._lm_head = NativeLinear(model.lm_head, release=True)

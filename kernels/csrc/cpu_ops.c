@@ -86,7 +86,6 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-static inline __m256 load_w_f32(const float *p) { return _mm256_loadu_ps(p); }
 static inline __m256 load_w_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
