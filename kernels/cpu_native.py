@@ -1,7 +1,9 @@
 """Native CPU execution (``attention.backend=cpu_native``).
 
-``csrc/cpu_ops.c`` holds AVX2/FMA kernels: int8-or-fp32-weight GEMMs with
-the dequantization in registers, paged attention that reads K/V blocks in
+``csrc/cpu_ops.c`` holds AVX2/FMA kernels: fp32-, bf16- or int8-weight GEMMs
+with the widening in registers and fp32 activations (batched bf16 GEMMs
+take bf16-rounded rows on AVX512-BF16 where the CPU has it, see
+``bf16_dot``), paged attention that reads K/V blocks in
 place (no gather), fused RMSNorm/rope/KV-write/SiLU, and ``appl_forward``,
 which runs a whole Llama-family step in one call so a decode step pays no
 per-op Python or dispatcher cost. The library is compiled with the
@@ -20,6 +22,7 @@ says ``native_forward``.
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -31,7 +34,7 @@ from appliance.kernels.cpu_build import build_library
 # Load after torch so the library's libgomp.so.1 resolves to the one torch loaded.
 _LIB = ctypes.CDLL(str(build_library()))
 
-WTYPE_F32, WTYPE_I8 = 0, 1
+WTYPE_F32, WTYPE_I8, WTYPE_BF16 = 0, 1, 2
 _p = ctypes.c_void_p
 _i32, _i64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
@@ -49,7 +52,7 @@ class Layer(ctypes.Structure):
 class Model(ctypes.Structure):
     _fields_ = [("n_layers", _i32), ("hidden", _i32), ("inter", _i32), ("n_heads", _i32), ("n_kv_heads", _i32),
                 ("head_dim", _i32), ("vocab", _i32), ("max_pos", _i32), ("eps", _f32), ("attn_scale", _f32),
-                ("kv_bf16", _i32), ("_pad", _i32), ("embed", _p), ("final_norm", _p), ("rope_cos", _p), ("rope_sin", _p),
+                ("kv_bf16", _i32), ("embed_bf16", _i32), ("embed", _p), ("final_norm", _p), ("rope_cos", _p), ("rope_sin", _p),
                 ("lm_head", Linear), ("layers", ctypes.POINTER(Layer))]
 
 
@@ -71,6 +74,8 @@ _LIB.appl_attention.argtypes = [_p, _i64, _p, _i64, _p, _p, ctypes.c_int, ctypes
 _LIB.appl_attention.restype = None
 _LIB.appl_phase_times.argtypes = [ctypes.POINTER(ctypes.c_double), ctypes.c_int]
 _LIB.appl_phase_times.restype = ctypes.c_int
+_LIB.appl_bf16_dot.argtypes = [ctypes.c_int]
+_LIB.appl_bf16_dot.restype = ctypes.c_int
 
 PHASES = ("norm", "qkv", "rope_kv_write", "attention", "o_proj", "gate_up", "silu_mul", "down", "lm_head")
 
@@ -80,6 +85,22 @@ def phase_times(reset: bool = False) -> dict[str, float]:
     buf = (ctypes.c_double * len(PHASES))()
     _LIB.appl_phase_times(buf, int(reset))
     return dict(zip(PHASES, buf))
+
+
+def bf16_dot(enabled: Optional[bool] = None) -> bool:
+    """Whether bf16-weight GEMMs over more than six rows run on AVX512-BF16
+    (vdpbf16ps, the rows rounded to bf16 on the way in) rather than widening
+    the weights to fp32; on by default where the CPU has it, unless
+    ``APPLIANCE_CPU_BF16_DOT=0`` (results then do not depend on how many
+    tokens share a step, and benchmarks see what an AVX2-only CPU runs).
+    ``enabled`` switches it (off: the same sums as fp32 weights of the bf16
+    values, bit for bit); on is refused, returning False, where the CPU
+    lacks it."""
+    return bool(_LIB.appl_bf16_dot(-1 if enabled is None else int(enabled)))
+
+
+if os.environ.get("APPLIANCE_CPU_BF16_DOT") == "0":
+    bf16_dot(False)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -92,7 +113,14 @@ def _f32_contig(t: torch.Tensor, what: str) -> torch.Tensor:
     return t.contiguous()
 
 
+def _small_f32(t: torch.Tensor, what: str) -> torch.Tensor:
+    """A norm weight or bias as fp32: a bf16 model's are widened once here (a
+    few KiB per layer), so the kernels read every small vector as fp32."""
+    return _f32_contig(t.float() if t.dtype == torch.bfloat16 else t, what)
+
+
 PANEL = 16  # output channels per packed panel (PW in cpu_ops.c)
+WEIGHT_DTYPES = {torch.float32: WTYPE_F32, torch.bfloat16: WTYPE_BF16}  # unquantized weights, packed as they are
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
@@ -106,8 +134,9 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
 
 
 class NativeLinear:
-    """A ctypes view of an fp32 nn.Linear or an int8 weight-only linear, its
-    weight packed in panels. Keeps references to the tensors it points at.
+    """A ctypes view of an fp32 or bf16 nn.Linear or an int8 weight-only
+    linear, its weight packed in panels (in its own dtype). Keeps references
+    to the tensors it points at.
 
     With ``release`` the packed weight is stored on the module
     (``weight_packed``) and the row-major original is freed, so the weights
@@ -122,18 +151,21 @@ class NativeLinear:
             scale = _f32_contig(module.scale, "an int8 scale")
             wtype = WTYPE_I8
         else:
+            w = packed if packed is not None else module.weight.data
+            if w.dtype not in WEIGHT_DTYPES or w.device.type != "cpu":
+                raise ValueError(f"cpu_native needs fp32 or bf16 CPU weights; a linear weight is {w.dtype} on {w.device}")
             if packed is None:
-                packed = pack_panels(_f32_contig(module.weight.data, "a linear weight"))
-            scale, wtype = None, WTYPE_F32
+                packed = pack_panels(w)
+            scale, wtype = None, WEIGHT_DTYPES[w.dtype]
         n, k = module.out_features, module.in_features
         if release and not packed_before:
             module.weight_packed = packed
             if wtype == WTYPE_I8:
                 module.weight_int8 = torch.empty(0, dtype=torch.int8)
             else:
-                module.weight.data = torch.empty(0)
+                module.weight.data = torch.empty(0, dtype=packed.dtype)
         bias = getattr(module, "bias", None)
-        bias = None if bias is None else _f32_contig(bias.data, "a linear bias")
+        bias = None if bias is None else _small_f32(bias.data, "a linear bias")
         self._keep = (packed, scale, bias)
         self.struct = Linear(_ptr(packed), _ptr(scale), _ptr(bias), n, k, wtype, 0)
 
@@ -206,6 +238,15 @@ class CpuNativeBackend(AttentionBackend):
         return out.view_as(q)
 
 
+def _rope_tables_f32(arch: Any, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [positions, head_dim] in fp32, as LlamaForCausalLM.rope_cache computes them."""
+    from appliance.models.llama import rope_inv_freq
+
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float32), rope_inv_freq(arch))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 class NativeForward:
     """The whole forward of a LlamaForCausalLM in one native call per step."""
 
@@ -234,16 +275,24 @@ class NativeForward:
         else:
             self._lm_head = NativeLinear(model.lm_head, release=True)
         cos, sin = model._rope
+        if cos.dtype != torch.float32:  # activations are fp32: so are the angles, not bf16-rounded ones
+            cos, sin = _rope_tables_f32(arch, cos.shape[0])
+        # The embedding is read one row per token, widened in the kernel: a bf16 table stays bf16.
+        embed = model.model.embed_tokens.weight.data
+        if embed.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"cpu_native needs an fp32 or bf16 embedding; it is {embed.dtype}")
+        embed = embed.contiguous()
+        self._held.append(embed)
         self.struct = Model(
             arch.num_layers, arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads,
-            arch.head_dim, arch.vocab_size, cos.shape[0], arch.rms_norm_eps, arch.head_dim ** -0.5, 0, 0,
-            self._hold(model.model.embed_tokens.weight.data), self._hold(model.model.norm.weight.data),
+            arch.head_dim, arch.vocab_size, cos.shape[0], arch.rms_norm_eps, arch.head_dim ** -0.5, 0,
+            int(embed.dtype == torch.bfloat16), embed.data_ptr(), self._hold(model.model.norm.weight.data),
             self._hold(cos), self._hold(sin), self._lm_head.struct, ctypes.cast(self._layers, ctypes.POINTER(Layer)),
         )
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     def _hold(self, t: torch.Tensor) -> int:
-        t = _f32_contig(t, "a weight")
+        t = _small_f32(t, "a weight")
         self._held.append(t)
         return t.data_ptr()
 

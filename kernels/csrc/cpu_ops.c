@@ -6,14 +6,19 @@
  * paged KV write, paged attention read in place from the block pool,
  * o_proj with the residual add fused, RMSNorm, packed gate|up GEMM, SiLU*up,
  * down with the residual add fused), the final norm on the sampled rows and
- * the LM head. Weights are fp32 or int8 with one fp32 scale per output
- * channel, packed in panels of 16 output channels (kernels/cpu_native.py
- * packs them); activations and the KV cache are fp32.
+ * the LM head. Weights are fp32, bf16, or int8 with one fp32 scale per
+ * output channel, packed in panels of 16 output channels
+ * (kernels/cpu_native.py packs them); the embedding table is fp32 or bf16.
+ * Activations and accumulation are fp32 whatever the weights (except where
+ * batched bf16 GEMMs run on AVX512-BF16, see below); the KV cache is fp32
+ * or bf16.
  *
  * Built at first use by kernels/cpu_native.py (gcc -O3 -mavx2 -mfma
- * -fopenmp); OpenMP resolves to the libgomp torch has already loaded, so the
+ * -fopenmp; the AVX512-BF16 functions by target attribute, chosen at run
+ * time); OpenMP resolves to the libgomp torch has already loaded, so the
  * kernels share torch's thread count.
  */
+#include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -24,9 +29,10 @@
 
 #define WTYPE_F32 0
 #define WTYPE_I8 1
+#define WTYPE_BF16 2
 
 typedef struct {
-    const void *w;      /* [ceil(n / 16), k, 16] panels, fp32 or int8 */
+    const void *w;      /* [ceil(n / 16), k, 16] panels, fp32, int8 or bf16 (uint16) */
     const float *scale; /* [n] per output channel (int8), else NULL */
     const float *bias;  /* [n] or NULL */
     int32_t n, k, wtype, _pad;
@@ -41,8 +47,9 @@ typedef struct {
 typedef struct {
     int32_t n_layers, hidden, inter, n_heads, n_kv_heads, head_dim, vocab, max_pos;
     float eps, attn_scale;
-    int32_t kv_bf16, _pad; /* KV cache elements: fp32, or bf16 (uint16) when set */
-    const float *embed;      /* [vocab, hidden] */
+    int32_t kv_bf16;         /* KV cache elements: fp32, or bf16 (uint16) when set */
+    int32_t embed_bf16;      /* embedding rows: fp32, or bf16 (uint16) when set */
+    const void *embed;       /* [vocab, hidden] */
     const float *final_norm; /* [hidden] */
     const float *rope_cos, *rope_sin; /* [max_pos, head_dim] */
     Linear lm_head;
@@ -90,6 +97,11 @@ static inline __m256 load_w_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
+/* bf16 -> fp32 is a 16-bit shift */
+static inline __m256 load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
 /* ------------------------------------------------------- packed GEMM */
 /*
  * Weights packed in panels of PW output channels: panel[k][PW] (the
@@ -106,6 +118,10 @@ static inline __attribute__((always_inline)) void pload_f32(const float *p, __m2
 static inline __attribute__((always_inline)) void pload_i8(const int8_t *p, __m256 *a, __m256 *b) {
     *a = load_w_i8(p);
     *b = load_w_i8(p + 8);
+}
+static inline __attribute__((always_inline)) void pload_bf16(const uint16_t *p, __m256 *a, __m256 *b) {
+    *a = load_bf16(p);
+    *b = load_bf16(p + 8);
 }
 
 /* mr rows (<= 6) by one panel; mr rows (<= 2) by two panels. */
@@ -157,6 +173,7 @@ static inline __attribute__((always_inline)) void pload_i8(const int8_t *p, __m2
 
 DEFINE_PTILE(f32, float, pload_f32)
 DEFINE_PTILE(i8, int8_t, pload_i8)
+DEFINE_PTILE(bf16, uint16_t, pload_bf16)
 
 /* One row by four panels (eight FMA chains): the decode GEMV. */
 #define DEFINE_PGEMV(SUFFIX, WT, LOAD2)                                                                   \
@@ -165,14 +182,12 @@ DEFINE_PTILE(i8, int8_t, pload_i8)
         __m256 a[8];                                                                                     \
         for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();                                          \
         if (np == 4) {                                                                                   \
-            /* the next group of panels follows this one in memory: stream it in, one line per k */     \
+            /* the next group of panels follows this one in memory: stream it in, as many lines per k   \
+             * as one k of this group spans (4 panels x 16 channels: sizeof(WT) lines) */                \
             const char *next = (const char *)(p + 4 * pstride);                                          \
             for (int64_t kk = 0; kk < k; kk++) {                                                         \
-                _mm_prefetch(next + kk * 4 * PW * (int64_t)sizeof(WT), _MM_HINT_T0);                     \
-                if (sizeof(WT) == 4) {                                                                   \
-                    for (int l = 1; l < 4; l++)                                                          \
-                        _mm_prefetch(next + kk * 4 * PW * 4 + l * 64, _MM_HINT_T0);                      \
-                }                                                                                        \
+                for (int l = 0; l < (int)sizeof(WT); l++)                                                \
+                    _mm_prefetch(next + kk * 4 * PW * (int64_t)sizeof(WT) + l * 64, _MM_HINT_T0);        \
                 const __m256 xb = _mm256_broadcast_ss(x + kk);                                           \
                 __m256 w[8];                                                                             \
                 for (int q = 0; q < 4; q++) LOAD2(p + q * pstride + kk * PW, &w[2 * q], &w[2 * q + 1]);   \
@@ -194,6 +209,7 @@ DEFINE_PTILE(i8, int8_t, pload_i8)
 
 DEFINE_PGEMV(f32, float, pload_f32)
 DEFINE_PGEMV(i8, int8_t, pload_i8)
+DEFINE_PGEMV(bf16, uint16_t, pload_bf16)
 
 static inline void store_out(const Linear *L, float *o, int64_t n0, const float *c, int nv, int accumulate) {
     int j = 0;
@@ -232,14 +248,15 @@ static inline void store_out(const Linear *L, float *o, int64_t n0, const float 
 
 DISPATCH_PTILE(f32, float)
 DISPATCH_PTILE(i8, int8_t)
+DISPATCH_PTILE(bf16, uint16_t)
 
 /* Rows [m0, m1) against panels [p0, p1). wbuf (PW * k floats): with more
- * than one row tile, an int8 panel is widened into it once and every tile
- * runs the fp32 kernel against it. */
+ * than one row tile, an int8 or bf16 panel is widened into it once and every
+ * tile runs the fp32 kernel against it. */
 static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m0,
                         int64_t m1, int64_t p0, int64_t p1, int accumulate, float *wbuf) {
     const int64_t k = L->k, n = L->n, pstride = k * PW;
-    const int widen = L->wtype == WTYPE_I8 && m1 - m0 > 6;
+    const int widen = L->wtype != WTYPE_F32 && m1 - m0 > 6;
     const int np = m1 - m0 <= 2 && !widen ? 2 : 1;
     float c[6][2 * PW];
     for (int64_t pn = p0; pn < p1; pn += np) {
@@ -247,9 +264,13 @@ static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out
         const int npu = (int)(p1 - pn < np ? p1 - pn : np);
         const int nv = (int)(n - n0 < npu * PW ? n - n0 : npu * PW);
         const int8_t *pq = (const int8_t *)L->w + pn * pstride;
+        const uint16_t *pb = (const uint16_t *)L->w + pn * pstride;
         const float *pf = (const float *)L->w + pn * pstride;
         if (widen) {
-            for (int64_t i = 0; i < pstride; i += 8) _mm256_storeu_ps(wbuf + i, load_w_i8(pq + i));
+            if (L->wtype == WTYPE_I8)
+                for (int64_t i = 0; i < pstride; i += 8) _mm256_storeu_ps(wbuf + i, load_w_i8(pq + i));
+            else
+                for (int64_t i = 0; i < pstride; i += 8) _mm256_storeu_ps(wbuf + i, load_bf16(pb + i));
             pf = wbuf;
         }
         for (int64_t m = m0, mr; m < m1; m += mr) {
@@ -259,8 +280,108 @@ static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out
             mr = left >= 12 || left <= 6 ? (left < 6 ? (int)left : 6) : (int)((left + 1) / 2);
             if (L->wtype == WTYPE_I8 && !widen)
                 run_ptile_i8(x + m * ldx, ldx, pq, pstride, k, mr, npu, c);
+            else if (L->wtype == WTYPE_BF16 && !widen)
+                run_ptile_bf16(x + m * ldx, ldx, pb, pstride, k, mr, npu, c);
             else
                 run_ptile_f32(x + m * ldx, ldx, pf, pstride, k, mr, npu, c);
+            for (int i = 0; i < (int)mr; i++) store_out(L, out + (m + i) * ldo + n0, n0, c[i], nv, accumulate);
+        }
+    }
+}
+
+/* ------------------------------------------------ AVX512-BF16 batched GEMM */
+/*
+ * Where the CPU has AVX512-BF16, a bf16-weight GEMM over more than six rows
+ * runs on vdpbf16ps: one instruction multiplies 16 channels by two k (four
+ * times the multiply-adds of an AVX2 FMA); 2.5-3x the widen path at 8-32
+ * rows on an AVX512-BF16 EPYC. vdpbf16ps takes bf16 on both sides, so the
+ * rows are rounded to bf16 (nearest even) once per call: products are exact
+ * and sums fp32, so the result is the fp32 kernel's on the rounded rows up
+ * to summation order. The GEMV (one row) keeps fp32 activations: it streams
+ * its weights from memory at the same speed either way. These functions are
+ * compiled for the feature by attribute and chosen at run time from CPUID,
+ * so the library builds with the AVX2 flags and loads on AVX2-only CPUs.
+ */
+#define DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define DR 12 /* rows per vdpbf16ps tile: 12 zmm accumulators */
+
+static int g_has_bf16_dot, g_bf16_dot;
+
+/* AVX512F, AVX512BW and AVX512-BF16 in CPUID, and the OS saving zmm and mask state (XCR0). */
+static int cpu_has_bf16_dot(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(1, 0, &a, &b, &c, &d) || !(c & (1u << 27))) return 0; /* OSXSAVE */
+    unsigned xlo, xhi;
+    __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+    if ((xlo & 0xe6) != 0xe6) return 0; /* SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM */
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & (1u << 16)) || !(b & (1u << 30))) return 0;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
+}
+
+static void __attribute__((constructor)) probe_bf16_dot(void) { g_has_bf16_dot = g_bf16_dot = cpu_has_bf16_dot(); }
+
+/* The vdpbf16ps path: set < 0 asks, 0 turns it off, 1 on (where the CPU has it). Returns the state. */
+int appl_bf16_dot(int set) {
+    if (set >= 0) g_bf16_dot = set && g_has_bf16_dot;
+    return g_bf16_dot;
+}
+
+/* One row to bf16, zero-padded to kp (k rounded up to even, vdpbf16ps takes k in pairs). */
+DOT_TARGET static void row_to_bf16(const float *x, uint16_t *o, int64_t k, int64_t kp) {
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+    if (i < kp) {
+        uint16_t tail[16];
+        const __mmask16 mask = (__mmask16)((1u << (k - i)) - 1);
+        _mm256_storeu_si256((__m256i *)tail, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, x + i)));
+        memcpy(o + i, tail, sizeof(uint16_t) * (size_t)(kp - i));
+    }
+}
+
+/* mr rows (bf16, row stride kp) by one re-laid panel ([kp / 2][PW][2]: channel c of k pair j at j * 2PW + 2c). */
+DOT_TARGET static inline __attribute__((always_inline)) void dtile(const uint16_t *xb, int64_t kp, const uint16_t *pp,
+                                                                   const int mr, float c[DR][PW]) {
+    __m512 a[DR];
+    for (int i = 0; i < DR; i++) a[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < kp / 2; j++) {
+        const __m512bh w = (__m512bh)_mm512_loadu_si512(pp + j * 2 * PW);
+        for (int i = 0; i < DR; i++)
+            if (i < mr) {
+                int32_t pair;
+                memcpy(&pair, xb + i * kp + 2 * j, sizeof(pair));
+                a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_set1_epi32(pair), w);
+            }
+    }
+    for (int i = 0; i < mr; i++) _mm512_storeu_ps(c[i], a[i]);
+}
+
+#define DTILE_CASE(R) case R: dtile(xr, kp, pbuf, R, c); break;
+
+/* Rows [m0, m1) of xb (bf16, row stride kp) against bf16 panels [p0, p1); pbuf
+ * (PW * kp bf16) takes each panel re-laid as k pairs, once for all row tiles. */
+DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int64_t kp, float *out, int64_t ldo,
+                                       int64_t m0, int64_t m1, int64_t p0, int64_t p1, int accumulate, uint16_t *pbuf) {
+    const int64_t k = L->k, n = L->n, pstride = k * PW;
+    /* [k even | k odd] x 16 channels -> channel-major pairs */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    float c[DR][PW];
+    for (int64_t pn = p0; pn < p1; pn++) {
+        const int64_t n0 = pn * PW;
+        const int nv = (int)(n - n0 < PW ? n - n0 : PW);
+        const uint16_t *pb = (const uint16_t *)L->w + pn * pstride;
+        for (int64_t j = 0; j < kp / 2; j++) {
+            const __mmask32 rows = 2 * j + 1 < k ? 0xffffffffu : 0xffffu; /* an odd k pairs its last row with zeros */
+            _mm512_storeu_si512(pbuf + j * 2 * PW, _mm512_permutexvar_epi16(pairs, _mm512_maskz_loadu_epi16(rows, pb + j * 2 * PW)));
+        }
+        for (int64_t m = m0, mr; m < m1; m += mr) {
+            const int64_t left = m1 - m; /* twelve-row tiles; a short remainder shares the last 24 rows evenly */
+            mr = left >= 2 * DR || left <= DR ? (left < DR ? (int)left : DR) : (int)((left + 1) / 2);
+            const uint16_t *xr = xb + m * kp;
+            switch (mr) {
+                DTILE_CASE(12) DTILE_CASE(11) DTILE_CASE(10) DTILE_CASE(9) DTILE_CASE(8) DTILE_CASE(7)
+                DTILE_CASE(6) DTILE_CASE(5) DTILE_CASE(4) DTILE_CASE(3) DTILE_CASE(2) default: dtile(xr, kp, pbuf, 1, c);
+            }
             for (int i = 0; i < (int)mr; i++) store_out(L, out + (m + i) * ldo + n0, n0, c[i], nv, accumulate);
         }
     }
@@ -276,6 +397,8 @@ static void packed_gemv(const Linear *L, const float *x, float *out, int64_t p0,
         const int nv = (int)(n - n0 < np * PW ? n - n0 : np * PW);
         if (L->wtype == WTYPE_I8)
             pgemv4_i8(x, (const int8_t *)L->w + pn * pstride, pstride, k, np, c);
+        else if (L->wtype == WTYPE_BF16)
+            pgemv4_bf16(x, (const uint16_t *)L->w + pn * pstride, pstride, k, np, c);
         else
             pgemv4_f32(x, (const float *)L->w + pn * pstride, pstride, k, np, c);
         store_out(L, out + n0, n0, c, nv, accumulate);
@@ -286,9 +409,11 @@ static void packed_gemv(const Linear *L, const float *x, float *out, int64_t p0,
  * w packed in panels (see PW); threads split the panels. Rows are blocked so
  * a block of activations stays in L2 while the panels pass over it. */
 void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m, int accumulate) {
-    const int64_t panels = (L->n + PW - 1) / PW;
+    const int64_t panels = (L->n + PW - 1) / PW, kp = L->k + (L->k & 1);
     int64_t mc = (192 * 1024 / 4) / (L->k > 0 ? L->k : 1);
     mc = mc < 6 ? 6 : (mc / 6) * 6;
+    const int dot = L->wtype == WTYPE_BF16 && m > 6 && g_bf16_dot;
+    uint16_t *xb = dot ? (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(m * kp)) : NULL; /* the rows in bf16 */
 #pragma omp parallel
     {
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
@@ -297,14 +422,24 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
         if (m == 1) {
             if (p0 < p1) packed_gemv(L, x, out, p0, p1, accumulate);
         } else {
-            float *wbuf = L->wtype == WTYPE_I8 && m > 6 ? (float *)malloc(sizeof(float) * PW * (size_t)L->k) : NULL;
+            if (dot) {
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < m; r++) row_to_bf16(x + r * ldx, xb + r * kp, L->k, kp);
+            }
+            /* a widened panel (PW * k floats), or a re-laid bf16 one (PW * kp halves) */
+            float *wbuf = L->wtype != WTYPE_F32 && m > 6 ? (float *)malloc(sizeof(float) * PW * (size_t)kp) : NULL;
             for (int64_t m0 = 0; m0 < m; m0 += mc) {
                 const int64_t m1 = m0 + mc < m ? m0 + mc : m;
-                if (p0 < p1) packed_rows(L, x, ldx, out, ldo, m0, m1, p0, p1, accumulate, wbuf);
+                if (p0 >= p1) continue;
+                if (dot) /* every row of the call, so all are rounded alike */
+                    packed_rows_dot(L, xb, kp, out, ldo, m0, m1, p0, p1, accumulate, (uint16_t *)wbuf);
+                else
+                    packed_rows(L, x, ldx, out, ldo, m0, m1, p0, p1, accumulate, wbuf);
             }
             free(wbuf);
         }
     }
+    free(xb);
 }
 
 /* ----------------------------------------------------------- elementwise */
@@ -453,12 +588,8 @@ static void attend_item_##SUFFIX(const float *qg, float *og, const KT *k_base, c
 }
 
 static inline __m256 load_kv_f32(const float *p) { return _mm256_loadu_ps(p); }
-/* bf16 -> fp32 is a 16-bit shift */
-static inline __m256 load_kv_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
 DEFINE_ATTEND(f32, float, load_kv_f32)
-DEFINE_ATTEND(bf16, uint16_t, load_kv_bf16)
+DEFINE_ATTEND(bf16, uint16_t, load_bf16)
 
 /* fp32 -> bf16, round to nearest even (NaN kept quiet) */
 static inline uint16_t f32_to_bf16(float f) {
@@ -577,7 +708,20 @@ void appl_forward(const Model *M, const Step *S) {
     float *gu = att + T * attn_w;    /* [T, 2 inter] */
     float *act = gu + T * 2 * inter; /* [T, inter] */
 
-    for (int64_t t = 0; t < T; t++) memcpy(x + t * hid, M->embed + S->input_ids[t] * hid, sizeof(float) * hid);
+    for (int64_t t = 0; t < T; t++) {
+        if (M->embed_bf16) {
+            const uint16_t *e = (const uint16_t *)M->embed + S->input_ids[t] * hid;
+            float *xt = x + t * hid;
+            int64_t i = 0;
+            for (; i + 8 <= hid; i += 8) _mm256_storeu_ps(xt + i, load_bf16(e + i));
+            for (; i < hid; i++) {
+                const uint32_t u = (uint32_t)e[i] << 16;
+                memcpy(xt + i, &u, 4);
+            }
+        } else {
+            memcpy(x + t * hid, (const float *)M->embed + S->input_ids[t] * hid, sizeof(float) * hid);
+        }
+    }
 
     for (int l = 0; l < M->n_layers; l++) {
         const Layer *L = &M->layers[l];

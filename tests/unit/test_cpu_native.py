@@ -1,8 +1,12 @@
 """The native CPU kernels (kernels/csrc/cpu_ops.c) against torch references:
-GEMMs over every tile remainder, paged attention on ragged mixed batches,
-whole-model generation token for token against the torch_sdpa path, and a
+GEMMs over every tile remainder (fp32, bf16 and int8 weights, and the
+AVX512-BF16 path where the CPU has it), paged attention on ragged mixed
+batches, whole-model generation token for token against the torch_sdpa path
+(bf16 models against fp32 runs of the same bf16-rounded weights), and a
 clear refusal when the library cannot be built."""
 
+import contextlib
+import os
 import subprocess
 import sys
 
@@ -11,11 +15,27 @@ import torch
 import torch.nn.functional as F
 
 from appliance import LLM, SamplingParams
-from appliance.kernels.cpu_native import CpuNativeBackend, NativeLinear
+from appliance.kernels.cpu_native import CpuNativeBackend, NativeLinear, bf16_dot
 from appliance.kernels.registry import Selection
-from appliance.models.quant import Int8WeightOnlyLinear
+from appliance.models.quant import Int8WeightOnlyLinear, quantize_int8_weight_only
 from tests.kernel_helpers import make_problem, reference
 from tests.model_helpers import PROMPTS, TINY_VARIANTS
+
+
+HAS_BF16_DOT = bf16_dot()  # the default: on where the CPU has AVX512-BF16
+needs_bf16_dot = pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU lacks AVX512-BF16 (vdpbf16ps): "
+                                                              "bf16 GEMMs widen the weights to fp32 here")
+
+
+@contextlib.contextmanager
+def _bf16_dot(enabled):
+    """Pin the batched bf16 GEMM path (vdpbf16ps or widen) for a block."""
+    before = bf16_dot()
+    bf16_dot(enabled)
+    try:
+        yield
+    finally:
+        bf16_dot(before)
 
 
 def _module(kind, n, k, bias, seed):
@@ -27,23 +47,55 @@ def _module(kind, n, k, bias, seed):
         return m, m.weight_int8.float() * m.scale[:, None], b
     lin = torch.nn.Linear(k, n, bias=bias)
     lin.weight.data, lin.bias = w, (torch.nn.Parameter(b) if bias else None)
+    if kind == "bf16":  # the reference computes in fp32 with exactly the bf16 values
+        lin = lin.to(torch.bfloat16)
+        return lin, lin.weight.float(), None if b is None else lin.bias.float()
     return lin, w, b
 
 
-@pytest.mark.parametrize("kind", ["fp32", "int8"])
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 13, 100])
 @pytest.mark.parametrize("n,k", [(7, 13), (12, 16), (50, 40), (33, 200), (9, 1000)])
 def test_linear_matches_torch_over_every_remainder(kind, m, n, k):
     mod, w_ref, b = _module(kind, n, k, bias=(n % 2 == 1), seed=m * 1000 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     ref = F.linear(x, w_ref, b)
-    got = NativeLinear(mod)(x)
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-    # accumulate=True adds into the output (the fused residual add)
+    with _bf16_dot(False):
+        got = NativeLinear(mod)(x)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        # accumulate=True adds into the output (the fused residual add)
+        base = torch.randn(m, n)
+        out = base.clone()
+        NativeLinear(mod)(x, out=out, accumulate=True)
+        torch.testing.assert_close(out, base + ref, rtol=1e-4, atol=1e-4)
+        if kind == "bf16":  # widening is exact: the same sums, in the same order, as fp32 weights of those values
+            f32 = torch.nn.Linear(k, n, bias=b is not None)
+            f32.weight.data, f32.bias = w_ref, (None if b is None else torch.nn.Parameter(b))
+            assert torch.equal(got, NativeLinear(f32)(x))
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("m", [7, 8, 12, 13, 23, 24, 25, 100])
+@pytest.mark.parametrize("n,k", [(7, 13), (12, 16), (50, 40), (33, 200), (9, 1000), (20, 1)])
+def test_bf16_dot_gemm_matches_the_widen_path_on_rounded_rows(m, n, k):
+    """vdpbf16ps rounds the rows to bf16 and sums exact products in fp32: the
+    widen path's result on the rounded rows, up to summation order. Row tiles
+    of 12 and their remainders, odd k (paired with zeros), accumulate."""
+    mod, w_ref, b = _module("bf16", n, k, bias=(n % 2 == 1), seed=m * 1000 + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    xr = x.to(torch.bfloat16).float()
     base = torch.randn(m, n)
-    out = base.clone()
-    NativeLinear(mod)(x, out=out, accumulate=True)
-    torch.testing.assert_close(out, base + ref, rtol=1e-4, atol=1e-4)
+    with _bf16_dot(True):
+        got = NativeLinear(mod)(x)
+        acc = base.clone()
+        NativeLinear(mod)(x, out=acc, accumulate=True)
+    with _bf16_dot(False):
+        widen, unrounded = NativeLinear(mod)(xr), NativeLinear(mod)(x)
+    # Summation order moves a result by a small fraction of the magnitude of the terms summed.
+    terms = xr.abs() @ w_ref.abs().T + (0 if b is None else b.abs())
+    for a, want in ((got, widen), (got, F.linear(xr, w_ref, b)), (acc, base + widen)):
+        assert ((a - want).abs() <= 1e-5 * (terms + base.abs())).all()
+    assert not torch.allclose(got, unrounded, rtol=1e-5, atol=1e-5)  # the path under test did run
 
 
 def test_linear_reads_strided_rows():
@@ -130,6 +182,117 @@ def test_whole_step_forward_matches_torch_path(variant, extra):
             assert [t for t, _ in lb.top] == [t for t, _ in la.top]
 
 
+def _bf16_rounded_fp32(overrides, int8, selection=None):
+    """An fp32 deployment of the weights a bf16 load holds: every parameter
+    rounded to bf16, then (int8) quantized from those values as a bf16 load
+    quantizes them. Overrides carry quantization=none."""
+    llm = LLM(overrides=overrides + ["model.dtype=float32"], selection=selection)
+    model = llm.engine.runner.model
+    for prm in model.parameters():
+        prm.data = prm.data.to(torch.bfloat16).float()
+    if int8:
+        quantize_int8_weight_only(model)
+    return llm
+
+
+def _assert_greedy_close(ref, got):
+    """Greedy tokens equal, or where the two part, each side's token among the
+    other's top candidates (after that the contexts differ)."""
+    for a, b in zip(ref, got):
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            if la.token_id != lb.token_id:
+                assert la.token_id in dict(lb.top) and lb.token_id in dict(la.top)
+                break
+
+
+TINY_BF16 = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "cache.kv_cache_dtype=bfloat16"]
+
+
+@pytest.mark.parametrize("variant", list(TINY_VARIANTS))
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "bf16+int8_wo"])
+def test_bf16_model_matches_fp32_on_the_rounded_weights(variant, int8):
+    """model.dtype=bfloat16 on cpu_native: bf16 weights (or int8 ones quantized
+    from them, with bf16 embedding, norms and biases) and fp32 activations.
+    With the widen path, bit for bit the fp32 native path on the bf16-rounded
+    weights, and token for token the torch fp32 path on them."""
+    overrides = TINY_BF16 + TINY_VARIANTS[variant]
+    p = SamplingParams(max_tokens=16, temperature=0, logprobs=3)
+    nat_llm = LLM(overrides=overrides + ["model.dtype=bfloat16"] + (["quantization=int8_wo"] if int8 else []))
+    assert nat_llm.engine.runner.backend.name == "cpu_native"
+    assert nat_llm.engine.runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    with _bf16_dot(False):
+        nat = nat_llm.generate(PROMPTS, p, use_tqdm=False)
+    fp32 = _bf16_rounded_fp32(overrides, int8).generate(PROMPTS, p, use_tqdm=False)
+    ref = _bf16_rounded_fp32(overrides, int8, Selection(chosen="torch_sdpa")).generate(PROMPTS, p, use_tqdm=False)
+    for a, b, c in zip(ref, nat, fp32):
+        assert b.outputs[0].token_ids == c.outputs[0].token_ids == a.outputs[0].token_ids
+        for la, lb, lc in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, c.outputs[0].logprobs):
+            assert lb.top == lc.top
+            # looser than fp32 KV: a summation-order difference can tip a K/V value to the next bf16
+            assert lb.logprob == pytest.approx(la.logprob, abs=1e-3)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_bf16_dot_model_stays_close_to_fp32_on_the_rounded_weights(variant):
+    """With vdpbf16ps the batched GEMMs (prefill, and decode of the nine
+    prompts) see bf16-rounded rows: close to the torch fp32 path, not equal."""
+    overrides = TINY_BF16 + TINY_VARIANTS[variant]
+    p = SamplingParams(max_tokens=16, temperature=0, logprobs=5)
+    with _bf16_dot(True):
+        nat = LLM(overrides=overrides + ["model.dtype=bfloat16"]).generate(PROMPTS, p, use_tqdm=False)
+    ref = _bf16_rounded_fp32(overrides, False, Selection(chosen="torch_sdpa")).generate(PROMPTS, p, use_tqdm=False)
+    _assert_greedy_close(ref, nat)
+
+
+SMOLLM2_BF16 = ["+profile=cpu", "cache.kv_cache_memory_gib=0.05", "model.max_model_len=512", "cache.kv_cache_dtype=bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16():
+    """The real model in bf16 (30 layers, tied LM head packed from the bf16
+    embedding) on cpu_native, and the torch fp32 path's greedy outputs on its
+    bf16-rounded weights. Eight prompts: decode steps are batched GEMMs too."""
+    p = SamplingParams(max_tokens=8, temperature=0, logprobs=5)
+    prompts = PROMPTS[:8]
+    ref = _bf16_rounded_fp32(SMOLLM2_BF16, False, Selection(chosen="torch_sdpa")).generate(prompts, p, use_tqdm=False)
+    return LLM(overrides=SMOLLM2_BF16 + ["model.dtype=bfloat16"]), prompts, p, ref
+
+
+def test_bf16_smollm2_matches_fp32_on_the_rounded_weights(smollm2_bf16):
+    """Widen path: bit for bit the fp32 native path on the rounded weights, and
+    close to the torch fp32 path on them."""
+    llm, prompts, p, ref = smollm2_bf16
+    llm.engine.scheduler.kv.reset_prefix_cache()
+    with _bf16_dot(False):
+        nat = llm.generate(prompts, p, use_tqdm=False)
+    fp32 = _bf16_rounded_fp32(SMOLLM2_BF16, False).generate(prompts, p, use_tqdm=False)
+    for b, c in zip(nat, fp32):
+        assert b.outputs[0].token_ids == c.outputs[0].token_ids
+        assert [lb.top for lb in b.outputs[0].logprobs] == [lc.top for lc in c.outputs[0].logprobs]
+    _assert_greedy_close(ref, nat)
+
+
+@needs_bf16_dot
+def test_bf16_dot_smollm2_stays_close_to_fp32_on_the_rounded_weights(smollm2_bf16):
+    llm, prompts, p, ref = smollm2_bf16
+    llm.engine.scheduler.kv.reset_prefix_cache()
+    with _bf16_dot(True):
+        nat = llm.generate(prompts, p, use_tqdm=False)
+    _assert_greedy_close(ref, nat)
+    assert "Paris" in llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                               SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text
+
+
+@needs_bf16_dot
+def test_environment_switches_the_bf16_dot_path_off():
+    code = "import appliance.kernels.cpu_native as m; print(m.bf16_dot())"
+    for value, want in (("0", "False"), ("1", "True")):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "APPLIANCE_CPU_BF16_DOT": value})
+        assert r.returncode == 0 and r.stdout.strip() == want, r.stderr
+
+
 def test_prebuilt_library_needs_no_compiler(tmp_path):
     import shutil
 
@@ -161,5 +324,5 @@ def test_refuses_clearly_when_the_compiler_is_missing(tmp_path):
 def test_out_of_vocabulary_ids_raise_instead_of_reading_past_the_table():
     llm = LLM(overrides=["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.01"])
     vocab = llm.resolved.cfg.model.vocab_size
-    with pytest.raises(ValueError, match=f"token id {vocab} is outside the vocabulary"):
+    with pytest.raises(ValueError, match="token id.* outside the vocabulary"):
         llm.generate([[1, 2, vocab]], SamplingParams(max_tokens=2), use_tqdm=False)
