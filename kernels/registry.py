@@ -12,6 +12,7 @@ backend was rejected; ``appliance plan`` prints that chain.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -28,6 +29,12 @@ def _cc_tuple(cc: Optional[str]) -> Optional[tuple[int, int]]:
         return None  # non-CUDA capability strings such as "gfx942"
 
 
+def triton_interpreter_on() -> bool:
+    """Whether TRITON_INTERPRET makes Triton run its kernels in the interpreter,
+    on the CPU (the values Triton itself reads as true)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes", "y")
+
+
 @dataclass(frozen=True)
 class BackendCapabilities:
     name: str
@@ -35,6 +42,8 @@ class BackendCapabilities:
     impl_path: str  # "module:Class", imported lazily
     probe_modules: tuple[str, ...]  # tried in order; first importable wins
     device_kinds: tuple[str, ...]
+    # Device kinds served only under the Triton interpreter (TRITON_INTERPRET=1).
+    interpreter_device_kinds: tuple[str, ...] = ()
     min_capability: Optional[tuple[int, int]] = None
     max_capability: Optional[tuple[int, int]] = None
     dtypes: tuple[str, ...] = ("float16", "bfloat16")
@@ -62,7 +71,11 @@ class BackendCapabilities:
         reasons = []
         hw = cfg.hardware
         kind = _enum_value(hw.device_kind)
-        if kind not in self.device_kinds:
+        if kind in self.interpreter_device_kinds:
+            if not triton_interpreter_on():
+                reasons.append(f"device kind {kind} not in {list(self.device_kinds)} "
+                               f"(TRITON_INTERPRET=1 runs it on CPU, in the Triton interpreter)")
+        elif kind not in self.device_kinds:
             reasons.append(f"device kind {kind} not in {list(self.device_kinds)}")
         cc = _cc_tuple(hw.compute_capability)
         if kind == "cuda" and cc is not None:
@@ -107,11 +120,11 @@ BACKENDS: dict[str, BackendCapabilities] = {
     ),
     "cpu_native": BackendCapabilities(
         name="cpu_native",
-        display_name="native CPU kernels (AVX2, whole-step forward)",
+        display_name="native CPU kernels (AVX2, whole-step forward, fp32 or bf16 weights)",
         impl_path="appliance.kernels.cpu_native:CpuNativeBackend",
         probe_modules=("appliance.kernels.cpu_native",),
         device_kinds=("cpu",),
-        dtypes=("float32",),
+        dtypes=("float32", "bfloat16"),
         kv_dtypes=("auto", "bfloat16"),
         head_sizes=tuple(range(8, 513, 8)),
         block_size_multiple=1,
@@ -122,10 +135,14 @@ BACKENDS: dict[str, BackendCapabilities] = {
         impl_path="appliance.kernels.triton_attention:TritonAttentionBackend",
         probe_modules=("triton",),
         device_kinds=("cuda", "rocm"),
+        interpreter_device_kinds=("cpu",),
         min_capability=(8, 0),
         dtypes=("float16", "bfloat16", "float32"),
         kv_dtypes=("auto", "fp8_e4m3"),
-        head_sizes=(32, 64, 80, 96, 128, 256),
+        # The kernel pads HEAD_DIM to a power of two and masks the rest; 16 is the
+        # smallest K of a 16-bit tl.dot on NVIDIA, and past 256 the fp32
+        # accumulator (BLOCK_M x 512) no longer fits in registers.
+        head_sizes=tuple(range(16, 257, 8)),
         block_size_multiple=16,
         block_size_power_of_two=True,
     ),

@@ -10,14 +10,17 @@ Work decomposition (grid = (num_q_tiles, num_kv_heads)):
 Masking: key position k is visible to query position p iff k <= p, with
     p = (seq_len - query_len) + query index: the computed prefix is fully
     visible, causal inside the chunk.
+HEAD_DIM is padded to a power of two (HEAD_DIM_PAD) and masked, so any head
+size in the registry's range works (16 ... 256 in steps of 8).
 fp8 (e4m3) KV is stored scaled by 1/k_scale (1/v_scale) and dequantized in
-the kernel. Under TRITON_INTERPRET=1 (CPU tests) loads are upcast to fp32,
-because the interpreter's bf16 arithmetic is wrong.
+the kernel. Under TRITON_INTERPRET=1 the kernels run on the CPU (the cpu
+profile with attention.backend=triton); loads are upcast to fp32, because the
+interpreter's bf16 arithmetic is wrong. INTERPRET is read at import, when
+Triton also decides whether the kernels are wrapped for the interpreter.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,8 +29,9 @@ import triton
 import triton.language as tl
 
 from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
+from appliance.kernels.registry import triton_interpreter_on
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = triton_interpreter_on()
 
 
 @triton.jit
