@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="serve the deployment (OpenAI-compatible HTTP)")
     _add_overrides(p)
-    p.add_argument("--api-key", default=None, help="same as server.api_key=...")
+    p.add_argument("--api-key", default=None,
+                   help="same as server.api_key=... (visible in ps: prefer APPLIANCE_API_KEY or server.api_key_file)")
 
     p = sub.add_parser("plan", help="explain what would run, and why, without a GPU")
     _add_overrides(p)
@@ -59,25 +60,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from appliance.config.plan import format_plan, make_plan
+    from appliance.runner import execution_here, startup_lines
 
     r = resolve(args.overrides)
-    plan = make_plan(r.cfg)
+    ex = execution_here(r)
+    plan = make_plan(r.cfg, ex)
     if args.json:
         out = plan.to_dict()
         out["config_hash"] = r.hash
+        out["deployment"] = ex.fingerprint(r.hash)
         out["profile_reason"] = r.profile_reason
         print(json.dumps(out, indent=2))
     else:
-        if r.profile_reason:
-            print(f"profile auto -> {r.cfg.profile}: {r.profile_reason}")
+        for line in startup_lines(r, ex):
+            print(line)
         print(format_plan(plan))
         print(f"config hash        {r.hash}")
+        print(f"deployment         {ex.fingerprint(r.hash)}")
     return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    from appliance.runner import execution_here, startup_lines
+
     r = resolve(args.overrides)
+    ex = execution_here(r)
     sys.stdout.write(r.yaml)
+    # What this machine resolves the declarative config to, as YAML comments:
+    # the output stays a valid config, and its hash is unchanged.
+    lines = [*startup_lines(r, ex), *ex.summary(), f"attention backend  {ex.backend or 'NONE'}",
+             f"config hash        {r.hash}", f"deployment         {ex.fingerprint(r.hash)}"]
+    sys.stdout.write("".join(f"# {ln}\n" for ln in lines))
     return 0
 
 
@@ -91,18 +104,24 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:
+    """Every profile; for those of this machine's kind, the dtype, KV dtype and
+    backend they resolve to here, and "runs here" only when they would start."""
     from appliance.config.detect import detect_device
-    from appliance.config.plan import make_plan
-    from appliance.runner import device_problems
+    from appliance.runner import check_runnable, execution_here
 
     here = detect_device()
-    print(f"{'profile':<14}{'hardware':<10}{'backend':<14}{'quant':<8}{'kv':<10}runs here")
+    print(f"{'profile':<14}{'hardware':<10}{'backend':<14}{'dtype':<10}{'quant':<8}{'kv':<10}runs here")
     for name in list_profiles():
         r = resolve([f"+profile={name}"], check=False)
-        p = make_plan(r.cfg)
-        problems = device_problems(r.cfg, here)
-        runs = "yes" if not problems else f"no: {problems[0]}"
-        print(f"{name:<14}{p.hardware:<10}{str(p.attention_backend):<14}{p.quantization:<8}{p.kv_cache_dtype:<10}{runs}")
+        ex = execution_here(r, here)
+        try:
+            check_runnable(r, here)
+            runs = "yes"
+        except ConfigError as e:
+            runs = f"no: {str(e).splitlines()[0]}"
+        quant = getattr(r.cfg.quantization.method, "value", r.cfg.quantization.method)
+        print(f"{name:<14}{r.cfg.hardware.name:<10}{str(ex.backend):<14}{ex.dtype:<10}{quant:<8}"
+              f"{ex.kv_cache_dtype:<10}{runs}")
     return 0
 
 

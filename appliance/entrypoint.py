@@ -9,6 +9,7 @@ uses.
 from __future__ import annotations
 
 import itertools
+import logging
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
@@ -17,6 +18,8 @@ from appliance.config.compose import ResolvedConfig, resolve
 from appliance.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+log = logging.getLogger("appliance")
 
 
 @dataclass
@@ -44,11 +47,22 @@ PromptType = Union[str, list[int]]
 class LLM:
     def __init__(self, cfg: Optional[ResolvedConfig] = None, overrides: Sequence[str] = (), selection: Any = None):
         """``selection`` (a kernels.registry.Selection) bypasses backend
-        selection, e.g. to run the Triton kernels under the interpreter."""
+        selection, e.g. to compare one backend against another."""
         from appliance.engine.core import build_engine
+        from appliance.runner import check_runnable, startup_lines
 
         self.resolved = cfg if cfg is not None else resolve(list(overrides))
-        self.engine, self.tokenizer = build_engine(self.resolved, selection)
+        if selection is None:
+            self.execution = check_runnable(self.resolved)
+            for line in startup_lines(self.resolved, self.execution):
+                log.warning(line)
+        else:
+            from dataclasses import replace
+
+            from appliance.config.execution import resolve_execution
+
+            self.execution = replace(resolve_execution(self.resolved.cfg), selection=selection)
+        self.engine, self.tokenizer = build_engine(self.resolved, self.execution)
         self._ids = itertools.count()
 
     def _encode(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:

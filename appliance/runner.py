@@ -7,15 +7,13 @@ and hands model, backend and engine to the server or the offline API.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from appliance.config.compose import ConfigError, ResolvedConfig
 from appliance.config.detect import DeviceDescription, detect_device
-from appliance.config.plan import format_plan, make_plan, resolve_dtype
-from appliance.kernels.registry import BackendSelectionError, Selection, select_backend
-
-log = logging.getLogger("appliance")
+from appliance.config.execution import Execution, resolve_execution
+from appliance.config.plan import format_plan, make_plan
+from appliance.kernels.registry import BackendSelectionError
 
 
 def _v(x: Any) -> Any:
@@ -50,33 +48,55 @@ def device_problems(cfg: Any, device: DeviceDescription) -> list[str]:
     return problems
 
 
-def select_runtime_backend(cfg: Any) -> Selection:
-    dtype = resolve_dtype(cfg)
-    sel = select_backend(cfg, dtype, check_import=True)
+def execution_here(resolved: ResolvedConfig, device: DeviceDescription | None = None) -> Execution:
+    """What ``resolved`` runs as on this machine when the profile is of this
+    machine's kind (probed: importable backends only); the target hardware's
+    plan otherwise."""
+    device = device or detect_device()
+    if _v(resolved.cfg.hardware.device_kind) != device.kind:
+        return resolve_execution(resolved.cfg)
+    return resolve_execution(resolved.cfg, probe=True, device=device)
+
+
+def check_runnable(resolved: ResolvedConfig, device: DeviceDescription | None = None) -> Execution:
+    """The execution this machine will run, or ConfigError with every reason it cannot."""
+    device = device or detect_device()
+    problems = device_problems(resolved.cfg, device)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    ex = resolve_execution(resolved.cfg, probe=True, device=device)
+    sel = ex.selection
     if sel.chosen is None:
         raise BackendSelectionError(
             "no attention backend can serve this deployment:\n" + "\n".join(f"  - {ln}" for ln in sel.explain())
             + ("\n  (attention.fallback=allow lets the profile fall back to the next backend)"
-               if _v(cfg.attention.fallback) == "deny" else "")
+               if _v(resolved.cfg.attention.fallback) == "deny" else "")
         )
-    if sel.fallback_used:
-        log.warning("attention backend %s is a fallback: %s", sel.chosen, "; ".join(sel.explain()[:-1]))
-    return sel
+    return ex
 
 
-def check_runnable(resolved: ResolvedConfig, device: DeviceDescription | None = None) -> Selection:
-    problems = device_problems(resolved.cfg, device or detect_device())
-    if problems:
-        raise ConfigError("\n".join(problems))
-    return select_runtime_backend(resolved.cfg)
+def startup_lines(resolved: ResolvedConfig, ex: Execution) -> list[str]:
+    """What every entry point prints first: the profile picked, then a fallback
+    with its reason and the override that avoids it, each once."""
+    lines = []
+    if resolved.profile_reason:
+        lines.append(f"profile auto -> {resolved.cfg.profile}: {resolved.profile_reason}")
+    note = ex.fallback_note()
+    if note:
+        lines.append(f"note: {note}")
+    return lines
 
 
 def serve(resolved: ResolvedConfig) -> int:
-    sel = check_runnable(resolved)
-    if resolved.profile_reason:
-        print(f"profile auto -> {resolved.cfg.profile}: {resolved.profile_reason}")
-    print(format_plan(make_plan(resolved.cfg)))
-    print(f"attention backend at run time: {sel.chosen}")
+    from appliance.server.auth import check_exposure, load_api_keys
+
+    check_exposure(resolved.cfg.server, load_api_keys(resolved.cfg.server))
+    ex = check_runnable(resolved)
+    for line in startup_lines(resolved, ex):
+        print(line)
+    print(format_plan(make_plan(resolved.cfg, ex)))
+    print(f"config hash        {resolved.hash}")
+    print(f"deployment         {ex.fingerprint(resolved.hash)}")
     from appliance.server.launch import serve_forever
 
-    return serve_forever(resolved, sel)
+    return serve_forever(resolved, ex)

@@ -23,6 +23,7 @@ def load(rel: str) -> dict:
 def main() -> None:
     PLOTS.mkdir(parents=True, exist_ok=True)
     m = load("machine.json")
+    host = m.get("host") or m["machine"]  # results written before hosts were recorded under "host"
     lines = [
         "# Benchmarks",
         "",
@@ -36,15 +37,19 @@ def main() -> None:
         "",
         "## Machine (`appliance bench machine`)",
         "",
-        f"- {m['machine']['platform']}, {m['machine']['cpus']} CPUs, {m['threads']} torch threads, run {m['machine']['time']}",
+        f"- {host['platform']}, {host['cpus']} CPUs, {m['threads']} torch threads, run {host['time']}",
+        f"- CPU: {host.get('cpu') or 'unknown'}; {' '.join(host.get('cpu_isa', [])) or 'no AVX2'}",
         f"- memory bandwidth: copy {m['bandwidth']['copy_GBps']:.1f} GB/s, read {m['bandwidth']['read_GBps']:.1f} GB/s",
     ]
     for shape, g in m["gemm_gflops"].items():
         lines.append(f"- GEMM {shape}: " + ", ".join(f"{d} {v:.1f} GFLOP/s" for d, v in g.items()))
     lines += [
         "",
-        "This CPU (AMD EPYC, AVX2) has no AVX-512 and no native bf16: torch's bf16 matmuls run about 100x",
-        "slower than fp32 here, so `model.dtype=auto` stays fp32 and the bf16 lever does not apply.",
+        "This CPU has native bf16 (AVX512-BF16/AMX): torch's bf16 matmuls are fast here; what `model.dtype=auto`"
+        " picks is measured in \"dtype and backend per CPU class\" below."
+        if host.get("cpu_fast_bf16") else
+        "This CPU has no native bf16: torch's bf16 matmuls run about 100x slower than fp32 here; what"
+        " `model.dtype=auto` picks is measured in \"dtype and backend per CPU class\" below.",
         "",
         "## Offline throughput (`appliance bench throughput --baseline hf --also ...`)",
         "",

@@ -1,14 +1,24 @@
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
-# Token-exact tests compare fp32 runs; pin the CPU dtype choice so the suite
-# behaves the same on CPUs with and without native bf16 (subprocesses inherit it).
-os.environ.setdefault("APPLIANCE_CPU_BF16", "0")
+# Models and kernels the suite generates go to a temporary cache, never the
+# user's ~/.cache/appliance (subprocesses inherit it). APPLIANCE_TEST_CACHE_DIR
+# names a cache to keep between runs instead.
+_KEEP = os.environ.get("APPLIANCE_TEST_CACHE_DIR")
+TEST_CACHE = _KEEP or tempfile.mkdtemp(prefix="appliance-test-cache-")
+os.environ["APPLIANCE_CACHE_DIR"] = TEST_CACHE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not _KEEP:
+        shutil.rmtree(TEST_CACHE, ignore_errors=True)
 
 
 def run_cli(*args, env=None, timeout=300):

@@ -1,9 +1,21 @@
-"""Random paged-attention problems shared by backend tests."""
+"""Random paged-attention problems and faked backend packages shared by backend tests."""
 
 import numpy as np
 import torch
 
+import appliance.kernels.registry as reg
 from appliance.kernels.base import CommonAttentionMetadata, write_kv
+
+
+def fake_packages(monkeypatch, importable):
+    """Only the backends named in ``importable`` import on this machine."""
+
+    def probe(name):
+        if name in importable:
+            return reg.BACKENDS[name].probe_modules[0], None
+        return None, f"{reg.BACKENDS[name].probe_modules[0]}: ModuleNotFoundError: No module named 'x'"
+
+    monkeypatch.setattr(reg, "probe_importable", probe)
 
 
 def make_problem(specs, block_size, num_heads, num_kv_heads, head_dim, dtype=torch.float32, seed=0, num_blocks=None):

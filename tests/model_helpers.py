@@ -31,10 +31,10 @@ TINY_VARIANTS = {
 
 
 @functools.lru_cache(maxsize=None)
-def hf_model(folder):
+def hf_model(folder, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
 
 
 def hf_greedy(llm: LLM, prompt_ids, max_new_tokens):
@@ -58,3 +58,52 @@ def hf_logprobs(llm: LLM, token_ids):
     with torch.no_grad():
         logits = hf_model(folder)(torch.tensor([token_ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
+
+
+def hf_greedy_top_logprobs(llm: LLM, prompt_ids, max_new_tokens, k, dtype):
+    """HF greedy generate() in ``dtype``: (tokens, per step {token: logprob} of the top ``k``)."""
+    folder = str(resolve_model_folder(llm.resolved.cfg.model))
+    return _hf_greedy_top(folder, tuple(prompt_ids), max_new_tokens, llm.tokenizer.eos_token_id, k, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_greedy_top(folder, prompt_ids, max_new_tokens, eos, k, dtype):
+    model = hf_model(folder, dtype)
+    ids = torch.tensor([list(prompt_ids)])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, ids.shape[1]:].tolist()
+    tops = []
+    for logits in out.logits:
+        top = torch.topk(torch.log_softmax(logits[0].float(), dim=-1), k)
+        tops.append(dict(zip(top.indices.tolist(), top.values.tolist())))
+    return tokens, tops
+
+
+def check_logprobs_close(ours, ref, name_ours="ours", name_ref="hf"):
+    """Greedy outputs of two runs at reduced precision agree the way vLLM's
+    tests accept: token for token, or, from the first step where they
+    diverge, each side's token is among the other's top candidates (the
+    rest of the sequence is then not compared: the contexts differ)."""
+    for i, ((toks_a, tops_a), (toks_b, tops_b)) in enumerate(zip(ours, ref)):
+        for step, (a, b) in enumerate(zip(toks_a, toks_b)):
+            if a == b:
+                continue
+            assert a in tops_b[step], (f"prompt {i} step {step}: {name_ours} chose {a}, not in {name_ref}'s top "
+                                       f"{sorted(tops_b[step], key=tops_b[step].get, reverse=True)}")
+            assert b in tops_a[step], (f"prompt {i} step {step}: {name_ref} chose {b}, not in {name_ours}'s top "
+                                       f"{sorted(tops_a[step], key=tops_a[step].get, reverse=True)}")
+            break
+        else:
+            n = min(len(toks_a), len(toks_b))
+            assert toks_a[:n] == toks_b[:n]
+
+
+def greedy_top_logprobs(llm: LLM, prompt_ids, max_new_tokens, k):
+    """Our greedy outputs as (tokens, per step {token: logprob} of the top ``k``)."""
+    from appliance import SamplingParams
+
+    outs = llm.generate(prompt_ids, SamplingParams(max_tokens=max_new_tokens, temperature=0, logprobs=k),
+                        use_tqdm=False)
+    return [(o.outputs[0].token_ids, [dict(lp.top) for lp in o.outputs[0].logprobs]) for o in outs]

@@ -11,8 +11,14 @@ from typing import Any
 
 
 def machine_info() -> dict[str, Any]:
+    from appliance.config.detect import cpu_info
+
+    cpu = cpu_info()
     return {
         "platform": platform.platform(),
+        "cpu": cpu.model,
+        "cpu_isa": cpu.isa,  # the flags that decide what runs (appliance.config.detect.ISA_FLAGS)
+        "cpu_fast_bf16": cpu.fast_bf16,
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -23,7 +29,7 @@ def write_results(out_dir: str, name: str, data: dict[str, Any]) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    data = {"bench": name, "machine": machine_info(), **data}
+    data = {"bench": name, "host": machine_info(), **data}  # "machine" is the roofline where a bench has one
     path.write_text(json.dumps(data, indent=2))
     return path
 

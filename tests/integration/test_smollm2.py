@@ -3,9 +3,10 @@ token-exact against Hugging Face on the dequantized checkpoint, with chunked
 prefill, prefix-cache hits and preemption forced."""
 
 import pytest
+import torch
 
 from appliance import LLM, SamplingParams
-from tests.model_helpers import PROMPTS, hf_greedy
+from tests.model_helpers import PROMPTS, check_logprobs_close, greedy_top_logprobs, hf_greedy, hf_greedy_top_logprobs
 
 BASE = ["+profile=cpu", "model.dtype=float32", "cache.kv_cache_memory_gib=0.25", "model.max_model_len=2048"]
 SCENARIOS = {
@@ -32,6 +33,23 @@ def test_greedy_batch_matches_hf(scenario):
         assert sched.num_preemptions > 0
     if scenario == "prefix_cache":
         assert sched.kv.stats.hits > 0
+
+
+@pytest.mark.parametrize("backend, scenario", [("cpu_native", "default"), ("cpu_native", "chunked_prefill"),
+                                               ("cpu_native", "preemption"), ("torch_sdpa", "default")])
+def test_bf16_is_close_to_hf_bf16(backend, scenario):
+    """bf16 runs on every host (slow without native bf16, so few prompts and
+    tokens), compared with HF in bf16 as vLLM's tests compare reduced precision."""
+    bf16 = ["model.dtype=bfloat16", f"attention.backend={backend}"]
+    # 12 blocks of 4 tokens cannot hold the 4 prompts and their outputs at once.
+    fewer = ["cache.num_blocks=12"] if scenario == "preemption" else []
+    llm = LLM(overrides=[o for o in BASE if not o.startswith("model.dtype")] + SCENARIOS[scenario] + bf16 + fewer)
+    assert llm.execution.dtype == "bfloat16" and llm.engine.runner.backend.name == backend
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS[:4]]
+    ours = greedy_top_logprobs(llm, ids, 8, 5)
+    check_logprobs_close(ours, [hf_greedy_top_logprobs(llm, p, 8, 5, torch.bfloat16) for p in ids])
+    if scenario == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
 
 
 def test_generate_cli_answers_paris(cli):

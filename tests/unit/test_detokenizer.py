@@ -45,3 +45,21 @@ def test_stop_string_is_held_back_and_cut(tokenizer):
         if hit:
             break
     assert hit == "brown f" and streamed == "The quick "
+
+
+def test_cut_inside_a_character_ends_at_the_last_complete_one(tokenizer):
+    """max_tokens can end a request between the bytes of one character: the text
+    ends at the last complete character, the same streamed and whole."""
+    ids = tokenizer.encode(TEXTS[0])
+    cuts = [i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd")]
+    assert cuts, "the test text must split a character across tokens"
+    for cut in cuts:
+        d = IncrementalDetokenizer(tokenizer, tokenizer.encode("Prompt:"))
+        streamed = ""
+        for t in ids[:cut]:
+            d.add_tokens([t])
+            streamed += d.take_delta(finished=False)
+        d.flush()
+        streamed += d.take_delta(finished=True)
+        assert streamed == d.text == tokenizer.decode(ids[:cut]).rstrip("\ufffd")
+        assert "\ufffd" not in d.text and TEXTS[0].startswith(d.text)

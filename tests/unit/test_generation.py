@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from appliance import LLM, SamplingParams
-from tests.model_helpers import PROMPTS, TINY_VARIANTS, hf_greedy, hf_logprobs
+from tests.model_helpers import (PROMPTS, TINY_VARIANTS, check_logprobs_close, greedy_top_logprobs, hf_greedy,
+                                 hf_greedy_top_logprobs, hf_logprobs)
 
 MAX_NEW = 12
 BASE = ["+profile=cpu", "model=tiny_random"]
@@ -48,6 +49,24 @@ def test_greedy_matches_hf_token_for_token(variant, scenario, backend):
     if scenario == "prefix_cache":
         assert llm.engine.scheduler.kv.stats.hits > 0
         assert max(o.num_cached_tokens for o in outs) >= 8
+    assert llm.engine.scheduler.kv.pool.num_free_blocks == llm.engine.scheduler.kv.pool.num_blocks - 1
+
+
+@pytest.mark.parametrize("backend", ["cpu_native", "torch_sdpa"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_bf16_greedy_is_close_to_hf_bf16(variant, scenario, backend):
+    """bf16 on every host (slow without native bf16, but correct), compared
+    with HF in bf16 the way vLLM's tests compare reduced precision."""
+    llm = LLM(overrides=BASE + TINY_VARIANTS[variant] + SCENARIOS[scenario]
+              + ["model.dtype=bfloat16", f"attention.backend={backend}"])
+    assert llm.engine.runner.backend.name == backend and llm.execution.dtype == "bfloat16"
+    prompts = PROMPTS if scenario != "prefix_cache" else ["A scheduler hands out tokens. " + p for p in PROMPTS]
+    ids = [llm.tokenizer.encode(p) for p in prompts]
+    ours = greedy_top_logprobs(llm, ids, MAX_NEW, 5)
+    ref = [hf_greedy_top_logprobs(llm, p, MAX_NEW, 5, torch.bfloat16) for p in ids]
+    check_logprobs_close(ours, ref)
+    if scenario == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.scheduler.kv.pool.num_free_blocks == llm.engine.scheduler.kv.pool.num_blocks - 1
 
 

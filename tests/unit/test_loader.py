@@ -97,3 +97,16 @@ def test_unbuilt_quantization_is_refused_clearly():
 
     with pytest.raises(ConfigError, match="quantization=awq can be planned but its weight kernels are not built yet"):
         LLM(overrides=["+profile=cpu", "model=tiny_random", "quantization=awq"])
+
+
+def test_the_suite_never_writes_into_the_users_cache():
+    """Models and kernels built by tests land in the suite's temporary cache."""
+    import os
+
+    from appliance.kernels.cpu_build import _cache_root
+    from appliance.models.loader import cache_dir
+
+    test_cache = os.environ["APPLIANCE_CACHE_DIR"]  # set by tests/conftest.py
+    assert not test_cache.startswith(os.path.expanduser("~/.cache"))
+    for path in (cache_dir(), _cache_root()):
+        assert str(path).startswith(test_cache)

@@ -21,7 +21,7 @@ def test_drift_is_detected_with_a_semantic_diff(tmp_path, monkeypatch):
     assert list(drift) == ["cpu"]
     lines = drift["cpu"]
     assert "cache.block_size: 32 -> 16" in lines
-    assert any(ln.strip().startswith("plan.num_kv_blocks: 1456 -> 2912") for ln in lines)
+    assert any(ln.strip().startswith("plan.num_kv_blocks: 2912 -> 5825") for ln in lines)
 
 
 def test_semantic_diff_names_keys_and_plan_effects():

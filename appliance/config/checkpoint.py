@@ -1,0 +1,300 @@
+"""Architecture facts of a local checkpoint, read at resolve time.
+
+When ``model.path`` names a local folder (config.json) or a ``.gguf`` file,
+the checkpoint is the source of the model's architecture keys: ``resolve``
+writes them over the model option's numbers before validation, so plans and
+resolved configs describe what will load. The built-in sources
+(``smollm2_gguf``, ``tiny_random``) and Hugging Face ids keep the catalog's
+numbers. An explicit ``model.*`` override that contradicts the checkpoint is
+a problem naming both values.
+
+Torch-free: config.json is plain JSON, and GGUF metadata is read from the
+file header without touching the tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, BinaryIO, Optional, Sequence
+
+from appliance.config import schema
+
+BUILTIN_SOURCES = ("smollm2_gguf", "tiny_random")
+
+# Hugging Face model_type -> architecture, for the families the model implements.
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# general.architecture values the GGUF converter (appliance.models.gguf) maps.
+GGUF_FAMILIES = {k: FAMILIES[k] for k in ("llama", "qwen2", "qwen3")}
+ROPE_SCALING_TYPES = ("llama3", "linear")
+
+
+@dataclass(frozen=True)
+class Fact:
+    key: str  # model config key, dotted below ``model`` (e.g. "rope_scaling.factor")
+    value: Any
+    source: str  # what the checkpoint says, e.g. "num_hidden_layers=2"
+
+
+def shown(value: Any) -> str:
+    """A config value as a user writes it (``true``, not ``True``)."""
+    value = getattr(value, "value", value)
+    return json.dumps(value) if isinstance(value, (bool, list)) or value is None else str(value)
+
+
+def local_checkpoint(path: str) -> Optional[Path]:
+    """The local file or folder ``model.path`` names (which may not exist);
+    None for the built-in sources and Hugging Face ids (``org/name``)."""
+    if path in BUILTIN_SOURCES:
+        return None
+    p = Path(os.path.expanduser(path))
+    if p.suffix == ".gguf" or p.exists() or p.is_absolute() or path.startswith((".", "~")) or path.count("/") != 1:
+        return p
+    return None
+
+
+def hf_facts(hf: dict) -> tuple[list[Fact], list[str]]:
+    """The facts a config.json states, and what of it this model cannot run."""
+    arch = (hf.get("architectures") or [FAMILIES.get(hf.get("model_type"), str(hf.get("model_type")))])[0]
+    family = next((t for t, a in FAMILIES.items() if a == arch), None)
+    if family is None:
+        return [], [f"architecture {arch} is not supported; supported: {', '.join(sorted(FAMILIES.values()))}"]
+    facts = [Fact("architecture", arch, f"architectures={shown([arch])}")]
+    problems = []
+    for hf_key, key in [("num_hidden_layers", "num_layers"), ("hidden_size", "hidden_size"),
+                        ("intermediate_size", "intermediate_size"), ("num_attention_heads", "num_heads"),
+                        ("vocab_size", "vocab_size"), ("max_position_embeddings", "max_position_embeddings")]:
+        if hf_key in hf:
+            facts.append(Fact(key, hf[hf_key], f"{hf_key}={hf[hf_key]}"))
+        else:
+            problems.append(f"config.json has no {hf_key}")
+    heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
+    if hf.get("num_key_value_heads"):
+        kv = hf["num_key_value_heads"]
+        facts.append(Fact("num_kv_heads", kv, f"num_key_value_heads={kv}"))
+    elif heads:
+        facts.append(Fact("num_kv_heads", heads, f"num_attention_heads={heads} and no num_key_value_heads"))
+    if hf.get("head_dim"):
+        facts.append(Fact("head_dim", hf["head_dim"], f"head_dim={hf['head_dim']}"))
+    elif heads and hidden:
+        facts.append(Fact("head_dim", hidden // heads, f"hidden_size/num_attention_heads={hidden // heads}"))
+    # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
+    rope = hf.get("rope_parameters") or {}
+    theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    facts.append(Fact("rope_theta", theta, f"rope_theta={theta}"))
+    eps = float(hf.get("rms_norm_eps", 1e-6))
+    facts.append(Fact("rms_norm_eps", eps, f"rms_norm_eps={eps}"))
+    tie = bool(hf.get("tie_word_embeddings", False))
+    facts.append(Fact("tie_word_embeddings", tie, f"tie_word_embeddings={shown(tie)}"))
+    scaling = hf.get("rope_scaling") or rope
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        facts.append(Fact("rope_scaling.type", "none", "no rope scaling"))
+    elif rope_type in ROPE_SCALING_TYPES:
+        facts.append(Fact("rope_scaling.type", rope_type, f"rope scaling {rope_type}"))
+        sub = ["factor"] + (["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
+                            if rope_type == "llama3" else [])
+        facts += [Fact(f"rope_scaling.{k}", scaling[k], f"rope scaling {k}={scaling[k]}") for k in sub if k in scaling]
+        problems += [f"rope scaling {rope_type} has no {k}" for k in sub if k not in scaling]
+    else:
+        problems.append(f"rope scaling {rope_type} is not supported; supported: {', '.join(ROPE_SCALING_TYPES)}")
+    if family == "qwen2":  # as in transformers: Qwen2's q/k/v projections always carry a bias
+        facts.append(Fact("qkv_bias", True, f"architectures={shown([arch])} (always a q/k/v bias)"))
+    elif hf.get("attention_bias"):
+        problems.append(f"attention_bias=true on {arch} (a bias on the output projection too) is not supported")
+    else:
+        facts.append(Fact("qkv_bias", False, f"architectures={shown([arch])} without attention_bias"))
+    facts.append(Fact("qk_norm", family == "qwen3",
+                      f"architectures={shown([arch])} ({'with' if family == 'qwen3' else 'no'} q/k norm)"))
+    return facts, problems
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_gguf_header(path: Path) -> tuple[dict[str, Any], list[str]]:
+    """Metadata (an array is given as its length) and tensor names of a GGUF file."""
+
+    def unpack(f: BinaryIO, fmt: str) -> Any:
+        s = struct.Struct(fmt)
+        return s.unpack(f.read(s.size))[0]
+
+    def string(f: BinaryIO) -> str:
+        n = unpack(f, "<Q")
+        if n > 1 << 24:
+            raise ValueError(f"a string of {n} bytes: the file is damaged")
+        return f.read(n).decode("utf-8", "replace")
+
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError("not a GGUF file")
+        version = unpack(f, "<I")
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is not supported")
+        n_tensors, n_kv = unpack(f, "<Q"), unpack(f, "<Q")
+        meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key, vtype = string(f), unpack(f, "<I")
+            if vtype == _GGUF_ARRAY:
+                etype, count = unpack(f, "<I"), unpack(f, "<Q")
+                if etype == _GGUF_STRING:
+                    for _ in range(count):
+                        f.seek(unpack(f, "<Q"), 1)
+                elif etype in _GGUF_SCALARS:
+                    f.seek(count * struct.calcsize(_GGUF_SCALARS[etype]), 1)
+                else:
+                    raise ValueError(f"{key}: arrays of GGUF type {etype} are not supported")
+                meta[key] = count
+            elif vtype == _GGUF_STRING:
+                meta[key] = string(f)
+            elif vtype in _GGUF_SCALARS:
+                meta[key] = unpack(f, _GGUF_SCALARS[vtype])
+            else:
+                raise ValueError(f"{key}: unknown GGUF value type {vtype}")
+        names = []
+        for _ in range(n_tensors):
+            names.append(string(f))
+            f.seek(8 * unpack(f, "<I") + 4 + 8, 1)  # dims, type, offset
+    return meta, names
+
+
+def gguf_facts(path: Path) -> tuple[list[Fact], list[str]]:
+    """The facts a GGUF file's metadata states (as ``appliance.models.gguf``
+    writes them into the converted config.json), and what it cannot run."""
+    import numpy as np
+
+    meta, names = read_gguf_header(path)
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_FAMILIES:
+        return [], [f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(GGUF_FAMILIES))}"]
+
+    def fact(key: str, gguf_key: str, default: Any = None, cast: Any = int) -> Fact:
+        value = meta.get(f"{arch}.{gguf_key}", default)
+        if cast is float:  # float32 metadata, shown as its shortest decimal (1e-05, not 9.9999997e-06)
+            value = float(str(np.float32(value)))
+        return Fact(key, cast(value), f"{arch}.{gguf_key}={cast(value)}")
+
+    required = ["block_count", "embedding_length", "feed_forward_length", "attention.head_count", "context_length",
+                "attention.layer_norm_rms_epsilon"]
+    missing = [k for k in required if f"{arch}.{k}" not in meta]
+    if missing:
+        return [], [f"GGUF metadata has no {', '.join(f'{arch}.{k}' for k in missing)}"]
+    problems = []
+    if "rope_freqs.weight" in names or meta.get(f"{arch}.rope.scaling.type", "none") != "none":
+        problems.append("GGUF rope scaling is not supported; use the Hugging Face folder of this model")
+    heads, hidden = meta[f"{arch}.attention.head_count"], meta[f"{arch}.embedding_length"]
+    if f"{arch}.vocab_size" in meta:
+        vocab = fact("vocab_size", "vocab_size")
+    else:
+        vocab = Fact("vocab_size", meta.get("tokenizer.ggml.tokens", 0),
+                     f"{meta.get('tokenizer.ggml.tokens', 0)} tokenizer.ggml.tokens")
+    tie = "output.weight" not in names
+    return [
+        Fact("architecture", GGUF_FAMILIES[arch], f"general.architecture={arch}"),
+        fact("num_layers", "block_count"),
+        fact("hidden_size", "embedding_length"),
+        fact("intermediate_size", "feed_forward_length"),
+        fact("num_heads", "attention.head_count"),
+        fact("num_kv_heads", "attention.head_count_kv", heads),
+        fact("head_dim", "attention.key_length", hidden // heads),
+        vocab,
+        fact("max_position_embeddings", "context_length"),
+        fact("rope_theta", "rope.freq_base", 10000.0, float),
+        fact("rms_norm_eps", "attention.layer_norm_rms_epsilon", cast=float),
+        Fact("tie_word_embeddings", tie, "no output.weight tensor" if tie else "an output.weight tensor"),
+        Fact("rope_scaling.type", "none", "no rope scaling"),
+        Fact("qkv_bias", arch == "qwen2", f"general.architecture={arch}"),
+        Fact("qk_norm", arch == "qwen3", f"general.architecture={arch}"),
+    ], problems
+
+
+def read_facts(path: Path) -> tuple[list[Fact], list[str]]:
+    """Facts of the checkpoint at ``path``; problems when it cannot be read or run."""
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            return [], ["no such GGUF file"]
+        try:
+            return gguf_facts(path)
+        except (OSError, ValueError, struct.error) as e:
+            return [], [f"cannot read the GGUF metadata ({e or type(e).__name__})"]
+    if not path.exists():
+        return [], ["no such folder or file"]
+    if not path.is_dir():
+        return [], ["neither a folder with config.json nor a .gguf file"]
+    if not (path / "config.json").is_file():
+        return [], ["folder has no config.json"]
+    try:
+        return hf_facts(json.loads((path / "config.json").read_text()))
+    except (OSError, ValueError) as e:
+        return [], [f"cannot read config.json ({e})"]
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal as config values; floats to 1e-6 (GGUF stores float32)."""
+    a, b = getattr(a, "value", a), getattr(b, "value", b)
+    if isinstance(a, float) or isinstance(b, float):
+        return math.isclose(float(a), float(b), rel_tol=1e-6)
+    return a == b
+
+
+def _explicit_keys(overrides: Sequence[str]) -> set[str]:
+    """``model.*`` keys (dotted below ``model``) the overrides set."""
+    keys = set()
+    for o in overrides:
+        key = o.partition("=")[0].lstrip("+~")
+        if key.startswith("model."):
+            keys.add(key[len("model."):])
+    return keys
+
+
+def apply_checkpoint(model: dict, overrides: Sequence[str]) -> list[str]:
+    """Write the facts of the local checkpoint ``model["path"]`` names into the
+    composed ``model`` dict; return the problems (an unreadable checkpoint, an
+    explicit override contradicting it). The explicit value stays where one
+    contradicts."""
+    path = local_checkpoint(model["path"])
+    if path is None:
+        return []
+    facts, read_problems = read_facts(path)
+    problems = [f"model.path={model['path']}: {p}" for p in read_problems]
+    if not facts:
+        return problems
+    explicit = _explicit_keys(overrides)
+
+    def is_explicit(key: str) -> bool:
+        parts = key.split(".")
+        return any(".".join(parts[: i + 1]) in explicit for i in range(len(parts)))
+
+    if any(f.key.startswith("rope_scaling.") for f in facts):
+        defaults = dataclasses.asdict(schema.RopeScaling())
+        model["rope_scaling"] = {k: model["rope_scaling"][k] if is_explicit(f"rope_scaling.{k}") else v
+                                 for k, v in defaults.items()}
+    for f in facts:
+        *parents, leaf = f.key.split(".")
+        node = model
+        for p in parents:
+            node = node[p]
+        if is_explicit(f.key) and not same(node[leaf], f.value):
+            problems.append(f"model.{f.key}={shown(node[leaf])} but the checkpoint {path} has {f.source}")
+        else:
+            node[leaf] = f.value
+    if not is_explicit("name"):
+        model["name"] = path.stem if path.is_file() else path.resolve().name
+    if not is_explicit("param_count_b"):
+        from appliance.config.plan import parameter_counts
+
+        total = parameter_counts(SimpleNamespace(**model))["total"]
+        model["param_count_b"] = float(f"{total / 1e9:.4g}")
+    return problems

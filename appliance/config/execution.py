@@ -1,0 +1,182 @@
+"""What a config runs as on a given host: compute dtype, KV dtype and
+attention backend, chosen together.
+
+``model.dtype=auto`` on a CPU is not a property of the CPU alone: the
+native kernels (``cpu_native``) and torch's kernels (``torch_sdpa``) are
+fastest at different dtypes, so the dtype follows the backend that will
+actually run. The profile's backends are walked in order; each is offered
+the dtypes it runs fastest at on this CPU (``cpu_dtype_preference``), and
+the first backend that accepts one (and, when serving, can be imported or
+built here) decides both. Elsewhere ``auto`` is the hardware's first
+supported dtype.
+
+``resolve_execution(cfg, probe=False)`` reasons about the target hardware
+(plan on any machine: a backend's package is assumed present);
+``probe=True`` asks this machine (serving, and plan/config/profiles for a
+profile of this machine's kind). The config hash stays the hash of the
+declarative config; ``Execution.fingerprint`` adds what was resolved here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from appliance.config.detect import CpuInfo, cpu_info
+from appliance.config.plan import kv_dtype
+from appliance.kernels import registry
+from appliance.kernels.registry import BACKENDS, Selection, select_backend
+
+def _v(x: Any) -> Any:
+    return getattr(x, "value", x)
+
+
+def cpu_dtype_preference(backend: str, cpu: CpuInfo, quantization: str = "none") -> tuple[str, ...]:
+    """The dtypes ``backend`` runs fastest at on ``cpu``, fastest first.
+
+    Measured with `appliance bench throughput` (docs/benchmarks.md, "dtype and
+    backend per CPU class"). The native kernels stream half the weight bytes
+    in bf16 (1.7-1.9x fp32 at one request on any CPU; at 32 requests equal
+    where bf16 weights are widened to fp32, 2x where AVX512-BF16 runs the
+    GEMMs), so they prefer bf16 everywhere; with int8 weights only the
+    embedding and norms would be bf16, which measured slower at one request.
+    torch's bf16 matmuls are fast only with native bf16 arithmetic (about
+    100x slower than fp32 elsewhere). The Triton interpreter computes in fp32
+    whatever the dtype."""
+    if backend == "cpu_native":
+        return ("float32", "bfloat16") if quantization == "int8_wo" else ("bfloat16", "float32")
+    if backend == "triton" or not cpu.fast_bf16:
+        return ("float32", "bfloat16", "float16")
+    return ("bfloat16", "float32", "float16")
+
+
+@dataclass(frozen=True)
+class Execution:
+    dtype_requested: str
+    dtype: str
+    dtype_reason: str
+    kv_cache_dtype_requested: str
+    kv_cache_dtype: str
+    selection: Selection
+    host: str  # what was asked: this machine, or the target hardware (not probed)
+    probed: bool
+
+    @property
+    def backend(self) -> Optional[str]:
+        return self.selection.chosen
+
+    def fallback_note(self) -> Optional[str]:
+        """One line when the backend is not the profile's first choice: why,
+        and the override or fix that avoids it."""
+        if not self.selection.fallback_used or not self.selection.rejected:
+            return None
+        first, reasons = self.selection.rejected[0]
+        fixes = [_fix(first, r) for r in reasons]
+        fix = "; ".join(f for f in fixes if f)
+        return (f"attention backend {self.backend} instead of {first} ({'; '.join(reasons)})"
+                + (f"; to run {first}: {fix}" if fix else ""))
+
+    def fingerprint(self, config_hash: str) -> str:
+        """The declarative config hash plus what this host resolved it to."""
+        key = "|".join([config_hash, self.dtype, self.kv_cache_dtype, str(self.backend),
+                        str(self.selection.provider), self.host])
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "probed": self.probed,
+            "dtype": {"requested": self.dtype_requested, "resolved": self.dtype, "reason": self.dtype_reason},
+            "kv_cache_dtype": {"requested": self.kv_cache_dtype_requested, "resolved": self.kv_cache_dtype},
+            "attention_backend": {"resolved": self.backend, "provider": self.selection.provider,
+                                  "chain": self.selection.explain(), "fallback": self.fallback_note()},
+        }
+
+    def summary(self) -> list[str]:
+        """Lines for plan / config / run: what was asked, what runs."""
+        where = "on this host" if self.probed else "for the target hardware"
+        return [
+            f"host               {self.host}",
+            f"dtype              {self.dtype_requested} -> {self.dtype} {where} ({self.dtype_reason})",
+            f"kv cache dtype     {self.kv_cache_dtype_requested} -> {self.kv_cache_dtype}",
+        ]
+
+
+def _fix(backend: str, reason: str) -> str:
+    if reason.startswith("dtype "):
+        return "model.dtype=auto"
+    if reason.startswith("kv_cache_dtype "):
+        return "cache.kv_cache_dtype=auto"
+    if reason.startswith("package not importable") and backend == "cpu_native":
+        return "install gcc (the kernels build once at first start) or set APPLIANCE_KERNEL_DIR to a prebuilt library"
+    if reason.startswith("package not importable"):
+        return f"install the package that provides {backend}"
+    if reason.startswith("block_size "):
+        return "a cache.block_size the backend supports"
+    return ""
+
+
+def describe_host(cfg: Any, device: Any = None) -> str:
+    kind = _v(cfg.hardware.device_kind)
+    if kind == "cpu":
+        return f"cpu: {cpu_info().describe()}"
+    if device is not None and device.kind == kind:
+        cc = f" {device.capability[0]}.{device.capability[1]}" if device.capability else ""
+        return f"{kind}: {device.name}{cc}"
+    return f"{kind}: {cfg.hardware.name}"
+
+
+def choose_dtype(cfg: Any, probe: bool = False) -> tuple[str, str]:
+    """(compute dtype, why) for ``cfg``; ``auto`` resolved (see module doc)."""
+    requested = _v(cfg.model.dtype)
+    supported = list(cfg.hardware.supported_dtypes) or ["float32"]
+    if requested != "auto":
+        return requested, "set in the config"
+    if _v(cfg.hardware.device_kind) != "cpu":
+        return supported[0], f"the first dtype {cfg.hardware.name} supports"
+    return _cpu_auto_dtype(cfg, supported, probe)
+
+
+def resolve_execution(cfg: Any, probe: bool = False, device: Any = None) -> Execution:
+    """Choose dtype, KV dtype and attention backend for ``cfg`` (see module doc)."""
+    dtype, reason = choose_dtype(cfg, probe)
+    sel = select_backend(cfg, dtype, check_import=probe)
+    kind = _v(cfg.hardware.device_kind)
+    return Execution(
+        dtype_requested=_v(cfg.model.dtype), dtype=dtype, dtype_reason=reason,
+        kv_cache_dtype_requested=_v(cfg.cache.kv_cache_dtype), kv_cache_dtype=kv_dtype(cfg, dtype),
+        selection=sel, host=describe_host(cfg, device) if probe else f"{kind}: {cfg.hardware.name} (target hardware, not probed here)",
+        probed=probe,
+    )
+
+
+def _cpu_auto_dtype(cfg: Any, supported: list[str], probe: bool) -> tuple[str, str]:
+    cpu = cpu_info()
+    forced = cfg.attention.backend
+    order = [forced] if forced != "auto" else list(cfg.hardware.attention_backends)
+    deny = _v(cfg.attention.fallback) == "deny"
+    first_choice = None
+    for i, name in enumerate(order):
+        if name not in BACKENDS:
+            continue
+        for dtype in cpu_dtype_preference(name, cpu, _v(cfg.quantization.method)):
+            if dtype not in supported or BACKENDS[name].validate(cfg, dtype):
+                continue
+            first_choice = first_choice or (dtype, name)
+            if probe and registry.probe_importable(name)[0] is None:
+                break  # this backend cannot run here: offer the next one its own best dtype
+            return dtype, _why(name, cpu)
+        else:
+            continue
+        if i == 0 and deny:
+            break
+    if first_choice:  # nothing runs here; plan as the profile's first choice would
+        return first_choice[0], _why(first_choice[1], cpu)
+    return supported[0], "no backend of the profile accepts a supported dtype"
+
+
+def _why(backend: str, cpu: CpuInfo) -> str:
+    if backend == "torch_sdpa":
+        return f"fastest on {backend} on a CPU {'with' if cpu.fast_bf16 else 'without'} native bf16"
+    return f"fastest on {backend}"
