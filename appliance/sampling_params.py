@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
+
+# What torch.Generator.manual_seed takes.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _finite(v: float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond float range
+        return False
 
 
 class SamplingParamsError(ValueError):
@@ -45,9 +56,15 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def verify(self) -> None:
+        """vLLM's checks, plus finiteness (NaN passes every comparison) and
+        64-bit seeds: whatever passes here is safe to encode and to sample with."""
+
         def bad(msg: str, param: str) -> None:
             raise SamplingParamsError(msg, param)
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not _finite(getattr(self, name)):
+                bad(f"{name} must be a finite number, got {getattr(self, name)}", name)
         if self.n < 1:
             bad(f"n must be at least 1, got {self.n}", "n")
         if self.temperature < 0:
@@ -58,6 +75,8 @@ class SamplingParams:
             bad(f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}", "top_k")
         if not 0 <= self.min_p <= 1:
             bad(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            bad("seed must fit in 64 bits", "seed")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if self.min_tokens < 0:
@@ -74,6 +93,10 @@ class SamplingParams:
             bad(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
         if any(not s for s in self.stop):
             bad("stop strings must not be empty", "stop")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids must be token ids (non-negative)", "stop_token_ids")
         for tok, bias in self.logit_bias.items():
+            if tok < 0:
+                bad(f"logit_bias keys must be token ids (non-negative), got {tok}", "logit_bias")
             if not -100 <= bias <= 100:
                 bad(f"logit_bias for token {tok} must be in [-100, 100], got {bias}", "logit_bias")

@@ -8,8 +8,10 @@
 # Orchestrators that only set environment variables:
 #   APPLIANCE_PROFILE=h100_fp8           same as +profile=h100_fp8 (an explicit +profile= argument wins)
 #   APPLIANCE_OVERRIDES="model=x a.b=c"  overrides placed before the arguments (arguments win)
-# `run` listens on 0.0.0.0 unless server.host is given. The resolved config
-# hash is printed before the verb runs.
+#   APPLIANCE_API_KEY=...                the API key (never in argv, where ps shows it)
+# `run` listens on 0.0.0.0 unless server.host is given, and so refuses to start
+# without a key unless server.allow_unauthenticated=true. The resolved config
+# hash and the deployment fingerprint are printed before the verb runs.
 set -euo pipefail
 
 APPLIANCE=${APPLIANCE_BIN:-appliance}
@@ -23,7 +25,7 @@ examples:
   docker run IMAGE +profile=h100_fp8 model=llama3_1_8b
   docker run IMAGE plan +profile=b200_fp8
   docker run IMAGE profiles
-environment: APPLIANCE_PROFILE, APPLIANCE_OVERRIDES
+environment: APPLIANCE_PROFILE, APPLIANCE_OVERRIDES, APPLIANCE_API_KEY
 USAGE
 }
 
@@ -59,9 +61,11 @@ fi
 args+=("$@")
 
 if [[ "$verb" != profiles && "$verb" != diff && "$verb" != bench ]]; then
-  # The hash of the canonical resolved YAML, as /v1/appliance/config reports it.
+  # The config hash and deployment fingerprint, as /version reports them.
   if resolved=$($APPLIANCE config "${args[@]}"); then
-    echo "appliance-entrypoint: verb ${verb}, config hash $(printf '%s\n' "$resolved" | sha256sum | cut -c1-16)" >&2
+    hash=$(printf '%s\n' "$resolved" | sed -n 's/^# config hash *//p')
+    deployment=$(printf '%s\n' "$resolved" | sed -n 's/^# deployment *//p')
+    echo "appliance-entrypoint: verb ${verb}, config hash ${hash}, deployment ${deployment}" >&2
   else
     exit 2
   fi

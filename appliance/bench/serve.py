@@ -6,6 +6,13 @@ Streams /v1/completions with token-id prompts at each ``--max-concurrency``
 latency (mean, p50, p90, p99, ms), output tok/s and goodput under TTFT/ITL
 SLOs. Without ``--base-url`` it starts `appliance run` on a free loopback
 port with the given overrides and stops it afterwards.
+
+``--oversized N`` also measures how much rejecting bad requests costs a
+healthy one: one stream's largest inter-token gap alone, then while N
+clients keep sending prompts of ``--oversized-chars`` characters that the
+server must refuse (over ``server.max_prompt_chars``, or tokenized and over
+the context length), both in the JSON with their ratio. A server that
+tokenizes on its event loop stalls every stream while it does.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from typing import Optional
 
 import httpx
@@ -44,7 +52,9 @@ async def one_request(client: httpx.AsyncClient, url: str, model: Optional[str],
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                # Every choice chunk is an arrival, text or not (as vLLM's serving benchmark counts):
+                # a token that ends inside a multi-byte character streams no text yet.
+                if chunk.get("choices"):
                     times.append(time.perf_counter())
     except httpx.HTTPError as e:
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -84,6 +94,58 @@ async def run_level(url: str, model: Optional[str], prompts: list[list[int]], ou
     return {"results": results, "elapsed_s": elapsed}
 
 
+OVERSIZED_WORDS = ("token", "budget", "scheduler", "prefill", "decode", "block", "cache", "latency", "stream",
+                   "window", "attention", "kernel")
+
+
+def oversized_text(chars: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    words: list[str] = []
+    n = 0
+    while n < chars:
+        words.append(rng.choice(OVERSIZED_WORDS))
+        n += len(words[-1]) + 1
+    return " ".join(words)[:chars]
+
+
+async def rejection_gap(url: str, model: Optional[str], prompt: list[int], output_len: int, n: int, chars: int,
+                        headers: dict) -> dict:
+    """One stream's largest inter-token gap alone, then while ``n`` clients keep
+    sending oversized prompts (each answered before the next is sent)."""
+    body = {"prompt": oversized_text(chars), "max_tokens": 1}
+    if model:
+        body["model"] = model
+    responses: Counter = Counter()
+    done = asyncio.Event()
+    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        alone = await one_request(client, url, model, prompt, output_len, headers)
+
+        async def reject_loop() -> None:
+            while not done.is_set():
+                try:
+                    r = await client.post(f"{url}/v1/completions", json=body, headers=headers)
+                    responses[str(r.status_code)] += 1
+                except httpx.HTTPError as e:
+                    responses[type(e).__name__] += 1
+
+        flood = [asyncio.create_task(reject_loop()) for _ in range(n)]
+        try:
+            await asyncio.sleep(0.2)  # the flood is under way before the stream starts
+            loaded = await one_request(client, url, model, prompt, output_len, headers)
+        finally:
+            done.set()
+            await asyncio.gather(*flood)
+    out = {"concurrent_oversized": n, "oversized_chars": chars, "output_len": output_len,
+           "responses": dict(responses), "rejected_400": responses.get("400", 0)}
+    if not (alone["ok"] and loaded["ok"]):
+        return {**out, "error": alone.get("error") or loaded.get("error")}
+    gap_alone = max(alone["itl"], default=0.0) * 1e3
+    gap_loaded = max(loaded["itl"], default=0.0) * 1e3
+    return {**out, "max_itl_ms_alone": gap_alone, "max_itl_ms_while_rejecting": gap_loaded,
+            "ratio": gap_loaded / gap_alone if gap_alone else None}
+
+
 def summarize(level: dict, concurrency: int, rate: float, ttft_slo_ms: float, itl_slo_ms: float) -> dict:
     ok = [r for r in level["results"] if r["ok"]]
     failed = [r["error"] for r in level["results"] if not r["ok"]]
@@ -107,7 +169,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--base-url", default=None, help="an OpenAI-compatible server; default: start appliance run")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    p.add_argument("--max-concurrency", default="1,8,32", help="comma-separated levels")
+    p.add_argument("--max-concurrency", default="1,8,32", help="comma-separated levels (empty: none)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     p.add_argument("--num-prompts", type=int, default=32, help="requests per level")
     p.add_argument("--input-len", type=int, default=100)
@@ -115,6 +177,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--vocab", type=int, default=None, help="token ids are drawn below this (default: the model's)")
     p.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     p.add_argument("--itl-slo-ms", type=float, default=50.0)
+    p.add_argument("--oversized", type=int, default=0, metavar="N",
+                   help="also measure one stream's largest inter-token gap alone and while N concurrent clients "
+                        "send oversized prompts the server rejects")
+    p.add_argument("--oversized-chars", type=int, default=100_000, help="characters in each oversized prompt")
     p.add_argument("--label", default=None, help="name of the server under test in the results")
     p.add_argument("--out", default="bench-results")
     a, overrides = split_overrides(p, argv)
@@ -135,23 +201,37 @@ def main(argv: list[str]) -> int:
 
             vocab = resolve(overrides or ["+profile=cpu"], check=False).cfg.model.vocab_size if own else 32000
         levels = []
-        for c in (int(x) for x in a.max_concurrency.split(",")):
+        for c in (int(x) for x in a.max_concurrency.split(",") if x.strip()):
             prompts = random_prompts(a.num_prompts, [a.input_len] * a.num_prompts, vocab, seed=c)
             raw = asyncio.run(run_level(url, model, prompts, a.output_len, c, a.request_rate, headers, seed=c))
             levels.append(summarize(raw, c, a.request_rate, a.ttft_slo_ms, a.itl_slo_ms))
+        rejection = None
+        if a.oversized > 0:
+            prompt = random_prompts(1, [a.input_len], vocab, seed=0)[0]
+            rejection = asyncio.run(rejection_gap(url, model, prompt, a.output_len, a.oversized, a.oversized_chars,
+                                                  headers))
     finally:
         if own:
             own.stop()
     label = a.label or ("appliance" if own else url)
     path = write_results(a.out, f"serve-{label.replace('/', '_').replace(':', '_')}" if a.label else "serve",
                          {"server": label, "model": model, "input_len": a.input_len, "output_len": a.output_len,
-                          "slo": {"ttft_ms": a.ttft_slo_ms, "itl_ms": a.itl_slo_ms}, "levels": levels})
+                          "slo": {"ttft_ms": a.ttft_slo_ms, "itl_ms": a.itl_slo_ms}, "levels": levels,
+                          **({"oversized_rejection": rejection} if rejection is not None else {})})
     png = plot_lines(a.out, path.stem, f"{label}: output tok/s by concurrency", "max concurrency", "output tok/s",
                      {label: ([lv["max_concurrency"] for lv in levels], [lv["output_tok_s"] for lv in levels])},
-                     logx=True)
+                     logx=True) if levels else None
     for lv in levels:
         print(f"c={lv['max_concurrency']:>3}: {lv['output_tok_s']:7.1f} out tok/s, TTFT p50 {lv['ttft_ms']['p50']:.0f} ms "
               f"p99 {lv['ttft_ms']['p99']:.0f} ms, TPOT p50 {lv['tpot_ms']['p50']:.1f} ms, ITL p99 {lv['itl_ms']['p99']:.1f} ms, "
               f"goodput {lv['goodput_requests_s']:.2f} req/s, failed {lv['failed']}")
-    print(f"wrote {path} and {png}")
-    return 0
+    if rejection is not None:
+        if "error" in rejection:
+            print(f"oversized rejection probe failed: {rejection['error']}")
+        else:
+            print(f"largest inter-token gap: {rejection['max_itl_ms_alone']:.1f} ms alone, "
+                  f"{rejection['max_itl_ms_while_rejecting']:.1f} ms while {rejection['concurrent_oversized']} clients "
+                  f"sent {rejection['oversized_chars']}-character prompts ({rejection['rejected_400']} rejected with "
+                  f"400; ratio {rejection['ratio'] or float('nan'):.2f})")
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
+    return 1 if rejection is not None and "error" in rejection else 0

@@ -182,12 +182,39 @@ class HardwareConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    # Keys also come from api_key_file (one per line, each a tenant) and the
+    # APPLIANCE_API_KEY environment variable; none is ever hashed, logged or shown.
     api_key: Optional[str] = None
+    api_key_file: Optional[str] = None
+    allow_unauthenticated: bool = False  # listen beyond loopback without a key
+    tenant_isolation: bool = False  # per-key prefix-cache salt
     served_model_name: Optional[str] = None
     max_queue_len: int = 1024
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout_s: float = 600.0
     shutdown_timeout_s: float = 30.0
+    # HTTP/1.1 connections: a request's head must arrive within
+    # header_timeout_s (of the connection, or of its first byte on a kept-alive
+    # one) and its body within body_timeout_s of the head, else 408 and close;
+    # an idle kept-alive connection closes after keep_alive_timeout_s. Beyond
+    # max_connections open connections requests get 503 (/health, /ready and
+    # /metrics excepted).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keep_alive_timeout_s: float = 5.0
+    max_connections: int = 2048
+    # Prompts longer than this (characters) get 400 before they are tokenized;
+    # null: 16 characters per token of the model's max_model_len.
+    max_prompt_chars: Optional[int] = None
+    tokenizer_threads: int = 2  # tokenization and chat templates run here, off the event loop
+    # Engine-core supervision: a core that dies is started again after
+    # core_restart_backoff_s, doubled for each restart in the last
+    # core_restart_window_s; when max_core_restarts there have not kept it up
+    # the server exits 1. A (re)start slower than core_start_timeout_s fails.
+    max_core_restarts: int = 3
+    core_restart_window_s: float = 600.0
+    core_restart_backoff_s: float = 1.0
+    core_start_timeout_s: float = 600.0
     cors_origins: list[str] = field(default_factory=list)
     dev_mode: bool = False
 

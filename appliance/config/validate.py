@@ -43,6 +43,9 @@ def validate(cfg: Any) -> list[str]:
         ("parallel.pipeline_parallel_size", par.pipeline_parallel_size, 1),
         ("parallel.data_parallel_size", par.data_parallel_size, 1),
         ("server.max_queue_len", cfg.server.max_queue_len, 1),
+        ("server.max_connections", cfg.server.max_connections, 1),
+        ("server.tokenizer_threads", cfg.server.tokenizer_threads, 1),
+        ("server.max_core_restarts", cfg.server.max_core_restarts, 0),
     ]:
         if value < low:
             problems.append(f"{key}={value} must be at least {low}")
@@ -53,6 +56,14 @@ def validate(cfg: Any) -> list[str]:
         problems.append(f"cache.memory_utilization={cache.memory_utilization} must be in (0, 1]")
     if not 0 < cfg.server.port < 65536:
         problems.append(f"server.port={cfg.server.port} must be in 1..65535")
+    for key in ("request_timeout_s", "shutdown_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s",
+                "core_restart_window_s", "core_start_timeout_s"):
+        if not getattr(cfg.server, key) > 0:
+            problems.append(f"server.{key}={getattr(cfg.server, key)} must be positive")
+    if cfg.server.max_prompt_chars is not None and cfg.server.max_prompt_chars < 1:
+        problems.append(f"server.max_prompt_chars={cfg.server.max_prompt_chars} must be at least 1 (null: derived)")
+    if cfg.server.core_restart_backoff_s < 0:
+        problems.append(f"server.core_restart_backoff_s={cfg.server.core_restart_backoff_s} must not be negative")
 
     # dtype and fp8.
     if dtype not in hw.supported_dtypes:

@@ -11,13 +11,16 @@ engine-core process.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from appliance.engine.detokenizer import IncrementalDetokenizer
-from appliance.engine.request import Request
+from appliance.engine.request import Request, RequestStatus
 from appliance.engine.scheduler import Scheduler
 from appliance.sampling_params import SamplingParams
+
+log = logging.getLogger("appliance.engine")
 
 
 @dataclass
@@ -49,13 +52,26 @@ class StepStats:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: Any, tokenizer: Any, eos_token_id: Optional[int]):
+    """Failures are contained: a request whose admission fails is refused
+    alone; when a step fails, the requests it ran are put back for
+    recompute and run again one at a time, and only one that fails on its
+    own is ended, with finish_reason "error" (the traceback is logged). The
+    loop itself survives; only a failure outside any request (scheduler
+    state) ends every request, and a failure of that clean-up is fatal."""
+
+    MAX_STRIKES = 3  # failed steps a request may be part of before it is ended
+
+    def __init__(self, scheduler: Scheduler, runner: Any, tokenizer: Any, eos_token_id: Optional[int],
+                 vocab_size: int = 0):
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size  # 0: unchecked
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self.last_stats = StepStats()
+        self._suspects: list[str] = []  # requests to run alone, after a failed step
+        self._strikes: dict[str, int] = {}
 
     def add_request(
         self,
@@ -66,16 +82,33 @@ class EngineCore:
         cache_salt: Optional[str] = None,
         arrival_time: Optional[float] = None,
     ) -> None:
+        """Raises ValueError for a request the engine cannot run; nothing of it is kept."""
+        self._check_token_ids(prompt_token_ids, params)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+        )
         req = Request(request_id, prompt_token_ids, params, eos_token_id=self.eos_token_id,
                       arrival_time=arrival_time, priority=priority, cache_salt=cache_salt)
         self.scheduler.add_request(req)
-        self.detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
-        )
+        self.detok[request_id] = detok
+
+    def _check_token_ids(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        v = self.vocab_size
+        if not v:
+            return
+        for name, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", params.logit_bias)):
+            try:
+                out_of_range = bool(ids) and (min(ids) < 0 or max(ids) >= v)
+            except TypeError:
+                raise ValueError(f"{name} must hold integer token ids") from None
+            if out_of_range:
+                raise ValueError(f"{name} holds a token id outside the vocabulary (0..{v - 1})")
 
     def abort(self, request_ids: list[str]) -> None:
         for req in self.scheduler.abort(request_ids):
             self.detok.pop(req.request_id, None)
+            self._strikes.pop(req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -86,25 +119,57 @@ class EngineCore:
                          kv.stats.hits, iteration_tokens)
 
     def step(self) -> list[RequestOutputDelta]:
-        sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched_out)
+        try:
+            return self._step()
+        except Exception:
+            log.exception("engine step failed outside any one request; ending every request")
+            deltas = self._fail(list(self.scheduler.requests.values()))
+            self.last_stats = self.stats()
+            return deltas
+
+    def _step(self) -> list[RequestOutputDelta]:
+        alone = self._next_suspect()
+        sched_out = self._schedule_alone(alone) if alone is not None else self.scheduler.schedule()
+        try:
+            runner_out = self.runner.execute(sched_out)
+        except Exception:
+            deltas = self._step_failed(sched_out, alone)
+            self.last_stats = self.stats()
+            return deltas
+        if alone is not None and (alone in runner_out.sampled_token_ids or alone not in sched_out.num_scheduled_tokens):
+            self._suspects.remove(alone)  # it ran on its own to a sample: cleared
         stopped: dict[str, int] = {}
+        failed: dict[str, Request] = {}
         for rid, toks in runner_out.sampled_token_ids.items():
-            if self.detok[rid].add_tokens(toks) is not None:
-                stopped[rid] = len(toks)
+            try:
+                if self.detok[rid].add_tokens(toks) is not None:
+                    stopped[rid] = len(toks)
+            except Exception:
+                log.exception("detokenizing request %s failed", rid)
+                failed[rid] = self.scheduler.requests.get(rid)
         updates = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids, stopped)
         deltas = []
         for u in updates:
             req = u.request
-            d = self.detok[req.request_id]
-            if u.finished:
-                if req.request_id not in stopped:
-                    d.flush()
-                del self.detok[req.request_id]
+            if req.request_id in failed:
+                continue
+            try:
+                d = self.detok[req.request_id]
+                if u.finished:
+                    if req.request_id not in stopped:
+                        d.flush()
+                    del self.detok[req.request_id]
+                    if self._strikes:
+                        self._strikes.pop(req.request_id, None)
+                new_text = d.take_delta(u.finished)
+            except Exception:
+                log.exception("detokenizing request %s failed", req.request_id)
+                failed[req.request_id] = req
+                continue
             deltas.append(RequestOutputDelta(
                 request_id=req.request_id,
                 new_token_ids=u.new_token_ids,
-                new_text=d.take_delta(u.finished),
+                new_text=new_text,
                 finished=u.finished,
                 finish_reason=req.finish_reason if u.finished else None,
                 stop_reason=req.stop_reason if u.finished else None,
@@ -116,7 +181,88 @@ class EngineCore:
                 if u.new_token_ids and req.num_output_tokens == len(u.new_token_ids) and req.first_scheduled_time
                 else None,
             ))
+        if failed:
+            deltas += self._fail([r for r in failed.values() if r is not None])
         self.last_stats = self.stats(sched_out.total_num_scheduled_tokens)
+        return deltas
+
+    # -- failure containment -------------------------------------------------
+    def _next_suspect(self) -> Optional[str]:
+        while self._suspects:
+            req = self.scheduler.requests.get(self._suspects[0])
+            if req is not None and not req.is_finished:
+                return req.request_id
+            self._suspects.pop(0)
+        return None
+
+    def _schedule_alone(self, rid: str):
+        """One schedule() that sees only ``rid``; the other requests wait, keeping their KV."""
+        s = self.scheduler
+        req = s.requests[rid]
+        running, waiting = s.running, s.waiting
+        s.waiting = type(waiting)()
+        if req in running:
+            s.running = [req]
+        else:
+            waiting.remove(req)
+            s.waiting.add(req)
+            s.running = []
+        try:
+            return s.schedule()
+        finally:
+            s.running = [r for r in running if r is not req] + s.running
+            for r in s.waiting:
+                waiting.prepend(r)
+            s.waiting = waiting
+
+    def _step_failed(self, sched_out: Any, alone: Optional[str]) -> list[RequestOutputDelta]:
+        s = self.scheduler
+        batch = [s.requests[rid] for rid in sched_out.num_scheduled_tokens if rid in s.requests]
+        log.exception("engine step over %d request(s) failed: %s", len(batch), [r.request_id for r in batch])
+        # The runner may not have dropped the rows of requests that ended before this step.
+        s.finished_req_ids |= sched_out.finished_req_ids
+        # KV this step registered in the prefix cache may never have been written.
+        kv = s.kv
+        for req in batch:
+            first = (req.num_computed_tokens - sched_out.num_scheduled_tokens[req.request_id]) // kv.block_size
+            for block in kv.req_to_blocks.get(req.request_id, [])[first:]:
+                kv.pool._evict(block)
+        if alone is not None and not batch:
+            self._suspects.remove(alone)
+        if alone is not None or len(batch) == 1:
+            return self._fail(batch)
+        ended, retry = [], []
+        for req in batch:
+            strikes = self._strikes.get(req.request_id, 0) + 1
+            self._strikes[req.request_id] = strikes
+            (ended if strikes >= self.MAX_STRIKES else retry).append(req)
+        for req in reversed(retry):  # back to the front of the queue, recomputed from scratch when run
+            if req in s.running:
+                s.running.remove(req)
+            kv.free(req)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            req.spec_token_ids = []
+            s.waiting.prepend(req)
+        retry_ids = [r.request_id for r in retry]
+        self._suspects = retry_ids + [rid for rid in self._suspects if rid not in retry_ids]
+        return self._fail(ended) if ended else []
+
+    def _fail(self, reqs: list[Request]) -> list[RequestOutputDelta]:
+        """End ``reqs`` (live or just finished) with finish_reason "error"."""
+        self.scheduler.abort([r.request_id for r in reqs])
+        deltas = []
+        for req in reqs:
+            self.detok.pop(req.request_id, None)
+            self._strikes.pop(req.request_id, None)
+            if req.request_id in self._suspects:
+                self._suspects.remove(req.request_id)
+            deltas.append(RequestOutputDelta(
+                request_id=req.request_id, new_token_ids=[], new_text="", finished=True, finish_reason="error",
+                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                num_cached_tokens=max(0, req.num_cached_tokens)))
+        if reqs:
+            log.error("ended %d request(s) with an error: %s", len(reqs), [r.request_id for r in reqs])
         return deltas
 
 
@@ -124,14 +270,15 @@ class EngineCore:
 RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo")
 
 
-def build_engine(resolved: Any, selection: Any = None) -> tuple[EngineCore, Any]:
-    """Compose model, backend, KV cache and scheduler for a resolved config.
+def build_engine(resolved: Any, execution: Any = None) -> tuple[EngineCore, Any]:
+    """Compose model, backend, KV cache and scheduler for a resolved config,
+    as ``execution`` (resolved on this machine by the runner when omitted) says.
 
     Returns (engine core, tokenizer).
     """
     import torch
 
-    from appliance.config.plan import make_plan, max_model_len, resolve_dtype
+    from appliance.config.plan import make_plan, max_model_len
     from appliance.engine.kv_cache.manager import KVCacheManager
     from appliance.kernels.registry import load_backend
     from appliance.models.loader import load_model
@@ -147,12 +294,11 @@ def build_engine(resolved: Any, selection: Any = None) -> tuple[EngineCore, Any]
             f"quantization={method} can be planned but its weight kernels are not built yet; "
             f"serve with quantization=none (GGUF checkpoints are dequantized at load)"
         )
-    sel = selection or check_runnable(resolved)
-    dtype_name = resolve_dtype(cfg)
-    dtype = getattr(torch, dtype_name)
+    ex = execution or check_runnable(resolved)
+    dtype = getattr(torch, ex.dtype)
     device = torch.device("cuda" if getattr(cfg.hardware.device_kind, "value", cfg.hardware.device_kind) in ("cuda", "rocm") else "cpu")
     m = cfg.model
-    backend_cls = load_backend(sel.chosen)
+    backend_cls = load_backend(ex.backend)
     backend = backend_cls(m.num_heads, m.num_kv_heads, m.head_dim, m.head_dim ** -0.5,
                           getattr(cfg.cache.kv_cache_dtype, "value", cfg.cache.kv_cache_dtype))
     model, tokenizer, _ = load_model(m, backend, dtype, device)
@@ -160,7 +306,7 @@ def build_engine(resolved: Any, selection: Any = None) -> tuple[EngineCore, Any]
         from appliance.models.quant import quantize_int8_weight_only
 
         quantize_int8_weight_only(model)
-    plan = make_plan(cfg)
+    plan = make_plan(cfg, ex)
     num_blocks = cfg.cache.num_blocks or plan.num_kv_blocks
     mml = max_model_len(cfg)
     kv = KVCacheManager(num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
@@ -181,7 +327,7 @@ def build_engine(resolved: Any, selection: Any = None) -> tuple[EngineCore, Any]
     kv_dtype = backend.cache_dtype(backend.kv_cache_dtype, dtype)
     runner = ModelRunner(model, backend, num_blocks, cfg.cache.block_size, mml, s.max_num_seqs, dtype,
                          kv_dtype, device, eos, seed=m.seed)
-    return EngineCore(scheduler, runner, tokenizer, eos), tokenizer
+    return EngineCore(scheduler, runner, tokenizer, eos, vocab_size=m.vocab_size), tokenizer
 
 
 

@@ -20,18 +20,22 @@ from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
 from appliance import __version__
-from appliance.server.client import EngineClient, EngineDeadError, RequestRejected
+from appliance.server.auth import match_key, tenant_salt
+from appliance.server.client import EngineClient, EngineDeadError, EngineRestartingError, RequestRejected
 from appliance.server.metrics import Metrics
 from appliance.server.protocol import (
     GenerationRequest,
+    MAX_PROMPTS,
     OpenAIError,
     _typed,
     common_extensions,
     new_id,
     now,
     parse_json,
+    reject_unsupported,
     sampling_from_body,
     stream_options,
+    token_id_list,
     usage,
 )
 
@@ -41,24 +45,40 @@ log = logging.getLogger("appliance.server")
 @dataclass
 class ServerState:
     resolved: Any
+    execution: Any  # appliance.config.execution.Execution: what this machine runs
     client: EngineClient
     tokenizer: Any
     metrics: Metrics
     model_name: str
     max_model_len: int
-    api_key: Optional[str]
+    api_keys: tuple[str, ...]  # empty: no authentication (appliance.server.auth)
     max_queue_len: int
     shutting_down: bool = False
     in_flight: int = 0  # admitted engine requests (children) not yet finished
+    tokenize_pool: Any = None  # executor for tokenization and chat templates (None: the loop's default one)
+    max_prompt_chars: int = 0  # prompts above this many characters get 400 before tokenizing (0: no limit)
+    generations: set = field(default_factory=set)  # merged queues of running _fan_out calls (a drain cuts them)
+    cut_reason: Optional[str] = None  # set when a drain has cut running generations
 
 
 class Admission:
-    """Counts a request's children against the queue limit from the moment
-    the handler admits them (before any task runs) until they end; released
-    once, by the generation or by garbage collection if it never ran."""
+    """Admits a request's children (prompts x n) against server.max_queue_len
+    (400 when they could never fit, 503 queue_full while the queue is too
+    full) and counts them from that moment (before any task runs) until they
+    end; released once, by the generation or by garbage collection if it
+    never ran."""
 
-    def __init__(self, st: ServerState, n: int):
-        self.st, self.n = st, n
+    def __init__(self, st: ServerState, n: int, param: str = "n"):
+        self.st, self.n = st, 0
+        if n > st.max_queue_len:
+            raise OpenAIError(400, f"this request asks for {n} sequences (prompts x n); the server queues at most "
+                                   f"server.max_queue_len={st.max_queue_len}", param=param, code="too_many_sequences")
+        waiting = st.in_flight - st.client.stats.num_running
+        if waiting + n > st.max_queue_len:
+            raise OpenAIError(503, f"too many waiting requests ({waiting} waiting, this request adds {n}; limit "
+                                   f"server.max_queue_len={st.max_queue_len})", code="queue_full",
+                              headers={"Retry-After": "1"})
+        self.n = n
         st.in_flight += n
 
     def release(self) -> None:
@@ -86,6 +106,10 @@ def _http_error_handler(_: Request, exc: HTTPException) -> Response:
     return _error_response(OpenAIError(status, str(detail), code=status))
 
 
+def _engine_error_handler(_: Request, exc: EngineDeadError) -> Response:
+    return _error_response(_map_engine_error(exc))
+
+
 def _internal_error_handler(_: Request, exc: Exception) -> Response:
     log.exception("internal error")
     return _error_response(OpenAIError(500, f"internal server error ({type(exc).__name__})", code=500))
@@ -96,18 +120,22 @@ def _state(request: Request) -> ServerState:
     return request.app.state["appliance"]
 
 
-def _check_auth(request: Request, st: ServerState) -> None:
-    if st.api_key is None:
-        return
-    header = request.headers.get("authorization", "")
-    if header != f"Bearer {st.api_key}":
+def _check_auth(request: Request, st: ServerState) -> Optional[int]:
+    """The index of the key the request presents (None when the server is open)."""
+    if not st.api_keys:
+        return None
+    tenant = match_key(request.headers.get("authorization", ""), st.api_keys)
+    if tenant is None:
         raise OpenAIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'", code="invalid_api_key")
+    return tenant
 
 
 def _check_serving(st: ServerState) -> None:
     if st.client.dead:
-        raise OpenAIError(503, f"the engine is not available: {st.client.dead_reason}", code="engine_dead",
-                          headers={"Retry-After": "30"})
+        raise OpenAIError(503, ENGINE_FAILED, code="engine_dead", headers={"Retry-After": "30"})
+    if st.client.restarting:
+        raise OpenAIError(503, ENGINE_RESTARTING, code="engine_restarting",
+                          headers={"Retry-After": str(st.client.retry_after_s())})
     if st.shutting_down:
         raise OpenAIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
     waiting = st.in_flight - st.client.stats.num_running
@@ -118,6 +146,8 @@ def _check_serving(st: ServerState) -> None:
 
 def _check_model(st: ServerState, body: dict) -> None:
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise OpenAIError(400, "'model' must be a string", param="model")
     if model is not None and model != st.model_name:
         raise OpenAIError(404, f"the model '{model}' does not exist; this server serves '{st.model_name}'",
                           param="model", code="model_not_found")
@@ -130,6 +160,9 @@ def _check_length(st: ServerState, prompt_len: int, params: Any, what: str) -> N
             raise OpenAIError(400, f"This model's maximum context length is {mml} tokens. However, your {what} "
                                    f"has {prompt_len} tokens, leaving no room for a completion.", param=what)
         params.max_tokens = mml - prompt_len
+        if params.min_tokens > params.max_tokens:
+            raise OpenAIError(400, f"min_tokens ({params.min_tokens}) must not exceed the {params.max_tokens} tokens "
+                                   f"left for the completion", param="min_tokens")
         return
     total = prompt_len + params.max_tokens
     if total > mml:
@@ -185,6 +218,28 @@ class RequestTimeout(Exception):
     pass
 
 
+class RequestFailed(Exception):
+    """The engine core failed on this request (finish_reason "error"); it logged why."""
+
+
+# Engine failures are logged, never sent to clients.
+ENGINE_FAILED = "the engine failed; see the server log"
+ENGINE_RESTARTING = "the engine failed and is restarting; retry after the Retry-After interval (see the server log)"
+
+
+class ServerShutdown(Exception):
+    """A drain cut the request (server.shutdown_timeout_s passed, or a second signal)."""
+
+
+def cut_generations(st: ServerState, reason: str) -> int:
+    """End every running generation with ``ServerShutdown`` (streams send it as an
+    error event, then [DONE]); later ones end the same way at once. How many were cut."""
+    st.cut_reason = reason
+    for merged in list(st.generations):
+        merged.put_nowait((None, ServerShutdown(reason)))
+    return len(st.generations)
+
+
 async def _fan_out(st: ServerState, g: GenerationRequest, base_id: str) -> AsyncIterator[tuple[_Choice, dict]]:
     """Run every (prompt, sample) child; yield (choice, delta) as they arrive;
     past server.request_timeout_s every child is aborted and RequestTimeout raised."""
@@ -193,6 +248,9 @@ async def _fan_out(st: ServerState, g: GenerationRequest, base_id: str) -> Async
     admission = g.extra["admission"]
 
     merged: asyncio.Queue = asyncio.Queue()
+    st.generations.add(merged)
+    if st.cut_reason is not None:
+        merged.put_nowait((None, ServerShutdown(st.cut_reason)))
     choices: list[_Choice] = []
     tasks = []
     n = g.params.n
@@ -215,6 +273,11 @@ async def _fan_out(st: ServerState, g: GenerationRequest, base_id: str) -> Async
                     last = t
                 if d.get("queue_time") is not None:
                     st.metrics.request_queue_time_seconds.observe(d["queue_time"])
+                if d["finish_reason"] == "error":
+                    finished = True
+                    st.metrics.request_success("error")
+                    log.error("request_id=%s failed in the engine core", rid)
+                    raise RequestFailed("the engine failed to process this request; see the server log")
                 await merged.put((choice, d))
                 if d["finished"]:
                     finished = True
@@ -258,6 +321,7 @@ async def _fan_out(st: ServerState, g: GenerationRequest, base_id: str) -> Async
                 raise item
             yield choice, item
     finally:
+        st.generations.discard(merged)
         for t in tasks:
             t.cancel()
         if tasks:
@@ -266,13 +330,23 @@ async def _fan_out(st: ServerState, g: GenerationRequest, base_id: str) -> Async
 
 
 def _map_engine_error(e: Exception) -> OpenAIError:
+    if isinstance(e, EngineRestartingError):
+        return OpenAIError(503, ENGINE_RESTARTING, code="engine_restarting",
+                           headers={"Retry-After": str(e.retry_after_s)})
+    if isinstance(e, ServerShutdown):
+        return OpenAIError(503, str(e), code="shutting_down", headers={"Retry-After": "5"})
     if isinstance(e, EngineDeadError):
-        return OpenAIError(503, f"the engine is not available: {e}", code="engine_dead", headers={"Retry-After": "30"})
+        return OpenAIError(503, ENGINE_FAILED, code="engine_dead", headers={"Retry-After": "30"})
+    if isinstance(e, RequestFailed):
+        return OpenAIError(500, str(e), code="engine_error")
     if isinstance(e, RequestRejected):
         return OpenAIError(400, str(e))
     if isinstance(e, RequestTimeout):
         return OpenAIError(408, str(e), code="request_timeout")
-    raise e
+    if isinstance(e, OpenAIError):
+        return e
+    log.error("request failed", exc_info=e)
+    return OpenAIError(500, f"internal server error ({type(e).__name__}); see the server log", code=500)
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -320,11 +394,52 @@ def _sse(obj: Any) -> str:
 
 # -- endpoints ---------------------------------------------------------------------
 async def _read_body(request: Request, st: ServerState) -> dict:
-    _check_auth(request, st)
+    tenant = _check_auth(request, st)
     body = parse_json(await request.body())
+    if tenant is not None and st.resolved.cfg.server.tenant_isolation and isinstance(body, dict):
+        salt = body.get("cache_salt")
+        if salt is None or isinstance(salt, str):  # anything else is refused when the body is parsed
+            body["cache_salt"] = tenant_salt(st.api_keys[tenant], salt)
     _check_model(st, body)
     _check_serving(st)
     return body
+
+
+def _check_prompt_chars(st: ServerState, body: dict, chat: bool) -> None:
+    """Refuse over-long prompt text before it is tokenized, from the raw body
+    (its shape is checked when the prompt is built)."""
+    limit = st.max_prompt_chars
+    if not limit:
+        return
+    if chat:
+        total = 0
+        msgs = body.get("messages")
+        for m in msgs if isinstance(msgs, list) else []:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        if total > limit:
+            raise OpenAIError(400, f"the messages have {total} characters; this server tokenizes at most {limit} "
+                                   f"(server.max_prompt_chars). Please shorten them.", param="messages",
+                              code="prompt_too_long")
+        return
+    p = body.get("prompt")
+    texts = [p] if isinstance(p, str) else [x for x in p if isinstance(x, str)] if isinstance(p, list) else []
+    for i, text in enumerate(texts):
+        if len(text) > limit:
+            which = "the prompt" if isinstance(p, str) else f"prompt {i}"
+            raise OpenAIError(400, f"{which} has {len(text)} characters; this server tokenizes at most {limit} "
+                                   f"(server.max_prompt_chars). Please shorten it.", param="prompt",
+                              code="prompt_too_long")
+
+
+async def _tokenize(st: ServerState, build: Any, body: dict, chat: bool) -> Any:
+    """``build(st, body)`` (tokenization, chat template) on the tokenizer pool, so
+    the event loop keeps streaming while a long prompt is encoded."""
+    _check_prompt_chars(st, body, chat)
+    return await asyncio.get_running_loop().run_in_executor(st.tokenize_pool, build, st, body)
 
 
 def _completion_prompts(st: ServerState, body: dict) -> tuple[list[list[int]], list[Optional[str]]]:
@@ -337,11 +452,13 @@ def _completion_prompts(st: ServerState, body: dict) -> tuple[list[list[int]], l
         items = [p]
     elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
         items = p
-    elif isinstance(p, list) and p and all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in p):
+    elif isinstance(p, list) and p and all(isinstance(x, list) for x in p):
         items = p
     else:
         raise OpenAIError(400, "'prompt' must be a non-empty string, list of strings, list of token ids, "
                                "or list of token id lists", param="prompt")
+    if len(items) > MAX_PROMPTS:
+        raise OpenAIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     prompts, texts = [], []
     vocab = st.resolved.cfg.model.vocab_size
     for it in items:
@@ -351,13 +468,8 @@ def _completion_prompts(st: ServerState, body: dict) -> tuple[list[list[int]], l
             prompts.append(st.tokenizer.encode(it))
             texts.append(it)
         else:
-            bad = [t for t in it if not 0 <= t < vocab]
-            if bad:
-                raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
-            prompts.append(list(it))
+            prompts.append(list(token_id_list(it, "prompt", vocab)))
             texts.append(None)
-    if len(prompts) > 64:
-        raise OpenAIError(400, "at most 64 prompts per request", param="prompt")
     return prompts, texts
 
 
@@ -367,15 +479,16 @@ async def completions(request: Request) -> Response:
     body = await _read_body(request, st)
     if body.get("suffix"):
         raise OpenAIError(400, "'suffix' is not supported", param="suffix")
-    params, lp_mode = sampling_from_body(body, chat=False)
+    reject_unsupported(body)
+    params, lp_mode = sampling_from_body(body, chat=False, vocab_size=st.resolved.cfg.model.vocab_size)
     stream, include_usage = stream_options(body)
     priority, salt = common_extensions(body)
     echo = _typed(body, "echo", (bool,), False)
-    prompts, texts = _completion_prompts(st, body)
+    prompts, texts = await _tokenize(st, _completion_prompts, body, chat=False)
     for ids in prompts:
         _check_length(st, len(ids), params, "prompt")
     g = GenerationRequest(prompts, texts, params, stream, include_usage, priority, salt, echo, lp_mode)
-    g.extra["admission"] = Admission(st, len(prompts) * params.n)
+    g.extra["admission"] = Admission(st, len(prompts) * params.n, "n" if len(prompts) == 1 else "prompt")
     base_id = new_id("cmpl")
     created = now()
     prompt_tokens = sum(len(p) for p in prompts)
@@ -414,7 +527,7 @@ async def completions(request: Request) -> Response:
             if include_usage:
                 yield _sse({"id": base_id, "object": "text_completion", "created": created, "model": st.model_name,
                             "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
-        except (EngineDeadError, RequestRejected, RequestTimeout) as e:
+        except Exception as e:  # after the 200 headers every error is an event, then [DONE]
             yield _sse(_map_engine_error(e).body())
         yield "data: [DONE]\n\n"
 
@@ -458,10 +571,11 @@ def _chat_prompt(st: ServerState, body: dict) -> tuple[list[int], str]:
 async def chat_completions(request: Request) -> Response:
     st = _state(request)
     body = await _read_body(request, st)
-    params, lp_mode = sampling_from_body(body, chat=True)
+    reject_unsupported(body)
+    params, lp_mode = sampling_from_body(body, chat=True, vocab_size=st.resolved.cfg.model.vocab_size)
     stream, include_usage = stream_options(body)
     priority, salt = common_extensions(body)
-    ids, text = _chat_prompt(st, body)
+    ids, text = await _tokenize(st, _chat_prompt, body, chat=True)
     _check_length(st, len(ids), params, "messages")
     g = GenerationRequest([ids], [text], params, stream, include_usage, priority, salt, False, lp_mode)
     g.extra["admission"] = Admission(st, params.n)
@@ -495,7 +609,7 @@ async def chat_completions(request: Request) -> Response:
                     "finish_reason": d["finish_reason"] if d["finished"] else None}]})
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": usage(len(ids), completion_tokens)})
-        except (EngineDeadError, RequestRejected, RequestTimeout) as e:
+        except Exception as e:  # after the 200 headers every error is an event, then [DONE]
             yield _sse(_map_engine_error(e).body())
         yield "data: [DONE]\n\n"
 
@@ -515,14 +629,16 @@ async def models(request: Request) -> Response:
 async def health(request: Request) -> Response:
     st = _state(request)
     if st.client.dead:
-        return Response({"status": "dead", "reason": st.client.dead_reason}, status_code=503)
+        return Response({"status": "dead", "reason": ENGINE_FAILED}, status_code=503)
+    if st.client.restarting:
+        return Response({"status": "restarting", "reason": ENGINE_RESTARTING}, status_code=503)
     return Response({"status": "ok"})
 
 
 @get("/ready")
 async def ready(request: Request) -> Response:
     st = _state(request)
-    if st.client.dead or st.shutting_down or not st.client.ready_info:
+    if st.client.dead or st.client.restarting or st.shutting_down or not st.client.ready_info:
         return Response({"ready": False}, status_code=503, headers={"Retry-After": "5"})
     return Response({"ready": True})
 
@@ -533,8 +649,10 @@ async def metrics(request: Request) -> Response:
 
 
 @get("/version")
-async def version() -> dict:
-    return {"version": __version__}
+async def version(request: Request) -> dict:
+    st = _state(request)
+    return {"version": __version__, "config_hash": st.resolved.hash,
+            "deployment": st.execution.fingerprint(st.resolved.hash)}
 
 
 @get("/v1/appliance/config")
@@ -542,7 +660,9 @@ async def appliance_config(request: Request) -> Response:
     st = _state(request)
     _check_auth(request, st)
     r = st.resolved
-    return Response({"profile": r.cfg.profile, "hash": r.hash, "overrides": list(r.overrides), "config": r.as_dict()})
+    ex = st.execution
+    return Response({"profile": r.cfg.profile, "hash": r.hash, "deployment": ex.fingerprint(r.hash),
+                     "overrides": list(r.overrides), "config": r.as_dict(), "resolved_here": ex.to_dict()})
 
 
 @post("/reset_prefix_cache", status_code=200)
@@ -564,7 +684,7 @@ def create_app(state: ServerState) -> Litestar:
     app = Litestar(
         route_handlers=handlers,
         exception_handlers={OpenAIError: _openai_error_handler, HTTPException: _http_error_handler,
-                            Exception: _internal_error_handler},
+                            EngineDeadError: _engine_error_handler, Exception: _internal_error_handler},
         request_max_body_size=cfg.max_body_bytes,
         cors_config=cors,
         openapi_config=None,

@@ -1,20 +1,31 @@
-"""The front end's handle on the engine-core process.
+"""The front end's handle on the engine-core process, and its supervisor.
 
 Starts the core (spawned: a fresh interpreter that loads the model), waits
 for it to be ready, sends requests and aborts, and routes each output
-delta to the request's queue. A watchdog notices the core's death: every
-waiting request then fails with ``EngineDeadError`` (HTTP 503) and
-``/health`` fails.
+delta to the request's queue.
+
+A watchdog notices the core's death (kill, crash, a ``fatal`` message):
+every waiting request fails at once with ``EngineRestartingError`` (HTTP
+503) and a replacement core is started on fresh sockets after
+``server.core_restart_backoff_s``, doubled for each restart in the last
+``server.core_restart_window_s``. While it is down ``restarting`` is set
+(``/ready`` and ``/health`` answer 503, new requests 503 with Retry-After).
+When ``server.max_core_restarts`` restarts in the window have not kept it
+up (a replacement that fails to start counts too), the client is ``dead``
+for good and ``on_fatal`` is called: the server exits non-zero so its
+orchestrator takes over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import multiprocessing as mp
 import shutil
 import tempfile
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -28,6 +39,14 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class EngineRestartingError(EngineDeadError):
+    """The core died under the request (or is down now); a replacement is starting."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class RequestRejected(ValueError):
     pass
 
@@ -39,26 +58,51 @@ class _Pending:
 
 
 class EngineClient:
-    def __init__(self, resolved: Any, selection: Any, on_stats: Optional[Callable[[StepStats, StepStats], None]] = None):
+    def __init__(self, resolved: Any, execution: Any, on_stats: Optional[Callable[[StepStats, StepStats], None]] = None,
+                 on_restart: Optional[Callable[[], None]] = None, on_fatal: Optional[Callable[[str], None]] = None):
         self.resolved = resolved
-        self.selection = selection
+        self.execution = execution
         self.on_stats = on_stats
+        self.on_restart = on_restart  # a replacement core is being started
+        self.on_fatal = on_fatal  # restarts are exhausted: the client is dead for good
+        server = resolved.cfg.server
+        self.max_restarts = server.max_core_restarts
+        self.restart_window_s = server.core_restart_window_s
+        self.restart_backoff_s = server.core_restart_backoff_s
+        self.start_timeout_s = server.core_start_timeout_s
         self.proc: Optional[mp.process.BaseProcess] = None
         self.pending: dict[str, _Pending] = {}
         self.stats = StepStats()
         self.ready_info: dict = {}
         self.dead = False
         self.dead_reason = ""
+        self.restarting = False
+        self.down_reason = ""  # why the core is down while restarting
+        self.restarts = 0  # replacement cores started
+        self.start_s = 0.0  # how long the last successful start took
+        self._restart_times: deque[float] = deque()
+        self._next_attempt = 0.0  # loop time of the next start while restarting
+        self._closing = False
         self._tasks: list[asyncio.Task] = []
+        self._supervisor: Optional[asyncio.Task] = None
         self._reset_waiters: list[asyncio.Future] = []
         self._dir = tempfile.mkdtemp(prefix="appliance-ipc-")
+        self.ctx: Any = None
+        self.push: Any = None
+        self.pull: Any = None
 
     # -- lifecycle -------------------------------------------------------------
-    async def start(self, timeout_s: float = 600.0) -> None:
-        import zmq
+    async def start(self) -> None:
+        """Start the first core; ``EngineDeadError`` if it does not come up."""
         import zmq.asyncio
 
         self.ctx = zmq.asyncio.Context()
+        await self._launch()
+
+    async def _launch(self) -> None:
+        """Spawn a core on fresh sockets and wait for its ready message."""
+        import zmq
+
         tag = uuid.uuid4().hex[:8]
         in_addr = f"ipc://{self._dir}/in-{tag}"
         out_addr = f"ipc://{self._dir}/out-{tag}"
@@ -67,62 +111,167 @@ class EngineClient:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind(out_addr)
         spawn = mp.get_context("spawn")
-        self.proc = spawn.Process(target=run_core, args=(self.resolved, self.selection, in_addr, out_addr),
+        self.proc = spawn.Process(target=run_core, args=(self.resolved, self.execution, in_addr, out_addr),
                                   name="appliance-engine-core", daemon=True)
-        self.proc.start()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
-            if await self.pull.poll(200):
-                msg = decode(await self.pull.recv())
-                if msg["type"] == "ready":
-                    self.ready_info = msg
-                    break
-                if msg["type"] == "fatal":
-                    raise EngineDeadError(f"the engine core failed to start: {msg['message']}")
-            if not self.proc.is_alive():
-                raise EngineDeadError(f"the engine core exited during start-up (exit code {self.proc.exitcode})")
-            if loop.time() > deadline:
-                raise EngineDeadError(f"the engine core was not ready after {timeout_s:.0f} s")
-        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watchdog())]
+        t0 = loop.time()
+        try:
+            self.proc.start()
+            while True:
+                if await self.pull.poll(200):
+                    msg = decode(await self.pull.recv())
+                    if msg["type"] == "ready":
+                        self.ready_info = msg
+                        break
+                    if msg["type"] == "fatal":
+                        raise EngineDeadError(f"the engine core failed to start: {msg['message']}")
+                if not self.proc.is_alive():
+                    raise EngineDeadError(f"the engine core exited during start-up (exit code {self.proc.exitcode})")
+                if loop.time() - t0 > self.start_timeout_s:
+                    raise EngineDeadError(f"the engine core was not ready after {self.start_timeout_s:g} s "
+                                          f"(server.core_start_timeout_s)")
+        except BaseException:
+            self._stop_core()
+            raise
+        self.start_s = loop.time() - t0
+        self.stats = StepStats()  # a new core counts from zero
+        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watchdog(self.proc))]
+
+    def _stop_core(self) -> None:
+        """Kill the current core if it still runs (it ignores SIGTERM) and drop its sockets."""
+        for t in self._tasks:
+            t.cancel()
+        self._tasks = []
+        if self.proc is not None:
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(5)
+        for sock in (self.push, self.pull):
+            if sock is not None:
+                sock.close(linger=0)
+        self.push = self.pull = None
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
-        if self.proc is not None and self.proc.is_alive() and not self.dead:
-            await self.push.send(encode({"type": "shutdown"}))
+        self._closing = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
+        if self._up and self.proc is not None and self.proc.is_alive():
+            self._send({"type": "shutdown"})
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout_s
             while self.proc.is_alive() and loop.time() < deadline:
                 await asyncio.sleep(0.05)
-        for t in self._tasks:
-            t.cancel()
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
-        self.push.close(linger=0)
-        self.pull.close(linger=0)
-        self.ctx.term()
+        self._stop_core()
+        if self.ctx is not None:
+            self.ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def _mark_dead(self, reason: str) -> None:
-        if self.dead:
-            return
-        self.dead, self.dead_reason = True, reason
-        log.error("engine core is dead: %s", reason)
+    @property
+    def _up(self) -> bool:
+        return self.push is not None and not (self.dead or self.restarting or self._closing)
+
+    def _send(self, msg: dict) -> None:
+        """Queue a message to the core without awaiting it: a send never waits on
+        a core that has died (closing its socket drops what is queued)."""
+        self.push.send(encode(msg))
+
+    def _fail_waiters(self, exc: Exception) -> None:
         for p in self.pending.values():
-            p.queue.put_nowait(EngineDeadError(reason))
+            p.queue.put_nowait(exc)
         for f in self._reset_waiters:
             if not f.done():
-                f.set_exception(EngineDeadError(reason))
+                f.set_exception(exc)
+        self._reset_waiters = []
 
-    async def _watchdog(self) -> None:
-        while not self.dead:
-            await asyncio.sleep(0.2)
-            if self.proc is not None and not self.proc.is_alive():
-                self._mark_dead(f"engine core process exited with code {self.proc.exitcode}")
+    def _recent_restarts(self) -> int:
+        now = asyncio.get_running_loop().time()
+        while self._restart_times and now - self._restart_times[0] > self.restart_window_s:
+            self._restart_times.popleft()
+        return len(self._restart_times)
+
+    def _core_lost(self, reason: str) -> None:
+        """The running core is gone: fail what waits on it, then restart it or give up."""
+        if self._closing or self.dead or self.restarting:
+            return
+        log.error("engine core died: %s", reason)
+        self._stop_core()
+        old, self.stats = self.stats, StepStats()
+        if self.on_stats:
+            self.on_stats(old, self.stats)
+        if self._recent_restarts() >= self.max_restarts:
+            self._give_up(reason)
+            return
+        self.restarting, self.down_reason = True, reason
+        self._next_attempt = asyncio.get_running_loop().time() + self._backoff()
+        self._fail_waiters(EngineRestartingError(f"the engine core died ({reason}) and is being restarted",
+                                                 self.retry_after_s()))
+        self._supervisor = asyncio.create_task(self._restart_loop())
+
+    def _give_up(self, reason: str) -> None:
+        n = len(self._restart_times)
+        self.restarting = False
+        self.dead = True
+        self.dead_reason = (f"{reason}; {n} restart(s) in the last {self.restart_window_s:g} s did not keep it up "
+                            f"(server.max_core_restarts={self.max_restarts})")
+        log.error("engine core is dead: %s", self.dead_reason)
+        self._fail_waiters(EngineDeadError(self.dead_reason))
+        if self.on_fatal:
+            self.on_fatal(self.dead_reason)
+
+    async def _restart_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            n = self._recent_restarts()
+            if n >= self.max_restarts:
+                self._give_up(self.down_reason)
+                return
+            delay = self._backoff()
+            self._next_attempt = loop.time() + delay
+            log.warning("restarting the engine core in %.1f s (restart %d of at most %d in %g s)", delay, n + 1,
+                        self.max_restarts, self.restart_window_s)
+            await asyncio.sleep(delay)
+            self._restart_times.append(loop.time())
+            self.restarts += 1
+            if self.on_restart:
+                self.on_restart()
+            try:
+                await self._launch()
+            except EngineDeadError as e:
+                log.error("the replacement engine core did not come up: %s", e)
+                self.down_reason = str(e)
+                continue
+            self.restarting, self.down_reason = False, ""
+            log.info("engine core restarted (pid %s, ready after %.1f s)", self.ready_info.get("pid"), self.start_s)
+            return
+
+    def _backoff(self) -> float:
+        return self.restart_backoff_s * 2 ** self._recent_restarts()
+
+    def retry_after_s(self) -> int:
+        """Seconds a client should wait while the core restarts: the backoff left plus one start."""
+        if not self.restarting:
+            return 1
+        left = max(0.0, self._next_attempt - asyncio.get_running_loop().time())
+        return max(1, math.ceil(left + self.start_s))
+
+    async def _watchdog(self, proc: mp.process.BaseProcess) -> None:
+        while proc.is_alive():
+            await asyncio.sleep(0.1)
+        self._core_lost(f"engine core process exited with code {proc.exitcode}")
 
     async def _output_loop(self) -> None:
-        while not self.dead:
-            msg = decode(await self.pull.recv())
+        try:
+            await self._read_outputs(self.pull)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # nothing would ever answer the waiting requests: treat it as the core's loss
+            log.exception("reading the engine core's outputs failed")
+            self._core_lost(f"its outputs could not be read ({type(e).__name__}: {e})")
+
+    async def _read_outputs(self, pull: Any) -> None:
+        while True:
+            msg = decode(await pull.recv())
             kind = msg["type"]
             if kind == "outputs":
                 for d in msg["outputs"]:
@@ -140,21 +289,28 @@ class EngineClient:
                 if self._reset_waiters:
                     self._reset_waiters.pop(0).set_result(msg["ok"])
             elif kind == "fatal":
-                self._mark_dead(msg["message"])
+                self._core_lost(msg["message"])
+                return
 
     # -- requests ----------------------------------------------------------------
+    def _check_up(self) -> None:
+        if self.dead:
+            raise EngineDeadError(self.dead_reason)
+        if self.restarting:
+            raise EngineRestartingError(f"the engine core is restarting ({self.down_reason})", self.retry_after_s())
+        if not self._up:
+            raise EngineDeadError("the engine is shutting down")
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any, priority: int = 0,
                        cache_salt: Optional[str] = None) -> AsyncIterator[dict]:
         """Output deltas of one request; aborts it in the core if the
         consumer stops early (client disconnect, cancellation)."""
-        if self.dead:
-            raise EngineDeadError(self.dead_reason)
+        self._check_up()
         p = _Pending()
         self.pending[request_id] = p
         try:
-            await self.push.send(encode({"type": "add", "request_id": request_id, "prompt_token_ids": prompt_token_ids,
-                                         "params": params_to_dict(params), "priority": priority,
-                                         "cache_salt": cache_salt}))
+            self._send({"type": "add", "request_id": request_id, "prompt_token_ids": prompt_token_ids,
+                        "params": params_to_dict(params), "priority": priority, "cache_salt": cache_salt})
             while True:
                 item = await p.queue.get()
                 if isinstance(item, Exception):
@@ -172,11 +328,12 @@ class EngineClient:
 
     def abort_nowait(self, request_ids: list[str]) -> None:
         """Queue an abort without awaiting: safe from a cancelled task or a finally block."""
-        if not self.dead:
-            self.push.send(encode({"type": "abort", "request_ids": request_ids}))
+        if self._up:
+            self._send({"type": "abort", "request_ids": request_ids})
 
     async def reset_prefix_cache(self) -> bool:
+        self._check_up()
         fut = asyncio.get_running_loop().create_future()
         self._reset_waiters.append(fut)
-        await self.push.send(encode({"type": "reset_prefix_cache"}))
+        self._send({"type": "reset_prefix_cache"})
         return await fut

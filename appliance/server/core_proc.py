@@ -12,6 +12,10 @@ Core -> front end:
     {"type": "reset_prefix_cache", "ok": bool}
     {"type": "fatal", "message"}                           then the process exits non-zero
 
+A request the core fails on (not the client's doing) ends with a delta of
+finish_reason "error"; the traceback goes to the core's log and the core
+goes on serving the others.
+
 The loop blocks on its input socket only while it has nothing to run, so
 HTTP work in the front end overlaps model work here.
 """
@@ -19,6 +23,7 @@ HTTP work in the front end overlaps model work here.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 import traceback
@@ -29,6 +34,8 @@ import msgspec
 from appliance.sampling_params import SamplingParams
 
 WARMUP_PROMPT = "Hello"
+
+log = logging.getLogger("appliance.engine")
 
 
 def encode(obj: Any) -> bytes:
@@ -57,7 +64,7 @@ def delta_to_dict(d: Any) -> dict:
     return out
 
 
-def run_core(resolved: Any, selection: Any, in_addr: str, out_addr: str) -> None:
+def run_core(resolved: Any, execution: Any, in_addr: str, out_addr: str) -> None:
     import signal
 
     import zmq
@@ -66,6 +73,7 @@ def run_core(resolved: Any, selection: Any, in_addr: str, out_addr: str) -> None
     # SIGTERM must not kill the core under in-flight requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.connect(out_addr)
@@ -74,14 +82,14 @@ def run_core(resolved: Any, selection: Any, in_addr: str, out_addr: str) -> None
     try:
         from appliance.engine.core import build_engine
 
-        engine, tokenizer = build_engine(resolved, selection)
+        engine, tokenizer = build_engine(resolved, execution)
         _warm_up(engine, tokenizer)
         kv = engine.scheduler.kv
         push.send(encode({
             "type": "ready",
             "num_kv_blocks": kv.pool.num_blocks,
             "block_size": kv.block_size,
-            "backend": selection.chosen,
+            "backend": execution.backend,
             "pid": os.getpid(),
         }))
         _loop(engine, pull, push)
@@ -100,7 +108,8 @@ def _warm_up(engine: Any, tokenizer: Any) -> None:
     ids = tokenizer.encode(WARMUP_PROMPT)
     engine.add_request("__warmup__", ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     while engine.has_unfinished_requests():
-        engine.step()
+        if any(d.finish_reason == "error" for d in engine.step()):  # the engine logged why
+            raise RuntimeError("the warm-up generation failed")
     kv = engine.scheduler.kv
     kv.reset_prefix_cache()
     from appliance.engine.kv_cache.manager import PrefixCacheStats
@@ -114,6 +123,8 @@ def _stats(engine: Any, iteration_tokens: int = 0) -> dict:
 
 def _loop(engine: Any, pull: Any, push: Any) -> None:
     import zmq
+
+    from appliance.engine.core import RequestOutputDelta
 
     shutting_down = False
     parent = os.getppid()
@@ -133,6 +144,11 @@ def _loop(engine: Any, pull: Any, push: Any) -> None:
                                        priority=msg.get("priority", 0), cache_salt=msg.get("cache_salt"))
                 except ValueError as e:
                     push.send(encode({"type": "request_error", "request_id": msg["request_id"], "message": str(e)}))
+                except Exception:  # not the client's doing: this request fails, the core goes on
+                    log.exception("adding request %s failed", msg["request_id"])
+                    failed = RequestOutputDelta(msg["request_id"], [], "", True, finish_reason="error")
+                    push.send(encode({"type": "outputs", "outputs": [delta_to_dict(failed)],
+                                      "stats": _stats(engine, 0)}))
             elif kind == "abort":
                 engine.abort(msg["request_ids"])
             elif kind == "reset_prefix_cache":

@@ -1,10 +1,18 @@
 """`appliance run`: start the engine core, then serve HTTP until SIGTERM.
 
 The core is started (model loaded, one warm-up generation done) before the
-listener opens, so a server that accepts connections is ready. SIGTERM
-stops admitting (``/ready`` turns 503), lets in-flight requests finish for
-up to ``server.shutdown_timeout_s`` (then aborts them), stops the core and
-exits 0.
+listener opens, so a server that accepts connections is ready.
+
+SIGTERM starts a drain: the listener stays open, ``/ready`` answers 503 and
+new work 503 with Retry-After (responses say ``Connection: close``), while
+admitted requests finish for up to ``server.shutdown_timeout_s``; then what
+is left is cut (a stream ends with an error event and ``[DONE]``, a whole
+response is a 503), the connections close, the core is stopped and the
+process exits 0. A second signal cuts at once. When the engine core cannot
+be kept up (see ``client.py``), the server exits 1.
+
+Connections are guarded by ``transport.py`` (head, body and keep-alive
+timeouts, a connection limit); tokenization runs on a small thread pool.
 """
 
 from __future__ import annotations
@@ -12,58 +20,125 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from typing import Any
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
 
-from appliance.config.plan import make_plan, max_model_len
+from appliance.config.plan import max_model_len
 
 log = logging.getLogger("appliance.server")
 
+PROMPT_CHARS_PER_TOKEN = 16  # server.max_prompt_chars=null: this many per token of max_model_len
+CUT_GRACE_S = 2.0  # after a drain's cut, how long responses get to send their last event
+CLOSE_TIMEOUT_S = 3  # then uvicorn's wait for connections to close before it cancels what is left
 
-def serve_forever(resolved: Any, selection: Any) -> int:
+
+class Drain:
+    """The SIGTERM drain, advanced by the server's 0.1 s tick: done when no
+    request runs; past ``server.shutdown_timeout_s`` (or at a second signal)
+    in-flight generations are cut and get ``CUT_GRACE_S`` to answer."""
+
+    def __init__(self, state: Any, timeout_s: float):
+        self.state, self.timeout_s = state, timeout_s
+        self.started: Optional[float] = None
+        self.cut_at: Optional[float] = None
+
+    def begin(self, sig: int) -> None:
+        now = time.monotonic()
+        if self.started is None:
+            self.started = now
+            self.state.shutting_down = True
+            log.info("signal %d: draining; /ready and new requests answer 503, %d running request(s) get up to %g s",
+                     sig, self.state.in_flight, self.timeout_s)
+        elif self.cut_at is None:
+            self._cut(now, f"signal {sig} again")
+
+    def _cut(self, now: float, why: str) -> None:
+        from appliance.server.app import cut_generations
+
+        self.cut_at = now
+        n = cut_generations(self.state, f"the server is shutting down ({why}); the request was aborted")
+        log.warning("draining: %s; cut %d running request(s)", why, n)
+
+    def finished(self, running_tasks: int) -> bool:
+        if self.started is None:
+            return False
+        if not running_tasks and not self.state.in_flight:
+            return True
+        now = time.monotonic()
+        if self.cut_at is None:
+            if now - self.started < self.timeout_s:
+                return False
+            self._cut(now, f"still running after server.shutdown_timeout_s={self.timeout_s:g} s")
+        return now - self.cut_at >= CUT_GRACE_S
+
+
+def serve_forever(resolved: Any, execution: Any) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    return asyncio.run(_serve(resolved, selection))
+    return asyncio.run(_serve(resolved, execution))
 
 
-async def _serve(resolved: Any, selection: Any) -> int:
+async def _serve(resolved: Any, execution: Any) -> int:
     import uvicorn
     from transformers import AutoTokenizer
 
     from appliance.models.loader import resolve_model_folder
+    from appliance.server.auth import load_api_keys
     from appliance.server.app import ServerState, create_app
     from appliance.server.client import EngineClient, EngineDeadError
     from appliance.server.metrics import Metrics
+    from appliance.server.transport import ConnectionLimits, guarded_protocol
 
     cfg = resolved.cfg
     folder = resolve_model_folder(cfg.model)  # prepare (convert/generate) once, before the core starts
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model_name = cfg.server.served_model_name or cfg.model.name
-    metrics = Metrics(model_name, cfg.profile, resolved.hash)
-    client = EngineClient(resolved, selection, on_stats=metrics.on_core_stats)
+    deployment = execution.fingerprint(resolved.hash)
+    metrics = Metrics(model_name, cfg.profile, resolved.hash, deployment)
+    fatal: list[str] = []
+
+    def on_fatal(reason: str) -> None:
+        fatal.append(reason)
+        state.shutting_down = True
+
+    client = EngineClient(resolved, execution, on_stats=metrics.on_core_stats, on_restart=metrics.engine_restarts.inc,
+                          on_fatal=on_fatal)
     try:
         await client.start()
     except EngineDeadError as e:
         print(f"appliance run: error: {e}", file=sys.stderr)
         await client.shutdown()
         return 1
-    state = ServerState(resolved=resolved, client=client, tokenizer=tokenizer, metrics=metrics, model_name=model_name,
-                        max_model_len=max_model_len(cfg), api_key=cfg.server.api_key,
-                        max_queue_len=cfg.server.max_queue_len)
+    state = ServerState(resolved=resolved, execution=execution, client=client, tokenizer=tokenizer, metrics=metrics,
+                        model_name=model_name, max_model_len=max_model_len(cfg), api_keys=load_api_keys(cfg.server),
+                        max_queue_len=cfg.server.max_queue_len,
+                        tokenize_pool=ThreadPoolExecutor(cfg.server.tokenizer_threads,
+                                                         thread_name_prefix="appliance-tokenize"),
+                        max_prompt_chars=cfg.server.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len(cfg))
     app = create_app(state)
+    drain = Drain(state, cfg.server.shutdown_timeout_s)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            state.shutting_down = True
-            super().handle_exit(sig, frame)
-            # uvicorn re-raises captured signals after serving, which would kill us
-            # before the core is stopped; a handled SIGTERM exits 0 instead.
-            getattr(self, "_captured_signals", []).clear()
+            # Not uvicorn's: it would stop listening at once, so a load balancer
+            # would never see /ready turn 503. The tick below ends the drain (and
+            # no signal is captured for uvicorn to re-raise: a drained SIGTERM exits 0).
+            drain.begin(sig)
 
+        async def on_tick(self, counter: int) -> bool:
+            if await super().on_tick(counter) or fatal:
+                return True
+            return drain.finished(len(self.server_state.tasks))
+
+    limits = ConnectionLimits(header_timeout_s=cfg.server.header_timeout_s, body_timeout_s=cfg.server.body_timeout_s,
+                              max_connections=cfg.server.max_connections, draining=lambda: state.shutting_down)
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level="warning",
-                            timeout_graceful_shutdown=int(cfg.server.shutdown_timeout_s), lifespan="off")
+                            http=guarded_protocol(limits), timeout_keep_alive=cfg.server.keep_alive_timeout_s,
+                            timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="off")
     server = Server(config)
-    plan = make_plan(cfg)
-    log.info("profile %s (config %s), model %s, backend %s, dtype %s", cfg.profile, resolved.hash, model_name,
-             selection.chosen, plan.dtype)
+    log.info("profile %s (config %s, deployment %s), model %s, backend %s, dtype %s, kv cache %s, host %s",
+             cfg.profile, resolved.hash, deployment, model_name, execution.backend, execution.dtype,
+             execution.kv_cache_dtype, execution.host)
     log.info("KV cache: %d blocks x %d tokens, max_model_len %d", client.ready_info["num_kv_blocks"],
              client.ready_info["block_size"], state.max_model_len)
     log.info("serving on http://%s:%d/v1", cfg.server.host, cfg.server.port)
@@ -72,5 +147,9 @@ async def _serve(resolved: Any, selection: Any) -> int:
     finally:
         state.shutting_down = True
         await client.shutdown(timeout_s=cfg.server.shutdown_timeout_s)
+        state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+    if fatal:
+        log.error("exiting 1: the engine core could not be kept up: %s", fatal[0])
+        return 1
     log.info("shut down cleanly")
     return 0

@@ -24,7 +24,7 @@ class LocalServer:
     """Starts the server in its own process group and waits until ``ready_path`` answers 200."""
 
     def __init__(self, overrides: list[str], ready_path: str = "/health", timeout_s: float = 600,
-                 log_path: Optional[str] = None, cwd: Optional[str] = None):
+                 log_path: Optional[str] = None, cwd: Optional[str] = None, env: Optional[dict] = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path or os.path.join(tempfile.gettempdir(), f"appliance-server-{self.port}.log")
@@ -32,6 +32,7 @@ class LocalServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "appliance.cli", "run", *overrides, "server.host=127.0.0.1", f"server.port={self.port}"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
+            env={**os.environ, **env} if env else None,
         )
         deadline = time.time() + timeout_s
         while time.time() < deadline:

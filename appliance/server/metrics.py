@@ -1,6 +1,7 @@
 """Prometheus metrics under the ``appliance:`` prefix, with the names vLLM
-users' dashboards know. Every series carries ``model_name``, ``profile``
-and ``config_hash``.
+users' dashboards know. Every series carries ``model_name``, ``profile``,
+``config_hash`` (the declarative config) and ``deployment`` (the config as
+resolved on this machine: dtype, KV dtype, backend, host).
 
 Only the front-end process exports: the engine core reports its counters
 and gauges with every output batch, so there is one registry and no
@@ -17,10 +18,11 @@ TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class Metrics:
-    def __init__(self, model_name: str, profile: str, config_hash: str):
+    def __init__(self, model_name: str, profile: str, config_hash: str, deployment: str):
         self.registry = CollectorRegistry()
-        labels = ["model_name", "profile", "config_hash"]
-        self.label_values = {"model_name": model_name, "profile": profile, "config_hash": config_hash}
+        labels = ["model_name", "profile", "config_hash", "deployment"]
+        self.label_values = {"model_name": model_name, "profile": profile, "config_hash": config_hash,
+                             "deployment": deployment}
         r = self.registry
 
         def gauge(name, doc):
@@ -40,6 +42,7 @@ class Metrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recompute)")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.engine_restarts = counter("engine_restarts", "Engine-core processes started to replace one that died")
         self._success = Counter("appliance:request_success", "Finished requests by finish reason",
                                 labels + ["finished_reason"], registry=r)
         for reason in ("stop", "length", "abort"):  # exported from the start, at 0

@@ -3,11 +3,20 @@
 Every client mistake becomes an ``OpenAIError`` with the status, message
 and offending parameter; the app turns it into
 ``{"error": {"message", "type", "param", "code"}}``.
+
+Everything is checked here, in the HTTP process, before anything is
+encoded for the engine core: JSON numbers are finite and nesting is
+bounded, strings are valid Unicode, every field has its exact type (a
+bool is not an int, a float is not an int), numbers are in range, and
+every token id is inside the model's vocabulary. Fields that ask for
+behaviour the server does not have (tools, structured outputs, audio,
+...) are refused with a 400 naming them instead of being ignored.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -34,13 +43,70 @@ class OpenAIError(Exception):
                           "param": self.param, "code": self.code if self.code is not None else self.status}}
 
 
+MAX_JSON_DEPTH = 64
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 16
+MAX_PROMPTS = 64
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return v
+
+
+def _too_deep(param: Optional[str] = None) -> OpenAIError:
+    return OpenAIError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep", param=param,
+                       code="invalid_json")
+
+
+def _check_str(s: str, param: Optional[str]) -> None:
+    if s.isascii():
+        return
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise OpenAIError(400, "strings must be valid Unicode (a lone surrogate such as \\ud800 is not)",
+                          param=param, code="invalid_json") from None
+
+
+def _check_tree(body: dict) -> None:
+    """Nesting depth and valid strings (keys too), without recursion."""
+    stack: list[tuple[Any, int, Optional[str]]] = [(body, 1, None)]
+    while stack:
+        obj, depth, top = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep(top)
+        pairs = obj.items() if isinstance(obj, dict) else ((None, v) for v in obj)
+        for k, v in pairs:
+            if k is not None:
+                _check_str(k, top)
+            param = top if top is not None or k is None else k
+            if isinstance(v, str):
+                _check_str(v, param)
+            elif isinstance(v, (dict, list)):
+                stack.append((v, depth + 1, param))
+
+
 def parse_json(raw: bytes) -> dict:
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as e:
         raise OpenAIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise OpenAIError(400, "request body must be a JSON object", code="invalid_json")
+    # Only a body with many brackets can be deep, and only an escape or a raw
+    # 0xED byte (UTF-8 of U+D000..U+DFFF) can make a lone surrogate.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH or b"\\u" in raw or b"\xed" in raw:
+        _check_tree(body)
     return body
 
 
@@ -56,10 +122,116 @@ def _typed(body: dict, key: str, types: tuple, default: Any = None, allow_none: 
     return v
 
 
+def _show(v: int) -> str:
+    s = str(v)
+    return s if len(s) <= 24 else f"{s[:12]}... ({len(s)} digits)"
+
+
+def _int(body: dict, key: str, default: Optional[int] = None, lo: int = INT64_MIN, hi: int = INT64_MAX) -> Any:
+    v = _typed(body, key, (int,), default)
+    if v is not None and not lo <= v <= hi:
+        bounds = f"at least {lo}" if hi == INT64_MAX and v < lo else f"between {lo} and {hi}"
+        raise OpenAIError(400, f"'{key}' must be {bounds}, got {_show(v)}", param=key)
+    return v
+
+
+def _float(body: dict, key: str, default: float) -> float:
+    v = _typed(body, key, NUM, default)
+    try:
+        f = float(v)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise OpenAIError(400, f"'{key}' must be a finite number", param=key)
+    return f
+
+
+def token_id_list(v: Any, param: str, vocab_size: int, allow_empty: bool = False) -> list[int]:
+    """A list of token ids of this model, or a 400 naming ``param``."""
+    if not isinstance(v, list) or not (v or allow_empty):
+        raise OpenAIError(400, f"'{param}' must be a {'' if allow_empty else 'non-empty '}list of token ids",
+                          param=param)
+    if not v:
+        return v
+    for t in v:
+        if type(t) is not int:  # a bool is not a token id
+            raise OpenAIError(400, f"'{param}' must hold integer token ids, got {type(t).__name__}", param=param)
+    lo, hi = min(v), max(v)
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise OpenAIError(400, f"token id {_show(bad)} in '{param}' is outside the vocabulary (0..{vocab_size - 1})",
+                          param=param)
+    return v
+
+
 NUM = (int, float)
 
 # Accepted and intentionally ignored: they do not change generation.
 IGNORED = {"user", "service_tier", "store", "metadata", "parallel_tool_calls"}
+
+# Asking for any of these at a value other than "nothing" needs behaviour
+# this server does not have yet.
+NOT_BUILT = {
+    "audio": "audio output",
+    "prediction": "predicted outputs",
+    "web_search_options": "web search",
+    "reasoning_effort": "reasoning controls",
+    "guided_json": "structured outputs",
+    "guided_regex": "structured outputs",
+    "guided_choice": "structured outputs",
+    "guided_grammar": "structured outputs",
+    "guided_decoding_backend": "structured outputs",
+    "guided_whitespace_pattern": "structured outputs",
+    "structured_outputs": "structured outputs",
+    "structural_tag": "structured outputs",
+    "allowed_token_ids": "allowed_token_ids",
+    "bad_words": "bad_words",
+    "prompt_logprobs": "prompt logprobs",
+    "truncate_prompt_tokens": "prompt truncation",
+    "chat_template": "custom chat templates",
+    "chat_template_kwargs": "chat template arguments",
+    "documents": "documents",
+    "mm_processor_kwargs": "multimodal inputs",
+    "logits_processors": "logits processors",
+    "use_beam_search": "beam search",
+    "return_tokens_as_token_ids": "token-id output",
+    "return_token_ids": "token-id output",
+}
+
+
+def reject_unsupported(body: dict) -> None:
+    """400 for any field that asks for behaviour not built yet; a field
+    at a value that changes nothing (no tools, text output) is accepted."""
+    def refuse(param: str, what: str) -> None:
+        raise OpenAIError(400, f"'{param}' asks for {what}, which this server does not support yet", param=param,
+                          code="unsupported_parameter")
+
+    for tools, choice, what in (("tools", "tool_choice", "tool calling"),
+                                ("functions", "function_call", "function calling")):
+        listed, chosen = body.get(tools), body.get(choice)
+        if listed is not None and not isinstance(listed, list):
+            raise OpenAIError(400, f"'{tools}' must be a list", param=tools)
+        if chosen not in (None, "none", "auto"):
+            refuse(choice, what)
+        if listed and chosen != "none":
+            refuse(tools, what)
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if not isinstance(kind, str):
+            raise OpenAIError(400, "'response_format' must be an object with a string 'type'", param="response_format")
+        if kind in ("json_object", "json_schema", "grammar", "regex", "structural_tag"):
+            refuse("response_format", f"structured output ({kind})")
+        if kind != "text":
+            raise OpenAIError(400, f"'response_format' type {kind[:40]!r} is unknown; 'text' is supported",
+                              param="response_format")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        refuse("modalities", "output modalities other than ['text']")
+    for key, what in NOT_BUILT.items():
+        v = body.get(key)
+        if not (v is None or v is False or v == [] or v == {}):
+            refuse(key, what)
 
 
 @dataclass
@@ -76,10 +248,10 @@ class GenerationRequest:
     extra: dict = field(default_factory=dict)
 
 
-def sampling_from_body(body: dict, *, chat: bool) -> tuple[SamplingParams, Optional[str]]:
-    max_tokens = _typed(body, "max_tokens", (int,))
+def sampling_from_body(body: dict, *, chat: bool, vocab_size: int) -> tuple[SamplingParams, Optional[str]]:
+    max_tokens = _int(body, "max_tokens", lo=1)
     if chat:
-        mct = _typed(body, "max_completion_tokens", (int,))
+        mct = _int(body, "max_completion_tokens", lo=1)
         max_tokens = mct if mct is not None else max_tokens
     elif max_tokens is None and "max_tokens" not in body:
         max_tokens = 16  # the completions API's default
@@ -92,52 +264,58 @@ def sampling_from_body(body: dict, *, chat: bool) -> tuple[SamplingParams, Optio
         raise OpenAIError(400, "'stop' must be a string or a list of strings", param="stop")
     if len(stop) > 16:
         raise OpenAIError(400, "'stop' takes at most 16 sequences", param="stop")
-    bias_raw = _typed(body, "logit_bias", (dict,), {})
     logit_bias = {}
-    for k, v in bias_raw.items():
-        try:
-            logit_bias[int(k)] = float(v)
-        except (TypeError, ValueError):
-            raise OpenAIError(400, f"'logit_bias' keys must be token ids and values numbers, got {k!r}: {v!r}",
-                              param="logit_bias") from None
+    for k, v in _typed(body, "logit_bias", (dict,), {}).items():
+        digits = k[1:] if k[:1] == "-" else k
+        if not (digits.isascii() and digits.isdigit() and len(digits) <= 20):
+            raise OpenAIError(400, f"'logit_bias' keys must be token ids, got {k[:40]!r}", param="logit_bias")
+        tok = int(k)
+        if not 0 <= tok < vocab_size:
+            raise OpenAIError(400, f"token id {tok} in 'logit_bias' is outside the vocabulary (0..{vocab_size - 1})",
+                              param="logit_bias")
+        if isinstance(v, bool) or not isinstance(v, NUM) or not -100 <= v <= 100:
+            raise OpenAIError(400, f"'logit_bias' values must be numbers in [-100, 100], got {str(v)[:40]} for token "
+                                   f"{tok}", param="logit_bias")
+        logit_bias[tok] = float(v)
+    stop_ids = body.get("stop_token_ids")
+    stop_ids = [] if stop_ids is None else token_id_list(stop_ids, "stop_token_ids", vocab_size, allow_empty=True)
     logprobs_mode = None
     if chat:
         want = _typed(body, "logprobs", (bool,), False)
-        top = _typed(body, "top_logprobs", (int,))
+        top = _int(body, "top_logprobs", lo=0, hi=20)
         if top is not None and not want:
             raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         n_lp = (top or 0) if want else None
         logprobs_mode = "chat" if want else None
     else:
-        n_lp = _typed(body, "logprobs", (int,))
+        n_lp = _int(body, "logprobs", lo=0, hi=20)
         logprobs_mode = "completion" if n_lp is not None else None
-    if _typed(body, "best_of", (int,), 1) not in (1, _typed(body, "n", (int,), 1)):
+    n = _int(body, "n", 1, lo=1, hi=MAX_N)
+    if _int(body, "best_of", 1) not in (1, n):
         raise OpenAIError(400, "'best_of' is not supported; use 'n'", param="best_of")
     try:
         params = SamplingParams(
-            n=_typed(body, "n", (int,), 1),
-            temperature=float(_typed(body, "temperature", NUM, 1.0)),
-            top_p=float(_typed(body, "top_p", NUM, 1.0)),
-            top_k=_typed(body, "top_k", (int,), 0),
-            min_p=float(_typed(body, "min_p", NUM, 0.0)),
-            seed=_typed(body, "seed", (int,)),
+            n=n,
+            temperature=_float(body, "temperature", 1.0),
+            top_p=_float(body, "top_p", 1.0),
+            top_k=_int(body, "top_k", 0, lo=-1, hi=INT32_MAX),
+            min_p=_float(body, "min_p", 0.0),
+            seed=_int(body, "seed"),  # children draw with seed + k: still inside torch's 64-bit range
             max_tokens=max_tokens,
-            min_tokens=_typed(body, "min_tokens", (int,), 0),
+            min_tokens=_int(body, "min_tokens", 0, lo=0, hi=INT32_MAX),
             stop=stop,
-            stop_token_ids=list(_typed(body, "stop_token_ids", (list,), [])),
+            stop_token_ids=list(stop_ids),
             ignore_eos=_typed(body, "ignore_eos", (bool,), False),
             include_stop_str_in_output=_typed(body, "include_stop_str_in_output", (bool,), False),
-            presence_penalty=float(_typed(body, "presence_penalty", NUM, 0.0)),
-            frequency_penalty=float(_typed(body, "frequency_penalty", NUM, 0.0)),
-            repetition_penalty=float(_typed(body, "repetition_penalty", NUM, 1.0)),
+            presence_penalty=_float(body, "presence_penalty", 0.0),
+            frequency_penalty=_float(body, "frequency_penalty", 0.0),
+            repetition_penalty=_float(body, "repetition_penalty", 1.0),
             logit_bias=logit_bias,
             logprobs=n_lp,
             skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), True),
         )
     except SamplingParamsError as e:
         raise OpenAIError(400, str(e), param=e.param) from None
-    if params.n > 16:
-        raise OpenAIError(400, f"'n' must be at most 16, got {params.n}", param="n")
     return params, logprobs_mode
 
 
@@ -146,11 +324,19 @@ def stream_options(body: dict) -> tuple[bool, bool]:
     opts = _typed(body, "stream_options", (dict,), {})
     if opts and not stream:
         raise OpenAIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
-    return stream, bool(opts.get("include_usage", False))
+    for key, v in opts.items():
+        if key == "include_usage" or (key == "continuous_usage_stats" and v in (None, False)):
+            continue
+        raise OpenAIError(400, f"'stream_options.{key[:40]}' is not supported; 'include_usage' is",
+                          param="stream_options")
+    include_usage = opts.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise OpenAIError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
+    return stream, bool(include_usage)
 
 
 def common_extensions(body: dict) -> tuple[int, Optional[str]]:
-    priority = _typed(body, "priority", (int,), 0)
+    priority = _int(body, "priority", 0, lo=INT32_MIN, hi=INT32_MAX)
     salt = _typed(body, "cache_salt", (str,))
     if salt is not None and not salt:
         raise OpenAIError(400, "'cache_salt' must not be empty", param="cache_salt")

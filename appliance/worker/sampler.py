@@ -35,20 +35,28 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
+def _in_vocab(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    return ids[(ids >= 0) & (ids < vocab)]  # ids came from the model or a checked prompt: int64 already
+
+
 def _penalize(logits: torch.Tensor, r: SampleRequest) -> None:
+    """Token ids outside the vocabulary are skipped: the API refuses them,
+    and one that slips through must not take the batch down."""
     p = r.params
+    vocab = logits.shape[0]
     if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-        logits[ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+        bias = {t: b for t, b in p.logit_bias.items() if 0 <= t < vocab}
+        logits[torch.tensor(list(bias), dtype=torch.long)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
     if len(r.output_token_ids) < p.min_tokens and r.stop_ids:
-        logits[list(r.stop_ids)] = float("-inf")
+        logits[[t for t in r.stop_ids if 0 <= t < vocab]] = float("-inf")
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), dtype=torch.long)
+        seen = _in_vocab(seen, vocab)
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and r.output_token_ids:
-        counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long), minlength=logits.shape[0])
-        counts = counts[: logits.shape[0]].to(logits.dtype)
+        counts = torch.bincount(_in_vocab(torch.tensor(r.output_token_ids, dtype=torch.long), vocab), minlength=vocab)
+        counts = counts[:vocab].to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
@@ -121,7 +129,7 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest], default_generator: t
             continue
         lp = raw_lp[i]
         tok = tokens[i]
-        k = r.params.logprobs
+        k = min(r.params.logprobs, vocab)
         top = torch.topk(lp, k) if k else None
         logprobs.append(TokenLogprobs(
             tok, float(lp[tok]), int((lp > lp[tok]).sum()) + 1,

@@ -9,8 +9,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 class ServerProcess(LocalServer):
-    def __init__(self, *overrides, startup_timeout=240):
-        super().__init__(["+profile=cpu", *overrides], timeout_s=startup_timeout, cwd=REPO)
+    def __init__(self, *overrides, startup_timeout=240, env=None):
+        super().__init__(["+profile=cpu", *overrides], timeout_s=startup_timeout, cwd=REPO, env=env)
 
     def core_pid(self) -> int:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()

@@ -43,9 +43,17 @@ def test_models_health_ready_version_config(server, client, model):
     assert model == "tiny-random-llama"
     assert raw(server, "GET", "/health").json() == {"status": "ok"}
     assert raw(server, "GET", "/ready").status_code == 200
-    assert "version" in raw(server, "GET", "/version").json()
+    version = raw(server, "GET", "/version").json()
     cfg = raw(server, "GET", "/v1/appliance/config").json()
     assert cfg["profile"] == "cpu" and len(cfg["hash"]) == 16 and cfg["config"]["model"]["path"] == "tiny_random"
+    # What this machine resolved the declarative config to, next to what it asked for.
+    here = cfg["resolved_here"]
+    assert here["probed"] and here["host"].startswith("cpu: ")
+    assert here["dtype"]["requested"] == "float32" and here["dtype"]["resolved"] == "float32"
+    assert here["kv_cache_dtype"] == {"requested": "auto", "resolved": "float32"}
+    assert here["attention_backend"]["resolved"] == "cpu_native"
+    assert version["config_hash"] == cfg["hash"] and version["deployment"] == cfg["deployment"] != cfg["hash"]
+    assert cfg["config"]["server"]["api_key"] == "***" and KEY not in str(cfg)  # the key is never shown
 
 
 def test_completion_and_chat_sync(client, model):
@@ -87,6 +95,25 @@ def test_streaming_deltas_concatenate_to_full_text(client, model):
     chunks = list(client.chat.completions.create(**chat_kw, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == full
+
+
+def test_cut_inside_a_character_streams_and_returns_the_same_text(client, model):
+    """max_tokens ends the request inside a multi-byte character: no U+FFFD, the
+    same text streamed and whole, and the cut token still counted."""
+    from transformers import AutoTokenizer
+
+    from appliance.config.compose import resolve
+    from appliance.models.loader import resolve_model_folder
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_folder(resolve(["+profile=cpu", *TINY[:1]]).cfg.model)))
+    ids = tok.encode("a 😀🚀")
+    partial = next(t for i, t in enumerate(ids) if tok.decode(ids[: i + 1]).endswith("\ufffd"))
+    kw = dict(model=model, prompt="Hello", max_tokens=1, temperature=0, logit_bias={str(partial): 100})
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert whole.choices[0].text == "".join(c.choices[0].text for c in chunks if c.choices) == ""
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == 1
 
 
 def test_raw_sse_ends_with_done(server):
@@ -211,6 +238,7 @@ def test_metrics_names_and_labels(server):
                  "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket", "iteration_tokens_bucket"]:
         assert f"appliance:{name}" in m, name
     assert 'profile="cpu"' in m and 'model_name="tiny-random-llama"' in m and "config_hash=" in m
+    assert f'deployment="{raw(server, "GET", "/version").json()["deployment"]}"' in m
     assert metric(m, "appliance:generation_tokens_total") > 0
 
 
@@ -272,16 +300,16 @@ def test_core_death_is_detected():
     import os
     import signal
 
-    s = ServerProcess("model=tiny_random", "cache.kv_cache_memory_gib=0.05")
+    s = ServerProcess("model=tiny_random", "cache.kv_cache_memory_gib=0.05", "server.core_restart_backoff_s=10")
     try:
-        os.kill(s.core_pid(), signal.SIGKILL)
+        os.kill(s.core_pid(), signal.SIGKILL)  # restarted after 10 s (tests/integration/test_supervision.py)
         deadline = time.time() + 10
         while httpx.get(f"{s.url}/health").status_code == 200 and time.time() < deadline:
             time.sleep(0.1)
         assert httpx.get(f"{s.url}/health").status_code == 503
         assert httpx.get(f"{s.url}/ready").status_code == 503
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_restarting"
     finally:
         s.stop()
 
@@ -309,12 +337,12 @@ def test_dashboard_metric_names_exist(server):
 
 
 def test_request_timeout_aborts_and_answers_408():
-    s = ServerProcess("model=tiny_random", "cache.kv_cache_memory_gib=0.05", "server.request_timeout_s=0.5")
+    s = ServerProcess("model=tiny_random", "cache.kv_cache_memory_gib=0.05", "server.request_timeout_s=0.02")
     try:
         r = httpx.post(f"{s.url}/v1/completions", timeout=60,
                        json={"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True})
         assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
-        assert "server.request_timeout_s=0.5" in r.json()["error"]["message"]
+        assert "server.request_timeout_s=0.02" in r.json()["error"]["message"]
         with httpx.stream("POST", f"{s.url}/v1/completions", timeout=60,
                           json={"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}) as st:
             lines = [ln for ln in st.iter_lines() if ln]

@@ -58,8 +58,9 @@ def test_entrypoint_env_form_and_hash():
     assert r.returncode == 0, r.stderr
     assert "profile: h100_fp8" in r.stdout and "name: Qwen/Qwen3-8B" in r.stdout
     expected = resolve(["+profile=h100_fp8", "model=qwen3_8b", "scheduler=latency"]).hash
-    assert f"config hash {expected}" in r.stderr
-    assert hashlib.sha256(r.stdout.encode()).hexdigest()[:16] == expected  # the printed YAML is the hashed text
+    assert f"config hash {expected}, deployment " in r.stderr
+    yaml_part = "".join(ln for ln in r.stdout.splitlines(keepends=True) if not ln.startswith("#"))
+    assert hashlib.sha256(yaml_part.encode()).hexdigest()[:16] == expected  # the printed YAML is the hashed text
     # An explicit argument beats the environment.
     r = entry("config", "+profile=b200_fp8", env=env)
     assert "profile: b200_fp8" in r.stdout
@@ -90,6 +91,7 @@ def test_compose_file_is_consistent():
     target = app["build"]["target"].split(":-")[-1].rstrip("}")
     assert re.search(rf"^FROM \S+ AS {target}$", (REPO / "Dockerfile").read_text(), re.M)
     assert app["environment"]["APPLIANCE_PROFILE"].split(":-")[-1].rstrip("}") in list_profiles()
+    assert app["environment"]["APPLIANCE_API_KEY"].startswith("${APPLIANCE_API_KEY:?")  # required, no default
     for name, svc in services.items():
         assert "healthcheck" in svc and svc["healthcheck"]["test"][0] == "CMD", name
         for port in svc.get("ports", []):
@@ -112,8 +114,10 @@ def test_kubernetes_example():
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert c["resources"]["requests"]["nvidia.com/gpu"] == 1
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["APPLIANCE_PROFILE"] in list_profiles()
+    key = next(e for e in c["env"] if e["name"] == "APPLIANCE_API_KEY")
+    assert "secretKeyRef" in key["valueFrom"]  # never a literal in the manifest
     assert any(d["kind"] == "Service" for d in docs)
 
 
