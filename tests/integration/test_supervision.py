@@ -207,18 +207,23 @@ def test_bench_serve_measures_the_gap_while_rejecting(guarded, tmp_path):
 
 
 def test_sigterm_drains_with_the_port_open_then_cuts_streams():
-    """One sequence at a time and 16 long requests ahead of a stream: whatever
-    the machine's speed, work is left when server.shutdown_timeout_s ends."""
+    """One sequence at a time and 64 long requests ahead of a stream (seconds
+    of work even on a fast machine): work is left when
+    server.shutdown_timeout_s ends."""
     s = ServerProcess(*BASE, "server.shutdown_timeout_s=1", "scheduler.max_num_seqs=1")
     try:
-        def waiting():
-            return metric(httpx.get(f"{s.url}/metrics").text, "appliance:num_requests_waiting")
+        def admitted_prompt_tokens():  # counted when the front end admits a request
+            return metric(httpx.get(f"{s.url}/metrics").text, "appliance:prompt_tokens_total")
 
-        with ThreadPoolExecutor(17) as pool:
-            ahead = [pool.submit(httpx.post, f"{s.url}/v1/completions", json=LONG, timeout=60) for _ in range(16)]
-            wait_for(lambda: waiting() >= 15, 30, "queued requests")
+        with ThreadPoolExecutor(65) as pool:
+            per = admitted_prompt_tokens()
+            httpx.post(f"{s.url}/v1/completions", json={**LONG, "max_tokens": 1}, timeout=60)
+            per = admitted_prompt_tokens() - per  # prompt tokens of one LONG request
+            base = admitted_prompt_tokens()
+            ahead = [pool.submit(httpx.post, f"{s.url}/v1/completions", json=LONG, timeout=60) for _ in range(64)]
+            wait_for(lambda: admitted_prompt_tokens() >= base + 64 * per, 30, "queued requests")
             stream = pool.submit(stream_lines, s.url, LONG)
-            wait_for(lambda: waiting() >= 16, 30, "queued stream")
+            wait_for(lambda: admitted_prompt_tokens() >= base + 65 * per, 30, "queued stream")
             t0 = time.monotonic()
             s.proc.send_signal(signal.SIGTERM)
             time.sleep(0.2)
