@@ -9,8 +9,9 @@ port with the given overrides and stops it afterwards.
 
 ``--oversized N`` also measures how much rejecting bad requests costs a
 healthy one: one stream's largest inter-token gap alone, then while N
-clients keep sending prompts of ``--oversized-chars`` characters that the
-server must refuse (over ``server.max_prompt_chars``, or tokenized and over
+clients (in another process) send, all at once, ``--oversized-rounds``
+prompts each (0: until the stream ends) of ``--oversized-chars``
+characters that the server must refuse (over ``server.max_prompt_chars``, or tokenized and over
 the context length), both in the JSON with their ratio. A server that
 tokenizes on its event loop stalls every stream while it does.
 """
@@ -25,7 +26,7 @@ import random
 import sys
 import time
 from collections import Counter
-from typing import Optional
+from typing import Any, Optional
 
 import httpx
 from tqdm import tqdm
@@ -108,35 +109,67 @@ def oversized_text(chars: int, seed: int = 0) -> str:
     return " ".join(words)[:chars]
 
 
+def _flood(url: str, body: bytes, headers: dict, n: int, rounds: int, ready: Any, go: Any, stop: Any,
+           results: Any) -> None:
+    """Once ``go`` is set, ``n`` concurrent clients, each sending ``body``
+    ``rounds`` times, all of them even if the stream has ended (0: again as
+    soon as it is answered, until ``stop`` is set); the status counts go to
+    ``results``. Runs in a process of its own,
+    so its work never delays the measured stream's client."""
+
+    async def run() -> Counter:
+        responses: Counter = Counter()
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+            ready.set()
+            await asyncio.get_running_loop().run_in_executor(None, go.wait)
+
+            async def loop() -> None:
+                sent = 0
+                while sent < rounds if rounds else not stop.is_set():
+                    sent += 1
+                    try:
+                        r = await client.post(f"{url}/v1/completions", content=body,
+                                              headers={**headers, "Content-Type": "application/json"})
+                        responses[str(r.status_code)] += 1
+                    except httpx.HTTPError as e:
+                        responses[type(e).__name__] += 1
+
+            await asyncio.gather(*[loop() for _ in range(n)])
+        return responses
+
+    results.put(dict(asyncio.run(run())))
+
+
 async def rejection_gap(url: str, model: Optional[str], prompt: list[int], output_len: int, n: int, chars: int,
-                        headers: dict) -> dict:
-    """One stream's largest inter-token gap alone, then while ``n`` clients keep
-    sending oversized prompts (each answered before the next is sent)."""
+                        headers: dict, rounds: int = 1) -> dict:
+    """One stream's largest inter-token gap alone, then while ``n`` clients (in
+    another process) send oversized prompts at once, ``rounds`` each (0: until
+    the stream ends), each answered before the next is sent."""
+    import multiprocessing as mp
+
     body = {"prompt": oversized_text(chars), "max_tokens": 1}
     if model:
         body["model"] = model
-    responses: Counter = Counter()
-    done = asyncio.Event()
-    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    ctx = mp.get_context("spawn")
+    ready, go, stop, results = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
+    flood = ctx.Process(target=_flood, args=(url, json.dumps(body).encode(), headers, n, rounds, ready, go, stop,
+                                              results), daemon=True)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
         alone = await one_request(client, url, model, prompt, output_len, headers)
-
-        async def reject_loop() -> None:
-            while not done.is_set():
-                try:
-                    r = await client.post(f"{url}/v1/completions", json=body, headers=headers)
-                    responses[str(r.status_code)] += 1
-                except httpx.HTTPError as e:
-                    responses[type(e).__name__] += 1
-
-        flood = [asyncio.create_task(reject_loop()) for _ in range(n)]
+        flood.start()
         try:
-            await asyncio.sleep(0.2)  # the flood is under way before the stream starts
-            loaded = await one_request(client, url, model, prompt, output_len, headers)
+            await asyncio.get_running_loop().run_in_executor(None, ready.wait, 120)
+            stream = asyncio.create_task(one_request(client, url, model, prompt, output_len, headers))
+            await asyncio.sleep(min(0.25, alone["e2e"] / 4) if alone["ok"] else 0.25)  # the stream is under way
+            go.set()
+            loaded = await stream
         finally:
-            done.set()
-            await asyncio.gather(*flood)
-    out = {"concurrent_oversized": n, "oversized_chars": chars, "output_len": output_len,
+            go.set()
+            stop.set()
+            responses = Counter(await asyncio.get_running_loop().run_in_executor(None, results.get, True, 600))
+            flood.join(60)
+    out = {"concurrent_oversized": n, "oversized_rounds": rounds, "oversized_chars": chars, "output_len": output_len,
            "responses": dict(responses), "rejected_400": responses.get("400", 0)}
     if not (alone["ok"] and loaded["ok"]):
         return {**out, "error": alone.get("error") or loaded.get("error")}
@@ -181,6 +214,8 @@ def main(argv: list[str]) -> int:
                    help="also measure one stream's largest inter-token gap alone and while N concurrent clients "
                         "send oversized prompts the server rejects")
     p.add_argument("--oversized-chars", type=int, default=100_000, help="characters in each oversized prompt")
+    p.add_argument("--oversized-rounds", type=int, default=1,
+                   help="oversized prompts each client sends, one after the other (0: until the stream ends)")
     p.add_argument("--label", default=None, help="name of the server under test in the results")
     p.add_argument("--out", default="bench-results")
     a, overrides = split_overrides(p, argv)
@@ -209,7 +244,7 @@ def main(argv: list[str]) -> int:
         if a.oversized > 0:
             prompt = random_prompts(1, [a.input_len], vocab, seed=0)[0]
             rejection = asyncio.run(rejection_gap(url, model, prompt, a.output_len, a.oversized, a.oversized_chars,
-                                                  headers))
+                                                  headers, a.oversized_rounds))
     finally:
         if own:
             own.stop()

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
@@ -78,6 +80,15 @@ def serve_forever(resolved: Any, execution: Any) -> int:
     return asyncio.run(_serve(resolved, execution))
 
 
+def _lower_priority() -> None:
+    """Tokenizer threads yield the CPU to the event loop and the engine core:
+    a burst of huge prompts to refuse must not slow the streams being served."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10))
+    except OSError:
+        pass
+
+
 async def _serve(resolved: Any, execution: Any) -> int:
     import uvicorn
     from transformers import AutoTokenizer
@@ -113,7 +124,8 @@ async def _serve(resolved: Any, execution: Any) -> int:
                         model_name=model_name, max_model_len=max_model_len(cfg), api_keys=load_api_keys(cfg.server),
                         max_queue_len=cfg.server.max_queue_len,
                         tokenize_pool=ThreadPoolExecutor(cfg.server.tokenizer_threads,
-                                                         thread_name_prefix="appliance-tokenize"),
+                                                         thread_name_prefix="appliance-tokenize",
+                                                         initializer=_lower_priority),
                         max_prompt_chars=cfg.server.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len(cfg))
     app = create_app(state)
     drain = Drain(state, cfg.server.shutdown_timeout_s)

@@ -167,6 +167,10 @@ def test_cli_plan_and_config_show_the_folder(folders, tmp_path):
     assert plan["model"] == "my-qwen2"
     assert plan["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2
     assert plan["parameter_count"] == _checkpoint_parameters(folders["qwen2"])
+    r = run_cli("plan", *BASE, f"model.path={folders['qwen2']}", env=env)
+    assert r.returncode == 0, r.stderr
+    assert ("architecture       Qwen2ForCausalLM: 2 layers, hidden 64, intermediate 96, 4 heads / 2 kv heads x 16, "
+            "vocab 512; qkv bias") in r.stdout
     r = run_cli("config", *BASE, f"model.path={folders['qwen2']}", env=env)
     assert r.returncode == 0, r.stderr
     for line in ("num_layers: 2", "hidden_size: 64", "intermediate_size: 96", "num_heads: 4", "num_kv_heads: 2",
