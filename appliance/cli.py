@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="serve the deployment (OpenAI-compatible HTTP)")
     _add_overrides(p)
     p.add_argument("--api-key", default=None,
-                   help="same as server.api_key=... (visible in ps: prefer APPLIANCE_API_KEY or server.api_key_file)")
+                   help="same as APPLIANCE_API_KEY=... (visible in ps: prefer the variable or server.api_key_file)")
 
     p = sub.add_parser("plan", help="explain what would run, and why, without a GPU")
     _add_overrides(p)
@@ -146,10 +146,11 @@ def cmd_lock(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from appliance.runner import serve
 
-    overrides = list(args.overrides)
-    if args.api_key:
-        overrides.append(f"server.api_key={args.api_key}")
-    return serve(resolve(overrides))
+    if args.api_key:  # as APPLIANCE_API_KEY: never parsed as an override, so never echoed in an error
+        import os
+
+        os.environ["APPLIANCE_API_KEY"] = args.api_key
+    return serve(resolve(list(args.overrides)))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import queue
 import random
 import sys
 import time
@@ -51,6 +52,8 @@ async def one_request(client: httpx.AsyncClient, url: str, model: Optional[str],
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if chunk.get("error"):  # the server cut the stream (drain, timeout, engine failure)
+                    return {"ok": False, "error": f"stream error: {str(chunk['error'].get('message'))[:200]}"}
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 # Every choice chunk is an arrival, text or not (as vLLM's serving benchmark counts):
@@ -159,7 +162,8 @@ async def rejection_gap(url: str, model: Optional[str], prompt: list[int], outpu
         alone = await one_request(client, url, model, prompt, output_len, headers)
         flood.start()
         try:
-            await asyncio.get_running_loop().run_in_executor(None, ready.wait, 120)
+            if not await asyncio.get_running_loop().run_in_executor(None, ready.wait, 120):
+                raise RuntimeError("the oversized-prompt clients did not start")
             stream = asyncio.create_task(one_request(client, url, model, prompt, output_len, headers))
             await asyncio.sleep(min(0.25, alone["e2e"] / 4) if alone["ok"] else 0.25)  # the stream is under way
             go.set()
@@ -167,10 +171,13 @@ async def rejection_gap(url: str, model: Optional[str], prompt: list[int], outpu
         finally:
             go.set()
             stop.set()
-            responses = Counter(await asyncio.get_running_loop().run_in_executor(None, results.get, True, 600))
-            flood.join(60)
+            try:
+                responses = Counter(await asyncio.get_running_loop().run_in_executor(None, results.get, True, 120))
+            except queue.Empty:
+                responses = Counter({"no result from the clients' process": 1})
+            flood.join(10)
     out = {"concurrent_oversized": n, "oversized_rounds": rounds, "oversized_chars": chars, "output_len": output_len,
-           "responses": dict(responses), "rejected_400": responses.get("400", 0)}
+           "responses": dict(responses), "rejected": responses.get("400", 0) + responses.get("413", 0)}
     if not (alone["ok"] and loaded["ok"]):
         return {**out, "error": alone.get("error") or loaded.get("error")}
     gap_alone = max(alone["itl"], default=0.0) * 1e3
@@ -262,11 +269,11 @@ def main(argv: list[str]) -> int:
               f"goodput {lv['goodput_requests_s']:.2f} req/s, failed {lv['failed']}")
     if rejection is not None:
         if "error" in rejection:
-            print(f"oversized rejection probe failed: {rejection['error']}")
+            print(f"oversized rejection test failed: {rejection['error']}")
         else:
             print(f"largest inter-token gap: {rejection['max_itl_ms_alone']:.1f} ms alone, "
                   f"{rejection['max_itl_ms_while_rejecting']:.1f} ms while {rejection['concurrent_oversized']} clients "
-                  f"sent {rejection['oversized_chars']}-character prompts ({rejection['rejected_400']} rejected with "
-                  f"400; ratio {rejection['ratio'] or float('nan'):.2f})")
+                  f"sent {rejection['oversized_chars']}-character prompts ({rejection['rejected']} refused with "
+                  f"400/413; ratio {rejection['ratio'] or float('nan'):.2f})")
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     return 1 if rejection is not None and "error" in rejection else 0

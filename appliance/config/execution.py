@@ -37,7 +37,7 @@ def cpu_dtype_preference(backend: str, cpu: CpuInfo, quantization: str = "none")
 
     Measured with `appliance bench throughput` (docs/benchmarks.md, "dtype and
     backend per CPU class"). The native kernels stream half the weight bytes
-    in bf16 (1.7-1.9x fp32 at one request on any CPU; at 32 requests equal
+    in bf16 (1.7-2x fp32 at one request on any CPU; at 32 requests equal
     where bf16 weights are widened to fp32, 2x where AVX512-BF16 runs the
     GEMMs), so they prefer bf16 everywhere; with int8 weights only the
     embedding and norms would be bf16, which measured slower at one request.

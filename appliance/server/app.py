@@ -393,19 +393,8 @@ def _sse(obj: Any) -> str:
 
 
 # -- endpoints ---------------------------------------------------------------------
-# A character is at most 6 bytes of JSON (\uXXXX); the other fields of a
-# request (logit_bias over a whole vocabulary, stop lists, ...) fit in this.
-BODY_BYTES_BESIDES_PROMPT = 2 * 1024 * 1024
-
-
 async def _read_body(request: Request, st: ServerState) -> dict:
     tenant = _check_auth(request, st)
-    declared = request.headers.get("content-length", "")
-    if st.max_prompt_chars and declared.isdigit() and \
-            int(declared) > 6 * st.max_prompt_chars + BODY_BYTES_BESIDES_PROMPT:
-        # Refused before the body is read or parsed: no prompt under server.max_prompt_chars is this large.
-        raise OpenAIError(413, f"the request body ({declared} bytes) cannot hold a prompt under "
-                               f"{st.max_prompt_chars} characters (server.max_prompt_chars)", code="body_too_large")
     body = parse_json(await request.body())
     if tenant is not None and st.resolved.cfg.server.tenant_isolation and isinstance(body, dict):
         salt = body.get("cache_salt")

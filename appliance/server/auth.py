@@ -57,7 +57,11 @@ def is_loopback(host: str) -> bool:
 
 
 def check_exposure(server: Any, keys: tuple[str, ...]) -> None:
-    """Refuse to listen beyond this machine without a key, unless asked to."""
+    """Refuse to listen beyond this machine without a key, unless asked to, and
+    tenant isolation without keys to tell tenants apart."""
+    if server.tenant_isolation and not keys:
+        raise ConfigError(f"server.tenant_isolation=true needs API keys to tell tenants apart; set {ENV_KEY}, "
+                          "server.api_key_file=PATH or server.api_key")
     if keys or is_loopback(server.host) or server.allow_unauthenticated:
         return
     raise ConfigError(
@@ -69,12 +73,13 @@ def check_exposure(server: Any, keys: tuple[str, ...]) -> None:
 
 def match_key(authorization: str, keys: tuple[str, ...]) -> Optional[int]:
     """Index of the key an ``Authorization: Bearer ...`` header presents, or
-    None. Every key is compared, each in constant time."""
+    None. Every key is compared, each in constant time over fixed-size
+    digests, so neither a key's bytes nor its length show in the timing."""
     scheme, _, token = authorization.partition(" ")
-    presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+    presented = hashlib.sha256(token.strip().encode() if scheme.lower() == "bearer" else b"").digest()
     found = None
     for i, key in enumerate(keys):
-        if hmac.compare_digest(presented, key.encode()) and found is None:
+        if hmac.compare_digest(presented, hashlib.sha256(key.encode()).digest()) and found is None:
             found = i
     return found
 

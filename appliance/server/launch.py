@@ -104,6 +104,7 @@ async def _serve(resolved: Any, execution: Any) -> int:
     folder = resolve_model_folder(cfg.model)  # prepare (convert/generate) once, before the core starts
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model_name = cfg.server.served_model_name or cfg.model.name
+    api_keys = load_api_keys(cfg.server)  # before the core starts: an unreadable key file stops nothing half-started
     deployment = execution.fingerprint(resolved.hash)
     metrics = Metrics(model_name, cfg.profile, resolved.hash, deployment)
     fatal: list[str] = []
@@ -121,7 +122,7 @@ async def _serve(resolved: Any, execution: Any) -> int:
         await client.shutdown()
         return 1
     state = ServerState(resolved=resolved, execution=execution, client=client, tokenizer=tokenizer, metrics=metrics,
-                        model_name=model_name, max_model_len=max_model_len(cfg), api_keys=load_api_keys(cfg.server),
+                        model_name=model_name, max_model_len=max_model_len(cfg), api_keys=api_keys,
                         max_queue_len=cfg.server.max_queue_len,
                         tokenize_pool=ThreadPoolExecutor(cfg.server.tokenizer_threads,
                                                          thread_name_prefix="appliance-tokenize",

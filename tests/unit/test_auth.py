@@ -11,7 +11,7 @@ from appliance.server.auth import check_exposure, is_loopback, load_api_keys, ma
 
 
 def server(**kw):
-    base = dict(api_key=None, api_key_file=None, host="127.0.0.1", allow_unauthenticated=False)
+    base = dict(api_key=None, api_key_file=None, host="127.0.0.1", allow_unauthenticated=False, tenant_isolation=False)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -30,6 +30,7 @@ def test_keys_come_from_config_file_and_environment(tmp_path):
 
 def test_match_key():
     keys = ("sk-a", "sk-b")
+    assert match_key("Bearer sk-a", ("sk-a-longer", "sk-a")) == 1
     assert match_key("Bearer sk-b", keys) == 1 and match_key("bearer sk-a", keys) == 0
     for header in ("", "Bearer", "Bearer sk-", "Bearer sk-a2", "Basic sk-a", "sk-a", "Bearer  "):
         assert match_key(header, keys) is None, header
@@ -43,6 +44,9 @@ def test_no_key_beyond_loopback_unless_allowed():
     check_exposure(server(host="0.0.0.0", allow_unauthenticated=True), ())
     with pytest.raises(ConfigError, match="no API key is set; set APPLIANCE_API_KEY"):
         check_exposure(server(host="0.0.0.0"), ())
+    with pytest.raises(ConfigError, match="tenant_isolation=true needs API keys"):
+        check_exposure(server(tenant_isolation=True), ())
+    check_exposure(server(tenant_isolation=True), ("sk-a", "sk-b"))
 
 
 def test_tenant_salts_differ_per_key_and_keep_the_request_salt():
@@ -67,3 +71,13 @@ def test_run_refuses_to_listen_beyond_loopback_without_a_key(cli):
     r = cli("run", "+profile=cpu", "model=tiny_random", "server.host=0.0.0.0", env={"APPLIANCE_API_KEY": ""})
     assert r.returncode == 2
     assert "server.host=0.0.0.0 accepts connections from other machines but no API key is set" in r.stderr
+
+
+def test_api_key_flag_is_never_parsed_as_an_override(cli):
+    """A key with characters the override grammar rejects would be echoed in
+    its error; the flag hands it over as APPLIANCE_API_KEY instead."""
+    key = "sk-a#b&c=d"
+    r = cli("run", "+profile=cpu", "model=tiny_random", "server.host=0.0.0.0", "model.num_layers=-1",
+            "--api-key", key, env={"APPLIANCE_API_KEY": ""})
+    assert r.returncode == 2 and key not in r.stderr + r.stdout
+    assert "num_layers" in r.stderr
