@@ -113,12 +113,10 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     print(f"{'profile':<14}{'hardware':<10}{'backend':<14}{'dtype':<10}{'quant':<8}{'kv':<10}runs here")
     for name in list_profiles():
         r = resolve([f"+profile={name}"], check=False)
-        ex = execution_here(r, here)
         try:
-            check_runnable(r, here)
-            runs = "yes"
+            ex, runs = check_runnable(r, here), "yes"
         except ConfigError as e:
-            runs = f"no: {str(e).splitlines()[0]}"
+            ex, runs = execution_here(r, here), f"no: {str(e).splitlines()[0]}"
         quant = getattr(r.cfg.quantization.method, "value", r.cfg.quantization.method)
         print(f"{name:<14}{r.cfg.hardware.name:<10}{str(ex.backend):<14}{ex.dtype:<10}{quant:<8}"
               f"{ex.kv_cache_dtype:<10}{runs}")

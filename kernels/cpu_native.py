@@ -238,15 +238,6 @@ class CpuNativeBackend(AttentionBackend):
         return out.view_as(q)
 
 
-def _rope_tables_f32(arch: Any, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [positions, head_dim] in fp32, as LlamaForCausalLM.rope_cache computes them."""
-    from appliance.models.llama import rope_inv_freq
-
-    freqs = torch.outer(torch.arange(positions, dtype=torch.float32), rope_inv_freq(arch))
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
 class NativeForward:
     """The whole forward of a LlamaForCausalLM in one native call per step."""
 
@@ -276,7 +267,9 @@ class NativeForward:
             self._lm_head = NativeLinear(model.lm_head, release=True)
         cos, sin = model._rope
         if cos.dtype != torch.float32:  # activations are fp32: so are the angles, not bf16-rounded ones
-            cos, sin = _rope_tables_f32(arch, cos.shape[0])
+            from appliance.models.llama import rope_tables
+
+            cos, sin = rope_tables(arch, cos.shape[0])
         # The embedding is read one row per token, widened in the kernel: a bf16 table stays bf16.
         embed = model.model.embed_tokens.weight.data
         if embed.dtype not in WEIGHT_DTYPES:

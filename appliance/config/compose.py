@@ -51,9 +51,12 @@ def _redact(obj: Any) -> Any:
     every endpoint see, so no secret can be read or guessed from them."""
     from dataclasses import replace
 
-    if obj.server.api_key is None:
-        return obj
-    return replace(obj, server=replace(obj.server, api_key=REDACTED))
+    for path in SECRET_KEYS:
+        group, key = path.split(".")
+        section = getattr(obj, group)
+        if getattr(section, key) is not None:
+            obj = replace(obj, **{group: replace(section, **{key: REDACTED})})
+    return obj
 
 
 def _redact_override(o: str) -> str:

@@ -29,14 +29,6 @@ def _v(x: Any) -> Any:
     return getattr(x, "value", x)
 
 
-def resolve_dtype(cfg: Any) -> str:
-    """``model.dtype`` as the target hardware runs it (``auto`` resolved; see
-    ``appliance.config.execution``)."""
-    from appliance.config.execution import choose_dtype
-
-    return choose_dtype(cfg)[0]
-
-
 def parameter_counts(m: Any) -> dict[str, int]:
     """Parameters of a Llama-family decoder by where they live."""
     embed = m.vocab_size * m.hidden_size
@@ -292,4 +284,4 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["BACKENDS", "Plan", "make_plan", "format_plan", "resolve_dtype", "parameter_counts"]
+__all__ = ["BACKENDS", "Plan", "make_plan", "format_plan", "parameter_counts"]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from appliance.config.plan import GIB, activation_bytes, kv_bytes_per_token, max_model_len, resolve_dtype, weight_bytes
+from appliance.config.execution import choose_dtype
+from appliance.config.plan import GIB, activation_bytes, kv_bytes_per_token, max_model_len, weight_bytes
 from appliance.kernels.registry import BACKENDS
 
 FP8_HARDWARE = "h100, h200, b200 or mi300x"
@@ -30,7 +31,7 @@ def validate(cfg: Any) -> list[str]:
         cfg.parallel,
         cfg.speculative,
     )
-    dtype = resolve_dtype(cfg)
+    dtype = choose_dtype(cfg)[0]
 
     # Numeric ranges.
     for key, value, low in [

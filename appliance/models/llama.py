@@ -123,6 +123,14 @@ def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
     raise ValueError(f"unsupported rope scaling {rs['rope_type']!r}")
 
 
+def rope_tables(arch: ModelArch, positions: int, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [positions, head_dim] in fp32."""
+    pos = torch.arange(positions, device=device, dtype=torch.float32)
+    freqs = torch.outer(pos, rope_inv_freq(arch).to(device))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -226,11 +234,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
 
     def rope_cache(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
-        inv_freq = rope_inv_freq(self.arch).to(device)
-        pos = torch.arange(max_positions, device=device, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self._rope = (emb.cos().to(dtype), emb.sin().to(dtype))
+        cos, sin = rope_tables(self.arch, max_positions, device)
+        self._rope = (cos.to(dtype), sin.to(dtype))
         self._native = None  # rebuilt on the next forward with the new tables
 
     def forward(
