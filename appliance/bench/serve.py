@@ -12,8 +12,11 @@ healthy one: one stream's largest inter-token gap alone, then while N
 clients (in another process) send, all at once, ``--oversized-rounds``
 prompts each (0: until the stream ends) of ``--oversized-chars``
 characters that the server must refuse (over ``server.max_prompt_chars``, or tokenized and over
-the context length), both in the JSON with their ratio. A server that
-tokenizes on its event loop stalls every stream while it does.
+the context length), and while the same clients send the same prompts to a
+sink on this host that only reads and refuses them (the floor the host's
+shared cores set); medians of ``--oversized-repeats`` runs, with the ratios
+to the gap alone and to the sink's. A server that tokenizes on its event
+loop stalls every stream while it does.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing as mp
 import os
 import queue
 import random
+import statistics
 import sys
 import time
 from collections import Counter
@@ -144,46 +149,110 @@ def _flood(url: str, body: bytes, headers: dict, n: int, rounds: int, ready: Any
     results.put(dict(asyncio.run(run())))
 
 
+def _sink(port: int) -> None:
+    """An HTTP server on the same stack as ours (uvicorn, h11) that reads
+    each body whole and answers 400: what any server must do with the
+    flood, so a stream's gap beside it is the floor this host sets."""
+    import uvicorn
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        more = True
+        while more:
+            more = (await receive()).get("more_body", False)
+        await send({"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"error": {"message": "refused"}}'})
+
+    uvicorn.run(app, host="127.0.0.1", port=port, http="h11", log_level="warning")
+
+
+async def _gap_beside_flood(client: httpx.AsyncClient, url: str, flood_url: str, model: Optional[str],
+                            prompt: list[int], output_len: int, body: bytes, n: int, rounds: int, headers: dict,
+                            pause_s: float) -> tuple[dict, Counter]:
+    """One stream from ``url`` while ``n`` clients (another process) send
+    ``body`` to ``flood_url``; the stream's result and the flood's status counts."""
+    ctx = mp.get_context("spawn")
+    ready, go, stop, results = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
+    flood = ctx.Process(target=_flood, args=(flood_url, body, headers, n, rounds, ready, go, stop, results),
+                        daemon=True)
+    flood.start()
+    try:
+        if not await asyncio.get_running_loop().run_in_executor(None, ready.wait, 120):
+            raise RuntimeError("the oversized-prompt clients did not start")
+        stream = asyncio.create_task(one_request(client, url, model, prompt, output_len, headers))
+        await asyncio.sleep(pause_s)  # the stream is under way
+        go.set()
+        loaded = await stream
+    finally:
+        go.set()
+        stop.set()
+        try:
+            responses = Counter(await asyncio.get_running_loop().run_in_executor(None, results.get, True, 120))
+        except queue.Empty:
+            responses = Counter({"no result from the clients' process": 1})
+        flood.join(10)
+    return loaded, responses
+
+
+def _max_itl_ms(result: dict) -> float:
+    return max(result["itl"], default=0.0) * 1e3
+
+
 async def rejection_gap(url: str, model: Optional[str], prompt: list[int], output_len: int, n: int, chars: int,
-                        headers: dict, rounds: int = 1) -> dict:
-    """One stream's largest inter-token gap alone, then while ``n`` clients (in
-    another process) send oversized prompts at once, ``rounds`` each (0: until
-    the stream ends), each answered before the next is sent."""
-    import multiprocessing as mp
+                        headers: dict, rounds: int = 1, repeats: int = 3) -> dict:
+    """One stream's largest inter-token gap alone, while ``n`` clients (in
+    another process) send oversized prompts to the server, ``rounds`` each
+    (0: until the stream ends), each answered before the next is sent, and
+    while they send the same prompts to a sink on this host that only reads
+    and refuses them. The sink run is the floor the host itself sets (the
+    clients' and the server's processes share its cores); the server's own
+    cost is the ratio to it. Each figure is the median of ``repeats`` runs."""
+    from appliance.server.local import free_port
 
     body = {"prompt": oversized_text(chars), "max_tokens": 1}
     if model:
         body["model"] = model
-    ctx = mp.get_context("spawn")
-    ready, go, stop, results = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
-    flood = ctx.Process(target=_flood, args=(url, json.dumps(body).encode(), headers, n, rounds, ready, go, stop,
-                                              results), daemon=True)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-        alone = await one_request(client, url, model, prompt, output_len, headers)
-        flood.start()
-        try:
-            if not await asyncio.get_running_loop().run_in_executor(None, ready.wait, 120):
-                raise RuntimeError("the oversized-prompt clients did not start")
-            stream = asyncio.create_task(one_request(client, url, model, prompt, output_len, headers))
-            await asyncio.sleep(min(0.25, alone["e2e"] / 4) if alone["ok"] else 0.25)  # the stream is under way
-            go.set()
-            loaded = await stream
-        finally:
-            go.set()
-            stop.set()
-            try:
-                responses = Counter(await asyncio.get_running_loop().run_in_executor(None, results.get, True, 120))
-            except queue.Empty:
-                responses = Counter({"no result from the clients' process": 1})
-            flood.join(10)
-    out = {"concurrent_oversized": n, "oversized_rounds": rounds, "oversized_chars": chars, "output_len": output_len,
-           "responses": dict(responses), "rejected": responses.get("400", 0) + responses.get("413", 0)}
-    if not (alone["ok"] and loaded["ok"]):
-        return {**out, "error": alone.get("error") or loaded.get("error")}
-    gap_alone = max(alone["itl"], default=0.0) * 1e3
-    gap_loaded = max(loaded["itl"], default=0.0) * 1e3
-    return {**out, "max_itl_ms_alone": gap_alone, "max_itl_ms_while_rejecting": gap_loaded,
-            "ratio": gap_loaded / gap_alone if gap_alone else None}
+    raw = json.dumps(body).encode()
+    sink_port = free_port()
+    sink = mp.get_context("spawn").Process(target=_sink, args=(sink_port,), daemon=True)
+    sink.start()
+    sink_url = f"http://127.0.0.1:{sink_port}"
+    out: dict = {"concurrent_oversized": n, "oversized_rounds": rounds, "oversized_chars": chars,
+                 "output_len": output_len, "repeats": repeats}
+    runs: dict[str, list[float]] = {"alone": [], "sink": [], "server": []}
+    responses: Counter = Counter()
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+            for _ in range(60):
+                try:
+                    await client.post(sink_url, content=b"{}")
+                    break
+                except httpx.HTTPError:
+                    await asyncio.sleep(0.5)
+            for _ in range(repeats):
+                alone = await one_request(client, url, model, prompt, output_len, headers)
+                if not alone["ok"]:
+                    return {**out, "error": alone["error"]}
+                runs["alone"].append(_max_itl_ms(alone))
+                pause = min(0.25, alone["e2e"] / 4)
+                for target, flood_url in (("sink", sink_url), ("server", url)):
+                    loaded, counts = await _gap_beside_flood(client, url, flood_url, model, prompt, output_len, raw,
+                                                             n, rounds, headers, pause)
+                    if target == "server":
+                        responses += counts
+                    if not loaded["ok"]:
+                        return {**out, "responses": dict(responses), "error": loaded["error"]}
+                    runs[target].append(_max_itl_ms(loaded))
+    finally:
+        sink.terminate()
+        sink.join(10)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {**out, "responses": dict(responses), "rejected": responses.get("400", 0) + responses.get("413", 0),
+            "max_itl_ms_runs": runs, "max_itl_ms_alone": med["alone"], "max_itl_ms_beside_sink": med["sink"],
+            "max_itl_ms_while_rejecting": med["server"],
+            "ratio": med["server"] / med["alone"] if med["alone"] else None,
+            "ratio_to_sink": med["server"] / med["sink"] if med["sink"] else None}
 
 
 def summarize(level: dict, concurrency: int, rate: float, ttft_slo_ms: float, itl_slo_ms: float) -> dict:
@@ -223,6 +292,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--oversized-chars", type=int, default=100_000, help="characters in each oversized prompt")
     p.add_argument("--oversized-rounds", type=int, default=1,
                    help="oversized prompts each client sends, one after the other (0: until the stream ends)")
+    p.add_argument("--oversized-repeats", type=int, default=3,
+                   help="runs of the gap measurement (alone, beside a sink, beside the server); medians reported")
     p.add_argument("--label", default=None, help="name of the server under test in the results")
     p.add_argument("--out", default="bench-results")
     a, overrides = split_overrides(p, argv)
@@ -251,7 +322,7 @@ def main(argv: list[str]) -> int:
         if a.oversized > 0:
             prompt = random_prompts(1, [a.input_len], vocab, seed=0)[0]
             rejection = asyncio.run(rejection_gap(url, model, prompt, a.output_len, a.oversized, a.oversized_chars,
-                                                  headers, a.oversized_rounds))
+                                                  headers, a.oversized_rounds, a.oversized_repeats))
     finally:
         if own:
             own.stop()
@@ -271,9 +342,11 @@ def main(argv: list[str]) -> int:
         if "error" in rejection:
             print(f"oversized rejection test failed: {rejection['error']}")
         else:
-            print(f"largest inter-token gap: {rejection['max_itl_ms_alone']:.1f} ms alone, "
-                  f"{rejection['max_itl_ms_while_rejecting']:.1f} ms while {rejection['concurrent_oversized']} clients "
-                  f"sent {rejection['oversized_chars']}-character prompts ({rejection['rejected']} refused with "
-                  f"400/413; ratio {rejection['ratio'] or float('nan'):.2f})")
+            print(f"largest inter-token gap (median of {rejection['repeats']}): {rejection['max_itl_ms_alone']:.1f} ms "
+                  f"alone, {rejection['max_itl_ms_while_rejecting']:.1f} ms while {rejection['concurrent_oversized']} "
+                  f"clients sent {rejection['oversized_chars']}-character prompts ({rejection['rejected']} refused with "
+                  f"400/413; ratio {rejection['ratio'] or float('nan'):.2f}), "
+                  f"{rejection['max_itl_ms_beside_sink']:.1f} ms while they sent them to a sink on this host "
+                  f"(ratio to it {rejection['ratio_to_sink'] or float('nan'):.2f})")
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     return 1 if rejection is not None and "error" in rejection else 0

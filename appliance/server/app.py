@@ -393,9 +393,16 @@ def _sse(obj: Any) -> str:
 
 
 # -- endpoints ---------------------------------------------------------------------
+LOOP_PARSE_BYTES = 64 * 1024  # larger bodies are parsed off the event loop
+
+
 async def _read_body(request: Request, st: ServerState) -> dict:
     tenant = _check_auth(request, st)
-    body = parse_json(await request.body())
+    raw = await request.body()
+    if len(raw) > LOOP_PARSE_BYTES:  # parsed on the tokenizer pool: the loop streams between large parses
+        body = await asyncio.get_running_loop().run_in_executor(st.tokenize_pool, parse_json, raw)
+    else:
+        body = parse_json(raw)
     if tenant is not None and st.resolved.cfg.server.tenant_isolation and isinstance(body, dict):
         salt = body.get("cache_salt")
         if salt is None or isinstance(salt, str):  # anything else is refused when the body is parsed

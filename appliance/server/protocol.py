@@ -22,6 +22,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import msgspec
+
 from appliance.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -94,19 +96,56 @@ def _check_tree(body: dict) -> None:
                 stack.append((v, depth + 1, param))
 
 
-def parse_json(raw: bytes) -> dict:
+_DECODER = msgspec.json.Decoder()
+
+
+def _parse_precisely(raw: bytes) -> Any:
+    """The standard library's parse, which keeps lone surrogates and deep
+    nesting so the checks can name the field at fault."""
     try:
         body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
     except RecursionError:
         raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as e:
         raise OpenAIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if isinstance(body, dict):
+        _check_tree(body)
+    return body
+
+
+def _may_be_too_deep(body: dict, raw: bytes) -> bool:
+    """Whether a parsed body may nest more than ``MAX_JSON_DEPTH`` levels:
+    a walk over its first few thousand values (a long text prompt costs
+    nothing), then, for bodies with more, whether it has that many brackets
+    at all (a long token-id list)."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    budget = 4096
+    while stack:
+        obj, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return True
+        values = obj.values() if isinstance(obj, dict) else obj
+        budget -= len(values)
+        if budget < 0:
+            return raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH
+        stack.extend((v, depth + 1) for v in values if isinstance(v, (dict, list)))
+    return False
+
+
+def parse_json(raw: bytes) -> dict:
+    """The body as a dict with finite numbers, valid strings and at most
+    ``MAX_JSON_DEPTH`` levels. msgspec parses valid bodies (it refuses
+    NaN, infinities and lone surrogates itself); anything it refuses is
+    parsed again by ``json`` to say precisely what is wrong and where."""
+    try:
+        body = _DECODER.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        body = _parse_precisely(raw)
+    else:
+        if isinstance(body, dict) and _may_be_too_deep(body, raw):
+            _check_tree(body)  # raises, naming the field
     if not isinstance(body, dict):
         raise OpenAIError(400, "request body must be a JSON object", code="invalid_json")
-    # Only a body with many brackets can be deep, and only an escape or a raw
-    # 0xED byte (UTF-8 of U+D000..U+DFFF) can make a lone surrogate.
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH or b"\\u" in raw or b"\xed" in raw:
-        _check_tree(body)
     return body
 
 

@@ -211,12 +211,14 @@ def test_bench_serve_measures_the_gap_while_rejecting(guarded, tmp_path):
     from appliance.bench.serve import main
 
     assert main(["--base-url", guarded.url, "--max-concurrency", "", "--oversized", "4", "--oversized-chars", "5000",
-                 "--oversized-rounds", "3", "--input-len", "8", "--output-len", "32", "--vocab", "500",
+                 "--oversized-rounds", "3", "--oversized-repeats", "1", "--input-len", "8", "--output-len", "32", "--vocab", "500",
                  "--out", str(tmp_path)]) == 0
     probe = json.loads((tmp_path / "serve.json").read_text())["oversized_rejection"]
     assert probe["concurrent_oversized"] == 4 and probe["rejected"] == 12
     assert set(probe["responses"]) == {"400"}
     assert probe["max_itl_ms_alone"] > 0 and probe["max_itl_ms_while_rejecting"] > 0 and probe["ratio"] > 0
+    assert probe["max_itl_ms_beside_sink"] > 0 and probe["ratio_to_sink"] > 0  # the host's floor, measured
+    assert {k: len(v) for k, v in probe["max_itl_ms_runs"].items()} == {"alone": 1, "sink": 1, "server": 1}
 
 
 def test_sigterm_drains_with_the_port_open_then_cuts_streams():
