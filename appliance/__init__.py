@@ -1,6 +1,8 @@
 """appliance: a declarative, configuration-driven LLM serving appliance."""
 
-__version__ = "0.1.0"
+from appliance.version import __version__
+
+__all__ = ["__version__", "LLM", "SamplingParams"]
 
 
 def __getattr__(name):  # lazy: `import appliance` stays light for the CLI

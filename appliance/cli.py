@@ -59,37 +59,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from appliance.config.plan import format_plan, make_plan
-    from appliance.runner import execution_here, startup_lines
+    from appliance.config.plan import format_plan
+    from appliance.runner import compose, startup_lines
 
     r = resolve(args.overrides)
-    ex = execution_here(r)
-    plan = make_plan(r.cfg, ex)
+    d = compose(r, here=False)
     if args.json:
-        out = plan.to_dict()
+        out = d.plan.to_dict()
         out["config_hash"] = r.hash
-        out["deployment"] = ex.fingerprint(r.hash)
+        out["deployment"] = d.fingerprint
         out["profile_reason"] = r.profile_reason
         print(json.dumps(out, indent=2))
     else:
-        for line in startup_lines(r, ex):
+        for line in startup_lines(d):
             print(line)
-        print(format_plan(plan))
+        print(format_plan(d.plan))
         print(f"config hash        {r.hash}")
-        print(f"deployment         {ex.fingerprint(r.hash)}")
+        print(f"deployment         {d.fingerprint}")
     return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from appliance.runner import execution_here, startup_lines
+    from appliance.runner import compose, startup_lines
 
     r = resolve(args.overrides)
-    ex = execution_here(r)
+    d = compose(r, here=False)
+    ex = d.execution
     sys.stdout.write(r.yaml)
     # What this machine resolves the declarative config to, as YAML comments:
     # the output stays a valid config, and its hash is unchanged.
-    lines = [*startup_lines(r, ex), *ex.summary(), f"attention backend  {ex.backend or 'NONE'}",
-             f"config hash        {r.hash}", f"deployment         {ex.fingerprint(r.hash)}"]
+    lines = [*startup_lines(d), *ex.summary(), f"attention backend  {ex.backend or 'NONE'}",
+             f"config hash        {r.hash}", f"deployment         {d.fingerprint}"]
     sys.stdout.write("".join(f"# {ln}\n" for ln in lines))
     return 0
 
@@ -117,7 +117,7 @@ def cmd_profiles(args: argparse.Namespace) -> int:
             ex, runs = check_runnable(r, here), "yes"
         except ConfigError as e:
             ex, runs = execution_here(r, here), f"no: {str(e).splitlines()[0]}"
-        quant = getattr(r.cfg.quantization.method, "value", r.cfg.quantization.method)
+        quant = r.cfg.quantization.method
         print(f"{name:<14}{r.cfg.hardware.name:<10}{str(ex.backend):<14}{ex.dtype:<10}{quant:<8}"
               f"{ex.kv_cache_dtype:<10}{runs}")
     return 0

@@ -12,10 +12,14 @@ import itertools
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from appliance.config.compose import ResolvedConfig, resolve
+from appliance.config.execution import Execution
 from appliance.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from appliance.kernels.registry import Selection
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
@@ -45,25 +49,27 @@ PromptType = Union[str, list[int]]
 
 
 class LLM:
-    def __init__(self, cfg: Optional[ResolvedConfig] = None, overrides: Sequence[str] = (), selection: Any = None):
+    def __init__(self, cfg: Optional[ResolvedConfig] = None, overrides: Sequence[str] = (),
+                 selection: Optional[Selection] = None):
         """``selection`` (a kernels.registry.Selection) bypasses backend
         selection, e.g. to compare one backend against another."""
-        from appliance.engine.core import build_engine
-        from appliance.runner import check_runnable, startup_lines
+        from appliance.runner import build_engine, compose, startup_lines
 
-        self.resolved = cfg if cfg is not None else resolve(list(overrides))
+        resolved = cfg if cfg is not None else resolve(list(overrides))
+        self.deployment = compose(resolved, selection=selection)
         if selection is None:
-            self.execution = check_runnable(self.resolved)
-            for line in startup_lines(self.resolved, self.execution):
+            for line in startup_lines(self.deployment):
                 log.warning(line)
-        else:
-            from dataclasses import replace
-
-            from appliance.config.execution import resolve_execution
-
-            self.execution = replace(resolve_execution(self.resolved.cfg), selection=selection)
-        self.engine, self.tokenizer = build_engine(self.resolved, self.execution)
+        self.engine, self.tokenizer = build_engine(self.deployment)
         self._ids = itertools.count()
+
+    @property
+    def resolved(self) -> ResolvedConfig:
+        return self.deployment.resolved
+
+    @property
+    def execution(self) -> Execution:
+        return self.deployment.execution
 
     def _encode(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
@@ -157,7 +163,7 @@ def generate_cli(overrides: list[str]) -> int:
         else:
             rest.append(o)
     if prompt is None:
-        from appliance.config.compose import ConfigError
+        from appliance.errors import ConfigError
 
         raise ConfigError('appliance generate needs prompt="..."')
     llm = LLM(overrides=rest)

@@ -1,29 +1,34 @@
-"""One runner composes the deployment a resolved config describes.
+"""The composition root: one place turns a resolved config into what runs.
 
-It checks that this machine can run the profile, selects the attention
-backend (walking the hardware's priority list, importability included),
-and hands model, backend and engine to the server or the offline API.
+``compose(resolved)`` checks that this machine can run the profile,
+resolves dtype, KV dtype and attention backend together (walking the
+hardware's priority list, importability included), plans memory and
+returns the frozen ``Deployment`` that the offline ``LLM``, the server, the
+engine-core process and ``appliance plan`` all read. ``build_engine``
+turns a ``Deployment`` into model, backend, KV cache, scheduler and engine
+core; the server receives it as a function, so nothing below this module
+imports it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import Any, Optional
 
-from appliance.config.compose import ConfigError, ResolvedConfig
+from appliance.config.compose import ResolvedConfig
+from appliance.config.deployment import PROMPT_CHARS_PER_TOKEN, Deployment, ExecutorLayout
 from appliance.config.detect import DeviceDescription, detect_device
 from appliance.config.execution import Execution, resolve_execution
-from appliance.config.plan import format_plan, make_plan
-from appliance.kernels.registry import BackendSelectionError
+from appliance.config.plan import format_plan, make_plan, max_model_len
+from appliance.config.schema import ApplianceConfig
+from appliance.errors import ConfigError
+from appliance.kernels.registry import BackendSelectionError, Selection
 
 
-def _v(x: Any) -> Any:
-    return getattr(x, "value", x)
-
-
-def device_problems(cfg: Any, device: DeviceDescription) -> list[str]:
+def device_problems(cfg: ApplianceConfig, device: DeviceDescription) -> list[str]:
     """Why this machine cannot run ``cfg`` (empty when it can)."""
     hw = cfg.hardware
-    want = _v(hw.device_kind)
+    want = hw.device_kind
     if want == "cpu":
         return []
     if device.kind != want:
@@ -53,7 +58,7 @@ def execution_here(resolved: ResolvedConfig, device: DeviceDescription | None = 
     machine's kind (probed: importable backends only); the target hardware's
     plan otherwise."""
     device = device or detect_device()
-    if _v(resolved.cfg.hardware.device_kind) != device.kind:
+    if resolved.cfg.hardware.device_kind != device.kind:
         return resolve_execution(resolved.cfg)
     return resolve_execution(resolved.cfg, probe=True, device=device)
 
@@ -70,14 +75,15 @@ def check_runnable(resolved: ResolvedConfig, device: DeviceDescription | None = 
         raise BackendSelectionError(
             "no attention backend can serve this deployment:\n" + "\n".join(f"  - {ln}" for ln in sel.explain())
             + ("\n  (attention.fallback=allow lets the profile fall back to the next backend)"
-               if _v(resolved.cfg.attention.fallback) == "deny" else "")
+               if resolved.cfg.attention.fallback == "deny" else "")
         )
     return ex
 
 
-def startup_lines(resolved: ResolvedConfig, ex: Execution) -> list[str]:
+def startup_lines(deployment: Deployment) -> list[str]:
     """What every entry point prints first: the profile picked, then a fallback
     with its reason and the override that avoids it, each once."""
+    resolved, ex = deployment.resolved, deployment.execution
     lines = []
     if resolved.profile_reason:
         lines.append(f"profile auto -> {resolved.cfg.profile}: {resolved.profile_reason}")
@@ -87,16 +93,102 @@ def startup_lines(resolved: ResolvedConfig, ex: Execution) -> list[str]:
     return lines
 
 
+def compose(resolved: ResolvedConfig, *, here: bool = True, device: Optional[DeviceDescription] = None,
+            selection: Optional[Selection] = None) -> Deployment:
+    """The deployment ``resolved`` describes.
+
+    ``here`` (serving, the offline ``LLM``): as this machine runs it, or
+    ConfigError / BackendSelectionError with every reason it cannot.
+    Otherwise (``appliance plan``): as this machine would run it when the
+    profile is of its kind, else as the target hardware would.
+    ``selection`` replaces backend selection (to compare one backend with
+    another on the same config)."""
+    if selection is not None:
+        ex = replace(resolve_execution(resolved.cfg), selection=selection)
+    elif here:
+        ex = check_runnable(resolved, device)
+    else:
+        ex = execution_here(resolved, device)
+    cfg = resolved.cfg
+    plan = make_plan(cfg, ex)
+    mml = max_model_len(cfg)
+    par = cfg.parallel
+    return Deployment(
+        resolved=resolved, execution=ex, plan=plan,
+        device="cuda" if cfg.hardware.device_kind in ("cuda", "rocm") else "cpu",
+        num_kv_blocks=cfg.cache.num_blocks or plan.num_kv_blocks,
+        max_model_len=mml,
+        max_prompt_chars=cfg.server.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * mml,
+        layout=ExecutorLayout(par.tensor_parallel_size, par.pipeline_parallel_size, par.data_parallel_size,
+                              plan.parallel["expert_parallel_size"]),
+    )
+
+
+RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo")
+
+
+def build_engine(deployment: Deployment) -> tuple[Any, Any]:
+    """Model, backend, KV cache, scheduler and engine core for ``deployment``.
+
+    Returns (EngineCore, tokenizer)."""
+    import torch
+
+    from appliance.engine.core import EngineCore
+    from appliance.engine.kv_cache.manager import KVCacheManager
+    from appliance.engine.scheduler import Scheduler
+    from appliance.kernels.registry import load_backend
+    from appliance.models.loader import load_model
+    from appliance.worker.model_runner import ModelRunner
+
+    cfg, ex = deployment.cfg, deployment.execution
+    method = cfg.quantization.method
+    if method not in RUNNABLE_QUANTIZATION:
+        raise ConfigError(
+            f"quantization={method} can be planned but its weight kernels are not built yet; "
+            f"serve with quantization=none (GGUF checkpoints are dequantized at load)"
+        )
+    dtype = getattr(torch, ex.dtype)
+    device = torch.device(deployment.device)
+    m = cfg.model
+    backend = load_backend(ex.backend)(m.num_heads, m.num_kv_heads, m.head_dim, m.head_dim ** -0.5,
+                                       ex.kv_cache_dtype)
+    model, tokenizer, _ = load_model(m, backend, dtype, device)
+    if method == "int8_wo":
+        from appliance.models.quant import quantize_int8_weight_only
+
+        quantize_int8_weight_only(model)
+    num_blocks, mml = deployment.num_kv_blocks, deployment.max_model_len
+    kv = KVCacheManager(num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
+                        cfg.cache.prefix_caching_hash_algo)
+    s = cfg.scheduler
+    scheduler = Scheduler(
+        kv,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        max_num_seqs=s.max_num_seqs,
+        max_model_len=mml,
+        policy=s.policy,
+        enable_chunked_prefill=s.enable_chunked_prefill,
+        long_prefill_token_threshold=s.long_prefill_token_threshold,
+        max_num_partial_prefills=s.max_num_partial_prefills,
+        max_long_partial_prefills=s.max_long_partial_prefills,
+    )
+    eos = tokenizer.eos_token_id
+    kv_dtype = backend.cache_dtype(ex.kv_cache_dtype, dtype)
+    runner = ModelRunner(model, backend, num_blocks, cfg.cache.block_size, mml, s.max_num_seqs, dtype,
+                         kv_dtype, device, eos, seed=m.seed)
+    return EngineCore(scheduler, runner, tokenizer, eos, vocab_size=m.vocab_size), tokenizer
+
+
 def serve(resolved: ResolvedConfig) -> int:
     from appliance.server.auth import check_exposure, load_api_keys
 
     check_exposure(resolved.cfg.server, load_api_keys(resolved.cfg.server))
-    ex = check_runnable(resolved)
-    for line in startup_lines(resolved, ex):
+    deployment = compose(resolved)
+    for line in startup_lines(deployment):
         print(line)
-    print(format_plan(make_plan(resolved.cfg, ex)))
+    print(format_plan(deployment.plan))
     print(f"config hash        {resolved.hash}")
-    print(f"deployment         {ex.fingerprint(resolved.hash)}")
+    print(f"deployment         {deployment.fingerprint}")
     from appliance.server.launch import serve_forever
 
-    return serve_forever(resolved, ex)
+    return serve_forever(deployment, build_engine)

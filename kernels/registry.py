@@ -38,7 +38,6 @@ def triton_interpreter_on() -> bool:
 @dataclass(frozen=True)
 class BackendCapabilities:
     name: str
-    display_name: str
     impl_path: str  # "module:Class", imported lazily
     probe_modules: tuple[str, ...]  # tried in order; first importable wins
     device_kinds: tuple[str, ...]
@@ -51,8 +50,6 @@ class BackendCapabilities:
     head_sizes: tuple[int, ...] = (64, 80, 96, 128, 256)
     block_size_multiple: int = 16
     block_size_power_of_two: bool = False
-    mixed_prefill_decode: bool = True
-    cuda_graphs: bool = False
 
     def supports_block_size(self, block_size: int) -> bool:
         if block_size % self.block_size_multiple:
@@ -70,7 +67,7 @@ class BackendCapabilities:
         """
         reasons = []
         hw = cfg.hardware
-        kind = _enum_value(hw.device_kind)
+        kind = hw.device_kind
         if kind in self.interpreter_device_kinds:
             if not triton_interpreter_on():
                 reasons.append(f"device kind {kind} not in {list(self.device_kinds)} "
@@ -85,7 +82,7 @@ class BackendCapabilities:
                 reasons.append(f"compute capability {hw.compute_capability} above {_fmt_cc(self.max_capability)}")
         if dtype not in self.dtypes:
             reasons.append(f"dtype {dtype} not in {list(self.dtypes)}")
-        kv = _enum_value(cfg.cache.kv_cache_dtype)
+        kv = cfg.cache.kv_cache_dtype
         if kv not in self.kv_dtypes and kv != dtype:  # naming the model's own dtype is "auto"
             reasons.append(f"kv_cache_dtype {kv} not in {list(self.kv_dtypes)}")
         if cfg.model.head_dim not in self.head_sizes:
@@ -102,14 +99,10 @@ def _fmt_cc(cc: tuple[int, int]) -> str:
     return f"{cc[0]}.{cc[1]}"
 
 
-def _enum_value(v: Any) -> Any:
-    return getattr(v, "value", v)
-
-
 BACKENDS: dict[str, BackendCapabilities] = {
     "torch_sdpa": BackendCapabilities(
         name="torch_sdpa",
-        display_name="torch SDPA (reference)",
+        # torch SDPA (reference)
         impl_path="appliance.kernels.torch_sdpa:TorchSDPABackend",
         probe_modules=("torch",),
         device_kinds=("cpu", "cuda", "rocm"),
@@ -120,7 +113,7 @@ BACKENDS: dict[str, BackendCapabilities] = {
     ),
     "cpu_native": BackendCapabilities(
         name="cpu_native",
-        display_name="native CPU kernels (AVX2, whole-step forward, fp32 or bf16 weights)",
+        # native CPU kernels (AVX2, whole-step forward, fp32 or bf16 weights)
         impl_path="appliance.kernels.cpu_native:CpuNativeBackend",
         probe_modules=("appliance.kernels.cpu_native",),
         device_kinds=("cpu",),
@@ -131,7 +124,7 @@ BACKENDS: dict[str, BackendCapabilities] = {
     ),
     "triton": BackendCapabilities(
         name="triton",
-        display_name="Triton unified paged attention",
+        # Triton unified paged attention
         impl_path="appliance.kernels.triton_attention:TritonAttentionBackend",
         probe_modules=("triton",),
         device_kinds=("cuda", "rocm"),
@@ -148,7 +141,6 @@ BACKENDS: dict[str, BackendCapabilities] = {
     ),
     "flashinfer": BackendCapabilities(
         name="flashinfer",
-        display_name="FlashInfer",
         impl_path="appliance.kernels.flashinfer_attention:FlashInferBackend",
         probe_modules=("flashinfer",),
         device_kinds=("cuda",),
@@ -157,11 +149,9 @@ BACKENDS: dict[str, BackendCapabilities] = {
         kv_dtypes=("auto", "fp8_e4m3", "fp8_e5m2"),
         head_sizes=(64, 128, 256),
         block_size_multiple=1,
-        cuda_graphs=True,
     ),
     "flash_attn3": BackendCapabilities(
         name="flash_attn3",
-        display_name="FlashAttention-3",
         impl_path="appliance.kernels.flash_attn_attention:FlashAttn3Backend",
         probe_modules=("flash_attn_interface", "fa3_fwd_interface", "sgl_kernel.flash_attn"),
         device_kinds=("cuda",),
@@ -171,7 +161,6 @@ BACKENDS: dict[str, BackendCapabilities] = {
         kv_dtypes=("auto", "fp8_e4m3"),
         head_sizes=(64, 96, 128, 192, 256),
         block_size_multiple=16,
-        cuda_graphs=True,
     ),
 }
 
@@ -226,7 +215,7 @@ def select_backend(cfg: Any, dtype: str, check_import: bool) -> Selection:
     else:
         order = list(cfg.hardware.attention_backends)
     sel = Selection(chosen=None)
-    fallback = _enum_value(cfg.attention.fallback)
+    fallback = cfg.attention.fallback
     for i, name in enumerate(order):
         if name not in BACKENDS:
             sel.rejected.append((name, [f"unknown backend (known: {sorted(BACKENDS)})"]))

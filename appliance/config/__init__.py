@@ -1,3 +1,5 @@
-from appliance.config.compose import ConfigError, ResolvedConfig, resolve
+"""The config tree: schema, composition, validation, plan (see docs/architecture.md).
 
-__all__ = ["ConfigError", "ResolvedConfig", "resolve"]
+Import the modules themselves (``appliance.config.compose.resolve``): this
+package imports nothing, so its modules can import one another's
+neighbours without a cycle through it."""

@@ -49,7 +49,6 @@ class Fact:
 
 def shown(value: Any) -> str:
     """A config value as a user writes it (``true``, not ``True``)."""
-    value = getattr(value, "value", value)
     return json.dumps(value) if isinstance(value, (bool, list)) or value is None else str(value)
 
 
@@ -243,7 +242,6 @@ def read_facts(path: Path) -> tuple[list[Fact], list[str]]:
 
 def same(a: Any, b: Any) -> bool:
     """Equal as config values; floats to 1e-6 (GGUF stores float32)."""
-    a, b = getattr(a, "value", a), getattr(b, "value", b)
     if isinstance(a, float) or isinstance(b, float):
         return math.isclose(float(a), float(b), rel_tol=1e-6)
     return a == b

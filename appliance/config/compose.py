@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -59,6 +60,22 @@ def _redact(obj: Any) -> Any:
     return obj
 
 
+def _plain_values(obj: Any) -> Any:
+    """The typed tree with every enum member replaced by its string, once:
+    nothing downstream unwraps a value (the schema's enums only check them)."""
+    from dataclasses import fields, is_dataclass, replace
+
+    if isinstance(obj, Enum):
+        return obj.value
+    if is_dataclass(obj):
+        return replace(obj, **{f.name: _plain_values(getattr(obj, f.name)) for f in fields(obj) if f.init})
+    if isinstance(obj, list):
+        return [_plain_values(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _plain_values(v) for k, v in obj.items()}
+    return obj
+
+
 def _redact_override(o: str) -> str:
     key, sep, value = o.partition("=")
     return f"{key}={REDACTED}" if sep and value and key.lstrip("+~") in SECRET_KEYS else o
@@ -66,7 +83,7 @@ def _redact_override(o: str) -> str:
 
 @dataclass(frozen=True)
 class ResolvedConfig:
-    cfg: Any  # schema.ApplianceConfig (secrets included: the server needs them)
+    cfg: schema.ApplianceConfig  # plain values; secrets included (the server needs them)
     yaml: str  # canonical YAML of the whole tree, secrets redacted
     overrides: tuple[str, ...]  # secrets redacted
     profile_reason: Optional[str] = None
@@ -166,7 +183,7 @@ def resolve(overrides: Sequence[str] = (), *, check: bool = True, device: Any = 
         plain = OmegaConf.to_container(composed, resolve=True)
         # A local checkpoint's own facts replace the model option's numbers.
         checkpoint_problems = apply_checkpoint(plain["model"], rest)
-        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema.ApplianceConfig), plain))
+        obj = _plain_values(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema.ApplianceConfig), plain)))
     except OmegaConfBaseException as e:
         raise ConfigError(_explain_compose_error(e, rest)) from None
     if check and checkpoint_problems:

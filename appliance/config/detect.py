@@ -86,7 +86,7 @@ def detect_device() -> DeviceDescription:
 
 def pick_profile(d: DeviceDescription) -> tuple[str, str]:
     """(profile, reason). Raises ConfigError when no profile fits."""
-    from appliance.config.compose import ConfigError
+    from appliance.errors import ConfigError
 
     if d.kind == "cpu":
         return "cpu", "no CUDA or ROCm device found"

@@ -24,12 +24,15 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from appliance.config.detect import CpuInfo, cpu_info
-from appliance.config.plan import kv_dtype
 from appliance.kernels import registry
 from appliance.kernels.registry import BACKENDS, Selection, select_backend
 
-def _v(x: Any) -> Any:
-    return getattr(x, "value", x)
+
+def kv_dtype(cfg: Any, dtype: str) -> str:
+    """The KV cache's element type for compute ``dtype``: the one place
+    ``cache.kv_cache_dtype=auto`` is decided (it keeps the compute dtype)."""
+    kv = cfg.cache.kv_cache_dtype
+    return dtype if kv == "auto" else kv
 
 
 def cpu_dtype_preference(backend: str, cpu: CpuInfo, quantization: str = "none") -> tuple[str, ...]:
@@ -118,7 +121,7 @@ def _fix(backend: str, reason: str) -> str:
 
 
 def describe_host(cfg: Any, device: Any = None) -> str:
-    kind = _v(cfg.hardware.device_kind)
+    kind = cfg.hardware.device_kind
     if kind == "cpu":
         return f"cpu: {cpu_info().describe()}"
     if device is not None and device.kind == kind:
@@ -129,11 +132,11 @@ def describe_host(cfg: Any, device: Any = None) -> str:
 
 def choose_dtype(cfg: Any, probe: bool = False) -> tuple[str, str]:
     """(compute dtype, why) for ``cfg``; ``auto`` resolved (see module doc)."""
-    requested = _v(cfg.model.dtype)
+    requested = cfg.model.dtype
     supported = list(cfg.hardware.supported_dtypes) or ["float32"]
     if requested != "auto":
         return requested, "set in the config"
-    if _v(cfg.hardware.device_kind) != "cpu":
+    if cfg.hardware.device_kind != "cpu":
         return supported[0], f"the first dtype {cfg.hardware.name} supports"
     return _cpu_auto_dtype(cfg, supported, probe)
 
@@ -142,10 +145,10 @@ def resolve_execution(cfg: Any, probe: bool = False, device: Any = None) -> Exec
     """Choose dtype, KV dtype and attention backend for ``cfg`` (see module doc)."""
     dtype, reason = choose_dtype(cfg, probe)
     sel = select_backend(cfg, dtype, check_import=probe)
-    kind = _v(cfg.hardware.device_kind)
+    kind = cfg.hardware.device_kind
     return Execution(
-        dtype_requested=_v(cfg.model.dtype), dtype=dtype, dtype_reason=reason,
-        kv_cache_dtype_requested=_v(cfg.cache.kv_cache_dtype), kv_cache_dtype=kv_dtype(cfg, dtype),
+        dtype_requested=cfg.model.dtype, dtype=dtype, dtype_reason=reason,
+        kv_cache_dtype_requested=cfg.cache.kv_cache_dtype, kv_cache_dtype=kv_dtype(cfg, dtype),
         selection=sel, host=describe_host(cfg, device) if probe else f"{kind}: {cfg.hardware.name} (target hardware, not probed here)",
         probed=probe,
     )
@@ -155,12 +158,12 @@ def _cpu_auto_dtype(cfg: Any, supported: list[str], probe: bool) -> tuple[str, s
     cpu = cpu_info()
     forced = cfg.attention.backend
     order = [forced] if forced != "auto" else list(cfg.hardware.attention_backends)
-    deny = _v(cfg.attention.fallback) == "deny"
+    deny = cfg.attention.fallback == "deny"
     first_choice = None
     for i, name in enumerate(order):
         if name not in BACKENDS:
             continue
-        for dtype in cpu_dtype_preference(name, cpu, _v(cfg.quantization.method)):
+        for dtype in cpu_dtype_preference(name, cpu, cfg.quantization.method):
             if dtype not in supported or BACKENDS[name].validate(cfg, dtype):
                 continue
             first_choice = first_choice or (dtype, name)

@@ -15,18 +15,16 @@ the model runner does the same at start-up where it can.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Optional
 
+from appliance.config.execution import Execution, kv_dtype, resolve_execution
+from appliance.config.schema import ApplianceConfig
 from appliance.kernels.registry import BACKENDS
 
 GIB = 1024**3
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_DTYPE_BYTES = {"fp8_e4m3": 1, "fp8_e5m2": 1}
-
-
-def _v(x: Any) -> Any:
-    return getattr(x, "value", x)
 
 
 def parameter_counts(m: Any) -> dict[str, int]:
@@ -62,7 +60,7 @@ def weight_bytes(cfg: Any, dtype: str) -> int:
     counts = parameter_counts(cfg.model)
     full = DTYPE_BYTES[dtype]
     q = cfg.quantization
-    method = _v(q.method)
+    method = q.method
     if method == "none":
         return counts["total"] * full
     bits = q.weight_bits
@@ -81,11 +79,6 @@ def weight_bytes(cfg: Any, dtype: str) -> int:
         lm_rows = cfg.model.vocab_size
         return linear + lm_rows * (cfg.model.hidden_size + 4) + (counts["embedding"] + counts["other"]) * full
     return linear + (counts["embedding"] + counts["lm_head"] + counts["other"]) * full
-
-
-def kv_dtype(cfg: Any, dtype: str) -> str:
-    kv = _v(cfg.cache.kv_cache_dtype)
-    return dtype if kv == "auto" else kv
 
 
 def kv_bytes_per_token(cfg: Any, dtype: str) -> int:
@@ -152,7 +145,7 @@ class Plan:
 def describe_architecture(m: Any) -> str:
     extras = [x for x, on in (("qkv bias", m.qkv_bias), ("q/k norm", m.qk_norm),
                               ("tied embeddings", m.tie_word_embeddings)) if on]
-    rope = _v(m.rope_scaling.type)
+    rope = m.rope_scaling.type
     if rope != "none":
         extras.append(f"{rope} rope x{m.rope_scaling.factor:g}")
     return (f"{m.architecture}: {m.num_layers} layers, hidden {m.hidden_size}, intermediate {m.intermediate_size}, "
@@ -164,11 +157,9 @@ def max_model_len(cfg: Any) -> int:
     return cfg.model.max_model_len or cfg.model.max_position_embeddings
 
 
-def make_plan(cfg: Any, execution: Any = None) -> Plan:
+def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Plan:
     """The plan for the target hardware, or, given an ``Execution`` resolved on
     this machine, for what this machine will run."""
-    from appliance.config.execution import resolve_execution
-
     ex = execution or resolve_execution(cfg)
     dtype = ex.dtype
     par = cfg.parallel
@@ -200,7 +191,7 @@ def make_plan(cfg: Any, execution: Any = None) -> Plan:
     bw = cfg.hardware.memory_bandwidth_gbps * 1e9
     roofline = bw / w_dev if w_dev else 0.0
     peak = cfg.hardware.peak_tflops
-    compute_dtype = "fp8" if _v(cfg.quantization.method) == "fp8" and cfg.quantization.activations else {
+    compute_dtype = "fp8" if cfg.quantization.method == "fp8" and cfg.quantization.activations else {
         "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
     tflops = getattr(peak, compute_dtype)
     counts = parameter_counts(cfg.model)
@@ -216,10 +207,10 @@ def make_plan(cfg: Any, execution: Any = None) -> Plan:
         model=cfg.model.name,
         architecture=describe_architecture(cfg.model),
         hardware=cfg.hardware.name,
-        device_kind=_v(cfg.hardware.device_kind),
+        device_kind=cfg.hardware.device_kind,
         dtype=dtype,
-        quantization=_v(cfg.quantization.method),
-        kv_cache_dtype=kv_dtype(cfg, dtype),
+        quantization=cfg.quantization.method,
+        kv_cache_dtype=ex.kv_cache_dtype,
         attention_backend=sel.chosen,
         attention_chain=sel.explain(),
         attention_provider_here=provider_here,

@@ -10,20 +10,20 @@ compose time with the key path (see ``appliance.config.compose``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 
 
-class DType(str, Enum):
+class DType(StrEnum):
     auto = "auto"
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
 
 
-class QuantMethod(str, Enum):
+class QuantMethod(StrEnum):
     none = "none"
     fp8 = "fp8"
     gguf = "gguf"
@@ -32,41 +32,41 @@ class QuantMethod(str, Enum):
     int8_wo = "int8_wo"
 
 
-class KVCacheDType(str, Enum):
+class KVCacheDType(StrEnum):
     auto = "auto"
     bfloat16 = "bfloat16"
     fp8_e4m3 = "fp8_e4m3"
     fp8_e5m2 = "fp8_e5m2"
 
 
-class HashAlgo(str, Enum):
+class HashAlgo(StrEnum):
     sha256 = "sha256"
     sha256_cbor = "sha256_cbor"
     builtin = "builtin"
 
 
-class Policy(str, Enum):
+class Policy(StrEnum):
     fcfs = "fcfs"
     priority = "priority"
 
 
-class DeviceKind(str, Enum):
+class DeviceKind(StrEnum):
     cpu = "cpu"
     cuda = "cuda"
     rocm = "rocm"
 
 
-class SpecMethod(str, Enum):
+class SpecMethod(StrEnum):
     off = "off"
     ngram = "ngram"
 
 
-class Fallback(str, Enum):
+class Fallback(StrEnum):
     deny = "deny"
     allow = "allow"
 
 
-class RopeScalingType(str, Enum):
+class RopeScalingType(StrEnum):
     none = "none"
     llama3 = "llama3"
     linear = "linear"

@@ -16,10 +16,6 @@ from appliance.kernels.registry import BACKENDS
 FP8_HARDWARE = "h100, h200, b200 or mi300x"
 
 
-def _v(x: Any) -> Any:
-    return getattr(x, "value", x)
-
-
 def validate(cfg: Any) -> list[str]:
     problems: list[str] = []
     m, hw, q, cache, s, par, spec = (
@@ -72,22 +68,22 @@ def validate(cfg: Any) -> list[str]:
             f"model.dtype={dtype} is not supported by hardware={hw.name} (supported: {list(hw.supported_dtypes)}); "
             f"set model.dtype to one of those"
         )
-    if _v(q.method) == "fp8" and not hw.fp8:
+    if q.method == "fp8" and not hw.fp8:
         problems.append(
             f"quantization=fp8 (W8A8) needs native fp8 and hardware={hw.name} has none; "
             f"use quantization=none, or a profile on {FP8_HARDWARE}"
         )
-    if _v(q.method) == "int8_wo" and _v(hw.device_kind) != "cpu":
+    if q.method == "int8_wo" and hw.device_kind != "cpu":
         problems.append(
             f"quantization=int8_wo is the CPU weight-only path; on hardware={hw.name} use quantization=fp8, awq or gptq"
         )
-    kv = _v(cache.kv_cache_dtype)
+    kv = cache.kv_cache_dtype
     if kv.startswith("fp8") and not hw.fp8:
         problems.append(
             f"cache.kv_cache_dtype={kv} needs native fp8 and hardware={hw.name} has none; "
             f"use cache.kv_cache_dtype=auto, or a profile on {FP8_HARDWARE}"
         )
-    if kv == "fp8_e5m2" and _v(hw.device_kind) == "rocm":
+    if kv == "fp8_e5m2" and hw.device_kind == "rocm":
         problems.append("cache.kv_cache_dtype=fp8_e5m2 is not available on ROCm; use fp8_e4m3")
 
     # Block size: the hardware's limits and at least one backend of its list.
@@ -148,7 +144,7 @@ def validate(cfg: Any) -> list[str]:
         problems.append("parallel.enable_expert_parallel needs tp x dp > 1 (EP width = dp x tp)")
 
     # Speculative decoding.
-    if _v(spec.method) == "ngram":
+    if spec.method == "ngram":
         if spec.num_speculative_tokens < 1:
             problems.append("speculative.method=ngram needs speculative.num_speculative_tokens >= 1")
         if not 1 <= spec.prompt_lookup_min <= spec.prompt_lookup_max:

@@ -48,8 +48,8 @@ def _facts_hash(m: Any) -> str:
                                         "rope_theta", "rms_norm_eps", "tie_word_embeddings", "qkv_bias", "qk_norm",
                                         "seed")}
     rs = m.rope_scaling
-    if getattr(rs.type, "value", rs.type) != "none":
-        facts["rope_scaling"] = [getattr(rs.type, "value", rs.type), rs.factor, rs.low_freq_factor, rs.high_freq_factor,
+    if rs.type != "none":
+        facts["rope_scaling"] = [rs.type, rs.factor, rs.low_freq_factor, rs.high_freq_factor,
                                  rs.original_max_position_embeddings]
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
 

@@ -68,7 +68,7 @@ def hf_config_dict(m: Any, vocab_size: int) -> dict:
         "torch_dtype": "float32",
     }
     rs = m.rope_scaling
-    rs_type = getattr(rs.type, "value", rs.type)
+    rs_type = rs.type
     if rs_type != "none":
         cfg["rope_scaling"] = {"rope_type": rs_type, "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
                                "high_freq_factor": rs.high_freq_factor,

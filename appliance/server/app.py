@@ -19,7 +19,10 @@ from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
-from appliance import __version__
+from appliance.version import __version__
+from appliance.config.compose import ResolvedConfig
+from appliance.config.deployment import Deployment
+from appliance.config.schema import ApplianceConfig
 from appliance.server.auth import match_key, tenant_salt
 from appliance.server.client import EngineClient, EngineDeadError, EngineRestartingError, RequestRejected
 from appliance.server.metrics import Metrics
@@ -44,21 +47,40 @@ log = logging.getLogger("appliance.server")
 
 @dataclass
 class ServerState:
-    resolved: Any
-    execution: Any  # appliance.config.execution.Execution: what this machine runs
+    deployment: Deployment
     client: EngineClient
     tokenizer: Any
     metrics: Metrics
-    model_name: str
-    max_model_len: int
     api_keys: tuple[str, ...]  # empty: no authentication (appliance.server.auth)
-    max_queue_len: int
     shutting_down: bool = False
     in_flight: int = 0  # admitted engine requests (children) not yet finished
     tokenize_pool: Any = None  # executor for tokenization and chat templates (None: the loop's default one)
-    max_prompt_chars: int = 0  # prompts above this many characters get 400 before tokenizing (0: no limit)
     generations: set = field(default_factory=set)  # merged queues of running _fan_out calls (a drain cuts them)
     cut_reason: Optional[str] = None  # set when a drain has cut running generations
+
+    @property
+    def resolved(self) -> ResolvedConfig:
+        return self.deployment.resolved
+
+    @property
+    def cfg(self) -> ApplianceConfig:
+        return self.deployment.cfg
+
+    @property
+    def model_name(self) -> str:
+        return self.deployment.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.deployment.max_model_len
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.deployment.max_prompt_chars
+
+    @property
+    def max_queue_len(self) -> int:
+        return self.cfg.server.max_queue_len
 
 
 class Admission:
@@ -306,14 +328,14 @@ async def _fan_out(st: ServerState, g: GenerationRequest, base_id: str) -> Async
             params = replace(g.params, n=1, seed=None if g.params.seed is None else g.params.seed + k)
             tasks.append(asyncio.create_task(child(c, f"{base_id}-{c.index}", ids, params)))
     remaining = len(tasks)
-    deadline = time.monotonic() + st.resolved.cfg.server.request_timeout_s
+    deadline = time.monotonic() + st.cfg.server.request_timeout_s
     try:
         while remaining:
             try:
                 choice, item = await asyncio.wait_for(merged.get(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 raise RequestTimeout(f"the request ran longer than server.request_timeout_s="
-                                     f"{st.resolved.cfg.server.request_timeout_s:g} s and was aborted") from None
+                                     f"{st.cfg.server.request_timeout_s:g} s and was aborted") from None
             if item is None:
                 remaining -= 1
                 continue
@@ -403,7 +425,7 @@ async def _read_body(request: Request, st: ServerState) -> dict:
         body = await asyncio.get_running_loop().run_in_executor(st.tokenize_pool, parse_json, raw)
     else:
         body = parse_json(raw)
-    if tenant is not None and st.resolved.cfg.server.tenant_isolation and isinstance(body, dict):
+    if tenant is not None and st.cfg.server.tenant_isolation and isinstance(body, dict):
         salt = body.get("cache_salt")
         if salt is None or isinstance(salt, str):  # anything else is refused when the body is parsed
             body["cache_salt"] = tenant_salt(st.api_keys[tenant], salt)
@@ -467,7 +489,7 @@ def _completion_prompts(st: ServerState, body: dict) -> tuple[list[list[int]], l
     if len(items) > MAX_PROMPTS:
         raise OpenAIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     prompts, texts = [], []
-    vocab = st.resolved.cfg.model.vocab_size
+    vocab = st.cfg.model.vocab_size
     for it in items:
         if isinstance(it, str):
             if not it:
@@ -487,7 +509,7 @@ async def completions(request: Request) -> Response:
     if body.get("suffix"):
         raise OpenAIError(400, "'suffix' is not supported", param="suffix")
     reject_unsupported(body)
-    params, lp_mode = sampling_from_body(body, chat=False, vocab_size=st.resolved.cfg.model.vocab_size)
+    params, lp_mode = sampling_from_body(body, chat=False, vocab_size=st.cfg.model.vocab_size)
     stream, include_usage = stream_options(body)
     priority, salt = common_extensions(body)
     echo = _typed(body, "echo", (bool,), False)
@@ -579,7 +601,7 @@ async def chat_completions(request: Request) -> Response:
     st = _state(request)
     body = await _read_body(request, st)
     reject_unsupported(body)
-    params, lp_mode = sampling_from_body(body, chat=True, vocab_size=st.resolved.cfg.model.vocab_size)
+    params, lp_mode = sampling_from_body(body, chat=True, vocab_size=st.cfg.model.vocab_size)
     stream, include_usage = stream_options(body)
     priority, salt = common_extensions(body)
     ids, text = await _tokenize(st, _chat_prompt, body, chat=True)
@@ -629,7 +651,7 @@ async def models(request: Request) -> Response:
     _check_auth(request, st)
     return Response({"object": "list", "data": [{
         "id": st.model_name, "object": "model", "created": now(), "owned_by": "appliance",
-        "root": st.resolved.cfg.model.path, "max_model_len": st.max_model_len}]}, media_type="application/json")
+        "root": st.cfg.model.path, "max_model_len": st.max_model_len}]}, media_type="application/json")
 
 
 @get("/health")
@@ -659,7 +681,7 @@ async def metrics(request: Request) -> Response:
 async def version(request: Request) -> dict:
     st = _state(request)
     return {"version": __version__, "config_hash": st.resolved.hash,
-            "deployment": st.execution.fingerprint(st.resolved.hash)}
+            "deployment": st.deployment.fingerprint}
 
 
 @get("/v1/appliance/config")
@@ -667,8 +689,8 @@ async def appliance_config(request: Request) -> Response:
     st = _state(request)
     _check_auth(request, st)
     r = st.resolved
-    ex = st.execution
-    return Response({"profile": r.cfg.profile, "hash": r.hash, "deployment": ex.fingerprint(r.hash),
+    ex = st.deployment.execution
+    return Response({"profile": r.cfg.profile, "hash": r.hash, "deployment": st.deployment.fingerprint,
                      "overrides": list(r.overrides), "config": r.as_dict(), "resolved_here": ex.to_dict()})
 
 
@@ -683,7 +705,7 @@ async def reset_prefix_cache(request: Request) -> Response:
 
 
 def create_app(state: ServerState) -> Litestar:
-    cfg = state.resolved.cfg.server
+    cfg = state.cfg.server
     handlers = [completions, chat_completions, models, health, ready, metrics, version, appliance_config]
     if cfg.dev_mode:
         handlers.append(reset_prefix_cache)

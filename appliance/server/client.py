@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
+from appliance.config.deployment import Deployment
 from appliance.engine.core import StepStats
 from appliance.server.core_proc import decode, encode, params_to_dict, run_core
 
@@ -58,14 +59,15 @@ class _Pending:
 
 
 class EngineClient:
-    def __init__(self, resolved: Any, execution: Any, on_stats: Optional[Callable[[StepStats, StepStats], None]] = None,
+    def __init__(self, deployment: Deployment, build_engine: Callable[[Deployment], tuple[Any, Any]],
+                 on_stats: Optional[Callable[[StepStats, StepStats], None]] = None,
                  on_restart: Optional[Callable[[], None]] = None, on_fatal: Optional[Callable[[str], None]] = None):
-        self.resolved = resolved
-        self.execution = execution
+        self.deployment = deployment
+        self.build_engine = build_engine  # run in the core process (a module-level function: it is pickled)
         self.on_stats = on_stats
         self.on_restart = on_restart  # a replacement core is being started
         self.on_fatal = on_fatal  # restarts are exhausted: the client is dead for good
-        server = resolved.cfg.server
+        server = deployment.cfg.server
         self.max_restarts = server.max_core_restarts
         self.restart_window_s = server.core_restart_window_s
         self.restart_backoff_s = server.core_restart_backoff_s
@@ -111,7 +113,7 @@ class EngineClient:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind(out_addr)
         spawn = mp.get_context("spawn")
-        self.proc = spawn.Process(target=run_core, args=(self.resolved, self.execution, in_addr, out_addr),
+        self.proc = spawn.Process(target=run_core, args=(self.deployment, self.build_engine, in_addr, out_addr),
                                   name="appliance-engine-core", daemon=True)
         loop = asyncio.get_running_loop()
         t0 = loop.time()

@@ -27,10 +27,11 @@ import logging
 import os
 import sys
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
+from appliance.config.deployment import Deployment
 from appliance.sampling_params import SamplingParams
 
 WARMUP_PROMPT = "Hello"
@@ -64,7 +65,8 @@ def delta_to_dict(d: Any) -> dict:
     return out
 
 
-def run_core(resolved: Any, execution: Any, in_addr: str, out_addr: str) -> None:
+def run_core(deployment: Deployment, build_engine: Callable[[Deployment], tuple[Any, Any]], in_addr: str,
+             out_addr: str) -> None:
     import signal
 
     import zmq
@@ -80,16 +82,14 @@ def run_core(resolved: Any, execution: Any, in_addr: str, out_addr: str) -> None
     pull = ctx.socket(zmq.PULL)
     pull.connect(in_addr)
     try:
-        from appliance.engine.core import build_engine
-
-        engine, tokenizer = build_engine(resolved, execution)
+        engine, tokenizer = build_engine(deployment)
         _warm_up(engine, tokenizer)
         kv = engine.scheduler.kv
         push.send(encode({
             "type": "ready",
             "num_kv_blocks": kv.pool.num_blocks,
             "block_size": kv.block_size,
-            "backend": execution.backend,
+            "backend": deployment.execution.backend,
             "pid": os.getpid(),
         }))
         _loop(engine, pull, push)

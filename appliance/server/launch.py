@@ -24,13 +24,12 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from appliance.config.plan import max_model_len
+from appliance.config.deployment import Deployment
 
 log = logging.getLogger("appliance.server")
 
-PROMPT_CHARS_PER_TOKEN = 16  # server.max_prompt_chars=null: this many per token of max_model_len
 CUT_GRACE_S = 2.0  # after a drain's cut, how long responses get to send their last event
 CLOSE_TIMEOUT_S = 3  # then uvicorn's wait for connections to close before it cancels what is left
 
@@ -75,9 +74,11 @@ class Drain:
         return now - self.cut_at >= CUT_GRACE_S
 
 
-def serve_forever(resolved: Any, execution: Any) -> int:
+def serve_forever(deployment: Deployment, build_engine: Callable) -> int:
+    """Serve ``deployment``; ``build_engine(deployment)`` builds the engine in
+    the engine-core process (the composition root's function)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    return asyncio.run(_serve(resolved, execution))
+    return asyncio.run(_serve(deployment, build_engine))
 
 
 def _lower_priority() -> None:
@@ -89,7 +90,7 @@ def _lower_priority() -> None:
         pass
 
 
-async def _serve(resolved: Any, execution: Any) -> int:
+async def _serve(deployment: Deployment, build_engine: Callable) -> int:
     import uvicorn
     from transformers import AutoTokenizer
 
@@ -100,20 +101,18 @@ async def _serve(resolved: Any, execution: Any) -> int:
     from appliance.server.metrics import Metrics
     from appliance.server.transport import ConnectionLimits, guarded_protocol
 
-    cfg = resolved.cfg
+    cfg, ex = deployment.cfg, deployment.execution
     folder = resolve_model_folder(cfg.model)  # prepare (convert/generate) once, before the core starts
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    model_name = cfg.server.served_model_name or cfg.model.name
     api_keys = load_api_keys(cfg.server)  # before the core starts: an unreadable key file stops nothing half-started
-    deployment = execution.fingerprint(resolved.hash)
-    metrics = Metrics(model_name, cfg.profile, resolved.hash, deployment)
+    metrics = Metrics(deployment.model_name, cfg.profile, deployment.resolved.hash, deployment.fingerprint)
     fatal: list[str] = []
 
     def on_fatal(reason: str) -> None:
         fatal.append(reason)
         state.shutting_down = True
 
-    client = EngineClient(resolved, execution, on_stats=metrics.on_core_stats, on_restart=metrics.engine_restarts.inc,
+    client = EngineClient(deployment, build_engine, on_stats=metrics.on_core_stats, on_restart=metrics.engine_restarts.inc,
                           on_fatal=on_fatal)
     try:
         await client.start()
@@ -121,13 +120,10 @@ async def _serve(resolved: Any, execution: Any) -> int:
         print(f"appliance run: error: {e}", file=sys.stderr)
         await client.shutdown()
         return 1
-    state = ServerState(resolved=resolved, execution=execution, client=client, tokenizer=tokenizer, metrics=metrics,
-                        model_name=model_name, max_model_len=max_model_len(cfg), api_keys=api_keys,
-                        max_queue_len=cfg.server.max_queue_len,
+    state = ServerState(deployment=deployment, client=client, tokenizer=tokenizer, metrics=metrics, api_keys=api_keys,
                         tokenize_pool=ThreadPoolExecutor(cfg.server.tokenizer_threads,
                                                          thread_name_prefix="appliance-tokenize",
-                                                         initializer=_lower_priority),
-                        max_prompt_chars=cfg.server.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len(cfg))
+                                                         initializer=_lower_priority))
     app = create_app(state)
     drain = Drain(state, cfg.server.shutdown_timeout_s)
 
@@ -150,10 +146,10 @@ async def _serve(resolved: Any, execution: Any) -> int:
                             timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="off")
     server = Server(config)
     log.info("profile %s (config %s, deployment %s), model %s, backend %s, dtype %s, kv cache %s, host %s",
-             cfg.profile, resolved.hash, deployment, model_name, execution.backend, execution.dtype,
-             execution.kv_cache_dtype, execution.host)
+             cfg.profile, deployment.resolved.hash, deployment.fingerprint, deployment.model_name, ex.backend, ex.dtype,
+             ex.kv_cache_dtype, ex.host)
     log.info("KV cache: %d blocks x %d tokens, max_model_len %d", client.ready_info["num_kv_blocks"],
-             client.ready_info["block_size"], state.max_model_len)
+             client.ready_info["block_size"], deployment.max_model_len)
     log.info("serving on http://%s:%d/v1", cfg.server.host, cfg.server.port)
     try:
         await server.serve()

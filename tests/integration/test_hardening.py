@@ -500,14 +500,15 @@ def front_end():
 
     from appliance.config.compose import resolve
     from appliance.models.loader import resolve_model_folder
+    from appliance.runner import compose
     from appliance.server.app import ServerState, create_app
 
-    resolved = resolve(["+profile=cpu", "model=tiny_random"])
+    resolved = resolve(["+profile=cpu", "model=tiny_random", "server.max_queue_len=8"])
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_folder(resolved.cfg.model)))
 
     def make(client):
-        state = ServerState(resolved=resolved, execution=None, client=client, tokenizer=tokenizer, metrics=MagicMock(),
-                            model_name="tiny", max_model_len=1024, api_keys=(), max_queue_len=8)
+        state = ServerState(deployment=compose(resolved, here=False), client=client, tokenizer=tokenizer,
+                            metrics=MagicMock(), api_keys=())
         return TestClient(app=create_app(state))
 
     return make

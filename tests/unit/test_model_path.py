@@ -102,7 +102,7 @@ def test_overrides_against_the_checkpoint(folders, tmp_path):
     # Agreeing facts and non-architectural keys are free to set.
     m = resolve(BASE + [f"model.path={q2}", "model.num_layers=2", "model.name=mine", "model.max_model_len=512",
                         "model.dtype=float32", "model=llama3_1_8b"]).cfg.model
-    assert (m.name, m.max_model_len, m.num_layers, m.rope_scaling.type.value) == ("mine", 512, 2, "none")
+    assert (m.name, m.max_model_len, m.num_layers, m.rope_scaling.type) == ("mine", 512, 2, "none")
     # check=False keeps the explicit value; the loader's check still stops it.
     m = resolve(BASE + [f"model.path={q2}", "model.qkv_bias=false"], check=False).cfg.model
     hf = json.loads((q2 / "config.json").read_text())

@@ -1,0 +1,59 @@
+"""``Deployment``: everything machine- and config-derived that the running
+system needs, decided once by ``appliance.runner.compose``.
+
+The offline ``LLM``, the engine-core process, the HTTP server and
+``appliance plan`` all read it; none of them recomputes a dtype, a backend,
+a KV block count or a length limit. It is plain data (picklable: the
+engine-core process receives it whole).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from appliance.config.compose import ResolvedConfig
+from appliance.config.execution import Execution
+from appliance.config.plan import Plan
+from appliance.config.schema import ApplianceConfig
+
+PROMPT_CHARS_PER_TOKEN = 16  # server.max_prompt_chars=null: this many characters per token of max_model_len
+
+
+@dataclass(frozen=True)
+class ExecutorLayout:
+    """How many devices of each kind of parallelism the engine spans. One
+    device each today; the parallel executors fill these in."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+
+@dataclass(frozen=True)
+class Deployment:
+    resolved: ResolvedConfig
+    execution: Execution  # dtype, KV dtype and attention backend, with the reasons
+    plan: Plan
+    device: str  # torch device type the engine runs on: "cpu" or "cuda" (ROCm included)
+    num_kv_blocks: int  # cache.num_blocks, or what the plan's memory budget holds
+    max_model_len: int
+    max_prompt_chars: int  # prompts longer than this are refused before tokenizing
+    layout: ExecutorLayout
+
+    @property
+    def cfg(self) -> ApplianceConfig:
+        return self.resolved.cfg
+
+    @property
+    def fingerprint(self) -> str:
+        """The config hash plus what this host resolved it to."""
+        return self.execution.fingerprint(self.resolved.hash)
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.server.served_model_name or self.cfg.model.name
