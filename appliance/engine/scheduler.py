@@ -1,11 +1,12 @@
 """The token-budget scheduler (torch-free), after vLLM V1's.
 
-Each ``schedule()`` hands out ``{request_id: num_tokens}`` under one budget
-(``max_num_batched_tokens``) and ``max_num_seqs``; a prefill chunk, a decode
-and a prefix hit are only different token counts. Running requests go
-first, then waiting ones. KV blocks are allocated inside the decision; when
-``allocate_slots`` fails, a running request is preempted by recompute: its
-blocks are freed and it returns to the front of the waiting queue.
+Each ``schedule()`` hands out ``{request_id: num_tokens}`` under one token
+budget (``max_num_batched_tokens``) and ``max_num_seqs``; a prefill chunk, a
+decode and a prefix hit are only different token counts. A step is two
+phases over one ``_Budget``: running requests, then waiting ones. KV blocks
+are allocated inside the decision (the KV manager alone does the block
+arithmetic); when they do not fit, a running request is preempted by
+recompute: its blocks are freed and it returns to the front of the queue.
 
 Victims: under FCFS the most recently scheduled running request; under
 priority the one with the largest (priority, arrival_time). Unlike vLLM V1
@@ -16,71 +17,17 @@ or the pool is full.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from functools import partial
+from operator import attrgetter
+from typing import Callable, Iterable, Optional
 
 from appliance.engine.kv_cache.manager import KVCacheManager
 from appliance.engine.request import Request, RequestStatus
+from appliance.engine.request_queue import FCFSQueue, PriorityQueue
 
-
-# -- queues -------------------------------------------------------------------
-class FCFSQueue:
-    def __init__(self) -> None:
-        self._q: deque[Request] = deque()
-
-    def add(self, r: Request) -> None:
-        self._q.append(r)
-
-    def prepend(self, r: Request) -> None:
-        self._q.appendleft(r)
-
-    def peek(self) -> Request:
-        return self._q[0]
-
-    def pop(self) -> Request:
-        return self._q.popleft()
-
-    def remove(self, r: Request) -> None:
-        self._q.remove(r)
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self):
-        return iter(self._q)
-
-
-class PriorityQueue:
-    """Min-heap on (priority, arrival_time): smaller priority is served first."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._seq = itertools.count()
-
-    def add(self, r: Request) -> None:
-        heapq.heappush(self._heap, (r.priority, r.arrival_time, next(self._seq), r))
-
-    prepend = add  # a preempted request keeps its (priority, arrival) rank
-
-    def peek(self) -> Request:
-        return self._heap[0][3]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
-
-    def remove(self, r: Request) -> None:
-        self._heap = [e for e in self._heap if e[3] is not r]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self):
-        return (e[3] for e in sorted(self._heap))
+_rank = attrgetter("priority", "arrival_time")  # preemption victims: the largest first
 
 
 # -- scheduler output -----------------------------------------------------------
@@ -124,20 +71,53 @@ class RequestUpdate:
     finished: bool
 
 
+@dataclass
+class _Budget:
+    """What one step may still take (tokens, unfinished prefills) and what it
+    took: a request preempted later in the step gives its tokens back."""
+
+    tokens: int
+    partial_slots: int  # prefills the step may still leave unfinished...
+    long_partial_slots: int  # ...of which long ones (prompt over long_threshold)
+    long_threshold: int  # 0: no chunk cap, nothing is long
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # of running requests only
+    preempted: list[Request] = field(default_factory=list)
+
+    def cap(self, num_new: int) -> int:
+        if self.long_threshold > 0:
+            num_new = min(num_new, self.long_threshold)
+        return min(num_new, self.tokens)
+
+    def is_long(self, req: Request) -> bool:
+        return 0 < self.long_threshold < req.num_prompt_tokens
+
+    def admits(self, req: Request, num_new: int) -> bool:
+        """Whether a free partial-prefill slot exists, if ``req`` needs one."""
+        if req.num_computed_tokens + num_new >= req.num_tokens:
+            return True
+        return self.partial_slots > 0 and not (self.is_long(req) and self.long_partial_slots <= 0)
+
+    def take(self, req: Request, num_new: int) -> None:
+        if req.num_computed_tokens + num_new < req.num_tokens:
+            self.partial_slots -= 1
+            self.long_partial_slots -= self.is_long(req)
+        self.num_scheduled[req.request_id] = num_new
+        self.tokens -= num_new
+
+    def preempt(self, req: Request) -> None:
+        """Record a victim, returning its tokens (a partial-prefill slot stays taken)."""
+        self.preempted.append(req)
+        if req.request_id in self.num_scheduled:
+            self.tokens += self.num_scheduled.pop(req.request_id)
+            self.new_block_ids.pop(req.request_id, None)
+
+
 class Scheduler:
-    def __init__(
-        self,
-        kv_cache_manager: KVCacheManager,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
-        max_model_len: int,
-        policy: str = "fcfs",
-        enable_chunked_prefill: bool = True,
-        long_prefill_token_threshold: int = 0,
-        max_num_partial_prefills: int = 1,
-        max_long_partial_prefills: int = 1,
-        num_lookahead_tokens: int = 0,
-    ):
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True,
+                 long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1,
+                 max_long_partial_prefills: int = 1, num_lookahead_tokens: int = 0):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.kv = kv_cache_manager
@@ -161,9 +141,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
         if request.num_tokens >= self.max_model_len:
-            raise ValueError(
-                f"prompt of {request.num_tokens} tokens leaves no room below max_model_len={self.max_model_len}"
-            )
+            raise ValueError(f"prompt of {request.num_tokens} tokens leaves no room below "
+                             f"max_model_len={self.max_model_len}")
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -173,10 +152,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
+            (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
             self._finish(req, RequestStatus.FINISHED_ABORTED)
             aborted.append(req)
         return aborted
@@ -185,120 +161,82 @@ class Scheduler:
         return bool(self.running) or bool(len(self.waiting))
 
     # ------------------------------------------------------------------------
-    def _rank(self, r: Request) -> tuple:
-        return (r.priority, r.arrival_time)
-
-    def _is_long(self, r: Request) -> bool:
-        return 0 < self.long_prefill_token_threshold < r.num_prompt_tokens
-
-    def _preempt(self, victim: Request) -> None:
-        self.kv.free(victim)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
-        victim.spec_token_ids = []
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.prepend(victim)
-
     def schedule(self) -> SchedulerOutput:
+        """Decide one step: tokens per request, blocks allocated, victims preempted."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_blocks: dict[str, list[int]] = {}
-        scheduled_running: list[Request] = []
-        scheduled_waiting: list[Request] = []
-        preempted: list[Request] = []
-        partial = {"all": 0, "long": 0}
+        budget = _Budget(tokens=self.max_num_batched_tokens, partial_slots=self.max_num_partial_prefills,
+                         long_partial_slots=self.max_long_partial_prefills,
+                         long_threshold=self.long_prefill_token_threshold)
+        self._schedule_running(budget)
+        # A step that had to preempt admits nobody, unless a strictly higher
+        # priority makes room for itself.
+        if self.policy == "priority" or not budget.preempted:
+            self._schedule_waiting(budget, out)
+        for rid, block_ids in budget.new_block_ids.items():
+            req = self.requests[rid]
+            out.scheduled_cached_reqs.append(CachedRequestData(rid, block_ids, req.num_computed_tokens))
+            if req.spec_token_ids:
+                out.scheduled_spec_decode_tokens[rid] = list(req.spec_token_ids)
+        out.num_scheduled_tokens = budget.num_scheduled
+        out.total_num_scheduled_tokens = sum(budget.num_scheduled.values())
+        # A victim readmitted later in the step is running again.
+        out.preempted_req_ids = {r.request_id for r in budget.preempted if r.status == RequestStatus.PREEMPTED}
+        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        assert out.total_num_scheduled_tokens <= self.max_num_batched_tokens
+        assert len(self.running) <= self.max_num_seqs
+        # Advance computed tokens now, as if the step already ran (vLLM V1).
+        for rid, n in budget.num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        return out
 
-        def chunk_cap(req: Request, num_new: int) -> int:
-            if self.long_prefill_token_threshold > 0:
-                num_new = min(num_new, self.long_prefill_token_threshold)
-            return min(num_new, budget)
-
-        def partial_allowed(req: Request, num_new: int) -> bool:
-            """A prefill that this step leaves unfinished counts against the
-            partial-prefill limits."""
-            if req.num_computed_tokens + num_new >= req.num_tokens:
-                return True
-            if partial["all"] >= self.max_num_partial_prefills:
-                return False
-            return not (self._is_long(req) and partial["long"] >= self.max_long_partial_prefills)
-
-        def note_partial(req: Request, num_new: int) -> None:
-            if req.num_computed_tokens + num_new < req.num_tokens:
-                partial["all"] += 1
-                partial["long"] += self._is_long(req)
-
-        def unschedule(victim: Request) -> None:
-            nonlocal budget
-            if victim.request_id in num_scheduled:
-                budget += num_scheduled.pop(victim.request_id)
-                new_blocks.pop(victim.request_id, None)
-                scheduled_running.remove(victim)
-
-        # 1. Running requests.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = req.num_tokens_with_spec - req.num_computed_tokens
-            num_new = chunk_cap(req, num_new)
+    def _schedule_running(self, budget: _Budget) -> None:
+        """Phase 1, in running order; a request the pool cannot fit preempts
+        the newest (FCFS) or the largest rank (priority), maybe itself."""
+        for req in list(self.running):
+            if budget.tokens <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted to make room for an earlier one
+            num_new = budget.cap(req.num_tokens_with_spec - req.num_computed_tokens)
             num_new = min(num_new, self.max_model_len - 1 - req.num_computed_tokens + len(req.spec_token_ids))
-            if num_new <= 0 or not partial_allowed(req, num_new):
-                i += 1
+            if num_new <= 0 or not budget.admits(req, num_new):
                 continue
-            while True:
-                blocks = self.kv.allocate_slots(req, num_new, num_lookahead_tokens=self.num_lookahead_tokens)
-                if blocks is not None:
-                    break
-                if self.policy == "priority":
-                    idx = max(range(len(self.running)), key=lambda j: self._rank(self.running[j]))
-                else:
-                    idx = len(self.running) - 1
-                victim = self.running.pop(idx)
-                if idx < i:
-                    i -= 1
-                unschedule(victim)
-                self._preempt(victim)
-                preempted.append(victim)
+            allocate = partial(self.kv.allocate_slots, req, num_new, num_lookahead_tokens=self.num_lookahead_tokens)
+            while (blocks := allocate()) is None:
+                victim = max(self.running, key=_rank) if self.policy == "priority" else self.running[-1]
+                self._preempt(victim, budget)
                 if victim is req:
                     break
-            if req.status == RequestStatus.PREEMPTED:
-                # req itself was the victim; `running` shrank past it.
-                continue
-            note_partial(req, num_new)
-            scheduled_running.append(req)
-            num_scheduled[req.request_id] = num_new
-            new_blocks[req.request_id] = [b.block_id for b in blocks]
-            budget -= num_new
-            i += 1
+            if blocks is not None:
+                budget.take(req, num_new)
+                budget.new_block_ids[req.request_id] = [b.block_id for b in blocks]
 
-        # 2. Waiting requests (not in a step that had to preempt, unless a
-        #    strictly higher priority makes room for itself).
-        skipped: list[Request] = []
-        preempted_ids = {r.request_id for r in preempted}
-        while len(self.waiting) and budget > 0 and (not preempted or self.policy == "priority"):
+    def _schedule_waiting(self, budget: _Budget, out: SchedulerOutput) -> None:
+        """Phase 2, in queue order: prefix hits first, then new blocks."""
+        skipped: list[Request] = []  # over the partial-prefill limits: they keep their place
+        # Preempted this step: not readmitted. Refreshed on admission only, so a
+        # victim of a seat made for a request that is then skipped may be.
+        barred = {r.request_id for r in budget.preempted}
+        while len(self.waiting) and budget.tokens > 0:
             req = self.waiting.peek()
-            if req.request_id in preempted_ids:
+            if req.request_id in barred:
                 break
-            if len(self.running) >= self.max_num_seqs and not self._make_room_by_priority(
-                req, None, num_scheduled, unschedule, preempted
-            ):
+            if not self._has_seat() and not self._preempt_lower_priority(req, budget, self._has_seat):
                 break
-            hits, num_hit_tokens = [], 0
-            if req.num_computed_tokens == 0:
-                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
             num_new = req.num_tokens - req.num_computed_tokens - num_hit_tokens
-            if not self.enable_chunked_prefill and num_new > budget:
+            if not self.enable_chunked_prefill and num_new > budget.tokens:
                 break
-            num_new = chunk_cap(req, num_new)
-            if not partial_allowed(req, num_new) or num_new <= 0:
+            num_new = budget.cap(num_new)
+            # (Judged before the hits count as computed: a hit makes a prompt look partial.)
+            if not budget.admits(req, num_new) or num_new <= 0:
                 skipped.append(self.waiting.pop())
                 continue
-            blocks = self.kv.allocate_slots(req, num_new, num_hit_tokens, hits, self.num_lookahead_tokens)
-            if blocks is None and self._make_room_by_priority(req, num_new, num_scheduled, unschedule, preempted):
-                blocks = self.kv.allocate_slots(req, num_new, num_hit_tokens, hits, self.num_lookahead_tokens)
-            if blocks is None:
+            args = (req, num_new, num_hit_tokens, hits, self.num_lookahead_tokens)
+            fits = partial(self.kv.can_allocate, *args)
+            if not fits() and not self._preempt_lower_priority(req, budget, fits):
                 break
+            self.kv.allocate_slots(*args)
             self.waiting.pop()
             resumed = req.status == RequestStatus.PREEMPTED
             req.status = RequestStatus.RUNNING
@@ -307,77 +245,44 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             req.num_computed_tokens += num_hit_tokens
-            note_partial(req, num_new)
+            budget.take(req, num_new)
             self.running.append(req)
-            scheduled_waiting.append(req)
-            num_scheduled[req.request_id] = num_new
-            new_blocks[req.request_id] = self.kv.get_block_ids(req.request_id)
-            out.scheduled_new_reqs.append(
-                NewRequestData(
-                    req_id=req.request_id,
-                    token_ids=list(req.all_token_ids),
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    block_ids=new_blocks[req.request_id],
-                    num_computed_tokens=req.num_computed_tokens,
-                    sampling_params=req.sampling_params,
-                    resumed=resumed,
-                )
-            )
-            budget -= num_new
-            preempted_ids = {r.request_id for r in preempted}
+            out.scheduled_new_reqs.append(NewRequestData(
+                req.request_id, list(req.all_token_ids), req.num_prompt_tokens, self.kv.get_block_ids(req.request_id),
+                req.num_computed_tokens, req.sampling_params, resumed))
+            barred.update(r.request_id for r in budget.preempted)
         for req in reversed(skipped):
             self.waiting.prepend(req)
 
-        for req in scheduled_running:
-            out.scheduled_cached_reqs.append(
-                CachedRequestData(req.request_id, new_blocks[req.request_id], req.num_computed_tokens)
-            )
-            if req.spec_token_ids:
-                out.scheduled_spec_decode_tokens[req.request_id] = list(req.spec_token_ids)
-        out.num_scheduled_tokens = num_scheduled
-        out.total_num_scheduled_tokens = sum(num_scheduled.values())
-        out.preempted_req_ids = {r.request_id for r in preempted if r.status == RequestStatus.PREEMPTED}
-        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
-        assert out.total_num_scheduled_tokens <= self.max_num_batched_tokens
-        assert len(self.running) <= self.max_num_seqs
-        # Advance computed tokens now, as if the step already ran (vLLM V1).
-        for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
-        return out
+    def _has_seat(self) -> bool:
+        return len(self.running) < self.max_num_seqs
 
-    def _make_room_by_priority(self, req, num_new, num_scheduled, unschedule, preempted) -> bool:
-        """Under priority, preempt running requests of strictly lower
-        priority (larger value) until ``req`` fits: a seat when ``num_new``
-        is None, else enough free blocks for ``num_new`` more tokens."""
-        if self.policy != "priority":
-            return False
-        made_room = False
-        while True:
-            candidates = [r for r in self.running if r.priority > req.priority]
-            if not candidates:
-                return made_room
-            if num_new is None and len(self.running) < self.max_num_seqs:
-                return True
-            if num_new is not None:
-                need = -(-(req.num_computed_tokens + num_new + self.num_lookahead_tokens) // self.kv.block_size)
-                if need - len(self.kv.req_to_blocks.get(req.request_id, [])) <= self.kv.num_free_blocks:
-                    return made_room
-            victim = max(candidates, key=self._rank)
-            self.running.remove(victim)
-            unschedule(victim)
-            self._preempt(victim)
-            preempted.append(victim)
-            made_room = True
-            if num_new is None and len(self.running) < self.max_num_seqs:
-                return True
+    def _preempt_lower_priority(self, req: Request, budget: _Budget, fits: Callable[[], bool]) -> bool:
+        """Under priority, preempt running requests of strictly lower priority
+        (larger value), largest rank first, until ``fits()`` (a seat, or the
+        blocks for ``req``). False when it still does not fit."""
+        while self.policy == "priority" and not fits():
+            victims = [r for r in self.running if r.priority > req.priority]
+            if not victims:
+                return False
+            self._preempt(max(victims, key=_rank), budget)
+        return fits()
+
+    def _preempt(self, victim: Request, budget: _Budget) -> None:
+        """Preempt by recompute: free its KV, back to the front of the queue."""
+        self.running.remove(victim)
+        budget.preempt(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(victim)
 
     # ------------------------------------------------------------------------
-    def update_from_output(
-        self,
-        sched_out: SchedulerOutput,
-        sampled_token_ids: dict[str, list[int]],
-        stopped_by_caller: Optional[dict[str, int]] = None,
-    ) -> list[RequestUpdate]:
+    def update_from_output(self, sched_out: SchedulerOutput, sampled_token_ids: dict[str, list[int]],
+                           stopped_by_caller: Optional[dict[str, int]] = None) -> list[RequestUpdate]:
         """Append sampled tokens and apply stop conditions.
 
         ``sampled_token_ids`` has an entry for every scheduled request that
@@ -394,11 +299,9 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue  # aborted while the step ran
             tokens = sampled_token_ids.get(rid, [])
-            num_spec = len(sched_out.scheduled_spec_decode_tokens.get(rid, []))
-            if num_spec:
+            if num_spec := len(sched_out.scheduled_spec_decode_tokens.get(rid, [])):
                 # Rejected draft tokens' KV is recomputed: roll back computed tokens.
-                num_rejected = num_spec + 1 - len(tokens)
-                req.num_computed_tokens -= num_rejected
+                req.num_computed_tokens -= num_spec + 1 - len(tokens)
                 req.spec_token_ids = []
             new_tokens: list[int] = []
             status = None

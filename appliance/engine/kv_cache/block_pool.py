@@ -124,7 +124,8 @@ class BlockPool:
                 KVCacheEvent("BlockStored", (block_hash,), parent, block.token_ids, self.block_size)
             )
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def evict_cached(self, block: KVCacheBlock) -> None:
+        """Drop a block's hash from the cache (its KV stays where it is)."""
         if block.block_hash is None:
             return
         del self.cached_block_hash_to_block[block.block_hash]
@@ -133,6 +134,8 @@ class BlockPool:
         block.block_hash = None
         block.token_ids = None
 
+    _evict = evict_cached  # old name, still used by EngineCore._step_failed
+
     # -- allocation ---------------------------------------------------------
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         if n > self.free_block_queue.num_free_blocks:
@@ -140,7 +143,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_block_queue.popleft()
-            self._evict(block)
+            self.evict_cached(block)
             block.ref_cnt = 1
             out.append(block)
         return out

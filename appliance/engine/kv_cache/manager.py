@@ -82,6 +82,39 @@ class KVCacheManager:
     #  whose KV this step computes are registered in the prefix cache at once:
     #  a later request in the same step may hit them, because every layer
     #  writes the whole step's K/V before it attends.
+    def _num_new_blocks(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: list[KVCacheBlock],
+        num_lookahead_tokens: int,
+    ) -> int:
+        """Blocks the pool must hand out for the step, beyond those held and hit."""
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
+        num_held = len(self.req_to_blocks.get(request.request_id, ()))
+        return max(0, cdiv(total, self.block_size) - num_held - len(new_computed_blocks))
+
+    def can_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Optional[list[KVCacheBlock]] = None,
+        num_lookahead_tokens: int = 0,
+    ) -> bool:
+        """Whether ``allocate_slots`` with the same arguments would succeed.
+
+        The one place the block arithmetic lives: the scheduler asks it to
+        decide how much to preempt, allocate_slots asks it before taking.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        n = self._num_new_blocks(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                 num_lookahead_tokens)
+        # Hit blocks that sit in the free queue stop being allocatable once touched.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        return n <= self.pool.num_free_blocks - num_evictable_hits
+
     def allocate_slots(
         self,
         request: Request,
@@ -94,17 +127,11 @@ class KVCacheManager:
         if num_new_tokens <= 0 and num_lookahead_tokens <= 0:
             raise ValueError("num_new_tokens must be positive")
         new_computed_blocks = new_computed_blocks or []
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
-        total = num_computed + num_new_tokens + num_lookahead_tokens
-        num_required = cdiv(total, self.block_size)
-        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
-        # Hit blocks that sit in the free queue stop being allocatable once touched.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
-            if not req_blocks:
-                del self.req_to_blocks[request.request_id]
+        args = (request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens)
+        if not self.can_allocate(*args):
             return None
+        num_new_blocks = self._num_new_blocks(*args)
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             req_blocks.extend(new_computed_blocks)
@@ -112,6 +139,7 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
         if self.enable_caching:
+            num_computed = request.num_computed_tokens + num_new_computed_tokens
             self._cache_full_blocks(request, (num_computed + num_new_tokens) // self.block_size)
         return new_blocks
 
@@ -134,6 +162,13 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
+
+    def uncache_blocks(self, request_id: str, first_block: int) -> None:
+        """Forget the prefix-cache entries of a request's blocks from
+        ``first_block`` on: after a failed step their KV may never have been
+        written, and no later request may hit it."""
+        for block in self.req_to_blocks.get(request_id, [])[first_block:]:
+            self.pool.evict_cached(block)
 
     def reset_prefix_cache(self) -> bool:
         ok = self.pool.reset_prefix_cache()
