@@ -15,8 +15,9 @@ AVX2/FMA) raises ImportError with the reason, which the backend selector
 reports as "package not importable".
 
 As an attention backend it also serves the layer-by-layer torch model
-(``forward``); the model switches to ``NativeForward`` when its backend
-says ``native_forward``.
+(``forward``). Its ``native_forward`` flag tells the ModelRunner to run
+each step through ``NativeForward`` instead (``build_native_forward``),
+which reads the model through ``weights_view()`` (``ModelWeights``).
 """
 
 from __future__ import annotations
@@ -219,6 +220,13 @@ class CpuNativeBackend(AttentionBackend):
             raise ValueError(f"cpu_native needs head_dim % 8 == 0 and at most 64 query heads per kv head; got "
                              f"head_dim={head_dim}, {num_heads} heads over {num_kv_heads} kv heads")
 
+    def build_native_forward(self, model: Any) -> "NativeForward":
+        """The whole-step forward of ``model`` (a LlamaForCausalLM with its rope
+        tables cached) as its weights are now; packs and releases the
+        projections' row-major weights, so the model's torch forward no
+        longer runs after this."""
+        return NativeForward(model.weights_view())
+
     def build_metadata(self, common: CommonAttentionMetadata) -> NativeMetadata:
         return NativeMetadata(
             common,
@@ -239,39 +247,32 @@ class CpuNativeBackend(AttentionBackend):
 
 
 class NativeForward:
-    """The whole forward of a LlamaForCausalLM in one native call per step."""
+    """The whole forward of a LlamaForCausalLM in one native call per step,
+    built from the model's ``weights_view()`` (``ModelWeights``)."""
 
-    def __init__(self, model: Any):
-        arch = model.arch
+    def __init__(self, weights: Any):
+        arch = weights.arch
         self.arch = arch
-        layers = model.model.layers
         self._lin: list[NativeLinear] = []
         self._held: list[torch.Tensor] = []  # every tensor a pointer below refers to
         self._layers = (Layer * arch.num_layers)()
         self._kv_ptrs: list[int] = []
-        for i, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            lins = [NativeLinear(m, release=True) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        for i, lw in enumerate(weights.layers):
+            lins = [NativeLinear(m, release=True) for m in (lw.qkv_proj, lw.o_proj, lw.gate_up_proj, lw.down_proj)]
             self._lin += lins
             L = self._layers[i]
-            L.ln1 = self._hold(layer.input_layernorm.weight.data)
-            L.ln2 = self._hold(layer.post_attention_layernorm.weight.data)
+            L.ln1 = self._hold(lw.input_norm)
+            L.ln2 = self._hold(lw.post_attention_norm)
             if arch.qk_norm:
-                L.q_norm, L.k_norm = self._hold(attn.q_norm.weight.data), self._hold(attn.k_norm.weight.data)
+                L.q_norm, L.k_norm = self._hold(lw.q_norm), self._hold(lw.k_norm)
             L.qkv, L.o, L.gate_up, L.down = (x.struct for x in lins)
-        if model.lm_head_q is not None:
-            self._lm_head = NativeLinear(model.lm_head_q, release=True)
-        elif arch.tie_word_embeddings:  # the embedding stays row-major for lookups: pack a copy
-            self._lm_head = NativeLinear.from_weight(model.lm_head_weight().data)
-        else:
-            self._lm_head = NativeLinear(model.lm_head, release=True)
-        cos, sin = model._rope
-        if cos.dtype != torch.float32:  # activations are fp32: so are the angles, not bf16-rounded ones
-            from appliance.models.llama import rope_tables
-
-            cos, sin = rope_tables(arch, cos.shape[0])
+        if weights.lm_head is not None:
+            self._lm_head = NativeLinear(weights.lm_head, release=True)
+        else:  # tied: the embedding stays row-major for lookups, so pack a copy
+            self._lm_head = NativeLinear.from_weight(weights.embed)
+        cos, sin = weights.rope_cos, weights.rope_sin  # fp32, like the activations
         # The embedding is read one row per token, widened in the kernel: a bf16 table stays bf16.
-        embed = model.model.embed_tokens.weight.data
+        embed = weights.embed
         if embed.dtype not in WEIGHT_DTYPES:
             raise ValueError(f"cpu_native needs an fp32 or bf16 embedding; it is {embed.dtype}")
         embed = embed.contiguous()
@@ -279,7 +280,7 @@ class NativeForward:
         self.struct = Model(
             arch.num_layers, arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads,
             arch.head_dim, arch.vocab_size, cos.shape[0], arch.rms_norm_eps, arch.head_dim ** -0.5, 0,
-            int(embed.dtype == torch.bfloat16), embed.data_ptr(), self._hold(model.model.norm.weight.data),
+            int(embed.dtype == torch.bfloat16), embed.data_ptr(), self._hold(weights.final_norm),
             self._hold(cos), self._hold(sin), self._lm_head.struct, ctypes.cast(self._layers, ctypes.POINTER(Layer)),
         )
         self._scratch = torch.empty(0, dtype=torch.float32)

@@ -42,7 +42,7 @@ class ModelArch:
     @staticmethod
     def from_model_config(m: Any) -> "ModelArch":
         rs = m.rope_scaling
-        rs_type = getattr(rs.type, "value", rs.type)
+        rs_type = rs.type
         scaling = None
         if rs_type != "none":
             scaling = {
@@ -212,6 +212,36 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer: norm weights and the live projection modules
+    (``nn.Linear`` or a quantized linear such as ``Int8WeightOnlyLinear``)."""
+
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    q_norm: Optional[torch.Tensor]  # qk_norm models only
+    k_norm: Optional[torch.Tensor]
+    qkv_proj: nn.Module  # rows q | k | v
+    o_proj: nn.Module
+    gate_up_proj: nn.Module  # rows gate | up
+    down_proj: nn.Module
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    """What ``LlamaForCausalLM.weights_view`` hands an executor that runs the
+    whole step itself: the architecture, the tensors and projection modules
+    (not copies), and fp32 rope tables over the cached positions."""
+
+    arch: ModelArch
+    embed: torch.Tensor  # [vocab, hidden], looked up one row per token
+    final_norm: torch.Tensor
+    layers: tuple[LayerWeights, ...]
+    lm_head: Optional[nn.Module]  # the LM head's own projection (untied or quantized); None: tied to ``embed``
+    rope_cos: torch.Tensor  # [positions, head_dim] fp32
+    rope_sin: torch.Tensor
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch, backend: Any):
         super().__init__()
@@ -223,20 +253,42 @@ class LlamaForCausalLM(nn.Module):
         self.model = Backbone(arch, backend)
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self._rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        # (cos, sin) [positions, head_dim] in the model dtype, set by rope_cache(); a
+        # new tuple on every call, so a holder of derived tables can tell they changed.
+        self.rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.lm_head_q: Optional[nn.Module] = None  # set by quantize_int8_weight_only
-        # A backend with ``native_forward`` (cpu_native) runs the whole step in one
-        # native call; built at the first forward, after any quantization.
-        self._native_enabled = bool(getattr(backend, "native_forward", False))
-        self._native: Any = None
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
 
     def rope_cache(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
         cos, sin = rope_tables(self.arch, max_positions, device)
-        self._rope = (cos.to(dtype), sin.to(dtype))
-        self._native = None  # rebuilt on the next forward with the new tables
+        self.rope = (cos.to(dtype), sin.to(dtype))
+
+    def weights_view(self) -> "ModelWeights":
+        """The model's tensors and projections as they are now (after any
+        quantization), for an executor that runs the whole step itself."""
+        assert self.rope is not None, "call rope_cache() once before weights_view()"
+        cos, sin = self.rope
+        if cos.dtype != torch.float32:  # fp32 angles, not bf16-rounded ones
+            cos, sin = rope_tables(self.arch, cos.shape[0])
+        layers = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(LayerWeights(
+                input_norm=layer.input_layernorm.weight.data,
+                post_attention_norm=layer.post_attention_layernorm.weight.data,
+                q_norm=attn.q_norm.weight.data if self.arch.qk_norm else None,
+                k_norm=attn.k_norm.weight.data if self.arch.qk_norm else None,
+                qkv_proj=attn.qkv_proj, o_proj=attn.o_proj, gate_up_proj=mlp.gate_up_proj, down_proj=mlp.down_proj,
+            ))
+        if self.lm_head_q is not None:
+            lm_head = self.lm_head_q
+        else:
+            lm_head = None if self.arch.tie_word_embeddings else self.lm_head
+        return ModelWeights(arch=self.arch, embed=self.model.embed_tokens.weight.data,
+                            final_norm=self.model.norm.weight.data, layers=tuple(layers), lm_head=lm_head,
+                            rope_cos=cos, rope_sin=sin)
 
     def forward(
         self,
@@ -246,15 +298,9 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: Any,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        assert self._rope is not None, "call rope_cache() once before forward"
-        if self._native_enabled:
-            if self._native is None:
-                from appliance.kernels.cpu_native import NativeForward
-
-                self._native = NativeForward(self)
-            return self._native(input_ids, positions, kv_caches, attn_metadata, logits_indices)
-        cos = self._rope[0][positions].unsqueeze(1)  # [T, 1, D]
-        sin = self._rope[1][positions].unsqueeze(1)
+        assert self.rope is not None, "call rope_cache() once before forward"
+        cos = self.rope[0][positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.rope[1][positions].unsqueeze(1)
         x = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, attn_metadata)

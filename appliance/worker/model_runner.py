@@ -7,12 +7,18 @@ back. Per step it builds input ids, positions, slot mapping and
 ``query_start_loc`` for the flattened batch, runs the model with the
 attention backend's metadata, and samples the requests that reached the
 end of their known tokens (a mid-prompt chunk samples nothing).
+
+The runner, not the model, chooses how a step runs: a backend that says
+``native_forward`` (cpu_native) runs the whole step in one native call,
+built by ``backend.build_native_forward(model)`` from the model's public
+``weights_view()``; any other backend runs the model's torch forward,
+which calls the backend per layer for attention.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -76,6 +82,23 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         model.rope_cache(max_model_len, dtype, device)
+        # Decided here; the native forward itself is built at the first step, so it
+        # sees the weights as they are then (quantized, or edited after construction).
+        self.uses_native_forward = bool(getattr(backend, "native_forward", False))
+        self._native: Any = None
+        self._native_rope: Any = None  # the model's rope tables the native forward was built with
+
+    def step_forward(self) -> Callable[..., torch.Tensor]:
+        """What runs this step: ``f(input_ids, positions, kv_caches, metadata,
+        logits_indices) -> fp32 logits``. The native forward is (re)built when
+        it is missing or the model's rope tables changed since it was built."""
+        if not self.uses_native_forward:
+            return self.model
+        rope = self.model.rope
+        if self._native is None or self._native_rope is not rope:
+            self._native = self.backend.build_native_forward(self.model)
+            self._native_rope = rope
+        return self._native
 
     # -- persistent batch ----------------------------------------------------
     def _remove(self, rid: str) -> None:
@@ -155,7 +178,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
         )
         metadata = self.backend.build_metadata(common)
-        logits = self.model(
+        logits = self.step_forward()(
             torch.from_numpy(input_ids).to(dev),
             torch.from_numpy(positions).to(dev),
             self.kv_caches,
