@@ -21,6 +21,7 @@ from appliance.config.detect import DeviceDescription, detect_device
 from appliance.config.execution import Execution, resolve_execution
 from appliance.config.plan import format_plan, make_plan, max_model_len
 from appliance.config.schema import ApplianceConfig
+from appliance.config.unbuilt import not_built
 from appliance.errors import ConfigError
 from appliance.kernels.registry import BackendSelectionError, Selection
 
@@ -109,6 +110,9 @@ def compose(resolved: ResolvedConfig, *, here: bool = True, device: Optional[Dev
         ex = check_runnable(resolved, device)
     else:
         ex = execution_here(resolved, device)
+    unbuilt = not_built(resolved.cfg)
+    if unbuilt and (here or selection is not None):
+        raise ConfigError("this deployment plans but cannot run yet:\n" + "\n".join(f"  - {u}" for u in unbuilt))
     cfg = resolved.cfg
     plan = make_plan(cfg, ex)
     mml = max_model_len(cfg)
@@ -122,9 +126,6 @@ def compose(resolved: ResolvedConfig, *, here: bool = True, device: Optional[Dev
         layout=ExecutorLayout(par.tensor_parallel_size, par.pipeline_parallel_size, par.data_parallel_size,
                               plan.parallel["expert_parallel_size"]),
     )
-
-
-RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo")
 
 
 def build_engine(deployment: Deployment) -> tuple[Any, Any]:
@@ -141,19 +142,13 @@ def build_engine(deployment: Deployment) -> tuple[Any, Any]:
     from appliance.worker.model_runner import ModelRunner
 
     cfg, ex = deployment.cfg, deployment.execution
-    method = cfg.quantization.method
-    if method not in RUNNABLE_QUANTIZATION:
-        raise ConfigError(
-            f"quantization={method} can be planned but its weight kernels are not built yet; "
-            f"serve with quantization=none (GGUF checkpoints are dequantized at load)"
-        )
     dtype = getattr(torch, ex.dtype)
     device = torch.device(deployment.device)
     m = cfg.model
     backend = load_backend(ex.backend)(m.num_heads, m.num_kv_heads, m.head_dim, m.head_dim ** -0.5,
                                        ex.kv_cache_dtype)
     model, tokenizer, _ = load_model(m, backend, dtype, device)
-    if method == "int8_wo":
+    if cfg.quantization.method == "int8_wo":
         from appliance.models.quant import quantize_int8_weight_only
 
         quantize_int8_weight_only(model)

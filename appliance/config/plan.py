@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from appliance.config.execution import Execution, kv_dtype, resolve_execution
 from appliance.config.schema import ApplianceConfig
+from appliance.config.unbuilt import not_built
 from appliance.kernels.registry import BACKENDS
 
 GIB = 1024**3
@@ -119,6 +120,7 @@ class Plan:
     attention_provider_here: str | None
     parallel: dict[str, int]
     num_devices_used: int
+    num_devices: int  # the hardware's
     parameter_count: int
     weight_bytes_total: int
     weight_bytes_per_device: int
@@ -201,6 +203,7 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
                      f"{cfg.model.param_count_b} B: check the model.* facts")
     if offload:
         notes.append(f"{offload / GIB:.2f} GiB of weights per device offloaded to host memory (cache.cpu_offload_gib)")
+    notes += [f"not built yet, serving refuses it: {u}" for u in not_built(cfg)]
     swap_blocks = int(cfg.cache.swap_space_gib * GIB) // (bs * per_tok) if per_tok else 0
     return Plan(
         profile=cfg.profile,
@@ -223,6 +226,7 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
             else 1,
         },
         num_devices_used=devices,
+        num_devices=cfg.hardware.num_devices,
         parameter_count=parameter_counts(cfg.model)["total"],
         weight_bytes_total=total_w,
         weight_bytes_per_device=w_dev,
@@ -253,7 +257,7 @@ def format_plan(p: Plan) -> str:
         f"profile            {p.profile}",
         f"model              {p.model} ({p.parameter_count / 1e9:.3f} B parameters)",
         f"architecture       {p.architecture}",
-        f"hardware           {p.hardware} ({p.device_kind}), {p.num_devices_used} device(s) used",
+        f"hardware           {p.hardware} ({p.device_kind}), {p.num_devices_used} of {p.num_devices} device(s) used",
         f"parallel           tp={par['tensor_parallel_size']} pp={par['pipeline_parallel_size']} "
         f"dp={par['data_parallel_size']} ep={par['expert_parallel_size']}",
         *p.summary,

@@ -7,16 +7,18 @@ compose time, through the typed schema.
 
 from __future__ import annotations
 
-from typing import Any
+
+from appliance.config.schema import ApplianceConfig
 
 from appliance.config.execution import choose_dtype
 from appliance.config.plan import GIB, activation_bytes, kv_bytes_per_token, max_model_len, weight_bytes
 from appliance.kernels.registry import BACKENDS
 
 FP8_HARDWARE = "h100, h200, b200 or mi300x"
+DEFAULTS = ApplianceConfig()
 
 
-def validate(cfg: Any) -> list[str]:
+def validate(cfg: ApplianceConfig) -> list[str]:
     problems: list[str] = []
     m, hw, q, cache, s, par, spec = (
         cfg.model,
@@ -51,6 +53,12 @@ def validate(cfg: Any) -> list[str]:
             problems.append(f"{key}={value} must not be negative")
     if not 0.0 < cache.memory_utilization <= 1.0:
         problems.append(f"cache.memory_utilization={cache.memory_utilization} must be in (0, 1]")
+    elif cache.kv_cache_memory_gib is not None and cache.memory_utilization != DEFAULTS.cache.memory_utilization:
+        problems.append(f"cache.memory_utilization={cache.memory_utilization} has no effect while "
+                        f"cache.kv_cache_memory_gib={cache.kv_cache_memory_gib} sizes the KV pool; set one of them")
+    if q.activations and q.method != "fp8":
+        problems.append(f"quantization.activations=true (W8A8) is the fp8 method's; quantization={q.method} "
+                        f"quantizes weights only")
     if not 0 < cfg.server.port < 65536:
         problems.append(f"server.port={cfg.server.port} must be in 1..65535")
     for key in ("request_timeout_s", "shutdown_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s",
@@ -144,6 +152,13 @@ def validate(cfg: Any) -> list[str]:
         problems.append("parallel.enable_expert_parallel needs tp x dp > 1 (EP width = dp x tp)")
 
     # Speculative decoding.
+    if spec.method == "off":
+        for key, value, default in [("num_speculative_tokens", spec.num_speculative_tokens, 0),
+                                    ("prompt_lookup_min", spec.prompt_lookup_min, 1),
+                                    ("prompt_lookup_max", spec.prompt_lookup_max, 3)]:
+            if value != default:
+                problems.append(f"speculative.{key}={value} has no effect with speculative=off; "
+                                f"choose a speculative method or leave it at {default}")
     if spec.method == "ngram":
         if spec.num_speculative_tokens < 1:
             problems.append("speculative.method=ngram needs speculative.num_speculative_tokens >= 1")
@@ -159,8 +174,6 @@ def validate(cfg: Any) -> list[str]:
                 f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} cannot hold max_num_seqs="
                 f"{s.max_num_seqs} sequences with {spec.num_speculative_tokens} draft tokens each; raise it or lower max_num_seqs"
             )
-    elif spec.num_speculative_tokens:
-        problems.append("speculative.num_speculative_tokens is set but speculative=off; set speculative=ngram")
 
     # Memory: weights must fit, and the pool must hold one full-length request.
     if dtype in ("float32", "bfloat16", "float16") and not problems:

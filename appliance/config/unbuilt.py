@@ -1,0 +1,36 @@
+"""Keys that plan but do not run yet.
+
+A config key either changes what runs or is refused: these values resolve
+and validate (``appliance plan`` shows what they would take, with a note),
+and every entry point that runs a model (``appliance run``, the offline
+``LLM``) refuses them with the message here.
+"""
+
+from __future__ import annotations
+
+from appliance.config.schema import ApplianceConfig
+
+RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo")  # methods whose weight kernels run
+
+
+def not_built(cfg: ApplianceConfig) -> list[str]:
+    """What ``cfg`` asks for that plans but does not run yet: serving and the
+    offline LLM refuse these (``appliance plan`` notes them)."""
+    out = []
+    par, spec, cache, q = cfg.parallel, cfg.speculative, cfg.cache, cfg.quantization
+    world = par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
+    if world > 1 or par.enable_expert_parallel:
+        out.append(f"parallel execution (tp x pp x dp = {par.tensor_parallel_size} x {par.pipeline_parallel_size} x "
+                   f"{par.data_parallel_size}{', expert parallel' if par.enable_expert_parallel else ''}) is not built "
+                   f"yet; serve with parallel=single")
+    if spec.method != "off":
+        out.append(f"speculative.method={spec.method}: speculative decoding is not built yet; serve with speculative=off")
+    if q.method not in RUNNABLE_QUANTIZATION:
+        out.append(f"quantization={q.method} can be planned but its weight kernels are not built yet; serve with "
+                   f"quantization=none (GGUF checkpoints are dequantized at load)")
+    for key, value, what in [("swap_space_gib", cache.swap_space_gib, "swapping preempted requests' KV to host memory"),
+                             ("cpu_offload_gib", cache.cpu_offload_gib, "offloading weights to host memory")]:
+        if value > 0:
+            out.append(f"cache.{key}={value:g}: {what} is not built yet (preempted requests are recomputed); "
+                       f"serve with cache.{key}=0")
+    return out

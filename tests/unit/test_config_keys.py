@@ -1,0 +1,191 @@
+"""No key without an effect: every leaf of the schema, changed on its own
+from a runnable deployment, either changes what is composed (plan,
+execution, KV blocks, limits, layout), or is refused (by validation, or by
+the composition root as not built yet), or is read where the engine is
+built or served (``runner.py``, ``engine/``, ``worker/``, ``models/``,
+``server/``; config code that only validates or plans does not count).
+
+A key added to the schema is covered the moment it exists: give it a
+valid alternative value in ``ALTERNATIVES`` when the generic one is out of
+its range."""
+
+import ast
+import dataclasses
+from enum import Enum
+from pathlib import Path
+from typing import Any, get_args
+
+import pytest
+
+from appliance.config import schema
+from appliance.config.compose import resolve
+from appliance.errors import ConfigError
+from appliance.runner import compose
+
+ROOT = Path(__file__).resolve().parents[2] / "appliance"
+CONSUMERS = [ROOT / "runner.py", *(ROOT / "engine").rglob("*.py"), *(ROOT / "worker").rglob("*.py"),
+             *(ROOT / "models").rglob("*.py"), *(ROOT / "server").rglob("*.py")]
+BASE = ["+profile=cpu"]
+# Keys that matter only beside other values (another profile, a pool sized
+# from memory): compared from there.
+FROM_MEMORY = [*BASE, "cache.kv_cache_memory_gib=null"]
+BASES = {
+    "quantization.weight_bits": [*BASE, "quantization=awq"],
+    "quantization.group_size": [*BASE, "quantization=awq"],
+    "quantization.activations": ["+profile=h100_fp8"],
+    "cache.memory_utilization": FROM_MEMORY,
+    "hardware.memory_gib": FROM_MEMORY,
+    "hardware.peak_tflops.fp32": [*BASE, "model.dtype=float32"],
+    "hardware.peak_tflops.fp16": ["+profile=h100_bf16", "model.dtype=float16"],
+    "hardware.peak_tflops.fp8": ["+profile=h100_fp8"],
+    "hardware.fp8": ["+profile=h100_fp8"],
+}
+
+# Where the generic change (below) is not a valid value for the base deployment.
+ALTERNATIVES = {
+    "model.path": "tiny_random",
+    "model.architecture": "Qwen2ForCausalLM",
+    "model.head_dim": 128,
+    "model.num_kv_heads": 1,
+    "model.num_heads": 3,
+    "model.max_position_embeddings": 4096,
+    "model.rope_scaling.type": "linear",
+    "quantization.weight_bits": 8.0,
+    "quantization.method": "int8_wo",
+    "quantization.activations": False,
+    "quantization.group_size": 64,
+    "cache.block_size": 32,
+    "cache.memory_utilization": 0.5,
+    "cache.kv_cache_memory_gib": 0.5,
+    "cache.kv_cache_dtype": "bfloat16",
+    "cache.num_blocks": 100,
+    "hardware.name": "other_cpu",
+    "hardware.device_kind": "cuda",
+    "hardware.compute_capability": "9.0",
+    "hardware.min_block_size": 32,
+    "hardware.max_block_size": 8,
+    "hardware.attention_backends": ["torch_sdpa"],
+    "hardware.supported_dtypes": ["float32"],
+    "hardware.fp8": False,
+    "server.host": "0.0.0.0",
+    "speculative.method": "ngram",
+    "speculative.num_speculative_tokens": 2,
+    "attention.backend": "torch_sdpa",
+    "attention.fallback": "deny",
+    "profile": "cpu_int8",
+}
+
+
+def leaves(cls: type, prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for f in dataclasses.fields(cls):
+        t = f.type if not isinstance(f.type, str) else eval(f.type, vars(schema))  # noqa: S307 (the schema's own names)
+        if dataclasses.is_dataclass(t):
+            out += leaves(t, f"{prefix}{f.name}.")
+        else:
+            out.append((f"{prefix}{f.name}", t))
+    return out
+
+
+LEAVES = leaves(schema.ApplianceConfig)
+
+
+def generic_change(value: Any, typ: Any) -> Any:
+    if isinstance(typ, type) and issubclass(typ, Enum):
+        return next(m.value for m in typ if m.value != value)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1 if value > 0 else 2
+    if isinstance(value, float):
+        return value * 2 if value else 0.5
+    if isinstance(value, str):
+        return value + "x"
+    if isinstance(value, list):
+        return value[:-1] if value else ["x"]
+    if value is None:
+        inner = [a for a in get_args(typ) if a is not type(None)]
+        return {int: 512, float: 0.5, str: "x"}[inner[0]]
+    raise AssertionError(f"no generic change for {value!r}")
+
+
+def value_at(cfg: Any, path: str) -> Any:
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def written(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, list):
+        return "[" + ",".join(map(str, v)) + "]"
+    return str(v)
+
+
+def observe(overrides: list[str]) -> tuple[str, Any]:
+    """("refused", why) when validation refuses; else whether this machine
+    would refuse to run it (None: it runs) and what it composes to."""
+    try:
+        r = resolve(overrides)
+    except ConfigError as e:
+        return "refused", str(e)
+    try:
+        compose(r)
+        refused_here = None
+    except ConfigError as e:  # cannot run here, or not built yet
+        refused_here = str(e)
+    d = compose(r, here=False)
+    return "composed", (refused_here, d.plan.to_dict(), d.execution.to_dict(), d.num_kv_blocks, d.max_model_len,
+                        d.max_prompt_chars, d.layout, d.device, d.model_name)
+
+
+def read_by_consumers(attr: str) -> list[str]:
+    hits = []
+    for path in CONSUMERS:
+        tree = ast.parse(path.read_text())
+        if any(isinstance(n, ast.Attribute) and n.attr == attr for n in ast.walk(tree)):
+            hits.append(path.name)
+    return hits
+
+
+def test_every_leaf_is_listed():
+    assert len(LEAVES) > 90 and len({p for p, _ in LEAVES}) == len(LEAVES)
+    assert set(ALTERNATIVES) <= {p for p, _ in LEAVES}
+
+
+@pytest.mark.parametrize("path,typ", LEAVES, ids=[p for p, _ in LEAVES])
+def test_changing_a_key_has_an_effect(path, typ):
+    base = BASES.get(path, BASE)
+    before = value_at(resolve(base).cfg, path)
+    after = ALTERNATIVES.get(path, generic_change(before, typ))
+    assert after != before
+    kind, seen = observe(base + [f"{path}={written(after)}"])
+    if kind == "refused":
+        # A refusal must be about this key, not an unrelated invalid alternative.
+        name = path.rsplit(".", 1)[-1]
+        assert name in seen or path.split(".")[0] in seen or "not built yet" in seen, seen
+        return
+    if (kind, seen) != observe(base):
+        return
+    attr = path.rsplit(".", 1)[-1]
+    assert read_by_consumers(attr), (f"{path}={after} changes nothing that is composed and no code that builds or "
+                                    f"serves the engine reads .{attr}: delete the key, or refuse it as not built yet")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("speculative=ngram", "speculative decoding is not built yet"),
+    ("parallel.data_parallel_size=2", "parallel execution"),
+    ("cache.swap_space_gib=1", "not built yet"),
+    ("cache.cpu_offload_gib=1", "not built yet"),
+    ("speculative.num_speculative_tokens=3", "has no effect with speculative=off"),
+])
+def test_planned_but_unbuilt_keys_are_refused_when_run(override, message):
+    kind, seen = observe(BASE + [override, "hardware.num_devices=2"])
+    why = seen if kind == "refused" else seen[0]  # refused by validation, or by compose for this machine
+    assert why and message in why
+
+
+def test_plan_notes_what_serving_would_refuse():
+    plan = compose(resolve(BASE + ["speculative=ngram"]), here=False).plan
+    assert any("not built yet" in n and "speculative" in n for n in plan.notes)
