@@ -14,9 +14,12 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from appliance.errors import ConfigError
+
+if TYPE_CHECKING:  # kernels sit below config: the type only
+    from appliance.config.schema import ApplianceConfig
 
 
 def _cc_tuple(cc: Optional[str]) -> Optional[tuple[int, int]]:
@@ -58,7 +61,7 @@ class BackendCapabilities:
             return False
         return True
 
-    def validate(self, cfg: Any, dtype: str) -> list[str]:
+    def validate(self, cfg: ApplianceConfig, dtype: str) -> list[str]:
         """Reasons this backend cannot serve ``cfg`` (empty when it can).
 
         ``cfg`` is the resolved ApplianceConfig; ``dtype`` the resolved
@@ -196,7 +199,7 @@ class BackendSelectionError(ConfigError):
     pass
 
 
-def select_backend(cfg: Any, dtype: str, check_import: bool) -> Selection:
+def select_backend(cfg: ApplianceConfig, dtype: str, check_import: bool) -> Selection:
     """Walk the profile's priority list (or the forced backend).
 
     With ``check_import`` (serving) a backend whose package does not import

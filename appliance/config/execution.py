@@ -23,12 +23,13 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from appliance.config.detect import CpuInfo, cpu_info
+from appliance.config.detect import CpuInfo, DeviceDescription, cpu_info
+from appliance.config.schema import ApplianceConfig
 from appliance.kernels import registry
 from appliance.kernels.registry import BACKENDS, Selection, select_backend
 
 
-def kv_dtype(cfg: Any, dtype: str) -> str:
+def kv_dtype(cfg: ApplianceConfig, dtype: str) -> str:
     """The KV cache's element type for compute ``dtype``: the one place
     ``cache.kv_cache_dtype=auto`` is decided (it keeps the compute dtype)."""
     kv = cfg.cache.kv_cache_dtype
@@ -120,7 +121,7 @@ def _fix(backend: str, reason: str) -> str:
     return ""
 
 
-def describe_host(cfg: Any, device: Any = None) -> str:
+def describe_host(cfg: ApplianceConfig, device: Optional[DeviceDescription] = None) -> str:
     kind = cfg.hardware.device_kind
     if kind == "cpu":
         return f"cpu: {cpu_info().describe()}"
@@ -130,7 +131,7 @@ def describe_host(cfg: Any, device: Any = None) -> str:
     return f"{kind}: {cfg.hardware.name}"
 
 
-def choose_dtype(cfg: Any, probe: bool = False) -> tuple[str, str]:
+def choose_dtype(cfg: ApplianceConfig, probe: bool = False) -> tuple[str, str]:
     """(compute dtype, why) for ``cfg``; ``auto`` resolved (see module doc)."""
     requested = cfg.model.dtype
     supported = list(cfg.hardware.supported_dtypes) or ["float32"]
@@ -141,7 +142,7 @@ def choose_dtype(cfg: Any, probe: bool = False) -> tuple[str, str]:
     return _cpu_auto_dtype(cfg, supported, probe)
 
 
-def resolve_execution(cfg: Any, probe: bool = False, device: Any = None) -> Execution:
+def resolve_execution(cfg: ApplianceConfig, probe: bool = False, device: Optional[DeviceDescription] = None) -> Execution:
     """Choose dtype, KV dtype and attention backend for ``cfg`` (see module doc)."""
     dtype, reason = choose_dtype(cfg, probe)
     sel = select_backend(cfg, dtype, check_import=probe)
@@ -154,7 +155,7 @@ def resolve_execution(cfg: Any, probe: bool = False, device: Any = None) -> Exec
     )
 
 
-def _cpu_auto_dtype(cfg: Any, supported: list[str], probe: bool) -> tuple[str, str]:
+def _cpu_auto_dtype(cfg: ApplianceConfig, supported: list[str], probe: bool) -> tuple[str, str]:
     cpu = cpu_info()
     forced = cfg.attention.backend
     order = [forced] if forced != "auto" else list(cfg.hardware.attention_backends)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from appliance.config.execution import Execution, kv_dtype, resolve_execution
-from appliance.config.schema import ApplianceConfig
+from appliance.config.schema import ApplianceConfig, ModelConfig
 from appliance.config.unbuilt import not_built
 from appliance.kernels.registry import BACKENDS
 
@@ -28,7 +28,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_DTYPE_BYTES = {"fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
-def parameter_counts(m: Any) -> dict[str, int]:
+def parameter_counts(m: ModelConfig) -> dict[str, int]:
     """Parameters of a Llama-family decoder by where they live."""
     embed = m.vocab_size * m.hidden_size
     q = m.hidden_size * m.num_heads * m.head_dim
@@ -50,7 +50,7 @@ def parameter_counts(m: Any) -> dict[str, int]:
     }
 
 
-def weight_bytes(cfg: Any, dtype: str) -> int:
+def weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
     """Bytes of all weights (before sharding).
 
     Quantized methods store the decoder's linear layers at
@@ -82,7 +82,7 @@ def weight_bytes(cfg: Any, dtype: str) -> int:
     return linear + (counts["embedding"] + counts["lm_head"] + counts["other"]) * full
 
 
-def kv_bytes_per_token(cfg: Any, dtype: str) -> int:
+def kv_bytes_per_token(cfg: ApplianceConfig, dtype: str) -> int:
     """K and V of every layer for one token, per device."""
     m = cfg.model
     tp = cfg.parallel.tensor_parallel_size
@@ -93,7 +93,7 @@ def kv_bytes_per_token(cfg: Any, dtype: str) -> int:
     return 2 * layers * kv_heads * m.head_dim * elem
 
 
-def activation_bytes(cfg: Any, dtype: str) -> int:
+def activation_bytes(cfg: ApplianceConfig, dtype: str) -> int:
     """Peak activations of one step: the widest intermediate tensors of one
     layer for ``max_num_batched_tokens`` tokens plus fp32 logits for the
     sampled rows (one per sequence)."""
@@ -144,7 +144,7 @@ class Plan:
         return asdict(self)
 
 
-def describe_architecture(m: Any) -> str:
+def describe_architecture(m: ModelConfig) -> str:
     extras = [x for x, on in (("qkv bias", m.qkv_bias), ("q/k norm", m.qk_norm),
                               ("tied embeddings", m.tie_word_embeddings)) if on]
     rope = m.rope_scaling.type
@@ -155,7 +155,7 @@ def describe_architecture(m: Any) -> str:
             + (f"; {', '.join(extras)}" if extras else ""))
 
 
-def max_model_len(cfg: Any) -> int:
+def max_model_len(cfg: ApplianceConfig) -> int:
     return cfg.model.max_model_len or cfg.model.max_position_embeddings
 
 

@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 import torch.nn.functional as F
+
+from appliance.config.schema import ModelConfig
+
+if TYPE_CHECKING:  # the backend is handed in; the model never picks one
+    from appliance.kernels.base import AttentionBackend
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,7 @@ class ModelArch:
     rope_scaling: Optional[dict] = None
 
     @staticmethod
-    def from_model_config(m: Any) -> "ModelArch":
+    def from_model_config(m: ModelConfig) -> "ModelArch":
         rs = m.rope_scaling
         rs_type = rs.type
         scaling = None
@@ -150,7 +155,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, backend: Any):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend):
         super().__init__()
         h, kv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
@@ -192,7 +197,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, backend: Any):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, backend)
@@ -205,7 +210,7 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, arch: ModelArch, backend: Any):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, backend) for _ in range(arch.num_layers))
@@ -243,7 +248,7 @@ class ModelWeights:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, backend: Any):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend):
         super().__init__()
         if arch.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(

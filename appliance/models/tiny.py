@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+
+from appliance.config.schema import ModelConfig
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -49,7 +50,7 @@ def build_tokenizer(vocab_size: int):
     return fast
 
 
-def hf_config_dict(m: Any, vocab_size: int) -> dict:
+def hf_config_dict(m: ModelConfig, vocab_size: int) -> dict:
     cfg = {
         "architectures": [m.architecture],
         "hidden_size": m.hidden_size,
@@ -76,7 +77,7 @@ def hf_config_dict(m: Any, vocab_size: int) -> dict:
     return cfg
 
 
-def generate_tiny(m: Any, out_dir: Path) -> Path:
+def generate_tiny(m: ModelConfig, out_dir: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from appliance.engine.scheduler import SchedulerOutput
-from appliance.kernels.base import CommonAttentionMetadata
+from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
 from appliance.sampling_params import SamplingParams
 from appliance.worker.sampler import SampleRequest, TokenLogprobs, exp1, sample
 
@@ -55,7 +55,7 @@ class ModelRunner:
     def __init__(
         self,
         model: Any,
-        backend: Any,
+        backend: AttentionBackend,
         num_blocks: int,
         block_size: int,
         max_model_len: int,

@@ -69,8 +69,10 @@ def test_native_forward_sees_weights_quantized_before_the_runner():
 
 def test_model_knows_nothing_of_native_backends():
     src = inspect.getsource(llama)
-    for name in ("cpu_native", "NativeForward", "native_forward", "appliance.kernels"):
+    for name in ("cpu_native", "NativeForward", "native_forward", "registry"):
         assert name not in src
+    # the attention interface it is handed is the only kernels name it knows (as a type)
+    assert src.count("appliance.kernels") == src.count("from appliance.kernels.base import AttentionBackend") == 1
     model = LLM(overrides=BASE, selection=Selection(chosen="torch_sdpa")).engine.runner.model
     assert not [k for k in vars(model) if "native" in k.lower()]
     view = model.weights_view()  # the public interface a whole-step executor reads

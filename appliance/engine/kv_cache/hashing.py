@@ -20,7 +20,10 @@ from __future__ import annotations
 import hashlib
 import pickle
 import struct
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+if TYPE_CHECKING:
+    from appliance.engine.request import Request
 
 BlockHash = Any  # bytes for sha256*, int for builtin
 
@@ -103,7 +106,7 @@ def hash_block_tokens(
     return hash_fn((parent, tuple(token_ids), extra_keys))
 
 
-def block_extra_keys(request: Any, block_index: int, block_size: int) -> Optional[tuple]:
+def block_extra_keys(request: Request, block_index: int, block_size: int) -> Optional[tuple]:
     """Extra keys of one block of ``request``, or None when it has none."""
     keys: list[Any] = []
     start, end = block_index * block_size, (block_index + 1) * block_size
@@ -117,7 +120,7 @@ def block_extra_keys(request: Any, block_index: int, block_size: int) -> Optiona
     return tuple(keys) if keys else None
 
 
-def update_block_hashes(request: Any, block_size: int, hash_fn: HashFn) -> list[BlockHash]:
+def update_block_hashes(request: Request, block_size: int, hash_fn: HashFn) -> list[BlockHash]:
     """Extend ``request.block_hashes`` to cover every full block of its tokens."""
     hashes = request.block_hashes
     tokens = request.all_token_ids
