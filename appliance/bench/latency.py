@@ -56,12 +56,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default="bench-results")
     a, overrides = split_overrides(p, argv)
     from appliance import LLM
-    from appliance.config.plan import make_plan
 
     machine = load_or_measure(a.out)
     llm = LLM(overrides=overrides)
-    engine, cfg = llm.engine, llm.resolved.cfg
-    plan = make_plan(cfg)
+    engine, cfg, plan = llm.engine, llm.resolved.cfg, llm.deployment.plan
     vocab = cfg.model.vocab_size
     prefill = []
     for n in tqdm([int(x) for x in a.input_lens.split(",")], desc="bench latency: prefill"):

@@ -68,11 +68,9 @@ def measure(overrides: list[str], prompts: list[list[int]], output_len: int, mac
             repeat: int = 1) -> tuple[dict, Any, Any]:
     """Our engine on the prompts, with bandwidth and FLOP figures; (result, resolved config, plan)."""
     from appliance import LLM
-    from appliance.config.plan import make_plan
 
     llm = LLM(overrides=overrides)
-    resolved = llm.resolved
-    plan = make_plan(resolved.cfg)
+    resolved, plan = llm.resolved, llm.deployment.plan  # what this machine runs
     ours = run_ours(llm, prompts, output_len, repeat)
     del llm  # free the KV pool before the next engine or the baseline loads
     gbps = ours["steps"] * plan.weight_bytes_per_device / ours["elapsed_s"] / 1e9
