@@ -12,10 +12,12 @@ import itertools
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from appliance.config.compose import ResolvedConfig, resolve
 from appliance.config.execution import Execution
+from appliance.engine.core import TokenLogprob
+from appliance.engine.parallel_sampling import ParentRequest
 from appliance.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -32,8 +34,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: Optional[str]
-    stop_reason: Any = None
-    logprobs: Optional[list] = None
+    stop_reason: Union[str, int, None] = None
+    logprobs: Optional[list[Optional[TokenLogprob]]] = None  # a list when the request asked for logprobs
 
 
 @dataclass
@@ -89,21 +91,18 @@ class LLM:
         params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        results: dict[str, RequestOutput] = {}
-        children: dict[str, tuple[str, int]] = {}
-        order = []
+        parents: list[tuple[ParentRequest, Optional[str], list[int]]] = []
         for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             text, ids = self._encode(prompt)
-            rid = str(next(self._ids))
-            order.append(rid)
-            results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(k, "", [], None, None, [] if p.logprobs is not None else None) for k in range(p.n)])
-            for k in range(p.n):
-                child = f"{rid}-{k}" if p.n > 1 else rid
-                cp = p if p.n == 1 else _child_params(p, k)
-                children[child] = (rid, k)
-                self.engine.add_request(child, ids, cp, priority=priority[i] if priority else 0)
-        self._run(results, children, len(children), use_tqdm)
-        return [results[r] for r in order]
+            parent = ParentRequest(str(next(self._ids)), 1, p)
+            parents.append((parent, text, ids))
+            for c in parent.children:
+                self.engine.add_request(c.request_id, ids, c.params, priority=priority[i] if priority else 0)
+        self._run([parent for parent, _, _ in parents], use_tqdm)
+        return [RequestOutput(parent.request_id, text, ids,
+                              [CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs)
+                               for c in parent.children], parent.num_cached_tokens)
+                for parent, text, ids in parents]
 
     def chat(
         self,
@@ -123,30 +122,18 @@ class LLM:
             o.prompt = p
         return outs
 
-    def _run(self, results, children, total, use_tqdm) -> None:
+    def _run(self, parents: list[ParentRequest], use_tqdm: bool) -> None:
+        """Step until every child of ``parents`` is done, merging its deltas."""
         from tqdm import tqdm
 
-        bar = tqdm(total=total, desc="generate", file=sys.stderr, disable=not use_tqdm or total < 8)
+        route = {c.request_id: parent for parent in parents for c in parent.children}
+        bar = tqdm(total=len(route), desc="generate", file=sys.stderr, disable=not use_tqdm or len(route) < 8)
         while self.engine.has_unfinished_requests():
             for d in self.engine.step():
-                rid, k = children[d.request_id]
-                out = results[rid]
-                c = out.outputs[k]
-                c.token_ids.extend(d.new_token_ids)
-                c.text += d.new_text
-                if c.logprobs is not None:
-                    c.logprobs.extend(d.logprobs)
+                route[d.request_id].add(d)
                 if d.finished:
-                    c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
-                    out.num_cached_tokens = max(out.num_cached_tokens, d.num_cached_tokens)
                     bar.update(1)
         bar.close()
-
-
-def _child_params(p: SamplingParams, k: int) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(p, n=1, seed=None if p.seed is None else p.seed + k)
 
 
 def generate_cli(overrides: list[str]) -> int:

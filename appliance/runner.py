@@ -13,7 +13,7 @@ imports it.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from appliance.config.compose import ResolvedConfig
 from appliance.config.deployment import PROMPT_CHARS_PER_TOKEN, Deployment, ExecutorLayout
@@ -24,6 +24,11 @@ from appliance.config.schema import ApplianceConfig
 from appliance.config.unbuilt import not_built
 from appliance.errors import ConfigError
 from appliance.kernels.registry import BackendSelectionError, Selection
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from appliance.engine.core import EngineCore
 
 
 def device_problems(cfg: ApplianceConfig, device: DeviceDescription) -> list[str]:
@@ -128,7 +133,7 @@ def compose(resolved: ResolvedConfig, *, here: bool = True, device: Optional[Dev
     )
 
 
-def build_engine(deployment: Deployment) -> tuple[Any, Any]:
+def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenizerBase]:
     """Model, backend, KV cache, scheduler and engine core for ``deployment``.
 
     Returns (EngineCore, tokenizer)."""

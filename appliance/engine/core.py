@@ -12,34 +12,48 @@ engine-core process.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
+
+import msgspec
 
 from appliance.engine.detokenizer import IncrementalDetokenizer
 from appliance.engine.request import Request, RequestStatus
-from appliance.engine.scheduler import Scheduler
+from appliance.engine.scheduler import Scheduler, SchedulerOutput
 from appliance.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("appliance.engine")
 
 
-@dataclass
-class RequestOutputDelta:
+class TokenLogprob(msgspec.Struct):
+    """Log-probability of one sampled token and the top candidates of its step."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = []
+
+
+class RequestOutputDelta(msgspec.Struct):
+    """What one step added to one request. A msgspec Struct: it crosses the
+    engine-core process boundary as it is (see ``server/messages.py``)."""
+
     request_id: str
     new_token_ids: list[int]
     new_text: str
     finished: bool
     finish_reason: Optional[str] = None
-    stop_reason: Any = None
-    logprobs: list = field(default_factory=list)
+    stop_reason: Union[str, int, None] = None  # "stop_string", the stop token id, or None (EOS, length)
+    logprobs: list[Optional[TokenLogprob]] = []
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     queue_time: Optional[float] = None  # on the first delta with tokens: seconds waiting before first scheduled
 
 
-@dataclass
-class StepStats:
+class StepStats(msgspec.Struct):
     """Gauges and counters of the core after a step (sent to the front end)."""
 
     num_running: int = 0
@@ -49,6 +63,33 @@ class StepStats:
     prefix_queries: int = 0
     prefix_hits: int = 0
     iteration_tokens: int = 0  # tokens scheduled by the last step (0: no step ran)
+
+
+class SampledLogprob(Protocol):
+    """What the model runner reports per sampled token (``worker.sampler.TokenLogprobs``)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+class StepOutput(Protocol):
+    """What ``runner.execute`` returns (``worker.model_runner.RunnerOutput``)."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[Optional[SampledLogprob]]]
+
+
+class StepRunner(Protocol):
+    """The model side of a step (``worker.model_runner.ModelRunner``)."""
+
+    def execute(self, sched_out: SchedulerOutput) -> StepOutput: ...
+
+
+def _token_logprobs(lps: Sequence[Optional[SampledLogprob]]) -> list[Optional[TokenLogprob]]:
+    return [lp if lp is None or type(lp) is TokenLogprob else TokenLogprob(lp.token_id, lp.logprob, lp.rank, lp.top)
+            for lp in lps]
 
 
 class EngineCore:
@@ -61,8 +102,8 @@ class EngineCore:
 
     MAX_STRIKES = 3  # failed steps a request may be part of before it is ended
 
-    def __init__(self, scheduler: Scheduler, runner: Any, tokenizer: Any, eos_token_id: Optional[int],
-                 vocab_size: int = 0):
+    def __init__(self, scheduler: Scheduler, runner: StepRunner, tokenizer: PreTrainedTokenizerBase,
+                 eos_token_id: Optional[int], vocab_size: int = 0):
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
@@ -72,6 +113,7 @@ class EngineCore:
         self.last_stats = StepStats()
         self._suspects: list[str] = []  # requests to run alone, after a failed step
         self._strikes: dict[str, int] = {}
+        self._counted_from = (0, 0, 0)  # (preemptions, prefix queries, prefix hits) at reset_stats()
 
     def add_request(
         self,
@@ -113,10 +155,32 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    # -- what a host of the engine (the server's core process) reads and resets --
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks in the KV pool (the null block included)."""
+        return self.scheduler.kv.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.scheduler.kv.block_size
+
     def stats(self, iteration_tokens: int = 0) -> StepStats:
+        """Gauges now; counters since the engine was built or ``reset_stats``."""
         s, kv = self.scheduler, self.scheduler.kv
-        return StepStats(len(s.running), len(s.waiting), kv.usage(), s.num_preemptions, kv.stats.queries,
-                         kv.stats.hits, iteration_tokens)
+        p0, q0, h0 = self._counted_from
+        return StepStats(len(s.running), len(s.waiting), kv.usage(), s.num_preemptions - p0, kv.stats.queries - q0,
+                         kv.stats.hits - h0, iteration_tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every prefix-cache entry; False (nothing dropped) while requests hold blocks."""
+        return self.scheduler.kv.reset_prefix_cache()
+
+    def reset_stats(self) -> None:
+        """Count from zero again (after a warm-up: its work is not traffic)."""
+        kv = self.scheduler.kv
+        self._counted_from = (self.scheduler.num_preemptions, kv.stats.queries, kv.stats.hits)
+        self.last_stats = self.stats()
 
     def step(self) -> list[RequestOutputDelta]:
         try:
@@ -173,7 +237,7 @@ class EngineCore:
                 finished=u.finished,
                 finish_reason=req.finish_reason if u.finished else None,
                 stop_reason=req.stop_reason if u.finished else None,
-                logprobs=runner_out.logprobs.get(req.request_id, [])[: len(u.new_token_ids)],
+                logprobs=_token_logprobs(runner_out.logprobs.get(req.request_id, ())[: len(u.new_token_ids)]),
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_output_tokens=req.num_output_tokens,
                 num_cached_tokens=max(0, req.num_cached_tokens),
@@ -195,7 +259,7 @@ class EngineCore:
             self._suspects.pop(0)
         return None
 
-    def _schedule_alone(self, rid: str):
+    def _schedule_alone(self, rid: str) -> SchedulerOutput:
         """One schedule() that sees only ``rid``; the other requests wait, keeping their KV."""
         s = self.scheduler
         req = s.requests[rid]
@@ -215,7 +279,7 @@ class EngineCore:
                 waiting.prepend(r)
             s.waiting = waiting
 
-    def _step_failed(self, sched_out: Any, alone: Optional[str]) -> list[RequestOutputDelta]:
+    def _step_failed(self, sched_out: SchedulerOutput, alone: Optional[str]) -> list[RequestOutputDelta]:
         s = self.scheduler
         batch = [s.requests[rid] for rid in sched_out.num_scheduled_tokens if rid in s.requests]
         log.exception("engine step over %d request(s) failed: %s", len(batch), [r.request_id for r in batch])
@@ -225,8 +289,7 @@ class EngineCore:
         kv = s.kv
         for req in batch:
             first = (req.num_computed_tokens - sched_out.num_scheduled_tokens[req.request_id]) // kv.block_size
-            for block in kv.req_to_blocks.get(req.request_id, [])[first:]:
-                kv.pool._evict(block)
+            kv.uncache_blocks(req.request_id, first)
         if alone is not None and not batch:
             self._suspects.remove(alone)
         if alone is not None or len(batch) == 1:
@@ -265,5 +328,3 @@ class EngineCore:
             log.error("ended %d request(s) with an error: %s", len(reqs), [r.request_id for r in reqs])
         return deltas
 
-
-# gguf checkpoints are dequantized into the compute dtype at load.

@@ -11,13 +11,16 @@ never streamed in part.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded as context so the first output token gets its leading space right
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str] = (),
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], stop: list[str] = (),
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         ctx = list(prompt_token_ids[-CONTEXT_TOKENS:])

@@ -20,14 +20,17 @@ import hmac
 import ipaddress
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from appliance.errors import ConfigError
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ServerConfig
 
 ENV_KEY = "APPLIANCE_API_KEY"
 
 
-def load_api_keys(server: Any, environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
+def load_api_keys(server: ServerConfig, environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
     """Every accepted key, in a stable order; empty when the server is open."""
     keys = []
     if server.api_key:
@@ -56,7 +59,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_exposure(server: Any, keys: tuple[str, ...]) -> None:
+def check_exposure(server: ServerConfig, keys: tuple[str, ...]) -> None:
     """Refuse to listen beyond this machine without a key, unless asked to, and
     tenant isolation without keys to tell tenants apart."""
     if server.tenant_isolation and not keys:

@@ -27,11 +27,29 @@ import tempfile
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, Union
 
 from appliance.config.deployment import Deployment
-from appliance.engine.core import StepStats
-from appliance.server.core_proc import decode, encode, params_to_dict, run_core
+from appliance.engine.core import RequestOutputDelta, StepStats
+from appliance.sampling_params import SamplingParams
+from appliance.server.core_proc import BuildEngine, run_core
+from appliance.server.messages import (
+    AbortRequests,
+    AddRequest,
+    Fatal,
+    Outputs,
+    Ready,
+    RequestError,
+    ResetPrefixCache,
+    ResetPrefixCacheResult,
+    Shutdown,
+    ToCore,
+    decode_from_core,
+    encode,
+)
+
+if TYPE_CHECKING:
+    import zmq.asyncio
 
 log = logging.getLogger("appliance.server")
 
@@ -54,12 +72,12 @@ class RequestRejected(ValueError):
 
 @dataclass
 class _Pending:
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[Union[RequestOutputDelta, Exception]] = field(default_factory=asyncio.Queue)
     finished: bool = False
 
 
 class EngineClient:
-    def __init__(self, deployment: Deployment, build_engine: Callable[[Deployment], tuple[Any, Any]],
+    def __init__(self, deployment: Deployment, build_engine: BuildEngine,
                  on_stats: Optional[Callable[[StepStats, StepStats], None]] = None,
                  on_restart: Optional[Callable[[], None]] = None, on_fatal: Optional[Callable[[str], None]] = None):
         self.deployment = deployment
@@ -75,7 +93,7 @@ class EngineClient:
         self.proc: Optional[mp.process.BaseProcess] = None
         self.pending: dict[str, _Pending] = {}
         self.stats = StepStats()
-        self.ready_info: dict = {}
+        self.ready_info: Optional[Ready] = None  # what the running core said when it came up
         self.dead = False
         self.dead_reason = ""
         self.restarting = False
@@ -87,11 +105,11 @@ class EngineClient:
         self._closing = False
         self._tasks: list[asyncio.Task] = []
         self._supervisor: Optional[asyncio.Task] = None
-        self._reset_waiters: list[asyncio.Future] = []
+        self._reset_waiters: list[asyncio.Future[bool]] = []
         self._dir = tempfile.mkdtemp(prefix="appliance-ipc-")
-        self.ctx: Any = None
-        self.push: Any = None
-        self.pull: Any = None
+        self.ctx: Optional[zmq.asyncio.Context] = None
+        self.push: Optional[zmq.asyncio.Socket] = None
+        self.pull: Optional[zmq.asyncio.Socket] = None
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
@@ -121,12 +139,12 @@ class EngineClient:
             self.proc.start()
             while True:
                 if await self.pull.poll(200):
-                    msg = decode(await self.pull.recv())
-                    if msg["type"] == "ready":
+                    msg = decode_from_core(await self.pull.recv())
+                    if isinstance(msg, Ready):
                         self.ready_info = msg
                         break
-                    if msg["type"] == "fatal":
-                        raise EngineDeadError(f"the engine core failed to start: {msg['message']}")
+                    if isinstance(msg, Fatal):
+                        raise EngineDeadError(f"the engine core failed to start: {msg.message}")
                 if not self.proc.is_alive():
                     raise EngineDeadError(f"the engine core exited during start-up (exit code {self.proc.exitcode})")
                 if loop.time() - t0 > self.start_timeout_s:
@@ -159,7 +177,7 @@ class EngineClient:
             self._supervisor.cancel()
             await asyncio.gather(self._supervisor, return_exceptions=True)
         if self._up and self.proc is not None and self.proc.is_alive():
-            self._send({"type": "shutdown"})
+            self._send(Shutdown())
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout_s
             while self.proc.is_alive() and loop.time() < deadline:
@@ -173,7 +191,7 @@ class EngineClient:
     def _up(self) -> bool:
         return self.push is not None and not (self.dead or self.restarting or self._closing)
 
-    def _send(self, msg: dict) -> None:
+    def _send(self, msg: ToCore) -> None:
         """Queue a message to the core without awaiting it: a send never waits on
         a core that has died (closing its socket drops what is queued)."""
         self.push.send(encode(msg))
@@ -244,7 +262,7 @@ class EngineClient:
                 self.down_reason = str(e)
                 continue
             self.restarting, self.down_reason = False, ""
-            log.info("engine core restarted (pid %s, ready after %.1f s)", self.ready_info.get("pid"), self.start_s)
+            log.info("engine core restarted (pid %s, ready after %.1f s)", self.ready_info.pid, self.start_s)
             return
 
     def _backoff(self) -> float:
@@ -271,27 +289,26 @@ class EngineClient:
             log.exception("reading the engine core's outputs failed")
             self._core_lost(f"its outputs could not be read ({type(e).__name__}: {e})")
 
-    async def _read_outputs(self, pull: Any) -> None:
+    async def _read_outputs(self, pull: zmq.asyncio.Socket) -> None:
         while True:
-            msg = decode(await pull.recv())
-            kind = msg["type"]
-            if kind == "outputs":
-                for d in msg["outputs"]:
-                    p = self.pending.get(d["request_id"])
+            msg = decode_from_core(await pull.recv())
+            if isinstance(msg, Outputs):
+                for d in msg.outputs:
+                    p = self.pending.get(d.request_id)
                     if p is not None:
                         p.queue.put_nowait(d)
-                old, self.stats = self.stats, StepStats(**msg["stats"])
+                old, self.stats = self.stats, msg.stats
                 if self.on_stats:
                     self.on_stats(old, self.stats)
-            elif kind == "request_error":
-                p = self.pending.get(msg["request_id"])
+            elif isinstance(msg, RequestError):
+                p = self.pending.get(msg.request_id)
                 if p is not None:
-                    p.queue.put_nowait(RequestRejected(msg["message"]))
-            elif kind == "reset_prefix_cache":
+                    p.queue.put_nowait(RequestRejected(msg.message))
+            elif isinstance(msg, ResetPrefixCacheResult):
                 if self._reset_waiters:
-                    self._reset_waiters.pop(0).set_result(msg["ok"])
-            elif kind == "fatal":
-                self._core_lost(msg["message"])
+                    self._reset_waiters.pop(0).set_result(msg.ok)
+            elif isinstance(msg, Fatal):
+                self._core_lost(msg.message)
                 return
 
     # -- requests ----------------------------------------------------------------
@@ -303,22 +320,21 @@ class EngineClient:
         if not self._up:
             raise EngineDeadError("the engine is shutting down")
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any, priority: int = 0,
-                       cache_salt: Optional[str] = None) -> AsyncIterator[dict]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+                       cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutputDelta]:
         """Output deltas of one request; aborts it in the core if the
         consumer stops early (client disconnect, cancellation)."""
         self._check_up()
         p = _Pending()
         self.pending[request_id] = p
         try:
-            self._send({"type": "add", "request_id": request_id, "prompt_token_ids": prompt_token_ids,
-                        "params": params_to_dict(params), "priority": priority, "cache_salt": cache_salt})
+            self._send(AddRequest(request_id, prompt_token_ids, params, priority, cache_salt))
             while True:
                 item = await p.queue.get()
                 if isinstance(item, Exception):
                     p.finished = True
                     raise item
-                if item["finished"]:
+                if item.finished:
                     p.finished = True
                 yield item
                 if p.finished:
@@ -331,11 +347,11 @@ class EngineClient:
     def abort_nowait(self, request_ids: list[str]) -> None:
         """Queue an abort without awaiting: safe from a cancelled task or a finally block."""
         if self._up:
-            self._send({"type": "abort", "request_ids": request_ids})
+            self._send(AbortRequests(request_ids))
 
     async def reset_prefix_cache(self) -> bool:
         self._check_up()
         fut = asyncio.get_running_loop().create_future()
         self._reset_waiters.append(fut)
-        self._send({"type": "reset_prefix_cache"})
+        self._send(ResetPrefixCache())
         return await fut

@@ -1,16 +1,11 @@
 """The engine-core process: a busy loop over ZeroMQ.
 
-Front end -> core (PUSH/PULL, msgpack):
-    {"type": "add", "request_id", "prompt_token_ids", "params", "priority", "cache_salt"}
-    {"type": "abort", "request_ids": [...]}
-    {"type": "reset_prefix_cache"}
-    {"type": "shutdown"}
-Core -> front end:
-    {"type": "ready", "num_kv_blocks", "backend", ...}   after loading and one real warm-up generation
-    {"type": "outputs", "outputs": [delta...], "stats": {...}}
-    {"type": "request_error", "request_id", "message"}
-    {"type": "reset_prefix_cache", "ok": bool}
-    {"type": "fatal", "message"}                           then the process exits non-zero
+The front end pushes ``messages.ToCore`` (add, abort, reset_prefix_cache,
+shutdown); the core pushes ``messages.FromCore``: ``Ready`` after loading
+and one real warm-up generation, ``Outputs`` (deltas and stats) after every
+step that ran or changed anything, ``RequestError``,
+``ResetPrefixCacheResult``, and ``Fatal`` before it exits non-zero. See
+``messages.py``.
 
 A request the core fails on (not the client's doing) ends with a delta of
 finish_reason "error"; the traceback goes to the core's log and the core
@@ -22,51 +17,43 @@ HTTP work in the front end overlaps model work here.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
 import traceback
-from typing import Any, Callable
-
-import msgspec
+from typing import TYPE_CHECKING, Callable
 
 from appliance.config.deployment import Deployment
+from appliance.engine.core import EngineCore, RequestOutputDelta
 from appliance.sampling_params import SamplingParams
+from appliance.server.messages import (
+    AbortRequests,
+    AddRequest,
+    Fatal,
+    Outputs,
+    Ready,
+    RequestError,
+    ResetPrefixCache,
+    ResetPrefixCacheResult,
+    Shutdown,
+    decode_to_core,
+    encode,
+)
+
+if TYPE_CHECKING:
+    import zmq
+    from transformers import PreTrainedTokenizerBase
+
+# The composition root's engine factory (``appliance.runner.build_engine``); it
+# runs in the core process, so it must be a module-level function (pickled).
+BuildEngine = Callable[[Deployment], "tuple[EngineCore, PreTrainedTokenizerBase]"]
 
 WARMUP_PROMPT = "Hello"
 
 log = logging.getLogger("appliance.engine")
 
 
-def encode(obj: Any) -> bytes:
-    return msgspec.msgpack.encode(obj)
-
-
-def decode(raw: bytes) -> Any:
-    return msgspec.msgpack.decode(raw, strict=False)
-
-
-def params_to_dict(p: SamplingParams) -> dict:
-    d = dataclasses.asdict(p)
-    d["logit_bias"] = {int(k): v for k, v in p.logit_bias.items()}
-    return d
-
-
-def params_from_dict(d: dict) -> SamplingParams:
-    d = dict(d)
-    d["logit_bias"] = {int(k): v for k, v in (d.get("logit_bias") or {}).items()}
-    return SamplingParams(**d)
-
-
-def delta_to_dict(d: Any) -> dict:
-    out = dataclasses.asdict(d)
-    out["logprobs"] = [dataclasses.asdict(lp) if lp is not None else None for lp in d.logprobs]
-    return out
-
-
-def run_core(deployment: Deployment, build_engine: Callable[[Deployment], tuple[Any, Any]], in_addr: str,
-             out_addr: str) -> None:
+def run_core(deployment: Deployment, build_engine: BuildEngine, in_addr: str, out_addr: str) -> None:
     import signal
 
     import zmq
@@ -84,18 +71,12 @@ def run_core(deployment: Deployment, build_engine: Callable[[Deployment], tuple[
     try:
         engine, tokenizer = build_engine(deployment)
         _warm_up(engine, tokenizer)
-        kv = engine.scheduler.kv
-        push.send(encode({
-            "type": "ready",
-            "num_kv_blocks": kv.pool.num_blocks,
-            "block_size": kv.block_size,
-            "backend": deployment.execution.backend,
-            "pid": os.getpid(),
-        }))
+        push.send(encode(Ready(num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size,
+                               backend=deployment.execution.backend, pid=os.getpid())))
         _loop(engine, pull, push)
     except Exception as e:
         traceback.print_exc(file=sys.stderr)
-        push.send(encode({"type": "fatal", "message": f"{type(e).__name__}: {e}"}))
+        push.send(encode(Fatal(f"{type(e).__name__}: {e}")))
         push.close(linger=1000)
         sys.exit(1)
     push.close(linger=1000)
@@ -103,28 +84,19 @@ def run_core(deployment: Deployment, build_engine: Callable[[Deployment], tuple[
     ctx.term()
 
 
-def _warm_up(engine: Any, tokenizer: Any) -> None:
-    """One real generation before /ready; then start from a clean cache."""
+def _warm_up(engine: EngineCore, tokenizer: PreTrainedTokenizerBase) -> None:
+    """One real generation before /ready; then a clean cache and counters from zero."""
     ids = tokenizer.encode(WARMUP_PROMPT)
     engine.add_request("__warmup__", ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     while engine.has_unfinished_requests():
         if any(d.finish_reason == "error" for d in engine.step()):  # the engine logged why
             raise RuntimeError("the warm-up generation failed")
-    kv = engine.scheduler.kv
-    kv.reset_prefix_cache()
-    from appliance.engine.kv_cache.manager import PrefixCacheStats
-
-    kv.stats = PrefixCacheStats()
+    engine.reset_prefix_cache()
+    engine.reset_stats()
 
 
-def _stats(engine: Any, iteration_tokens: int = 0) -> dict:
-    return dataclasses.asdict(engine.stats(iteration_tokens))
-
-
-def _loop(engine: Any, pull: Any, push: Any) -> None:
+def _loop(engine: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
     import zmq
-
-    from appliance.engine.core import RequestOutputDelta
 
     shutting_down = False
     parent = os.getppid()
@@ -135,32 +107,29 @@ def _loop(engine: Any, pull: Any, push: Any) -> None:
         changed = False
         while pull.poll(timeout, zmq.POLLIN):
             timeout = 0
-            msg = decode(pull.recv())
-            kind = msg["type"]
+            msg = decode_to_core(pull.recv())
             changed = True
-            if kind == "add":
+            if isinstance(msg, AddRequest):
                 try:
-                    engine.add_request(msg["request_id"], msg["prompt_token_ids"], params_from_dict(msg["params"]),
-                                       priority=msg.get("priority", 0), cache_salt=msg.get("cache_salt"))
+                    engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, priority=msg.priority,
+                                       cache_salt=msg.cache_salt)
                 except ValueError as e:
-                    push.send(encode({"type": "request_error", "request_id": msg["request_id"], "message": str(e)}))
+                    push.send(encode(RequestError(msg.request_id, str(e))))
                 except Exception:  # not the client's doing: this request fails, the core goes on
-                    log.exception("adding request %s failed", msg["request_id"])
-                    failed = RequestOutputDelta(msg["request_id"], [], "", True, finish_reason="error")
-                    push.send(encode({"type": "outputs", "outputs": [delta_to_dict(failed)],
-                                      "stats": _stats(engine, 0)}))
-            elif kind == "abort":
-                engine.abort(msg["request_ids"])
-            elif kind == "reset_prefix_cache":
-                push.send(encode({"type": "reset_prefix_cache", "ok": engine.scheduler.kv.reset_prefix_cache()}))
-            elif kind == "shutdown":
+                    log.exception("adding request %s failed", msg.request_id)
+                    failed = RequestOutputDelta(msg.request_id, [], "", True, finish_reason="error")
+                    push.send(encode(Outputs([failed], engine.stats(0))))
+            elif isinstance(msg, AbortRequests):
+                engine.abort(msg.request_ids)
+            elif isinstance(msg, ResetPrefixCache):
+                push.send(encode(ResetPrefixCacheResult(engine.reset_prefix_cache())))
+            elif isinstance(msg, Shutdown):
                 shutting_down = True
         if shutting_down and not engine.has_unfinished_requests():
-            push.send(encode({"type": "outputs", "outputs": [], "stats": _stats(engine, 0)}))
+            push.send(encode(Outputs([], engine.stats(0))))
             return
         if engine.has_unfinished_requests():
             deltas = engine.step()
-            push.send(encode({"type": "outputs", "outputs": [delta_to_dict(d) for d in deltas],
-                              "stats": dataclasses.asdict(engine.last_stats)}))
+            push.send(encode(Outputs(deltas, engine.last_stats)))
         elif changed:
-            push.send(encode({"type": "outputs", "outputs": [], "stats": _stats(engine, 0)}))
+            push.send(encode(Outputs([], engine.stats(0))))

@@ -24,9 +24,14 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from types import FrameType
+from typing import TYPE_CHECKING, Optional
 
 from appliance.config.deployment import Deployment
+
+if TYPE_CHECKING:
+    from appliance.server.core_proc import BuildEngine
+    from appliance.server.state import ServerState
 
 log = logging.getLogger("appliance.server")
 
@@ -39,7 +44,7 @@ class Drain:
     request runs; past ``server.shutdown_timeout_s`` (or at a second signal)
     in-flight generations are cut and get ``CUT_GRACE_S`` to answer."""
 
-    def __init__(self, state: Any, timeout_s: float):
+    def __init__(self, state: ServerState, timeout_s: float):
         self.state, self.timeout_s = state, timeout_s
         self.started: Optional[float] = None
         self.cut_at: Optional[float] = None
@@ -55,7 +60,7 @@ class Drain:
             self._cut(now, f"signal {sig} again")
 
     def _cut(self, now: float, why: str) -> None:
-        from appliance.server.app import cut_generations
+        from appliance.server.generation import cut_generations
 
         self.cut_at = now
         n = cut_generations(self.state, f"the server is shutting down ({why}); the request was aborted")
@@ -74,7 +79,7 @@ class Drain:
         return now - self.cut_at >= CUT_GRACE_S
 
 
-def serve_forever(deployment: Deployment, build_engine: Callable) -> int:
+def serve_forever(deployment: Deployment, build_engine: BuildEngine) -> int:
     """Serve ``deployment``; ``build_engine(deployment)`` builds the engine in
     the engine-core process (the composition root's function)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -90,15 +95,16 @@ def _lower_priority() -> None:
         pass
 
 
-async def _serve(deployment: Deployment, build_engine: Callable) -> int:
+async def _serve(deployment: Deployment, build_engine: BuildEngine) -> int:
     import uvicorn
     from transformers import AutoTokenizer
 
     from appliance.models.loader import resolve_model_folder
     from appliance.server.auth import load_api_keys
-    from appliance.server.app import ServerState, create_app
+    from appliance.server.app import create_app
     from appliance.server.client import EngineClient, EngineDeadError
     from appliance.server.metrics import Metrics
+    from appliance.server.state import ServerState
     from appliance.server.transport import ConnectionLimits, guarded_protocol
 
     cfg, ex = deployment.cfg, deployment.execution
@@ -128,7 +134,7 @@ async def _serve(deployment: Deployment, build_engine: Callable) -> int:
     drain = Drain(state, cfg.server.shutdown_timeout_s)
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
+        def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
             # Not uvicorn's: it would stop listening at once, so a load balancer
             # would never see /ready turn 503. The tick below ends the drain (and
             # no signal is captured for uvicorn to re-raise: a drained SIGTERM exits 0).
@@ -148,8 +154,8 @@ async def _serve(deployment: Deployment, build_engine: Callable) -> int:
     log.info("profile %s (config %s, deployment %s), model %s, backend %s, dtype %s, kv cache %s, host %s",
              cfg.profile, deployment.resolved.hash, deployment.fingerprint, deployment.model_name, ex.backend, ex.dtype,
              ex.kv_cache_dtype, ex.host)
-    log.info("KV cache: %d blocks x %d tokens, max_model_len %d", client.ready_info["num_kv_blocks"],
-             client.ready_info["block_size"], deployment.max_model_len)
+    log.info("KV cache: %d blocks x %d tokens, max_model_len %d", client.ready_info.num_kv_blocks,
+             client.ready_info.block_size, deployment.max_model_len)
     log.info("serving on http://%s:%d/v1", cfg.server.host, cfg.server.port)
     try:
         await server.serve()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from appliance.engine.core import StepStats
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -25,13 +27,13 @@ class Metrics:
                              "deployment": deployment}
         r = self.registry
 
-        def gauge(name, doc):
+        def gauge(name: str, doc: str) -> Gauge:
             return Gauge(f"appliance:{name}", doc, labels, registry=r).labels(**self.label_values)
 
-        def counter(name, doc):
+        def counter(name: str, doc: str) -> Counter:
             return Counter(f"appliance:{name}", doc, labels, registry=r).labels(**self.label_values)
 
-        def hist(name, doc, buckets):
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(f"appliance:{name}", doc, labels, buckets=buckets, registry=r).labels(**self.label_values)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch")
@@ -57,7 +59,7 @@ class Metrics:
     def request_success(self, reason: str) -> None:
         self._success.labels(**self.label_values, finished_reason=reason).inc()
 
-    def on_core_stats(self, old, new) -> None:
+    def on_core_stats(self, old: StepStats, new: StepStats) -> None:
         self.num_requests_running.set(new.num_running)
         self.num_requests_waiting.set(new.num_waiting)
         self.kv_cache_usage_perc.set(new.kv_usage)

@@ -19,8 +19,8 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import msgspec
 
@@ -31,8 +31,8 @@ class OpenAIError(Exception):
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
              413: "invalid_request_error", 503: "service_unavailable", 500: "internal_server_error"}
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 headers: Optional[dict] = None):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Union[str, int, None] = None,
+                 headers: Optional[dict[str, str]] = None):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -185,7 +185,7 @@ def _float(body: dict, key: str, default: float) -> float:
     return f
 
 
-def token_id_list(v: Any, param: str, vocab_size: int, allow_empty: bool = False) -> list[int]:
+def token_id_list(v: object, param: str, vocab_size: int, allow_empty: bool = False) -> list[int]:
     """A list of token ids of this model, or a 400 naming ``param``."""
     if not isinstance(v, list) or not (v or allow_empty):
         raise OpenAIError(400, f"'{param}' must be a {'' if allow_empty else 'non-empty '}list of token ids",
@@ -284,7 +284,6 @@ class GenerationRequest:
     cache_salt: Optional[str]
     echo: bool = False
     logprobs_mode: Optional[str] = None  # "completion" | "chat" | None
-    extra: dict = field(default_factory=dict)
 
 
 def sampling_from_body(body: dict, *, chat: bool, vocab_size: int) -> tuple[SamplingParams, Optional[str]]:

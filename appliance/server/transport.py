@@ -26,7 +26,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Awaitable, Callable, MutableMapping, Optional
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -36,6 +36,12 @@ from appliance.server.protocol import OpenAIError
 log = logging.getLogger("appliance.server")
 
 PROBES = frozenset({"/health", "/ready", "/metrics"})
+
+# ASGI's callables (the messages are dicts by the ASGI spec)
+Message = MutableMapping[str, Any]
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,7 @@ def _raw_response(e: OpenAIError) -> bytes:
     return b"\r\n".join(head) + b"\r\n\r\n" + body
 
 
-async def _respond(send: Any, e: OpenAIError) -> None:
+async def _respond(send: Send, e: OpenAIError) -> None:
     body = json.dumps(e.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"connection", b"close")]
@@ -65,8 +71,8 @@ async def _respond(send: Any, e: OpenAIError) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def _closing(send: Any) -> Any:
-    async def wrapped(message: dict) -> None:
+def _closing(send: Send) -> Send:
+    async def wrapped(message: Message) -> None:
         if message["type"] == "http.response.start":
             message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
         await send(message)
@@ -146,7 +152,7 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     # -- admission ---------------------------------------------------------------
-    async def _guarded_app(self, scope: Any, receive: Any, send: Any) -> None:
+    async def _guarded_app(self, scope: Scope, receive: Receive, send: Send) -> None:
         limit = self.limits.max_connections
         # this connection and this request's task are already counted
         if scope.get("path") not in PROBES and (len(self.connections) > limit or len(self.tasks) > limit):

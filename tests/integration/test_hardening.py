@@ -473,19 +473,21 @@ class ScriptedClient:
 
     def __init__(self, script, dead=False):
         from appliance.engine.core import StepStats
+        from appliance.server.messages import Ready
 
         self.script, self.dead = script, dead
         self.dead_reason = "IndexError: index 99999999 is out of bounds for dimension 0 with size 512"
         self.restarting, self.down_reason = False, ""
-        self.stats, self.ready_info = StepStats(), {"num_kv_blocks": 1}
+        self.stats, self.ready_info = StepStats(), Ready(num_kv_blocks=1, block_size=16, backend="torch_sdpa", pid=1)
 
     async def generate(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None):
+        from appliance.engine.core import RequestOutputDelta
+
         for item in self.script:
             if isinstance(item, Exception):
                 raise item
-            yield {"request_id": request_id, "new_token_ids": [1], "new_text": "", "finished": False,
-                   "finish_reason": None, "stop_reason": None, "logprobs": [], "num_prompt_tokens": 1,
-                   "num_output_tokens": 1, "num_cached_tokens": 0, "queue_time": None, **item}
+            yield RequestOutputDelta(**{"request_id": request_id, "new_token_ids": [1], "new_text": "",
+                                        "finished": False, "num_prompt_tokens": 1, "num_output_tokens": 1, **item})
 
     def abort_nowait(self, request_ids):
         pass

@@ -134,7 +134,6 @@ class BlockPool:
         block.block_hash = None
         block.token_ids = None
 
-    _evict = evict_cached  # old name, still used by EngineCore._step_failed
 
     # -- allocation ---------------------------------------------------------
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:

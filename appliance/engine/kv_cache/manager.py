@@ -48,6 +48,12 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
 
     # ----------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool, the null block included."""
+        return self.pool.num_blocks
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of ``request`` as (blocks, num_tokens).
 

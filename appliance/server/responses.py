@@ -1,0 +1,142 @@
+"""Response shaping: whole bodies and SSE chunks of the completions and chat
+completions APIs, and their logprobs. After the 200 headers of a stream,
+every error is an error event, then ``[DONE]``."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence, Union
+
+from appliance.engine.core import TokenLogprob
+from appliance.engine.parallel_sampling import Child
+from appliance.server.generation import Generation, map_engine_error
+from appliance.server.protocol import usage
+from appliance.server.state import ServerState
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def format_logprobs(tokenizer: PreTrainedTokenizerBase, mode: str, lps: Optional[Sequence[Optional[TokenLogprob]]],
+                    text_offset: int) -> dict:
+    """``mode`` "chat": ``{"content": [...]}``; "completion": the legacy
+    tokens / token_logprobs / top_logprobs / text_offset lists."""
+
+    def token_str(tok: int) -> str:
+        return tokenizer.decode([tok])
+
+    lps = [lp for lp in lps or () if lp is not None]
+    if mode == "chat":
+        content = []
+        for lp in lps:
+            tok = token_str(lp.token_id)
+            content.append({
+                "token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
+                "top_logprobs": [{"token": (t := token_str(i)), "logprob": v, "bytes": list(t.encode())}
+                                 for i, v in lp.top],
+            })
+        return {"content": content}
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in lps:
+        tok = token_str(lp.token_id)
+        out["tokens"].append(tok)
+        out["token_logprobs"].append(lp.logprob)
+        top = {token_str(i): v for i, v in lp.top}
+        top.setdefault(tok, lp.logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(text_offset)
+        text_offset += len(tok)
+    return out
+
+
+def _head(st: ServerState, gen: Generation, obj: str, created: int) -> dict[str, Union[str, int]]:
+    return {"id": gen.request_id, "object": obj, "created": created, "model": st.model_name}
+
+
+# -- /v1/completions -------------------------------------------------------------
+def completion_body(st: ServerState, gen: Generation, created: int, children: list[Child],
+                    echo_text: list[str]) -> dict:
+    lp_mode = gen.request.logprobs_mode
+    prompt_tokens = sum(len(p) for p in gen.request.prompts)
+    return {
+        **_head(st, gen, "text_completion", created),
+        "choices": [{"index": c.index, "text": echo_text[c.prompt_index] + c.text,
+                     "logprobs": format_logprobs(st.tokenizer, "completion", c.logprobs,
+                                                 len(echo_text[c.prompt_index])) if lp_mode else None,
+                     "finish_reason": c.finish_reason} for c in children],
+        "usage": usage(prompt_tokens, sum(c.num_output_tokens for c in children),
+                       sum(c.num_cached_tokens for c in children)),
+    }
+
+
+async def completion_events(st: ServerState, gen: Generation, created: int, echo_text: list[str]) -> AsyncIterator[str]:
+    g = gen.request
+    head = _head(st, gen, "text_completion", created)
+    prompt_tokens = sum(len(p) for p in g.prompts)
+    completion_tokens = 0
+    sent_echo: set[int] = set()
+    offsets: dict[int, int] = {}
+    try:
+        async for child, d in gen.deltas():
+            text = d.new_text
+            if g.echo and child.index not in sent_echo:
+                text = echo_text[child.prompt_index] + text
+                sent_echo.add(child.index)
+            off = offsets.get(child.index, 0)
+            offsets[child.index] = off + len(text)
+            if d.finished:
+                completion_tokens += d.num_output_tokens
+            if not text and not d.finished and not d.logprobs:
+                continue
+            yield sse({**head, "choices": [{
+                "index": child.index, "text": text,
+                "logprobs": format_logprobs(st.tokenizer, "completion", d.logprobs, off) if g.logprobs_mode else None,
+                "finish_reason": d.finish_reason if d.finished else None}]})
+        if g.include_usage:
+            yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    except Exception as e:  # after the 200 headers every error is an event, then [DONE]
+        yield sse(map_engine_error(e).body())
+    yield DONE
+
+
+# -- /v1/chat/completions --------------------------------------------------------
+def chat_body(st: ServerState, gen: Generation, created: int, children: list[Child]) -> dict:
+    lp_mode = gen.request.logprobs_mode
+    return {
+        **_head(st, gen, "chat.completion", created),
+        "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                     "logprobs": format_logprobs(st.tokenizer, "chat", c.logprobs, 0) if lp_mode else None,
+                     "finish_reason": c.finish_reason} for c in children],
+        "usage": usage(len(gen.request.prompts[0]), sum(c.num_output_tokens for c in children),
+                       max((c.num_cached_tokens for c in children), default=0)),
+    }
+
+
+async def chat_events(st: ServerState, gen: Generation, created: int) -> AsyncIterator[str]:
+    g = gen.request
+    head = _head(st, gen, "chat.completion.chunk", created)
+    for k in range(g.params.n):
+        yield sse({**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]})
+    completion_tokens = 0
+    try:
+        async for child, d in gen.deltas():
+            if d.finished:
+                completion_tokens += d.num_output_tokens
+            if not d.new_text and not d.finished and not d.logprobs:
+                continue
+            yield sse({**head, "choices": [{
+                "index": child.index, "delta": {"content": d.new_text} if d.new_text else {},
+                "logprobs": format_logprobs(st.tokenizer, "chat", d.logprobs, 0) if g.logprobs_mode else None,
+                "finish_reason": d.finish_reason if d.finished else None}]})
+        if g.include_usage:
+            yield sse({**head, "choices": [], "usage": usage(len(g.prompts[0]), completion_tokens)})
+    except Exception as e:  # after the 200 headers every error is an event, then [DONE]
+        yield sse(map_engine_error(e).body())
+    yield DONE

@@ -1,0 +1,58 @@
+"""What every handler of the HTTP front end reads: the deployment, the
+engine client, the tokenizer, metrics, keys, and the counters of admitted
+and running generations."""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from appliance.config.compose import ResolvedConfig
+from appliance.config.deployment import Deployment
+from appliance.config.schema import ApplianceConfig
+from appliance.server.client import EngineClient
+from appliance.server.metrics import Metrics
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from appliance.server.generation import Generation
+
+
+@dataclass
+class ServerState:
+    deployment: Deployment
+    client: EngineClient
+    tokenizer: PreTrainedTokenizerBase
+    metrics: Metrics
+    api_keys: tuple[str, ...]  # empty: no authentication (appliance.server.auth)
+    shutting_down: bool = False
+    in_flight: int = 0  # admitted engine requests (children) not yet finished
+    tokenize_pool: Optional[Executor] = None  # tokenization and chat templates (None: the loop's default executor)
+    generations: set[Generation] = field(default_factory=set)  # running generations (a drain cuts them)
+    cut_reason: Optional[str] = None  # set when a drain has cut running generations
+
+    @property
+    def resolved(self) -> ResolvedConfig:
+        return self.deployment.resolved
+
+    @property
+    def cfg(self) -> ApplianceConfig:
+        return self.deployment.cfg
+
+    @property
+    def model_name(self) -> str:
+        return self.deployment.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.deployment.max_model_len
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.deployment.max_prompt_chars
+
+    @property
+    def max_queue_len(self) -> int:
+        return self.cfg.server.max_queue_len
