@@ -107,16 +107,18 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     """Every profile; for those of this machine's kind, the dtype, KV dtype and
     backend they resolve to here, and "runs here" only when they would start."""
     from appliance.config.detect import detect_device
-    from appliance.runner import check_runnable, execution_here
+    from appliance.runner import compose
 
     here = detect_device()
     print(f"{'profile':<14}{'hardware':<10}{'backend':<14}{'dtype':<10}{'quant':<8}{'kv':<10}runs here")
     for name in list_profiles():
         r = resolve([f"+profile={name}"], check=False)
         try:
-            ex, runs = check_runnable(r, here), "yes"
+            ex, runs = compose(r, device=here).execution, "yes"
         except ConfigError as e:
-            ex, runs = execution_here(r, here), f"no: {str(e).splitlines()[0]}"
+            why = [ln.strip(" -") for ln in str(e).splitlines() if ln.strip()]
+            ex = compose(r, here=False, device=here).execution
+            runs = f"no: {why[1] if len(why) > 1 and why[0].endswith(':') else why[0]}"
         quant = r.cfg.quantization.method
         print(f"{name:<14}{r.cfg.hardware.name:<10}{str(ex.backend):<14}{ex.dtype:<10}{quant:<8}"
               f"{ex.kv_cache_dtype:<10}{runs}")

@@ -142,6 +142,7 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
     from appliance.engine.core import EngineCore
     from appliance.engine.kv_cache.manager import KVCacheManager
     from appliance.engine.scheduler import Scheduler
+    from appliance.engine.token_budget import TokenBudget
     from appliance.kernels.registry import load_backend
     from appliance.models.loader import load_model
     from appliance.worker.model_runner import ModelRunner
@@ -161,9 +162,13 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
     kv = KVCacheManager(num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
                         cfg.cache.prefix_caching_hash_algo)
     s = cfg.scheduler
+    plan = deployment.plan
+    budget = None
+    if s.target_itl_ms is not None:
+        budget = TokenBudget(s.target_itl_ms, plan.token_budget, plan.token_budget_floor, s.max_num_batched_tokens)
     scheduler = Scheduler(
         kv,
-        max_num_batched_tokens=s.max_num_batched_tokens,
+        max_num_batched_tokens=plan.token_budget,
         max_num_seqs=s.max_num_seqs,
         max_model_len=mml,
         policy=s.policy,
@@ -176,7 +181,7 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
     kv_dtype = backend.cache_dtype(ex.kv_cache_dtype, dtype)
     runner = ModelRunner(model, backend, num_blocks, cfg.cache.block_size, mml, s.max_num_seqs, dtype,
                          kv_dtype, device, eos, seed=m.seed)
-    return EngineCore(scheduler, runner, tokenizer, eos, vocab_size=m.vocab_size), tokenizer
+    return EngineCore(scheduler, runner, tokenizer, eos, vocab_size=m.vocab_size, token_budget=budget), tokenizer
 
 
 def serve(resolved: ResolvedConfig) -> int:

@@ -20,7 +20,7 @@ slot is ``block_id * block_size + offset``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -54,6 +54,10 @@ class AttentionBackend:
     name = "base"
     # kv_cache_dtype names this backend stores besides "auto" (the model dtype).
     kv_dtypes: dict[str, torch.dtype] = {}
+    # A backend that runs a whole step in one native call sets this and
+    # implements build_native_forward; the ModelRunner then calls that
+    # instead of the model's forward.
+    native_forward = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kv_cache_dtype: str = "auto",
                  k_scale: float = 1.0, v_scale: float = 1.0):
@@ -73,6 +77,10 @@ class AttentionBackend:
         if kv_cache_dtype not in cls.kv_dtypes:
             raise ValueError(f"the {cls.name} backend has no {kv_cache_dtype} KV cache")
         return cls.kv_dtypes[kv_cache_dtype]
+
+    def build_native_forward(self, model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+        """The whole-step forward of ``model`` (backends with ``native_forward``)."""
+        raise NotImplementedError(f"the {self.name} backend has no native forward")
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

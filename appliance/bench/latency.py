@@ -26,7 +26,7 @@ def prefill_ms(engine, prompt: list[int], repeat: int) -> float:
         t = time.perf_counter()
         _drain(engine)
         best = min(best, time.perf_counter() - t)
-        engine.scheduler.kv.reset_prefix_cache()
+        engine.reset_prefix_cache()
     return best * 1e3
 
 
@@ -42,7 +42,7 @@ def decode_ms(engine, prompts: list[list[int]], steps: int) -> float:
         engine.step()
     elapsed = time.perf_counter() - t
     _drain(engine)
-    engine.scheduler.kv.reset_prefix_cache()
+    engine.reset_prefix_cache()
     return elapsed / steps * 1e3
 
 

@@ -52,11 +52,11 @@ def main(argv: list[str]) -> int:
         shared = random_prompts(n, [plen + slen] * n, vocab, seed=1, shared_prefix=plen)
         distinct = random_prompts(n, [plen + slen] * n, vocab, seed=2)
         _ttft_ms(llm, [shared[0][:8]])  # warm-up
-        kv = llm.engine.scheduler.kv
-        q0, h0 = kv.stats.queries, kv.stats.hits
+        llm.engine.reset_stats()
         ttft = _ttft_ms(llm, shared)
-        hit_rate = (kv.stats.hits - h0) / max(1, kv.stats.queries - q0)
-        kv.reset_prefix_cache()
+        stats = llm.engine.stats()
+        hit_rate = stats.prefix_hits / max(1, stats.prefix_queries)
+        llm.engine.reset_prefix_cache()
         tput = _throughput(llm, distinct, a.output_len)
         results["on" if caching else "off"] = {
             "ttft_first_ms": ttft[0], "ttft_rest_mean_ms": sum(ttft[1:]) / max(1, n - 1),

@@ -46,27 +46,34 @@ async def one_request(client: httpx.AsyncClient, url: str, model: Optional[str],
             "stream_options": {"include_usage": True}}
     if model:
         body["model"] = model
-    t0 = time.perf_counter()
-    times: list[float] = []
-    usage = None
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
-            if r.status_code != 200:
-                return {"ok": False, "error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("error"):  # the server cut the stream (drain, timeout, engine failure)
-                    return {"ok": False, "error": f"stream error: {str(chunk['error'].get('message'))[:200]}"}
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                # Every choice chunk is an arrival, text or not (as vLLM's serving benchmark counts):
-                # a token that ends inside a multi-byte character streams no text yet.
-                if chunk.get("choices"):
-                    times.append(time.perf_counter())
-    except httpx.HTTPError as e:
-        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    for attempt in range(2):
+        t0 = time.perf_counter()
+        times: list[float] = []
+        usage = None
+        try:
+            async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+                if r.status_code != 200:
+                    return {"ok": False, "error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("error"):  # the server cut the stream (drain, timeout, engine failure)
+                        return {"ok": False, "error": f"stream error: {str(chunk['error'].get('message'))[:200]}"}
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    # Every choice chunk is an arrival, text or not (as vLLM's serving benchmark counts):
+                    # a token that ends inside a multi-byte character streams no text yet.
+                    if chunk.get("choices"):
+                        times.append(time.perf_counter())
+            break
+        except httpx.RemoteProtocolError as e:
+            # A kept-alive connection the server closed as the request went out (no response at
+            # all): sent again once, on a new connection, as HTTP clients do.
+            if attempt or times:
+                return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        except httpx.HTTPError as e:
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
     end = time.perf_counter()
     n_out = usage["completion_tokens"] if usage else len(times)
     if not times:
@@ -230,6 +237,8 @@ async def rejection_gap(url: str, model: Optional[str], prompt: list[int], outpu
                     break
                 except httpx.HTTPError:
                     await asyncio.sleep(0.5)
+            else:
+                return {**out, "error": "the sink server did not start"}
             for _ in range(repeats):
                 alone = await one_request(client, url, model, prompt, output_len, headers)
                 if not alone["ok"]:
@@ -294,9 +303,16 @@ def main(argv: list[str]) -> int:
                    help="oversized prompts each client sends, one after the other (0: until the stream ends)")
     p.add_argument("--oversized-repeats", type=int, default=3,
                    help="runs of the gap measurement (alone, beside a sink, beside the server); medians reported")
+    p.add_argument("--long-prompt", type=int, default=0, metavar="N",
+                   help="also measure --long-streams running streams while an N-token prompt arrives (appliance.bench.mixed)")
+    p.add_argument("--long-streams", type=int, default=4)
+    p.add_argument("--long-stream-tokens", type=int, default=2048,
+                   help="tokens each running stream asks for (it must outlast the long prompt's prefill)")
     p.add_argument("--label", default=None, help="name of the server under test in the results")
     p.add_argument("--out", default="bench-results")
     a, overrides = split_overrides(p, argv)
+    if a.oversized_repeats < 1:
+        p.error("--oversized-repeats must be at least 1")
     own = None
     url = a.base_url.rstrip("/") if a.base_url else None
     if url is None:
@@ -323,6 +339,14 @@ def main(argv: list[str]) -> int:
             prompt = random_prompts(1, [a.input_len], vocab, seed=0)[0]
             rejection = asyncio.run(rejection_gap(url, model, prompt, a.output_len, a.oversized, a.oversized_chars,
                                                   headers, a.oversized_rounds, a.oversized_repeats))
+        mixed = None
+        if a.long_prompt > 0:
+            from appliance.bench.mixed import mixed_load
+
+            streams = random_prompts(a.long_streams, [a.input_len] * a.long_streams, vocab, seed=1)
+            # a new prompt each run: a server measured twice must not answer it from its prefix cache
+            long = random_prompts(1, [a.long_prompt], vocab, seed=time.time_ns())[0]
+            mixed = asyncio.run(mixed_load(url, model, streams, long, a.long_stream_tokens, headers))
     finally:
         if own:
             own.stop()
@@ -330,7 +354,8 @@ def main(argv: list[str]) -> int:
     path = write_results(a.out, f"serve-{label.replace('/', '_').replace(':', '_')}" if a.label else "serve",
                          {"server": label, "model": model, "input_len": a.input_len, "output_len": a.output_len,
                           "slo": {"ttft_ms": a.ttft_slo_ms, "itl_ms": a.itl_slo_ms}, "levels": levels,
-                          **({"oversized_rejection": rejection} if rejection is not None else {})})
+                          **({"oversized_rejection": rejection} if rejection is not None else {}),
+                          **({"mixed_load": mixed} if mixed is not None else {})})
     png = plot_lines(a.out, path.stem, f"{label}: output tok/s by concurrency", "max concurrency", "output tok/s",
                      {label: ([lv["max_concurrency"] for lv in levels], [lv["output_tok_s"] for lv in levels])},
                      logx=True) if levels else None
@@ -348,5 +373,13 @@ def main(argv: list[str]) -> int:
                   f"400/413; ratio {rejection['ratio'] or float('nan'):.2f}), "
                   f"{rejection['max_itl_ms_beside_sink']:.1f} ms while they sent them to a sink on this host "
                   f"(ratio to it {rejection['ratio_to_sink'] or float('nan'):.2f})")
+    if mixed is not None:
+        if "error" in mixed:
+            print(f"mixed-load test failed: {mixed['error']}")
+        else:
+            print(f"{mixed['long_prompt_len']}-token prompt beside {mixed['streams']} streams: TTFT "
+                  f"{mixed['long_prompt_ttft_ms']:.0f} ms; the streams' worst gap {mixed['worst_stream_gap_ms']:.0f} ms "
+                  f"({mixed['worst_gap_over_itl'] or float('nan'):.1f}x their {mixed['stream_itl_p50_ms_before'] or 0:.1f} ms "
+                  f"ITL), {mixed['stream_tokens_during_prefill']} tokens meanwhile")
     print(f"wrote {path}" + (f" and {png}" if png else ""))
-    return 1 if rejection is not None and "error" in rejection else 0
+    return 1 if any(x is not None and "error" in x for x in (rejection, mixed)) else 0

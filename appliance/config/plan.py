@@ -136,6 +136,9 @@ class Plan:
     prefill_roofline_tok_s: float
     compute_dtype: str
     swap_kv_blocks: int
+    token_budget: int  # tokens per step: the first one when it follows scheduler.target_itl_ms
+    token_budget_floor: int  # what the running decodes need (the budget never goes below)
+    token_budget_reason: str
     execution: dict[str, Any] = field(default_factory=dict)
     summary: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -242,10 +245,29 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         prefill_roofline_tok_s=round(prefill_roofline, 1),
         compute_dtype=compute_dtype,
         swap_kv_blocks=swap_blocks,
+        **token_budget(cfg, prefill_roofline),
         execution=ex.to_dict(),
         summary=ex.summary(),
         notes=notes,
     )
+
+
+def token_budget(cfg: ApplianceConfig, prefill_tok_s: float) -> dict[str, Any]:
+    """The tokens a step may schedule: ``scheduler.max_num_batched_tokens``,
+    or, with ``scheduler.target_itl_ms``, the prefill tokens the prefill
+    roofline fits in that time (a first estimate: the engine refits it to
+    measured step times, between room for every running decode and the cap)."""
+    s = cfg.scheduler
+    cap = s.max_num_batched_tokens
+    floor = min(cap, s.max_num_seqs)
+    if s.target_itl_ms is None:
+        return {"token_budget": cap, "token_budget_floor": floor,
+                "token_budget_reason": "scheduler.max_num_batched_tokens"}
+    first = max(floor, min(cap, int(s.target_itl_ms / 1e3 * prefill_tok_s))) if prefill_tok_s else cap
+    return {"token_budget": first, "token_budget_floor": floor,
+            "token_budget_reason": f"first estimate for scheduler.target_itl_ms={s.target_itl_ms:g} at the "
+                                   f"{prefill_tok_s:.0f} tok/s prefill roofline; refitted to measured step times "
+                                   f"between {floor} (max_num_seqs) and {cap} (max_num_batched_tokens)"}
 
 
 def format_plan(p: Plan) -> str:
@@ -273,6 +295,7 @@ def format_plan(p: Plan) -> str:
         f"max_model_len      {p.max_model_len}; max concurrency at that length {p.max_concurrency_at_max_len}x",
         f"decode roofline    {p.decode_roofline_tok_s} tok/s per sequence at batch 1 (weights / bandwidth)",
         f"prefill roofline   {p.prefill_roofline_tok_s} tok/s ({p.compute_dtype} peak / 2 x parameters)",
+        f"token budget       {p.token_budget} tokens per step ({p.token_budget_reason})",
         *([f"kv swap space      {p.swap_kv_blocks} blocks in host memory (cache.swap_space_gib)"] if p.swap_kv_blocks else []),
     ]
     lines += [f"note: {n}" for n in p.notes]

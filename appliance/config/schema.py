@@ -136,6 +136,11 @@ class SchedulerConfig:
     max_long_partial_prefills: int = 1
     policy: Policy = Policy.fcfs
     enable_chunked_prefill: bool = True
+    # A running stream's inter-token latency objective (ms). When set, the
+    # token budget of each step follows it (at most max_num_batched_tokens):
+    # the plan estimates it from the prefill roofline, the engine refits it
+    # to measured step times. null: every step may use max_num_batched_tokens.
+    target_itl_ms: Optional[float] = None
 
 
 @dataclass

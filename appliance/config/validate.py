@@ -7,11 +7,9 @@ compose time, through the typed schema.
 
 from __future__ import annotations
 
-
-from appliance.config.schema import ApplianceConfig
-
 from appliance.config.execution import choose_dtype
 from appliance.config.plan import GIB, activation_bytes, kv_bytes_per_token, max_model_len, weight_bytes
+from appliance.config.schema import ApplianceConfig
 from appliance.kernels.registry import BACKENDS
 
 FP8_HARDWARE = "h100, h200, b200 or mi300x"
@@ -53,9 +51,12 @@ def validate(cfg: ApplianceConfig) -> list[str]:
             problems.append(f"{key}={value} must not be negative")
     if not 0.0 < cache.memory_utilization <= 1.0:
         problems.append(f"cache.memory_utilization={cache.memory_utilization} must be in (0, 1]")
-    elif cache.kv_cache_memory_gib is not None and cache.memory_utilization != DEFAULTS.cache.memory_utilization:
-        problems.append(f"cache.memory_utilization={cache.memory_utilization} has no effect while "
-                        f"cache.kv_cache_memory_gib={cache.kv_cache_memory_gib} sizes the KV pool; set one of them")
+    if s.target_itl_ms is not None:
+        if not s.target_itl_ms > 0:
+            problems.append(f"scheduler.target_itl_ms={s.target_itl_ms} must be positive")
+        if not s.enable_chunked_prefill:
+            problems.append("scheduler.target_itl_ms needs scheduler.enable_chunked_prefill=true (a prompt must be "
+                            "able to prefill in chunks of any budget)")
     if q.activations and q.method != "fp8":
         problems.append(f"quantization.activations=true (W8A8) is the fp8 method's; quantization={q.method} "
                         f"quantizes weights only")
@@ -99,7 +100,7 @@ def validate(cfg: ApplianceConfig) -> list[str]:
     if not hw.min_block_size <= bs <= hw.max_block_size:
         problems.append(
             f"cache.block_size={bs} is outside hardware={hw.name}'s range "
-            f"[{hw.min_block_size}, {hw.max_block_size}]"
+            f"[{hw.min_block_size}, {hw.max_block_size}] (hardware.min_block_size, hardware.max_block_size)"
         )
     known = [b for b in hw.attention_backends if b in BACKENDS]
     for b in hw.attention_backends:
@@ -153,9 +154,8 @@ def validate(cfg: ApplianceConfig) -> list[str]:
 
     # Speculative decoding.
     if spec.method == "off":
-        for key, value, default in [("num_speculative_tokens", spec.num_speculative_tokens, 0),
-                                    ("prompt_lookup_min", spec.prompt_lookup_min, 1),
-                                    ("prompt_lookup_max", spec.prompt_lookup_max, 3)]:
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value, default = getattr(spec, key), getattr(DEFAULTS.speculative, key)
             if value != default:
                 problems.append(f"speculative.{key}={value} has no effect with speculative=off; "
                                 f"choose a speculative method or leave it at {default}")

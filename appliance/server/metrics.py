@@ -39,6 +39,8 @@ class Metrics:
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
+        self.token_budget = gauge("token_budget", "Tokens the next engine step may schedule (follows "
+                                                  "scheduler.target_itl_ms when set)")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recompute)")
@@ -63,6 +65,7 @@ class Metrics:
         self.num_requests_running.set(new.num_running)
         self.num_requests_waiting.set(new.num_waiting)
         self.kv_cache_usage_perc.set(new.kv_usage)
+        self.token_budget.set(new.token_budget)
         self.prefix_cache_queries.inc(max(0, new.prefix_queries - old.prefix_queries))
         self.prefix_cache_hits.inc(max(0, new.prefix_hits - old.prefix_hits))
         self.num_preemptions.inc(max(0, new.num_preemptions - old.num_preemptions))

@@ -8,7 +8,7 @@ import asyncio
 from typing import Callable, Optional, TypeVar
 
 from appliance.sampling_params import SamplingParams
-from appliance.server.protocol import MAX_PROMPTS, OpenAIError, _typed, token_id_list
+from appliance.server.protocol import MAX_PROMPTS, OpenAIError, typed, token_id_list
 from appliance.server.state import ServerState
 
 T = TypeVar("T")
@@ -108,7 +108,7 @@ def chat_prompt(st: ServerState, body: dict) -> tuple[list[int], str]:
                               param=f"messages[{i}].content")
         role = "system" if m["role"] == "developer" else m["role"]
         conv.append({"role": role, "content": content})
-    add_gen = _typed(body, "add_generation_prompt", (bool,), True)
+    add_gen = typed(body, "add_generation_prompt", (bool,), True)
     try:
         text = st.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_gen)
     except Exception as e:

@@ -149,7 +149,7 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def _typed(body: dict, key: str, types: tuple, default: Any = None, allow_none: bool = True) -> Any:
+def typed(body: dict, key: str, types: tuple, default: Any = None, allow_none: bool = True) -> Any:
     if key not in body or (body[key] is None and allow_none):
         return default
     v = body[key]
@@ -167,7 +167,7 @@ def _show(v: int) -> str:
 
 
 def _int(body: dict, key: str, default: Optional[int] = None, lo: int = INT64_MIN, hi: int = INT64_MAX) -> Any:
-    v = _typed(body, key, (int,), default)
+    v = typed(body, key, (int,), default)
     if v is not None and not lo <= v <= hi:
         bounds = f"at least {lo}" if hi == INT64_MAX and v < lo else f"between {lo} and {hi}"
         raise OpenAIError(400, f"'{key}' must be {bounds}, got {_show(v)}", param=key)
@@ -175,7 +175,7 @@ def _int(body: dict, key: str, default: Optional[int] = None, lo: int = INT64_MI
 
 
 def _float(body: dict, key: str, default: float) -> float:
-    v = _typed(body, key, NUM, default)
+    v = typed(body, key, NUM, default)
     try:
         f = float(v)
     except OverflowError:
@@ -303,7 +303,7 @@ def sampling_from_body(body: dict, *, chat: bool, vocab_size: int) -> tuple[Samp
     if len(stop) > 16:
         raise OpenAIError(400, "'stop' takes at most 16 sequences", param="stop")
     logit_bias = {}
-    for k, v in _typed(body, "logit_bias", (dict,), {}).items():
+    for k, v in typed(body, "logit_bias", (dict,), {}).items():
         digits = k[1:] if k[:1] == "-" else k
         if not (digits.isascii() and digits.isdigit() and len(digits) <= 20):
             raise OpenAIError(400, f"'logit_bias' keys must be token ids, got {k[:40]!r}", param="logit_bias")
@@ -319,7 +319,7 @@ def sampling_from_body(body: dict, *, chat: bool, vocab_size: int) -> tuple[Samp
     stop_ids = [] if stop_ids is None else token_id_list(stop_ids, "stop_token_ids", vocab_size, allow_empty=True)
     logprobs_mode = None
     if chat:
-        want = _typed(body, "logprobs", (bool,), False)
+        want = typed(body, "logprobs", (bool,), False)
         top = _int(body, "top_logprobs", lo=0, hi=20)
         if top is not None and not want:
             raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
@@ -343,14 +343,14 @@ def sampling_from_body(body: dict, *, chat: bool, vocab_size: int) -> tuple[Samp
             min_tokens=_int(body, "min_tokens", 0, lo=0, hi=INT32_MAX),
             stop=stop,
             stop_token_ids=list(stop_ids),
-            ignore_eos=_typed(body, "ignore_eos", (bool,), False),
-            include_stop_str_in_output=_typed(body, "include_stop_str_in_output", (bool,), False),
+            ignore_eos=typed(body, "ignore_eos", (bool,), False),
+            include_stop_str_in_output=typed(body, "include_stop_str_in_output", (bool,), False),
             presence_penalty=_float(body, "presence_penalty", 0.0),
             frequency_penalty=_float(body, "frequency_penalty", 0.0),
             repetition_penalty=_float(body, "repetition_penalty", 1.0),
             logit_bias=logit_bias,
             logprobs=n_lp,
-            skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), True),
+            skip_special_tokens=typed(body, "skip_special_tokens", (bool,), True),
         )
     except SamplingParamsError as e:
         raise OpenAIError(400, str(e), param=e.param) from None
@@ -358,8 +358,8 @@ def sampling_from_body(body: dict, *, chat: bool, vocab_size: int) -> tuple[Samp
 
 
 def stream_options(body: dict) -> tuple[bool, bool]:
-    stream = _typed(body, "stream", (bool,), False)
-    opts = _typed(body, "stream_options", (dict,), {})
+    stream = typed(body, "stream", (bool,), False)
+    opts = typed(body, "stream_options", (dict,), {})
     if opts and not stream:
         raise OpenAIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
     for key, v in opts.items():
@@ -375,7 +375,7 @@ def stream_options(body: dict) -> tuple[bool, bool]:
 
 def common_extensions(body: dict) -> tuple[int, Optional[str]]:
     priority = _int(body, "priority", 0, lo=INT32_MIN, hi=INT32_MAX)
-    salt = _typed(body, "cache_salt", (str,))
+    salt = typed(body, "cache_salt", (str,))
     if salt is not None and not salt:
         raise OpenAIError(400, "'cache_salt' must not be empty", param="cache_salt")
     return priority, salt

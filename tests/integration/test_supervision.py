@@ -221,6 +221,17 @@ def test_bench_serve_measures_the_gap_while_rejecting(guarded, tmp_path):
     assert {k: len(v) for k, v in probe["max_itl_ms_runs"].items()} == {"alone": 1, "sink": 1, "server": 1}
 
 
+def test_bench_serve_measures_a_long_prompt_beside_running_streams(guarded, tmp_path):
+    from appliance.bench.serve import main
+
+    assert main(["--base-url", guarded.url, "--max-concurrency", "", "--long-prompt", "200", "--long-streams", "2",
+                 "--long-stream-tokens", "64", "--input-len", "8", "--vocab", "500", "--out", str(tmp_path)]) == 0
+    mixed = json.loads((tmp_path / "serve.json").read_text())["mixed_load"]
+    assert (mixed["streams"], mixed["long_prompt_len"]) == (2, 200) and "error" not in mixed
+    assert mixed["long_prompt_ttft_ms"] > 0 and mixed["worst_stream_gap_ms"] >= 0  # a tiny model may finish first
+    assert mixed["stream_itl_p50_ms_before"] > 0 and mixed["stream_tokens_during_prefill"] >= 0
+
+
 def test_sigterm_drains_with_the_port_open_then_cuts_streams():
     """One sequence at a time and 64 long requests ahead of a stream (seconds
     of work even on a fast machine): work is left when

@@ -1,10 +1,10 @@
 """The import graph of the package: no cycles (lazy imports inside functions
-count too), and each layer imports only what is below it:
-
-    config -> runner (composition) -> engine / worker / server -> kernels
-
-``engine/`` is torch-free and imports nothing above it; only the entry
-points (runner, the offline LLM, the CLI, benchmarks) import the runner."""
+count too), and each layer imports only the layers ``ALLOWED`` lists for it:
+the runner (the composition root) sits on top and imports everything it
+composes; server, worker and models sit below it; config imports only the
+kernels' capability table; ``engine/`` imports nothing of ours but
+``sampling_params`` and no torch. Only the entry points (runner, the
+offline LLM, the CLI, benchmarks) import the runner."""
 
 import ast
 from collections import defaultdict
@@ -132,3 +132,15 @@ def test_config_uses_only_the_kernels_capability_table():
     reaching = {f"{m} -> {d}" for m, deps in GRAPH.items() if layer(m) == "config"
                 for d in deps if layer(d) == "kernels" and d not in ("appliance.kernels", "appliance.kernels.registry")}
     assert not reaching
+
+
+def test_the_engine_is_torch_free():
+    for name, path in module_files().items():
+        if layer(name) == "engine":
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                    node.body = []
+            roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            roots |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+            assert "torch" not in roots and "numpy" not in roots, name

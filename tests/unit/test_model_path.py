@@ -11,7 +11,7 @@ from safetensors import safe_open
 from appliance import LLM, SamplingParams
 from appliance.config.compose import ConfigError, resolve
 from appliance.config.plan import format_plan, make_plan
-from appliance.models.loader import ModelLoadError, _find_wheel_gguf, check_checkpoint
+from appliance.models.loader import ModelLoadError, find_wheel_gguf, check_checkpoint
 from appliance.models.tiny import generate_tiny
 from tests.conftest import run_cli
 from tests.model_helpers import PROMPTS, check_logprobs_close, greedy_top_logprobs, hf_greedy, hf_greedy_top_logprobs
@@ -140,7 +140,7 @@ def test_gguf_facts_are_read():
 
     from appliance.models.gguf import gguf_config
 
-    path = _find_wheel_gguf()
+    path = find_wheel_gguf()
     m = resolve(BASE + [f"model.path={path}"]).cfg.model
     assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.vocab_size) == (30, 576, 9, 3, 49152)
     assert m.name == "SmolLM2-135M-Instruct.Q4_1"

@@ -1,0 +1,82 @@
+"""Side-by-side table of `appliance bench serve` runs against one baseline
+server (``scripts/bench_vs_llamacpp.sh``): per concurrency level, each
+server's output tok/s and TTFT p50 and its same-run ratios to the baseline,
+with the host they ran on.
+
+    python -m appliance.bench.compare OUT_DIR BASELINE_LABEL LABEL...
+
+reads ``OUT_DIR/serve-LABEL.json`` and writes ``OUT_DIR/compare.json`` and
+``OUT_DIR/compare.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _file(label: str) -> str:
+    return f"serve-{label.replace('/', '_').replace(':', '_')}.json"
+
+
+def compare(out_dir: Path, baseline: str, labels: list[str]) -> dict:
+    runs = {lb: json.loads((out_dir / _file(lb)).read_text()) for lb in [baseline, *labels]}
+    base = {lv["max_concurrency"]: lv for lv in runs[baseline]["levels"]}
+    rows = []
+    for lb in labels:
+        for lv in runs[lb]["levels"]:
+            b = base.get(lv["max_concurrency"])
+            if b is None:
+                continue
+            rows.append({
+                "server": lb, "max_concurrency": lv["max_concurrency"],
+                "output_tok_s": lv["output_tok_s"], "baseline_output_tok_s": b["output_tok_s"],
+                "tok_s_ratio": lv["output_tok_s"] / b["output_tok_s"] if b["output_tok_s"] else None,
+                "ttft_p50_ms": lv["ttft_ms"]["p50"], "baseline_ttft_p50_ms": b["ttft_ms"]["p50"],
+                "ttft_ratio": lv["ttft_ms"]["p50"] / b["ttft_ms"]["p50"] if b["ttft_ms"]["p50"] else None,
+                "failed": lv["failed"], "baseline_failed": b["failed"],
+            })
+    mixed = [{"server": lb, **runs[lb]["mixed_load"]} for lb in [baseline, *labels]
+             if "error" not in runs[lb].get("mixed_load", {"error": None})]
+    return {"baseline": baseline, "host": runs[baseline].get("host"), "input_len": runs[baseline].get("input_len"),
+            "output_len": runs[baseline].get("output_len"), "rows": rows, "mixed_load": mixed}
+
+
+def markdown(result: dict) -> str:
+    host = result.get("host") or {}
+    lines = [f"Host: {host.get('cpu', '?')} ({host.get('cpus', '?')} CPUs), flags {' '.join(host.get('cpu_isa', []))}; "
+             f"{result['input_len']}-token prompts, {result['output_len']} output tokens; baseline "
+             f"{result['baseline']}.", "",
+             f"| server | concurrency | out tok/s | {result['baseline']} tok/s | ratio | TTFT p50 ms | "
+             f"{result['baseline']} TTFT p50 ms | TTFT ratio |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['server']} | {r['max_concurrency']} | {r['output_tok_s']:.1f} | "
+                     f"{r['baseline_output_tok_s']:.1f} | {r['tok_s_ratio']:.2f}x | {r['ttft_p50_ms']:.0f} | "
+                     f"{r['baseline_ttft_p50_ms']:.0f} | {r['ttft_ratio']:.2f} |")
+    if result.get("mixed_load"):
+        lines += ["", "A long prompt arriving while streams decode (`bench serve --long-prompt`):", "",
+                  "| server | long prompt tokens | its TTFT ms | streams | their ITL p50 ms | worst gap ms | "
+                  "gap / ITL | their tokens meanwhile |", "|---|---|---|---|---|---|---|---|"]
+        for m in result["mixed_load"]:
+            lines.append(f"| {m['server']} | {m['long_prompt_len']} | {m['long_prompt_ttft_ms']:.0f} | {m['streams']} | "
+                         f"{m['stream_itl_p50_ms_before'] or 0:.1f} | {m['worst_stream_gap_ms']:.0f} | "
+                         f"{m['worst_gap_over_itl'] or 0:.1f}x | {m['stream_tokens_during_prefill']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    out_dir = Path(argv[0])
+    result = compare(out_dir, argv[1], argv[2:])
+    (out_dir / "compare.json").write_text(json.dumps(result, indent=2))
+    md = markdown(result)
+    (out_dir / "compare.md").write_text(md)
+    print(md, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
