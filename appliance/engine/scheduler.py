@@ -92,9 +92,10 @@ class _Budget:
     def is_long(self, req: Request) -> bool:
         return 0 < self.long_threshold < req.num_prompt_tokens
 
-    def admits(self, req: Request, num_new: int) -> bool:
-        """Whether a free partial-prefill slot exists, if ``req`` needs one."""
-        if req.num_computed_tokens + num_new >= req.num_tokens:
+    def admits(self, req: Request, num_new: int, num_hits: int = 0) -> bool:
+        """Whether a free partial-prefill slot exists, if ``req`` needs one
+        (``num_hits`` prefix-cache tokens count as computed)."""
+        if req.num_computed_tokens + num_hits + num_new >= req.num_tokens:
             return True
         return self.partial_slots > 0 and not (self.is_long(req) and self.long_partial_slots <= 0)
 
@@ -228,8 +229,7 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > budget.tokens:
                 break
             num_new = budget.cap(num_new)
-            # (Judged before the hits count as computed: a hit makes a prompt look partial.)
-            if not budget.admits(req, num_new) or num_new <= 0:
+            if not budget.admits(req, num_new, num_hit_tokens) or num_new <= 0:
                 skipped.append(self.waiting.pop())
                 continue
             args = (req, num_new, num_hit_tokens, hits, self.num_lookahead_tokens)

@@ -165,3 +165,21 @@ def test_preempt_returns_tokens_but_not_the_partial_slot():
     assert (b.tokens, b.partial_slots, b.num_scheduled, b.new_block_ids) == (32, 0, {}, {})
     b.preempt(c)  # never scheduled this step: only recorded
     assert b.tokens == 32 and b.preempted == [a, c]
+
+
+def test_a_prompt_its_cache_hits_finish_needs_no_partial_prefill_slot():
+    """With the one partial-prefill slot held by a long prompt, a prompt whose
+    prefix hits leave one token to compute finishes its prefill this step, so
+    it is admitted (it was judged before its hits counted, and skipped)."""
+    s = make_scheduler(num_blocks=32, block_size=4, budget=24, long_prefill_token_threshold=16,
+                       max_num_partial_prefills=1, max_long_partial_prefills=1)
+    prompt = list(range(1, 10))  # 9 tokens: two full blocks to cache
+    s.add_request(make_req("first", prompt, max_tokens=1, arrival=0.0))
+    while s.has_unfinished_requests():
+        null_step(s)
+    s.add_request(make_req("long", range(100, 140), max_tokens=1, arrival=1.0))
+    again = make_req("again", prompt, max_tokens=1, arrival=2.0)
+    s.add_request(again)
+    out, _ = null_step(s)
+    assert out.num_scheduled_tokens == {"long": 16, "again": 1}
+    assert again.num_cached_tokens == 8
