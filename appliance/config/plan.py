@@ -137,7 +137,6 @@ class Plan:
     compute_dtype: str
     swap_kv_blocks: int
     token_budget: int  # tokens per step: the first one when it follows scheduler.target_itl_ms
-    token_budget_floor: int  # what the running decodes need (the budget never goes below)
     token_budget_reason: str
     execution: dict[str, Any] = field(default_factory=dict)
     summary: list[str] = field(default_factory=list)
@@ -256,18 +255,16 @@ def token_budget(cfg: ApplianceConfig, prefill_tok_s: float) -> dict[str, Any]:
     """The tokens a step may schedule: ``scheduler.max_num_batched_tokens``,
     or, with ``scheduler.target_itl_ms``, the prefill tokens the prefill
     roofline fits in that time (a first estimate: the engine refits it to
-    measured step times, between room for every running decode and the cap)."""
+    measured step times, at most the cap)."""
     s = cfg.scheduler
     cap = s.max_num_batched_tokens
-    floor = min(cap, s.max_num_seqs)
     if s.target_itl_ms is None:
-        return {"token_budget": cap, "token_budget_floor": floor,
-                "token_budget_reason": "scheduler.max_num_batched_tokens"}
-    first = max(floor, min(cap, int(s.target_itl_ms / 1e3 * prefill_tok_s))) if prefill_tok_s else cap
-    return {"token_budget": first, "token_budget_floor": floor,
+        return {"token_budget": cap, "token_budget_reason": "scheduler.max_num_batched_tokens"}
+    first = max(1, min(cap, int(s.target_itl_ms / 1e3 * prefill_tok_s))) if prefill_tok_s else cap
+    return {"token_budget": first,
             "token_budget_reason": f"first estimate for scheduler.target_itl_ms={s.target_itl_ms:g} at the "
-                                   f"{prefill_tok_s:.0f} tok/s prefill roofline; refitted to measured step times "
-                                   f"between {floor} (max_num_seqs) and {cap} (max_num_batched_tokens)"}
+                                   f"{prefill_tok_s:.0f} tok/s prefill roofline; refitted to measured step times, "
+                                   f"at most {cap} (max_num_batched_tokens)"}
 
 
 def format_plan(p: Plan) -> str:

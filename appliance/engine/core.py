@@ -20,7 +20,7 @@ import msgspec
 from appliance.engine.detokenizer import IncrementalDetokenizer
 from appliance.engine.request import Request, RequestStatus
 from appliance.engine.scheduler import Scheduler, SchedulerOutput
-from appliance.engine.token_budget import TokenBudget
+from appliance.engine.token_budget import TokenBudget, attention_pairs
 from appliance.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -197,6 +197,8 @@ class EngineCore:
 
     def _step(self) -> list[RequestOutputDelta]:
         alone = self._next_suspect()
+        if self.token_budget is not None and alone is None:
+            self.scheduler.max_num_batched_tokens = self._next_budget()
         sched_out = self._schedule_alone(alone) if alone is not None else self.scheduler.schedule()
         t0 = time.perf_counter()
         try:
@@ -206,8 +208,7 @@ class EngineCore:
             self.last_stats = self.stats()
             return deltas
         if self.token_budget is not None and alone is None:
-            self.scheduler.max_num_batched_tokens = self.token_budget.observe(
-                sched_out.total_num_scheduled_tokens, time.perf_counter() - t0)
+            self._observe_step(sched_out, time.perf_counter() - t0)
         if alone is not None and (alone in runner_out.sampled_token_ids or alone not in sched_out.num_scheduled_tokens):
             self._suspects.remove(alone)  # it ran on its own to a sample: cleared
         stopped: dict[str, int] = {}
@@ -259,6 +260,25 @@ class EngineCore:
         return deltas
 
     # -- failure containment -------------------------------------------------
+    def _next_budget(self) -> int:
+        """The token budget for the next step (``scheduler.target_itl_ms``): the
+        running decodes first, the rest for a prefill chunk from where the first
+        unfinished prompt stands."""
+        decodes, pairs, chunk_context = 0, 0, 0
+        for req in self.scheduler.running:
+            if req.num_computed_tokens >= req.num_tokens - 1:
+                decodes += 1
+                pairs += req.num_tokens
+            elif not chunk_context:
+                chunk_context = req.num_computed_tokens
+        return self.token_budget.next_budget(decodes, pairs, chunk_context)
+
+    def _observe_step(self, sched_out: SchedulerOutput, seconds: float) -> None:
+        requests = self.scheduler.requests
+        pairs = sum(attention_pairs(n, requests[rid].num_computed_tokens)
+                    for rid, n in sched_out.num_scheduled_tokens.items() if rid in requests)
+        self.token_budget.observe(sched_out.total_num_scheduled_tokens, pairs, seconds)
+
     def _next_suspect(self) -> Optional[str]:
         while self._suspects:
             req = self.scheduler.requests.get(self._suspects[0])

@@ -3,56 +3,90 @@
 ``scheduler.target_itl_ms`` declares how long a running stream may wait
 for its next token. Every step decodes one token for each running stream
 and spends the rest of its budget on prefill chunks, so the step time, and
-with it every stream's inter-token gap, follows the number of tokens
-scheduled. ``TokenBudget`` fits ``step seconds = a + b * tokens`` by least
-squares over the last steps (``a``: the fixed cost of a step and its
-decodes, ``b``: the cost of one more token) and sets the next budget to
-what fits in the objective, between ``floor`` (room for every running
-stream's decode) and ``cap`` (``scheduler.max_num_batched_tokens``). Until
-the steps say more it keeps the plan's first estimate.
+with it every stream's inter-token gap, follows what is scheduled: the
+tokens (weights and MLPs) and the attention pairs (each new token attends
+to its whole context, so a long prompt's later chunks cost more).
+``TokenBudget`` fits ``step seconds = a + b * tokens + c * pairs`` by least
+squares over the last steps and, before each step, sets the budget to the
+largest that fits the objective given the running decodes and the context
+the next prefill chunk starts from, between the running decodes plus one
+prefill token (every stream advances, and so does the prompt) and ``cap``
+(``scheduler.max_num_batched_tokens``).
+Until the steps say more it keeps the plan's first estimate.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from typing import Optional
+
+
+def attention_pairs(num_new: int, context_after: int) -> int:
+    """Query-key pairs of ``num_new`` tokens whose context ends at ``context_after``."""
+    return num_new * context_after - num_new * (num_new - 1) // 2
 
 
 class TokenBudget:
     MIN_SAMPLES = 4
 
-    def __init__(self, target_itl_ms: float, initial: int, floor: int, cap: int, window: int = 32):
-        if not 1 <= floor <= cap:
-            raise ValueError(f"the token budget needs 1 <= floor ({floor}) <= cap ({cap})")
+    def __init__(self, target_itl_ms: float, initial: int, cap: int, window: int = 32):
+        if cap < 1:
+            raise ValueError(f"the token budget needs a cap of at least 1, got {cap}")
         self.target_s = target_itl_ms / 1e3
-        self.floor, self.cap = floor, cap
-        self.budget = self._clamp(initial)
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.cap = cap
+        self.budget = self._clamp(initial, 1)
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)  # (tokens, pairs, seconds)
 
-    def _clamp(self, tokens: float) -> int:
-        return max(self.floor, min(self.cap, int(tokens + 1e-6)))  # 79.99999... is 80
+    def _clamp(self, tokens: float, floor: int) -> int:
+        return max(min(floor, self.cap), min(self.cap, int(tokens + 1e-6)))  # 79.99999... is 80
 
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b) of ``seconds = a + b * tokens`` over the window, or None
-        while the steps seen do not pin down a positive per-token cost."""
+    def fit(self) -> Optional[tuple[float, float, float]]:
+        """(a, b, c) of ``seconds = a + b * tokens + c * pairs`` over the window,
+        or None while the steps seen do not pin down a positive per-token cost.
+        When tokens and pairs do not vary apart, ``c`` is 0 and ``b`` carries both."""
         if len(self.samples) < self.MIN_SAMPLES:
             return None
         n = len(self.samples)
-        mean_t = sum(t for t, _ in self.samples) / n
-        mean_s = sum(s for _, s in self.samples) / n
-        var = sum((t - mean_t) ** 2 for t, _ in self.samples)
-        if var == 0:
+        mt = sum(t for t, _, _ in self.samples) / n
+        mp = sum(p for _, p, _ in self.samples) / n
+        ms = sum(s for _, _, s in self.samples) / n
+        tt = sum((t - mt) ** 2 for t, _, _ in self.samples)
+        if tt == 0:
             return None
-        b = sum((t - mean_t) * (s - mean_s) for t, s in self.samples) / var
+        pp = sum((p - mp) ** 2 for _, p, _ in self.samples)
+        tp = sum((t - mt) * (p - mp) for t, p, _ in self.samples)
+        ts = sum((t - mt) * (s - ms) for t, _, s in self.samples)
+        ps = sum((p - mp) * (s - ms) for _, p, s in self.samples)
+        det = tt * pp - tp * tp
+        b, c = ((ts * pp - tp * ps) / det, (tt * ps - tp * ts) / det) if det > 1e-9 * tt * pp else (0.0, -1.0)
+        if b <= 0 or c < 0:  # pairs and tokens move together here: one cost per token
+            b, c = ts / tt, 0.0
         if b <= 0:
             return None
-        return max(0.0, mean_s - b * mean_t), b
+        return max(0.0, ms - b * mt - c * mp), b, c
 
-    def observe(self, tokens: int, seconds: float) -> int:
-        """Record a step of ``tokens`` that took ``seconds``; the next step's budget."""
+    def observe(self, tokens: int, pairs: int, seconds: float) -> None:
+        """Record a step of ``tokens`` new tokens and ``pairs`` attention pairs."""
         if tokens > 0 and seconds > 0:
-            self.samples.append((tokens, seconds))
-            fitted = self.fit()
-            if fitted is not None:
-                a, b = fitted
-                self.budget = self._clamp((self.target_s - a) / b)
+            self.samples.append((tokens, pairs, seconds))
+
+    def next_budget(self, decodes: int, decode_pairs: int, chunk_context: int) -> int:
+        """The budget for a step that decodes ``decodes`` streams (``decode_pairs``
+        attention pairs) and gives the rest to a prefill chunk starting after
+        ``chunk_context`` tokens of its prompt."""
+        fitted = self.fit()
+        if fitted is None:
+            return self.budget
+        a, b, c = fitted
+        # a + b (decodes + x) + c (decode_pairs + x chunk_context + x (x + 1) / 2) = target, for the chunk x
+        rest = self.target_s - a - b * decodes - c * decode_pairs
+        lin = b + c * (chunk_context + 0.5)
+        if rest <= 0:
+            x = 0.0
+        elif c > 0:
+            x = (-lin + math.sqrt(lin * lin + 2 * c * rest)) / c
+        else:
+            x = rest / lin
+        self.budget = self._clamp(decodes + x, decodes + 1)
         return self.budget

@@ -4,7 +4,7 @@ measured step times, and the engine steering its scheduler with it."""
 import pytest
 
 from appliance.config.compose import resolve
-from appliance.engine.token_budget import TokenBudget
+from appliance.engine.token_budget import TokenBudget, attention_pairs
 from appliance.errors import ConfigError
 from appliance.runner import compose
 
@@ -12,41 +12,69 @@ BASE = ["+profile=cpu"]
 
 
 def test_the_fit_finds_the_budget_that_meets_the_objective():
-    # a step costs 10 ms plus 0.5 ms per token: 50 ms fits 80 tokens
-    tb = TokenBudget(target_itl_ms=50, initial=2048, floor=8, cap=2048)
+    # a step costs 10 ms, 0.5 ms per token: 50 ms fits 80 tokens (no attention cost here)
+    tb = TokenBudget(target_itl_ms=50, initial=2048, cap=2048)
     for tokens in (4, 4, 512, 4, 300, 4):
-        budget = tb.observe(tokens, 0.010 + 0.0005 * tokens)
-    assert budget == 80
-    a, b = tb.fit()
-    assert a == pytest.approx(0.010) and b == pytest.approx(0.0005)
+        tb.observe(tokens, 0, 0.010 + 0.0005 * tokens)
+    a, b, c = tb.fit()
+    assert (a, b, c) == (pytest.approx(0.010), pytest.approx(0.0005), 0.0)
+    assert tb.next_budget(decodes=0, decode_pairs=0, chunk_context=0) == 80
+
+
+def test_attention_pairs_make_later_chunks_smaller():
+    """Cost = 5 ms + 0.2 ms per token + 1 us per query-key pair: the chunk that
+    fits 50 ms shrinks as the prompt it continues grows."""
+    tb = TokenBudget(target_itl_ms=50, initial=64, cap=4096)
+    for tokens, context in ((4, 100), (64, 0), (64, 1000), (128, 500), (4, 2000), (200, 3000), (32, 64)):
+        pairs = attention_pairs(tokens, context + tokens)
+        tb.observe(tokens, pairs, 0.005 + 0.0002 * tokens + 1e-6 * pairs)
+    a, b, c = tb.fit()
+    assert (a, b, c) == (pytest.approx(0.005), pytest.approx(0.0002), pytest.approx(1e-6))
+
+    def cost(decodes, pairs, chunk, context):
+        n = decodes + chunk
+        return a + b * n + c * (pairs + attention_pairs(chunk, context + chunk))
+
+    early = tb.next_budget(decodes=4, decode_pairs=400, chunk_context=0)
+    late = tb.next_budget(decodes=4, decode_pairs=400, chunk_context=3000)
+    assert late < early
+    for budget, context in ((early, 0), (late, 3000)):
+        assert cost(4, 400, budget - 4, context) <= 0.050 < cost(4, 400, budget - 3, context)
+
+
+def test_attention_pairs_count_each_token_against_its_context():
+    assert attention_pairs(1, 10) == 10  # a decode attends to its whole context
+    assert attention_pairs(3, 3) == 3 + 2 + 1  # a 3-token prompt from scratch
 
 
 def test_until_the_steps_pin_a_cost_down_the_first_estimate_holds():
-    tb = TokenBudget(target_itl_ms=50, initial=300, floor=8, cap=2048)
-    assert [tb.observe(4, 0.012) for _ in range(10)] == [300] * 10  # decodes only: no per-token cost seen
-    tb.observe(0, 0.0)  # an empty step says nothing
-    assert tb.fit() is None and tb.budget == 300
+    tb = TokenBudget(target_itl_ms=50, initial=300, cap=2048)
+    for _ in range(10):
+        tb.observe(4, 40, 0.012)  # decodes only: no per-token cost seen
+    tb.observe(0, 0, 0.0)  # an empty step says nothing
+    assert tb.fit() is None and tb.next_budget(4, 40, 0) == 300
 
 
-@pytest.mark.parametrize("target_ms,expected", [(1, 16), (10_000, 1024)])
+@pytest.mark.parametrize("target_ms,expected", [(1, 17), (10_000, 1024)])
 def test_the_budget_stays_between_the_decodes_and_the_cap(target_ms, expected):
-    tb = TokenBudget(target_itl_ms=target_ms, initial=100, floor=16, cap=1024)
+    """At least every running decode plus one prefill token; at most the cap."""
+    tb = TokenBudget(target_itl_ms=target_ms, initial=100, cap=1024)
     for tokens in (16, 200, 16, 400, 16):
-        budget = tb.observe(tokens, 0.020 + 0.001 * tokens)
-    assert budget == expected
+        tb.observe(tokens, 0, 0.020 + 0.001 * tokens)
+    assert tb.next_budget(16, 1600, 0) == expected
 
 
-def test_a_floor_above_the_cap_is_refused():
-    with pytest.raises(ValueError, match="floor"):
-        TokenBudget(target_itl_ms=50, initial=10, floor=64, cap=32)
+def test_a_cap_below_one_is_refused():
+    with pytest.raises(ValueError, match="cap"):
+        TokenBudget(target_itl_ms=50, initial=10, cap=0)
 
 
 def test_the_plan_derives_the_first_budget_from_the_prefill_roofline():
     fixed = compose(resolve(BASE), here=False).plan
     assert fixed.token_budget == 2048 and fixed.token_budget_reason == "scheduler.max_num_batched_tokens"
     p = compose(resolve(BASE + ["scheduler.target_itl_ms=100"]), here=False).plan
-    assert p.token_budget == max(p.token_budget_floor, min(2048, int(0.1 * p.prefill_roofline_tok_s)))
-    assert "target_itl_ms=100" in p.token_budget_reason and p.token_budget_floor == 64  # the cpu profile's max_num_seqs
+    assert p.token_budget == max(1, min(2048, int(0.1 * p.prefill_roofline_tok_s)))
+    assert "target_itl_ms=100" in p.token_budget_reason and "at most 2048" in p.token_budget_reason
 
 
 @pytest.mark.parametrize("override,message", [
@@ -69,5 +97,5 @@ def test_the_engine_steers_its_scheduler_by_measured_steps():
                  use_tqdm=False)
     tb = engine.token_budget
     assert len(tb.samples) > tb.MIN_SAMPLES and tb.fit() is not None  # prefill chunks and decodes were timed
-    assert engine.scheduler.max_num_batched_tokens == tb.budget and 4 <= tb.budget <= 2048
+    assert engine.scheduler.max_num_batched_tokens == tb.budget and 1 <= tb.budget <= 2048
     assert engine.stats().token_budget == tb.budget
