@@ -57,9 +57,23 @@ def run(size: int = 2048, mib: int = 512, repeat: int = 5, hidden: int = 576, in
     for name, (m, n, k) in tqdm(shapes.items(), desc="bench machine: GEMM"):
         gemms[name] = {d: gemm(m, n, k, dt, repeat) for d, dt in dtypes.items()}
     bw = bandwidth(mib, repeat)
-    return {"threads": torch.get_num_threads(), "bandwidth": bw, "gemm_gflops": gemms,
+    return {"threads": torch.get_num_threads(), "kernel_variants": kernel_variants(), "bandwidth": bw,
+            "gemm_gflops": gemms,
             "peak_bandwidth_GBps": max(bw["copy_GBps"], bw["read_GBps"]),
             "peak_gflops": {d: max(g[d] for g in gemms.values()) for d in dtypes}}
+
+
+def kernel_variants() -> dict[str, str]:
+    """Which native CPU kernel variant this CPU gets for each job (chosen at
+    run time from CPUID), or why the native kernels are not available."""
+    try:
+        from appliance.kernels import cpu_native
+    except Exception as e:  # no compiler, no AVX2: torch_sdpa serves instead
+        return {"cpu_native": f"unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"}
+    return {"cpu_native": "available",
+            "fp32/int8/bf16 GEMV and small GEMMs": "avx2+fma",
+            "bf16 GEMMs over 6 rows": "avx512_bf16 (vdpbf16ps)" if cpu_native.bf16_dot()
+            else "avx2+fma (bf16 widened to fp32)"}
 
 
 def load_or_measure(out_dir: str) -> dict:
@@ -87,5 +101,7 @@ def main(argv: list[str]) -> int:
     print(f"memory bandwidth: copy {bw['copy_GBps']:.1f} GB/s, read {bw['read_GBps']:.1f} GB/s ({res['threads']} threads)")
     for s, g in res["gemm_gflops"].items():
         print(f"GEMM {s:>14}: " + ", ".join(f"{d} {v:.1f} GFLOP/s" for d, v in g.items()))
+    for job, variant in res["kernel_variants"].items():
+        print(f"native kernels, {job}: {variant}")
     print(f"wrote {path} and {png}")
     return 0

@@ -31,6 +31,11 @@ def test_machine(out):
     m = load(out, "machine")
     assert m["peak_bandwidth_GBps"] > 0 and m["peak_gflops"]["fp32"] > 0
     assert (out / "machine.png").stat().st_size > 0
+    from appliance.kernels import cpu_native
+
+    variants = m["kernel_variants"]  # chosen from CPUID on this machine, whichever it is
+    assert variants["cpu_native"] == "available"
+    assert variants["bf16 GEMMs over 6 rows"].startswith("avx512_bf16" if cpu_native.bf16_dot() else "avx2+fma")
 
 
 def test_throughput_with_hf_baseline(out, cli):
