@@ -74,7 +74,9 @@ async def mixed_load(url: str, model: Optional[str], stream_prompts: list[list[i
             if not task.done():
                 task.cancel()
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        errors = [e for e in results if isinstance(e, str)] + ([long_error] if long_error else [])
+        # a string is a stream's own error; an exception one it did not expect (a cancelled stream is neither)
+        errors = [e if isinstance(e, str) else f"{type(e).__name__}: {e}" for e in results
+                  if isinstance(e, (str, Exception))] + ([long_error] if long_error else [])
     out = {"streams": n, "long_prompt_len": len(long_prompt), "output_len": output_len}
     if errors or not long_times:
         return {**out, "error": errors[0] if errors else "the long prompt streamed no token"}

@@ -171,11 +171,9 @@ class Generation:
         st.generations.add(self)
         if st.cut_reason is not None:
             merged.put_nowait((None, ServerShutdown(st.cut_reason)))
-        tasks = []
-        n = self.request.params.n
-        for pi, ids in enumerate(self.request.prompts):
+        for ids in self.request.prompts:
             st.metrics.prompt_tokens.inc(len(ids))
-            tasks += [asyncio.create_task(self._child(c, merged)) for c in self.parent.children[pi * n:(pi + 1) * n]]
+        tasks = [asyncio.create_task(self._child(c, merged)) for c in self.parent.children]
         remaining = len(tasks)
         timeout_s = st.cfg.server.request_timeout_s
         deadline = time.monotonic() + timeout_s
