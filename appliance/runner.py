@@ -158,6 +158,10 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
         from appliance.models.quant import quantize_int8_weight_only
 
         quantize_int8_weight_only(model)
+    elif cfg.quantization.method == "int4_wo":
+        from appliance.models.quant import quantize_int4_weight_only
+
+        quantize_int4_weight_only(model, cfg.quantization.group_size)
     num_blocks, mml = deployment.num_kv_blocks, deployment.max_model_len
     kv = KVCacheManager(num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
                         cfg.cache.prefix_caching_hash_algo)

@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
-REQUIRED_CPU_FLAGS = ("avx2", "fma")
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
 
 def _cpu_flags() -> set[str]:

@@ -1,7 +1,7 @@
 """Native CPU execution (``attention.backend=cpu_native``).
 
-``csrc/cpu_ops.c`` holds AVX2/FMA kernels: fp32-, bf16- or int8-weight GEMMs
-with the widening in registers and fp32 activations (batched bf16 GEMMs
+``csrc/cpu_ops.c`` holds AVX2/FMA kernels: fp32-, bf16-, int8- or int4-weight
+GEMMs with the widening in registers and fp32 activations (batched bf16 GEMMs
 take bf16-rounded rows on AVX512-BF16 where the CPU has it, see
 ``bf16_dot``), paged attention that reads K/V blocks in
 place (no gather), fused RMSNorm/rope/KV-write/SiLU, and ``appl_forward``,
@@ -35,13 +35,14 @@ from appliance.kernels.cpu_build import build_library
 # Load after torch so the library's libgomp.so.1 resolves to the one torch loaded.
 _LIB = ctypes.CDLL(str(build_library()))
 
-WTYPE_F32, WTYPE_I8, WTYPE_BF16 = 0, 1, 2
+WTYPE_F32, WTYPE_I8, WTYPE_BF16, WTYPE_Q4 = 0, 1, 2, 3
 _p = ctypes.c_void_p
 _i32, _i64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
 class Linear(ctypes.Structure):
-    _fields_ = [("w", _p), ("scale", _p), ("bias", _p), ("n", _i32), ("k", _i32), ("wtype", _i32), ("_pad", _i32)]
+    _fields_ = [("w", _p), ("scale", _p), ("bias", _p), ("qparams", _p), ("n", _i32), ("k", _i32), ("wtype", _i32),
+                ("group", _i32)]
 
 
 class Layer(ctypes.Structure):
@@ -77,6 +78,8 @@ _LIB.appl_phase_times.argtypes = [ctypes.POINTER(ctypes.c_double), ctypes.c_int]
 _LIB.appl_phase_times.restype = ctypes.c_int
 _LIB.appl_bf16_dot.argtypes = [ctypes.c_int]
 _LIB.appl_bf16_dot.restype = ctypes.c_int
+_LIB.appl_avx512.argtypes = [ctypes.c_int]
+_LIB.appl_avx512.restype = ctypes.c_int
 
 PHASES = ("norm", "qkv", "rope_kv_write", "attention", "o_proj", "gate_up", "silu_mul", "down", "lm_head")
 
@@ -100,8 +103,20 @@ def bf16_dot(enabled: Optional[bool] = None) -> bool:
     return bool(_LIB.appl_bf16_dot(-1 if enabled is None else int(enabled)))
 
 
+def avx512(enabled: Optional[bool] = None) -> bool:
+    """Whether int4-weight GEMMs over one to six rows run on AVX-512F (16
+    channels a register, every widened panel feeding up to four rows)
+    rather than the AVX2 GEMV (one row) or widening to fp32 (more rows); on
+    by default where the CPU has AVX512F/BW, unless ``APPLIANCE_CPU_AVX512=0``.
+    Both sum in fp32; only the order differs. ``enabled`` switches it; on is
+    refused, returning False, where the CPU lacks it."""
+    return bool(_LIB.appl_avx512(-1 if enabled is None else int(enabled)))
+
+
 if os.environ.get("APPLIANCE_CPU_BF16_DOT") == "0":
     bf16_dot(False)
+if os.environ.get("APPLIANCE_CPU_AVX512") == "0":
+    avx512(False)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -134,19 +149,45 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
+def pack_q4_panels(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 values q (uint8 [n, k], 0..15) with fp16 group scales d and mins m
+    ([n, k / group]) -> (bytes [ceil(n / 16), k / 2, 16]: channel c of k
+    pair j in byte c of row j, k = 2j in its low nibble; qparams fp16
+    [ceil(n / 16), k / group, 2, 16]: each group's 16 scales, then 16 mins).
+    Channels past n are zero."""
+    n, k = q.shape
+    panels, groups = -(-n // PANEL), d.shape[1]
+    qp = torch.zeros(panels * PANEL, k, dtype=torch.uint8)
+    qp[:n] = q
+    pairs = qp.view(panels, PANEL, k // 2, 2)
+    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()
+    params = torch.zeros(2, panels * PANEL, groups, dtype=torch.float16)
+    params[0, :n], params[1, :n] = d, m
+    params = params.view(2, panels, PANEL, groups).permute(1, 3, 0, 2).contiguous()
+    return packed, params
+
+
 class NativeLinear:
-    """A ctypes view of an fp32 or bf16 nn.Linear or an int8 weight-only
-    linear, its weight packed in panels (in its own dtype). Keeps references
-    to the tensors it points at.
+    """A ctypes view of an fp32 or bf16 nn.Linear or an int8 or int4
+    weight-only linear, its weight packed in panels (in its own dtype).
+    Keeps references to the tensors it points at.
 
     With ``release`` the packed weight is stored on the module
-    (``weight_packed``) and the row-major original is freed, so the weights
-    are held once; the module is then usable only through this view."""
+    (``weight_packed``, and ``qparams_packed`` for int4) and the row-major
+    original is freed, so the weights are held once; the module is then
+    usable only through this view."""
 
     def __init__(self, module: Any, release: bool = False):
         packed = getattr(module, "weight_packed", None)
         packed_before = packed is not None
-        if hasattr(module, "weight_int8"):
+        qparams, group = None, 0
+        if hasattr(module, "weight_q4"):
+            if packed is None:
+                packed, qparams = pack_q4_panels(module.weight_q4, module.q4_scale, module.q4_min)
+            else:
+                qparams = module.qparams_packed
+            scale, wtype, group = None, WTYPE_Q4, module.group
+        elif hasattr(module, "weight_int8"):
             if packed is None:
                 packed = pack_panels(module.weight_int8)
             scale = _f32_contig(module.scale, "an int8 scale")
@@ -161,14 +202,18 @@ class NativeLinear:
         n, k = module.out_features, module.in_features
         if release and not packed_before:
             module.weight_packed = packed
-            if wtype == WTYPE_I8:
+            if wtype == WTYPE_Q4:
+                module.qparams_packed = qparams
+                module.weight_q4 = torch.empty(0, dtype=torch.uint8)
+                module.q4_scale = module.q4_min = torch.empty(0, dtype=torch.float16)
+            elif wtype == WTYPE_I8:
                 module.weight_int8 = torch.empty(0, dtype=torch.int8)
             else:
                 module.weight.data = torch.empty(0, dtype=packed.dtype)
         bias = getattr(module, "bias", None)
         bias = None if bias is None else _small_f32(bias.data, "a linear bias")
-        self._keep = (packed, scale, bias)
-        self.struct = Linear(_ptr(packed), _ptr(scale), _ptr(bias), n, k, wtype, 0)
+        self._keep = (packed, scale, bias, qparams)
+        self.struct = Linear(_ptr(packed), _ptr(scale), _ptr(bias), _ptr(qparams), n, k, wtype, group)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> "NativeLinear":

@@ -30,7 +30,7 @@ OUTPUT_LEN=${OUTPUT_LEN:-128}
 PROFILES=${PROFILES:-cpu cpu_int8}
 LONG_PROMPT=${LONG_PROMPT:-4000}  # the mixed-load case: this prompt arrives while LONG_STREAMS decode
 LONG_STREAMS=${LONG_STREAMS:-4}
-TARGET_ITL_MS=${TARGET_ITL_MS:-100}  # the first profile runs again with scheduler.target_itl_ms (empty: no)
+TARGET_ITL_MS=${TARGET_ITL_MS-100}  # the first profile runs again with scheduler.target_itl_ms (empty: no)
 # each slot holds a stream of the mixed-load case (INPUT_LEN + 2048 tokens) or the long prompt
 SLOT_CTX=${SLOT_CTX:-$((LONG_PROMPT > 0 ? LONG_PROMPT + INPUT_LEN + 2048 + 64 : 512))}
 SERVER="$LLAMACPP_DIR/build/bin/llama-server"

@@ -43,13 +43,13 @@ def cpu_dtype_preference(backend: str, cpu: CpuInfo, quantization: str = "none")
     backend per CPU class"). The native kernels stream half the weight bytes
     in bf16 (1.7-2x fp32 at one request on any CPU; at 32 requests equal
     where bf16 weights are widened to fp32, 2x where AVX512-BF16 runs the
-    GEMMs), so they prefer bf16 everywhere; with int8 weights only the
+    GEMMs), so they prefer bf16 everywhere; with int8 or int4 weights only the
     embedding and norms would be bf16, which measured slower at one request.
     torch's bf16 matmuls are fast only with native bf16 arithmetic (about
     100x slower than fp32 elsewhere). The Triton interpreter computes in fp32
     whatever the dtype."""
     if backend == "cpu_native":
-        return ("float32", "bfloat16") if quantization == "int8_wo" else ("bfloat16", "float32")
+        return ("float32", "bfloat16") if quantization in ("int8_wo", "int4_wo") else ("bfloat16", "float32")
     if backend == "triton" or not cpu.fast_bf16:
         return ("float32", "bfloat16", "float16")
     return ("bfloat16", "float32", "float16")

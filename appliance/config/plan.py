@@ -76,7 +76,7 @@ def weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
             + cfg.model.hidden_size
             + 2 * cfg.model.intermediate_size
         )
-    if method == "int8_wo":  # the LM head is quantized too (a tied model keeps its embedding for lookups)
+    if method in ("int8_wo", "int4_wo"):  # the LM head is int8 too (a tied model keeps its embedding for lookups)
         lm_rows = cfg.model.vocab_size
         return linear + lm_rows * (cfg.model.hidden_size + 4) + (counts["embedding"] + counts["other"]) * full
     return linear + (counts["embedding"] + counts["lm_head"] + counts["other"]) * full

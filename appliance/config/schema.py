@@ -30,6 +30,7 @@ class QuantMethod(StrEnum):
     awq = "awq"
     gptq = "gptq"
     int8_wo = "int8_wo"
+    int4_wo = "int4_wo"
 
 
 class KVCacheDType(StrEnum):

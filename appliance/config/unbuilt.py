@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from appliance.config.schema import ApplianceConfig
 
-RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo")  # methods whose weight kernels run
+RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo", "int4_wo")  # methods whose weight kernels run
 
 
 def not_built(cfg: ApplianceConfig) -> list[str]:

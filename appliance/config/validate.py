@@ -16,6 +16,38 @@ FP8_HARDWARE = "h100, h200, b200 or mi300x"
 DEFAULTS = ApplianceConfig()
 
 
+INT4_GROUP_SIZES = (32, 64, 128)  # the native int4 kernels' groups along k
+
+
+def _weight_only_problems(cfg: ApplianceConfig) -> list[str]:
+    """int8_wo is per output channel at 8 bits; int4_wo is 4 bits in groups
+    that tile every projection's input."""
+    q, m = cfg.quantization, cfg.model
+    out = []
+    bits = {"int8_wo": 8.0, "int4_wo": 4.0}.get(q.method)
+    if bits is None:
+        return out
+    if q.weight_bits != bits:
+        out.append(f"quantization.weight_bits={q.weight_bits:g} does not match quantization.method={q.method}, which "
+                   f"stores {bits:g}-bit weights; set quantization.weight_bits={bits:g} (the option "
+                   f"quantization={q.method} sets both)")
+    if q.method == "int8_wo" and q.group_size != -1:
+        out.append(f"quantization.group_size={q.group_size}: int8_wo has one scale per output channel; "
+                   f"set quantization.group_size=-1 (or use quantization=int4_wo for groups)")
+    if q.method == "int4_wo":
+        if q.group_size not in INT4_GROUP_SIZES:
+            out.append(f"quantization.group_size={q.group_size} is not built for int4_wo; supported: "
+                       f"{list(INT4_GROUP_SIZES)}")
+        else:
+            inputs = {"hidden_size": m.hidden_size, "num_heads x head_dim": m.num_heads * m.head_dim,
+                      "intermediate_size": m.intermediate_size}
+            bad = [f"{name}={v}" for name, v in inputs.items() if v % q.group_size]
+            if bad:
+                out.append(f"quantization.group_size={q.group_size} does not divide the model's projection inputs "
+                           f"({', '.join(bad)}); use a group size that does, or quantization=int8_wo")
+    return out
+
+
 def validate(cfg: ApplianceConfig) -> list[str]:
     problems: list[str] = []
     m, hw, q, cache, s, par, spec = (
@@ -82,10 +114,11 @@ def validate(cfg: ApplianceConfig) -> list[str]:
             f"quantization=fp8 (W8A8) needs native fp8 and hardware={hw.name} has none; "
             f"use quantization=none, or a profile on {FP8_HARDWARE}"
         )
-    if q.method == "int8_wo" and hw.device_kind != "cpu":
+    if q.method in ("int8_wo", "int4_wo") and hw.device_kind != "cpu":
         problems.append(
-            f"quantization=int8_wo is the CPU weight-only path; on hardware={hw.name} use quantization=fp8, awq or gptq"
+            f"quantization={q.method} is a CPU weight-only path; on hardware={hw.name} use quantization=fp8, awq or gptq"
         )
+    problems += _weight_only_problems(cfg)
     kv = cache.kv_cache_dtype
     if kv.startswith("fp8") and not hw.fp8:
         problems.append(

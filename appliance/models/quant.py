@@ -1,8 +1,18 @@
-"""Weight-only int8 for CPU decoding (``quantization=int8_wo``).
+"""Weight-only int8 and int4 for CPU decoding (``quantization=int8_wo``,
+``quantization=int4_wo``).
 
-Each packed projection and the LM head keep int8 weights with one fp32
-scale per output channel (symmetric, round to nearest): a quarter of the
-fp32 bytes to stream per decode step. torch's packed kernel
+int8: each packed projection and the LM head keep int8 weights with one
+fp32 scale per output channel (symmetric, round to nearest): a quarter of
+the fp32 bytes to stream per decode step.
+
+int4: each packed projection keeps 4-bit weights w = d * q + m, q in 0..15,
+with an fp16 scale d and min m per output channel per group of
+``group_size`` inputs (asymmetric, round to nearest; llama.cpp's Q4_1 at
+group 32): 5 bits a weight at group 32. The LM head is int8 as above (it
+holds a fifth of a small model's weights and its logits feel 4-bit
+rounding most). The native CPU backend runs these weights as they are
+(``kernels/cpu_native.py``); elsewhere a layer dequantizes its weight per
+call, which is correct and slow. torch's packed kernel
 (``aten._weight_int8pack_mm``, bf16 activations) runs decode-sized GEMVs
 about 3x faster than fp32 on an AVX2 CPU but is 20x slower at 32 rows, so
 larger batches dequantize the weight and use the fp32 GEMM
@@ -14,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 import torch.nn.functional as F
+
+from appliance.config.validate import INT4_GROUP_SIZES
 
 INT8_KERNEL_MAX_ROWS = 4
 
@@ -44,19 +56,78 @@ class Int8WeightOnlyLinear(nn.Module):
         return F.linear(x, w, self.bias)
 
 
+def quantize_groups_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q uint8 [n, k] in 0..15, d fp16 [n, k / group], m fp16 [n, k / group])
+    with w ~= d * q + m per group: m is the group's minimum and d spans it to
+    the maximum in 15 steps, both rounded to fp16 before q is rounded
+    against them."""
+    n, k = w.shape
+    if group not in INT4_GROUP_SIZES or k % group:
+        raise ValueError(f"int4 groups of {group} do not tile k={k} (group sizes: {INT4_GROUP_SIZES}, dividing k)")
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    d, m = ((hi - lo) / 15).to(torch.float16), lo.to(torch.float16)
+    df, mf = d.float()[..., None], m.float()[..., None]
+    q = torch.where(df > 0, torch.round((g - mf) / torch.where(df > 0, df, 1.0)), 0.0).clamp(0, 15)
+    return q.to(torch.uint8).reshape(n, k), d, m
+
+
+def dequantize_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """fp32 d * q + m, the group's d and m repeated over its inputs."""
+    group = q.shape[1] // d.shape[1]
+    return q.float() * d.float().repeat_interleave(group, dim=1) + m.float().repeat_interleave(group, dim=1)
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """4-bit weights with fp16 group scales and mins, from a float weight
+    (quantized here) or from given (q, d, m) (a checkpoint's own blocks)."""
+
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, group: int = 32,
+                 blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        super().__init__()
+        q, d, m = blocks if blocks is not None else quantize_groups_int4(weight, group)
+        if q.dtype != torch.uint8 or d.dtype != torch.float16 or m.dtype != torch.float16 or d.shape != m.shape:
+            raise ValueError("int4 blocks are uint8 q with fp16 scales and mins of one shape")
+        self.register_buffer("weight_q4", q)
+        self.register_buffer("q4_scale", d)
+        self.register_buffer("q4_min", m)
+        self.group = q.shape[1] // d.shape[1]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.out_features, self.in_features = q.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = dequantize_int4(self.weight_q4, self.q4_scale, self.q4_min).to(x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-def quantize_int8_weight_only(model: nn.Module) -> nn.Module:
-    """Replace every decoder projection and the LM head in place."""
+def _replace_projections(model: nn.Module, make) -> None:
     for layer in model.model.layers:
         for path in PROJECTIONS:
             parent_name, name = path.split(".")
             parent = getattr(layer, parent_name)
             lin = getattr(parent, name)
-            setattr(parent, name, Int8WeightOnlyLinear(lin.weight.data, lin.bias.data if lin.bias is not None else None))
-    # Tied models keep the fp32 embedding for lookups; the LM head gets its own int8 copy.
+            setattr(parent, name, make(lin.weight.data, lin.bias.data if lin.bias is not None else None))
+
+
+def _int8_lm_head(model: nn.Module) -> None:
+    # Tied models keep the embedding for lookups; the LM head gets its own int8 copy.
     model.lm_head_q = Int8WeightOnlyLinear(model.lm_head_weight().data, None)
     if not model.arch.tie_word_embeddings:
         del model.lm_head
+
+
+def quantize_int8_weight_only(model: nn.Module) -> nn.Module:
+    """Replace every decoder projection and the LM head in place."""
+    _replace_projections(model, Int8WeightOnlyLinear)
+    _int8_lm_head(model)
+    return model
+
+
+def quantize_int4_weight_only(model: nn.Module, group: int = 32) -> nn.Module:
+    """Every decoder projection to int4 groups of ``group``, the LM head to int8, in place."""
+    _replace_projections(model, lambda w, b: Int4WeightOnlyLinear(w, b, group))
+    _int8_lm_head(model)
     return model

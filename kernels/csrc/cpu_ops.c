@@ -6,14 +6,15 @@
  * paged KV write, paged attention read in place from the block pool,
  * o_proj with the residual add fused, RMSNorm, packed gate|up GEMM, SiLU*up,
  * down with the residual add fused), the final norm on the sampled rows and
- * the LM head. Weights are fp32, bf16, or int8 with one fp32 scale per
- * output channel, packed in panels of 16 output channels
+ * the LM head. Weights are fp32, bf16, int8 with one fp32 scale per
+ * output channel, or 4-bit with an fp16 scale and min per group of k (see
+ * "int4 panels"), packed in panels of 16 output channels
  * (kernels/cpu_native.py packs them); the embedding table is fp32 or bf16.
  * Activations and accumulation are fp32 whatever the weights (except where
  * batched bf16 GEMMs run on AVX512-BF16, see below); the KV cache is fp32
  * or bf16.
  *
- * Built at first use by kernels/cpu_native.py (gcc -O3 -mavx2 -mfma
+ * Built at first use by kernels/cpu_native.py (gcc -O3 -mavx2 -mfma -mf16c
  * -fopenmp; the AVX512-BF16 functions by target attribute, chosen at run
  * time); OpenMP resolves to the libgomp torch has already loaded, so the
  * kernels share torch's thread count.
@@ -30,12 +31,15 @@
 #define WTYPE_F32 0
 #define WTYPE_I8 1
 #define WTYPE_BF16 2
+#define WTYPE_Q4 3
+#define Q4_ROWS_MAX 6 /* int4 GEMMs up to this many rows read the 4-bit panels directly */
 
 typedef struct {
-    const void *w;      /* [ceil(n / 16), k, 16] panels, fp32, int8 or bf16 (uint16) */
+    const void *w;      /* [ceil(n / 16), k, 16] panels, fp32, int8 or bf16 (uint16); int4: [ceil(n / 16), k / 2, 16] bytes */
     const float *scale; /* [n] per output channel (int8), else NULL */
     const float *bias;  /* [n] or NULL */
-    int32_t n, k, wtype, _pad;
+    const uint16_t *qparams; /* int4: [ceil(n / 16), k / group, 2, 16] fp16, each group's scales then mins; else NULL */
+    int32_t n, k, wtype, group; /* group: int4 weights per scale along k (even, divides k), else 0 */
 } Linear;
 
 typedef struct {
@@ -250,24 +254,193 @@ DISPATCH_PTILE(f32, float)
 DISPATCH_PTILE(i8, int8_t)
 DISPATCH_PTILE(bf16, uint16_t)
 
+/* ------------------------------------------------------------ int4 panels */
+/*
+ * 4-bit weights w = d * q + m (q in 0..15; d, m fp16, one pair per output
+ * channel per group of `group` k). A panel holds 16 channels as k pairs:
+ * byte c of pair j is channel c, its low nibble k = 2j and its high nibble
+ * k = 2j + 1; each group's 16 scales then 16 mins follow in qparams. This is
+ * llama.cpp's Q4_1 (and, with m = -8d, Q4_0) at 5 bits a weight.
+ *
+ * Up to Q4_ROWS_MAX rows read the 4-bit panels directly: the nibbles widen
+ * in registers, x * q sums per group, and the group's scale and min apply
+ * once: sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k, each row's
+ * group sums (xs) computed once per call. AVX2 runs one row over four
+ * panels, or up to four rows over one; AVX-512F, where the CPU has it, up
+ * to four rows over four panels (see "AVX-512 int4 rows"). More rows widen
+ * each panel once, to fp32 (exactly d * q + m) for the fp32 tiles or to bf16
+ * pairs for the AVX512-BF16 tiles.
+ */
+static inline __m256 load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* 16 bytes of a pair row: channels 0-7 and 8-15 of k = 2j (lo) and k = 2j + 1 (hi), as floats. */
+static inline __attribute__((always_inline)) void q4_unpack(const uint8_t *p, __m256 *lo0, __m256 *lo1, __m256 *hi0,
+                                                            __m256 *hi1) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    *lo0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    *lo1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
+    *hi0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    *hi1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
+}
+
+/* x's sum over each group of k */
+static void q4_group_sums(const float *x, int64_t k, int group, float *xs) {
+    for (int64_t g = 0; g < k / group; g++) {
+        __m256 s = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= group; i += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(x + g * group + i));
+        float t = hsum8(s);
+        for (; i < group; i++) t += x[g * group + i];
+        xs[g] = t;
+    }
+}
+
+/* One row by up to four int4 panels starting at panel pn. */
+static void pgemv4_q4(const Linear *L, const float *x, const float *xs, int64_t pn, int np, float c[4 * PW]) {
+    const int64_t k = L->k, pstride = k * PW / 2, groups = k / L->group, qstride = groups * 2 * PW;
+    const int pairs = L->group / 2;
+    const uint8_t *p = (const uint8_t *)L->w + pn * pstride;
+    const uint16_t *qp = L->qparams + pn * qstride;
+    const char *next = (const char *)(p + 4 * pstride); /* the next four panels, streamed in alongside */
+    for (int j = 0; j < 4 * PW; j++) c[j] = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+        const float *xg = x + g * L->group;
+        const uint8_t *pg = p + g * pairs * PW;
+        if (np == 4) {
+            for (int j = 0; j < pairs; j++) {
+                _mm_prefetch(next + (g * pairs + j) * 4 * PW, _MM_HINT_T0); /* 64 bytes: as much as a pair of four panels */
+                const __m256 x0 = _mm256_broadcast_ss(xg + 2 * j), x1 = _mm256_broadcast_ss(xg + 2 * j + 1);
+                for (int q = 0; q < 4; q++) {
+                    __m256 l0, l1, h0, h1;
+                    q4_unpack(pg + q * pstride + j * PW, &l0, &l1, &h0, &h1);
+                    a[2 * q] = _mm256_fmadd_ps(x1, h0, _mm256_fmadd_ps(x0, l0, a[2 * q]));
+                    a[2 * q + 1] = _mm256_fmadd_ps(x1, h1, _mm256_fmadd_ps(x0, l1, a[2 * q + 1]));
+                }
+            }
+        } else {
+            for (int j = 0; j < pairs; j++) {
+                const __m256 x0 = _mm256_broadcast_ss(xg + 2 * j), x1 = _mm256_broadcast_ss(xg + 2 * j + 1);
+                for (int q = 0; q < np; q++) {
+                    __m256 l0, l1, h0, h1;
+                    q4_unpack(pg + q * pstride + j * PW, &l0, &l1, &h0, &h1);
+                    a[2 * q] = _mm256_fmadd_ps(x1, h0, _mm256_fmadd_ps(x0, l0, a[2 * q]));
+                    a[2 * q + 1] = _mm256_fmadd_ps(x1, h1, _mm256_fmadd_ps(x0, l1, a[2 * q + 1]));
+                }
+            }
+        }
+        const __m256 s = _mm256_set1_ps(xs[g]);
+        for (int q = 0; q < np; q++) {
+            const uint16_t *dm = qp + q * qstride + g * 2 * PW;
+            for (int h = 0; h < 2; h++) {
+                float *o = c + q * PW + 8 * h;
+                const __m256 base = _mm256_fmadd_ps(load_f16(dm + PW + 8 * h), s, _mm256_loadu_ps(o));
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(load_f16(dm + 8 * h), a[2 * q + h], base));
+            }
+        }
+    }
+}
+
+/* R rows (1-4) by one int4 panel: each pair row widened once for all R. c: [R][PW]. */
+static inline __attribute__((always_inline)) void q4_rows_avx2_tile(const Linear *L, const float *x, int64_t ldx,
+                                                                    const float *xs, int64_t pn, const int R,
+                                                                    float *c) {
+    const int64_t k = L->k, groups = k / L->group;
+    const int pairs = L->group / 2;
+    const uint8_t *p = (const uint8_t *)L->w + pn * (k * PW / 2);
+    const uint16_t *qp = L->qparams + pn * groups * 2 * PW;
+    __m256 o[4][2];
+    for (int r = 0; r < R; r++) o[r][0] = o[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 a[4][2];
+        for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+        const float *xg = x + g * L->group;
+        for (int j = 0; j < pairs; j++) {
+            __m256 l0, l1, h0, h1;
+            q4_unpack(p + (g * pairs + j) * PW, &l0, &l1, &h0, &h1);
+            for (int r = 0; r < R; r++) {
+                const __m256 x0 = _mm256_broadcast_ss(xg + r * ldx + 2 * j);
+                const __m256 x1 = _mm256_broadcast_ss(xg + r * ldx + 2 * j + 1);
+                a[r][0] = _mm256_fmadd_ps(x1, h0, _mm256_fmadd_ps(x0, l0, a[r][0]));
+                a[r][1] = _mm256_fmadd_ps(x1, h1, _mm256_fmadd_ps(x0, l1, a[r][1]));
+            }
+        }
+        const uint16_t *dm = qp + g * 2 * PW;
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = load_f16(dm + 8 * h), m = load_f16(dm + PW + 8 * h);
+            for (int r = 0; r < R; r++)
+                o[r][h] = _mm256_fmadd_ps(d, a[r][h], _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * groups + g]), o[r][h]));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(c + r * PW, o[r][0]);
+        _mm256_storeu_ps(c + r * PW + 8, o[r][1]);
+    }
+}
+
+/* Rows [0, m) (m <= Q4_ROWS_MAX) against int4 panels [p0, p1) on AVX2, up to four rows a pass. */
+static void q4_rows_avx2(const Linear *L, const float *x, int64_t ldx, const float *xs, float *out, int64_t ldo,
+                         int64_t m, int64_t p0, int64_t p1, int accumulate) {
+    const int64_t n = L->n, groups = L->k / L->group;
+    float c[4 * PW];
+    for (int64_t pn = p0; pn < p1; pn++) {
+        const int64_t n0 = pn * PW;
+        const int nv = (int)(n - n0 < PW ? n - n0 : PW);
+        for (int64_t r0 = 0, R; r0 < m; r0 += R) {
+            R = m <= 4 ? m : (m + 1) / 2 < m - r0 ? (m + 1) / 2 : m - r0; /* 5 rows: 3 + 2, 6: 3 + 3 */
+            const float *xr = x + r0 * ldx, *sr = xs + r0 * groups;
+            if (R == 4) q4_rows_avx2_tile(L, xr, ldx, sr, pn, 4, c);
+            else if (R == 3) q4_rows_avx2_tile(L, xr, ldx, sr, pn, 3, c);
+            else if (R == 2) q4_rows_avx2_tile(L, xr, ldx, sr, pn, 2, c);
+            else q4_rows_avx2_tile(L, xr, ldx, sr, pn, 1, c);
+            for (int r = 0; r < (int)R; r++) store_out(L, out + (r0 + r) * ldo + n0, n0, c + r * PW, nv, accumulate);
+        }
+    }
+}
+
+/* Panel pn widened to fp32 ([k][PW], exactly d * q + m). */
+static void q4_widen(const Linear *L, int64_t pn, float *wf) {
+    const int64_t k = L->k, pstride = k * PW / 2, groups = k / L->group;
+    const int pairs = L->group / 2;
+    const uint8_t *p = (const uint8_t *)L->w + pn * pstride;
+    const uint16_t *qp = L->qparams + pn * groups * 2 * PW;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint16_t *dm = qp + g * 2 * PW;
+        const __m256 d0 = load_f16(dm), d1 = load_f16(dm + 8), m0 = load_f16(dm + PW), m1 = load_f16(dm + PW + 8);
+        for (int j = 0; j < pairs; j++) {
+            const int64_t kk = g * L->group + 2 * j;
+            __m256 l0, l1, h0, h1;
+            q4_unpack(p + (kk / 2) * PW, &l0, &l1, &h0, &h1);
+            _mm256_storeu_ps(wf + kk * PW, _mm256_fmadd_ps(d0, l0, m0));
+            _mm256_storeu_ps(wf + kk * PW + 8, _mm256_fmadd_ps(d1, l1, m1));
+            _mm256_storeu_ps(wf + (kk + 1) * PW, _mm256_fmadd_ps(d0, h0, m0));
+            _mm256_storeu_ps(wf + (kk + 1) * PW + 8, _mm256_fmadd_ps(d1, h1, m1));
+        }
+    }
+}
+
 /* Rows [m0, m1) against panels [p0, p1). wbuf (PW * k floats): with more
  * than one row tile, an int8 or bf16 panel is widened into it once and every
- * tile runs the fp32 kernel against it. */
+ * tile runs the fp32 kernel against it; an int4 panel always is. */
 static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m0,
                         int64_t m1, int64_t p0, int64_t p1, int accumulate, float *wbuf) {
     const int64_t k = L->k, n = L->n, pstride = k * PW;
-    const int widen = L->wtype != WTYPE_F32 && m1 - m0 > 6;
+    const int widen = L->wtype == WTYPE_Q4 || (L->wtype != WTYPE_F32 && m1 - m0 > 6);
     const int np = m1 - m0 <= 2 && !widen ? 2 : 1;
     float c[6][2 * PW];
     for (int64_t pn = p0; pn < p1; pn += np) {
         const int64_t n0 = pn * PW;
         const int npu = (int)(p1 - pn < np ? p1 - pn : np);
         const int nv = (int)(n - n0 < npu * PW ? n - n0 : npu * PW);
-        const int8_t *pq = (const int8_t *)L->w + pn * pstride;
-        const uint16_t *pb = (const uint16_t *)L->w + pn * pstride;
-        const float *pf = (const float *)L->w + pn * pstride;
+        const int8_t *pq = L->wtype == WTYPE_I8 ? (const int8_t *)L->w + pn * pstride : NULL;
+        const uint16_t *pb = L->wtype == WTYPE_BF16 ? (const uint16_t *)L->w + pn * pstride : NULL;
+        const float *pf = L->wtype == WTYPE_F32 ? (const float *)L->w + pn * pstride : NULL;
         if (widen) {
-            if (L->wtype == WTYPE_I8)
+            if (L->wtype == WTYPE_Q4)
+                q4_widen(L, pn, wbuf);
+            else if (L->wtype == WTYPE_I8)
                 for (int64_t i = 0; i < pstride; i += 8) _mm256_storeu_ps(wbuf + i, load_w_i8(pq + i));
             else
                 for (int64_t i = 0; i < pstride; i += 8) _mm256_storeu_ps(wbuf + i, load_bf16(pb + i));
@@ -305,25 +478,35 @@ static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out
 #define DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define DR 12 /* rows per vdpbf16ps tile: 12 zmm accumulators */
 
-static int g_has_bf16_dot, g_bf16_dot;
+static int g_has_avx512, g_avx512, g_has_bf16_dot, g_bf16_dot;
 
-/* AVX512F, AVX512BW and AVX512-BF16 in CPUID, and the OS saving zmm and mask state (XCR0). */
-static int cpu_has_bf16_dot(void) {
+/* AVX512F and AVX512BW in CPUID with the OS saving zmm and mask state (XCR0): 1; with AVX512-BF16 too: 2. */
+static int cpu_avx512_level(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(1, 0, &a, &b, &c, &d) || !(c & (1u << 27))) return 0; /* OSXSAVE */
     unsigned xlo, xhi;
     __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
     if ((xlo & 0xe6) != 0xe6) return 0; /* SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM */
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & (1u << 16)) || !(b & (1u << 30))) return 0;
-    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5)) ? 2 : 1;
 }
 
-static void __attribute__((constructor)) probe_bf16_dot(void) { g_has_bf16_dot = g_bf16_dot = cpu_has_bf16_dot(); }
+static void __attribute__((constructor)) probe_avx512(void) {
+    const int level = cpu_avx512_level();
+    g_has_avx512 = g_avx512 = level >= 1;
+    g_has_bf16_dot = g_bf16_dot = level >= 2;
+}
 
 /* The vdpbf16ps path: set < 0 asks, 0 turns it off, 1 on (where the CPU has it). Returns the state. */
 int appl_bf16_dot(int set) {
     if (set >= 0) g_bf16_dot = set && g_has_bf16_dot;
     return g_bf16_dot;
+}
+
+/* The AVX-512F int4 GEMV (see "AVX-512 int4 rows"), the same way. */
+int appl_avx512(int set) {
+    if (set >= 0) g_avx512 = set && g_has_avx512;
+    return g_avx512;
 }
 
 /* One row to bf16, zero-padded to kp (k rounded up to even, vdpbf16ps takes k in pairs). */
@@ -357,10 +540,21 @@ DOT_TARGET static inline __attribute__((always_inline)) void dtile(const uint16_
 
 #define DTILE_CASE(R) case R: dtile(xr, kp, pbuf, R, c); break;
 
-/* Rows [m0, m1) of xb (bf16, row stride kp) against bf16 panels [p0, p1); pbuf
- * (PW * kp bf16) takes each panel re-laid as k pairs, once for all row tiles. */
+/* An int4 panel widened to fp32 ([k][PW], k even), rounded to bf16 (nearest even) in k pairs as dtile reads them. */
+DOT_TARGET static void q4_pairs(const Linear *L, int64_t pn, float *wf, uint16_t *pbuf, __m512i pairs) {
+    q4_widen(L, pn, wf);
+    for (int64_t j = 0; j < L->k / 2; j++) {
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(wf + (2 * j + 1) * PW), _mm512_loadu_ps(wf + 2 * j * PW));
+        _mm512_storeu_si512(pbuf + j * 2 * PW, _mm512_permutexvar_epi16(pairs, (__m512i)v));
+    }
+}
+
+/* Rows [m0, m1) of xb (bf16, row stride kp) against bf16 (or int4) panels [p0, p1); pbuf
+ * (PW * kp bf16) takes each panel re-laid as k pairs, once for all row tiles; wf (PW * k
+ * floats) an int4 panel widened on the way. */
 DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int64_t kp, float *out, int64_t ldo,
-                                       int64_t m0, int64_t m1, int64_t p0, int64_t p1, int accumulate, uint16_t *pbuf) {
+                                       int64_t m0, int64_t m1, int64_t p0, int64_t p1, int accumulate, uint16_t *pbuf,
+                                       float *wf) {
     const int64_t k = L->k, n = L->n, pstride = k * PW;
     /* [k even | k odd] x 16 channels -> channel-major pairs */
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
@@ -369,10 +563,14 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
     for (int64_t pn = p0; pn < p1; pn++) {
         const int64_t n0 = pn * PW;
         const int nv = (int)(n - n0 < PW ? n - n0 : PW);
-        const uint16_t *pb = (const uint16_t *)L->w + pn * pstride;
-        for (int64_t j = 0; j < kp / 2; j++) {
-            const __mmask32 rows = 2 * j + 1 < k ? 0xffffffffu : 0xffffu; /* an odd k pairs its last row with zeros */
-            _mm512_storeu_si512(pbuf + j * 2 * PW, _mm512_permutexvar_epi16(pairs, _mm512_maskz_loadu_epi16(rows, pb + j * 2 * PW)));
+        if (L->wtype == WTYPE_Q4) {
+            q4_pairs(L, pn, wf, pbuf, pairs);
+        } else {
+            const uint16_t *pb = (const uint16_t *)L->w + pn * pstride;
+            for (int64_t j = 0; j < kp / 2; j++) {
+                const __mmask32 rows = 2 * j + 1 < k ? 0xffffffffu : 0xffffu; /* an odd k pairs its last row with zeros */
+                _mm512_storeu_si512(pbuf + j * 2 * PW, _mm512_permutexvar_epi16(pairs, _mm512_maskz_loadu_epi16(rows, pb + j * 2 * PW)));
+            }
         }
         for (int64_t m = m0, mr; m < m1; m += mr) {
             const int64_t left = m1 - m; /* twelve-row tiles; a short remainder shares the last 24 rows evenly */
@@ -387,15 +585,109 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
     }
 }
 
-/* One row: groups of four panels. */
-static void packed_gemv(const Linear *L, const float *x, float *out, int64_t p0, int64_t p1, int accumulate) {
+/* ------------------------------------------------------ AVX-512 int4 rows */
+/*
+ * Up to four rows by four int4 panels in zmm registers: a pair row's 16
+ * bytes widen to 16 int32 lanes at once (low nibble: k = 2j, the byte shifted
+ * right by four: k = 2j + 1), so a pair of 16 channels costs one widen, two
+ * converts and two FMAs per row, and each widened panel feeds every row.
+ * One row keeps the two k of a pair in separate accumulators (eight chains).
+ * Sums are fp32 as on the AVX2 path; only their order differs. Decode
+ * batches of up to Q4_ROWS_MAX rows run here, four rows a pass.
+ */
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw")))
+
+AVX512_TARGET static inline __attribute__((always_inline)) void q4_rows512(const Linear *L, const float *x,
+                                                                            int64_t ldx, const float *xs, int64_t pn,
+                                                                            const int np, const int R, float *c) {
+    const int64_t k = L->k, pstride = k * PW / 2, groups = k / L->group, qstride = groups * 2 * PW;
+    const int pairs = L->group / 2, split = R <= 2;
+    const uint8_t *p = (const uint8_t *)L->w + pn * pstride;
+    const uint16_t *qp = L->qparams + pn * qstride;
+    const char *next = (const char *)(p + 4 * pstride);
+    const __m512i mask = _mm512_set1_epi32(0x0f);
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < np; q++) _mm512_storeu_ps(c + r * 4 * PW + q * PW, _mm512_setzero_ps());
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 a[4][4], h[4][4];
+        for (int r = 0; r < R; r++)
+            for (int q = 0; q < np; q++) a[r][q] = h[r][q] = _mm512_setzero_ps();
+        const uint8_t *pg = p + g * pairs * PW;
+        const float *xg = x + g * L->group;
+        for (int j = 0; j < pairs; j++) {
+            if (np == 4) _mm_prefetch(next + (g * pairs + j) * 4 * PW, _MM_HINT_T0);
+            __m512 wl[4], wh[4];
+            for (int q = 0; q < np; q++) {
+                const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pg + q * pstride + j * PW)));
+                wl[q] = _mm512_cvtepi32_ps(_mm512_and_si512(w, mask));
+                wh[q] = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+            }
+            for (int r = 0; r < R; r++) {
+                const __m512 x0 = _mm512_set1_ps(xg[r * ldx + 2 * j]), x1 = _mm512_set1_ps(xg[r * ldx + 2 * j + 1]);
+                for (int q = 0; q < np; q++) {
+                    if (split) {
+                        a[r][q] = _mm512_fmadd_ps(x0, wl[q], a[r][q]);
+                        h[r][q] = _mm512_fmadd_ps(x1, wh[q], h[r][q]);
+                    } else {
+                        a[r][q] = _mm512_fmadd_ps(x1, wh[q], _mm512_fmadd_ps(x0, wl[q], a[r][q]));
+                    }
+                }
+            }
+        }
+        for (int q = 0; q < np; q++) {
+            const uint16_t *dm = qp + q * qstride + g * 2 * PW;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dm));
+            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dm + PW)));
+            for (int r = 0; r < R; r++) {
+                float *o = c + r * 4 * PW + q * PW;
+                const __m512 sum = split ? _mm512_add_ps(a[r][q], h[r][q]) : a[r][q];
+                const __m512 base = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * groups + g]), _mm512_loadu_ps(o));
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(d, sum, base));
+            }
+        }
+    }
+}
+
+#define Q4_ROWS_CASE(R)                                                                        \
+    case R:                                                                                    \
+        if (np == 4)                                                                           \
+            q4_rows512(L, xr, ldx, sr, pn, 4, R, c);                                           \
+        else /* the last panels, one at a time, each at its column of c */                    \
+            for (int q = 0; q < np; q++) q4_rows512(L, xr, ldx, sr, pn + q, 1, R, c + q * PW); \
+        break;
+
+/* Rows [0, m) (m <= Q4_ROWS_MAX) against int4 panels [p0, p1); xs: each row's group sums. */
+AVX512_TARGET static void q4_rows(const Linear *L, const float *x, int64_t ldx, const float *xs, float *out,
+                                  int64_t ldo, int64_t m, int64_t p0, int64_t p1, int accumulate) {
+    const int64_t n = L->n, groups = L->k / L->group;
+    float c[4 * 4 * PW]; /* [R][4 PW] */
+    for (int64_t pn = p0; pn < p1; pn += 4) {
+        const int64_t n0 = pn * PW;
+        const int np = (int)(p1 - pn < 4 ? p1 - pn : 4);
+        const int nv = (int)(n - n0 < np * PW ? n - n0 : np * PW);
+        for (int64_t r0 = 0, R; r0 < m; r0 += R) {
+            R = m <= 4 ? m : (m + 1) / 2 < m - r0 ? (m + 1) / 2 : m - r0; /* 5 rows: 3 + 2, 6: 3 + 3 */
+            const float *xr = x + r0 * ldx, *sr = xs + r0 * groups;
+            switch (R) {
+                Q4_ROWS_CASE(4) Q4_ROWS_CASE(3) Q4_ROWS_CASE(2) Q4_ROWS_CASE(1)
+            }
+            for (int r = 0; r < (int)R; r++) store_out(L, out + (r0 + r) * ldo + n0, n0, c + r * 4 * PW, nv, accumulate);
+        }
+    }
+}
+
+/* One row: groups of four panels. xs: the row's group sums (int4 weights). */
+static void packed_gemv(const Linear *L, const float *x, const float *xs, float *out, int64_t p0, int64_t p1,
+                        int accumulate) {
     const int64_t k = L->k, n = L->n, pstride = k * PW;
     float c[4 * PW];
     for (int64_t pn = p0; pn < p1; pn += 4) {
         const int64_t n0 = pn * PW;
         const int np = (int)(p1 - pn < 4 ? p1 - pn : 4);
         const int nv = (int)(n - n0 < np * PW ? n - n0 : np * PW);
-        if (L->wtype == WTYPE_I8)
+        if (L->wtype == WTYPE_Q4)
+            pgemv4_q4(L, x, xs, pn, np, c);
+        else if (L->wtype == WTYPE_I8)
             pgemv4_i8(x, (const int8_t *)L->w + pn * pstride, pstride, k, np, c);
         else if (L->wtype == WTYPE_BF16)
             pgemv4_bf16(x, (const uint16_t *)L->w + pn * pstride, pstride, k, np, c);
@@ -412,27 +704,42 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
     const int64_t panels = (L->n + PW - 1) / PW, kp = L->k + (L->k & 1);
     int64_t mc = (192 * 1024 / 4) / (L->k > 0 ? L->k : 1);
     mc = mc < 6 ? 6 : (mc / 6) * 6;
-    const int dot = L->wtype == WTYPE_BF16 && m > 6 && g_bf16_dot;
+    const int q4 = L->wtype == WTYPE_Q4;
+    const int dot = (L->wtype == WTYPE_BF16 || q4) && m > 6 && g_bf16_dot;
     uint16_t *xb = dot ? (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(m * kp)) : NULL; /* the rows in bf16 */
+    const int q4_rows_here = q4 && m <= Q4_ROWS_MAX; /* else more rows: widened panels */
+    float *xs = NULL; /* the rows' group sums */
+    if (q4_rows_here) {
+        const int64_t groups = L->k / L->group;
+        xs = (float *)malloc(sizeof(float) * (size_t)(m * groups));
+        for (int64_t r = 0; r < m; r++) q4_group_sums(x + r * ldx, L->k, L->group, xs + r * groups);
+    }
 #pragma omp parallel
     {
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t per = (panels + nt - 1) / nt;
         const int64_t p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
-        if (m == 1) {
-            if (p0 < p1) packed_gemv(L, x, out, p0, p1, accumulate);
+        if (q4_rows_here && g_avx512) {
+            if (p0 < p1) q4_rows(L, x, ldx, xs, out, ldo, m, p0, p1, accumulate);
+        } else if (q4_rows_here && m > 1) {
+            if (p0 < p1) q4_rows_avx2(L, x, ldx, xs, out, ldo, m, p0, p1, accumulate);
+        } else if (m == 1) {
+            if (p0 < p1) packed_gemv(L, x, xs, out, p0, p1, accumulate);
         } else {
             if (dot) {
 #pragma omp for schedule(static)
                 for (int64_t r = 0; r < m; r++) row_to_bf16(x + r * ldx, xb + r * kp, L->k, kp);
             }
-            /* a widened panel (PW * k floats), or a re-laid bf16 one (PW * kp halves) */
-            float *wbuf = L->wtype != WTYPE_F32 && m > 6 ? (float *)malloc(sizeof(float) * PW * (size_t)kp) : NULL;
+            /* a widened panel (PW * k floats), or a re-laid bf16 one (PW * kp halves); an int4 one
+             * on the vdpbf16ps path takes both */
+            const int widen = q4 || (L->wtype != WTYPE_F32 && m > 6);
+            float *wbuf = widen ? (float *)malloc(sizeof(float) * PW * (size_t)kp * (q4 && dot ? 2 : 1)) : NULL;
             for (int64_t m0 = 0; m0 < m; m0 += mc) {
                 const int64_t m1 = m0 + mc < m ? m0 + mc : m;
                 if (p0 >= p1) continue;
                 if (dot) /* every row of the call, so all are rounded alike */
-                    packed_rows_dot(L, xb, kp, out, ldo, m0, m1, p0, p1, accumulate, (uint16_t *)wbuf);
+                    packed_rows_dot(L, xb, kp, out, ldo, m0, m1, p0, p1, accumulate, (uint16_t *)wbuf,
+                                    q4 ? wbuf + PW * kp : NULL);
                 else
                     packed_rows(L, x, ldx, out, ldo, m0, m1, p0, p1, accumulate, wbuf);
             }
@@ -440,6 +747,7 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
         }
     }
     free(xb);
+    free(xs);
 }
 
 /* ----------------------------------------------------------- elementwise */

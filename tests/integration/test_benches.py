@@ -35,7 +35,8 @@ def test_machine(out):
 
     variants = m["kernel_variants"]  # chosen from CPUID on this machine, whichever it is
     assert variants["cpu_native"] == "available"
-    assert variants["bf16 GEMMs over 6 rows"].startswith("avx512_bf16" if cpu_native.bf16_dot() else "avx2+fma")
+    assert variants["bf16 and int4 GEMMs over 6 rows"].startswith("avx512_bf16" if cpu_native.bf16_dot() else "avx2+fma")
+    assert variants["int4 GEMV and GEMMs of 2-6 rows"].startswith("avx512f" if cpu_native.avx512() else "avx2+fma")
 
 
 def test_throughput_with_hf_baseline(out, cli):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from appliance import LLM, SamplingParams
+from appliance.models.quant import PROJECTIONS, dequantize_int4
 from tests.model_helpers import PROMPTS, check_logprobs_close, greedy_top_logprobs, hf_greedy, hf_greedy_top_logprobs
 
 BASE = ["+profile=cpu", "model.dtype=float32", "cache.kv_cache_memory_gib=0.25", "model.max_model_len=2048"]
@@ -58,11 +59,12 @@ def test_generate_cli_answers_paris(cli):
     assert "Paris" in r.stdout
 
 
-@pytest.mark.parametrize("variant", [["quantization=int8_wo"], ["quantization=int8_wo", "cache.kv_cache_dtype=bfloat16"]],
-                         ids=["int8_wo", "int8_wo+bf16_kv (the cpu_int8 profile)"])
-def test_int8_weight_only_keeps_next_token_log_likelihoods(variant):
+@pytest.mark.parametrize("variant", [["quantization=int8_wo"], ["quantization=int8_wo", "cache.kv_cache_dtype=bfloat16"],
+                                     ["quantization=int4_wo", "cache.kv_cache_dtype=bfloat16"]],
+                         ids=["int8_wo", "int8_wo+bf16_kv (the cpu_int8 profile)", "int4_wo+bf16_kv (cpu_int4)"])
+def test_weight_only_keeps_next_token_log_likelihoods(variant):
     """Parity of quantization=int8_wo (and with a bf16 KV cache, as the
-    cpu_int8 profile runs) against the fp32 model: next-token
+    cpu_int8 profile runs) and int4_wo against the fp32 model: next-token
     log-probabilities of the top candidates after each of 8 prompts."""
     ref = LLM(overrides=BASE)
     q = LLM(overrides=BASE + variant)
@@ -78,3 +80,16 @@ def test_int8_weight_only_keeps_next_token_log_likelihoods(variant):
     assert sum(diffs) / len(diffs) < 0.15  # mean |delta log p| in nats over the shared top candidates
     assert "Paris" in q.chat([{"role": "user", "content": "What is the capital of France?"}],
                              SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text
+
+
+def test_int4_wo_holds_the_q4_1_checkpoint_bit_for_bit():
+    """The default model is a Q4_1 GGUF (groups of 32 with scale and min):
+    int4_wo's quantizer finds that grid again, so its 4-bit weights are the
+    checkpoint's own, dequantized to exactly the fp32 model's values."""
+    ref = LLM(overrides=BASE).engine.runner.model
+    q = LLM(overrides=BASE + ["quantization=int4_wo"]).engine.runner.model  # packed at its first step, not yet
+    for ref_layer, q_layer in zip(ref.model.layers, q.model.layers):
+        for path in PROJECTIONS:
+            mod = q_layer.get_submodule(path)
+            w = dequantize_int4(mod.weight_q4, mod.q4_scale, mod.q4_min)
+            assert torch.equal(w, ref_layer.get_submodule(path).weight.data), path

@@ -12,6 +12,7 @@ from tests.kernel_helpers import fake_packages
 EXPECTED = {
     "cpu": ("cpu_native", []),
     "cpu_int8": ("cpu_native", []),
+    "cpu_int4": ("cpu_native", []),
     "h100_bf16": ("flash_attn3", []),
     "h100_fp8": ("flash_attn3", []),
     "h200_fp8": ("flash_attn3", []),
@@ -22,6 +23,7 @@ EXPECTED = {
 DEVICES = {
     "cpu": DeviceDescription("cpu"),
     "cpu_int8": DeviceDescription("cpu"),
+    "cpu_int4": DeviceDescription("cpu"),
     "h100_bf16": DeviceDescription("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 79.6, 8),
     "h100_fp8": DeviceDescription("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 79.6, 8),
     "h200_fp8": DeviceDescription("cuda", "NVIDIA H200", (9, 0), 139.8, 8),

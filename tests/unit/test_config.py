@@ -9,14 +9,14 @@ from appliance.config.detect import DeviceDescription, pick_profile
 from appliance.config.plan import GIB, make_plan, parameter_counts
 from appliance.config.validate import validate
 
-PROFILES = ["b200_fp8", "cpu", "cpu_int8", "h100_bf16", "h100_fp8", "h200_fp8", "mi300x_bf16"]
+PROFILES = ["b200_fp8", "cpu", "cpu_int4", "cpu_int8", "h100_bf16", "h100_fp8", "h200_fp8", "mi300x_bf16"]
 MODELS = ["llama3_1_8b", "mistral_7b", "qwen2_5_0_5b", "qwen3_8b", "smollm2_135m", "tiny_random"]
 
 
 def test_catalog_is_complete():
     assert list_profiles() == PROFILES
     assert list_options("model") == MODELS
-    assert list_options("quantization") == ["awq", "fp8", "gguf", "gptq", "int8_wo", "none"]
+    assert list_options("quantization") == ["awq", "fp8", "gguf", "gptq", "int4_wo", "int8_wo", "none"]
     assert list_options("parallel") == ["dp8_ep", "single", "tp2", "tp8", "tp8_pp2"]
     assert list_options("scheduler") == ["default", "latency", "throughput"]
     assert list_options("hardware") == ["b200", "cpu", "h100", "h200", "mi300x"]
@@ -110,7 +110,17 @@ def _problems(*overrides):
         (["+profile=cpu", "attention.backend=magic"], "attention.backend=magic is unknown"),
         (["+profile=cpu", "cache.memory_utilization=1.5"], "cache.memory_utilization=1.5 must be in (0, 1]"),
         (["+profile=cpu", "cache.swap_space_gib=-1"], "cache.swap_space_gib=-1.0 must not be negative"),
-        (["+profile=h100_bf16", "quantization=int8_wo"], "quantization=int8_wo is the CPU weight-only path"),
+        (["+profile=h100_bf16", "quantization=int8_wo"], "quantization=int8_wo is a CPU weight-only path"),
+        (["+profile=h100_bf16", "quantization=int4_wo"], "quantization=int4_wo is a CPU weight-only path"),
+        (["+profile=cpu_int4", "quantization.group_size=48"],
+         "quantization.group_size=48 is not built for int4_wo; supported: [32, 64, 128]"),
+        (["+profile=cpu_int4", "quantization.group_size=128"],
+         "quantization.group_size=128 does not divide the model's projection inputs (hidden_size=576, "
+         "num_heads x head_dim=576)"),
+        (["+profile=cpu_int4", "quantization.weight_bits=3"],
+         "quantization.weight_bits=3 does not match quantization.method=int4_wo, which stores 4-bit weights"),
+        (["+profile=cpu_int8", "quantization.group_size=32"],
+         "quantization.group_size=32: int8_wo has one scale per output channel"),
     ],
 )
 def test_cross_field_rules(overrides, expected):
@@ -254,3 +264,14 @@ def test_int8_wo_plan_bytes():
     scales = 4 * 30 * (576 + 2 * 192 + 576 + 2 * 1536)
     assert q.weight_bytes_total == counts["linear"] + scales + 49152 * (576 + 4) + (counts["embedding"] + counts["other"]) * 4
     assert q.weight_bytes_total < fp32.weight_bytes_total / 2
+
+
+def test_int4_wo_plan_bytes():
+    """4 bits a weight plus an fp16 scale and min per group; the LM head int8 as with int8_wo."""
+    int8 = make_plan(resolve(["+profile=cpu_int8"]).cfg)
+    counts = parameter_counts(resolve(["+profile=cpu"]).cfg.model)
+    for group in (32, 64):
+        q = make_plan(resolve(["+profile=cpu_int4", f"quantization.group_size={group}"]).cfg)
+        linear = counts["linear"] * (4 + 32 / group) / 8
+        assert q.weight_bytes_total == int(linear) + 49152 * (576 + 4) + (counts["embedding"] + counts["other"]) * 4
+        assert q.weight_bytes_total < int8.weight_bytes_total

@@ -1,6 +1,6 @@
 """The native CPU kernels (kernels/csrc/cpu_ops.c) against torch references:
-GEMMs over every tile remainder (fp32, bf16 and int8 weights, and the
-AVX512-BF16 path where the CPU has it), paged attention on ragged mixed
+GEMMs over every tile remainder (fp32, bf16, int8 and int4 weights, and the
+AVX-512F and AVX512-BF16 paths where the CPU has them), paged attention on ragged mixed
 batches, whole-model generation token for token against the torch_sdpa path
 (bf16 models against fp32 runs of the same bf16-rounded weights), and a
 clear refusal when the library cannot be built."""
@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from appliance import LLM, SamplingParams
-from appliance.kernels.cpu_native import CpuNativeBackend, NativeLinear, bf16_dot
+from appliance.kernels.cpu_native import CpuNativeBackend, NativeLinear, avx512, bf16_dot, pack_q4_panels
 from appliance.kernels.registry import Selection
-from appliance.models.quant import Int8WeightOnlyLinear, quantize_int8_weight_only
+from appliance.models.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4, quantize_int8_weight_only
 from tests.kernel_helpers import make_problem, reference
 from tests.model_helpers import PROMPTS, TINY_VARIANTS
 
@@ -27,15 +27,33 @@ needs_bf16_dot = pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU lacks AVX
                                                               "bf16 GEMMs widen the weights to fp32 here")
 
 
+HAS_AVX512 = avx512()
+needs_avx512 = pytest.mark.skipif(not HAS_AVX512, reason="this CPU lacks AVX512F/BW: int4 GEMMs of one to six rows "
+                                                          "run the AVX2 GEMV or widen to fp32 here")
+
+
 @contextlib.contextmanager
-def _bf16_dot(enabled):
-    """Pin the batched bf16 GEMM path (vdpbf16ps or widen) for a block."""
-    before = bf16_dot()
-    bf16_dot(enabled)
+def _pinned(switch, enabled):
+    """Pin a run-time kernel choice (bf16_dot or avx512) for a block."""
+    before = switch()
+    switch(enabled)
     try:
         yield
     finally:
-        bf16_dot(before)
+        switch(before)
+
+
+def _bf16_dot(enabled):
+    """Pin the batched bf16 GEMM path (vdpbf16ps or widen) for a block."""
+    return _pinned(bf16_dot, enabled)
+
+
+def _avx2_only():
+    """The kernels an AVX2-only CPU runs: no vdpbf16ps, no AVX-512 int4 rows."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(_pinned(bf16_dot, False))
+    stack.enter_context(_pinned(avx512, False))
+    return stack
 
 
 def _module(kind, n, k, bias, seed):
@@ -96,6 +114,84 @@ def test_bf16_dot_gemm_matches_the_widen_path_on_rounded_rows(m, n, k):
     for a, want in ((got, widen), (got, F.linear(xr, w_ref, b)), (acc, base + widen)):
         assert ((a - want).abs() <= 1e-5 * (terms + base.abs())).all()
     assert not torch.allclose(got, unrounded, rtol=1e-5, atol=1e-5)  # the path under test did run
+
+
+def _int4(n, k, group, seed):
+    g = torch.Generator().manual_seed(seed)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    mod = Int4WeightOnlyLinear(w, b, group)
+    return mod, dequantize_int4(mod.weight_q4, mod.q4_scale, mod.q4_min), b
+
+
+def _assert_sums_close(got, want, x, w, b, base=None):
+    """Equal up to summation order: within a small fraction of the magnitude of the terms summed."""
+    terms = x.abs() @ w.abs().T + b.abs() + (0 if base is None else base.abs())
+    assert ((got - want).abs() <= 1e-5 * terms).all()
+
+
+def test_int4_panels_hold_each_pair_of_k_in_one_byte():
+    q = torch.randint(0, 16, (20, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    d, m = torch.rand(20, 2).half(), torch.randn(20, 2).half()
+    packed, params = pack_q4_panels(q, d, m)
+    assert packed.shape == (2, 32, 16) and params.shape == (2, 2, 2, 16)
+    for c in (0, 15, 16, 19):
+        for j in (0, 5, 31):
+            byte = int(packed[c // 16, j, c % 16])
+            assert (byte & 15, byte >> 4) == (int(q[c, 2 * j]), int(q[c, 2 * j + 1]))
+        for grp in (0, 1):
+            assert params[c // 16, grp, 0, c % 16] == d[c, grp] and params[c // 16, grp, 1, c % 16] == m[c, grp]
+    assert not packed[1, :, 4:].any() and not params[1, :, :, 4:].any()  # channels past n weigh nothing
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 13])
+@pytest.mark.parametrize("n", [7, 50, 100])  # 1, 4 and 7 panels: remainders of the four-panel groups per thread
+def test_int4_linear_matches_its_dequantized_weights(group, m, n):
+    """The AVX2 paths (the GEMV at one row, fp32 tiles on the widened panels
+    beyond): d * q + m exactly, summed in fp32; accumulate adds."""
+    mod, w, b = _int4(n, 384, group, seed=m * 100 + n)
+    x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m))
+    base = torch.randn(m, n)
+    with _avx2_only():
+        got = NativeLinear(mod)(x)
+        acc = base.clone()
+        NativeLinear(mod)(x, out=acc, accumulate=True)
+    _assert_sums_close(got, F.linear(x, w, b), x, w, b)
+    _assert_sums_close(acc, base + F.linear(x, w, b), x, w, b, base)
+
+
+@needs_avx512
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("n", [7, 50, 100])
+def test_int4_avx512_rows_match_the_avx2_path(group, m, n):
+    """One to six rows on AVX-512F (four rows a pass, a remainder of panels
+    one at a time): the AVX2 path's sums up to their order."""
+    mod, w, b = _int4(n, 384, group, seed=m * 100 + n)
+    x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m))
+    base = torch.randn(m, n)
+    with _avx2_only():
+        avx2 = NativeLinear(mod)(x)
+    with _pinned(avx512, True):
+        got = NativeLinear(mod)(x)
+        acc = base.clone()
+        NativeLinear(mod)(x, out=acc, accumulate=True)
+    _assert_sums_close(got, avx2, x, w, b)
+    _assert_sums_close(got, F.linear(x, w, b), x, w, b)
+    _assert_sums_close(acc, base + avx2, x, w, b, base)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("m", [7, 13, 40])
+def test_int4_bf16_dot_gemm_runs_the_rounded_weights_and_rows(m):
+    """Over six rows on AVX512-BF16 an int4 panel is widened and rounded to
+    bf16 like the rows: the fp32 GEMM of the rounded values, up to order."""
+    mod, w, b = _int4(50, 384, 32, seed=m)
+    x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m))
+    xr, wr = x.to(torch.bfloat16).float(), w.to(torch.bfloat16).float()
+    with _bf16_dot(True):
+        got = NativeLinear(mod)(x)
+    _assert_sums_close(got, F.linear(xr, wr, b), xr, wr, b)
 
 
 def test_linear_reads_strided_rows():
@@ -166,15 +262,19 @@ def test_long_context_softmax_is_stable():
 
 
 @pytest.mark.parametrize("variant", list(TINY_VARIANTS))
-@pytest.mark.parametrize("extra", [[], ["quantization=int8_wo"], ["scheduler.max_num_batched_tokens=16",
-                                                                   "cache.block_size=4"]])
+@pytest.mark.parametrize("extra", [[], ["quantization=int8_wo"], ["quantization=int4_wo"],
+                                   ["scheduler.max_num_batched_tokens=16", "cache.block_size=4"]])
 def test_whole_step_forward_matches_torch_path(variant, extra):
+    """fp32 activations throughout (an int4 prefill would otherwise round to
+    bf16 on AVX512-BF16 CPUs, see the test below that); int4 decodes on
+    AVX-512F where the CPU has it."""
     overrides = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05"] + TINY_VARIANTS[variant] + extra
     p = SamplingParams(max_tokens=16, temperature=0, logprobs=3)
     ref = LLM(overrides=overrides, selection=Selection(chosen="torch_sdpa")).generate(PROMPTS, p, use_tqdm=False)
     nat_llm = LLM(overrides=overrides)
     assert nat_llm.engine.runner.backend.name == "cpu_native"
-    nat = nat_llm.generate(PROMPTS, p, use_tqdm=False)
+    with _bf16_dot(False):
+        nat = nat_llm.generate(PROMPTS, p, use_tqdm=False)
     for a, b in zip(ref, nat):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):

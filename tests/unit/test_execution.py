@@ -54,9 +54,9 @@ def test_parse_cpuinfo_without_flags():
     assert info.model == "" and not info.fast_bf16 and info.describe() == "unknown CPU (no AVX2)"
 
 
-@pytest.mark.parametrize("profile, dtype", [("cpu", "bfloat16"), ("cpu_int8", "float32")])
+@pytest.mark.parametrize("profile, dtype", [("cpu", "bfloat16"), ("cpu_int8", "float32"), ("cpu_int4", "float32")])
 def test_native_kernels_run_their_fastest_dtype_on_every_cpu(host, profile, dtype, monkeypatch):
-    """bf16 weights halve what the native kernels stream; with int8 weights fp32 is faster."""
+    """bf16 weights halve what the native kernels stream; with int8 or int4 weights fp32 is faster."""
     fake_packages(monkeypatch, {"cpu_native", "torch_sdpa"})
     ex = check_runnable(resolve([f"+profile={profile}"]), CPU)
     assert (ex.backend, ex.dtype) == ("cpu_native", dtype)

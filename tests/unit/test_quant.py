@@ -1,10 +1,12 @@
-"""Weight-only int8 (quantization=int8_wo): kernel paths and model parity."""
+"""Weight-only int8 and int4 (quantization=int8_wo, int4_wo): quantizers,
+the torch paths and tiny-model runs (the native kernels: test_cpu_native)."""
 
 import pytest
 import torch
 
 from appliance import LLM, SamplingParams
-from appliance.models.quant import INT8_KERNEL_MAX_ROWS, Int8WeightOnlyLinear, quantize_per_channel
+from appliance.models.quant import (INT8_KERNEL_MAX_ROWS, Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4,
+                                    quantize_groups_int4, quantize_per_channel)
 
 
 def test_per_channel_quantization_round_trip():
@@ -35,4 +37,53 @@ def test_tiny_model_runs_int8_wo():
     assert isinstance(llm.engine.runner.model.lm_head_q, Int8WeightOnlyLinear)
     prompts = ["Hello", "The quick brown fox jumps over the lazy dog."] * 4  # batches above and below the switch-over
     q = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in q)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_groups_round_trip(group):
+    w = torch.randn(24, 256) * torch.linspace(0.01, 10, 24)[:, None]  # rows of very different ranges
+    q, d, m = quantize_groups_int4(w, group)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and d.dtype == m.dtype == torch.float16
+    assert d.shape == m.shape == (24, 256 // group)
+    err = (dequantize_int4(q, d, m) - w).abs().reshape(24, -1, group).amax(dim=2)
+    # half a step, plus what rounding the min to fp16 moves the grid
+    assert torch.all(err <= d.float() / 2 + (m.float() - w.reshape(24, -1, group).amin(dim=2)).abs() + 1e-6)
+
+
+def test_int4_keeps_a_grid_it_is_given_exactly():
+    """Weights already on a 4-bit grid (a Q4_1 GGUF's, dequantized) come back bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    d = (torch.rand(8, 4, generator=g) * 0.1).half()
+    m = (-torch.rand(8, 4, generator=g)).half()
+    q = torch.randint(0, 16, (8, 128), dtype=torch.uint8, generator=g)
+    q[:, ::32], q[:, 1::32] = 0, 15  # min/max quantization puts both ends in every group
+    w = dequantize_int4(q, d, m)
+    q2, d2, m2 = quantize_groups_int4(w, 32)
+    assert torch.equal(dequantize_int4(q2, d2, m2), w)
+
+
+def test_int4_refuses_groups_that_do_not_tile_k():
+    with pytest.raises(ValueError, match="do not tile k=100"):
+        quantize_groups_int4(torch.randn(4, 100), 32)
+    with pytest.raises(ValueError, match="do not tile k=96"):
+        quantize_groups_int4(torch.randn(4, 96), 48)
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_int4_torch_path_is_the_linear_of_the_dequantized_weight(rows):
+    w, b, x = torch.randn(40, 64), torch.randn(40), torch.randn(rows, 64)
+    lin = Int4WeightOnlyLinear(w, b, 32)
+    ref = torch.nn.functional.linear(x, dequantize_int4(lin.weight_q4, lin.q4_scale, lin.q4_min), b)
+    torch.testing.assert_close(lin(x), ref)
+
+
+def test_tiny_model_runs_int4_wo():
+    base = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.01"]
+    llm = LLM(overrides=base + ["quantization=int4_wo", "quantization.group_size=64"])
+    layer = llm.engine.runner.model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, Int4WeightOnlyLinear) and layer.mlp.down_proj.group == 64
+    assert isinstance(llm.engine.runner.model.lm_head_q, Int8WeightOnlyLinear)
+    prompts = ["Hello", "The quick brown fox jumps over the lazy dog."] * 4
+    q = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in q)
