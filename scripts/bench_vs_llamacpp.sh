@@ -8,7 +8,7 @@
 # llama-cpp-python sdist on PyPI (cmake, target llama-server; ~10 minutes on
 # 2 cores) and cached under $LLAMACPP_DIR.
 #
-#   scripts/bench_vs_llamacpp.sh                 # profiles cpu and cpu_int8
+#   scripts/bench_vs_llamacpp.sh                 # profiles cpu, cpu_int4 and cpu_int8
 #   PROFILES="cpu" LEVELS=1,32 scripts/bench_vs_llamacpp.sh
 #   BUILD_ONLY=1 scripts/bench_vs_llamacpp.sh    # just build llama-server
 #
@@ -27,10 +27,12 @@ LEVELS=${LEVELS:-1,8,32}
 NUM_PROMPTS=${NUM_PROMPTS:-32}
 INPUT_LEN=${INPUT_LEN:-100}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
-PROFILES=${PROFILES:-cpu cpu_int8}
+PROFILES=${PROFILES:-cpu cpu_int4 cpu_int8}
 LONG_PROMPT=${LONG_PROMPT:-4000}  # the mixed-load case: this prompt arrives while LONG_STREAMS decode
 LONG_STREAMS=${LONG_STREAMS:-4}
-TARGET_ITL_MS=${TARGET_ITL_MS-100}  # the first profile runs again with scheduler.target_itl_ms (empty: no)
+# the first profile runs again with scheduler.target_itl_ms set to this (null: the fixed token budget,
+# against the CPU profiles' latency objective; empty: no second run)
+TARGET_ITL_MS=${TARGET_ITL_MS-null}
 # each slot holds a stream of the mixed-load case (INPUT_LEN + 2048 tokens) or the long prompt
 SLOT_CTX=${SLOT_CTX:-$((LONG_PROMPT > 0 ? LONG_PROMPT + INPUT_LEN + 2048 + 64 : 512))}
 SERVER="$LLAMACPP_DIR/build/bin/llama-server"
@@ -73,8 +75,8 @@ for p in $PROFILES; do
 done
 if [ -n "$TARGET_ITL_MS" ]; then
   p=${PROFILES%% *}
-  "$A" bench serve --label "appliance-$p-itl$TARGET_ITL_MS" "${COMMON[@]}" "+profile=$p" \
+  "$A" bench serve --label "appliance-$p-itl-$TARGET_ITL_MS" "${COMMON[@]}" "+profile=$p" \
     "scheduler.target_itl_ms=$TARGET_ITL_MS"
-  labels+=("appliance-$p-itl$TARGET_ITL_MS")
+  labels+=("appliance-$p-itl-$TARGET_ITL_MS")
 fi
 "$PY" -m appliance.bench.compare "$OUT" llama.cpp "${labels[@]}"
