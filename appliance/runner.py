@@ -162,6 +162,15 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
         from appliance.models.quant import quantize_int4_weight_only
 
         quantize_int4_weight_only(model, cfg.quantization.group_size)
+    elif cfg.quantization.method == "gguf":
+        from appliance.models.gguf import read_int4_tensors
+        from appliance.models.loader import gguf_source
+        from appliance.models.quant import keep_gguf_int4
+
+        try:
+            keep_gguf_int4(model, *read_int4_tensors(gguf_source(m)))
+        except ValueError as e:
+            raise ConfigError(f"model.path={m.path}: {e}") from None
     num_blocks, mml = deployment.num_kv_blocks, deployment.max_model_len
     kv = KVCacheManager(num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
                         cfg.cache.prefix_caching_hash_algo)

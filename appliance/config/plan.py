@@ -66,7 +66,7 @@ def weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
         return counts["total"] * full
     bits = q.weight_bits
     if q.group_size > 0:
-        per_group = 16 if method in ("fp8", "gguf") else 32
+        per_group = 16 if method == "fp8" else 32  # a scale, or (int4) a scale and a min or zero point
         bits += per_group / q.group_size
     linear = int(counts["linear"] * bits / 8)
     if method in ("fp8", "int8_wo"):  # per-output-channel fp32 scales

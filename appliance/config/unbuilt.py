@@ -27,7 +27,7 @@ def not_built(cfg: ApplianceConfig) -> list[str]:
         out.append(f"speculative.method={spec.method}: speculative decoding is not built yet; serve with speculative=off")
     if q.method not in RUNNABLE_QUANTIZATION:
         out.append(f"quantization={q.method} can be planned but its weight kernels are not built yet; serve with "
-                   f"quantization=none (GGUF checkpoints are dequantized at load)")
+                   f"quantization=none (or int4_wo / int8_wo on a CPU)")
     for key, value, what in [("swap_space_gib", cache.swap_space_gib, "swapping preempted requests' KV to host memory"),
                              ("cpu_offload_gib", cache.cpu_offload_gib, "offloading weights to host memory")]:
         if value > 0:

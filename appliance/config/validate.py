@@ -21,12 +21,20 @@ INT4_GROUP_SIZES = (32, 64, 128)  # the native int4 kernels' groups along k
 
 def _weight_only_problems(cfg: ApplianceConfig) -> list[str]:
     """int8_wo is per output channel at 8 bits; int4_wo is 4 bits in groups
-    that tile every projection's input."""
+    that tile every projection's input; gguf keeps a GGUF file's 4-bit blocks
+    (groups of 32)."""
     q, m = cfg.quantization, cfg.model
     out = []
-    bits = {"int8_wo": 8.0, "int4_wo": 4.0}.get(q.method)
+    bits = {"int8_wo": 8.0, "int4_wo": 4.0, "gguf": 4.0}.get(q.method)
     if bits is None:
         return out
+    if q.method == "gguf":
+        if m.path != "smollm2_gguf" and not m.path.endswith(".gguf"):
+            out.append(f"quantization=gguf keeps the blocks of a GGUF file, and model.path={m.path} is not one; "
+                       f"point model.path at a .gguf file, or use quantization=int4_wo to quantize at load")
+        if q.group_size != 32:
+            out.append(f"quantization.group_size={q.group_size}: GGUF blocks hold 32 weights; set "
+                       f"quantization.group_size=32")
     if q.weight_bits != bits:
         out.append(f"quantization.weight_bits={q.weight_bits:g} does not match quantization.method={q.method}, which "
                    f"stores {bits:g}-bit weights; set quantization.weight_bits={bits:g} (the option "

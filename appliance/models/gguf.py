@@ -81,6 +81,32 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.nd
     return fn(raw).reshape(shape)
 
 
+INT4_TYPES = ("Q4_0", "Q4_1")  # block types that are int4 panels as they are (quantization=gguf)
+
+
+def int4_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_0 or Q4_1 tensor as (q uint8 [n, k] in 0..15, d fp16 [n, k / 32],
+    m fp16 [n, k / 32]) with weight = d * q + m, exactly the block formula:
+    Q4_1 stores d and m; Q4_0's d * (q - 8) is m = -8 d (a power of two
+    times an fp16, exact in fp16)."""
+    n, k = shape
+    if type_name == "Q4_1":
+        b = _blocks(raw, 4 + QK // 2)
+        d = b[:, :2].copy().view(np.float16)
+        m = b[:, 2:4].copy().view(np.float16)
+        qs = b[:, 4:]
+    elif type_name == "Q4_0":
+        b = _blocks(raw, 2 + QK // 2)
+        d = b[:, :2].copy().view(np.float16)
+        with np.errstate(over="raise"):
+            m = d * np.float16(-8)
+        qs = b[:, 2:]
+    else:
+        raise ValueError(f"GGUF tensor type {type_name} is not a 4-bit block type ({', '.join(INT4_TYPES)})")
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+    return q.reshape(n, k), d.reshape(n, k // QK), m.reshape(n, k // QK)
+
+
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -149,6 +175,31 @@ def gguf_config(reader) -> dict:
         "torch_dtype": "float32",
         "attention_bias": arch == "qwen2",
     }
+
+
+def read_int4_tensors(gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str]]:
+    """The file's 4-bit tensors as (q, d, m) numpy arrays by Hugging Face name
+    (q and k projections unpermuted like their dequantized weights), and the
+    block type of every other tensor."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    config = gguf_config(reader)
+    heads = {"self_attn.q_proj.weight": config["num_attention_heads"],
+             "self_attn.k_proj.weight": config["num_key_value_heads"]}
+    blocks, others = {}, {}
+    for t in reader.tensors:
+        name, kind = hf_name(t.name), t.tensor_type.name
+        if kind not in INT4_TYPES:
+            others[name] = kind
+            continue
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        parts = int4_blocks(t.data, kind, shape)
+        n_head = next((h for suffix, h in heads.items() if name.endswith(suffix)), None)
+        if n_head is not None:
+            parts = tuple(unpermute(x, n_head) for x in parts)
+        blocks[name] = parts
+    return blocks, others
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: Optional[Callable[[int, int], None]] = None) -> Path:

@@ -101,6 +101,15 @@ def _converted(gguf_path: Path) -> Path:
     return out
 
 
+def gguf_source(m: ModelConfig) -> Path | None:
+    """The GGUF file ``m`` loads from (the built-in Q4_1 SmolLM2 or a .gguf
+    path), or None for other sources."""
+    if m.path == "smollm2_gguf":
+        return find_wheel_gguf()
+    p = Path(os.path.expanduser(m.path))
+    return p if p.suffix == ".gguf" else None
+
+
 def resolve_model_folder(m: ModelConfig) -> Path:
     """A local folder with config.json, safetensors and tokenizer files."""
     path = m.path

@@ -126,6 +126,48 @@ def quantize_int8_weight_only(model: nn.Module) -> nn.Module:
     return model
 
 
+def keep_gguf_int4(model: nn.Module, blocks: dict[str, tuple], others: dict[str, str]) -> None:
+    """Replace every projection (and an untied LM head) whose checkpoint
+    tensors are all 4-bit GGUF blocks (``appliance.models.gguf.read_int4_tensors``:
+    (q, d, m) by Hugging Face name) with an int4 linear of exactly those
+    blocks; a fused projection's parts are stacked in its row order. Raises
+    ValueError naming the tensors of another type (they would run
+    dequantized, at a width the plan does not count)."""
+    from appliance.models.gguf import INT4_TYPES
+    from appliance.models.llama import packed_target
+
+    arch = model.arch
+    parts: dict[str, list[tuple[int, str]]] = {}  # module weight -> [(row offset, checkpoint name)]
+    for name in list(blocks) + list(others):
+        if ".layers." not in name or not name.endswith("_proj.weight"):
+            continue
+        packed = packed_target(arch, name)
+        target, start = (packed[0], packed[1]) if packed else (name, 0)
+        parts.setdefault(target, []).append((start, name))
+    wide = sorted(f"{name} ({others[name]})" for group in parts.values() for _, name in group if name in others)
+    if not arch.tie_word_embeddings and "lm_head.weight" in others:
+        wide.append(f"lm_head.weight ({others['lm_head.weight']})")
+    if wide:
+        raise ValueError(f"quantization=gguf keeps 4-bit projections ({', '.join(INT4_TYPES)}); this file's "
+                         f"{', '.join(wide[:4])}{' ...' if len(wide) > 4 else ''} are not built at their width yet: "
+                         f"serve it with quantization=none (dequantized at load)")
+
+    def linear(names: list[str], bias: torch.Tensor | None) -> Int4WeightOnlyLinear:
+        q, d, m = (torch.cat([torch.from_numpy(blocks[n][i]) for n in names]) for i in range(3))
+        return Int4WeightOnlyLinear(None, bias, blocks=(q, d, m))
+
+    for target, group in parts.items():
+        module_path = target[: -len(".weight")]
+        parent_path, attr = module_path.rsplit(".", 1)
+        parent = model.get_submodule(parent_path)
+        lin = getattr(parent, attr)
+        bias = lin.bias.data if lin.bias is not None else None
+        setattr(parent, attr, linear([name for _, name in sorted(group)], bias))
+    if not arch.tie_word_embeddings and "lm_head.weight" in blocks:
+        model.lm_head_q = linear(["lm_head.weight"], None)
+        del model.lm_head
+
+
 def quantize_int4_weight_only(model: nn.Module, group: int = 32) -> nn.Module:
     """Every decoder projection to int4 groups of ``group``, the LM head to int8, in place."""
     _replace_projections(model, lambda w, b: Int4WeightOnlyLinear(w, b, group))

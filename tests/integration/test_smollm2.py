@@ -60,8 +60,9 @@ def test_generate_cli_answers_paris(cli):
 
 
 @pytest.mark.parametrize("variant", [["quantization=int8_wo"], ["quantization=int8_wo", "cache.kv_cache_dtype=bfloat16"],
-                                     ["quantization=int4_wo", "cache.kv_cache_dtype=bfloat16"]],
-                         ids=["int8_wo", "int8_wo+bf16_kv (the cpu_int8 profile)", "int4_wo+bf16_kv (cpu_int4)"])
+                                     ["quantization=int4_wo", "cache.kv_cache_dtype=bfloat16"],
+                                     ["quantization=gguf"]],
+                         ids=["int8_wo", "int8_wo+bf16_kv (the cpu_int8 profile)", "int4_wo+bf16_kv (cpu_int4)", "gguf"])
 def test_weight_only_keeps_next_token_log_likelihoods(variant):
     """Parity of quantization=int8_wo (and with a bf16 KV cache, as the
     cpu_int8 profile runs) and int4_wo against the fp32 model: next-token
@@ -82,12 +83,14 @@ def test_weight_only_keeps_next_token_log_likelihoods(variant):
                              SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text
 
 
-def test_int4_wo_holds_the_q4_1_checkpoint_bit_for_bit():
+@pytest.mark.parametrize("method", ["int4_wo", "gguf"])
+def test_int4_holds_the_q4_1_checkpoint_bit_for_bit(method):
     """The default model is a Q4_1 GGUF (groups of 32 with scale and min):
-    int4_wo's quantizer finds that grid again, so its 4-bit weights are the
-    checkpoint's own, dequantized to exactly the fp32 model's values."""
+    quantization=gguf keeps its blocks, and int4_wo's quantizer finds that
+    grid again, so either way the 4-bit weights are the checkpoint's own,
+    dequantized to exactly the fp32 model's values."""
     ref = LLM(overrides=BASE).engine.runner.model
-    q = LLM(overrides=BASE + ["quantization=int4_wo"]).engine.runner.model  # packed at its first step, not yet
+    q = LLM(overrides=BASE + [f"quantization={method}"]).engine.runner.model  # packed at its first step, not yet
     for ref_layer, q_layer in zip(ref.model.layers, q.model.layers):
         for path in PROJECTIONS:
             mod = q_layer.get_submodule(path)

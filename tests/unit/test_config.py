@@ -119,6 +119,9 @@ def _problems(*overrides):
          "num_heads x head_dim=576)"),
         (["+profile=cpu_int4", "quantization.weight_bits=3"],
          "quantization.weight_bits=3 does not match quantization.method=int4_wo, which stores 4-bit weights"),
+        (["+profile=cpu", "model=tiny_random", "quantization=gguf"],
+         "quantization=gguf keeps the blocks of a GGUF file, and model.path=tiny_random is not one"),
+        (["+profile=cpu", "quantization=gguf", "quantization.group_size=64"], "GGUF blocks hold 32 weights"),
         (["+profile=cpu_int8", "quantization.group_size=32"],
          "quantization.group_size=32: int8_wo has one scale per output channel"),
     ],
@@ -264,6 +267,13 @@ def test_int8_wo_plan_bytes():
     scales = 4 * 30 * (576 + 2 * 192 + 576 + 2 * 1536)
     assert q.weight_bytes_total == counts["linear"] + scales + 49152 * (576 + 4) + (counts["embedding"] + counts["other"]) * 4
     assert q.weight_bytes_total < fp32.weight_bytes_total / 2
+
+
+def test_gguf_plan_bytes():
+    """4-bit blocks with an fp16 scale and min per 32; embedding and norms in the compute dtype."""
+    q = make_plan(resolve(["+profile=cpu", "quantization=gguf"]).cfg)  # auto: bf16
+    counts = parameter_counts(resolve(["+profile=cpu"]).cfg.model)
+    assert q.weight_bytes_total == counts["linear"] * 5 // 8 + (counts["embedding"] + counts["other"]) * 2
 
 
 def test_int4_wo_plan_bytes():

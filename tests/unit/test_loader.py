@@ -25,6 +25,80 @@ def test_dequant_matches_reference_implementation(qtype):
         assert np.abs(mine - x).max() < 0.5  # 4-bit grid over a N(0,1) block
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_int4_blocks_are_the_block_formula_bit_for_bit(qtype):
+    """quantization=gguf keeps 4-bit blocks as (q, d, m): d * q + m is the
+    gguf package's own dequantization, exactly."""
+    import gguf
+    import torch
+
+    from appliance.models.quant import dequantize_int4
+
+    x = np.random.default_rng(1).standard_normal((8, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(x, getattr(gguf.GGMLQuantizationType, qtype))
+    q, d, m = our.int4_blocks(raw, qtype, (8, 96))
+    assert q.shape == (8, 96) and d.shape == m.shape == (8, 3) and d.dtype == np.float16 and int(q.max()) <= 15
+    w = dequantize_int4(*(torch.from_numpy(a) for a in (q, d, m)))
+    np.testing.assert_array_equal(w.numpy(), gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, qtype)))
+    with pytest.raises(ValueError, match="Q8_0 is not a 4-bit block type"):
+        our.int4_blocks(raw, "Q8_0", (8, 96))
+
+
+def _tiny_model():
+    from appliance import LLM
+
+    return LLM(overrides=["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.01",
+                          "model.dtype=float32"]).engine.runner.model
+
+
+def _checkpoint_blocks(model):
+    """Every projection of ``model`` as 4-bit blocks under its checkpoint name (q/k/v and gate/up apart)."""
+    import torch
+
+    from appliance.models.quant import quantize_groups_int4
+
+    arch, out = model.arch, {}
+    q, kv, inter = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
+    for i, layer in enumerate(model.model.layers):
+        pre = f"model.layers.{i}."
+        qkv, gate_up = layer.self_attn.qkv_proj.weight.data, layer.mlp.gate_up_proj.weight.data
+        for name, w in {"self_attn.q_proj": qkv[:q], "self_attn.k_proj": qkv[q:q + kv], "self_attn.v_proj": qkv[q + kv:],
+                        "self_attn.o_proj": layer.self_attn.o_proj.weight.data, "mlp.gate_proj": gate_up[:inter],
+                        "mlp.up_proj": gate_up[inter:], "mlp.down_proj": layer.mlp.down_proj.weight.data}.items():
+            out[f"{pre}{name}.weight"] = tuple(t.numpy() for t in quantize_groups_int4(torch.as_tensor(w), 32))
+    return out
+
+
+def test_gguf_blocks_replace_each_projection_in_its_row_order():
+    import torch
+
+    from appliance.models.quant import PROJECTIONS, Int4WeightOnlyLinear, dequantize_int4, keep_gguf_int4
+
+    model = _tiny_model()
+    blocks = _checkpoint_blocks(model)
+    before = {p: model.model.layers[1].get_submodule(p).weight.data.clone() for p in PROJECTIONS}
+    keep_gguf_int4(model, blocks, {"model.embed_tokens.weight": "Q8_0"})
+    for p in PROJECTIONS:
+        mod = model.model.layers[1].get_submodule(p)
+        assert isinstance(mod, Int4WeightOnlyLinear)
+        # the stacked blocks dequantize to the fused weight quantized part by part, in place
+        assert (dequantize_int4(mod.weight_q4, mod.q4_scale, mod.q4_min) - before[p]).abs().max() < 0.1
+    q = blocks["model.layers.1.self_attn.k_proj.weight"]
+    k_rows = model.model.layers[1].self_attn.qkv_proj.weight_q4[64:96]  # 4 heads x 16, then 2 kv heads x 16
+    assert torch.equal(k_rows, torch.from_numpy(q[0]))
+
+
+def test_gguf_projections_of_another_width_are_refused_by_name():
+    from appliance.models.quant import keep_gguf_int4
+
+    model = _tiny_model()
+    blocks = _checkpoint_blocks(model)
+    del blocks["model.layers.0.self_attn.v_proj.weight"]
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.v_proj.weight \(Q6_K\) are not built at their "
+                                         r"width yet: serve it with quantization=none"):
+        keep_gguf_int4(model, blocks, {"model.layers.0.self_attn.v_proj.weight": "Q6_K"})
+
+
 def test_unsupported_tensor_type_is_named():
     with pytest.raises(ValueError, match="GGUF tensor type Q2_K is not supported"):
         our.dequantize(np.zeros(84, np.uint8), "Q2_K", (256,))
