@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
 

@@ -42,7 +42,7 @@ _i32, _i64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 class Linear(ctypes.Structure):
     _fields_ = [("w", _p), ("scale", _p), ("bias", _p), ("qparams", _p), ("n", _i32), ("k", _i32), ("wtype", _i32),
-                ("group", _i32)]
+                ("group", _i32), ("qparams_f32", _i32), ("_pad", _i32)]
 
 
 class Layer(ctypes.Structure):
@@ -150,18 +150,18 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
 
 
 def pack_q4_panels(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int4 values q (uint8 [n, k], 0..15) with fp16 group scales d and mins m
-    ([n, k / group]) -> (bytes [ceil(n / 16), k / 2, 16]: channel c of k
-    pair j in byte c of row j, k = 2j in its low nibble; qparams fp16
-    [ceil(n / 16), k / group, 2, 16]: each group's 16 scales, then 16 mins).
-    Channels past n are zero."""
+    """int4 values q (uint8 [n, k], 0..15) with group scales d and mins m
+    ([n, k / group], both fp16 or both fp32) -> (bytes [ceil(n / 16), k / 2,
+    16]: channel c of k pair j in byte c of row j, k = 2j in its low nibble;
+    qparams in d's dtype [ceil(n / 16), k / group, 2, 16]: each group's 16
+    scales, then 16 mins). Channels past n are zero."""
     n, k = q.shape
     panels, groups = -(-n // PANEL), d.shape[1]
     qp = torch.zeros(panels * PANEL, k, dtype=torch.uint8)
     qp[:n] = q
     pairs = qp.view(panels, PANEL, k // 2, 2)
     packed = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()
-    params = torch.zeros(2, panels * PANEL, groups, dtype=torch.float16)
+    params = torch.zeros(2, panels * PANEL, groups, dtype=d.dtype)
     params[0, :n], params[1, :n] = d, m
     params = params.view(2, panels, PANEL, groups).permute(1, 3, 0, 2).contiguous()
     return packed, params
@@ -213,7 +213,8 @@ class NativeLinear:
         bias = getattr(module, "bias", None)
         bias = None if bias is None else _small_f32(bias.data, "a linear bias")
         self._keep = (packed, scale, bias, qparams)
-        self.struct = Linear(_ptr(packed), _ptr(scale), _ptr(bias), _ptr(qparams), n, k, wtype, group)
+        self.struct = Linear(_ptr(packed), _ptr(scale), _ptr(bias), _ptr(qparams), n, k, wtype, group,
+                             int(qparams is not None and qparams.dtype == torch.float32), 0)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> "NativeLinear":

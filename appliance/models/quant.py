@@ -86,8 +86,9 @@ class Int4WeightOnlyLinear(nn.Module):
                  blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         q, d, m = blocks if blocks is not None else quantize_groups_int4(weight, group)
-        if q.dtype != torch.uint8 or d.dtype != torch.float16 or m.dtype != torch.float16 or d.shape != m.shape:
-            raise ValueError("int4 blocks are uint8 q with fp16 scales and mins of one shape")
+        if q.dtype != torch.uint8 or d.dtype not in (torch.float16, torch.float32) or m.dtype != d.dtype \
+                or d.shape != m.shape:
+            raise ValueError("int4 blocks are uint8 q with fp16 (or fp32) scales and mins of one dtype and shape")
         self.register_buffer("weight_q4", q)
         self.register_buffer("q4_scale", d)
         self.register_buffer("q4_min", m)

@@ -14,7 +14,7 @@
  * batched bf16 GEMMs run on AVX512-BF16, see below); the KV cache is fp32
  * or bf16.
  *
- * Built at first use by kernels/cpu_native.py (gcc -O3 -mavx2 -mfma -mf16c
+ * Built at first use by kernels/cpu_native.py (gcc -O3 -mavx2 -mfma -mf16c -ffp-contract=off
  * -fopenmp; the AVX512-BF16 functions by target attribute, chosen at run
  * time); OpenMP resolves to the libgomp torch has already loaded, so the
  * kernels share torch's thread count.
@@ -38,8 +38,9 @@ typedef struct {
     const void *w;      /* [ceil(n / 16), k, 16] panels, fp32, int8 or bf16 (uint16); int4: [ceil(n / 16), k / 2, 16] bytes */
     const float *scale; /* [n] per output channel (int8), else NULL */
     const float *bias;  /* [n] or NULL */
-    const uint16_t *qparams; /* int4: [ceil(n / 16), k / group, 2, 16] fp16, each group's scales then mins; else NULL */
+    const void *qparams; /* int4: [ceil(n / 16), k / group, 2, 16] fp16 or fp32, each group's scales then mins */
     int32_t n, k, wtype, group; /* group: int4 weights per scale along k (even, divides k), else 0 */
+    int32_t qparams_f32, _pad;  /* int4: qparams are fp32 (else fp16) */
 } Linear;
 
 typedef struct {
@@ -259,7 +260,9 @@ DISPATCH_PTILE(bf16, uint16_t)
  * 4-bit weights w = d * q + m (q in 0..15; d, m fp16, one pair per output
  * channel per group of `group` k). A panel holds 16 channels as k pairs:
  * byte c of pair j is channel c, its low nibble k = 2j and its high nibble
- * k = 2j + 1; each group's 16 scales then 16 mins follow in qparams. This is
+ * k = 2j + 1; each group's 16 scales then 16 mins follow in qparams, fp16
+ * (llama.cpp's Q4_0/Q4_1 and the int4_wo quantizer) or fp32 (a scale times an
+ * integer zero point or sub-block scale, as AWQ, GPTQ and Q4_K make them). This is
  * llama.cpp's Q4_1 (and, with m = -8d, Q4_0) at 5 bits a weight.
  *
  * Up to Q4_ROWS_MAX rows read the 4-bit panels directly: the nibbles widen
@@ -272,6 +275,11 @@ DISPATCH_PTILE(bf16, uint16_t)
  * pairs for the AVX512-BF16 tiles.
  */
 static inline __m256 load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* Eight group parameters from element i of L's qparams, fp16 or fp32. */
+static inline __m256 load_qp(const Linear *L, int64_t i) {
+    return L->qparams_f32 ? _mm256_loadu_ps((const float *)L->qparams + i) : load_f16((const uint16_t *)L->qparams + i);
+}
 
 /* 16 bytes of a pair row: channels 0-7 and 8-15 of k = 2j (lo) and k = 2j + 1 (hi), as floats. */
 static inline __attribute__((always_inline)) void q4_unpack(const uint8_t *p, __m256 *lo0, __m256 *lo1, __m256 *hi0,
@@ -301,7 +309,7 @@ static void pgemv4_q4(const Linear *L, const float *x, const float *xs, int64_t 
     const int64_t k = L->k, pstride = k * PW / 2, groups = k / L->group, qstride = groups * 2 * PW;
     const int pairs = L->group / 2;
     const uint8_t *p = (const uint8_t *)L->w + pn * pstride;
-    const uint16_t *qp = L->qparams + pn * qstride;
+    const int64_t qp = pn * qstride; /* this panel's first group parameter */
     const char *next = (const char *)(p + 4 * pstride); /* the next four panels, streamed in alongside */
     for (int j = 0; j < 4 * PW; j++) c[j] = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
@@ -333,11 +341,11 @@ static void pgemv4_q4(const Linear *L, const float *x, const float *xs, int64_t 
         }
         const __m256 s = _mm256_set1_ps(xs[g]);
         for (int q = 0; q < np; q++) {
-            const uint16_t *dm = qp + q * qstride + g * 2 * PW;
+            const int64_t dm = qp + q * qstride + g * 2 * PW;
             for (int h = 0; h < 2; h++) {
                 float *o = c + q * PW + 8 * h;
-                const __m256 base = _mm256_fmadd_ps(load_f16(dm + PW + 8 * h), s, _mm256_loadu_ps(o));
-                _mm256_storeu_ps(o, _mm256_fmadd_ps(load_f16(dm + 8 * h), a[2 * q + h], base));
+                const __m256 base = _mm256_fmadd_ps(load_qp(L, dm + PW + 8 * h), s, _mm256_loadu_ps(o));
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(load_qp(L, dm + 8 * h), a[2 * q + h], base));
             }
         }
     }
@@ -350,7 +358,7 @@ static inline __attribute__((always_inline)) void q4_rows_avx2_tile(const Linear
     const int64_t k = L->k, groups = k / L->group;
     const int pairs = L->group / 2;
     const uint8_t *p = (const uint8_t *)L->w + pn * (k * PW / 2);
-    const uint16_t *qp = L->qparams + pn * groups * 2 * PW;
+    const int64_t qp = pn * groups * 2 * PW;
     __m256 o[4][2];
     for (int r = 0; r < R; r++) o[r][0] = o[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -367,9 +375,9 @@ static inline __attribute__((always_inline)) void q4_rows_avx2_tile(const Linear
                 a[r][1] = _mm256_fmadd_ps(x1, h1, _mm256_fmadd_ps(x0, l1, a[r][1]));
             }
         }
-        const uint16_t *dm = qp + g * 2 * PW;
+        const int64_t dm = qp + g * 2 * PW;
         for (int h = 0; h < 2; h++) {
-            const __m256 d = load_f16(dm + 8 * h), m = load_f16(dm + PW + 8 * h);
+            const __m256 d = load_qp(L, dm + 8 * h), m = load_qp(L, dm + PW + 8 * h);
             for (int r = 0; r < R; r++)
                 o[r][h] = _mm256_fmadd_ps(d, a[r][h], _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * groups + g]), o[r][h]));
         }
@@ -400,23 +408,24 @@ static void q4_rows_avx2(const Linear *L, const float *x, int64_t ldx, const flo
     }
 }
 
-/* Panel pn widened to fp32 ([k][PW], exactly d * q + m). */
+/* Panel pn widened to fp32 ([k][PW]): d * q + m, rounded after the product and after the sum (as
+ * dequantize_int4 computes it; the product is exact with fp16 scales). */
 static void q4_widen(const Linear *L, int64_t pn, float *wf) {
     const int64_t k = L->k, pstride = k * PW / 2, groups = k / L->group;
     const int pairs = L->group / 2;
     const uint8_t *p = (const uint8_t *)L->w + pn * pstride;
-    const uint16_t *qp = L->qparams + pn * groups * 2 * PW;
+    const int64_t qp = pn * groups * 2 * PW;
     for (int64_t g = 0; g < groups; g++) {
-        const uint16_t *dm = qp + g * 2 * PW;
-        const __m256 d0 = load_f16(dm), d1 = load_f16(dm + 8), m0 = load_f16(dm + PW), m1 = load_f16(dm + PW + 8);
+        const int64_t dm = qp + g * 2 * PW;
+        const __m256 d0 = load_qp(L, dm), d1 = load_qp(L, dm + 8), m0 = load_qp(L, dm + PW), m1 = load_qp(L, dm + PW + 8);
         for (int j = 0; j < pairs; j++) {
             const int64_t kk = g * L->group + 2 * j;
             __m256 l0, l1, h0, h1;
             q4_unpack(p + (kk / 2) * PW, &l0, &l1, &h0, &h1);
-            _mm256_storeu_ps(wf + kk * PW, _mm256_fmadd_ps(d0, l0, m0));
-            _mm256_storeu_ps(wf + kk * PW + 8, _mm256_fmadd_ps(d1, l1, m1));
-            _mm256_storeu_ps(wf + (kk + 1) * PW, _mm256_fmadd_ps(d0, h0, m0));
-            _mm256_storeu_ps(wf + (kk + 1) * PW + 8, _mm256_fmadd_ps(d1, h1, m1));
+            _mm256_storeu_ps(wf + kk * PW, _mm256_add_ps(_mm256_mul_ps(d0, l0), m0));
+            _mm256_storeu_ps(wf + kk * PW + 8, _mm256_add_ps(_mm256_mul_ps(d1, l1), m1));
+            _mm256_storeu_ps(wf + (kk + 1) * PW, _mm256_add_ps(_mm256_mul_ps(d0, h0), m0));
+            _mm256_storeu_ps(wf + (kk + 1) * PW + 8, _mm256_add_ps(_mm256_mul_ps(d1, h1), m1));
         }
     }
 }
@@ -597,13 +606,18 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
  */
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw")))
 
+AVX512_TARGET static inline __m512 load_qp512(const Linear *L, int64_t i) {
+    return L->qparams_f32 ? _mm512_loadu_ps((const float *)L->qparams + i)
+                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)L->qparams + i)));
+}
+
 AVX512_TARGET static inline __attribute__((always_inline)) void q4_rows512(const Linear *L, const float *x,
                                                                             int64_t ldx, const float *xs, int64_t pn,
                                                                             const int np, const int R, float *c) {
     const int64_t k = L->k, pstride = k * PW / 2, groups = k / L->group, qstride = groups * 2 * PW;
     const int pairs = L->group / 2, split = R <= 2;
     const uint8_t *p = (const uint8_t *)L->w + pn * pstride;
-    const uint16_t *qp = L->qparams + pn * qstride;
+    const int64_t qp = pn * qstride;
     const char *next = (const char *)(p + 4 * pstride);
     const __m512i mask = _mm512_set1_epi32(0x0f);
     for (int r = 0; r < R; r++)
@@ -635,9 +649,8 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q4_rows512(const
             }
         }
         for (int q = 0; q < np; q++) {
-            const uint16_t *dm = qp + q * qstride + g * 2 * PW;
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dm));
-            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dm + PW)));
+            const int64_t dm = qp + q * qstride + g * 2 * PW;
+            const __m512 d = load_qp512(L, dm), m = load_qp512(L, dm + PW);
             for (int r = 0; r < R; r++) {
                 float *o = c + r * 4 * PW + q * PW;
                 const __m512 sum = split ? _mm512_add_ps(a[r][q], h[r][q]) : a[r][q];

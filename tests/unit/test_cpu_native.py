@@ -116,10 +116,16 @@ def test_bf16_dot_gemm_matches_the_widen_path_on_rounded_rows(m, n, k):
     assert not torch.allclose(got, unrounded, rtol=1e-5, atol=1e-5)  # the path under test did run
 
 
-def _int4(n, k, group, seed):
+def _int4(n, k, group, seed, params="fp16"):
+    """An int4 linear and its dequantized weight; fp32 params are moved off
+    the fp16 grid, so reading them as fp16 would show."""
     g = torch.Generator().manual_seed(seed)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     mod = Int4WeightOnlyLinear(w, b, group)
+    if params == "fp32":
+        jitter = 1 + 1e-4 * torch.rand(mod.q4_scale.shape, generator=g)
+        mod = Int4WeightOnlyLinear(None, b, blocks=(mod.weight_q4, mod.q4_scale.float() * jitter,
+                                                    mod.q4_min.float() * jitter))
     return mod, dequantize_int4(mod.weight_q4, mod.q4_scale, mod.q4_min), b
 
 
@@ -133,7 +139,8 @@ def test_int4_panels_hold_each_pair_of_k_in_one_byte():
     q = torch.randint(0, 16, (20, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     d, m = torch.rand(20, 2).half(), torch.randn(20, 2).half()
     packed, params = pack_q4_panels(q, d, m)
-    assert packed.shape == (2, 32, 16) and params.shape == (2, 2, 2, 16)
+    assert packed.shape == (2, 32, 16) and params.shape == (2, 2, 2, 16) and params.dtype == torch.float16
+    assert pack_q4_panels(q, d.float(), m.float())[1].dtype == torch.float32
     for c in (0, 15, 16, 19):
         for j in (0, 5, 31):
             byte = int(packed[c // 16, j, c % 16])
@@ -143,13 +150,15 @@ def test_int4_panels_hold_each_pair_of_k_in_one_byte():
     assert not packed[1, :, 4:].any() and not params[1, :, :, 4:].any()  # channels past n weigh nothing
 
 
+@pytest.mark.parametrize("params", ["fp16", "fp32"])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 13])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13])
 @pytest.mark.parametrize("n", [7, 50, 100])  # 1, 4 and 7 panels: remainders of the four-panel groups per thread
-def test_int4_linear_matches_its_dequantized_weights(group, m, n):
-    """The AVX2 paths (the GEMV at one row, fp32 tiles on the widened panels
-    beyond): d * q + m exactly, summed in fp32; accumulate adds."""
-    mod, w, b = _int4(n, 384, group, seed=m * 100 + n)
+def test_int4_linear_matches_its_dequantized_weights(params, group, m, n):
+    """The AVX2 paths (the GEMV at one row, one to four rows a pass up to six,
+    fp32 tiles on the widened panels beyond): d * q + m exactly, summed in
+    fp32; accumulate adds."""
+    mod, w, b = _int4(n, 384, group, seed=m * 100 + n, params=params)
     x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m))
     base = torch.randn(m, n)
     with _avx2_only():
@@ -161,13 +170,14 @@ def test_int4_linear_matches_its_dequantized_weights(group, m, n):
 
 
 @needs_avx512
+@pytest.mark.parametrize("params", ["fp16", "fp32"])
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6])
 @pytest.mark.parametrize("n", [7, 50, 100])
-def test_int4_avx512_rows_match_the_avx2_path(group, m, n):
+def test_int4_avx512_rows_match_the_avx2_path(params, group, m, n):
     """One to six rows on AVX-512F (four rows a pass, a remainder of panels
     one at a time): the AVX2 path's sums up to their order."""
-    mod, w, b = _int4(n, 384, group, seed=m * 100 + n)
+    mod, w, b = _int4(n, 384, group, seed=m * 100 + n, params=params)
     x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m))
     base = torch.randn(m, n)
     with _avx2_only():
@@ -182,11 +192,12 @@ def test_int4_avx512_rows_match_the_avx2_path(group, m, n):
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize("params", ["fp16", "fp32"])
 @pytest.mark.parametrize("m", [7, 13, 40])
-def test_int4_bf16_dot_gemm_runs_the_rounded_weights_and_rows(m):
+def test_int4_bf16_dot_gemm_runs_the_rounded_weights_and_rows(params, m):
     """Over six rows on AVX512-BF16 an int4 panel is widened and rounded to
     bf16 like the rows: the fp32 GEMM of the rounded values, up to order."""
-    mod, w, b = _int4(50, 384, 32, seed=m)
+    mod, w, b = _int4(50, 384, 32, seed=m, params=params)
     x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m))
     xr, wr = x.to(torch.bfloat16).float(), w.to(torch.bfloat16).float()
     with _bf16_dot(True):
