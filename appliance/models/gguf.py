@@ -6,6 +6,10 @@ Block layouts (32 weights a block, little endian):
     Q4_1: f16 d, f16 m, 16 bytes of nibbles   x = d * q + m
     Q8_0: f16 d, 32 x int8                    x = d * q
 Nibbles: byte j holds weight j (low 4 bits) and weight j + 16 (high 4 bits).
+K-quants (super-blocks of 256; see dequant_q4_k, _q5_k, _q6_k):
+    Q4_K: f16 d, f16 dmin, 8 x 6-bit (sc, m), nibbles   x = d sc q - dmin m per 32
+    Q5_K: as Q4_K plus a fifth bit per weight
+    Q6_K: 6-bit q in nibbles + bit pairs, 16 x int8 sc, f16 d   x = d sc (q - 32) per 16
 llama.cpp stores Q and K projections with their rotary halves interleaved
 (its converter permutes them); ``unpermute`` restores Hugging Face's order.
 """
@@ -54,6 +58,71 @@ def dequant_q8_0(raw: np.ndarray) -> np.ndarray:
     return (d * q).reshape(-1)
 
 
+QK_K = 256  # weights per K-quant super-block
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes of 6-bit sub-block scales and mins -> two
+    [blocks, 8] arrays. Sub-blocks 0-3 keep six bits in bytes 0-3 (scales)
+    and 4-7 (mins); sub-blocks 4-7 take their low four bits from bytes 8-11
+    (scale low nibble, min high nibble) and their top two from the top two
+    bits of bytes 0-3 (scales) and 4-7 (mins)."""
+    lo, hi, mix = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 6) << 4)], axis=1)
+    mn = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_low_high(qs: np.ndarray) -> np.ndarray:
+    """K-quant nibbles: each 32 bytes hold 64 weights, the low nibbles first
+    and then the high ones -> [blocks, QK_K] values 0..15."""
+    q = qs.reshape(qs.shape[0], -1, 1, 32)
+    return np.concatenate([q & 0x0F, q >> 4], axis=2).reshape(qs.shape[0], QK_K)
+
+
+def _q4_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks (fp16 d, fp16 dmin, 12 bytes of scales, 128 bytes of
+    nibbles) -> (q [blocks, 256], sub-block scale d * sc and min -dmin * m,
+    fp32 [blocks, 8]): weight = scale * q + min, each product exact in fp32."""
+    b = _blocks(raw, 4 + 12 + QK_K // 2)
+    d = b[:, :2].copy().view(np.float16).astype(np.float32)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = _k_scales(b[:, 4:16])
+    return _k_low_high(b[:, 16:]), d * sc, -(dmin * mn)
+
+
+def dequant_q4_k(raw: np.ndarray) -> np.ndarray:
+    q, scale, mn = _q4_k_parts(raw)
+    sub = q.reshape(q.shape[0], 8, 32).astype(np.float32)
+    return (scale[..., None] * sub + mn[..., None]).reshape(-1)
+
+
+def dequant_q5_k(raw: np.ndarray) -> np.ndarray:
+    """Q5_K: Q4_K's layout plus 32 bytes of fifth bits (bit 2i and 2i + 1 of
+    byte l: weight l of 64-chunk i, low then high half)."""
+    b = _blocks(raw, 4 + 12 + QK_K // 8 + QK_K // 2)
+    d = b[:, :2].copy().view(np.float16).astype(np.float32)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = _k_scales(b[:, 4:16])
+    qh = b[:, 16:48]
+    fifth = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [blocks, 8 sub-blocks, 32]
+    q = _k_low_high(b[:, 48:]).reshape(-1, 8, 32) + (fifth << 4)
+    return ((d * sc)[..., None] * q.astype(np.float32) - (dmin * mn)[..., None]).reshape(-1)
+
+
+def dequant_q6_k(raw: np.ndarray) -> np.ndarray:
+    """Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales
+    (one per 16 weights), fp16 d; weight = d * scale * (q - 32)."""
+    b = _blocks(raw, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2)
+    ql, qh = b[:, :128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
+    scales = b[:, 192:208].copy().view(np.int8).astype(np.float32)
+    d = b[:, 208:210].copy().view(np.float16).astype(np.float32)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # [blocks, 2 halves, 128]: l, l + 32, then l + 64, l + 96
+    high = (qh[:, :, None, :] >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3  # [.., 4, 32]
+    q = (low.reshape(-1, 2, 4, 32) | (high << 4)).astype(np.float32) - 32
+    return ((d * scales).reshape(-1, 2, 4, 2, 1) * q.reshape(-1, 2, 4, 2, 16)).reshape(-1)
+
+
 def _plain(dtype) -> Callable[[np.ndarray], np.ndarray]:
     return lambda raw: np.ascontiguousarray(raw).view(dtype).astype(np.float32).reshape(-1)
 
@@ -70,6 +139,9 @@ DEQUANT: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "Q4_0": dequant_q4_0,
     "Q4_1": dequant_q4_1,
     "Q8_0": dequant_q8_0,
+    "Q4_K": dequant_q4_k,
+    "Q5_K": dequant_q5_k,
+    "Q6_K": dequant_q6_k,
 }
 
 
@@ -81,15 +153,19 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.nd
     return fn(raw).reshape(shape)
 
 
-INT4_TYPES = ("Q4_0", "Q4_1")  # block types that are int4 panels as they are (quantization=gguf)
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # block types that are int4 panels as they are (quantization=gguf)
 
 
 def int4_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A Q4_0 or Q4_1 tensor as (q uint8 [n, k] in 0..15, d fp16 [n, k / 32],
-    m fp16 [n, k / 32]) with weight = d * q + m, exactly the block formula:
-    Q4_1 stores d and m; Q4_0's d * (q - 8) is m = -8 d (a power of two
-    times an fp16, exact in fp16)."""
+    """A Q4_0, Q4_1 or Q4_K tensor as (q uint8 [n, k] in 0..15, d [n, k / 32],
+    m [n, k / 32]) with weight = d * q + m, exactly the block formula:
+    Q4_1 stores d and m (fp16); Q4_0's d * (q - 8) is m = -8 d (a power of
+    two times an fp16, exact in fp16); Q4_K's sub-blocks of 32 have scale
+    d * sc and min -dmin * m (fp32, where those products are exact)."""
     n, k = shape
+    if type_name == "Q4_K":
+        q, scale, mn = _q4_k_parts(raw)
+        return q.reshape(n, k).astype(np.uint8), scale.reshape(n, k // QK), mn.reshape(n, k // QK)
     if type_name == "Q4_1":
         b = _blocks(raw, 4 + QK // 2)
         d = b[:, :2].copy().view(np.float16)

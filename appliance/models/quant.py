@@ -21,6 +21,7 @@ larger batches dequantize the weight and use the fp32 GEMM
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -154,7 +155,11 @@ def keep_gguf_int4(model: nn.Module, blocks: dict[str, tuple], others: dict[str,
                          f"serve it with quantization=none (dequantized at load)")
 
     def linear(names: list[str], bias: torch.Tensor | None) -> Int4WeightOnlyLinear:
+        # fp16 parts (Q4_0/Q4_1) beside fp32 ones (Q4_K) widen exactly to fp32
+        f32 = any(blocks[n][1].dtype == np.float32 for n in names)
         q, d, m = (torch.cat([torch.from_numpy(blocks[n][i]) for n in names]) for i in range(3))
+        if f32:
+            d, m = d.float(), m.float()
         return Int4WeightOnlyLinear(None, bias, blocks=(q, d, m))
 
     for target, group in parts.items():

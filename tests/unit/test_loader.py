@@ -76,6 +76,8 @@ def test_gguf_blocks_replace_each_projection_in_its_row_order():
 
     model = _tiny_model()
     blocks = _checkpoint_blocks(model)
+    k = blocks["model.layers.1.self_attn.k_proj.weight"]
+    blocks["model.layers.1.self_attn.k_proj.weight"] = (k[0], k[1].astype(np.float32), k[2].astype(np.float32))
     before = {p: model.model.layers[1].get_submodule(p).weight.data.clone() for p in PROJECTIONS}
     keep_gguf_int4(model, blocks, {"model.embed_tokens.weight": "Q8_0"})
     for p in PROJECTIONS:
@@ -84,8 +86,11 @@ def test_gguf_blocks_replace_each_projection_in_its_row_order():
         # the stacked blocks dequantize to the fused weight quantized part by part, in place
         assert (dequantize_int4(mod.weight_q4, mod.q4_scale, mod.q4_min) - before[p]).abs().max() < 0.1
     q = blocks["model.layers.1.self_attn.k_proj.weight"]
-    k_rows = model.model.layers[1].self_attn.qkv_proj.weight_q4[64:96]  # 4 heads x 16, then 2 kv heads x 16
-    assert torch.equal(k_rows, torch.from_numpy(q[0]))
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    assert torch.equal(qkv.weight_q4[64:96], torch.from_numpy(q[0]))  # 4 heads x 16, then 2 kv heads x 16
+    assert qkv.q4_scale.dtype == torch.float32  # one part with fp32 parameters (a Q4_K tensor) widens the rest
+    assert torch.equal(qkv.q4_scale[:64], torch.from_numpy(blocks["model.layers.1.self_attn.q_proj.weight"][1]).float())
+    assert model.model.layers[1].mlp.down_proj.q4_scale.dtype == torch.float16
 
 
 def test_gguf_projections_of_another_width_are_refused_by_name():
@@ -97,6 +102,40 @@ def test_gguf_projections_of_another_width_are_refused_by_name():
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn.v_proj.weight \(Q6_K\) are not built at their "
                                          r"width yet: serve it with quantization=none"):
         keep_gguf_int4(model, blocks, {"model.layers.0.self_attn.v_proj.weight": "Q6_K"})
+
+
+def _random_k_blocks(qtype, n_blocks, seed=0):
+    """Random K-quant super-blocks (every bit pattern of the packed fields) with finite fp16 scales."""
+    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+    fp16 = rng.uniform(1e-3, 0.1, (n_blocks, 2)).astype(np.float16).view(np.uint8)
+    if qtype == "Q6_K":
+        raw[:, 208:210] = fp16[:, :2]
+    else:
+        raw[:, 0:4] = fp16
+    return raw.reshape(-1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quants_dequantize_like_the_reference(qtype):
+    import gguf
+
+    raw = _random_k_blocks(qtype, 6)
+    ref = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, qtype)).reshape(-1)
+    np.testing.assert_array_equal(our.dequantize(raw, qtype, (6 * 256,)), ref)
+
+
+def test_q4_k_blocks_are_int4_with_fp32_sub_block_parameters():
+    import torch
+
+    from appliance.models.quant import dequantize_int4
+
+    raw = _random_k_blocks("Q4_K", 4, seed=1)
+    q, d, m = our.int4_blocks(raw, "Q4_K", (2, 512))
+    assert d.dtype == m.dtype == np.float32 and d.shape == (2, 16) and int(q.max()) <= 15
+    w = dequantize_int4(*(torch.from_numpy(a) for a in (q, d, m)))
+    np.testing.assert_array_equal(w.numpy(), our.dequantize(raw, "Q4_K", (2, 512)))
 
 
 def test_unsupported_tensor_type_is_named():
