@@ -153,7 +153,7 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
     m = cfg.model
     backend = load_backend(ex.backend)(m.num_heads, m.num_kv_heads, m.head_dim, m.head_dim ** -0.5,
                                        ex.kv_cache_dtype)
-    model, tokenizer, _ = load_model(m, backend, dtype, device)
+    model, tokenizer, _ = load_model(m, backend, dtype, device, cfg.quantization.method)
     if cfg.quantization.method == "int8_wo":
         from appliance.models.quant import quantize_int8_weight_only
 

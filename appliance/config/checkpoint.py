@@ -6,7 +6,10 @@ writes them over the model option's numbers before validation, so plans and
 resolved configs describe what will load. The built-in sources
 (``smollm2_gguf``, ``tiny_random``) and Hugging Face ids keep the catalog's
 numbers. An explicit ``model.*`` override that contradicts the checkpoint is
-a problem naming both values.
+a problem naming both values. A folder's ``quantization_config`` (AWQ,
+GPTQ, fp8) sets the ``quantization`` keys the same way: the checkpoint's
+method, bits and group size apply unless ``quantization=`` names another
+method, which is a problem naming both.
 
 Torch-free: config.json is plain JSON, and GGUF metadata is read from the
 file header without touching the tensors.
@@ -257,7 +260,92 @@ def _explicit_keys(overrides: Sequence[str]) -> set[str]:
     return keys
 
 
-def apply_checkpoint(model: dict, overrides: Sequence[str]) -> list[str]:
+# quantization_config.quant_method -> quantization.method, for the methods the schema has.
+CHECKPOINT_QUANT_METHODS = {"awq": "awq", "gptq": "gptq", "fp8": "fp8"}
+
+
+def quantization_facts(hf: dict) -> tuple[list[Fact], list[str]]:
+    """The ``quantization`` keys a config.json's ``quantization_config`` states
+    (keys dotted below ``quantization``), and what of it cannot run."""
+    qc = hf.get("quantization_config")
+    if not qc:
+        return [], []
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in CHECKPOINT_QUANT_METHODS:
+        return [], [f"quantization_config.quant_method={method or '(none)'} is not supported; supported: "
+                    f"{', '.join(CHECKPOINT_QUANT_METHODS)}"]
+    facts = [Fact("method", CHECKPOINT_QUANT_METHODS[method], f"quantization_config.quant_method={method}")]
+    problems = []
+    if method in ("awq", "gptq"):
+        bits = qc.get("bits", qc.get("w_bit"))
+        group = qc.get("group_size", qc.get("q_group_size", -1))
+        facts += [Fact("weight_bits", float(bits), f"quantization_config bits={bits}"),
+                  Fact("group_size", int(group), f"quantization_config group_size={group}")]
+        if bits != 4:
+            problems.append(f"{method} with {bits}-bit weights is not built yet (4-bit only)")
+        if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
+            problems.append(f"AWQ version {qc.get('version')} is not supported (the GEMM layout only)")
+        if method == "awq" and not qc.get("zero_point", True):
+            problems.append("AWQ without zero points is not supported")
+        if method == "gptq" and qc.get("desc_act"):
+            problems.append("GPTQ with desc_act=true (act-order groups) is not built yet")
+        if method == "gptq" and qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v1"):
+            problems.append(f"GPTQ checkpoint_format={qc.get('checkpoint_format')} is not supported (gptq only)")
+    return facts, problems
+
+
+def _quantization_override(overrides: Sequence[str]) -> Optional[str]:
+    """The method ``quantization=X`` or ``quantization.method=X`` names, if any."""
+    named = None
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.lstrip("+~") in ("quantization", "quantization.method"):
+            named = value
+    return named
+
+
+def _apply_quantization(cfg: dict, path: Path, overrides: Sequence[str]) -> list[str]:
+    q = cfg["quantization"]
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return []  # read_facts has said why
+    facts, problems = quantization_facts(hf)
+    problems = [f"model.path={cfg['model']['path']}: {p}" for p in problems]
+    named = _quantization_override(overrides)
+    if not facts:
+        if named in ("awq", "gptq"):
+            problems.append(f"quantization={named} loads an {named.upper()} checkpoint, and model.path="
+                            f"{cfg['model']['path']} has no quantization_config; use quantization=int4_wo to "
+                            f"quantize at load on a CPU")
+        return problems
+    if named is not None and named != facts[0].value:
+        return problems + [f"quantization={named} but the checkpoint {path} has {facts[0].source}; drop the "
+                           f"override or set quantization={facts[0].value}"]
+    explicit = {o.partition("=")[0].lstrip("+~")[len("quantization."):] for o in overrides
+                if o.lstrip("+~").startswith("quantization.")}
+    for f in facts:
+        if f.key in explicit and not same(q[f.key], f.value):
+            problems.append(f"quantization.{f.key}={shown(q[f.key])} but the checkpoint {path} has {f.source}")
+        else:
+            q[f.key] = f.value
+    return problems
+
+
+def apply_checkpoint(cfg: dict, overrides: Sequence[str]) -> list[str]:
+    """Write the facts of the local checkpoint ``cfg["model"]["path"]`` names
+    into the composed ``cfg`` dict (its ``model`` keys, and its
+    ``quantization`` keys from a folder's quantization_config); return the
+    problems (an unreadable checkpoint, an explicit override contradicting
+    it). The explicit value stays where one contradicts."""
+    problems = _apply_model_facts(cfg["model"], overrides)
+    path = local_checkpoint(cfg["model"]["path"])
+    if path is not None and path.is_dir():
+        problems += _apply_quantization(cfg, path, overrides)
+    return problems
+
+
+def _apply_model_facts(model: dict, overrides: Sequence[str]) -> list[str]:
     """Write the facts of the local checkpoint ``model["path"]`` names into the
     composed ``model`` dict; return the problems (an unreadable checkpoint, an
     explicit override contradicting it). The explicit value stays where one

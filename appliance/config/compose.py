@@ -182,7 +182,7 @@ def resolve(overrides: Sequence[str] = (), *, check: bool = True, device: Any = 
         # rejects them like any other unknown key.
         plain = OmegaConf.to_container(composed, resolve=True)
         # A local checkpoint's own facts replace the model option's numbers.
-        checkpoint_problems = apply_checkpoint(plain["model"], rest)
+        checkpoint_problems = apply_checkpoint(plain, rest)
         obj = _plain_values(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema.ApplianceConfig), plain)))
     except OmegaConfBaseException as e:
         raise ConfigError(_explain_compose_error(e, rest)) from None

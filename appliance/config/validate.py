@@ -22,12 +22,19 @@ INT4_GROUP_SIZES = (32, 64, 128)  # the native int4 kernels' groups along k
 def _weight_only_problems(cfg: ApplianceConfig) -> list[str]:
     """int8_wo is per output channel at 8 bits; int4_wo is 4 bits in groups
     that tile every projection's input; gguf keeps a GGUF file's 4-bit blocks
-    (groups of 32)."""
+    (groups of 32); awq and gptq checkpoints are 4-bit in even groups that
+    tile the inputs (their quantization_config sets these keys)."""
     q, m = cfg.quantization, cfg.model
     out = []
-    bits = {"int8_wo": 8.0, "int4_wo": 4.0, "gguf": 4.0}.get(q.method)
+    bits = {"int8_wo": 8.0, "int4_wo": 4.0, "gguf": 4.0, "awq": 4.0, "gptq": 4.0}.get(q.method)
     if bits is None:
         return out
+    if q.method in ("awq", "gptq") and q.group_size != -1:
+        bad = [v for v in (m.hidden_size, m.num_heads * m.head_dim, m.intermediate_size) if v % q.group_size]
+        if q.group_size < 2 or q.group_size % 2 or bad:
+            out.append(f"quantization.group_size={q.group_size} must be even and divide the model's projection "
+                       f"inputs ({m.hidden_size}, {m.num_heads * m.head_dim}, {m.intermediate_size}), or -1 "
+                       f"(one group per output channel)")
     if q.method == "gguf":
         if m.path != "smollm2_gguf" and not m.path.endswith(".gguf"):
             out.append(f"quantization=gguf keeps the blocks of a GGUF file, and model.path={m.path} is not one; "

@@ -190,13 +190,29 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: Any = "cpu"):
-    """(model, tokenizer, folder) for the model config ``m``."""
+def _install_int4_checkpoint(model: Any, method: str, parts: dict[str, dict], folder: Path) -> set[str]:
+    """The AWQ/GPTQ projections as int4 linears; the module weights they fill."""
+    from appliance.models.int4_checkpoints import checkpoint_blocks
+    from appliance.models.quant import install_int4
+
+    try:
+        blocks = {name: checkpoint_blocks(method, p) for name, p in parts.items()}
+        return install_int4(model, blocks)
+    except ValueError as e:
+        raise ModelLoadError(f"{folder}: {e}") from None
+
+
+def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: Any = "cpu",
+               quantization: str = "none"):
+    """(model, tokenizer, folder) for the model config ``m``; ``quantization``
+    is the configured method, which must agree with a checkpoint's own
+    quantization_config (AWQ/GPTQ projections load as int4 linears)."""
     import torch
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
 
+    from appliance.models.int4_checkpoints import UNPACK
     from appliance.models.llama import LlamaForCausalLM, ModelArch, packed_target
 
     folder = resolve_model_folder(m)
@@ -208,10 +224,20 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     expected = dict(model.named_parameters())
     loaded: set[str] = set()
     packed_rows: dict[str, int] = {}  # packed parameter -> rows filled so far
+    int4_method = str((hf.get("quantization_config") or {}).get("quant_method", "")).lower()
+    if (int4_method in UNPACK or quantization in UNPACK) and int4_method != quantization:
+        raise ModelLoadError(
+            f"{folder}: quantization={quantization} but the checkpoint's quantization_config says "
+            f"{int4_method or 'none (unquantized)'}; set quantization={int4_method or 'none'}")
+    int4_parts: dict[str, dict[str, torch.Tensor]] = {}  # AWQ/GPTQ projection weight name -> its tensors
     for f in _safetensors_files(folder):
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
                 if name == "lm_head.weight" and arch.tie_word_embeddings:
+                    continue
+                prefix, _, suffix = name.rpartition(".")
+                if int4_method in UNPACK and suffix in UNPACK[int4_method][1]:
+                    int4_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(name)
                     continue
                 packed = packed_target(arch, name)
                 target = packed[0] if packed else name
@@ -240,6 +266,8 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
                     continue
                 set_module_tensor_to_device(model, name, device, value=t, dtype=dtype)
                 loaded.add(name)
+    if int4_parts:
+        loaded |= _install_int4_checkpoint(model, int4_method, int4_parts, folder)
     missing = sorted(set(expected) - loaded)
     if missing:
         raise ModelLoadError(f"{folder}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

@@ -128,50 +128,64 @@ def quantize_int8_weight_only(model: nn.Module) -> nn.Module:
     return model
 
 
-def keep_gguf_int4(model: nn.Module, blocks: dict[str, tuple], others: dict[str, str]) -> None:
-    """Replace every projection (and an untied LM head) whose checkpoint
-    tensors are all 4-bit GGUF blocks (``appliance.models.gguf.read_int4_tensors``:
-    (q, d, m) by Hugging Face name) with an int4 linear of exactly those
-    blocks; a fused projection's parts are stacked in its row order. Raises
-    ValueError naming the tensors of another type (they would run
-    dequantized, at a width the plan does not count)."""
-    from appliance.models.gguf import INT4_TYPES
+def install_int4(model: nn.Module, blocks: dict[str, tuple]) -> set[str]:
+    """Replace the projections (and an untied LM head) given as int4 blocks
+    ((q, d, m) by checkpoint weight name, e.g. ``...self_attn.q_proj.weight``)
+    with int4 linears; a fused projection's parts are stacked in its row
+    order, and fp16 parameters widen exactly to fp32 beside fp32 ones.
+    Returns the module weight names replaced (every part of a fused
+    projection must be given)."""
     from appliance.models.llama import packed_target
 
     arch = model.arch
     parts: dict[str, list[tuple[int, str]]] = {}  # module weight -> [(row offset, checkpoint name)]
-    for name in list(blocks) + list(others):
-        if ".layers." not in name or not name.endswith("_proj.weight"):
+    for name in blocks:
+        if name == "lm_head.weight":
             continue
         packed = packed_target(arch, name)
         target, start = (packed[0], packed[1]) if packed else (name, 0)
         parts.setdefault(target, []).append((start, name))
-    wide = sorted(f"{name} ({others[name]})" for group in parts.values() for _, name in group if name in others)
+
+    def linear(names: list[str], bias: torch.Tensor | None) -> Int4WeightOnlyLinear:
+        f32 = any(blocks[n][1].dtype in (np.float32, torch.float32) for n in names)
+        q, d, m = (torch.cat([torch.as_tensor(blocks[n][i]) for n in names]) for i in range(3))
+        if f32:
+            d, m = d.float(), m.float()
+        return Int4WeightOnlyLinear(None, bias, blocks=(q, d, m))
+
+    for target, group in parts.items():
+        parent_path, attr = target[: -len(".weight")].rsplit(".", 1)
+        parent = model.get_submodule(parent_path)
+        lin = getattr(parent, attr)
+        rows = sum(blocks[name][0].shape[0] for _, name in group)
+        if rows != lin.out_features:
+            raise ValueError(f"{target}: int4 blocks give {rows} of its {lin.out_features} rows")
+        bias = lin.bias.data if lin.bias is not None else None
+        setattr(parent, attr, linear([name for _, name in sorted(group)], bias))
+    if not arch.tie_word_embeddings and "lm_head.weight" in blocks:
+        model.lm_head_q = linear(["lm_head.weight"], None)
+        del model.lm_head
+        return set(parts) | {"lm_head.weight"}
+    return set(parts)
+
+
+def keep_gguf_int4(model: nn.Module, blocks: dict[str, tuple], others: dict[str, str]) -> None:
+    """``install_int4`` for a GGUF file's 4-bit tensors
+    (``appliance.models.gguf.read_int4_tensors``); raises ValueError naming
+    the projections of another type (they would run dequantized, at a width
+    the plan does not count)."""
+    from appliance.models.gguf import INT4_TYPES
+
+    arch = model.arch
+    wide = sorted(f"{name} ({kind})" for name, kind in others.items()
+                  if ".layers." in name and name.endswith("_proj.weight"))
     if not arch.tie_word_embeddings and "lm_head.weight" in others:
         wide.append(f"lm_head.weight ({others['lm_head.weight']})")
     if wide:
         raise ValueError(f"quantization=gguf keeps 4-bit projections ({', '.join(INT4_TYPES)}); this file's "
                          f"{', '.join(wide[:4])}{' ...' if len(wide) > 4 else ''} are not built at their width yet: "
                          f"serve it with quantization=none (dequantized at load)")
-
-    def linear(names: list[str], bias: torch.Tensor | None) -> Int4WeightOnlyLinear:
-        # fp16 parts (Q4_0/Q4_1) beside fp32 ones (Q4_K) widen exactly to fp32
-        f32 = any(blocks[n][1].dtype == np.float32 for n in names)
-        q, d, m = (torch.cat([torch.from_numpy(blocks[n][i]) for n in names]) for i in range(3))
-        if f32:
-            d, m = d.float(), m.float()
-        return Int4WeightOnlyLinear(None, bias, blocks=(q, d, m))
-
-    for target, group in parts.items():
-        module_path = target[: -len(".weight")]
-        parent_path, attr = module_path.rsplit(".", 1)
-        parent = model.get_submodule(parent_path)
-        lin = getattr(parent, attr)
-        bias = lin.bias.data if lin.bias is not None else None
-        setattr(parent, attr, linear([name for _, name in sorted(group)], bias))
-    if not arch.tie_word_embeddings and "lm_head.weight" in blocks:
-        model.lm_head_q = linear(["lm_head.weight"], None)
-        del model.lm_head
+    install_int4(model, blocks)
 
 
 def quantize_int4_weight_only(model: nn.Module, group: int = 32) -> nn.Module:

@@ -30,8 +30,9 @@ BASE = ["+profile=cpu"]
 # from memory): compared from there.
 FROM_MEMORY = [*BASE, "cache.kv_cache_memory_gib=null"]
 BASES = {
-    "quantization.weight_bits": [*BASE, "quantization=awq"],
-    "quantization.group_size": [*BASE, "quantization=awq"],
+    # AWQ's default groups of 128 do not divide SmolLM2's 576 inputs
+    "quantization.weight_bits": [*BASE, "quantization=awq", "quantization.group_size=64"],
+    "quantization.group_size": [*BASE, "quantization=awq", "quantization.group_size=64"],
     "quantization.activations": ["+profile=h100_fp8"],
     "cache.memory_utilization": FROM_MEMORY,
     "hardware.memory_gib": FROM_MEMORY,
@@ -71,7 +72,7 @@ ALTERNATIVES = {
     "quantization.weight_bits": 8.0,
     "quantization.method": "int8_wo",
     "quantization.activations": False,
-    "quantization.group_size": 64,
+    "quantization.group_size": 32,
     "cache.block_size": 32,
     "cache.memory_utilization": 0.5,
     "cache.kv_cache_memory_gib": 0.5,
