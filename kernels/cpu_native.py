@@ -106,7 +106,8 @@ def bf16_dot(enabled: Optional[bool] = None) -> bool:
 def avx512(enabled: Optional[bool] = None) -> bool:
     """Whether int4-weight GEMMs over one to six rows run on AVX-512F (16
     channels a register, every widened panel feeding up to four rows)
-    rather than the AVX2 GEMV (one row) or widening to fp32 (more rows); on
+    rather than on AVX2 (the GEMV at one row, one panel by up to four rows
+    beyond); on
     by default where the CPU has AVX512F/BW, unless ``APPLIANCE_CPU_AVX512=0``.
     Both sum in fp32; only the order differs. ``enabled`` switches it; on is
     refused, returning False, where the CPU lacks it."""
@@ -205,7 +206,7 @@ class NativeLinear:
             if wtype == WTYPE_Q4:
                 module.qparams_packed = qparams
                 module.weight_q4 = torch.empty(0, dtype=torch.uint8)
-                module.q4_scale = module.q4_min = torch.empty(0, dtype=torch.float16)
+                module.q4_scale = module.q4_min = torch.empty(0, dtype=qparams.dtype)
             elif wtype == WTYPE_I8:
                 module.weight_int8 = torch.empty(0, dtype=torch.int8)
             else:

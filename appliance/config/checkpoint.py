@@ -276,11 +276,16 @@ def quantization_facts(hf: dict) -> tuple[list[Fact], list[str]]:
                     f"{', '.join(CHECKPOINT_QUANT_METHODS)}"]
     facts = [Fact("method", CHECKPOINT_QUANT_METHODS[method], f"quantization_config.quant_method={method}")]
     problems = []
+    if method == "fp8":
+        facts.append(Fact("weight_bits", 8.0, "quantization_config.quant_method=fp8"))
     if method in ("awq", "gptq"):
         bits = qc.get("bits", qc.get("w_bit"))
         group = qc.get("group_size", qc.get("q_group_size", -1))
+        if not isinstance(bits, int) or not isinstance(group, int):
+            return facts, [f"quantization_config of {method} needs integer bits and group_size; it has "
+                           f"bits={bits}, group_size={group}"]
         facts += [Fact("weight_bits", float(bits), f"quantization_config bits={bits}"),
-                  Fact("group_size", int(group), f"quantization_config group_size={group}")]
+                  Fact("group_size", group, f"quantization_config group_size={group}")]
         if bits != 4:
             problems.append(f"{method} with {bits}-bit weights is not built yet (4-bit only)")
         if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
@@ -299,7 +304,7 @@ def _quantization_override(overrides: Sequence[str]) -> Optional[str]:
     named = None
     for o in overrides:
         key, _, value = o.partition("=")
-        if key.lstrip("+~") in ("quantization", "quantization.method"):
+        if not key.startswith("~") and key.lstrip("+") in ("quantization", "quantization.method"):
             named = value
     return named
 
@@ -322,8 +327,8 @@ def _apply_quantization(cfg: dict, path: Path, overrides: Sequence[str]) -> list
     if named is not None and named != facts[0].value:
         return problems + [f"quantization={named} but the checkpoint {path} has {facts[0].source}; drop the "
                            f"override or set quantization={facts[0].value}"]
-    explicit = {o.partition("=")[0].lstrip("+~")[len("quantization."):] for o in overrides
-                if o.lstrip("+~").startswith("quantization.")}
+    explicit = {o.partition("=")[0].lstrip("+")[len("quantization."):] for o in overrides
+                if o.lstrip("+").startswith("quantization.")}
     for f in facts:
         if f.key in explicit and not same(q[f.key], f.value):
             problems.append(f"quantization.{f.key}={shown(q[f.key])} but the checkpoint {path} has {f.source}")

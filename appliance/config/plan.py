@@ -66,7 +66,9 @@ def weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
         return counts["total"] * full
     bits = q.weight_bits
     if q.group_size > 0:
-        per_group = 16 if method == "fp8" else 32  # a scale, or (int4) a scale and a min or zero point
+        # fp8: an fp16 scale; int4_wo and gguf Q4_0/Q4_1: an fp16 scale and min; AWQ/GPTQ: an fp32 scale and
+        # -scale x zero (a Q4_K file's fp32 sub-block parameters are one bit a weight more than counted here)
+        per_group = {"fp8": 16, "awq": 64, "gptq": 64}.get(method, 32)
         bits += per_group / q.group_size
     linear = int(counts["linear"] * bits / 8)
     if method in ("fp8", "int8_wo"):  # per-output-channel fp32 scales

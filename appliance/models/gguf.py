@@ -254,9 +254,9 @@ def gguf_config(reader) -> dict:
 
 
 def read_int4_tensors(gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str]]:
-    """The file's 4-bit tensors as (q, d, m) numpy arrays by Hugging Face name
-    (q and k projections unpermuted like their dequantized weights), and the
-    block type of every other tensor."""
+    """The file's 4-bit projections (and untied LM head) as (q, d, m) numpy
+    arrays by Hugging Face name (q and k projections unpermuted like their
+    dequantized weights), and the block type of every other tensor."""
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
@@ -266,7 +266,8 @@ def read_int4_tensors(gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str]
     blocks, others = {}, {}
     for t in reader.tensors:
         name, kind = hf_name(t.name), t.tensor_type.name
-        if kind not in INT4_TYPES:
+        projection = name == "lm_head.weight" or (".layers." in name and name.endswith("_proj.weight"))
+        if kind not in INT4_TYPES or not projection:  # a 4-bit embedding is dequantized for lookups
             others[name] = kind
             continue
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))

@@ -52,7 +52,7 @@ def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     inv = [AWQ_ORDER.index(c) for c in range(8)]  # channel c sits in nibble inv[c]
     q = _nibbles(qweight)[..., inv].reshape(qweight.shape[0], -1)  # [in, out]
     z = _nibbles(qzeros)[..., inv].reshape(qzeros.shape[0], -1)  # [groups, out]
-    if q.shape[1] != scales.shape[1] or z.shape != scales.shape:
+    if q.shape[1] != scales.shape[1] or z.shape != scales.shape or q.shape[0] % scales.shape[0]:
         raise ValueError(f"AWQ tensors disagree: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
                          f"scales {tuple(scales.shape)}")
     return _blocks(q.T, z.T, scales.T)
@@ -70,7 +70,9 @@ def pack_awq(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor) -> dict[str, tor
 def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None):
     """A GPTQ projection (no act-order) as int4 blocks (q [out, in], d, m [out, in / group])."""
     q = _nibbles(qweight.T).reshape(qweight.shape[1], -1)  # [out, in]: input 8 w + i from nibble i of word w
-    z = (_nibbles(qzeros).reshape(qzeros.shape[0], -1).to(torch.int32) + 1) & 0xF  # [groups, out], stored z - 1
+    # [groups, out], stored z - 1; a true zero of 0 (stored 15) comes back as 0, as AutoGPTQ's torch path reads it
+    # (its packer cannot write that case cleanly anyway)
+    z = (_nibbles(qzeros).reshape(qzeros.shape[0], -1).to(torch.int32) + 1) & 0xF
     groups, k = scales.shape[0], q.shape[1]
     if k % groups or z.shape != scales.shape or q.shape[0] != scales.shape[1]:
         raise ValueError(f"GPTQ tensors disagree: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "

@@ -6,8 +6,9 @@ fp32 scale per output channel (symmetric, round to nearest): a quarter of
 the fp32 bytes to stream per decode step.
 
 int4: each packed projection keeps 4-bit weights w = d * q + m, q in 0..15,
-with an fp16 scale d and min m per output channel per group of
-``group_size`` inputs (asymmetric, round to nearest; llama.cpp's Q4_1 at
+with a scale d and min m per output channel per group of ``group_size``
+inputs (fp16 from this quantizer; fp32 where a checkpoint's scale times an
+integer zero point needs it, see ``install_int4``) (asymmetric, round to nearest; llama.cpp's Q4_1 at
 group 32): 5 bits a weight at group 32. The LM head is int8 as above (it
 holds a fifth of a small model's weights and its logits feel 4-bit
 rounding most). The native CPU backend runs these weights as they are
@@ -80,8 +81,8 @@ def dequantize_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.
 
 
 class Int4WeightOnlyLinear(nn.Module):
-    """4-bit weights with fp16 group scales and mins, from a float weight
-    (quantized here) or from given (q, d, m) (a checkpoint's own blocks)."""
+    """4-bit weights with group scales and mins (fp16, or fp32), from a float
+    weight (quantized here) or from given (q, d, m) (a checkpoint's own blocks)."""
 
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, group: int = 32,
                  blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
@@ -90,6 +91,10 @@ class Int4WeightOnlyLinear(nn.Module):
         if q.dtype != torch.uint8 or d.dtype not in (torch.float16, torch.float32) or m.dtype != d.dtype \
                 or d.shape != m.shape:
             raise ValueError("int4 blocks are uint8 q with fp16 (or fp32) scales and mins of one dtype and shape")
+        if q.dim() != 2 or d.dim() != 2 or d.shape[0] != q.shape[0] or q.shape[1] % d.shape[1] \
+                or (q.shape[1] // d.shape[1]) % 2:
+            raise ValueError(f"int4 blocks of {tuple(q.shape)} weights with {tuple(d.shape)} scales: each row's "
+                             f"groups must tile its inputs in an even number of weights")
         self.register_buffer("weight_q4", q)
         self.register_buffer("q4_scale", d)
         self.register_buffer("q4_min", m)

@@ -7,8 +7,8 @@
  * o_proj with the residual add fused, RMSNorm, packed gate|up GEMM, SiLU*up,
  * down with the residual add fused), the final norm on the sampled rows and
  * the LM head. Weights are fp32, bf16, int8 with one fp32 scale per
- * output channel, or 4-bit with an fp16 scale and min per group of k (see
- * "int4 panels"), packed in panels of 16 output channels
+ * output channel, or 4-bit with an fp16 or fp32 scale and min per group of k
+ * (see "int4 panels"), packed in panels of 16 output channels
  * (kernels/cpu_native.py packs them); the embedding table is fp32 or bf16.
  * Activations and accumulation are fp32 whatever the weights (except where
  * batched bf16 GEMMs run on AVX512-BF16, see below); the KV cache is fp32
@@ -257,8 +257,8 @@ DISPATCH_PTILE(bf16, uint16_t)
 
 /* ------------------------------------------------------------ int4 panels */
 /*
- * 4-bit weights w = d * q + m (q in 0..15; d, m fp16, one pair per output
- * channel per group of `group` k). A panel holds 16 channels as k pairs:
+ * 4-bit weights w = d * q + m (q in 0..15; d, m one pair per output channel
+ * per group of `group` k). A panel holds 16 channels as k pairs:
  * byte c of pair j is channel c, its low nibble k = 2j and its high nibble
  * k = 2j + 1; each group's 16 scales then 16 mins follow in qparams, fp16
  * (llama.cpp's Q4_0/Q4_1 and the int4_wo quantizer) or fp32 (a scale times an

@@ -107,6 +107,25 @@ def test_the_checkpoint_sets_the_quantization_keys(checkpoints, method):
         resolve(BASE + [f"model.path={checkpoints[method]}", "quantization.group_size=64"])
 
 
+def test_the_plan_counts_fp32_group_parameters(checkpoints):
+    from appliance.config.plan import make_plan, parameter_counts
+
+    cfg = resolve(BASE + [f"model.path={checkpoints['awq']}"]).cfg
+    counts = parameter_counts(cfg.model)
+    full = {"float32": 4, "bfloat16": 2}[make_plan(cfg).dtype]
+    assert make_plan(cfg).weight_bytes_total == int(counts["linear"] * (4 + 64 / 32) / 8) + \
+        (counts["embedding"] + counts["lm_head"] + counts["other"]) * full
+
+
+def test_incomplete_quantization_configs_are_problems(tmp_path, checkpoints):
+    folder = shutil.copytree(checkpoints["awq"], tmp_path / "no-bits")
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]["bits"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="needs integer bits and group_size; it has bits=None"):
+        resolve(BASE + [f"model.path={folder}"])
+
+
 def test_a_method_the_folder_does_not_have_is_refused(checkpoints, tmp_path):
     with pytest.raises(ConfigError, match="quantization=awq loads an AWQ checkpoint, and model.path=.* has no "
                                           "quantization_config"):

@@ -44,6 +44,52 @@ def test_int4_blocks_are_the_block_formula_bit_for_bit(qtype):
         our.int4_blocks(raw, "Q8_0", (8, 96))
 
 
+def test_gguf_int4_tensors_are_the_projections_unpermuted_like_their_weights(tmp_path):
+    """read_int4_tensors takes 4-bit projections (q/k rows in Hugging Face
+    order, as the converter writes the dequantized weights); a 4-bit
+    embedding and other types are listed with their type."""
+    import gguf
+    import torch
+
+    from appliance.models.quant import dequantize_int4
+
+    path = str(tmp_path / "t.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for add, v in [(w.add_block_count, 1), (w.add_embedding_length, 64), (w.add_feed_forward_length, 128),
+                   (w.add_head_count, 4), (w.add_head_count_kv, 2), (w.add_context_length, 256),
+                   (w.add_layer_norm_rms_eps, 1e-5), (w.add_vocab_size, 64)]:
+        add(v)
+    rng, raw = np.random.default_rng(0), {}
+    for name, shape, kind in [("token_embd.weight", (64, 64), "Q4_0"), ("blk.0.attn_q.weight", (64, 64), "Q4_1"),
+                              ("blk.0.attn_k.weight", (32, 64), "Q4_0"), ("blk.0.attn_v.weight", (32, 64), "Q8_0")]:
+        t = getattr(gguf.GGMLQuantizationType, kind)
+        raw[name] = (gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32), t), kind, shape)
+        w.add_tensor(name, raw[name][0], raw_shape=raw[name][0].shape, raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    blocks, others = our.read_int4_tensors(tmp_path / "t.gguf")
+    assert others == {"model.embed_tokens.weight": "Q4_0", "model.layers.0.self_attn.v_proj.weight": "Q8_0"}
+    for gguf_name, heads in (("blk.0.attn_q.weight", 4), ("blk.0.attn_k.weight", 2)):
+        data, kind, shape = raw[gguf_name]
+        want = our.unpermute(our.dequantize(data, kind, shape), heads)
+        got = dequantize_int4(*(torch.from_numpy(a) for a in blocks[our.hf_name(gguf_name)]))
+        np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_int4_blocks_must_tile_their_rows():
+    import torch
+
+    from appliance.models.quant import Int4WeightOnlyLinear
+
+    q, d = torch.zeros(4, 96, dtype=torch.uint8), torch.ones(4, 2, dtype=torch.float16)
+    Int4WeightOnlyLinear(None, None, blocks=(q, d, d))  # groups of 48
+    for bad in (torch.ones(4, 5, dtype=torch.float16), torch.ones(4, 32, dtype=torch.float16)):  # 96 / 5, groups of 3
+        with pytest.raises(ValueError, match="must tile its inputs in an even number"):
+            Int4WeightOnlyLinear(None, None, blocks=(q, bad, bad))
+
+
 def _tiny_model():
     from appliance import LLM
 
@@ -209,6 +255,9 @@ def test_unbuilt_quantization_is_refused_clearly():
 
     gpu_awq = resolve(["+profile=h100_bf16", "model=llama3_1_8b", "quantization=awq"]).cfg
     assert any("quantization=awq runs on CPUs so far" in p for p in not_built(gpu_awq))
+    gpu_gguf = resolve(["+profile=h100_bf16", "quantization=gguf"]).cfg
+    assert any("quantization=gguf runs on CPUs so far" in p and "quantization=none (dequantized at load)" in p
+               for p in not_built(gpu_gguf))
     fp8 = resolve(["+profile=h100_fp8", "model=llama3_1_8b"]).cfg
     assert any("quantization=fp8 can be planned but its weight kernels are not built yet" in p for p in not_built(fp8))
 
