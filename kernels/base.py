@@ -91,14 +91,35 @@ class AttentionBackend:
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store the step's K/V, scaled into an fp8 cache when it is one."""
-        if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            write_kv(kv_cache, k.float() / self.k_scale, v.float() / self.v_scale, slot_mapping)
+        if kv_cache.dtype in FP8_DTYPES:
+            write_kv(kv_cache, to_fp8(k.float() / self.k_scale, kv_cache.dtype),
+                     to_fp8(v.float() / self.v_scale, kv_cache.dtype), slot_mapping)
         else:
             write_kv(kv_cache, k, v, slot_mapping)
+
+    def read_kv(self, x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+        """Cached K or V (``scale``: k_scale or v_scale) as ``dtype``."""
+        return x.to(dtype) * scale if x.dtype in FP8_DTYPES else x.to(dtype)
+
+    def as_cached(self, x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+        """``x`` as the cache would return it: rounded to the cache's dtype (and fp8 scale)."""
+        if cache_dtype in FP8_DTYPES:
+            return to_fp8(x.float() / scale, cache_dtype).to(x.dtype) * scale
+        return x.to(cache_dtype).to(x.dtype) if cache_dtype != x.dtype else x
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: Any) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> out [T, H, D]."""
         raise NotImplementedError
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 to an fp8 dtype, round to nearest even, saturating at the largest
+    finite value (torch's e5m2 cast would overflow to infinity)."""
+    big = torch.finfo(dtype).max
+    return x.clamp(-big, big).to(dtype)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

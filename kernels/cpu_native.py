@@ -54,7 +54,7 @@ class Layer(ctypes.Structure):
 class Model(ctypes.Structure):
     _fields_ = [("n_layers", _i32), ("hidden", _i32), ("inter", _i32), ("n_heads", _i32), ("n_kv_heads", _i32),
                 ("head_dim", _i32), ("vocab", _i32), ("max_pos", _i32), ("eps", _f32), ("attn_scale", _f32),
-                ("kv_bf16", _i32), ("embed_bf16", _i32), ("embed", _p), ("final_norm", _p), ("rope_cos", _p), ("rope_sin", _p),
+                ("kv_type", _i32), ("embed_bf16", _i32), ("embed", _p), ("final_norm", _p), ("rope_cos", _p), ("rope_sin", _p),
                 ("lm_head", Linear), ("layers", ctypes.POINTER(Layer))]
 
 
@@ -245,24 +245,28 @@ class NativeMetadata:
 def paged_attention(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, md: NativeMetadata,
                     num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
     """q [T, H*D] (row stride may exceed H*D), out [T, H*D]: attention over the paged
-    cache (fp32 or bf16) in place."""
+    cache (fp32, bf16 or fp8) in place."""
     c = md.common
     _LIB.appl_attention(q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), kv_cache[0].data_ptr(),
                         kv_cache[1].data_ptr(), c.num_actual_tokens, c.num_reqs, md.qsl.data_ptr(),
                         md.seq_lens.data_ptr(), md.block_table.data_ptr(), md.block_table.stride(0), c.block_size,
-                        num_heads, num_kv_heads, head_dim, scale, int(kv_cache.dtype == torch.bfloat16))
+                        num_heads, num_kv_heads, head_dim, scale, KV_TYPES[kv_cache.dtype])
 
 
-KV_DTYPES = (torch.float32, torch.bfloat16)
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}  # KV_* in cpu_ops.c
+KV_DTYPES = tuple(KV_TYPES)
 
 
 class CpuNativeBackend(AttentionBackend):
     name = "cpu_native"
     native_forward = True
-    kv_dtypes = {"bfloat16": torch.bfloat16}
+    kv_dtypes = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *args: Any, **kw: Any):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, *args, **kw)
+        if (self.k_scale, self.v_scale) != (1.0, 1.0):
+            raise ValueError(f"cpu_native keeps fp8 K/V unscaled; k_scale={self.k_scale}, v_scale={self.v_scale} "
+                             f"are not built yet")
         if head_dim % 8 or num_heads % num_kv_heads or num_heads // num_kv_heads > 64:
             raise ValueError(f"cpu_native needs head_dim % 8 == 0 and at most 64 query heads per kv head; got "
                              f"head_dim={head_dim}, {num_heads} heads over {num_kv_heads} kv heads")
@@ -284,7 +288,7 @@ class CpuNativeBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, md: NativeMetadata):
         if kv_cache.dtype not in KV_DTYPES:
-            raise ValueError(f"cpu_native keeps an fp32 or bf16 KV cache, got {kv_cache.dtype}")
+            raise ValueError(f"cpu_native keeps an fp32, bf16 or fp8 KV cache, got {kv_cache.dtype}")
         self.write_kv(k, v, kv_cache, md.common.slot_mapping)
         t = q.shape[0]
         q2 = _f32_contig(q, "the query").view(t, -1)
@@ -343,8 +347,8 @@ class NativeForward:
             return
         dtypes = {c.dtype for c in kv_caches}
         if len(dtypes) != 1 or not dtypes <= set(KV_DTYPES):
-            raise ValueError(f"cpu_native needs one fp32 or bf16 KV cache dtype, got {sorted(map(str, dtypes))}")
-        self.struct.kv_bf16 = int(kv_caches[0].dtype == torch.bfloat16)
+            raise ValueError(f"cpu_native needs one fp32, bf16 or fp8 KV cache dtype, got {sorted(map(str, dtypes))}")
+        self.struct.kv_type = KV_TYPES[kv_caches[0].dtype]
         for i, c in enumerate(kv_caches):
             if not c.is_contiguous():
                 raise ValueError("cpu_native needs a contiguous KV cache")

@@ -28,7 +28,7 @@ class SDPAMetadata:
 
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
-    kv_dtypes = {"bfloat16": torch.bfloat16}
+    kv_dtypes = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
     def build_metadata(self, common: CommonAttentionMetadata) -> SDPAMetadata:
         qsl = common.query_start_loc_cpu
@@ -61,7 +61,8 @@ class TorchSDPABackend(AttentionBackend):
             vv = kv[1].view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             qq = q[md.decode_tokens].unsqueeze(2)  # [n, H, 1, D]
             o = F.scaled_dot_product_attention(
-                qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=md.decode_mask, scale=self.scale, enable_gqa=gqa
+                qq, self.read_kv(kk, q.dtype, self.k_scale), self.read_kv(vv, q.dtype, self.v_scale),
+                attn_mask=md.decode_mask, scale=self.scale, enable_gqa=gqa
             )
             out[md.decode_tokens] = o.squeeze(2)
         qsl, seq_lens = c.query_start_loc_cpu, c.seq_lens_cpu
@@ -73,9 +74,8 @@ class TorchSDPABackend(AttentionBackend):
             if prefix == 0:
                 # A fresh prompt attends only to its own chunk: use this step's K/V, no cache gather
                 # (rounded as the cache stores them, so every step attends the same values).
-                kk, vv = k[start:end], v[start:end]
-                if kv_cache.dtype != q.dtype:
-                    kk, vv = kk.to(kv_cache.dtype).to(q.dtype), vv.to(kv_cache.dtype).to(q.dtype)
+                kk = self.as_cached(k[start:end], kv_cache.dtype, self.k_scale)
+                vv = self.as_cached(v[start:end], kv_cache.dtype, self.v_scale)
                 o = F.scaled_dot_product_attention(qq, kk.transpose(0, 1), vv.transpose(0, 1),
                                                    is_causal=True, scale=self.scale, enable_gqa=gqa)
             else:
@@ -84,6 +84,8 @@ class TorchSDPABackend(AttentionBackend):
                 kk = key_cache[bt].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx].transpose(0, 1)
                 vv = value_cache[bt].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx].transpose(0, 1)
                 mask = torch.arange(ctx).view(1, -1) <= (prefix + torch.arange(q_len)).view(-1, 1)
-                o = F.scaled_dot_product_attention(qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(qq, self.read_kv(kk, q.dtype, self.k_scale),
+                                                   self.read_kv(vv, q.dtype, self.v_scale), attn_mask=mask,
+                                                   scale=self.scale, enable_gqa=gqa)
             out[start:end] = o.transpose(0, 1)
         return out

@@ -135,7 +135,7 @@ def validate(cfg: ApplianceConfig) -> list[str]:
         )
     problems += _weight_only_problems(cfg)
     kv = cache.kv_cache_dtype
-    if kv.startswith("fp8") and not hw.fp8:
+    if kv.startswith("fp8") and not hw.fp8 and hw.device_kind != "cpu":  # CPU kernels convert in software
         problems.append(
             f"cache.kv_cache_dtype={kv} needs native fp8 and hardware={hw.name} has none; "
             f"use cache.kv_cache_dtype=auto, or a profile on {FP8_HARDWARE}"

@@ -11,8 +11,8 @@
  * (see "int4 panels"), packed in panels of 16 output channels
  * (kernels/cpu_native.py packs them); the embedding table is fp32 or bf16.
  * Activations and accumulation are fp32 whatever the weights (except where
- * batched bf16 GEMMs run on AVX512-BF16, see below); the KV cache is fp32
- * or bf16.
+ * batched bf16 GEMMs run on AVX512-BF16, see below); the KV cache is fp32,
+ * bf16 or fp8 (e4m3 or e5m2, unscaled: k_scale = v_scale = 1).
  *
  * Built at first use by kernels/cpu_native.py (gcc -O3 -mavx2 -mfma -mf16c -ffp-contract=off
  * -fopenmp; the AVX512-BF16 functions by target attribute, chosen at run
@@ -27,6 +27,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#define KV_F32 0
+#define KV_BF16 1
+#define KV_FP8_E4M3 2 /* e4m3fn: no infinities, largest finite 448 */
+#define KV_FP8_E5M2 3 /* the top byte of an fp16 */
 
 #define WTYPE_F32 0
 #define WTYPE_I8 1
@@ -52,7 +57,7 @@ typedef struct {
 typedef struct {
     int32_t n_layers, hidden, inter, n_heads, n_kv_heads, head_dim, vocab, max_pos;
     float eps, attn_scale;
-    int32_t kv_bf16;         /* KV cache elements: fp32, or bf16 (uint16) when set */
+    int32_t kv_type;         /* KV cache elements: KV_F32, KV_BF16 (uint16), KV_FP8_E4M3 or KV_FP8_E5M2 (uint8) */
     int32_t embed_bf16;      /* embedding rows: fp32, or bf16 (uint16) when set */
     const void *embed;       /* [vocab, hidden] */
     const float *final_norm; /* [hidden] */
@@ -908,9 +913,55 @@ static void attend_item_##SUFFIX(const float *qg, float *og, const KT *k_base, c
     }                                                                                                                 \
 }
 
+/* fp8 -> fp32: e4m3 through a table (filled at load), e5m2 as the top byte of an fp16. */
+static float g_e4m3[256];
+
+static float e4m3_value(uint8_t b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    const float mag = e == 15 && m == 7 ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
+    return b & 0x80 ? -mag : mag;
+}
+
+static void __attribute__((constructor)) fill_e4m3_table(void) {
+    for (int b = 0; b < 256; b++) g_e4m3[b] = e4m3_value((uint8_t)b);
+}
+
 static inline __m256 load_kv_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load_e4m3(const uint8_t *p) {
+    return _mm256_i32gather_ps(g_e4m3, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), 4);
+}
+static inline __m256 load_e5m2(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
+}
 DEFINE_ATTEND(f32, float, load_kv_f32)
 DEFINE_ATTEND(bf16, uint16_t, load_bf16)
+DEFINE_ATTEND(e4m3, uint8_t, load_e4m3)
+DEFINE_ATTEND(e5m2, uint8_t, load_e5m2)
+
+/* fp32 -> fp8 with `ebits` exponent and `mbits` mantissa bits, round to nearest even, saturating at the
+ * largest finite code (max_code); NaN stays NaN. */
+static uint8_t f32_to_fp8(float f, int ebits, int mbits, int max_code) {
+    const uint8_t sign = signbit(f) ? 0x80 : 0;
+    if (isnan(f)) return sign | (uint8_t)(max_code == 0x7e ? 0x7f : 0x7e);
+    const int bias = (1 << (ebits - 1)) - 1;
+    const int max_e = max_code >> mbits, max_m = max_code & ((1 << mbits) - 1);
+    const float a = fabsf(f), max_finite = ldexpf((float)((1 << mbits) + max_m), max_e - bias - mbits);
+    if (a >= max_finite) return sign | (uint8_t)max_code;
+    if (a == 0.0f) return sign;
+    int e;
+    frexpf(a, &e); /* a = 1.x * 2^(e - 1) */
+    int E = e - 1 + bias;
+    if (E < 1) /* subnormal steps of 2^(1 - bias - mbits); rounding up to 2^mbits is the smallest normal's code */
+        return sign | (uint8_t)(int)nearbyintf(ldexpf(a, bias - 1 + mbits));
+    int q = (int)nearbyintf(ldexpf(a, mbits - (e - 1))); /* 2^mbits .. 2^(mbits + 1) */
+    if (q == 2 << mbits) q = 1 << mbits, E++;
+    const int code = (E << mbits) | (q - (1 << mbits));
+    return sign | (uint8_t)(code > max_code ? max_code : code);
+}
+
+uint8_t appl_f32_to_fp8(float f, int kv_type) {
+    return kv_type == KV_FP8_E4M3 ? f32_to_fp8(f, 4, 3, 0x7e) : f32_to_fp8(f, 5, 2, 0x7b);
+}
 
 /* fp32 -> bf16, round to nearest even (NaN kept quiet) */
 static inline uint16_t f32_to_bf16(float f) {
@@ -920,16 +971,23 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-void appl_kv_write(void *k_cache, void *v_cache, const float *k, const float *v, int64_t slot, int64_t n, int bf16) {
-    if (!bf16) {
+void appl_kv_write(void *k_cache, void *v_cache, const float *k, const float *v, int64_t slot, int64_t n,
+                   int kv_type) {
+    if (kv_type == KV_F32) {
         memcpy((float *)k_cache + slot * n, k, sizeof(float) * n);
         memcpy((float *)v_cache + slot * n, v, sizeof(float) * n);
-        return;
-    }
-    uint16_t *kc = (uint16_t *)k_cache + slot * n, *vc = (uint16_t *)v_cache + slot * n;
-    for (int64_t i = 0; i < n; i++) {
-        kc[i] = f32_to_bf16(k[i]);
-        vc[i] = f32_to_bf16(v[i]);
+    } else if (kv_type == KV_BF16) {
+        uint16_t *kc = (uint16_t *)k_cache + slot * n, *vc = (uint16_t *)v_cache + slot * n;
+        for (int64_t i = 0; i < n; i++) {
+            kc[i] = f32_to_bf16(k[i]);
+            vc[i] = f32_to_bf16(v[i]);
+        }
+    } else {
+        uint8_t *kc = (uint8_t *)k_cache + slot * n, *vc = (uint8_t *)v_cache + slot * n;
+        for (int64_t i = 0; i < n; i++) {
+            kc[i] = appl_f32_to_fp8(k[i], kv_type);
+            vc[i] = appl_f32_to_fp8(v[i], kv_type);
+        }
     }
 }
 
@@ -944,7 +1002,7 @@ void appl_kv_write(void *k_cache, void *v_cache, const float *k, const float *v,
 void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const void *k_cache,
                     const void *v_cache, int n_tokens, int n_reqs, const int32_t *qsl, const int32_t *seq_lens,
                     const int32_t *block_table, int bt_stride, int bs, int n_heads, int n_kv_heads, int d,
-                    float scale, int kv_bf16) {
+                    float scale, int kv_type) {
     const int grp = n_heads / n_kv_heads;
     int max_len = 8;
     for (int r = 0; r < n_reqs; r++)
@@ -973,13 +1031,20 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
             const float *qi = q + (int64_t)t * ldq + h0 * d;
             float *oi = out + (int64_t)t * ldo + h0 * d;
             const int32_t *bt = block_table + (int64_t)r * bt_stride;
-            if (kv_bf16)
-                attend_item_bf16(qi, oi, (const uint16_t *)k_cache + (h0 / grp) * d,
-                                 (const uint16_t *)v_cache + (h0 / grp) * d, bt, n_vis, bs, kv_stride, nh, grp, d,
-                                 scale, scores, ld, scores + (size_t)nh * ld);
+            const int64_t off = (h0 / grp) * d;
+            float *inv = scores + (size_t)nh * ld;
+            if (kv_type == KV_BF16)
+                attend_item_bf16(qi, oi, (const uint16_t *)k_cache + off, (const uint16_t *)v_cache + off, bt, n_vis,
+                                 bs, kv_stride, nh, grp, d, scale, scores, ld, inv);
+            else if (kv_type == KV_FP8_E4M3)
+                attend_item_e4m3(qi, oi, (const uint8_t *)k_cache + off, (const uint8_t *)v_cache + off, bt, n_vis,
+                                 bs, kv_stride, nh, grp, d, scale, scores, ld, inv);
+            else if (kv_type == KV_FP8_E5M2)
+                attend_item_e5m2(qi, oi, (const uint8_t *)k_cache + off, (const uint8_t *)v_cache + off, bt, n_vis,
+                                 bs, kv_stride, nh, grp, d, scale, scores, ld, inv);
             else
-                attend_item_f32(qi, oi, (const float *)k_cache + (h0 / grp) * d, (const float *)v_cache + (h0 / grp) * d,
-                                bt, n_vis, bs, kv_stride, nh, grp, d, scale, scores, ld, scores + (size_t)nh * ld);
+                attend_item_f32(qi, oi, (const float *)k_cache + off, (const float *)v_cache + off, bt, n_vis, bs,
+                                kv_stride, nh, grp, d, scale, scores, ld, inv);
         }
         free(scores);
     }
@@ -1060,12 +1125,12 @@ void appl_forward(const Model *M, const Step *S) {
             const float *c = M->rope_cos + pos * d, *s = M->rope_sin + pos * d;
             rope_heads(qt, H, (int)d, c, s);
             rope_heads(kt, KVH, (int)d, c, s);
-            appl_kv_write(L->k_cache, L->v_cache, kt, vt, S->slot_mapping[t], KVH * d, M->kv_bf16);
+            appl_kv_write(L->k_cache, L->v_cache, kt, vt, S->slot_mapping[t], KVH * d, M->kv_type);
         }
         g_phase[PH_ROPE_KV] += now_s() - t_rope;
         PHASE(PH_ATTN, appl_attention(qkv, qkv_w, att, attn_w, L->k_cache, L->v_cache, (int)T, S->n_reqs, S->qsl,
                                       S->seq_lens, S->block_table, S->bt_stride, S->block_size, H, KVH, (int)d,
-                                      M->attn_scale, M->kv_bf16));
+                                      M->attn_scale, M->kv_type));
         PHASE(PH_O, appl_linear(&L->o, att, attn_w, x, hid, T, 1));
         PHASE(PH_NORM, appl_rmsnorm(x, hid, L->ln2, h, hid, T, (int)hid, M->eps));
         PHASE(PH_GATE_UP, appl_linear(&L->gate_up, h, hid, gu, 2 * inter, T, 0));

@@ -47,9 +47,11 @@ def test_kv_cache_dtypes():
     assert FlashInferBackend.cache_dtype("fp8_e5m2", torch.bfloat16) == torch.float8_e5m2
     assert FlashInferBackend.cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     from appliance.kernels.torch_sdpa import TorchSDPABackend
+    from appliance.kernels.triton_attention import TritonAttentionBackend
 
-    with pytest.raises(ValueError, match="the torch_sdpa backend has no fp8_e4m3 KV cache"):
-        TorchSDPABackend.cache_dtype("fp8_e4m3", torch.float32)
+    assert TorchSDPABackend.cache_dtype("fp8_e4m3", torch.float32) == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="the triton backend has no fp8_e5m2 KV cache"):
+        TritonAttentionBackend.cache_dtype("fp8_e5m2", torch.float32)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel runs only on CUDA")

@@ -114,9 +114,11 @@ def test_cpu_falls_back_to_torch_sdpa_when_native_kernels_cannot_build(monkeypat
     assert any(line.startswith("cpu_native: rejected: package not importable") for line in sel.explain())
 
 
-def test_cpu_native_runs_bf16_and_refuses_fp8_kv():
+def test_cpu_native_runs_bf16_and_fp8_kv():
     cfg = resolve(["+profile=cpu", "model.dtype=bfloat16"]).cfg
     assert reg.BACKENDS["cpu_native"].validate(cfg, "bfloat16") == []
     assert make_plan(cfg).attention_backend == "cpu_native"
-    cfg = resolve(["+profile=cpu", "cache.kv_cache_dtype=fp8_e4m3"], check=False).cfg
-    assert any("kv_cache_dtype fp8_e4m3" in r for r in reg.BACKENDS["cpu_native"].validate(cfg, "float32"))
+    for kv in ("fp8_e4m3", "fp8_e5m2"):
+        cfg = resolve(["+profile=cpu", f"cache.kv_cache_dtype={kv}"]).cfg
+        assert reg.BACKENDS["cpu_native"].validate(cfg, "float32") == []
+    assert any("kv_cache_dtype fp8_e5m2" in r for r in reg.BACKENDS["triton"].validate(cfg, "float32"))

@@ -89,7 +89,8 @@ def _problems(*overrides):
     "overrides,expected",
     [
         (["+profile=cpu", "quantization=fp8"], "quantization=fp8 (W8A8) needs native fp8 and hardware=cpu has none"),
-        (["+profile=cpu", "cache.kv_cache_dtype=fp8_e4m3"], "cache.kv_cache_dtype=fp8_e4m3 needs native fp8"),
+        (["+profile=h100_bf16", "model=llama3_1_8b", "hardware.fp8=false", "cache.kv_cache_dtype=fp8_e4m3"],
+         "cache.kv_cache_dtype=fp8_e4m3 needs native fp8"),
         (["+profile=h100_bf16", "cache.block_size=8"], "cache.block_size=8 is outside hardware=h100's range [16, 256]"),
         (["+profile=h100_bf16", "cache.block_size=24", "hardware.attention_backends=[flash_attn3,triton]"],
          "cache.block_size=24 is supported by none of hardware=h100's backends ['flash_attn3', 'triton']"),
@@ -151,6 +152,14 @@ def test_plan_numbers_smollm2_cpu():
     assert p.max_concurrency_at_max_len == round(5825 * 16 / 8192, 2)
     assert p.decode_roofline_tok_s == round(30e9 / (134_515_008 * 2), 1)
     assert p.attention_backend == "cpu_native"
+
+
+def test_fp8_kv_cache_halves_bf16_kv_bytes_on_cpu():
+    bf16 = make_plan(resolve(["+profile=cpu", "cache.kv_cache_dtype=bfloat16"]).cfg)
+    for kv in ("fp8_e4m3", "fp8_e5m2"):
+        fp8 = make_plan(resolve(["+profile=cpu", f"cache.kv_cache_dtype={kv}"]).cfg)
+        assert fp8.kv_bytes_per_token * 2 == bf16.kv_bytes_per_token
+        assert fp8.num_kv_blocks == 2 * bf16.num_kv_blocks
 
 
 def test_bf16_kv_cache_halves_kv_bytes_on_cpu():

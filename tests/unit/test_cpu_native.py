@@ -261,6 +261,63 @@ def test_bf16_kv_cache_whole_model_matches_torch_path():
     assert same_as_fp32 >= len(PROMPTS) - 2  # bf16 K/V rounding may flip a near tie
 
 
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+@pytest.mark.parametrize("kind", list(FP8))
+def test_native_fp8_kv_write_rounds_like_torch(kind):
+    """The whole-step forward's K/V write (C) and the layer path's (torch)
+    store the same byte for every value: round to nearest even, subnormals,
+    saturation at the largest finite value, signed zeros."""
+    import ctypes
+
+    from appliance.kernels.base import to_fp8
+    from appliance.kernels.cpu_native import _LIB, KV_TYPES
+
+    big = torch.finfo(FP8[kind]).max
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(4096, generator=g) * torch.logspace(-12, 6, 4096, base=2.0),
+                   torch.tensor([0.0, -0.0, big, -big, big * 1.03, big * 1.1, 1e30, float("inf"), float("-inf")]),
+                   torch.finfo(FP8[kind]).tiny * torch.arange(-24, 25) / 8])  # subnormals and their ties
+    kc, vc = torch.zeros(x.numel(), dtype=torch.uint8), torch.zeros(x.numel(), dtype=torch.uint8)
+    _LIB.appl_kv_write(ctypes.c_void_p(kc.data_ptr()), ctypes.c_void_p(vc.data_ptr()), ctypes.c_void_p(x.data_ptr()),
+                       ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(0), ctypes.c_int64(x.numel()),
+                       ctypes.c_int(KV_TYPES[FP8[kind]]))
+    want = to_fp8(x, FP8[kind]).view(torch.uint8)
+    assert torch.equal(kc, want) and torch.equal(vc, want)
+
+
+@pytest.mark.parametrize("kind", list(FP8))
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (9, 3)])
+def test_fp8_kv_cache_matches_sdpa_on_the_rounded_values(kind, num_heads, num_kv_heads):
+    common, q, k, v, cache = make_problem(MIXED, 16, num_heads, num_kv_heads, 64, seed=7)
+    fp8_cache = cache.to(FP8[kind])
+    b = CpuNativeBackend(num_heads, num_kv_heads, 64, 0.125, kv_cache_dtype=kind)
+    out = b.forward(q, k, v, fp8_cache, b.build_metadata(common))
+    kq, vq = k.to(FP8[kind]).float(), v.to(FP8[kind]).float()
+    ref_out, ref_cache = reference(common, q, kq, vq, fp8_cache.float(), num_heads, num_kv_heads, 64)
+    torch.testing.assert_close(fp8_cache.float(), ref_cache, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(FP8))
+def test_fp8_kv_cache_whole_model_matches_torch_path(kind):
+    """The native whole-step forward (C write, table or fp16 reads) against
+    torch_sdpa over the same fp8 cache: the same tokens."""
+    overrides = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", f"cache.kv_cache_dtype={kind}"]
+    p = SamplingParams(max_tokens=16, temperature=0, logprobs=3)
+    ref_llm = LLM(overrides=overrides, selection=Selection(chosen="torch_sdpa"))
+    assert ref_llm.engine.runner.kv_caches[0].dtype == FP8[kind]
+    ref = ref_llm.generate(PROMPTS, p, use_tqdm=False)
+    nat_llm = LLM(overrides=overrides)
+    assert nat_llm.engine.runner.kv_caches[0].dtype == FP8[kind]
+    nat = nat_llm.generate(PROMPTS, p, use_tqdm=False)
+    for a, b in zip(ref, nat):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert lb.logprob == pytest.approx(la.logprob, abs=1e-4)
+
+
 def test_long_context_softmax_is_stable():
     # 300 positions of large logits: the max-subtracted exp must not overflow.
     common, q, k, v, cache = make_problem([(290, 10), (0, 1)], 16, 4, 2, 64, seed=5)
