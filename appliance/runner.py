@@ -162,6 +162,11 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
         from appliance.models.quant import quantize_int4_weight_only
 
         quantize_int4_weight_only(model, cfg.quantization.group_size)
+    elif cfg.quantization.method == "fp8":
+        from appliance.models.fp8 import Fp8Linear, quantize_fp8
+
+        if not isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear):  # an fp8 checkpoint loads as fp8
+            quantize_fp8(model, cfg.quantization.activations)
     elif cfg.quantization.method == "gguf":
         from appliance.models.gguf import read_int4_tensors
         from appliance.models.loader import gguf_source

@@ -53,6 +53,8 @@ class BackendCapabilities:
     head_sizes: tuple[int, ...] = (64, 80, 96, 128, 256)
     block_size_multiple: int = 16
     block_size_power_of_two: bool = False
+    # Weight formats a backend that runs the whole step itself can execute (None: any, the model's own modules).
+    quantizations: Optional[tuple[str, ...]] = None
 
     def supports_block_size(self, block_size: int) -> bool:
         if block_size % self.block_size_multiple:
@@ -88,6 +90,8 @@ class BackendCapabilities:
         kv = cfg.cache.kv_cache_dtype
         if kv not in self.kv_dtypes and kv != dtype:  # naming the model's own dtype is "auto"
             reasons.append(f"kv_cache_dtype {kv} not in {list(self.kv_dtypes)}")
+        if self.quantizations is not None and cfg.quantization.method not in self.quantizations:
+            reasons.append(f"quantization {cfg.quantization.method} not in {list(self.quantizations)}")
         if cfg.model.head_dim not in self.head_sizes:
             reasons.append(f"head_dim {cfg.model.head_dim} not in {list(self.head_sizes)}")
         if not self.supports_block_size(cfg.cache.block_size):
@@ -124,6 +128,7 @@ BACKENDS: dict[str, BackendCapabilities] = {
         kv_dtypes=("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"),
         head_sizes=tuple(range(8, 513, 8)),
         block_size_multiple=1,
+        quantizations=("none", "gguf", "int8_wo", "int4_wo", "awq", "gptq"),  # fp8: the torch reference path
     ),
     "triton": BackendCapabilities(
         name="triton",

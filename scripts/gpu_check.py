@@ -1,5 +1,6 @@
 """GPU check: every attention backend that imports against torch_sdpa on
-realistic shapes, plus a short end-to-end generation on each.
+realistic shapes, plus a short end-to-end generation on each, and the fp8
+W8A8 GEMM (torch._scaled_mm) against its reference path.
 
 Writes gpu_check.json (and prints a summary) into $OUT (or ./gpu-results).
 Needs only torch (+ triton, flashinfer, FA3 where installed); the end-to-end
@@ -92,10 +93,33 @@ def e2e_case(name: str) -> dict:
     return {"backend": name, "prompts": len(prompts), "identical_to_sdpa": same, "seconds": time.perf_counter() - t0}
 
 
+def fp8_gemm_case(m: int, n: int = 4096, k: int = 4096) -> dict:
+    """W8A8 through torch._scaled_mm (row-wise scales) against the reference
+    path (the same fp8 weights and activations dequantized, one bf16 GEMM)."""
+    from appliance.models.fp8 import Fp8Linear, quantize_per_channel_fp8
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    w = torch.randn(n, k, device="cuda", generator=g) / k ** 0.5
+    x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    q, scale = quantize_per_channel_fp8(w)
+    lin = Fp8Linear(q, scale, None, activations=True)
+    got = lin(x)
+    ref = lin.cpu()(x.cpu()).to("cuda")  # the reference path runs off the GPU
+    lin.to("cuda")
+    err = (got.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+    return {"gemm": "fp8 W8A8", "m": m, "n": n, "k": k, "max_rel_err": err, "ok": err < 2e-2,
+            "ms": time_ms(lambda: lin(x)), "bf16_ms": time_ms(lambda: x @ w.to(torch.bfloat16).t())}
+
+
 def main() -> int:
     os.makedirs(OUT, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "kernels": [], "e2e": [],
-              "not_importable": {}}
+              "gemms": [], "not_importable": {}}
+    for m in (1, 16, 100, 2048):
+        try:
+            report["gemms"].append(fp8_gemm_case(m))
+        except Exception as e:
+            report["gemms"].append({"gemm": "fp8 W8A8", "m": m, "error": repr(e), "trace": traceback.format_exc()[-2000:]})
     for name in ("triton", "flashinfer", "flash_attn3"):
         provider, err = probe_importable(name)
         if provider is None:
@@ -116,7 +140,7 @@ def main() -> int:
     with open(os.path.join(OUT, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=2)
     print(json.dumps(report, indent=2))
-    return 0 if all(k.get("ok") for k in report["kernels"]) else 1
+    return 0 if all(k.get("ok") for k in report["kernels"] + report["gemms"]) else 1
 
 
 if __name__ == "__main__":

@@ -277,7 +277,12 @@ def quantization_facts(hf: dict) -> tuple[list[Fact], list[str]]:
     facts = [Fact("method", CHECKPOINT_QUANT_METHODS[method], f"quantization_config.quant_method={method}")]
     problems = []
     if method == "fp8":
-        facts.append(Fact("weight_bits", 8.0, "quantization_config.quant_method=fp8"))
+        scheme = qc.get("activation_scheme")
+        facts += [Fact("weight_bits", 8.0, "quantization_config.quant_method=fp8"),
+                  Fact("group_size", -1, "quantization_config.quant_method=fp8 (per-tensor or per-channel scales)"),
+                  Fact("activations", scheme is not None, f"quantization_config.activation_scheme={scheme}")]
+        if scheme not in (None, "dynamic", "static"):
+            problems.append(f"fp8 activation_scheme={scheme} is not supported (dynamic or static)")
     if method in ("awq", "gptq"):
         bits = qc.get("bits", qc.get("w_bit"))
         group = qc.get("group_size", qc.get("q_group_size", -1))

@@ -197,7 +197,8 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
     bw = cfg.hardware.memory_bandwidth_gbps * 1e9
     roofline = bw / w_dev if w_dev else 0.0
     peak = cfg.hardware.peak_tflops
-    compute_dtype = "fp8" if cfg.quantization.method == "fp8" and cfg.quantization.activations else {
+    fp8_gemm = cfg.quantization.method == "fp8" and cfg.quantization.activations and cfg.hardware.fp8
+    compute_dtype = "fp8" if fp8_gemm else {
         "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
     tflops = getattr(peak, compute_dtype)
     counts = parameter_counts(cfg.model)
@@ -208,6 +209,9 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
     if offload:
         notes.append(f"{offload / GIB:.2f} GiB of weights per device offloaded to host memory (cache.cpu_offload_gib)")
     notes += [f"not built yet, serving refuses it: {u}" for u in not_built(cfg)]
+    if cfg.quantization.method == "fp8" and not cfg.hardware.fp8:
+        notes.append("fp8 weights on hardware without fp8 run the reference path (dequantized per GEMM): correct, "
+                     "not fast; the decode roofline above assumes fp8 bytes")
     swap_blocks = int(cfg.cache.swap_space_gib * GIB) // (bs * per_tok) if per_tok else 0
     return Plan(
         profile=cfg.profile,

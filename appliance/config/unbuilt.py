@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from appliance.config.schema import ApplianceConfig
 
-RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo", "int4_wo", "awq", "gptq")  # methods whose weight kernels run
+RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo", "int4_wo", "awq", "gptq", "fp8")  # methods whose weights run
 CPU_ONLY_QUANTIZATION = ("awq", "gptq", "gguf")  # run as the native CPU backend's int4 panels; no GPU int4 GEMM yet
 
 

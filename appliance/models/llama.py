@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -96,6 +96,25 @@ def packed_target(arch: "ModelArch", name: str) -> Optional[tuple[str, int, int]
             start, rows = offsets[shard]
             return name.replace(src, dst), start, rows
     return None
+
+
+def fused_parts(arch: "ModelArch", names: Iterable[str]) -> dict[str, list[str]]:
+    """Checkpoint weight names of projections grouped by the module weight
+    they fill (q/k/v into qkv_proj, gate/up into gate_up_proj), each group in
+    row order."""
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for name in names:
+        packed = packed_target(arch, name)
+        target, start = (packed[0], packed[1]) if packed else (name, 0)
+        groups.setdefault(target, []).append((start, name))
+    return {target: [n for _, n in sorted(g)] for target, g in groups.items()}
+
+
+def replace_linear(model: nn.Module, weight_name: str, make: Callable[[nn.Module], nn.Module]) -> None:
+    """Swap the linear that owns ``weight_name`` for ``make(old_linear)``."""
+    parent_path, attr = weight_name[: -len(".weight")].rsplit(".", 1)
+    parent = model.get_submodule(parent_path)
+    setattr(parent, attr, make(getattr(parent, attr)))
 
 
 SUPPORTED_ARCHITECTURES = {

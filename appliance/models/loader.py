@@ -212,6 +212,7 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
 
+    from appliance.models.fp8 import CHECKPOINT_TENSORS as FP8_TENSORS
     from appliance.models.int4_checkpoints import UNPACK
     from appliance.models.llama import LlamaForCausalLM, ModelArch, packed_target
 
@@ -225,11 +226,13 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     loaded: set[str] = set()
     packed_rows: dict[str, int] = {}  # packed parameter -> rows filled so far
     int4_method = str((hf.get("quantization_config") or {}).get("quant_method", "")).lower()
-    if (int4_method in UNPACK or quantization in UNPACK) and int4_method != quantization:
+    quantized = (*UNPACK, "fp8")  # checkpoint formats whose tensors load as quantized modules
+    if (int4_method in quantized or quantization in UNPACK) and int4_method != quantization:
         raise ModelLoadError(
             f"{folder}: quantization={quantization} but the checkpoint's quantization_config says "
             f"{int4_method or 'none (unquantized)'}; set quantization={int4_method or 'none'}")
     int4_parts: dict[str, dict[str, torch.Tensor]] = {}  # AWQ/GPTQ projection weight name -> its tensors
+    fp8_parts: dict[str, dict[str, torch.Tensor]] = {}  # an fp8 checkpoint's projections, the same way
     for f in _safetensors_files(folder):
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
@@ -238,6 +241,10 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
                 prefix, _, suffix = name.rpartition(".")
                 if int4_method in UNPACK and suffix in UNPACK[int4_method][1]:
                     int4_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(name)
+                    continue
+                if int4_method == "fp8" and suffix in FP8_TENSORS and (
+                        suffix != "weight" or sf.get_slice(name).get_dtype() == "F8_E4M3"):
+                    fp8_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(name)
                     continue
                 packed = packed_target(arch, name)
                 target = packed[0] if packed else name
@@ -268,6 +275,14 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
                 loaded.add(name)
     if int4_parts:
         loaded |= _install_int4_checkpoint(model, int4_method, int4_parts, folder)
+    if fp8_parts:
+        from appliance.models.fp8 import install_fp8
+
+        activations = (hf.get("quantization_config") or {}).get("activation_scheme") is not None
+        try:
+            loaded |= install_fp8(model, fp8_parts, activations)
+        except ValueError as e:
+            raise ModelLoadError(f"{folder}: {e}") from None
     missing = sorted(set(expected) - loaded)
     if missing:
         raise ModelLoadError(f"{folder}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

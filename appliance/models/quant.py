@@ -140,16 +140,10 @@ def install_int4(model: nn.Module, blocks: dict[str, tuple]) -> set[str]:
     order, and fp16 parameters widen exactly to fp32 beside fp32 ones.
     Returns the module weight names replaced (every part of a fused
     projection must be given)."""
-    from appliance.models.llama import packed_target
+    from appliance.models.llama import fused_parts, replace_linear
 
     arch = model.arch
-    parts: dict[str, list[tuple[int, str]]] = {}  # module weight -> [(row offset, checkpoint name)]
-    for name in blocks:
-        if name == "lm_head.weight":
-            continue
-        packed = packed_target(arch, name)
-        target, start = (packed[0], packed[1]) if packed else (name, 0)
-        parts.setdefault(target, []).append((start, name))
+    parts = fused_parts(arch, (n for n in blocks if n != "lm_head.weight"))
 
     def linear(names: list[str], bias: torch.Tensor | None) -> Int4WeightOnlyLinear:
         f32 = any(blocks[n][1].dtype in (np.float32, torch.float32) for n in names)
@@ -158,15 +152,16 @@ def install_int4(model: nn.Module, blocks: dict[str, tuple]) -> set[str]:
             d, m = d.float(), m.float()
         return Int4WeightOnlyLinear(None, bias, blocks=(q, d, m))
 
-    for target, group in parts.items():
-        parent_path, attr = target[: -len(".weight")].rsplit(".", 1)
-        parent = model.get_submodule(parent_path)
-        lin = getattr(parent, attr)
-        rows = sum(blocks[name][0].shape[0] for _, name in group)
-        if rows != lin.out_features:
-            raise ValueError(f"{target}: int4 blocks give {rows} of its {lin.out_features} rows")
-        bias = lin.bias.data if lin.bias is not None else None
-        setattr(parent, attr, linear([name for _, name in sorted(group)], bias))
+    def make(names: list[str], target: str):
+        def build(lin: nn.Module) -> nn.Module:
+            rows = sum(blocks[name][0].shape[0] for name in names)
+            if rows != lin.out_features:
+                raise ValueError(f"{target}: int4 blocks give {rows} of its {lin.out_features} rows")
+            return linear(names, lin.bias.data if lin.bias is not None else None)
+        return build
+
+    for target, names in parts.items():
+        replace_linear(model, target, make(names, target))
     if not arch.tie_word_embeddings and "lm_head.weight" in blocks:
         model.lm_head_q = linear(["lm_head.weight"], None)
         del model.lm_head

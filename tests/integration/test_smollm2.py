@@ -59,14 +59,20 @@ def test_generate_cli_answers_paris(cli):
     assert "Paris" in r.stdout
 
 
-@pytest.mark.parametrize("variant", [["quantization=int8_wo"], ["quantization=int8_wo", "cache.kv_cache_dtype=bfloat16"],
-                                     ["quantization=int4_wo", "cache.kv_cache_dtype=bfloat16"],
-                                     ["quantization=gguf"]],
-                         ids=["int8_wo", "int8_wo+bf16_kv (the cpu_int8 profile)", "int4_wo+bf16_kv (cpu_int4)", "gguf"])
-def test_weight_only_keeps_next_token_log_likelihoods(variant):
-    """Parity of quantization=int8_wo (and with a bf16 KV cache, as the
-    cpu_int8 profile runs) and int4_wo against the fp32 model: next-token
-    log-probabilities of the top candidates after each of 8 prompts."""
+# (overrides, the largest mean |delta log p| allowed): fp8's 3-bit mantissa costs more than 8-bit integers
+# (measured: ~0.28 nats for W8A8 with an unscaled e4m3 KV cache, ~0.2 for fp8 weights alone)
+@pytest.mark.parametrize("variant,bound", [(["quantization=int8_wo"], 0.15),
+                                           (["quantization=int8_wo", "cache.kv_cache_dtype=bfloat16"], 0.15),
+                                           (["quantization=int4_wo", "cache.kv_cache_dtype=bfloat16"], 0.15),
+                                           (["quantization=gguf"], 0.15),
+                                           (["quantization=fp8", "cache.kv_cache_dtype=fp8_e4m3"], 0.35)],
+                         ids=["int8_wo", "int8_wo+bf16_kv (the cpu_int8 profile)", "int4_wo+bf16_kv (cpu_int4)", "gguf",
+                              "fp8 W8A8 + fp8 KV (reference path)"])
+def test_weight_only_keeps_next_token_log_likelihoods(variant, bound):
+    """Parity of the quantized paths (int8_wo with and without a bf16 KV
+    cache, int4_wo, the GGUF's own blocks, fp8 W8A8 with an fp8 KV cache)
+    against the fp32 model: next-token log-probabilities of the top
+    candidates after each of 8 prompts."""
     ref = LLM(overrides=BASE)
     q = LLM(overrides=BASE + variant)
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=10)
@@ -78,7 +84,7 @@ def test_weight_only_keeps_next_token_log_likelihoods(variant):
         qb = dict(b.top)
         diffs += [abs(v - qb[t]) for t, v in a.top[:5] if t in qb]
     assert top1 >= 7
-    assert sum(diffs) / len(diffs) < 0.15  # mean |delta log p| in nats over the shared top candidates
+    assert sum(diffs) / len(diffs) < bound  # mean |delta log p| in nats over the shared top candidates
     assert "Paris" in q.chat([{"role": "user", "content": "What is the capital of France?"}],
                              SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text
 

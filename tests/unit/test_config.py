@@ -88,7 +88,8 @@ def _problems(*overrides):
 @pytest.mark.parametrize(
     "overrides,expected",
     [
-        (["+profile=cpu", "quantization=fp8"], "quantization=fp8 (W8A8) needs native fp8 and hardware=cpu has none"),
+        (["+profile=h100_bf16", "model=llama3_1_8b", "hardware.fp8=false", "quantization=fp8"],
+         "quantization=fp8 (W8A8) needs native fp8 and hardware=h100 has none"),
         (["+profile=h100_bf16", "model=llama3_1_8b", "hardware.fp8=false", "cache.kv_cache_dtype=fp8_e4m3"],
          "cache.kv_cache_dtype=fp8_e4m3 needs native fp8"),
         (["+profile=h100_bf16", "cache.block_size=8"], "cache.block_size=8 is outside hardware=h100's range [16, 256]"),
@@ -134,9 +135,10 @@ def test_cross_field_rules(overrides, expected):
 
 def test_all_problems_reported_at_once():
     with pytest.raises(ConfigError) as e:
-        resolve(["+profile=cpu", "quantization=fp8", "model.max_model_len=9000", "parallel=tp8"])
+        resolve(["+profile=cpu", "quantization=int8_wo", "quantization.group_size=32", "model.max_model_len=9000",
+                 "parallel=tp8"])
     msg = str(e.value)
-    assert "quantization=fp8" in msg and "max_model_len=9000" in msg and "8 devices" in msg
+    assert "quantization.group_size=32" in msg and "max_model_len=9000" in msg and "8 devices" in msg
 
 
 def test_plan_numbers_smollm2_cpu():

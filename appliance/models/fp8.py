@@ -1,0 +1,141 @@
+"""FP8 weights (``quantization=fp8``): e4m3 weights with a scale per output
+channel (or per tensor, as checkpoints store it), and with
+``quantization.activations`` (W8A8) activations quantized to e4m3 per token
+at run time (dynamic) or with a checkpoint's static ``input_scale``.
+
+A projection is quantized at load from a bf16/fp16/fp32 checkpoint (scale =
+the row's largest magnitude / 448), or loaded from an fp8 checkpoint
+(``quantization_config.quant_method: fp8``: ``weight`` in float8_e4m3fn,
+``weight_scale``, optional ``input_scale``).
+
+On CUDA the GEMM is ``torch._scaled_mm`` (row-wise scales: per-token
+activations, per-channel weights; Hopper and Blackwell); on ROCm the same
+on e4m3fnuz, whose bit patterns mean half the e4m3fn value, so the weight
+scale doubles. Elsewhere, a reference path: the weight (and the quantized
+activations) dequantized per call and an ordinary GEMM in the activation
+dtype; correct, not fast.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+
+
+def quantize_per_channel_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, fp32 scale per row) with w ~= q * scale, saturating."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_per_token_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None):
+    """(e4m3 rows, fp32 scale per row [rows, 1]): dynamic (each row's largest
+    magnitude / 448) or the checkpoint's static scalar."""
+    x = x.float()
+    if static_scale is None:
+        scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    else:
+        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                 activations: bool, input_scale: torch.Tensor | None = None):
+        super().__init__()
+        if weight.dtype != FP8:
+            raise ValueError(f"fp8 weights are float8_e4m3fn, not {weight.dtype}")
+        n = weight.shape[0]
+        scale = weight_scale.float().reshape(-1)
+        if scale.numel() not in (1, n):
+            raise ValueError(f"an fp8 weight of {n} rows has {scale.numel()} scales (one, or one per row)")
+        self.register_buffer("weight_fp8", weight.contiguous())
+        self.register_buffer("weight_scale", scale.expand(n).contiguous())
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.float().reshape(()))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.activations = activations
+        self.out_features, self.in_features = weight.shape
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight_fp8.float() * self.weight_scale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if x.is_cuda and self.activations:
+            y = self._scaled_mm(rows)
+        else:
+            if self.activations:
+                xq, xs = quantize_per_token_fp8(rows, self.input_scale)
+                rows = (xq.float() * xs).to(x.dtype)
+            y = F.linear(rows, self.dequantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _scaled_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        """W8A8 on the GPU's fp8 tensor cores: torch._scaled_mm with row-wise
+        scales (the activation rows padded to a multiple of 16)."""
+        xq, xs = quantize_per_token_fp8(rows, self.input_scale)
+        w, ws = self.weight_fp8, self.weight_scale
+        if torch.version.hip is not None:  # e4m3fnuz: the same bits are half the value; 0x80 is its NaN
+            fnuz = torch.float8_e4m3fnuz
+            xi, wi = xq.view(torch.int8), w.view(torch.int8)
+            xq = torch.where(xi == -128, torch.zeros_like(xi), xi).view(fnuz)
+            w = torch.where(wi == -128, torch.zeros_like(wi), wi).view(fnuz)
+            xs, ws = xs * 2, ws * 2
+        m = rows.shape[0]
+        pad = -m % 16
+        if pad:
+            xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(xq.dtype)
+            xs = F.pad(xs, (0, 0, 0, pad), value=1.0)
+        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.view(1, -1), bias=self.bias, out_dtype=rows.dtype)
+        return y[:m]
+
+
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+CHECKPOINT_TENSORS = ("weight", "weight_scale", "input_scale")  # an fp8 checkpoint's projection tensors
+
+
+def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], activations: bool) -> set[str]:
+    """An fp8 checkpoint's projections (by checkpoint weight name: its
+    ``weight``, ``weight_scale`` and optional ``input_scale``) as Fp8Linear
+    modules; a fused projection stacks its parts with each part's scale on
+    its rows and the largest static input scale (as vLLM takes). Returns the
+    module weight names replaced."""
+    from appliance.models.llama import fused_parts, replace_linear
+
+    for name, p in parts.items():
+        missing = [t for t in CHECKPOINT_TENSORS[:2] if t not in p]
+        if missing:
+            raise ValueError(f"fp8 projection {name} lacks {', '.join(missing)}")
+    groups = fused_parts(model.arch, parts)
+
+    def make(names: list[str]):
+        def build(lin: nn.Module) -> nn.Module:
+            weight = torch.cat([parts[n]["weight"] for n in names])
+            scale = torch.cat([parts[n]["weight_scale"].float().reshape(-1).expand(parts[n]["weight"].shape[0])
+                               for n in names])
+            static = [parts[n]["input_scale"] for n in names if "input_scale" in parts[n]]
+            input_scale = torch.stack([s.float().reshape(()) for s in static]).max() if static else None
+            return Fp8Linear(weight, scale, None if lin.bias is None else lin.bias.data, activations, input_scale)
+        return build
+
+    for target, names in groups.items():
+        replace_linear(model, target, make(names))
+    return set(groups)
+
+
+def quantize_fp8(model: nn.Module, activations: bool) -> nn.Module:
+    """Every decoder projection to fp8 with per-channel scales, in place (the
+    LM head and embedding stay in the model dtype, as vLLM keeps them)."""
+    for layer in model.model.layers:
+        for path in PROJECTIONS:
+            parent_name, name = path.split(".")
+            parent = getattr(layer, parent_name)
+            lin = getattr(parent, name)
+            q, scale = quantize_per_channel_fp8(lin.weight.data)
+            setattr(parent, name, Fp8Linear(q, scale, None if lin.bias is None else lin.bias.data, activations))
+    return model

@@ -1,0 +1,120 @@
+"""quantization=fp8: e4m3 weights with per-channel (or per-tensor) scales,
+W8A8 with per-token or static activation scales; quantized at load or
+loaded from an fp8 checkpoint; on CPUs the torch reference path (the
+native whole-step backend steps aside, saying why)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from appliance import LLM, SamplingParams
+from appliance.config.compose import ConfigError, resolve
+from appliance.models.fp8 import (FP8, FP8_MAX, Fp8Linear, quantize_per_channel_fp8, quantize_per_token_fp8)
+from appliance.models.quant import PROJECTIONS
+from appliance.models.tiny import generate_tiny
+
+BASE = ["+profile=cpu", "cache.kv_cache_memory_gib=0.05"]
+SOURCES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def test_per_channel_weights_keep_three_mantissa_bits():
+    w = torch.randn(32, 64) * torch.logspace(-3, 3, 32)[:, None]
+    q, scale = quantize_per_channel_fp8(w)
+    assert q.dtype == FP8 and scale.shape == (32,)
+    assert torch.equal(q.float().abs().amax(dim=1), torch.full((32,), FP8_MAX))  # each row's largest is 448
+    rel = ((q.float() * scale[:, None] - w).abs() / w.abs().clamp(min=1e-30))[w.abs() > scale[:, None] * 2 ** -6]
+    assert rel.max() <= 2 ** -4  # half a step of a 3-bit mantissa, for the normal values
+
+
+@pytest.mark.parametrize("activations", [False, True])
+@pytest.mark.parametrize("static", [False, True])
+def test_reference_gemm_is_the_dequantized_one(activations, static):
+    g = torch.Generator().manual_seed(0)
+    w, b, x = torch.randn(24, 64, generator=g), torch.randn(24, generator=g), torch.randn(5, 64, generator=g)
+    q, scale = quantize_per_channel_fp8(w)
+    input_scale = torch.tensor(0.02) if static else None
+    lin = Fp8Linear(q, scale, b, activations, input_scale)
+    xs = x
+    if activations:
+        s = torch.full((5, 1), 0.02) if static else x.abs().amax(dim=1, keepdim=True) / 448
+        xs = (x / s).clamp(-448, 448).to(FP8).float() * s
+    assert torch.equal(lin(x), F.linear(xs, q.float() * scale[:, None], b))
+    if not static:
+        xq, s = quantize_per_token_fp8(x)
+        assert torch.equal(xq.float().abs().amax(dim=1), torch.full((5,), 448.0))
+
+
+def test_scales_are_one_or_one_per_row():
+    q, _ = quantize_per_channel_fp8(torch.randn(8, 16))
+    assert torch.equal(Fp8Linear(q, torch.tensor(0.5), None, False).weight_scale, torch.full((8,), 0.5))
+    with pytest.raises(ValueError, match="an fp8 weight of 8 rows has 3 scales"):
+        Fp8Linear(q, torch.ones(3), None, False)
+    with pytest.raises(ValueError, match="fp8 weights are float8_e4m3fn"):
+        Fp8Linear(torch.zeros(8, 16), torch.ones(8), None, False)
+
+
+def test_online_fp8_runs_on_the_torch_path_and_says_why():
+    llm = LLM(overrides=BASE + ["model=tiny_random", "quantization=fp8"])
+    assert llm.execution.backend == "torch_sdpa"
+    assert "quantization fp8 not in" in llm.execution.fallback_note()
+    model = llm.engine.runner.model
+    for path in PROJECTIONS:
+        assert isinstance(model.model.layers[0].get_submodule(path), Fp8Linear)
+    assert all(m.activations for m in model.modules() if isinstance(m, Fp8Linear))
+    out = llm.generate(["Hello", "The quick brown fox"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                       use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in out)
+    plan = llm.deployment.plan
+    assert any("reference path" in n for n in plan.notes)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """The tiny model as an fp8 checkpoint: per-tensor weight scales and
+    static input scales, as llm-compressor / vLLM's fp8 format stores them."""
+    root = tmp_path_factory.mktemp("fp8")
+    spec = resolve(BASE + ["model=tiny_random"], check=False).cfg.model
+    plain = generate_tiny(spec, root / "plain")
+    tensors = load_file(str(plain / "model.safetensors"))
+    folder = shutil.copytree(plain, root / "fp8")
+    out = dict(tensors)
+    for i, name in enumerate(sorted(tensors)):
+        if name.rsplit(".", 2)[-2] in SOURCES:
+            w = tensors[name].float()
+            scale = w.abs().max() / 448
+            out[name] = (w / scale).clamp(-448, 448).to(FP8)
+            out[name[: -len("weight")] + "weight_scale"] = scale.reshape(())
+            out[name[: -len("weight")] + "input_scale"] = torch.tensor(0.01 * (1 + i % 3))
+    save_file(out, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, out
+
+
+def test_an_fp8_checkpoint_loads_as_it_is_stored(fp8_checkpoint):
+    folder, stored = fp8_checkpoint
+    q = resolve(BASE + [f"model.path={folder}"]).cfg.quantization
+    assert (q.method, q.weight_bits, q.activations) == ("fp8", 8.0, True)
+    llm = LLM(overrides=BASE + [f"model.path={folder}"])
+    qkv = llm.engine.runner.model.model.layers[1].self_attn.qkv_proj
+    assert isinstance(qkv, Fp8Linear) and qkv.activations
+    pre = "model.layers.1.self_attn."
+    parts = [stored[f"{pre}{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")]
+    assert torch.equal(qkv.weight_fp8.view(torch.uint8), torch.cat(parts).view(torch.uint8))
+    want = torch.cat([stored[f"{pre}{p}.weight_scale"].expand(t.shape[0]) for p, t in zip(("q_proj", "k_proj", "v_proj"), parts)])
+    assert torch.equal(qkv.weight_scale, want)  # each part's scale on its own rows
+    assert qkv.input_scale == max(stored[f"{pre}{p}.input_scale"] for p in ("q_proj", "k_proj", "v_proj"))
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_an_fp8_checkpoint_refuses_another_method(fp8_checkpoint):
+    folder, _ = fp8_checkpoint
+    with pytest.raises(ConfigError, match="quantization=int8_wo but the checkpoint .* has "
+                                          "quantization_config.quant_method=fp8"):
+        resolve(BASE + [f"model.path={folder}", "quantization=int8_wo"])
