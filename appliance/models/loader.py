@@ -225,12 +225,12 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     expected = dict(model.named_parameters())
     loaded: set[str] = set()
     packed_rows: dict[str, int] = {}  # packed parameter -> rows filled so far
-    int4_method = str((hf.get("quantization_config") or {}).get("quant_method", "")).lower()
+    checkpoint_method = str((hf.get("quantization_config") or {}).get("quant_method", "")).lower()
     quantized = (*UNPACK, "fp8")  # checkpoint formats whose tensors load as quantized modules
-    if (int4_method in quantized or quantization in UNPACK) and int4_method != quantization:
+    if (checkpoint_method in quantized or quantization in UNPACK) and checkpoint_method != quantization:
         raise ModelLoadError(
             f"{folder}: quantization={quantization} but the checkpoint's quantization_config says "
-            f"{int4_method or 'none (unquantized)'}; set quantization={int4_method or 'none'}")
+            f"{checkpoint_method or 'none (unquantized)'}; set quantization={checkpoint_method or 'none'}")
     int4_parts: dict[str, dict[str, torch.Tensor]] = {}  # AWQ/GPTQ projection weight name -> its tensors
     fp8_parts: dict[str, dict[str, torch.Tensor]] = {}  # an fp8 checkpoint's projections, the same way
     for f in _safetensors_files(folder):
@@ -239,10 +239,10 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
                 if name == "lm_head.weight" and arch.tie_word_embeddings:
                     continue
                 prefix, _, suffix = name.rpartition(".")
-                if int4_method in UNPACK and suffix in UNPACK[int4_method][1]:
+                if checkpoint_method in UNPACK and suffix in UNPACK[checkpoint_method][1]:
                     int4_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(name)
                     continue
-                if int4_method == "fp8" and suffix in FP8_TENSORS and (
+                if checkpoint_method == "fp8" and suffix in FP8_TENSORS and (
                         suffix != "weight" or sf.get_slice(name).get_dtype() == "F8_E4M3"):
                     fp8_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(name)
                     continue
@@ -274,7 +274,7 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
                 set_module_tensor_to_device(model, name, device, value=t, dtype=dtype)
                 loaded.add(name)
     if int4_parts:
-        loaded |= _install_int4_checkpoint(model, int4_method, int4_parts, folder)
+        loaded |= _install_int4_checkpoint(model, checkpoint_method, int4_parts, folder)
     if fp8_parts:
         from appliance.models.fp8 import install_fp8
 
