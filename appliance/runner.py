@@ -176,6 +176,7 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
             keep_gguf_int4(model, *read_int4_tensors(gguf_source(m)))
         except ValueError as e:
             raise ConfigError(f"model.path={m.path}: {e}") from None
+    model.to(device)  # modules a quantization method built from host tensors
     num_blocks, mml = deployment.num_kv_blocks, deployment.max_model_len
     kv = KVCacheManager(num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
                         cfg.cache.prefix_caching_hash_algo)

@@ -1,6 +1,7 @@
 """GPU check: every attention backend that imports against torch_sdpa on
-realistic shapes, plus a short end-to-end generation on each, and the fp8
-W8A8 GEMM (torch._scaled_mm) against its reference path.
+realistic shapes, plus a short end-to-end generation on each, the fp8
+W8A8 GEMM (torch._scaled_mm) against its reference path, and the Triton
+int4 GEMM against the dequantized bf16 GEMM.
 
 Writes gpu_check.json (and prints a summary) into $OUT (or ./gpu-results).
 Needs only torch (+ triton, flashinfer, FA3 where installed); the end-to-end
@@ -111,15 +112,32 @@ def fp8_gemm_case(m: int, n: int = 4096, k: int = 4096) -> dict:
             "ms": time_ms(lambda: lin(x)), "bf16_ms": time_ms(lambda: x @ w.to(torch.bfloat16).t())}
 
 
+def int4_gemm_case(m: int, n: int = 4096, k: int = 4096, group: int = 128) -> dict:
+    """The Triton int4 GEMM against the dequantized bf16 GEMM."""
+    from appliance.kernels.triton_int4 import int4_gemm, pack_int4_rows
+    from appliance.models.quant import dequantize_int4, quantize_groups_int4
+
+    g = torch.Generator().manual_seed(m)
+    q, d, mn = quantize_groups_int4(torch.randn(n, k, generator=g) / k ** 0.5, group)
+    w = dequantize_int4(q, d, mn).to("cuda", torch.bfloat16)
+    rows, d, mn = pack_int4_rows(q).cuda(), d.cuda(), mn.cuda()
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    got, ref = int4_gemm(x, rows, d, mn), x @ w.t()
+    err = (got.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+    return {"gemm": "int4", "m": m, "n": n, "k": k, "group": group, "max_rel_err": err, "ok": err < 2e-2,
+            "ms": time_ms(lambda: int4_gemm(x, rows, d, mn)), "bf16_ms": time_ms(lambda: x @ w.t())}
+
+
 def main() -> int:
     os.makedirs(OUT, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "kernels": [], "e2e": [],
               "gemms": [], "not_importable": {}}
-    for m in (1, 16, 100, 2048):
-        try:
-            report["gemms"].append(fp8_gemm_case(m))
-        except Exception as e:
-            report["gemms"].append({"gemm": "fp8 W8A8", "m": m, "error": repr(e), "trace": traceback.format_exc()[-2000:]})
+    for case, name in ((fp8_gemm_case, "fp8 W8A8"), (int4_gemm_case, "int4")):
+        for m in (1, 16, 100, 2048):
+            try:
+                report["gemms"].append(case(m))
+            except Exception as e:
+                report["gemms"].append({"gemm": name, "m": m, "error": repr(e), "trace": traceback.format_exc()[-2000:]})
     for name in ("triton", "flashinfer", "flash_attn3"):
         provider, err = probe_importable(name)
         if provider is None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from appliance.config.schema import ApplianceConfig
 
 RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo", "int4_wo", "awq", "gptq", "fp8")  # methods whose weights run
-CPU_ONLY_QUANTIZATION = ("awq", "gptq", "gguf")  # run as the native CPU backend's int4 panels; no GPU int4 GEMM yet
 
 
 def not_built(cfg: ApplianceConfig) -> list[str]:
@@ -26,10 +25,6 @@ def not_built(cfg: ApplianceConfig) -> list[str]:
                    f"yet; serve with parallel=single")
     if spec.method != "off":
         out.append(f"speculative.method={spec.method}: speculative decoding is not built yet; serve with speculative=off")
-    if q.method in CPU_ONLY_QUANTIZATION and cfg.hardware.device_kind != "cpu":
-        instead = "quantization=none (dequantized at load)" if q.method == "gguf" else "a CPU profile"
-        out.append(f"quantization={q.method} runs on CPUs so far (the native int4 kernels); its GPU int4 GEMM is "
-                   f"not built yet; serve this checkpoint with {instead}")
     if q.method not in RUNNABLE_QUANTIZATION:
         out.append(f"quantization={q.method} can be planned but its weight kernels are not built yet; serve with "
                    f"quantization=none (or int4_wo / int8_wo on a CPU)")

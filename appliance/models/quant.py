@@ -98,13 +98,28 @@ class Int4WeightOnlyLinear(nn.Module):
         self.register_buffer("weight_q4", q)
         self.register_buffer("q4_scale", d)
         self.register_buffer("q4_min", m)
+        self.register_buffer("weight_rows", None)  # on a GPU: two k per byte, for the Triton GEMM
         self.group = q.shape[1] // d.shape[1]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.out_features, self.in_features = q.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return self._triton(x)
         w = dequantize_int4(self.weight_q4, self.q4_scale, self.q4_min).to(x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+    def _triton(self, x: torch.Tensor) -> torch.Tensor:
+        """CUDA/ROCm: the Triton int4 GEMM (kernels/triton_int4.py); the first
+        call repacks the weight two k per byte and frees the unpacked one."""
+        from appliance.kernels.triton_int4 import int4_gemm, pack_int4_rows
+
+        if self.weight_rows is None:
+            self.weight_rows = pack_int4_rows(self.weight_q4)
+            self.weight_q4 = torch.empty(0, dtype=torch.uint8, device=x.device)
+        rows = x.reshape(-1, x.shape[-1])
+        out = int4_gemm(rows, self.weight_rows, self.q4_scale, self.q4_min, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")

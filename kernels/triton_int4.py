@@ -1,0 +1,78 @@
+"""A Triton GEMM over int4 weights with group scales and mins, for the GPU
+profiles' AWQ, GPTQ and kept-4-bit GGUF projections
+(``models.quant.Int4WeightOnlyLinear`` calls it on CUDA/ROCm tensors).
+
+Weights: ``qpacked`` uint8 [N, K / 2], byte j of row n holding k = 2j in its
+low nibble and k = 2j + 1 in its high nibble (``pack_int4_rows``); ``d`` and
+``m`` [N, K / group] (fp16 or fp32), weight = d * q + m. Each program
+computes a BLOCK_M x BLOCK_N tile of x @ w.T: it unpacks BLOCK_K / 2 bytes
+per row into BLOCK_K weights, applies the group's d and m (BLOCK_K divides
+the group, so one pair per row per step), and accumulates ``tl.dot`` in
+fp32. Under TRITON_INTERPRET=1 it runs on CPU tensors (how the tests run
+it); fp32 inputs take IEEE products (no TF32), so the result is the
+dequantized GEMM up to summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_K = 32  # divides every supported group size (even, >= 32)
+
+
+@triton.jit
+def _int4_gemm_kernel(x_ptr, q_ptr, d_ptr, m_ptr, out_ptr, M, N, K, G, stride_xm, stride_om,
+                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rb = tl.arange(0, BLOCK_K // 2)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
+        b = tl.load(q_ptr + rn[:, None] * (K // 2) + (k0 // 2 + rb)[None, :], mask=n_ok[:, None], other=0)
+        lo = (b & 0xF).to(tl.float32)
+        hi = (b >> 4).to(tl.float32)
+        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # byte j -> k = 2j, 2j + 1
+        g = k0 // GROUP
+        d = tl.load(d_ptr + rn * G + g, mask=n_ok, other=0.0).to(tl.float32)
+        mn = tl.load(m_ptr + rn * G + g, mask=n_ok, other=0.0).to(tl.float32)
+        w = w * d[:, None] + mn[:, None]
+        if IEEE:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] (0..15, K even) -> [N, K / 2], two k per byte, the even one low."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def int4_gemm(x: torch.Tensor, qpacked: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ (d * q + m).T (+ bias) -> [M, N] in x's dtype."""
+    M, K = x.shape
+    N, G = d.shape
+    group = K // G
+    if qpacked.shape != (N, K // 2) or K % G or group % BLOCK_K:
+        raise ValueError(f"int4 GEMM: x {tuple(x.shape)}, weights {tuple(qpacked.shape)}, groups {tuple(d.shape)}: "
+                         f"groups must be multiples of {BLOCK_K} that tile K")
+    x = x.contiguous()
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    block_n = 64
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _int4_gemm_kernel[grid](x, qpacked, d.contiguous(), m.contiguous(), out, M, N, K, G, x.stride(0), out.stride(0),
+                            GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                            IEEE=x.dtype == torch.float32)
+    return out if bias is None else out + bias.to(out.dtype)

@@ -1,0 +1,52 @@
+"""The Triton int4 GEMM (the GPU profiles' AWQ, GPTQ and kept-4-bit GGUF
+projections) against the dequantized GEMM, under the Triton interpreter on
+CPU (TRITON_INTERPRET=1, set before the kernel module is imported)."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from appliance.kernels.registry import triton_interpreter_on  # noqa: E402
+from appliance.kernels.triton_int4 import int4_gemm, pack_int4_rows  # noqa: E402
+from appliance.models.int4_checkpoints import checkpoint_blocks, pack_awq, quantize_zero_point  # noqa: E402
+from appliance.models.quant import dequantize_int4, quantize_groups_int4  # noqa: E402
+
+assert triton_interpreter_on()
+
+
+def test_rows_hold_two_k_per_byte():
+    q = torch.arange(16, dtype=torch.uint8).repeat(3, 2)  # k = 0..31, value k % 16
+    packed = pack_int4_rows(q)
+    assert packed.shape == (3, 16) and packed[0, 1].item() == 2 | (3 << 4)
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 33])
+@pytest.mark.parametrize("n,k,group", [(48, 128, 32), (100, 256, 64), (70, 256, 128), (20, 64, 64)])
+def test_gemm_is_the_dequantized_one(m, n, k, group):
+    g = torch.Generator().manual_seed(m * n)
+    q, d, mn = quantize_groups_int4(torch.randn(n, k, generator=g), group)
+    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    w = dequantize_int4(q, d, mn)
+    got = int4_gemm(x, pack_int4_rows(q), d, mn, b)
+    terms = x.abs() @ w.abs().T + b.abs()
+    assert got.shape == (m, n) and ((got - F.linear(x, w, b)).abs() <= 1e-5 * terms).all()
+
+
+def test_fp32_parameters_of_a_checkpoint():
+    """AWQ-style blocks (fp32 scale and -scale x zero) through the same GEMM."""
+    q, z, s = quantize_zero_point(torch.randn(64, 128, generator=torch.Generator().manual_seed(3)), 64)
+    bq, d, mn = checkpoint_blocks("awq", pack_awq(q, z, s))
+    x = torch.randn(5, 128)
+    w = dequantize_int4(bq, d, mn)
+    got = int4_gemm(x, pack_int4_rows(bq), d, mn)
+    assert ((got - x @ w.T).abs() <= 1e-5 * (x.abs() @ w.abs().T)).all()
+
+
+def test_groups_the_kernel_cannot_step_are_refused():
+    q, d, mn = quantize_groups_int4(torch.randn(8, 96), 32)
+    with pytest.raises(ValueError, match="groups must be multiples of 32"):
+        int4_gemm(torch.randn(2, 96), pack_int4_rows(q), d[:, :2], mn[:, :2])  # groups of 48
