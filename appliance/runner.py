@@ -168,12 +168,12 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
         if not isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear):  # an fp8 checkpoint loads as fp8
             quantize_fp8(model, cfg.quantization.activations)
     elif cfg.quantization.method == "gguf":
-        from appliance.models.gguf import read_int4_tensors
+        from appliance.models.gguf import read_block_tensors
         from appliance.models.loader import gguf_source
-        from appliance.models.quant import keep_gguf_int4
+        from appliance.models.quant import keep_gguf_blocks
 
         try:
-            keep_gguf_int4(model, *read_int4_tensors(gguf_source(m)))
+            keep_gguf_blocks(model, *read_block_tensors(gguf_source(m)))
         except ValueError as e:
             raise ConfigError(f"model.path={m.path}: {e}") from None
     model.to(device)  # modules a quantization method built from host tensors

@@ -35,7 +35,7 @@ from appliance.kernels.cpu_build import build_library
 # Load after torch so the library's libgomp.so.1 resolves to the one torch loaded.
 _LIB = ctypes.CDLL(str(build_library()))
 
-WTYPE_F32, WTYPE_I8, WTYPE_BF16, WTYPE_Q4 = 0, 1, 2, 3
+WTYPE_F32, WTYPE_I8, WTYPE_BF16, WTYPE_Q4, WTYPE_Q8G = 0, 1, 2, 3, 4
 _p = ctypes.c_void_p
 _i32, _i64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
@@ -157,15 +157,22 @@ def pack_q4_panels(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[t
     qparams in d's dtype [ceil(n / 16), k / group, 2, 16]: each group's 16
     scales, then 16 mins). Channels past n are zero."""
     n, k = q.shape
-    panels, groups = -(-n // PANEL), d.shape[1]
+    panels = -(-n // PANEL)
     qp = torch.zeros(panels * PANEL, k, dtype=torch.uint8)
     qp[:n] = q
     pairs = qp.view(panels, PANEL, k // 2, 2)
     packed = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()
+    return packed, pack_group_params(d, m)
+
+
+def pack_group_params(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Group scales d and mins m [n, groups] -> [ceil(n / 16), groups, 2, 16]
+    in their dtype: each group's 16 scales, then its 16 mins (zero past n)."""
+    n, groups = d.shape
+    panels = -(-n // PANEL)
     params = torch.zeros(2, panels * PANEL, groups, dtype=d.dtype)
     params[0, :n], params[1, :n] = d, m
-    params = params.view(2, panels, PANEL, groups).permute(1, 3, 0, 2).contiguous()
-    return packed, params
+    return params.view(2, panels, PANEL, groups).permute(1, 3, 0, 2).contiguous()
 
 
 class NativeLinear:
@@ -182,12 +189,16 @@ class NativeLinear:
         packed = getattr(module, "weight_packed", None)
         packed_before = packed is not None
         qparams, group = None, 0
-        if hasattr(module, "weight_q4"):
+        if hasattr(module, "weight_q4") or hasattr(module, "weight_q8"):
+            q4 = hasattr(module, "weight_q4")
             if packed is None:
-                packed, qparams = pack_q4_panels(module.weight_q4, module.q4_scale, module.q4_min)
+                if q4:
+                    packed, qparams = pack_q4_panels(module.weight_q4, module.q_scale, module.q_min)
+                else:
+                    packed, qparams = pack_panels(module.weight_q8), pack_group_params(module.q_scale, module.q_min)
             else:
                 qparams = module.qparams_packed
-            scale, wtype, group = None, WTYPE_Q4, module.group
+            scale, wtype, group = None, WTYPE_Q4 if q4 else WTYPE_Q8G, module.group
         elif hasattr(module, "weight_int8"):
             if packed is None:
                 packed = pack_panels(module.weight_int8)
@@ -203,10 +214,13 @@ class NativeLinear:
         n, k = module.out_features, module.in_features
         if release and not packed_before:
             module.weight_packed = packed
-            if wtype == WTYPE_Q4:
+            if wtype in (WTYPE_Q4, WTYPE_Q8G):
                 module.qparams_packed = qparams
-                module.weight_q4 = torch.empty(0, dtype=torch.uint8)
-                module.q4_scale = module.q4_min = torch.empty(0, dtype=qparams.dtype)
+                if wtype == WTYPE_Q4:
+                    module.weight_q4 = torch.empty(0, dtype=torch.uint8)
+                else:
+                    module.weight_q8 = torch.empty(0, dtype=torch.int8)
+                module.q_scale = module.q_min = torch.empty(0, dtype=qparams.dtype)
             elif wtype == WTYPE_I8:
                 module.weight_int8 = torch.empty(0, dtype=torch.int8)
             else:

@@ -91,36 +91,56 @@ def _q4_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return _k_low_high(b[:, 16:]), d * sc, -(dmin * mn)
 
 
-def dequant_q4_k(raw: np.ndarray) -> np.ndarray:
-    q, scale, mn = _q4_k_parts(raw)
-    sub = q.reshape(q.shape[0], 8, 32).astype(np.float32)
-    return (scale[..., None] * sub + mn[..., None]).reshape(-1)
-
-
-def dequant_q5_k(raw: np.ndarray) -> np.ndarray:
-    """Q5_K: Q4_K's layout plus 32 bytes of fifth bits (bit 2i and 2i + 1 of
-    byte l: weight l of 64-chunk i, low then high half)."""
+def _q5_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q5_K: Q4_K's layout plus 32 bytes of fifth bits (bit i of byte l: weight
+    l of sub-block i) -> (q 0..31 [blocks, 256], scale, min [blocks, 8])."""
     b = _blocks(raw, 4 + 12 + QK_K // 8 + QK_K // 2)
     d = b[:, :2].copy().view(np.float16).astype(np.float32)
     dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
     sc, mn = _k_scales(b[:, 4:16])
-    qh = b[:, 16:48]
-    fifth = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [blocks, 8 sub-blocks, 32]
+    fifth = (b[:, 16:48][:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [blocks, 8, 32]
     q = _k_low_high(b[:, 48:]).reshape(-1, 8, 32) + (fifth << 4)
-    return ((d * sc)[..., None] * q.astype(np.float32) - (dmin * mn)[..., None]).reshape(-1)
+    return q.reshape(-1, QK_K), d * sc, -(dmin * mn)
 
 
-def dequant_q6_k(raw: np.ndarray) -> np.ndarray:
+def _q6_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales
-    (one per 16 weights), fp16 d; weight = d * scale * (q - 32)."""
+    (one per 16 weights), fp16 d -> (q - 32 [blocks, 256], d * scale, zero
+    mins [blocks, 16]). Weight l of 32-chunk j of half h takes the low or
+    high nibble of byte l (+32 for j odd) and bit pair j of qh byte l."""
     b = _blocks(raw, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2)
     ql, qh = b[:, :128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
     scales = b[:, 192:208].copy().view(np.int8).astype(np.float32)
     d = b[:, 208:210].copy().view(np.float16).astype(np.float32)
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # [blocks, 2 halves, 128]: l, l + 32, then l + 64, l + 96
     high = (qh[:, :, None, :] >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3  # [.., 4, 32]
-    q = (low.reshape(-1, 2, 4, 32) | (high << 4)).astype(np.float32) - 32
-    return ((d * scales).reshape(-1, 2, 4, 2, 1) * q.reshape(-1, 2, 4, 2, 16)).reshape(-1)
+    q = (low.reshape(-1, 2, 4, 32) | (high << 4)).astype(np.int16) - 32
+    return q.reshape(-1, QK_K), d * scales, np.zeros_like(scales)
+
+
+def _q8_0_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    b = _blocks(raw, 2 + QK)
+    d = b[:, :2].copy().view(np.float16).astype(np.float32)
+    return b[:, 2:].copy().view(np.int8), d, np.zeros_like(d)
+
+
+def _from_parts(parts: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+    """scale * q + min per sub-block, flattened."""
+    q, scale, mn = parts
+    sub = q.reshape(q.shape[0], scale.shape[1], -1).astype(np.float32)
+    return (scale[..., None] * sub + mn[..., None]).reshape(-1)
+
+
+def dequant_q4_k(raw: np.ndarray) -> np.ndarray:
+    return _from_parts(_q4_k_parts(raw))
+
+
+def dequant_q5_k(raw: np.ndarray) -> np.ndarray:
+    return _from_parts(_q5_k_parts(raw))
+
+
+def dequant_q6_k(raw: np.ndarray) -> np.ndarray:
+    return _from_parts(_q6_k_parts(raw))
 
 
 def _plain(dtype) -> Callable[[np.ndarray], np.ndarray]:
@@ -181,6 +201,24 @@ def int4_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> tupl
         raise ValueError(f"GGUF tensor type {type_name} is not a 4-bit block type ({', '.join(INT4_TYPES)})")
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
     return q.reshape(n, k), d.reshape(n, k // QK), m.reshape(n, k // QK)
+
+
+INT8_TYPES = ("Q8_0", "Q5_K", "Q6_K")  # block types kept as grouped int8 (quantization=gguf)
+KEPT_TYPES = INT4_TYPES + INT8_TYPES
+
+
+def int8_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q8_0, Q5_K or Q6_K tensor as (q int8 [n, k], d fp32, m fp32 [n, k / group])
+    with weight = d * q + m exactly as the block formula computes it: Q8_0
+    d * q (groups of 32, m = 0); Q5_K (d sc) q - dmin m (32); Q6_K
+    (d sc) (q - 32) with q - 32 stored (groups of 16, m = 0)."""
+    parts = {"Q8_0": _q8_0_parts, "Q5_K": _q5_k_parts, "Q6_K": _q6_k_parts}.get(type_name)
+    if parts is None:
+        raise ValueError(f"GGUF tensor type {type_name} is not an 8-bit-or-narrower block type ({', '.join(INT8_TYPES)})")
+    q, scale, mn = parts(raw)
+    n, k = shape
+    groups = scale.size // n
+    return q.reshape(n, k).astype(np.int8), scale.reshape(n, groups), mn.reshape(n, groups)
 
 
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -253,10 +291,11 @@ def gguf_config(reader) -> dict:
     }
 
 
-def read_int4_tensors(gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str]]:
-    """The file's 4-bit projections (and untied LM head) as (q, d, m) numpy
-    arrays by Hugging Face name (q and k projections unpermuted like their
-    dequantized weights), and the block type of every other tensor."""
+def read_block_tensors(gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str]]:
+    """The file's projections (and untied LM head) of a kept block type as
+    (q, d, m) numpy arrays by Hugging Face name (``int4_blocks`` or
+    ``int8_blocks``; q and k projections unpermuted like their dequantized
+    weights), and the block type of every other tensor."""
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
@@ -267,11 +306,11 @@ def read_int4_tensors(gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str]
     for t in reader.tensors:
         name, kind = hf_name(t.name), t.tensor_type.name
         projection = name == "lm_head.weight" or (".layers." in name and name.endswith("_proj.weight"))
-        if kind not in INT4_TYPES or not projection:  # a 4-bit embedding is dequantized for lookups
+        if kind not in KEPT_TYPES or not projection:  # a quantized embedding is dequantized for lookups
             others[name] = kind
             continue
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        parts = int4_blocks(t.data, kind, shape)
+        parts = (int4_blocks if kind in INT4_TYPES else int8_blocks)(t.data, kind, shape)
         n_head = next((h for suffix, h in heads.items() if name.endswith(suffix)), None)
         if n_head is not None:
             parts = tuple(unpermute(x, n_head) for x in parts)

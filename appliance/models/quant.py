@@ -22,6 +22,8 @@ larger batches dequantize the weight and use the fp32 GEMM
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from torch import nn
@@ -96,8 +98,8 @@ class Int4WeightOnlyLinear(nn.Module):
             raise ValueError(f"int4 blocks of {tuple(q.shape)} weights with {tuple(d.shape)} scales: each row's "
                              f"groups must tile its inputs in an even number of weights")
         self.register_buffer("weight_q4", q)
-        self.register_buffer("q4_scale", d)
-        self.register_buffer("q4_min", m)
+        self.register_buffer("q_scale", d)
+        self.register_buffer("q_min", m)
         self.register_buffer("weight_rows", None)  # on a GPU: two k per byte, for the Triton GEMM
         self.group = q.shape[1] // d.shape[1]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -106,7 +108,7 @@ class Int4WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             return self._triton(x)
-        w = dequantize_int4(self.weight_q4, self.q4_scale, self.q4_min).to(x.dtype)
+        w = dequantize_int4(self.weight_q4, self.q_scale, self.q_min).to(x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
     def _triton(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,8 +120,45 @@ class Int4WeightOnlyLinear(nn.Module):
             self.weight_rows = pack_int4_rows(self.weight_q4)
             self.weight_q4 = torch.empty(0, dtype=torch.uint8, device=x.device)
         rows = x.reshape(-1, x.shape[-1])
-        out = int4_gemm(rows, self.weight_rows, self.q4_scale, self.q4_min, self.bias)
+        out = int4_gemm(rows, self.weight_rows, self.q_scale, self.q_min, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class GroupedInt8Linear(nn.Module):
+    """int8 weights with fp32 group scales and mins (weight = d * q + m):
+    GGUF's Q8_0, Q5_K and Q6_K kept at their width, and int4 parts fused
+    beside them. The native CPU backend runs it as it is; the torch path
+    dequantizes per call (correct, not fast)."""
+
+    def __init__(self, blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bias: torch.Tensor | None):
+        super().__init__()
+        q, d, m = blocks
+        if q.dtype != torch.int8 or d.dtype != torch.float32 or m.dtype != d.dtype or d.shape != m.shape \
+                or q.dim() != 2 or d.shape[0] != q.shape[0] or q.shape[1] % d.shape[1] or (q.shape[1] // d.shape[1]) % 2:
+            raise ValueError(f"grouped int8 blocks are int8 q {tuple(q.shape)} with fp32 scales and mins "
+                             f"{tuple(d.shape)} whose even groups tile each row")
+        self.register_buffer("weight_q8", q)
+        self.register_buffer("q_scale", d)
+        self.register_buffer("q_min", m)
+        self.group = q.shape[1] // d.shape[1]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.out_features, self.in_features = q.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = dequantize_int4(self.weight_q8, self.q_scale, self.q_min).to(x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+
+def _as_grouped_int8(parts: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stack blocks of 4- and 8-bit parts as int8 with fp32 parameters at the
+    finest group among them (a coarser part's d and m repeat over its
+    sub-groups): the same weights, exactly."""
+    groups = [p[0].shape[1] // p[1].shape[1] for p in parts]
+    fine = math.gcd(*groups)
+    q = torch.cat([torch.as_tensor(p[0]).to(torch.int8) for p in parts])
+    d, m = (torch.cat([torch.as_tensor(p[i]).float().repeat_interleave(g // fine, dim=1) for p, g in zip(parts, groups)])
+            for i in (1, 2))
+    return q, d, m
 
 
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -149,18 +188,21 @@ def quantize_int8_weight_only(model: nn.Module) -> nn.Module:
 
 
 def install_int4(model: nn.Module, blocks: dict[str, tuple]) -> set[str]:
-    """Replace the projections (and an untied LM head) given as int4 blocks
-    ((q, d, m) by checkpoint weight name, e.g. ``...self_attn.q_proj.weight``)
-    with int4 linears; a fused projection's parts are stacked in its row
-    order, and fp16 parameters widen exactly to fp32 beside fp32 ones.
-    Returns the module weight names replaced (every part of a fused
-    projection must be given)."""
+    """Replace the projections (and an untied LM head) given as blocks
+    ((q, d, m) by checkpoint weight name, e.g. ``...self_attn.q_proj.weight``;
+    q uint8 0..15 for int4, int8 for grouped int8) with int4 linears, or
+    grouped int8 ones where any part is int8; a fused projection's parts are
+    stacked in its row order, and fp16 parameters widen exactly to fp32
+    beside fp32 ones. Returns the module weight names replaced (every part
+    of a fused projection must be given)."""
     from appliance.models.llama import fused_parts, replace_linear
 
     arch = model.arch
     parts = fused_parts(arch, (n for n in blocks if n != "lm_head.weight"))
 
-    def linear(names: list[str], bias: torch.Tensor | None) -> Int4WeightOnlyLinear:
+    def linear(names: list[str], bias: torch.Tensor | None) -> nn.Module:
+        if any(torch.as_tensor(blocks[n][0]).dtype == torch.int8 for n in names):
+            return GroupedInt8Linear(_as_grouped_int8([blocks[n] for n in names]), bias)
         f32 = any(blocks[n][1].dtype in (np.float32, torch.float32) for n in names)
         q, d, m = (torch.cat([torch.as_tensor(blocks[n][i]) for n in names]) for i in range(3))
         if f32:
@@ -184,12 +226,12 @@ def install_int4(model: nn.Module, blocks: dict[str, tuple]) -> set[str]:
     return set(parts)
 
 
-def keep_gguf_int4(model: nn.Module, blocks: dict[str, tuple], others: dict[str, str]) -> None:
-    """``install_int4`` for a GGUF file's 4-bit tensors
-    (``appliance.models.gguf.read_int4_tensors``); raises ValueError naming
+def keep_gguf_blocks(model: nn.Module, blocks: dict[str, tuple], others: dict[str, str]) -> None:
+    """``install_int4`` for a GGUF file's block tensors
+    (``appliance.models.gguf.read_block_tensors``); raises ValueError naming
     the projections of another type (they would run dequantized, at a width
     the plan does not count)."""
-    from appliance.models.gguf import INT4_TYPES
+    from appliance.models.gguf import KEPT_TYPES
 
     arch = model.arch
     wide = sorted(f"{name} ({kind})" for name, kind in others.items()
@@ -197,7 +239,7 @@ def keep_gguf_int4(model: nn.Module, blocks: dict[str, tuple], others: dict[str,
     if not arch.tie_word_embeddings and "lm_head.weight" in others:
         wide.append(f"lm_head.weight ({others['lm_head.weight']})")
     if wide:
-        raise ValueError(f"quantization=gguf keeps 4-bit projections ({', '.join(INT4_TYPES)}); this file's "
+        raise ValueError(f"quantization=gguf keeps block-quantized projections ({', '.join(KEPT_TYPES)}); this file's "
                          f"{', '.join(wide[:4])}{' ...' if len(wide) > 4 else ''} are not built at their width yet: "
                          f"serve it with quantization=none (dequantized at load)")
     install_int4(model, blocks)

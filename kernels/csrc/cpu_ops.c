@@ -7,8 +7,9 @@
  * o_proj with the residual add fused, RMSNorm, packed gate|up GEMM, SiLU*up,
  * down with the residual add fused), the final norm on the sampled rows and
  * the LM head. Weights are fp32, bf16, int8 with one fp32 scale per
- * output channel, or 4-bit with an fp16 or fp32 scale and min per group of k
- * (see "int4 panels"), packed in panels of 16 output channels
+ * output channel, 4-bit with an fp16 or fp32 scale and min per group of k
+ * (see "int4 panels"), or int8 with an fp32 scale and min per group (see
+ * "grouped int8"), packed in panels of 16 output channels
  * (kernels/cpu_native.py packs them); the embedding table is fp32 or bf16.
  * Activations and accumulation are fp32 whatever the weights (except where
  * batched bf16 GEMMs run on AVX512-BF16, see below); the KV cache is fp32,
@@ -37,10 +38,12 @@
 #define WTYPE_I8 1
 #define WTYPE_BF16 2
 #define WTYPE_Q4 3
+#define WTYPE_Q8G 4 /* int8 [ceil(n / 16), k, 16] with a group scale and min (fp32 qparams, as int4's) */
 #define Q4_ROWS_MAX 6 /* int4 GEMMs up to this many rows read the 4-bit panels directly */
 
 typedef struct {
     const void *w;      /* [ceil(n / 16), k, 16] panels, fp32, int8 or bf16 (uint16); int4: [ceil(n / 16), k / 2, 16] bytes */
+    /* grouped weights (int4, grouped int8) carry qparams and group; int8 per channel carries scale */
     const float *scale; /* [n] per output channel (int8), else NULL */
     const float *bias;  /* [n] or NULL */
     const void *qparams; /* int4: [ceil(n / 16), k / group, 2, 16] fp16 or fp32, each group's scales then mins */
@@ -297,6 +300,20 @@ static inline __attribute__((always_inline)) void q4_unpack(const uint8_t *p, __
     *hi1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
 }
 
+/* Group g's part of four panels' outputs: c += d * a + m * xsg (a: the group's x * q sums, eight
+ * channels a register; dm: the first panel's group parameters; qstride: a panel's parameters). */
+static inline void apply_group(const Linear *L, const __m256 a[8], float xsg, int64_t dm, int64_t qstride, int np,
+                               float c[4 * PW]) {
+    const __m256 s = _mm256_set1_ps(xsg);
+    for (int q = 0; q < np; q++)
+        for (int h = 0; h < 2; h++) {
+            float *o = c + q * PW + 8 * h;
+            const int64_t i = dm + q * qstride + 8 * h;
+            const __m256 base = _mm256_fmadd_ps(load_qp(L, i + PW), s, _mm256_loadu_ps(o));
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(load_qp(L, i), a[2 * q + h], base));
+        }
+}
+
 /* x's sum over each group of k */
 static void q4_group_sums(const float *x, int64_t k, int group, float *xs) {
     for (int64_t g = 0; g < k / group; g++) {
@@ -344,15 +361,7 @@ static void pgemv4_q4(const Linear *L, const float *x, const float *xs, int64_t 
                 }
             }
         }
-        const __m256 s = _mm256_set1_ps(xs[g]);
-        for (int q = 0; q < np; q++) {
-            const int64_t dm = qp + q * qstride + g * 2 * PW;
-            for (int h = 0; h < 2; h++) {
-                float *o = c + q * PW + 8 * h;
-                const __m256 base = _mm256_fmadd_ps(load_qp(L, dm + PW + 8 * h), s, _mm256_loadu_ps(o));
-                _mm256_storeu_ps(o, _mm256_fmadd_ps(load_qp(L, dm + 8 * h), a[2 * q + h], base));
-            }
-        }
+        apply_group(L, a, xs[g], qp + g * 2 * PW, qstride, np, c);
     }
 }
 
@@ -435,13 +444,62 @@ static void q4_widen(const Linear *L, int64_t pn, float *wf) {
     }
 }
 
+/* ------------------------------------------------------ grouped int8 */
+/*
+ * int8 weights with a scale and min per output channel per group of k
+ * (fp32 qparams, laid out as int4's): GGUF's Q8_0 (m = 0, groups of 32),
+ * Q5_K (q 0..31 with min, 32) and Q6_K (q - 32, groups of 16), and int4
+ * parts fused beside them. One row runs a GEMV that applies d and m per
+ * group, as int4's; more rows widen each panel once.
+ */
+static void q8g_widen(const Linear *L, int64_t pn, float *wf) {
+    const int64_t k = L->k, groups = k / L->group;
+    const int8_t *p = (const int8_t *)L->w + pn * k * PW;
+    const int64_t qp = pn * groups * 2 * PW;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t dm = qp + g * 2 * PW;
+        const __m256 d0 = load_qp(L, dm), d1 = load_qp(L, dm + 8), m0 = load_qp(L, dm + PW), m1 = load_qp(L, dm + PW + 8);
+        for (int64_t kk = g * L->group; kk < (g + 1) * L->group; kk++) {
+            _mm256_storeu_ps(wf + kk * PW, _mm256_add_ps(_mm256_mul_ps(d0, load_w_i8(p + kk * PW)), m0));
+            _mm256_storeu_ps(wf + kk * PW + 8, _mm256_add_ps(_mm256_mul_ps(d1, load_w_i8(p + kk * PW + 8)), m1));
+        }
+    }
+}
+
+/* One row by up to four grouped-int8 panels starting at panel pn. */
+static void pgemv4_q8g(const Linear *L, const float *x, const float *xs, int64_t pn, int np, float c[4 * PW]) {
+    const int64_t k = L->k, pstride = k * PW, groups = k / L->group, qstride = groups * 2 * PW;
+    const int8_t *p = (const int8_t *)L->w + pn * pstride;
+    const int64_t qp = pn * qstride;
+    for (int j = 0; j < 4 * PW; j++) c[j] = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+        for (int64_t kk = g * L->group; kk < (g + 1) * L->group; kk++) {
+            const __m256 xb = _mm256_broadcast_ss(x + kk);
+            for (int q = 0; q < np; q++) {
+                a[2 * q] = _mm256_fmadd_ps(xb, load_w_i8(p + q * pstride + kk * PW), a[2 * q]);
+                a[2 * q + 1] = _mm256_fmadd_ps(xb, load_w_i8(p + q * pstride + kk * PW + 8), a[2 * q + 1]);
+            }
+        }
+        apply_group(L, a, xs[g], qp + g * 2 * PW, qstride, np, c);
+    }
+}
+
+/* A grouped panel (int4 or int8) widened to fp32 ([k][PW], d * q + m). */
+static void grouped_widen(const Linear *L, int64_t pn, float *wf) {
+    if (L->wtype == WTYPE_Q4) q4_widen(L, pn, wf);
+    else q8g_widen(L, pn, wf);
+}
+
 /* Rows [m0, m1) against panels [p0, p1). wbuf (PW * k floats): with more
  * than one row tile, an int8 or bf16 panel is widened into it once and every
  * tile runs the fp32 kernel against it; an int4 panel always is. */
 static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m0,
                         int64_t m1, int64_t p0, int64_t p1, int accumulate, float *wbuf) {
     const int64_t k = L->k, n = L->n, pstride = k * PW;
-    const int widen = L->wtype == WTYPE_Q4 || (L->wtype != WTYPE_F32 && m1 - m0 > 6);
+    const int grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G;
+    const int widen = grouped || (L->wtype != WTYPE_F32 && m1 - m0 > 6);
     const int np = m1 - m0 <= 2 && !widen ? 2 : 1;
     float c[6][2 * PW];
     for (int64_t pn = p0; pn < p1; pn += np) {
@@ -452,8 +510,8 @@ static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out
         const uint16_t *pb = L->wtype == WTYPE_BF16 ? (const uint16_t *)L->w + pn * pstride : NULL;
         const float *pf = L->wtype == WTYPE_F32 ? (const float *)L->w + pn * pstride : NULL;
         if (widen) {
-            if (L->wtype == WTYPE_Q4)
-                q4_widen(L, pn, wbuf);
+            if (grouped)
+                grouped_widen(L, pn, wbuf);
             else if (L->wtype == WTYPE_I8)
                 for (int64_t i = 0; i < pstride; i += 8) _mm256_storeu_ps(wbuf + i, load_w_i8(pq + i));
             else
@@ -554,9 +612,9 @@ DOT_TARGET static inline __attribute__((always_inline)) void dtile(const uint16_
 
 #define DTILE_CASE(R) case R: dtile(xr, kp, pbuf, R, c); break;
 
-/* An int4 panel widened to fp32 ([k][PW], k even), rounded to bf16 (nearest even) in k pairs as dtile reads them. */
-DOT_TARGET static void q4_pairs(const Linear *L, int64_t pn, float *wf, uint16_t *pbuf, __m512i pairs) {
-    q4_widen(L, pn, wf);
+/* A grouped panel widened to fp32 ([k][PW], k even), rounded to bf16 (nearest even) in k pairs as dtile reads them. */
+DOT_TARGET static void grouped_pairs(const Linear *L, int64_t pn, float *wf, uint16_t *pbuf, __m512i pairs) {
+    grouped_widen(L, pn, wf);
     for (int64_t j = 0; j < L->k / 2; j++) {
         const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(wf + (2 * j + 1) * PW), _mm512_loadu_ps(wf + 2 * j * PW));
         _mm512_storeu_si512(pbuf + j * 2 * PW, _mm512_permutexvar_epi16(pairs, (__m512i)v));
@@ -577,8 +635,8 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
     for (int64_t pn = p0; pn < p1; pn++) {
         const int64_t n0 = pn * PW;
         const int nv = (int)(n - n0 < PW ? n - n0 : PW);
-        if (L->wtype == WTYPE_Q4) {
-            q4_pairs(L, pn, wf, pbuf, pairs);
+        if (L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G) {
+            grouped_pairs(L, pn, wf, pbuf, pairs);
         } else {
             const uint16_t *pb = (const uint16_t *)L->w + pn * pstride;
             for (int64_t j = 0; j < kp / 2; j++) {
@@ -705,6 +763,8 @@ static void packed_gemv(const Linear *L, const float *x, const float *xs, float 
         const int nv = (int)(n - n0 < np * PW ? n - n0 : np * PW);
         if (L->wtype == WTYPE_Q4)
             pgemv4_q4(L, x, xs, pn, np, c);
+        else if (L->wtype == WTYPE_Q8G)
+            pgemv4_q8g(L, x, xs, pn, np, c);
         else if (L->wtype == WTYPE_I8)
             pgemv4_i8(x, (const int8_t *)L->w + pn * pstride, pstride, k, np, c);
         else if (L->wtype == WTYPE_BF16)
@@ -722,12 +782,12 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
     const int64_t panels = (L->n + PW - 1) / PW, kp = L->k + (L->k & 1);
     int64_t mc = (192 * 1024 / 4) / (L->k > 0 ? L->k : 1);
     mc = mc < 6 ? 6 : (mc / 6) * 6;
-    const int q4 = L->wtype == WTYPE_Q4;
-    const int dot = (L->wtype == WTYPE_BF16 || q4) && m > 6 && g_bf16_dot;
+    const int q4 = L->wtype == WTYPE_Q4, grouped = q4 || L->wtype == WTYPE_Q8G;
+    const int dot = (L->wtype == WTYPE_BF16 || grouped) && m > 6 && g_bf16_dot;
     uint16_t *xb = dot ? (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(m * kp)) : NULL; /* the rows in bf16 */
     const int q4_rows_here = q4 && m <= Q4_ROWS_MAX; /* else more rows: widened panels */
     float *xs = NULL; /* the rows' group sums */
-    if (q4_rows_here) {
+    if (q4_rows_here || (grouped && m == 1)) {
         const int64_t groups = L->k / L->group;
         xs = (float *)malloc(sizeof(float) * (size_t)(m * groups));
         for (int64_t r = 0; r < m; r++) q4_group_sums(x + r * ldx, L->k, L->group, xs + r * groups);
@@ -748,16 +808,16 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
 #pragma omp for schedule(static)
                 for (int64_t r = 0; r < m; r++) row_to_bf16(x + r * ldx, xb + r * kp, L->k, kp);
             }
-            /* a widened panel (PW * k floats), or a re-laid bf16 one (PW * kp halves); an int4 one
+            /* a widened panel (PW * k floats), or a re-laid bf16 one (PW * kp halves); a grouped one
              * on the vdpbf16ps path takes both */
-            const int widen = q4 || (L->wtype != WTYPE_F32 && m > 6);
-            float *wbuf = widen ? (float *)malloc(sizeof(float) * PW * (size_t)kp * (q4 && dot ? 2 : 1)) : NULL;
+            const int widen = grouped || (L->wtype != WTYPE_F32 && m > 6);
+            float *wbuf = widen ? (float *)malloc(sizeof(float) * PW * (size_t)kp * (grouped && dot ? 2 : 1)) : NULL;
             for (int64_t m0 = 0; m0 < m; m0 += mc) {
                 const int64_t m1 = m0 + mc < m ? m0 + mc : m;
                 if (p0 >= p1) continue;
                 if (dot) /* every row of the call, so all are rounded alike */
                     packed_rows_dot(L, xb, kp, out, ldo, m0, m1, p0, p1, accumulate, (uint16_t *)wbuf,
-                                    q4 ? wbuf + PW * kp : NULL);
+                                    grouped ? wbuf + PW * kp : NULL);
                 else
                     packed_rows(L, x, ldx, out, ldo, m0, m1, p0, p1, accumulate, wbuf);
             }

@@ -100,5 +100,5 @@ def test_int4_holds_the_q4_1_checkpoint_bit_for_bit(method):
     for ref_layer, q_layer in zip(ref.model.layers, q.model.layers):
         for path in PROJECTIONS:
             mod = q_layer.get_submodule(path)
-            w = dequantize_int4(mod.weight_q4, mod.q4_scale, mod.q4_min)
+            w = dequantize_int4(mod.weight_q4, mod.q_scale, mod.q_min)
             assert torch.equal(w, ref_layer.get_submodule(path).weight.data), path

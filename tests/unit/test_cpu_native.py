@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from appliance import LLM, SamplingParams
 from appliance.kernels.cpu_native import CpuNativeBackend, NativeLinear, avx512, bf16_dot, pack_q4_panels
 from appliance.kernels.registry import Selection
-from appliance.models.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4, quantize_int8_weight_only
+from appliance.models.quant import (GroupedInt8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4,
+                                    quantize_int8_weight_only)
 from tests.kernel_helpers import make_problem, reference
 from tests.model_helpers import PROMPTS, TINY_VARIANTS
 
@@ -123,10 +124,10 @@ def _int4(n, k, group, seed, params="fp16"):
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     mod = Int4WeightOnlyLinear(w, b, group)
     if params == "fp32":
-        jitter = 1 + 1e-4 * torch.rand(mod.q4_scale.shape, generator=g)
-        mod = Int4WeightOnlyLinear(None, b, blocks=(mod.weight_q4, mod.q4_scale.float() * jitter,
-                                                    mod.q4_min.float() * jitter))
-    return mod, dequantize_int4(mod.weight_q4, mod.q4_scale, mod.q4_min), b
+        jitter = 1 + 1e-4 * torch.rand(mod.q_scale.shape, generator=g)
+        mod = Int4WeightOnlyLinear(None, b, blocks=(mod.weight_q4, mod.q_scale.float() * jitter,
+                                                    mod.q_min.float() * jitter))
+    return mod, dequantize_int4(mod.weight_q4, mod.q_scale, mod.q_min), b
 
 
 def _assert_sums_close(got, want, x, w, b, base=None):
@@ -158,15 +159,20 @@ def test_int4_linear_matches_its_dequantized_weights(params, group, m, n):
     """The AVX2 paths (the GEMV at one row, one to four rows a pass up to six,
     fp32 tiles on the widened panels beyond): d * q + m exactly, summed in
     fp32; accumulate adds."""
-    mod, w, b = _int4(n, 384, group, seed=m * 100 + n, params=params)
-    x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m))
-    base = torch.randn(m, n)
+    _check_on_avx2(*_int4(n, 384, group, seed=m * 100 + n, params=params), m)
+
+
+def _check_on_avx2(mod, w, b, m):
+    """The AVX2 paths of a grouped linear (and accumulate) against the GEMM of its dequantized weight."""
+    x = torch.randn(m, w.shape[1], generator=torch.Generator().manual_seed(m))
+    base = torch.randn(m, w.shape[0])
     with _avx2_only():
         got = NativeLinear(mod)(x)
         acc = base.clone()
         NativeLinear(mod)(x, out=acc, accumulate=True)
     _assert_sums_close(got, F.linear(x, w, b), x, w, b)
     _assert_sums_close(acc, base + F.linear(x, w, b), x, w, b, base)
+    _assert_sums_close(mod(x), F.linear(x, w, b), x, w, b)  # the torch path
 
 
 @needs_avx512
@@ -199,6 +205,34 @@ def test_int4_bf16_dot_gemm_runs_the_rounded_weights_and_rows(params, m):
     bf16 like the rows: the fp32 GEMM of the rounded values, up to order."""
     mod, w, b = _int4(50, 384, 32, seed=m, params=params)
     x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m))
+    xr, wr = x.to(torch.bfloat16).float(), w.to(torch.bfloat16).float()
+    with _bf16_dot(True):
+        got = NativeLinear(mod)(x)
+    _assert_sums_close(got, F.linear(xr, wr, b), xr, wr, b)
+
+
+def _q8g(n, k, group, seed):
+    """A grouped-int8 linear (GGUF Q8_0/Q5_K/Q6_K kept at width) and its dequantized weight."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+    d, m = torch.rand(n, k // group, generator=g) * 0.1, torch.randn(n, k // group, generator=g) * 0.1
+    b = torch.randn(n, generator=g)
+    return GroupedInt8Linear((q, d, m), b), dequantize_int4(q, d, m), b
+
+
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("m", [1, 2, 5, 7, 13])
+@pytest.mark.parametrize("n", [7, 50, 100])
+def test_grouped_int8_linear_matches_its_dequantized_weights(group, m, n):
+    """The GEMV at one row (d and m per group), widened fp32 panels beyond."""
+    _check_on_avx2(*_q8g(n, 256, group, seed=m * 100 + n), m)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("m", [7, 40])
+def test_grouped_int8_bf16_dot_gemm_runs_the_rounded_weights_and_rows(m):
+    mod, w, b = _q8g(50, 256, 16, seed=m)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
     xr, wr = x.to(torch.bfloat16).float(), w.to(torch.bfloat16).float()
     with _bf16_dot(True):
         got = NativeLinear(mod)(x)

@@ -149,7 +149,7 @@ def test_the_checkpoint_runs_as_its_dequantized_weights(checkpoints, method):
         for path in PROJECTIONS:
             mod = layer.get_submodule(path)
             assert isinstance(mod, Int4WeightOnlyLinear)
-            assert torch.equal(dequantize_int4(mod.weight_q4, mod.q4_scale, mod.q4_min),
+            assert torch.equal(dequantize_int4(mod.weight_q4, mod.q_scale, mod.q_min),
                                ref_layer.get_submodule(path).weight.data)
     p = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
     before = bf16_dot()

@@ -45,9 +45,9 @@ def test_int4_blocks_are_the_block_formula_bit_for_bit(qtype):
 
 
 def test_gguf_int4_tensors_are_the_projections_unpermuted_like_their_weights(tmp_path):
-    """read_int4_tensors takes 4-bit projections (q/k rows in Hugging Face
-    order, as the converter writes the dequantized weights); a 4-bit
-    embedding and other types are listed with their type."""
+    """read_block_tensors takes block-quantized projections (q/k rows in
+    Hugging Face order, as the converter writes the dequantized weights); a
+    quantized embedding and other types are listed with their type."""
     import gguf
     import torch
 
@@ -69,11 +69,13 @@ def test_gguf_int4_tensors_are_the_projections_unpermuted_like_their_weights(tmp
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    blocks, others = our.read_int4_tensors(tmp_path / "t.gguf")
-    assert others == {"model.embed_tokens.weight": "Q4_0", "model.layers.0.self_attn.v_proj.weight": "Q8_0"}
-    for gguf_name, heads in (("blk.0.attn_q.weight", 4), ("blk.0.attn_k.weight", 2)):
+    blocks, others = our.read_block_tensors(tmp_path / "t.gguf")
+    assert others == {"model.embed_tokens.weight": "Q4_0"}
+    assert blocks["model.layers.0.self_attn.v_proj.weight"][0].dtype == np.int8  # Q8_0: grouped int8
+    for gguf_name, heads in (("blk.0.attn_q.weight", 4), ("blk.0.attn_k.weight", 2), ("blk.0.attn_v.weight", None)):
         data, kind, shape = raw[gguf_name]
-        want = our.unpermute(our.dequantize(data, kind, shape), heads)
+        want = our.dequantize(data, kind, shape)
+        want = want if heads is None else our.unpermute(want, heads)
         got = dequantize_int4(*(torch.from_numpy(a) for a in blocks[our.hf_name(gguf_name)]))
         np.testing.assert_array_equal(got.numpy(), want)
 
@@ -118,36 +120,110 @@ def _checkpoint_blocks(model):
 def test_gguf_blocks_replace_each_projection_in_its_row_order():
     import torch
 
-    from appliance.models.quant import PROJECTIONS, Int4WeightOnlyLinear, dequantize_int4, keep_gguf_int4
+    from appliance.models.quant import PROJECTIONS, Int4WeightOnlyLinear, dequantize_int4, keep_gguf_blocks
 
     model = _tiny_model()
     blocks = _checkpoint_blocks(model)
     k = blocks["model.layers.1.self_attn.k_proj.weight"]
     blocks["model.layers.1.self_attn.k_proj.weight"] = (k[0], k[1].astype(np.float32), k[2].astype(np.float32))
     before = {p: model.model.layers[1].get_submodule(p).weight.data.clone() for p in PROJECTIONS}
-    keep_gguf_int4(model, blocks, {"model.embed_tokens.weight": "Q8_0"})
+    keep_gguf_blocks(model, blocks, {"model.embed_tokens.weight": "Q8_0"})
     for p in PROJECTIONS:
         mod = model.model.layers[1].get_submodule(p)
         assert isinstance(mod, Int4WeightOnlyLinear)
         # the stacked blocks dequantize to the fused weight quantized part by part, in place
-        assert (dequantize_int4(mod.weight_q4, mod.q4_scale, mod.q4_min) - before[p]).abs().max() < 0.1
+        assert (dequantize_int4(mod.weight_q4, mod.q_scale, mod.q_min) - before[p]).abs().max() < 0.1
     q = blocks["model.layers.1.self_attn.k_proj.weight"]
     qkv = model.model.layers[1].self_attn.qkv_proj
     assert torch.equal(qkv.weight_q4[64:96], torch.from_numpy(q[0]))  # 4 heads x 16, then 2 kv heads x 16
-    assert qkv.q4_scale.dtype == torch.float32  # one part with fp32 parameters (a Q4_K tensor) widens the rest
-    assert torch.equal(qkv.q4_scale[:64], torch.from_numpy(blocks["model.layers.1.self_attn.q_proj.weight"][1]).float())
-    assert model.model.layers[1].mlp.down_proj.q4_scale.dtype == torch.float16
+    assert qkv.q_scale.dtype == torch.float32  # one part with fp32 parameters (a Q4_K tensor) widens the rest
+    assert torch.equal(qkv.q_scale[:64], torch.from_numpy(blocks["model.layers.1.self_attn.q_proj.weight"][1]).float())
+    assert model.model.layers[1].mlp.down_proj.q_scale.dtype == torch.float16
 
 
 def test_gguf_projections_of_another_width_are_refused_by_name():
-    from appliance.models.quant import keep_gguf_int4
+    from appliance.models.quant import keep_gguf_blocks
 
     model = _tiny_model()
     blocks = _checkpoint_blocks(model)
     del blocks["model.layers.0.self_attn.v_proj.weight"]
-    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.v_proj.weight \(Q6_K\) are not built at their "
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.v_proj.weight \(Q5_0\) are not built at their "
                                          r"width yet: serve it with quantization=none"):
-        keep_gguf_int4(model, blocks, {"model.layers.0.self_attn.v_proj.weight": "Q6_K"})
+        keep_gguf_blocks(model, blocks, {"model.layers.0.self_attn.v_proj.weight": "Q5_0"})
+
+
+def test_a_projection_with_an_8_bit_part_becomes_grouped_int8_of_the_same_weights():
+    """A Q4_K_M-style layer: q/k 4-bit (groups of 32), v Q6_K-style int8 in
+    groups of 16: the fused qkv holds all three exactly, at groups of 16."""
+    import torch
+
+    from appliance.models.quant import GroupedInt8Linear, Int4WeightOnlyLinear, dequantize_int4, keep_gguf_blocks
+
+    model = _tiny_model()
+    blocks = _checkpoint_blocks(model)
+    g = torch.Generator().manual_seed(0)
+    v = (torch.randint(-32, 32, (32, 64), generator=g, dtype=torch.int8), torch.rand(32, 4, generator=g),
+         torch.zeros(32, 4))
+    blocks["model.layers.0.self_attn.v_proj.weight"] = tuple(t.numpy() for t in v)
+    keep_gguf_blocks(model, blocks, {})
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, GroupedInt8Linear) and qkv.group == 16
+    assert isinstance(model.model.layers[1].self_attn.qkv_proj, Int4WeightOnlyLinear)
+    parts = [dequantize_int4(*(torch.as_tensor(a) for a in blocks[f"model.layers.0.self_attn.{p}_proj.weight"]))
+             for p in "qkv"]
+    assert torch.equal(dequantize_int4(qkv.weight_q8, qkv.q_scale, qkv.q_min), torch.cat(parts))
+
+
+def test_mixed_block_layers_generate_alike_on_both_paths():
+    """The same mixed int4 / grouped-int8 layers through the native whole-step
+    forward and through the torch path: the same greedy tokens."""
+    import torch
+
+    from appliance import LLM, SamplingParams
+    from appliance.kernels.cpu_native import bf16_dot
+    from appliance.kernels.registry import Selection
+    from appliance.models.quant import keep_gguf_blocks
+
+    overrides = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.01", "model.dtype=float32"]
+    outs = []
+    for selection in (None, Selection(chosen="torch_sdpa")):
+        llm = LLM(overrides=overrides, selection=selection)
+        blocks = _checkpoint_blocks(llm.engine.runner.model)
+        g = torch.Generator().manual_seed(0)
+        blocks["model.layers.0.self_attn.v_proj.weight"] = (
+            torch.randint(-32, 32, (32, 64), generator=g, dtype=torch.int8).numpy(),
+            (torch.rand(32, 4, generator=g) * 0.05).numpy(), torch.zeros(32, 4).numpy())
+        keep_gguf_blocks(llm.engine.runner.model, blocks, {})  # before the first step builds the native forward
+        before = bf16_dot()
+        bf16_dot(False)
+        try:
+            outs.append(llm.generate(["Hello there", "The quick brown fox jumps"],
+                                     SamplingParams(max_tokens=8, temperature=0, logprobs=2), use_tqdm=False))
+        finally:
+            bf16_dot(before)
+    for a, b in zip(*outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert lb.logprob == pytest.approx(la.logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_K", "Q6_K"])
+def test_int8_blocks_are_the_block_formula_bit_for_bit(qtype):
+    import gguf
+    import torch
+
+    from appliance.models.quant import dequantize_int4
+
+    if qtype == "Q8_0":
+        x = np.random.default_rng(2).standard_normal((4, 256)).astype(np.float32)
+        raw = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0).reshape(-1)
+    else:
+        raw = _random_k_blocks(qtype, 4, seed=3)
+    q, d, m = our.int8_blocks(raw, qtype, (4, 256))
+    assert q.dtype == np.int8 and d.dtype == m.dtype == np.float32
+    assert d.shape == (4, 16 if qtype == "Q6_K" else 8)
+    w = dequantize_int4(*(torch.from_numpy(a) for a in (q, d, m)))
+    np.testing.assert_array_equal(w.numpy(), our.dequantize(raw, qtype, (4, 256)))
 
 
 def _random_k_blocks(qtype, n_blocks, seed=0):

@@ -74,7 +74,7 @@ def test_int4_refuses_groups_that_do_not_tile_k():
 def test_int4_torch_path_is_the_linear_of_the_dequantized_weight(rows):
     w, b, x = torch.randn(40, 64), torch.randn(40), torch.randn(rows, 64)
     lin = Int4WeightOnlyLinear(w, b, 32)
-    ref = torch.nn.functional.linear(x, dequantize_int4(lin.weight_q4, lin.q4_scale, lin.q4_min), b)
+    ref = torch.nn.functional.linear(x, dequantize_int4(lin.weight_q4, lin.q_scale, lin.q_min), b)
     torch.testing.assert_close(lin(x), ref)
 
 
