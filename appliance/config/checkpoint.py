@@ -126,8 +126,9 @@ _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
-def read_gguf_header(path: Path) -> tuple[dict[str, Any], list[str]]:
-    """Metadata (an array is given as its length) and tensor names of a GGUF file."""
+def read_gguf_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
+    """Metadata (an array is given as its length) and, by tensor name, each
+    tensor's ggml type id and element count, of a GGUF file."""
 
     def unpack(f: BinaryIO, fmt: str) -> Any:
         s = struct.Struct(fmt)
@@ -165,11 +166,36 @@ def read_gguf_header(path: Path) -> tuple[dict[str, Any], list[str]]:
                 meta[key] = unpack(f, _GGUF_SCALARS[vtype])
             else:
                 raise ValueError(f"{key}: unknown GGUF value type {vtype}")
-        names = []
+        tensors = {}
         for _ in range(n_tensors):
-            names.append(string(f))
-            f.seek(8 * unpack(f, "<I") + 4 + 8, 1)  # dims, type, offset
-    return meta, names
+            name = string(f)
+            dims = [unpack(f, "<Q") for _ in range(unpack(f, "<I"))]
+            tensors[name] = (unpack(f, "<I"), math.prod(dims))
+            f.seek(8, 1)  # offset
+    return meta, tensors
+
+
+# Bits a weight of each GGUF type takes once loaded with quantization=gguf (scales and mins included):
+# int4 with fp16 (Q4_0, Q4_1) or fp32 (Q4_K) parameters per 32, grouped int8 with fp32 ones per 32 (Q8_0,
+# Q5_K) or 16 (Q6_K); float types as bf16 or fp32. By ggml type id.
+GGUF_LOADED_BITS = {0: 32.0, 1: 16.0, 2: 5.0, 3: 5.0, 8: 10.0, 12: 6.0, 13: 10.0, 14: 12.0, 30: 16.0}
+GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def gguf_projection_bits(tensors: dict[str, tuple[int, int]]) -> Optional[float]:
+    """Loaded bits per projection weight (``GGUF_LOADED_BITS``) over a GGUF
+    file's decoder projections; None when one has a type quantization=gguf
+    does not keep (loading then names it)."""
+    total = bits = 0.0
+    for name, (kind, count) in tensors.items():
+        parts = name.split(".")
+        if parts[0] != "blk" or len(parts) != 4 or parts[2] not in GGUF_PROJECTIONS:
+            continue
+        if kind not in GGUF_LOADED_BITS:
+            return None
+        total += count
+        bits += count * GGUF_LOADED_BITS[kind]
+    return round(bits / total, 3) if total else None
 
 
 def gguf_facts(path: Path) -> tuple[list[Fact], list[str]]:
@@ -177,7 +203,8 @@ def gguf_facts(path: Path) -> tuple[list[Fact], list[str]]:
     writes them into the converted config.json), and what it cannot run."""
     import numpy as np
 
-    meta, names = read_gguf_header(path)
+    meta, tensors = read_gguf_header(path)
+    names = list(tensors)
     arch = meta.get("general.architecture")
     if arch not in GGUF_FAMILIES:
         return [], [f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(GGUF_FAMILIES))}"]
@@ -352,6 +379,14 @@ def apply_checkpoint(cfg: dict, overrides: Sequence[str]) -> list[str]:
     path = local_checkpoint(cfg["model"]["path"])
     if path is not None and path.is_dir():
         problems += _apply_quantization(cfg, path, overrides)
+    elif path is not None and path.suffix == ".gguf" and path.is_file() and cfg["quantization"]["method"] == "gguf" \
+            and "quantization.weight_bits" not in {o.partition("=")[0].lstrip("+") for o in overrides}:
+        try:
+            bits = gguf_projection_bits(read_gguf_header(path)[1])
+        except (OSError, ValueError, struct.error):
+            bits = None  # read_facts has said why
+        if bits is not None:  # the plan counts this file's own widths
+            cfg["quantization"]["weight_bits"] = bits
     return problems
 
 

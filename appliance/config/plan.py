@@ -54,9 +54,10 @@ def weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
     """Bytes of all weights (before sharding).
 
     Quantized methods store the decoder's linear layers at
-    ``quantization.weight_bits`` plus one 16-bit scale (and, for int4
-    methods, one 16-bit zero point) per group; embeddings, the LM head and
-    norms stay in the compute dtype, as vLLM keeps them.
+    ``quantization.weight_bits`` plus their group parameters (gguf's
+    weight_bits already counts them: the file's own widths as loaded, see
+    ``checkpoint.gguf_projection_bits``); embeddings, the LM head and norms
+    stay in the compute dtype, as vLLM keeps them.
     """
     counts = parameter_counts(cfg.model)
     full = DTYPE_BYTES[dtype]
@@ -65,9 +66,8 @@ def weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
     if method == "none":
         return counts["total"] * full
     bits = q.weight_bits
-    if q.group_size > 0:
-        # fp8: an fp16 scale; int4_wo and gguf Q4_0/Q4_1: an fp16 scale and min; AWQ/GPTQ: an fp32 scale and
-        # -scale x zero (a Q4_K file's fp32 sub-block parameters are one bit a weight more than counted here)
+    if q.group_size > 0 and method != "gguf":
+        # fp8: an fp16 scale; int4_wo: an fp16 scale and min; AWQ/GPTQ: an fp32 scale and -scale x zero
         per_group = {"fp8": 16, "awq": 64, "gptq": 64}.get(method, 32)
         bits += per_group / q.group_size
     linear = int(counts["linear"] * bits / 8)

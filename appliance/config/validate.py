@@ -21,12 +21,24 @@ INT4_GROUP_SIZES = (32, 64, 128)  # the native int4 kernels' groups along k
 
 def _weight_only_problems(cfg: ApplianceConfig) -> list[str]:
     """int8_wo is per output channel at 8 bits; int4_wo is 4 bits in groups
-    that tile every projection's input; gguf keeps a GGUF file's 4-bit blocks
-    (groups of 32); awq and gptq checkpoints are 4-bit in even groups that
-    tile the inputs (their quantization_config sets these keys)."""
+    that tile every projection's input; gguf keeps a GGUF file's blocks
+    (weight_bits: their loaded bits per weight, read from the file); awq and
+    gptq checkpoints are 4-bit in even groups that tile the inputs (their
+    quantization_config sets these keys)."""
     q, m = cfg.quantization, cfg.model
     out = []
-    bits = {"int8_wo": 8.0, "int4_wo": 4.0, "gguf": 4.0, "awq": 4.0, "gptq": 4.0}.get(q.method)
+    bits = {"int8_wo": 8.0, "int4_wo": 4.0, "awq": 4.0, "gptq": 4.0}.get(q.method)
+    if q.method == "gguf":
+        if m.path != "smollm2_gguf" and not m.path.endswith(".gguf"):
+            out.append(f"quantization=gguf keeps the blocks of a GGUF file, and model.path={m.path} is not one; "
+                       f"point model.path at a .gguf file, or use quantization=int4_wo to quantize at load")
+        if q.group_size != 32:
+            out.append(f"quantization.group_size={q.group_size}: GGUF blocks hold 32 weights; set "
+                       f"quantization.group_size=32")
+        if not 0 < q.weight_bits <= 32:
+            out.append(f"quantization.weight_bits={q.weight_bits:g}: a GGUF file's loaded bits per weight are "
+                       f"between 0 and 32 (read from the file when model.path is one)")
+        return out
     if bits is None:
         return out
     if q.method in ("awq", "gptq") and q.group_size != -1:
@@ -35,13 +47,6 @@ def _weight_only_problems(cfg: ApplianceConfig) -> list[str]:
             out.append(f"quantization.group_size={q.group_size} must be even and divide the model's projection "
                        f"inputs ({m.hidden_size}, {m.num_heads * m.head_dim}, {m.intermediate_size}), or -1 "
                        f"(one group per output channel)")
-    if q.method == "gguf":
-        if m.path != "smollm2_gguf" and not m.path.endswith(".gguf"):
-            out.append(f"quantization=gguf keeps the blocks of a GGUF file, and model.path={m.path} is not one; "
-                       f"point model.path at a .gguf file, or use quantization=int4_wo to quantize at load")
-        if q.group_size != 32:
-            out.append(f"quantization.group_size={q.group_size}: GGUF blocks hold 32 weights; set "
-                       f"quantization.group_size=32")
     if q.weight_bits != bits:
         out.append(f"quantization.weight_bits={q.weight_bits:g} does not match quantization.method={q.method}, which "
                    f"stores {bits:g}-bit weights; set quantization.weight_bits={bits:g} (the option "

@@ -48,13 +48,37 @@ def test_gguf_int4_tensors_are_the_projections_unpermuted_like_their_weights(tmp
     """read_block_tensors takes block-quantized projections (q/k rows in
     Hugging Face order, as the converter writes the dequantized weights); a
     quantized embedding and other types are listed with their type."""
-    import gguf
     import torch
 
     from appliance.models.quant import dequantize_int4
 
-    path = str(tmp_path / "t.gguf")
-    w = gguf.GGUFWriter(path, "llama")
+    raw = _write_gguf(tmp_path / "t.gguf")
+    blocks, others = our.read_block_tensors(tmp_path / "t.gguf")
+    assert others == {"model.embed_tokens.weight": "Q4_0"}
+    assert blocks["model.layers.0.self_attn.v_proj.weight"][0].dtype == np.int8  # Q8_0: grouped int8
+    for gguf_name, heads in (("blk.0.attn_q.weight", 4), ("blk.0.attn_k.weight", 2), ("blk.0.attn_v.weight", None)):
+        data, kind, shape = raw[gguf_name]
+        want = our.dequantize(data, kind, shape)
+        want = want if heads is None else our.unpermute(want, heads)
+        got = dequantize_int4(*(torch.from_numpy(a) for a in blocks[our.hf_name(gguf_name)]))
+        np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_the_plan_counts_a_gguf_files_own_widths(tmp_path):
+    """quantization=gguf reads the loaded bits per projection weight from the
+    file: Q4_0/Q4_1 5 (fp16 scale and min per 32), Q8_0 10 (fp32 per 32)."""
+    _write_gguf(tmp_path / "t.gguf")
+    q = resolve(["+profile=cpu", f"model.path={tmp_path / 't.gguf'}", "quantization=gguf"], check=False).cfg.quantization
+    assert q.weight_bits == (64 * 64 * 5 + 32 * 64 * 5 + 32 * 64 * 10) / (64 * 64 + 2 * 32 * 64)
+    assert resolve(["+profile=cpu", f"model.path={tmp_path / 't.gguf'}"], check=False).cfg.quantization.weight_bits == 16
+
+
+def _write_gguf(path):
+    """A one-layer llama GGUF: a Q4_0 embedding, q/k/v in Q4_1/Q4_0/Q8_0 (no other tensors).
+    Returns {name: (raw blocks, type, shape)}."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
     for add, v in [(w.add_block_count, 1), (w.add_embedding_length, 64), (w.add_feed_forward_length, 128),
                    (w.add_head_count, 4), (w.add_head_count_kv, 2), (w.add_context_length, 256),
                    (w.add_layer_norm_rms_eps, 1e-5), (w.add_vocab_size, 64)]:
@@ -69,15 +93,7 @@ def test_gguf_int4_tensors_are_the_projections_unpermuted_like_their_weights(tmp
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    blocks, others = our.read_block_tensors(tmp_path / "t.gguf")
-    assert others == {"model.embed_tokens.weight": "Q4_0"}
-    assert blocks["model.layers.0.self_attn.v_proj.weight"][0].dtype == np.int8  # Q8_0: grouped int8
-    for gguf_name, heads in (("blk.0.attn_q.weight", 4), ("blk.0.attn_k.weight", 2), ("blk.0.attn_v.weight", None)):
-        data, kind, shape = raw[gguf_name]
-        want = our.dequantize(data, kind, shape)
-        want = want if heads is None else our.unpermute(want, heads)
-        got = dequantize_int4(*(torch.from_numpy(a) for a in blocks[our.hf_name(gguf_name)]))
-        np.testing.assert_array_equal(got.numpy(), want)
+    return raw
 
 
 def test_int4_blocks_must_tile_their_rows():
