@@ -291,6 +291,39 @@ def _explicit_keys(overrides: Sequence[str]) -> set[str]:
 CHECKPOINT_QUANT_METHODS = {"awq": "awq", "gptq": "gptq", "fp8": "fp8"}
 
 
+def _compressed_tensors_fp8(qc: dict) -> tuple[bool, list[str]]:
+    """A compressed-tensors quantization_config (llm-compressor) whose every
+    scheme is 8-bit float weights: (whether activations are quantized too,
+    problems). Other schemes (int4 pack-quantized, 2:4 sparse, ...) are
+    problems."""
+    groups = list((qc.get("config_groups") or {}).values())
+    if not groups:
+        return False, ["compressed-tensors quantization_config has no config_groups"]
+    activations, problems = False, []
+    for g in groups:
+        w, a = g.get("weights") or {}, g.get("input_activations")
+        if (w.get("type"), w.get("num_bits")) != ("float", 8) or w.get("strategy") not in ("tensor", "channel"):
+            problems.append(f"compressed-tensors weights {json.dumps(w, sort_keys=True)} are not built "
+                            f"(fp8 weights with a per-tensor or per-channel scale only)")
+        if a:
+            if (a.get("type"), a.get("num_bits")) != ("float", 8) or a.get("strategy") not in ("tensor", "token"):
+                problems.append(f"compressed-tensors input activations {json.dumps(a, sort_keys=True)} are not "
+                                f"built (fp8, per tensor or per token)")
+            activations = True
+    if qc.get("format") not in (None, "float-quantized", "naive-quantized"):
+        problems.append(f"compressed-tensors format {qc.get('format')} is not supported (float-quantized)")
+    return activations, problems
+
+
+def checkpoint_quant_method(hf: dict) -> str:
+    """The quantization a config.json's quantization_config names, as
+    ``quantization.method`` spells it ("" when none; compressed-tensors fp8 is
+    "fp8"; an unknown method as written)."""
+    qc = hf.get("quantization_config") or {}
+    method = str(qc.get("quant_method", "")).lower()
+    return "fp8" if method == "compressed-tensors" else CHECKPOINT_QUANT_METHODS.get(method, method)
+
+
 def quantization_facts(hf: dict) -> tuple[list[Fact], list[str]]:
     """The ``quantization`` keys a config.json's ``quantization_config`` states
     (keys dotted below ``quantization``), and what of it cannot run."""
@@ -298,6 +331,13 @@ def quantization_facts(hf: dict) -> tuple[list[Fact], list[str]]:
     if not qc:
         return [], []
     method = str(qc.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        activations, problems = _compressed_tensors_fp8(qc)
+        return [Fact("method", "fp8", "quantization_config.quant_method=compressed-tensors (fp8 weights)"),
+                Fact("weight_bits", 8.0, "compressed-tensors fp8 weights"),
+                Fact("group_size", -1, "compressed-tensors fp8 (per-tensor or per-channel scales)"),
+                Fact("activations", activations, f"compressed-tensors input activations "
+                                                 f"{'quantized' if activations else 'unquantized'}")], problems
     if method not in CHECKPOINT_QUANT_METHODS:
         return [], [f"quantization_config.quant_method={method or '(none)'} is not supported; supported: "
                     f"{', '.join(CHECKPOINT_QUANT_METHODS)}"]

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from appliance.config.checkpoint import hf_facts, same, shown
+from appliance.config.checkpoint import checkpoint_quant_method, hf_facts, quantization_facts, same, shown
 from appliance.config.schema import ModelConfig
 from appliance.errors import ConfigError
 
@@ -190,6 +190,12 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+def _checkpoint_activations(hf: dict) -> bool:
+    """Whether an fp8 checkpoint quantizes activations (W8A8), as its quantization_config says."""
+    facts, _ = quantization_facts(hf)
+    return any(f.key == "activations" and f.value for f in facts)
+
+
 def _install_int4_checkpoint(model: Any, method: str, parts: dict[str, dict], folder: Path) -> set[str]:
     """The AWQ/GPTQ projections as int4 linears; the module weights they fill."""
     from appliance.models.int4_checkpoints import checkpoint_blocks
@@ -225,7 +231,7 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     expected = dict(model.named_parameters())
     loaded: set[str] = set()
     packed_rows: dict[str, int] = {}  # packed parameter -> rows filled so far
-    checkpoint_method = str((hf.get("quantization_config") or {}).get("quant_method", "")).lower()
+    checkpoint_method = checkpoint_quant_method(hf)
     quantized = (*UNPACK, "fp8")  # checkpoint formats whose tensors load as quantized modules
     if (checkpoint_method in quantized or quantization in UNPACK) and checkpoint_method != quantization:
         raise ModelLoadError(
@@ -278,7 +284,7 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     if fp8_parts:
         from appliance.models.fp8 import install_fp8
 
-        activations = (hf.get("quantization_config") or {}).get("activation_scheme") is not None
+        activations = _checkpoint_activations(hf)
         try:
             loaded |= install_fp8(model, fp8_parts, activations)
         except ValueError as e:

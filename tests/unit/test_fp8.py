@@ -113,6 +113,38 @@ def test_an_fp8_checkpoint_loads_as_it_is_stored(fp8_checkpoint):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+def test_a_compressed_tensors_fp8_checkpoint_loads(fp8_checkpoint, tmp_path):
+    """llm-compressor's format: per-channel weight scales ([out, 1]) and
+    dynamic per-token activations, under quant_method compressed-tensors."""
+    folder, stored = fp8_checkpoint
+    ct = shutil.copytree(folder, tmp_path / "ct")
+    tensors = {k: v for k, v in stored.items() if not k.endswith("input_scale")}
+    for name in [k for k in tensors if k.endswith(".weight_scale")]:
+        weight = name[: -len("_scale")]
+        w = tensors[weight].float() * tensors[name]
+        scale = w.abs().amax(dim=1, keepdim=True) / 448
+        tensors[weight], tensors[name] = (w / scale).clamp(-448, 448).to(FP8), scale
+    save_file(tensors, str(ct / "model.safetensors"))
+    config = json.loads((ct / "config.json").read_text())
+    scheme = {"weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+              "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+              "targets": ["Linear"]}
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                     "config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}
+    (ct / "config.json").write_text(json.dumps(config))
+    q = resolve(BASE + [f"model.path={ct}"]).cfg.quantization
+    assert (q.method, q.activations) == ("fp8", True)
+    llm = LLM(overrides=BASE + [f"model.path={ct}"])
+    down = llm.engine.runner.model.model.layers[0].mlp.down_proj
+    assert isinstance(down, Fp8Linear) and down.input_scale is None
+    assert torch.equal(down.weight_scale, tensors["model.layers.0.mlp.down_proj.weight_scale"].reshape(-1))
+    scheme["weights"] = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}
+    config["quantization_config"]["format"] = "pack-quantized"
+    (ct / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="compressed-tensors weights .* are not built"):
+        resolve(BASE + [f"model.path={ct}"])
+
+
 def test_an_fp8_checkpoint_refuses_another_method(fp8_checkpoint):
     folder, _ = fp8_checkpoint
     with pytest.raises(ConfigError, match="quantization=int8_wo but the checkpoint .* has "
