@@ -176,6 +176,12 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
             keep_gguf_blocks(model, *read_block_tensors(gguf_source(m)))
         except ValueError as e:
             raise ConfigError(f"model.path={m.path}: {e}") from None
+    if device.type != "cpu":  # int4 weights travel packed two to a byte, as the GPU GEMM reads them
+        from appliance.models.quant import Int4WeightOnlyLinear
+
+        for module in model.modules():
+            if isinstance(module, Int4WeightOnlyLinear):
+                module.pack_rows()
     model.to(device)  # modules a quantization method built from host tensors
     num_blocks, mml = deployment.num_kv_blocks, deployment.max_model_len
     kv = KVCacheManager(num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching,

@@ -175,26 +175,46 @@ def read_gguf_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, i
     return meta, tensors
 
 
-# Bits a weight of each GGUF type takes once loaded with quantization=gguf (scales and mins included):
-# int4 with fp16 (Q4_0, Q4_1) or fp32 (Q4_K) parameters per 32, grouped int8 with fp32 ones per 32 (Q8_0,
-# Q5_K) or 16 (Q6_K); float types as bf16 or fp32. By ggml type id.
-GGUF_LOADED_BITS = {0: 32.0, 1: 16.0, 2: 5.0, 3: 5.0, 8: 10.0, 12: 6.0, 13: 10.0, 14: 12.0, 30: 16.0}
-GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# The GGUF block types quantization=gguf keeps, by ggml type id: int4 with fp16 parameters per 32 (Q4_0,
+# Q4_1) or fp32 ones (Q4_K), grouped int8 with fp32 parameters per 32 (Q8_0, Q5_K) or per 16 (Q6_K).
+GGUF_INT4_TYPES = {2: "fp16", 3: "fp16", 12: "fp32"}
+GGUF_INT8_GROUP = {8: 32, 13: 32, 14: 16}
+GGUF_FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("attn_output",), ("ffn_down",))
+
+
+def _loaded_bits(kinds: list[int]) -> Optional[float]:
+    """Bits a weight of one fused projection takes once loaded (parameters
+    included): int4 at 5 (fp16 scale and min per 32) or 6 (fp32); where any
+    part is 8-bit, every part as int8 with fp32 parameters at the finest
+    group (``quant.install_int4``). None for a type not kept."""
+    if any(k not in GGUF_INT4_TYPES and k not in GGUF_INT8_GROUP for k in kinds):
+        return None
+    if any(k in GGUF_INT8_GROUP for k in kinds):
+        return 8 + 64 / min(GGUF_INT8_GROUP.get(k, 32) for k in kinds)
+    return 6.0 if any(GGUF_INT4_TYPES[k] == "fp32" for k in kinds) else 5.0
 
 
 def gguf_projection_bits(tensors: dict[str, tuple[int, int]]) -> Optional[float]:
-    """Loaded bits per projection weight (``GGUF_LOADED_BITS``) over a GGUF
-    file's decoder projections; None when one has a type quantization=gguf
-    does not keep (loading then names it)."""
-    total = bits = 0.0
-    for name, (kind, count) in tensors.items():
+    """Loaded bits per projection weight over a GGUF file's decoder
+    projections, each fused projection (q|k|v, gate|up) as the loader builds
+    it; None when one has a type quantization=gguf does not keep (loading
+    then names it)."""
+    layers: dict[str, dict[str, tuple[int, int]]] = {}
+    for name, value in tensors.items():
         parts = name.split(".")
-        if parts[0] != "blk" or len(parts) != 4 or parts[2] not in GGUF_PROJECTIONS:
-            continue
-        if kind not in GGUF_LOADED_BITS:
-            return None
-        total += count
-        bits += count * GGUF_LOADED_BITS[kind]
+        if parts[0] == "blk" and len(parts) == 4 and parts[3] == "weight":
+            layers.setdefault(parts[1], {})[parts[2]] = value
+    total = bits = 0.0
+    for layer in layers.values():
+        for fused in GGUF_FUSED:
+            present = [layer[p] for p in fused if p in layer]
+            if not present:
+                continue
+            b = _loaded_bits([kind for kind, _ in present])
+            if b is None:
+                return None
+            count = sum(c for _, c in present)
+            total, bits = total + count, bits + count * b
     return round(bits / total, 3) if total else None
 
 
@@ -333,6 +353,8 @@ def quantization_facts(hf: dict) -> tuple[list[Fact], list[str]]:
     method = str(qc.get("quant_method", "")).lower()
     if method == "compressed-tensors":
         activations, problems = _compressed_tensors_fp8(qc)
+        if qc.get("kv_cache_scheme"):
+            problems.append("compressed-tensors kv_cache_scheme (k_scale/v_scale per layer) is not built yet")
         return [Fact("method", "fp8", "quantization_config.quant_method=compressed-tensors (fp8 weights)"),
                 Fact("weight_bits", 8.0, "compressed-tensors fp8 weights"),
                 Fact("group_size", -1, "compressed-tensors fp8 (per-tensor or per-channel scales)"),
@@ -350,6 +372,9 @@ def quantization_facts(hf: dict) -> tuple[list[Fact], list[str]]:
                   Fact("activations", scheme is not None, f"quantization_config.activation_scheme={scheme}")]
         if scheme not in (None, "dynamic", "static"):
             problems.append(f"fp8 activation_scheme={scheme} is not supported (dynamic or static)")
+        if qc.get("weight_block_size"):
+            problems.append(f"fp8 weight_block_size={qc['weight_block_size']} (block-wise scales) is not built yet "
+                            f"(per-tensor or per-channel scales only)")
     if method in ("awq", "gptq"):
         bits = qc.get("bits", qc.get("w_bit"))
         group = qc.get("group_size", qc.get("q_group_size", -1))
@@ -419,13 +444,16 @@ def apply_checkpoint(cfg: dict, overrides: Sequence[str]) -> list[str]:
     path = local_checkpoint(cfg["model"]["path"])
     if path is not None and path.is_dir():
         problems += _apply_quantization(cfg, path, overrides)
-    elif path is not None and path.suffix == ".gguf" and path.is_file() and cfg["quantization"]["method"] == "gguf" \
-            and "quantization.weight_bits" not in {o.partition("=")[0].lstrip("+") for o in overrides}:
+    elif path is not None and path.suffix == ".gguf" and path.is_file() and cfg["quantization"]["method"] == "gguf":
         try:
             bits = gguf_projection_bits(read_gguf_header(path)[1])
         except (OSError, ValueError, struct.error):
             bits = None  # read_facts has said why
-        if bits is not None:  # the plan counts this file's own widths
+        explicit = "quantization.weight_bits" in {o.partition("=")[0].lstrip("+~") for o in overrides}
+        if bits is not None and explicit and not same(cfg["quantization"]["weight_bits"], bits):
+            problems.append(f"quantization.weight_bits={shown(cfg['quantization']['weight_bits'])} but the GGUF file "
+                            f"{path} loads at {bits} bits a projection weight; drop the override")
+        elif bits is not None:  # the plan counts this file's own widths
             cfg["quantization"]["weight_bits"] = bits
     return problems
 

@@ -209,9 +209,9 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
     if offload:
         notes.append(f"{offload / GIB:.2f} GiB of weights per device offloaded to host memory (cache.cpu_offload_gib)")
     notes += [f"not built yet, serving refuses it: {u}" for u in not_built(cfg)]
-    if cfg.quantization.method == "fp8" and not cfg.hardware.fp8:
-        notes.append("fp8 weights on hardware without fp8 run the reference path (dequantized per GEMM): correct, "
-                     "not fast; the decode roofline above assumes fp8 bytes")
+    if cfg.quantization.method == "fp8" and not fp8_gemm:
+        notes.append("fp8 weights without fp8 activations, or on hardware without fp8, run the reference path "
+                     "(dequantized per GEMM): correct, not fast; the decode roofline above assumes fp8 bytes")
     swap_blocks = int(cfg.cache.swap_space_gib * GIB) // (bs * per_tok) if per_tok else 0
     return Plan(
         profile=cfg.profile,

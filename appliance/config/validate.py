@@ -27,7 +27,7 @@ def _weight_only_problems(cfg: ApplianceConfig) -> list[str]:
     quantization_config sets these keys)."""
     q, m = cfg.quantization, cfg.model
     out = []
-    bits = {"int8_wo": 8.0, "int4_wo": 4.0, "awq": 4.0, "gptq": 4.0}.get(q.method)
+    bits = {"int8_wo": 8.0, "int4_wo": 4.0, "awq": 4.0, "gptq": 4.0, "fp8": 8.0}.get(q.method)
     if q.method == "gguf":
         if m.path != "smollm2_gguf" and not m.path.endswith(".gguf"):
             out.append(f"quantization=gguf keeps the blocks of a GGUF file, and model.path={m.path} is not one; "
@@ -47,12 +47,15 @@ def _weight_only_problems(cfg: ApplianceConfig) -> list[str]:
             out.append(f"quantization.group_size={q.group_size} must be even and divide the model's projection "
                        f"inputs ({m.hidden_size}, {m.num_heads * m.head_dim}, {m.intermediate_size}), or -1 "
                        f"(one group per output channel)")
+        elif cfg.hardware.device_kind != "cpu" and q.group_size % 32:
+            out.append(f"quantization.group_size={q.group_size}: the GPU int4 GEMM steps k by 32, so groups must be "
+                       f"multiples of 32 there (CPU profiles take any even group)")
     if q.weight_bits != bits:
         out.append(f"quantization.weight_bits={q.weight_bits:g} does not match quantization.method={q.method}, which "
                    f"stores {bits:g}-bit weights; set quantization.weight_bits={bits:g} (the option "
                    f"quantization={q.method} sets both)")
-    if q.method == "int8_wo" and q.group_size != -1:
-        out.append(f"quantization.group_size={q.group_size}: int8_wo has one scale per output channel; "
+    if q.method in ("int8_wo", "fp8") and q.group_size != -1:
+        out.append(f"quantization.group_size={q.group_size}: {q.method} has one scale per output channel; "
                    f"set quantization.group_size=-1 (or use quantization=int4_wo for groups)")
     if q.method == "int4_wo":
         if q.group_size not in INT4_GROUP_SIZES:

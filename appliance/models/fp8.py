@@ -8,12 +8,12 @@ the row's largest magnitude / 448), or loaded from an fp8 checkpoint
 (``quantization_config.quant_method: fp8``: ``weight`` in float8_e4m3fn,
 ``weight_scale``, optional ``input_scale``).
 
-On CUDA the GEMM is ``torch._scaled_mm`` (row-wise scales: per-token
-activations, per-channel weights; Hopper and Blackwell); on ROCm the same
-on e4m3fnuz, whose bit patterns mean half the e4m3fn value, so the weight
-scale doubles. Elsewhere, a reference path: the weight (and the quantized
-activations) dequantized per call and an ordinary GEMM in the activation
-dtype; correct, not fast.
+W8A8 on CUDA runs ``torch._scaled_mm`` (row-wise scales: per-token
+activations, per-channel weights; Hopper and Blackwell); on ROCm CDNA3 the
+same on e4m3fnuz, whose bit patterns mean half the e4m3fn value, so the
+scales double. Weight-only fp8 and every CPU take a reference path: the
+weight (and the quantized activations) dequantized per call and an
+ordinary GEMM in the activation dtype; correct, not fast.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def quantize_per_token_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = 
     if static_scale is None:
         scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
     else:
-        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()  # _scaled_mm wants it dense
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -77,22 +77,42 @@ class Fp8Linear(nn.Module):
 
     def _scaled_mm(self, rows: torch.Tensor) -> torch.Tensor:
         """W8A8 on the GPU's fp8 tensor cores: torch._scaled_mm with row-wise
-        scales (the activation rows padded to a multiple of 16)."""
+        scales (the activation rows padded to a multiple of 16), bf16 out
+        (the output row-wise scaling supports everywhere), then the model's
+        dtype."""
         xq, xs = quantize_per_token_fp8(rows, self.input_scale)
-        w, ws = self.weight_fp8, self.weight_scale
-        if torch.version.hip is not None:  # e4m3fnuz: the same bits are half the value; 0x80 is its NaN
-            fnuz = torch.float8_e4m3fnuz
-            xi, wi = xq.view(torch.int8), w.view(torch.int8)
-            xq = torch.where(xi == -128, torch.zeros_like(xi), xi).view(fnuz)
-            w = torch.where(wi == -128, torch.zeros_like(wi), wi).view(fnuz)
-            xs, ws = xs * 2, ws * 2
+        w, ws = self._device_weight()
+        if w.dtype == torch.float8_e4m3fnuz:
+            xq, xs = _to_fnuz(xq), xs * 2
         m = rows.shape[0]
         pad = -m % 16
         if pad:
             xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(xq.dtype)
             xs = F.pad(xs, (0, 0, 0, pad), value=1.0)
-        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.view(1, -1), bias=self.bias, out_dtype=rows.dtype)
-        return y[:m]
+        bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.view(1, -1), bias=bias, out_dtype=torch.bfloat16)
+        return y[:m].to(rows.dtype)
+
+    def _device_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight and its scales as the GPU's fp8 GEMM takes them: e4m3fnuz
+        with doubled scales on AMD CDNA3 (MI300: the same bits are half the
+        value, and 0x80 is its NaN), converted once; e4m3fn elsewhere."""
+        if not _fnuz_device(self.weight_fp8.device):
+            return self.weight_fp8, self.weight_scale
+        if getattr(self, "_fnuz", None) is None:
+            self._fnuz = (_to_fnuz(self.weight_fp8), self.weight_scale * 2)
+        return self._fnuz
+
+
+def _fnuz_device(device: torch.device) -> bool:
+    """ROCm on CDNA3 (gfx94x) takes e4m3fnuz; later AMD GPUs and NVIDIA take e4m3fn."""
+    return torch.version.hip is not None and "gfx94" in torch.cuda.get_device_properties(device).gcnArchName
+
+
+def _to_fnuz(x: torch.Tensor) -> torch.Tensor:
+    """e4m3fn bits as e4m3fnuz (half the value; -0, fnuz's NaN, becomes 0)."""
+    xi = x.view(torch.int8)
+    return torch.where(xi == -128, torch.zeros_like(xi), xi).view(torch.float8_e4m3fnuz)
 
 
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")

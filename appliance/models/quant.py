@@ -111,14 +111,21 @@ class Int4WeightOnlyLinear(nn.Module):
         w = dequantize_int4(self.weight_q4, self.q_scale, self.q_min).to(x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
-    def _triton(self, x: torch.Tensor) -> torch.Tensor:
-        """CUDA/ROCm: the Triton int4 GEMM (kernels/triton_int4.py); the first
-        call repacks the weight two k per byte and frees the unpacked one."""
-        from appliance.kernels.triton_int4 import int4_gemm, pack_int4_rows
+    def pack_rows(self) -> None:
+        """Repack the weight two k per byte for the GPU GEMM and free the
+        unpacked one (the runner does it before moving the model to a GPU,
+        so the device holds 4 bits a weight)."""
+        from appliance.kernels.triton_int4 import pack_int4_rows
 
         if self.weight_rows is None:
             self.weight_rows = pack_int4_rows(self.weight_q4)
-            self.weight_q4 = torch.empty(0, dtype=torch.uint8, device=x.device)
+            self.weight_q4 = torch.empty(0, dtype=torch.uint8, device=self.weight_rows.device)
+
+    def _triton(self, x: torch.Tensor) -> torch.Tensor:
+        """CUDA/ROCm: the Triton int4 GEMM (kernels/triton_int4.py)."""
+        from appliance.kernels.triton_int4 import int4_gemm
+
+        self.pack_rows()
         rows = x.reshape(-1, x.shape[-1])
         out = int4_gemm(rows, self.weight_rows, self.q_scale, self.q_min, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)

@@ -1002,7 +1002,7 @@ DEFINE_ATTEND(e5m2, uint8_t, load_e5m2)
  * largest finite code (max_code); NaN stays NaN. */
 static uint8_t f32_to_fp8(float f, int ebits, int mbits, int max_code) {
     const uint8_t sign = signbit(f) ? 0x80 : 0;
-    if (isnan(f)) return sign | (uint8_t)(max_code == 0x7e ? 0x7f : 0x7e);
+    if (isnan(f)) return sign | 0x7f; /* a NaN in both formats, as torch writes it */
     const int bias = (1 << (ebits - 1)) - 1;
     const int max_e = max_code >> mbits, max_m = max_code & ((1 << mbits) - 1);
     const float a = fabsf(f), max_finite = ldexpf((float)((1 << mbits) + max_m), max_e - bias - mbits);
@@ -1015,8 +1015,7 @@ static uint8_t f32_to_fp8(float f, int ebits, int mbits, int max_code) {
         return sign | (uint8_t)(int)nearbyintf(ldexpf(a, bias - 1 + mbits));
     int q = (int)nearbyintf(ldexpf(a, mbits - (e - 1))); /* 2^mbits .. 2^(mbits + 1) */
     if (q == 2 << mbits) q = 1 << mbits, E++;
-    const int code = (E << mbits) | (q - (1 << mbits));
-    return sign | (uint8_t)(code > max_code ? max_code : code);
+    return sign | (uint8_t)((E << mbits) | (q - (1 << mbits))); /* below max_finite, so at most max_code */
 }
 
 uint8_t appl_f32_to_fp8(float f, int kv_type) {

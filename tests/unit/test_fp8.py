@@ -46,6 +46,8 @@ def test_reference_gemm_is_the_dequantized_one(activations, static):
     if not static:
         xq, s = quantize_per_token_fp8(x)
         assert torch.equal(xq.float().abs().amax(dim=1), torch.full((5,), 448.0))
+    else:  # torch._scaled_mm takes dense row scales
+        assert quantize_per_token_fp8(x, input_scale)[1].is_contiguous()
 
 
 def test_scales_are_one_or_one_per_row():
@@ -143,6 +145,25 @@ def test_a_compressed_tensors_fp8_checkpoint_loads(fp8_checkpoint, tmp_path):
     (ct / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="compressed-tensors weights .* are not built"):
         resolve(BASE + [f"model.path={ct}"])
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"weight_block_size": [128, 128]}, "weight_block_size=.* is not built yet"),
+    ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, None),
+])
+def test_fp8_layouts_not_built_are_refused(fp8_checkpoint, tmp_path, extra, message):
+    folder, _ = fp8_checkpoint
+    other = shutil.copytree(folder, tmp_path / "other")
+    config = json.loads((other / "config.json").read_text())
+    if message is None:  # the compressed-tensors form of the same weights, with per-layer KV scales
+        scheme = {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+                  "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}
+        config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {"g": scheme}}
+        message = "kv_cache_scheme .* is not built yet"
+    config["quantization_config"].update(extra)
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+        resolve(BASE + [f"model.path={other}"])
 
 
 def test_an_fp8_checkpoint_refuses_another_method(fp8_checkpoint):

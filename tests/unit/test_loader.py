@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from appliance.config.compose import resolve
+from appliance.config.compose import ConfigError, resolve
 from appliance.models import gguf as our
 from appliance.models.loader import ModelLoadError, check_checkpoint, resolve_model_folder
 
@@ -66,10 +66,19 @@ def test_gguf_int4_tensors_are_the_projections_unpermuted_like_their_weights(tmp
 
 def test_the_plan_counts_a_gguf_files_own_widths(tmp_path):
     """quantization=gguf reads the loaded bits per projection weight from the
-    file: Q4_0/Q4_1 5 (fp16 scale and min per 32), Q8_0 10 (fp32 per 32)."""
+    file, each fused projection as the loader builds it: q (Q4_1) and k
+    (Q4_0) beside v (Q8_0) all load as int8 with fp32 parameters per 32."""
+    from appliance.config.checkpoint import gguf_projection_bits
+
     _write_gguf(tmp_path / "t.gguf")
     q = resolve(["+profile=cpu", f"model.path={tmp_path / 't.gguf'}", "quantization=gguf"], check=False).cfg.quantization
-    assert q.weight_bits == (64 * 64 * 5 + 32 * 64 * 5 + 32 * 64 * 10) / (64 * 64 + 2 * 32 * 64)
+    assert q.weight_bits == 10.0
+    layer = {"blk.0.attn_q.weight": (12, 100), "blk.0.attn_k.weight": (2, 50), "blk.0.attn_v.weight": (2, 50),
+             "blk.0.ffn_down.weight": (14, 200)}  # Q4_K beside Q4_0: fp32 parameters; Q6_K: groups of 16
+    assert gguf_projection_bits(layer) == (200 * 6 + 200 * 12) / 400
+    assert gguf_projection_bits({**layer, "blk.0.ffn_up.weight": (1, 10)}) is None  # F16: not kept
+    with pytest.raises(ConfigError, match="loads at 10.0 bits a projection weight"):
+        resolve(["+profile=cpu", f"model.path={tmp_path / 't.gguf'}", "quantization=gguf", "quantization.weight_bits=5"])
     assert resolve(["+profile=cpu", f"model.path={tmp_path / 't.gguf'}"], check=False).cfg.quantization.weight_bits == 16
 
 

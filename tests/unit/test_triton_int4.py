@@ -50,3 +50,16 @@ def test_groups_the_kernel_cannot_step_are_refused():
     q, d, mn = quantize_groups_int4(torch.randn(8, 96), 32)
     with pytest.raises(ValueError, match="groups must be multiples of 32"):
         int4_gemm(torch.randn(2, 96), pack_int4_rows(q), d[:, :2], mn[:, :2])  # groups of 48
+
+
+def test_a_linear_packs_its_rows_once_for_the_gpu():
+    """What the runner does before moving int4 linears to a GPU: two k per
+    byte, the unpacked weight freed."""
+    from appliance.models.quant import Int4WeightOnlyLinear
+
+    lin = Int4WeightOnlyLinear(torch.randn(16, 64), None, 32)
+    q = lin.weight_q4.clone()
+    lin.pack_rows()
+    assert torch.equal(lin.weight_rows, pack_int4_rows(q)) and lin.weight_q4.numel() == 0
+    lin.pack_rows()  # idempotent
+    assert torch.equal(lin.weight_rows, pack_int4_rows(q))
