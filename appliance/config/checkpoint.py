@@ -444,18 +444,34 @@ def apply_checkpoint(cfg: dict, overrides: Sequence[str]) -> list[str]:
     path = local_checkpoint(cfg["model"]["path"])
     if path is not None and path.is_dir():
         problems += _apply_quantization(cfg, path, overrides)
-    elif path is not None and path.suffix == ".gguf" and path.is_file() and cfg["quantization"]["method"] == "gguf":
-        try:
-            bits = gguf_projection_bits(read_gguf_header(path)[1])
-        except (OSError, ValueError, struct.error):
-            bits = None  # read_facts has said why
-        explicit = "quantization.weight_bits" in {o.partition("=")[0].lstrip("+~") for o in overrides}
-        if bits is not None and explicit and not same(cfg["quantization"]["weight_bits"], bits):
-            problems.append(f"quantization.weight_bits={shown(cfg['quantization']['weight_bits'])} but the GGUF file "
-                            f"{path} loads at {bits} bits a projection weight; drop the override")
-        elif bits is not None:  # the plan counts this file's own widths
-            cfg["quantization"]["weight_bits"] = bits
+    elif path is not None and path.suffix == ".gguf" and path.is_file():
+        problems += _apply_gguf_width(cfg, path, overrides)
     return problems
+
+
+def _apply_gguf_width(cfg: dict, path: Path, overrides: Sequence[str]) -> list[str]:
+    """A GGUF file runs at its own width: on a CPU profile whose quantization
+    is none and not named, quantization=gguf (when every projection is of a
+    kept block type); under quantization=gguf, weight_bits is the file's
+    loaded bits per projection weight."""
+    q = cfg["quantization"]
+    try:
+        bits = gguf_projection_bits(read_gguf_header(path)[1])
+    except (OSError, ValueError, struct.error):
+        return []  # read_facts has said why
+    if bits is None:
+        return []  # a type not kept: quantization=none dequantizes it, quantization=gguf names it at load
+    if q["method"] == "none" and _quantization_override(overrides) is None and cfg["hardware"]["device_kind"] == "cpu":
+        q.update(method="gguf", weight_bits=bits, group_size=32, activations=False)
+        return []
+    if q["method"] != "gguf":
+        return []
+    explicit = "quantization.weight_bits" in {o.partition("=")[0].lstrip("+~") for o in overrides}
+    if explicit and not same(q["weight_bits"], bits):
+        return [f"quantization.weight_bits={shown(q['weight_bits'])} but the GGUF file {path} loads at {bits} bits "
+                f"a projection weight; drop the override"]
+    q["weight_bits"] = bits  # the plan counts this file's own widths
+    return []
 
 
 def _apply_model_facts(model: dict, overrides: Sequence[str]) -> list[str]:

@@ -102,3 +102,16 @@ def test_int4_holds_the_q4_1_checkpoint_bit_for_bit(method):
             mod = q_layer.get_submodule(path)
             w = dequantize_int4(mod.weight_q4, mod.q_scale, mod.q_min)
             assert torch.equal(w, ref_layer.get_submodule(path).weight.data), path
+
+
+def test_a_gguf_path_runs_at_its_own_width():
+    """model.path naming the .gguf file on the cpu profile keeps its Q4_1 blocks (quantization=gguf)."""
+    from appliance.models.loader import find_wheel_gguf
+    from appliance.models.quant import Int4WeightOnlyLinear
+
+    llm = LLM(overrides=["+profile=cpu", f"model.path={find_wheel_gguf()}", "cache.kv_cache_memory_gib=0.25",
+                         "model.max_model_len=2048"])
+    assert llm.deployment.cfg.quantization.method == "gguf"
+    assert isinstance(llm.engine.runner.model.model.layers[0].mlp.down_proj, Int4WeightOnlyLinear)
+    assert "Paris" in llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                               SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text

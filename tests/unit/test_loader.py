@@ -79,12 +79,24 @@ def test_the_plan_counts_a_gguf_files_own_widths(tmp_path):
     assert gguf_projection_bits({**layer, "blk.0.ffn_up.weight": (1, 10)}) is None  # F16: not kept
     with pytest.raises(ConfigError, match="loads at 10.0 bits a projection weight"):
         resolve(["+profile=cpu", f"model.path={tmp_path / 't.gguf'}", "quantization=gguf", "quantization.weight_bits=5"])
-    assert resolve(["+profile=cpu", f"model.path={tmp_path / 't.gguf'}"], check=False).cfg.quantization.weight_bits == 16
+    # A GGUF file on a CPU profile runs at its own width unless quantization is named.
+    default = resolve(["+profile=cpu", f"model.path={tmp_path / 't.gguf'}"], check=False).cfg.quantization
+    assert (default.method, default.weight_bits) == ("gguf", 10.0)
+    named = resolve(["+profile=cpu", f"model.path={tmp_path / 't.gguf'}", "quantization=none"], check=False).cfg
+    assert named.quantization.method == "none"
+    assert resolve(["+profile=cpu_int8", f"model.path={tmp_path / 't.gguf'}"], check=False).cfg.quantization.method \
+        == "int8_wo"
 
 
-def _write_gguf(path):
-    """A one-layer llama GGUF: a Q4_0 embedding, q/k/v in Q4_1/Q4_0/Q8_0 (no other tensors).
-    Returns {name: (raw blocks, type, shape)}."""
+def test_a_gguf_file_with_a_type_not_kept_stays_dequantized(tmp_path):
+    _write_gguf(tmp_path / "t.gguf", f32_down=True)
+    q = resolve(["+profile=cpu", f"model.path={tmp_path / 't.gguf'}"], check=False).cfg.quantization
+    assert q.method == "none"
+
+
+def _write_gguf(path, f32_down=False):
+    """A one-layer llama GGUF: a Q4_0 embedding, q/k/v in Q4_1/Q4_0/Q8_0 (and,
+    with ``f32_down``, an F32 ffn_down). Returns {name: (raw blocks, type, shape)}."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), "llama")
@@ -98,6 +110,8 @@ def _write_gguf(path):
         t = getattr(gguf.GGMLQuantizationType, kind)
         raw[name] = (gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32), t), kind, shape)
         w.add_tensor(name, raw[name][0], raw_shape=raw[name][0].shape, raw_dtype=t)
+    if f32_down:
+        w.add_tensor("blk.0.ffn_down.weight", rng.standard_normal((64, 128)).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
