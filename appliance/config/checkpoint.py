@@ -18,6 +18,7 @@ file header without touching the tensors.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -175,6 +176,18 @@ def read_gguf_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, i
     return meta, tensors
 
 
+def gguf_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
+    """``read_gguf_header``, read once per file version: resolving a GGUF
+    deployment needs it twice (architecture facts, then the loaded widths)."""
+    st = path.stat()
+    return _cached_header(str(path.resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_header(path: str, mtime_ns: int, size: int) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
+    return read_gguf_header(Path(path))
+
+
 # The GGUF block types quantization=gguf keeps, by ggml type id: int4 with fp16 parameters per 32 (Q4_0,
 # Q4_1) or fp32 ones (Q4_K), grouped int8 with fp32 parameters per 32 (Q8_0, Q5_K) or per 16 (Q6_K).
 GGUF_INT4_TYPES = {2: "fp16", 3: "fp16", 12: "fp32"}
@@ -223,7 +236,7 @@ def gguf_facts(path: Path) -> tuple[list[Fact], list[str]]:
     writes them into the converted config.json), and what it cannot run."""
     import numpy as np
 
-    meta, tensors = read_gguf_header(path)
+    meta, tensors = gguf_header(path)
     names = list(tensors)
     arch = meta.get("general.architecture")
     if arch not in GGUF_FAMILIES:
@@ -456,7 +469,7 @@ def _apply_gguf_width(cfg: dict, path: Path, overrides: Sequence[str]) -> list[s
     loaded bits per projection weight."""
     q = cfg["quantization"]
     try:
-        bits = gguf_projection_bits(read_gguf_header(path)[1])
+        bits = gguf_projection_bits(gguf_header(path)[1])
     except (OSError, ValueError, struct.error):
         return []  # read_facts has said why
     if bits is None:

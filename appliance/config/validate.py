@@ -19,7 +19,7 @@ DEFAULTS = ApplianceConfig()
 INT4_GROUP_SIZES = (32, 64, 128)  # the native int4 kernels' groups along k
 
 
-def _weight_only_problems(cfg: ApplianceConfig) -> list[str]:
+def _quantization_problems(cfg: ApplianceConfig) -> list[str]:
     """int8_wo is per output channel at 8 bits; int4_wo is 4 bits in groups
     that tile every projection's input; gguf keeps a GGUF file's blocks
     (weight_bits: their loaded bits per weight, read from the file); awq and
@@ -141,7 +141,7 @@ def validate(cfg: ApplianceConfig) -> list[str]:
         problems.append(
             f"quantization={q.method} is a CPU weight-only path; on hardware={hw.name} use quantization=fp8, awq or gptq"
         )
-    problems += _weight_only_problems(cfg)
+    problems += _quantization_problems(cfg)
     kv = cache.kv_cache_dtype
     if kv.startswith("fp8") and not hw.fp8 and hw.device_kind != "cpu":  # CPU kernels convert in software
         problems.append(

@@ -115,7 +115,6 @@ def _to_fnuz(x: torch.Tensor) -> torch.Tensor:
     return torch.where(xi == -128, torch.zeros_like(xi), xi).view(torch.float8_e4m3fnuz)
 
 
-PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 CHECKPOINT_TENSORS = ("weight", "weight_scale", "input_scale")  # an fp8 checkpoint's projection tensors
 
 
@@ -153,11 +152,7 @@ def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], act
 def quantize_fp8(model: nn.Module, activations: bool) -> nn.Module:
     """Every decoder projection to fp8 with per-channel scales, in place (the
     LM head and embedding stay in the model dtype, as vLLM keeps them)."""
-    for layer in model.model.layers:
-        for path in PROJECTIONS:
-            parent_name, name = path.split(".")
-            parent = getattr(layer, parent_name)
-            lin = getattr(parent, name)
-            q, scale = quantize_per_channel_fp8(lin.weight.data)
-            setattr(parent, name, Fp8Linear(q, scale, None if lin.bias is None else lin.bias.data, activations))
+    from appliance.models.quant import replace_projections
+
+    replace_projections(model, lambda w, b: Fp8Linear(*quantize_per_channel_fp8(w), b, activations))
     return model

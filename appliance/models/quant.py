@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -82,9 +81,36 @@ def dequantize_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.
     return q.float() * d.float().repeat_interleave(group, dim=1) + m.float().repeat_interleave(group, dim=1)
 
 
-class Int4WeightOnlyLinear(nn.Module):
+class _GroupedLinear(nn.Module):
+    """Weights d * q + m with a scale and min per output channel per group of
+    inputs, held as buffers ``weight_attr`` (q), ``q_scale`` and ``q_min``;
+    the torch path dequantizes per call (correct, not fast)."""
+
+    weight_attr = ""
+
+    def _hold(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None) -> None:
+        if q.dim() != 2 or d.dim() != 2 or d.shape[0] != q.shape[0] or q.shape[1] % d.shape[1] \
+                or (q.shape[1] // d.shape[1]) % 2:
+            raise ValueError(f"blocks of {tuple(q.shape)} weights with {tuple(d.shape)} scales: each row's "
+                             f"groups must tile its inputs in an even number of weights")
+        self.register_buffer(self.weight_attr, q)
+        self.register_buffer("q_scale", d)
+        self.register_buffer("q_min", m)
+        self.group = q.shape[1] // d.shape[1]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.out_features, self.in_features = q.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = dequantize_int4(getattr(self, self.weight_attr), self.q_scale, self.q_min).to(x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+
+class Int4WeightOnlyLinear(_GroupedLinear):
     """4-bit weights with group scales and mins (fp16, or fp32), from a float
-    weight (quantized here) or from given (q, d, m) (a checkpoint's own blocks)."""
+    weight (quantized here) or from given (q, d, m) (a checkpoint's own blocks);
+    on CUDA/ROCm through the Triton int4 GEMM."""
+
+    weight_attr = "weight_q4"
 
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, group: int = 32,
                  blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
@@ -93,23 +119,11 @@ class Int4WeightOnlyLinear(nn.Module):
         if q.dtype != torch.uint8 or d.dtype not in (torch.float16, torch.float32) or m.dtype != d.dtype \
                 or d.shape != m.shape:
             raise ValueError("int4 blocks are uint8 q with fp16 (or fp32) scales and mins of one dtype and shape")
-        if q.dim() != 2 or d.dim() != 2 or d.shape[0] != q.shape[0] or q.shape[1] % d.shape[1] \
-                or (q.shape[1] // d.shape[1]) % 2:
-            raise ValueError(f"int4 blocks of {tuple(q.shape)} weights with {tuple(d.shape)} scales: each row's "
-                             f"groups must tile its inputs in an even number of weights")
-        self.register_buffer("weight_q4", q)
-        self.register_buffer("q_scale", d)
-        self.register_buffer("q_min", m)
+        self._hold(q, d, m, bias)
         self.register_buffer("weight_rows", None)  # on a GPU: two k per byte, for the Triton GEMM
-        self.group = q.shape[1] // d.shape[1]
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.out_features, self.in_features = q.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            return self._triton(x)
-        w = dequantize_int4(self.weight_q4, self.q_scale, self.q_min).to(x.dtype)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        return self._triton(x) if x.is_cuda else super().forward(x)
 
     def pack_rows(self) -> None:
         """Repack the weight two k per byte for the GPU GEMM and free the
@@ -131,29 +145,20 @@ class Int4WeightOnlyLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-class GroupedInt8Linear(nn.Module):
-    """int8 weights with fp32 group scales and mins (weight = d * q + m):
-    GGUF's Q8_0, Q5_K and Q6_K kept at their width, and int4 parts fused
-    beside them. The native CPU backend runs it as it is; the torch path
-    dequantizes per call (correct, not fast)."""
+class GroupedInt8Linear(_GroupedLinear):
+    """int8 weights with fp32 group scales and mins: GGUF's Q8_0, Q5_K and
+    Q6_K kept at their width, and int4 parts fused beside them. The native
+    CPU backend runs it as it is; elsewhere the torch path."""
+
+    weight_attr = "weight_q8"
 
     def __init__(self, blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bias: torch.Tensor | None):
         super().__init__()
         q, d, m = blocks
-        if q.dtype != torch.int8 or d.dtype != torch.float32 or m.dtype != d.dtype or d.shape != m.shape \
-                or q.dim() != 2 or d.shape[0] != q.shape[0] or q.shape[1] % d.shape[1] or (q.shape[1] // d.shape[1]) % 2:
-            raise ValueError(f"grouped int8 blocks are int8 q {tuple(q.shape)} with fp32 scales and mins "
-                             f"{tuple(d.shape)} whose even groups tile each row")
-        self.register_buffer("weight_q8", q)
-        self.register_buffer("q_scale", d)
-        self.register_buffer("q_min", m)
-        self.group = q.shape[1] // d.shape[1]
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.out_features, self.in_features = q.shape
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = dequantize_int4(self.weight_q8, self.q_scale, self.q_min).to(x.dtype)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        if q.dtype != torch.int8 or d.dtype != torch.float32 or m.dtype != d.dtype or d.shape != m.shape:
+            raise ValueError(f"grouped int8 blocks are int8 q with fp32 scales and mins of one shape; got {q.dtype} "
+                             f"q, {d.dtype} {tuple(d.shape)} scales, {m.dtype} {tuple(m.shape)} mins")
+        self._hold(q, d, m, bias)
 
 
 def _as_grouped_int8(parts: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -171,7 +176,8 @@ def _as_grouped_int8(parts: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, to
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-def _replace_projections(model: nn.Module, make) -> None:
+def replace_projections(model: nn.Module, make) -> None:
+    """Every decoder projection replaced by ``make(weight, bias or None)``."""
     for layer in model.model.layers:
         for path in PROJECTIONS:
             parent_name, name = path.split(".")
@@ -189,7 +195,7 @@ def _int8_lm_head(model: nn.Module) -> None:
 
 def quantize_int8_weight_only(model: nn.Module) -> nn.Module:
     """Replace every decoder projection and the LM head in place."""
-    _replace_projections(model, Int8WeightOnlyLinear)
+    replace_projections(model, Int8WeightOnlyLinear)
     _int8_lm_head(model)
     return model
 
@@ -210,7 +216,7 @@ def install_int4(model: nn.Module, blocks: dict[str, tuple]) -> set[str]:
     def linear(names: list[str], bias: torch.Tensor | None) -> nn.Module:
         if any(torch.as_tensor(blocks[n][0]).dtype == torch.int8 for n in names):
             return GroupedInt8Linear(_as_grouped_int8([blocks[n] for n in names]), bias)
-        f32 = any(blocks[n][1].dtype in (np.float32, torch.float32) for n in names)
+        f32 = any(torch.as_tensor(blocks[n][1]).dtype == torch.float32 for n in names)
         q, d, m = (torch.cat([torch.as_tensor(blocks[n][i]) for n in names]) for i in range(3))
         if f32:
             d, m = d.float(), m.float()
@@ -254,6 +260,6 @@ def keep_gguf_blocks(model: nn.Module, blocks: dict[str, tuple], others: dict[st
 
 def quantize_int4_weight_only(model: nn.Module, group: int = 32) -> nn.Module:
     """Every decoder projection to int4 groups of ``group``, the LM head to int8, in place."""
-    _replace_projections(model, lambda w, b: Int4WeightOnlyLinear(w, b, group))
+    replace_projections(model, lambda w, b: Int4WeightOnlyLinear(w, b, group))
     _int8_lm_head(model)
     return model
