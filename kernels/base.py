@@ -66,7 +66,9 @@ class AttentionBackend:
         self.head_dim = head_dim
         self.scale = scale
         self.kv_cache_dtype = kv_cache_dtype
-        # Per-tensor fp8 scales: the cache holds k / k_scale (vLLM's default scale is 1.0).
+        # Per-tensor fp8 scales: the cache holds k / k_scale (vLLM's default scale is 1.0). A layer with
+        # its own (a checkpoint's) holds a shallow copy of the backend (Attention.set_kv_scales), so
+        # state a backend builds per step must live in an object the copies share.
         self.k_scale, self.v_scale = k_scale, v_scale
 
     @classmethod

@@ -41,14 +41,14 @@ _i32, _i64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
 class Linear(ctypes.Structure):
-    _fields_ = [("w", _p), ("scale", _p), ("bias", _p), ("qparams", _p), ("n", _i32), ("k", _i32), ("wtype", _i32),
-                ("group", _i32), ("qparams_f32", _i32), ("_pad", _i32)]
+    _fields_ = [("w", _p), ("scale", _p), ("bias", _p), ("qparams", _p), ("perm", _p), ("n", _i32), ("k", _i32),
+                ("wtype", _i32), ("group", _i32), ("qparams_f32", _i32), ("_pad", _i32)]
 
 
 class Layer(ctypes.Structure):
     _fields_ = [("ln1", _p), ("ln2", _p), ("q_norm", _p), ("k_norm", _p),
                 ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
-                ("k_cache", _p), ("v_cache", _p)]
+                ("k_cache", _p), ("v_cache", _p), ("k_scale", _f32), ("v_scale", _f32)]
 
 
 class Model(ctypes.Structure):
@@ -72,7 +72,8 @@ _LIB.appl_scratch_floats.restype = _i64
 _LIB.appl_linear.argtypes = [ctypes.POINTER(Linear), _p, _i64, _p, _i64, _i64, ctypes.c_int]
 _LIB.appl_linear.restype = None
 _LIB.appl_attention.argtypes = [_p, _i64, _p, _i64, _p, _p, ctypes.c_int, ctypes.c_int, _p, _p, _p,
-                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, _f32, ctypes.c_int]
+                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, _f32, ctypes.c_int,
+                                _f32, _f32]
 _LIB.appl_attention.restype = None
 _LIB.appl_phase_times.argtypes = [ctypes.POINTER(ctypes.c_double), ctypes.c_int]
 _LIB.appl_phase_times.restype = ctypes.c_int
@@ -227,8 +228,10 @@ class NativeLinear:
                 module.weight.data = torch.empty(0, dtype=packed.dtype)
         bias = getattr(module, "bias", None)
         bias = None if bias is None else _small_f32(bias.data, "a linear bias")
-        self._keep = (packed, scale, bias, qparams)
-        self.struct = Linear(_ptr(packed), _ptr(scale), _ptr(bias), _ptr(qparams), n, k, wtype, group,
+        perm = getattr(module, "in_perm", None)
+        perm = None if perm is None else perm.to(torch.int32).contiguous()
+        self._keep = (packed, scale, bias, qparams, perm)
+        self.struct = Linear(_ptr(packed), _ptr(scale), _ptr(bias), _ptr(qparams), _ptr(perm), n, k, wtype, group,
                              int(qparams is not None and qparams.dtype == torch.float32), 0)
 
     @classmethod
@@ -257,14 +260,15 @@ class NativeMetadata:
 
 
 def paged_attention(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, md: NativeMetadata,
-                    num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+                    num_heads: int, num_kv_heads: int, head_dim: int, scale: float, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> None:
     """q [T, H*D] (row stride may exceed H*D), out [T, H*D]: attention over the paged
-    cache (fp32, bf16 or fp8) in place."""
+    cache (fp32, bf16 or fp8; an fp8 one holds k / k_scale and v / v_scale) in place."""
     c = md.common
     _LIB.appl_attention(q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), kv_cache[0].data_ptr(),
                         kv_cache[1].data_ptr(), c.num_actual_tokens, c.num_reqs, md.qsl.data_ptr(),
                         md.seq_lens.data_ptr(), md.block_table.data_ptr(), md.block_table.stride(0), c.block_size,
-                        num_heads, num_kv_heads, head_dim, scale, KV_TYPES[kv_cache.dtype])
+                        num_heads, num_kv_heads, head_dim, scale, KV_TYPES[kv_cache.dtype], k_scale, v_scale)
 
 
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}  # KV_* in cpu_ops.c
@@ -278,9 +282,6 @@ class CpuNativeBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *args: Any, **kw: Any):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, *args, **kw)
-        if (self.k_scale, self.v_scale) != (1.0, 1.0):
-            raise ValueError(f"cpu_native keeps fp8 K/V unscaled; k_scale={self.k_scale}, v_scale={self.v_scale} "
-                             f"are not built yet")
         if head_dim % 8 or num_heads % num_kv_heads or num_heads // num_kv_heads > 64:
             raise ValueError(f"cpu_native needs head_dim % 8 == 0 and at most 64 query heads per kv head; got "
                              f"head_dim={head_dim}, {num_heads} heads over {num_kv_heads} kv heads")
@@ -307,7 +308,8 @@ class CpuNativeBackend(AttentionBackend):
         t = q.shape[0]
         q2 = _f32_contig(q, "the query").view(t, -1)
         out = torch.empty_like(q2)
-        paged_attention(q2, out, kv_cache, md, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+        paged_attention(q2, out, kv_cache, md, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
+                        self.k_scale, self.v_scale)
         return out.view_as(q)
 
 
@@ -331,6 +333,7 @@ class NativeForward:
             if arch.qk_norm:
                 L.q_norm, L.k_norm = self._hold(lw.q_norm), self._hold(lw.k_norm)
             L.qkv, L.o, L.gate_up, L.down = (x.struct for x in lins)
+            L.k_scale, L.v_scale = lw.k_scale, lw.v_scale
         if weights.lm_head is not None:
             self._lm_head = NativeLinear(weights.lm_head, release=True)
         else:  # tied: the embedding stays row-major for lookups, so pack a copy

@@ -54,6 +54,13 @@ def build_csr(common: CommonAttentionMetadata) -> tuple[np.ndarray, np.ndarray, 
     return np.asarray(common.query_start_loc_cpu, dtype=np.int32), kv_indptr, indices, last
 
 
+@dataclass
+class _WrapperState:
+    workspace: Optional[torch.Tensor] = None
+    wrapper: Optional[Any] = None
+    planned_for: Optional[int] = None  # id of the metadata the wrapper is planned for
+
+
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
 
@@ -61,17 +68,17 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._wrapper: Optional[Any] = None
-        self._workspace: Optional[torch.Tensor] = None
-        self._planned_for: Optional[int] = None
+        # the wrapper and its plan, shared with the copies layers with their own KV scales hold
+        self._shared = _WrapperState()
 
     def _get_wrapper(self, device: torch.device) -> Any:
-        if self._wrapper is None:
+        st = self._shared
+        if st.wrapper is None:
             import flashinfer
 
-            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        return self._wrapper
+            st.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            st.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(st.workspace, "NHD")
+        return st.wrapper
 
     def build_metadata(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
         qo, kv_indptr, indices, last = build_csr(common)
@@ -83,7 +90,7 @@ class FlashInferBackend(AttentionBackend):
             torch.from_numpy(indices).to(dev),
             torch.from_numpy(last).to(dev),
         )
-        self._planned_for = None  # plan lazily on the first layer, with the real dtypes
+        self._shared.planned_for = None  # plan lazily on the first layer, with the real dtypes
         return md
 
     def _plan(self, md: FlashInferMetadata, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
@@ -93,12 +100,12 @@ class FlashInferBackend(AttentionBackend):
             self.num_heads, self.num_kv_heads, self.head_dim, md.common.block_size,
             causal=True, sm_scale=self.scale, q_data_type=q_dtype, kv_data_type=kv_dtype,
         )
-        self._planned_for = id(md)
+        self._shared.planned_for = id(md)
 
     def forward(self, q, k, v, kv_cache, md: FlashInferMetadata):
         fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         self.write_kv(k, v, kv_cache, md.common.slot_mapping)
-        if self._planned_for != id(md):
+        if self._shared.planned_for != id(md):
             self._plan(md, q.dtype, kv_cache.dtype)
         kw = {"k_scale": self.k_scale, "v_scale": self.v_scale} if fp8 else {}
-        return self._wrapper.run(q.contiguous(), (kv_cache[0], kv_cache[1]), **kw)
+        return self._shared.wrapper.run(q.contiguous(), (kv_cache[0], kv_cache[1]), **kw)

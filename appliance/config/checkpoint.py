@@ -366,8 +366,11 @@ def quantization_facts(hf: dict) -> tuple[list[Fact], list[str]]:
     method = str(qc.get("quant_method", "")).lower()
     if method == "compressed-tensors":
         activations, problems = _compressed_tensors_fp8(qc)
-        if qc.get("kv_cache_scheme"):
-            problems.append("compressed-tensors kv_cache_scheme (k_scale/v_scale per layer) is not built yet")
+        kv = qc.get("kv_cache_scheme")
+        if kv and (kv.get("type", "float"), kv.get("num_bits", 8), kv.get("strategy", "tensor")) != ("float", 8, "tensor"):
+            problems.append(f"compressed-tensors kv_cache_scheme type={kv.get('type')} num_bits={kv.get('num_bits')} "
+                            f"strategy={kv.get('strategy')} is not supported (fp8 with one k_scale and v_scale per "
+                            f"layer: type=float, num_bits=8, strategy=tensor)")
         return [Fact("method", "fp8", "quantization_config.quant_method=compressed-tensors (fp8 weights)"),
                 Fact("weight_bits", 8.0, "compressed-tensors fp8 weights"),
                 Fact("group_size", -1, "compressed-tensors fp8 (per-tensor or per-channel scales)"),
@@ -396,14 +399,14 @@ def quantization_facts(hf: dict) -> tuple[list[Fact], list[str]]:
                            f"bits={bits}, group_size={group}"]
         facts += [Fact("weight_bits", float(bits), f"quantization_config bits={bits}"),
                   Fact("group_size", group, f"quantization_config group_size={group}")]
-        if bits != 4:
-            problems.append(f"{method} with {bits}-bit weights is not built yet (4-bit only)")
+        built = (4, 8) if method == "gptq" else (4,)
+        if bits not in built:
+            problems.append(f"{method} with {bits}-bit weights is not supported; supported: "
+                            f"{', '.join(map(str, built))}-bit")
         if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
             problems.append(f"AWQ version {qc.get('version')} is not supported (the GEMM layout only)")
         if method == "awq" and not qc.get("zero_point", True):
             problems.append("AWQ without zero points is not supported")
-        if method == "gptq" and qc.get("desc_act"):
-            problems.append("GPTQ with desc_act=true (act-order groups) is not built yet")
         if method == "gptq" and qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v1"):
             problems.append(f"GPTQ checkpoint_format={qc.get('checkpoint_format')} is not supported (gptq only)")
     return facts, problems

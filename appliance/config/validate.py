@@ -23,11 +23,13 @@ def _quantization_problems(cfg: ApplianceConfig) -> list[str]:
     """int8_wo is per output channel at 8 bits; int4_wo is 4 bits in groups
     that tile every projection's input; gguf keeps a GGUF file's blocks
     (weight_bits: their loaded bits per weight, read from the file); awq and
-    gptq checkpoints are 4-bit in even groups that tile the inputs (their
-    quantization_config sets these keys)."""
+    gptq checkpoints are 4-bit (gptq also 8-bit) in even groups that tile
+    the inputs (their quantization_config sets these keys)."""
     q, m = cfg.quantization, cfg.model
     out = []
-    bits = {"int8_wo": 8.0, "int4_wo": 4.0, "awq": 4.0, "gptq": 4.0, "fp8": 8.0}.get(q.method)
+    bits = {"int8_wo": 8.0, "int4_wo": 4.0, "awq": 4.0, "fp8": 8.0}.get(q.method)
+    if q.method == "gptq":
+        bits = q.weight_bits if q.weight_bits in (4.0, 8.0) else 4.0
     if q.method == "gguf":
         if m.path != "smollm2_gguf" and not m.path.endswith(".gguf"):
             out.append(f"quantization=gguf keeps the blocks of a GGUF file, and model.path={m.path} is not one; "

@@ -1,21 +1,25 @@
-"""AWQ and GPTQ 4-bit checkpoints as int4 blocks (q, d, m).
+"""AWQ and GPTQ checkpoints as grouped blocks (q, d, m) or (q, d, m, perm).
 
-Both store a projection as int32 words of eight 4-bit values with an fp16
-scale s and a 4-bit zero point z per output channel per group of inputs;
-the weight is s * (q - z). As int4 blocks that is d = s and m = -s * z in
-fp32, where both products are exact, so d * q + m is s * (q - z) bit for
-bit (``quant.dequantize_int4``).
+Both store a projection as int32 words of 4-bit values (GPTQ also 8-bit)
+with an fp16 scale s and an integer zero point z per output channel per
+group of inputs; the weight is s * (q - z). As blocks that is d = s and
+m = -s * z in fp32, where both products are exact, so d * q + m is
+s * (q - z) bit for bit (``quant.dequantize_int4``). 8-bit values become
+int8 q - 128 with m = -s * (z - 128) (still exact).
 
 AWQ (AutoAWQ's GEMM layout): ``qweight`` int32 [in, out / 8] packs eight
 output channels per word in the order 0, 2, 4, 6, 1, 3, 5, 7 (nibble i of
 a word holds channel AWQ_ORDER[i]); ``qzeros`` int32 [in / group, out / 8]
 the same way; ``scales`` fp16 [in / group, out].
 
-GPTQ (AutoGPTQ's layout): ``qweight`` int32 [in / 8, out] packs eight
-inputs per word in order (nibble i holds input 8 w + i); ``qzeros`` int32
-[in / group, out / 8] packs output channels in order and stores z - 1;
-``scales`` fp16 [in / group, out]; ``g_idx`` int32 [in], each input's group
-(i // group without act-order, the only layout built).
+GPTQ (AutoGPTQ's layout, 4 or 8 bits): ``qweight`` int32 [in / p, out]
+packs p = 32 / bits inputs per word in order (field i holds input p w + i);
+``qzeros`` int32 [in / group, out / p] packs output channels in order and
+stores z - 1; ``scales`` fp16 [in / group, out]; ``g_idx`` int32 [in],
+each input's group: i // group, or under act-order (``desc_act``) any
+assignment of group-sized sets. Act-order blocks hold their inputs sorted
+by group, so groups are runs again, and carry ``perm``: stored input j is
+the projection's input perm[j] (the linear reads x[perm]).
 
 ``pack_awq`` / ``pack_gptq`` write those layouts from (q, z, s), so tests and
 tools can make such checkpoints.
@@ -26,32 +30,36 @@ from __future__ import annotations
 import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds channel AWQ_ORDER[i] of its eight
-SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+GPTQ_BITS = (4, 8)
 
 
-def _nibbles(words: torch.Tensor) -> torch.Tensor:
-    """int32 [..., w] -> [..., w, 8] values 0..15, nibble i at index i."""
-    return ((words.to(torch.int32)[..., None] >> SHIFTS) & 0xF).to(torch.uint8)
+def _shifts(bits: int) -> torch.Tensor:
+    return torch.arange(0, 32, bits, dtype=torch.int32)
 
 
-def _words(values: torch.Tensor) -> torch.Tensor:
-    """[..., w, 8] values 0..15 -> int32 [..., w], value i in nibble i."""
-    v = values.to(torch.int64) << SHIFTS.to(torch.int64)
+def _fields(words: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int32 [..., w] -> [..., w, 32 / bits] values below 2^bits, field i at index i."""
+    return ((words.to(torch.int32)[..., None] >> _shifts(bits)) & ((1 << bits) - 1)).to(torch.uint8)
+
+
+def _words(values: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """[..., w, 32 / bits] values below 2^bits -> int32 [..., w], value i in field i."""
+    v = values.to(torch.int64) << _shifts(bits).to(torch.int64)
     packed = v.sum(dim=-1)
     return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
 
 
 def _blocks(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [out, in], z and s [out, groups] -> (q, d, m) int4 blocks, d = s, m = -s * z in fp32."""
+    """q [out, in] (uint8 0..15, or int8), z and s [out, groups] -> (q, d, m), d = s, m = -s * z in fp32."""
     d = s.float()
-    return q.to(torch.uint8).contiguous(), d.contiguous(), (-(d * z.float())).contiguous()
+    return q.contiguous(), d.contiguous(), (-(d * z.float())).contiguous()
 
 
 def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor):
     """An AWQ GEMM projection as int4 blocks (q [out, in], d, m [out, in / group])."""
     inv = [AWQ_ORDER.index(c) for c in range(8)]  # channel c sits in nibble inv[c]
-    q = _nibbles(qweight)[..., inv].reshape(qweight.shape[0], -1)  # [in, out]
-    z = _nibbles(qzeros)[..., inv].reshape(qzeros.shape[0], -1)  # [groups, out]
+    q = _fields(qweight)[..., inv].reshape(qweight.shape[0], -1)  # [in, out]
+    z = _fields(qzeros)[..., inv].reshape(qzeros.shape[0], -1)  # [groups, out]
     if q.shape[1] != scales.shape[1] or z.shape != scales.shape or q.shape[0] % scales.shape[0]:
         raise ValueError(f"AWQ tensors disagree: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
                          f"scales {tuple(scales.shape)}")
@@ -67,42 +75,76 @@ def pack_awq(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor) -> dict[str, tor
             "scales": s.T.contiguous().to(torch.float16)}
 
 
-def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None):
-    """A GPTQ projection (no act-order) as int4 blocks (q [out, in], d, m [out, in / group])."""
-    q = _nibbles(qweight.T).reshape(qweight.shape[1], -1)  # [out, in]: input 8 w + i from nibble i of word w
-    # [groups, out], stored z - 1; a true zero of 0 (stored 15) comes back as 0, as AutoGPTQ's torch path reads it
-    # (its packer cannot write that case cleanly anyway)
-    z = (_nibbles(qzeros).reshape(qzeros.shape[0], -1).to(torch.int32) + 1) & 0xF
+def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+                bits: int = 4):
+    """A GPTQ projection as blocks: (q [out, in], d, m [out, in / group]),
+    plus ``perm`` when g_idx is in act-order (see the module docstring)."""
+    if bits not in GPTQ_BITS:
+        raise ValueError(f"GPTQ with {bits}-bit weights is not supported; supported: {list(GPTQ_BITS)}")
+    mask = (1 << bits) - 1
+    q = _fields(qweight.T, bits).reshape(qweight.shape[1], -1)  # [out, in]: input p w + i from field i of word w
+    # [groups, out], stored z - 1; a true zero of 0 (stored 2^bits - 1) comes back as 0, as AutoGPTQ's torch path
+    # reads it (its packer cannot write that case cleanly anyway)
+    z = (_fields(qzeros, bits).reshape(qzeros.shape[0], -1).to(torch.int32) + 1) & mask
     groups, k = scales.shape[0], q.shape[1]
     if k % groups or z.shape != scales.shape or q.shape[0] != scales.shape[1]:
-        raise ValueError(f"GPTQ tensors disagree: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
-                         f"scales {tuple(scales.shape)}")
-    if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(k) // (k // groups)):
-        raise ValueError("GPTQ g_idx is not in group order (act-order): not built yet")
-    return _blocks(q, z.T, scales.T)
+        raise ValueError(f"GPTQ tensors disagree ({bits}-bit): qweight {tuple(qweight.shape)}, qzeros "
+                         f"{tuple(qzeros.shape)}, scales {tuple(scales.shape)}")
+    perm = _act_order(g_idx, k, groups)
+    if perm is not None:
+        q = q[:, perm]
+    if bits == 8:  # int8 q - 128 and m = -s * (z - 128)
+        blocks = _blocks((q.to(torch.int16) - 128).to(torch.int8), z.T - 128, scales.T)
+    else:
+        blocks = _blocks(q, z.T, scales.T)
+    return blocks if perm is None else blocks + (perm,)
 
 
-def pack_gptq(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor) -> dict[str, torch.Tensor]:
-    """q [out, in] and z, s [out, groups] -> GPTQ's qweight, qzeros, scales, g_idx."""
+def _act_order(g_idx: torch.Tensor | None, k: int, groups: int) -> torch.Tensor | None:
+    """None when g_idx is i // group (or absent); else the input order that
+    makes each group a run (stable, so inputs keep their order within one)."""
+    natural = torch.arange(k) // (k // groups)
+    if g_idx is None:
+        return None
+    g = g_idx.to(torch.int64)
+    if g.shape != (k,):
+        raise ValueError(f"GPTQ g_idx has shape {tuple(g.shape)}; the projection has {k} inputs")
+    if torch.equal(g, natural):
+        return None
+    perm = torch.argsort(g, stable=True)
+    if not torch.equal(g[perm], natural):
+        raise ValueError(f"GPTQ g_idx does not give each of the {groups} groups {k // groups} inputs")
+    return perm
+
+
+def pack_gptq(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, bits: int = 4,
+              g_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """q [out, in] and z, s [out, groups] -> GPTQ's qweight, qzeros, scales,
+    g_idx at ``bits``: input i is in group g_idx[i], i // group by default
+    (``g_idx`` given: act-order)."""
     out, k = q.shape
     groups = s.shape[1]
-    zt = ((z.to(torch.int32) - 1) & 0xF).T.contiguous()  # stored z - 1, as AutoGPTQ writes it
-    return {"qweight": _words(q.reshape(out, k // 8, 8)).T.contiguous(),
-            "qzeros": _words(zt.reshape(groups, -1, 8)),
+    per = 32 // bits
+    zt = ((z.to(torch.int32) - 1) & ((1 << bits) - 1)).T.contiguous()  # stored z - 1, as AutoGPTQ writes it
+    if g_idx is None:
+        g_idx = torch.arange(k) // (k // groups)
+    return {"qweight": _words(q.reshape(out, k // per, per), bits).T.contiguous(),
+            "qzeros": _words(zt.reshape(groups, -1, per), bits),
             "scales": s.T.contiguous().to(torch.float16),
-            "g_idx": (torch.arange(k) // (k // groups)).to(torch.int32)}
+            "g_idx": g_idx.to(torch.int32)}
 
 
-def quantize_zero_point(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_zero_point(w: torch.Tensor, group: int, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [out, in] -> (q uint8, z uint8, s fp16), w ~= s * (q - z) per group
     of ``group`` inputs (asymmetric min/max with an integer zero point, as
     AWQ and GPTQ checkpoints store it)."""
     out, k = w.shape
+    top = (1 << bits) - 1
     g = w.float().reshape(out, k // group, group)
     lo, hi = g.amin(dim=2).clamp(max=0), g.amax(dim=2).clamp(min=0)
-    s = ((hi - lo) / 15).clamp(min=1e-8).to(torch.float16)
-    z = torch.round(-lo / s.float()).clamp(0, 15)
-    q = (torch.round(g / s.float()[..., None]) + z[..., None]).clamp(0, 15)
+    s = ((hi - lo) / top).clamp(min=1e-8).to(torch.float16)
+    z = torch.round(-lo / s.float()).clamp(0, top)
+    q = (torch.round(g / s.float()[..., None]) + z[..., None]).clamp(0, top)
     return q.reshape(out, k).to(torch.uint8), z.to(torch.uint8), s
 
 
@@ -110,10 +152,14 @@ UNPACK = {"awq": (unpack_awq, ("qweight", "qzeros", "scales")),
           "gptq": (unpack_gptq, ("qweight", "qzeros", "scales", "g_idx"))}
 
 
-def checkpoint_blocks(method: str, parts: dict[str, torch.Tensor]):
-    """One projection's checkpoint tensors (by suffix) as int4 blocks."""
+def checkpoint_blocks(method: str, parts: dict[str, torch.Tensor], bits: int = 4):
+    """One projection's checkpoint tensors (by suffix) as blocks."""
     fn, names = UNPACK[method]
     missing = [n for n in names[:3] if n not in parts]
     if missing:
         raise ValueError(f"{method} projection lacks {', '.join(missing)}")
-    return fn(*(parts.get(n) for n in names))
+    if method == "awq":
+        if bits != 4:
+            raise ValueError(f"AWQ with {bits}-bit weights is not supported (4-bit only)")
+        return fn(*(parts.get(n) for n in names))
+    return fn(*(parts.get(n) for n in names), bits=bits)

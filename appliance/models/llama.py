@@ -12,6 +12,7 @@ from the checkpoint's separate tensors (``PACKED``).
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
@@ -187,6 +188,15 @@ class Attention(nn.Module):
         self.qk_norm = arch.qk_norm
         self.backend = backend
 
+    def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        """This layer's fp8 KV scales (a checkpoint's): the layer gets its own
+        copy of the backend holding them (the copy shares the backend's
+        state), as layers of one model may differ."""
+        if not (k_scale > 0 and v_scale > 0 and math.isfinite(k_scale) and math.isfinite(v_scale)):
+            raise ValueError(f"KV cache scales must be positive and finite; got k_scale={k_scale}, v_scale={v_scale}")
+        self.backend = copy.copy(self.backend)
+        self.backend.k_scale, self.backend.v_scale = float(k_scale), float(v_scale)
+
     def forward(self, x, cos, sin, kv_cache, attn_metadata):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -248,6 +258,8 @@ class LayerWeights:
     o_proj: nn.Module
     gate_up_proj: nn.Module  # rows gate | up
     down_proj: nn.Module
+    k_scale: float = 1.0  # an fp8 KV cache holds k / k_scale (and v / v_scale)
+    v_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -304,6 +316,7 @@ class LlamaForCausalLM(nn.Module):
                 q_norm=attn.q_norm.weight.data if self.arch.qk_norm else None,
                 k_norm=attn.k_norm.weight.data if self.arch.qk_norm else None,
                 qkv_proj=attn.qkv_proj, o_proj=attn.o_proj, gate_up_proj=mlp.gate_up_proj, down_proj=mlp.down_proj,
+                k_scale=attn.backend.k_scale, v_scale=attn.backend.v_scale,
             ))
         if self.lm_head_q is not None:
             lm_head = self.lm_head_q

@@ -196,13 +196,50 @@ def _checkpoint_activations(hf: dict) -> bool:
     return any(f.key == "activations" and f.value for f in facts)
 
 
-def _install_int4_checkpoint(model: Any, method: str, parts: dict[str, dict], folder: Path) -> set[str]:
-    """The AWQ/GPTQ projections as int4 linears; the module weights they fill."""
+# A checkpoint's fp8 KV cache scales, by the name's tail below model.layers.N: which scales each sets.
+KV_SCALE_TENSORS = {
+    "self_attn.k_scale": "k", "self_attn.v_scale": "v",  # vLLM's fp8 checkpoints
+    "self_attn.kv_scale": "kv",  # one scale for both (older checkpoints)
+    "self_attn.k_proj.output_scale": "k", "self_attn.v_proj.output_scale": "v",  # compressed-tensors kv_cache_scheme
+    "self_attn.k_proj.k_scale": "k", "self_attn.v_proj.v_scale": "v",  # ModelOpt
+}
+
+
+def _kv_scale_target(name: str) -> tuple[int, str] | None:
+    """(layer, "k" | "v" | "kv") when ``name`` is a KV cache scale tensor."""
+    head, sep, rest = name.partition("model.layers.")
+    index, _, tail = rest.partition(".")
+    if head or not sep or not index.isdigit() or tail not in KV_SCALE_TENSORS:
+        return None
+    return int(index), KV_SCALE_TENSORS[tail]
+
+
+def _set_kv_scales(model: Any, scales: dict[int, dict[str, torch.Tensor]], folder: Path) -> None:
+    """Each layer's KV cache scales (1.0 where the checkpoint has none); one
+    scale per layer and tensor (per-tensor), as vLLM reads them."""
+    layers = model.model.layers
+    for index, given in sorted(scales.items()):
+        values = {}
+        for which, t in given.items():
+            if t.numel() != 1:
+                raise ModelLoadError(f"{folder}: layer {index} has a {which} KV cache scale of shape {tuple(t.shape)}; "
+                                     f"one scale per layer (per-tensor) is supported")
+            values[which] = float(t.float().reshape(()))
+        if index >= len(layers):
+            raise ModelLoadError(f"{folder}: a KV cache scale for layer {index}, and the model has {len(layers)} layers")
+        try:
+            layers[index].self_attn.set_kv_scales(values.get("k", 1.0), values.get("v", 1.0))
+        except ValueError as e:
+            raise ModelLoadError(f"{folder}: layer {index}: {e}") from None
+
+
+def _install_int4_checkpoint(model: Any, method: str, parts: dict[str, dict], folder: Path, bits: int) -> set[str]:
+    """The AWQ/GPTQ projections as int4 (or, 8-bit, grouped int8) linears; the module weights they fill."""
     from appliance.models.int4_checkpoints import checkpoint_blocks
     from appliance.models.quant import install_int4
 
     try:
-        blocks = {name: checkpoint_blocks(method, p) for name, p in parts.items()}
+        blocks = {name: checkpoint_blocks(method, p, bits) for name, p in parts.items()}
         return install_int4(model, blocks)
     except ValueError as e:
         raise ModelLoadError(f"{folder}: {e}") from None
@@ -239,10 +276,17 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
             f"{checkpoint_method or 'none (unquantized)'}; set quantization={checkpoint_method or 'none'}")
     int4_parts: dict[str, dict[str, torch.Tensor]] = {}  # AWQ/GPTQ projection weight name -> its tensors
     fp8_parts: dict[str, dict[str, torch.Tensor]] = {}  # an fp8 checkpoint's projections, the same way
+    kv_scales: dict[int, dict[str, torch.Tensor]] = {}  # layer -> "k" / "v" -> its fp8 KV cache scale
     for f in _safetensors_files(folder):
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
                 if name == "lm_head.weight" and arch.tie_word_embeddings:
+                    continue
+                kv_scale = _kv_scale_target(name)
+                if kv_scale is not None:
+                    t = sf.get_tensor(name)
+                    for which in kv_scale[1]:
+                        kv_scales.setdefault(kv_scale[0], {})[which] = t
                     continue
                 prefix, _, suffix = name.rpartition(".")
                 if checkpoint_method in UNPACK and suffix in UNPACK[checkpoint_method][1]:
@@ -280,7 +324,9 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
                 set_module_tensor_to_device(model, name, device, value=t, dtype=dtype)
                 loaded.add(name)
     if int4_parts:
-        loaded |= _install_int4_checkpoint(model, checkpoint_method, int4_parts, folder)
+        qc = hf.get("quantization_config") or {}
+        bits = qc.get("bits", qc.get("w_bit", 4))
+        loaded |= _install_int4_checkpoint(model, checkpoint_method, int4_parts, folder, bits)
     if fp8_parts:
         from appliance.models.fp8 import install_fp8
 
@@ -289,6 +335,7 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
             loaded |= install_fp8(model, fp8_parts, activations)
         except ValueError as e:
             raise ModelLoadError(f"{folder}: {e}") from None
+    _set_kv_scales(model, kv_scales, folder)
     missing = sorted(set(expected) - loaded)
     if missing:
         raise ModelLoadError(f"{folder}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

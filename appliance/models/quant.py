@@ -84,24 +84,39 @@ def dequantize_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.
 class _GroupedLinear(nn.Module):
     """Weights d * q + m with a scale and min per output channel per group of
     inputs, held as buffers ``weight_attr`` (q), ``q_scale`` and ``q_min``;
-    the torch path dequantizes per call (correct, not fast)."""
+    the torch path dequantizes per call (correct, not fast). With
+    ``in_perm`` (a GPTQ act-order checkpoint) the stored inputs are the
+    projection's inputs in that order: stored column j is input in_perm[j]."""
 
     weight_attr = ""
 
-    def _hold(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def _hold(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None,
+              in_perm: torch.Tensor | None = None) -> None:
         if q.dim() != 2 or d.dim() != 2 or d.shape[0] != q.shape[0] or q.shape[1] % d.shape[1] \
                 or (q.shape[1] // d.shape[1]) % 2:
             raise ValueError(f"blocks of {tuple(q.shape)} weights with {tuple(d.shape)} scales: each row's "
                              f"groups must tile its inputs in an even number of weights")
+        if in_perm is not None and not torch.equal(torch.sort(in_perm).values, torch.arange(q.shape[1])):
+            raise ValueError(f"an input order of {q.shape[1]} inputs must be a permutation of them")
         self.register_buffer(self.weight_attr, q)
         self.register_buffer("q_scale", d)
         self.register_buffer("q_min", m)
+        self.register_buffer("in_perm", None if in_perm is None else in_perm.to(torch.int64))
         self.group = q.shape[1] // d.shape[1]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.out_features, self.in_features = q.shape
 
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight [out, in], inputs in the projection's own order."""
+        w = dequantize_int4(getattr(self, self.weight_attr), self.q_scale, self.q_min)
+        if self.in_perm is None:
+            return w
+        natural = torch.empty_like(w)
+        natural[:, self.in_perm] = w
+        return natural
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = dequantize_int4(getattr(self, self.weight_attr), self.q_scale, self.q_min).to(x.dtype)
+        w = self.dequantized().to(x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
 
@@ -113,13 +128,14 @@ class Int4WeightOnlyLinear(_GroupedLinear):
     weight_attr = "weight_q4"
 
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, group: int = 32,
-                 blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+                 blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 in_perm: torch.Tensor | None = None):
         super().__init__()
         q, d, m = blocks if blocks is not None else quantize_groups_int4(weight, group)
         if q.dtype != torch.uint8 or d.dtype not in (torch.float16, torch.float32) or m.dtype != d.dtype \
                 or d.shape != m.shape:
             raise ValueError("int4 blocks are uint8 q with fp16 (or fp32) scales and mins of one dtype and shape")
-        self._hold(q, d, m, bias)
+        self._hold(q, d, m, bias, in_perm)
         self.register_buffer("weight_rows", None)  # on a GPU: two k per byte, for the Triton GEMM
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,6 +157,8 @@ class Int4WeightOnlyLinear(_GroupedLinear):
 
         self.pack_rows()
         rows = x.reshape(-1, x.shape[-1])
+        if self.in_perm is not None:
+            rows = rows.index_select(1, self.in_perm)
         out = int4_gemm(rows, self.weight_rows, self.q_scale, self.q_min, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
@@ -152,13 +170,25 @@ class GroupedInt8Linear(_GroupedLinear):
 
     weight_attr = "weight_q8"
 
-    def __init__(self, blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bias: torch.Tensor | None):
+    def __init__(self, blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bias: torch.Tensor | None,
+                 in_perm: torch.Tensor | None = None):
         super().__init__()
         q, d, m = blocks
         if q.dtype != torch.int8 or d.dtype != torch.float32 or m.dtype != d.dtype or d.shape != m.shape:
             raise ValueError(f"grouped int8 blocks are int8 q with fp32 scales and mins of one shape; got {q.dtype} "
                              f"q, {d.dtype} {tuple(d.shape)} scales, {m.dtype} {tuple(m.shape)} mins")
-        self._hold(q, d, m, bias)
+        self._hold(q, d, m, bias, in_perm)
+
+
+def _input_order(target: str, parts: list[tuple]) -> torch.Tensor | None:
+    """The input order (``perm``, a 4th block entry) the fused parts share;
+    parts read one input, so they must share it."""
+    perms = [p[3] if len(p) > 3 else None for p in parts]
+    if any(p is None for p in perms) != all(p is None for p in perms) or \
+            any(p is not None and not torch.equal(p, perms[0]) for p in perms):
+        raise ValueError(f"{target}: its parts hold their inputs in different act-order orders (GPTQ g_idx), and "
+                         f"fused parts read one input; fusing them is not supported")
+    return perms[0]
 
 
 def _as_grouped_int8(parts: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -203,7 +233,8 @@ def quantize_int8_weight_only(model: nn.Module) -> nn.Module:
 def install_int4(model: nn.Module, blocks: dict[str, tuple]) -> set[str]:
     """Replace the projections (and an untied LM head) given as blocks
     ((q, d, m) by checkpoint weight name, e.g. ``...self_attn.q_proj.weight``;
-    q uint8 0..15 for int4, int8 for grouped int8) with int4 linears, or
+    q uint8 0..15 for int4, int8 for grouped int8; a 4th entry is an
+    act-order input order, see ``_GroupedLinear``) with int4 linears, or
     grouped int8 ones where any part is int8; a fused projection's parts are
     stacked in its row order, and fp16 parameters widen exactly to fp32
     beside fp32 ones. Returns the module weight names replaced (every part
@@ -213,27 +244,28 @@ def install_int4(model: nn.Module, blocks: dict[str, tuple]) -> set[str]:
     arch = model.arch
     parts = fused_parts(arch, (n for n in blocks if n != "lm_head.weight"))
 
-    def linear(names: list[str], bias: torch.Tensor | None) -> nn.Module:
+    def linear(names: list[str], target: str, bias: torch.Tensor | None) -> nn.Module:
+        perm = _input_order(target, [blocks[n] for n in names])
         if any(torch.as_tensor(blocks[n][0]).dtype == torch.int8 for n in names):
-            return GroupedInt8Linear(_as_grouped_int8([blocks[n] for n in names]), bias)
+            return GroupedInt8Linear(_as_grouped_int8([blocks[n] for n in names]), bias, perm)
         f32 = any(torch.as_tensor(blocks[n][1]).dtype == torch.float32 for n in names)
         q, d, m = (torch.cat([torch.as_tensor(blocks[n][i]) for n in names]) for i in range(3))
         if f32:
             d, m = d.float(), m.float()
-        return Int4WeightOnlyLinear(None, bias, blocks=(q, d, m))
+        return Int4WeightOnlyLinear(None, bias, blocks=(q, d, m), in_perm=perm)
 
     def make(names: list[str], target: str):
         def build(lin: nn.Module) -> nn.Module:
             rows = sum(blocks[name][0].shape[0] for name in names)
             if rows != lin.out_features:
                 raise ValueError(f"{target}: int4 blocks give {rows} of its {lin.out_features} rows")
-            return linear(names, lin.bias.data if lin.bias is not None else None)
+            return linear(names, target, lin.bias.data if lin.bias is not None else None)
         return build
 
     for target, names in parts.items():
         replace_linear(model, target, make(names, target))
     if not arch.tie_word_embeddings and "lm_head.weight" in blocks:
-        model.lm_head_q = linear(["lm_head.weight"], None)
+        model.lm_head_q = linear(["lm_head.weight"], "lm_head", None)
         del model.lm_head
         return set(parts) | {"lm_head.weight"}
     return set(parts)

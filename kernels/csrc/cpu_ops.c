@@ -13,7 +13,8 @@
  * (kernels/cpu_native.py packs them); the embedding table is fp32 or bf16.
  * Activations and accumulation are fp32 whatever the weights (except where
  * batched bf16 GEMMs run on AVX512-BF16, see below); the KV cache is fp32,
- * bf16 or fp8 (e4m3 or e5m2, unscaled: k_scale = v_scale = 1).
+ * bf16 or fp8 (e4m3 or e5m2, holding k / k_scale and v / v_scale with a
+ * scale per layer, 1 unless the checkpoint gives one).
  *
  * Built at first use by kernels/cpu_native.py (gcc -O3 -mavx2 -mfma -mf16c -ffp-contract=off
  * -fopenmp; the AVX512-BF16 functions by target attribute, chosen at run
@@ -47,6 +48,7 @@ typedef struct {
     const float *scale; /* [n] per output channel (int8), else NULL */
     const float *bias;  /* [n] or NULL */
     const void *qparams; /* int4: [ceil(n / 16), k / group, 2, 16] fp16 or fp32, each group's scales then mins */
+    const int32_t *perm; /* [k] or NULL: stored input j is x[perm[j]] (a GPTQ act-order checkpoint) */
     int32_t n, k, wtype, group; /* group: int4 weights per scale along k (even, divides k), else 0 */
     int32_t qparams_f32, _pad;  /* int4: qparams are fp32 (else fp16) */
 } Linear;
@@ -54,7 +56,8 @@ typedef struct {
 typedef struct {
     const float *ln1, *ln2, *q_norm, *k_norm; /* q_norm/k_norm NULL unless qk_norm */
     Linear qkv, o, gate_up, down;
-    void *k_cache, *v_cache; /* [num_slots, kv_heads, head_dim], fp32 or bf16 */
+    void *k_cache, *v_cache; /* [num_slots, kv_heads, head_dim], fp32, bf16 or fp8 */
+    float k_scale, v_scale;  /* an fp8 cache holds k / k_scale and v / v_scale; ignored for wider caches */
 } Layer;
 
 typedef struct {
@@ -779,6 +782,18 @@ static void packed_gemv(const Linear *L, const float *x, const float *xs, float 
  * w packed in panels (see PW); threads split the panels. Rows are blocked so
  * a block of activations stays in L2 while the panels pass over it. */
 void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m, int accumulate) {
+    if (L->perm) { /* gather the inputs into the stored order, then the plain product */
+        const int64_t k = L->k;
+        float *xp = (float *)malloc(sizeof(float) * (size_t)(m * k));
+#pragma omp parallel for schedule(static) if (m * k >= 65536)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t j = 0; j < k; j++) xp[r * k + j] = x[r * ldx + L->perm[j]];
+        Linear stored = *L;
+        stored.perm = NULL;
+        appl_linear(&stored, xp, k, out, ldo, m, accumulate);
+        free(xp);
+        return;
+    }
     const int64_t panels = (L->n + PW - 1) / PW, kp = L->k + (L->k & 1);
     int64_t mc = (192 * 1024 / 4) / (L->k > 0 ? L->k : 1);
     mc = mc < 6 ? 6 : (mc / 6) * 6;
@@ -890,14 +905,14 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
  * One item: nh query heads of one token (qg [nh, d], consecutive) attend the
  * first n_vis positions of a sequence whose blocks are bt. Head h reads kv
  * head h / grp of the K/V rows (kv head 0 at k_base / v_base); rows are read
- * in place from the block pool (row stride kv_stride elements, fp32 or
- * bf16). scores
- * [nh, ld] and inv [nh] are scratch. d is a multiple of 8.
+ * in place from the block pool (row stride kv_stride elements, fp32, bf16
+ * or fp8). scale includes an fp8 cache's k_scale; v_scale scales the
+ * output. scores [nh, ld] and inv [nh] are scratch. d is a multiple of 8.
  */
 #define DEFINE_ATTEND(SUFFIX, KT, LOADKV)                                                                             \
 static void attend_item_##SUFFIX(const float *qg, float *og, const KT *k_base, const KT *v_base, const int32_t *bt,   \
-                        int n_vis, int bs, int64_t kv_stride, int nh, int grp, int d, float scale, float *scores,     \
-                        int ld, float *inv) {                                                                         \
+                        int n_vis, int bs, int64_t kv_stride, int nh, int grp, int d, float scale, float v_scale,     \
+                        float *scores, int ld, float *inv) {                                                          \
     /* scores = q . k * scale, four positions per pass */                                                             \
     for (int j = 0, b = 0; j < n_vis; b++) {                                                                          \
         const int cnt = n_vis - j < bs ? n_vis - j : bs;                                                              \
@@ -948,7 +963,7 @@ static void attend_item_##SUFFIX(const float *qg, float *og, const KT *k_base, c
             sc[j] = expf(sc[j] - mx);                                                                                 \
             sum += sc[j];                                                                                             \
         }                                                                                                             \
-        inv[h] = 1.0f / sum;                                                                                          \
+        inv[h] = v_scale / sum;                                                                                       \
     }                                                                                                                 \
     /* out = sum_j p_j v_j, 64 output lanes in registers at a time */                                                 \
     for (int h = 0; h < nh; h++) {                                                                                    \
@@ -1031,7 +1046,7 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 void appl_kv_write(void *k_cache, void *v_cache, const float *k, const float *v, int64_t slot, int64_t n,
-                   int kv_type) {
+                   int kv_type, float k_scale, float v_scale) {
     if (kv_type == KV_F32) {
         memcpy((float *)k_cache + slot * n, k, sizeof(float) * n);
         memcpy((float *)v_cache + slot * n, v, sizeof(float) * n);
@@ -1044,8 +1059,8 @@ void appl_kv_write(void *k_cache, void *v_cache, const float *k, const float *v,
     } else {
         uint8_t *kc = (uint8_t *)k_cache + slot * n, *vc = (uint8_t *)v_cache + slot * n;
         for (int64_t i = 0; i < n; i++) {
-            kc[i] = appl_f32_to_fp8(k[i], kv_type);
-            vc[i] = appl_f32_to_fp8(v[i], kv_type);
+            kc[i] = appl_f32_to_fp8(k[i] / k_scale, kv_type);
+            vc[i] = appl_f32_to_fp8(v[i] / v_scale, kv_type);
         }
     }
 }
@@ -1061,8 +1076,10 @@ void appl_kv_write(void *k_cache, void *v_cache, const float *k, const float *v,
 void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const void *k_cache,
                     const void *v_cache, int n_tokens, int n_reqs, const int32_t *qsl, const int32_t *seq_lens,
                     const int32_t *block_table, int bt_stride, int bs, int n_heads, int n_kv_heads, int d,
-                    float scale, int kv_type) {
+                    float scale, int kv_type, float k_scale, float v_scale) {
     const int grp = n_heads / n_kv_heads;
+    const int fp8 = kv_type == KV_FP8_E4M3 || kv_type == KV_FP8_E5M2;
+    const float qk_scale = fp8 ? scale * k_scale : scale, out_scale = fp8 ? v_scale : 1.0f;
     int max_len = 8;
     for (int r = 0; r < n_reqs; r++)
         if (seq_lens[r] > max_len) max_len = seq_lens[r];
@@ -1094,16 +1111,16 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
             float *inv = scores + (size_t)nh * ld;
             if (kv_type == KV_BF16)
                 attend_item_bf16(qi, oi, (const uint16_t *)k_cache + off, (const uint16_t *)v_cache + off, bt, n_vis,
-                                 bs, kv_stride, nh, grp, d, scale, scores, ld, inv);
+                                 bs, kv_stride, nh, grp, d, qk_scale, out_scale, scores, ld, inv);
             else if (kv_type == KV_FP8_E4M3)
                 attend_item_e4m3(qi, oi, (const uint8_t *)k_cache + off, (const uint8_t *)v_cache + off, bt, n_vis,
-                                 bs, kv_stride, nh, grp, d, scale, scores, ld, inv);
+                                 bs, kv_stride, nh, grp, d, qk_scale, out_scale, scores, ld, inv);
             else if (kv_type == KV_FP8_E5M2)
                 attend_item_e5m2(qi, oi, (const uint8_t *)k_cache + off, (const uint8_t *)v_cache + off, bt, n_vis,
-                                 bs, kv_stride, nh, grp, d, scale, scores, ld, inv);
+                                 bs, kv_stride, nh, grp, d, qk_scale, out_scale, scores, ld, inv);
             else
                 attend_item_f32(qi, oi, (const float *)k_cache + off, (const float *)v_cache + off, bt, n_vis, bs,
-                                kv_stride, nh, grp, d, scale, scores, ld, inv);
+                                kv_stride, nh, grp, d, qk_scale, out_scale, scores, ld, inv);
         }
         free(scores);
     }
@@ -1184,12 +1201,13 @@ void appl_forward(const Model *M, const Step *S) {
             const float *c = M->rope_cos + pos * d, *s = M->rope_sin + pos * d;
             rope_heads(qt, H, (int)d, c, s);
             rope_heads(kt, KVH, (int)d, c, s);
-            appl_kv_write(L->k_cache, L->v_cache, kt, vt, S->slot_mapping[t], KVH * d, M->kv_type);
+            appl_kv_write(L->k_cache, L->v_cache, kt, vt, S->slot_mapping[t], KVH * d, M->kv_type, L->k_scale,
+                          L->v_scale);
         }
         g_phase[PH_ROPE_KV] += now_s() - t_rope;
         PHASE(PH_ATTN, appl_attention(qkv, qkv_w, att, attn_w, L->k_cache, L->v_cache, (int)T, S->n_reqs, S->qsl,
                                       S->seq_lens, S->block_table, S->bt_stride, S->block_size, H, KVH, (int)d,
-                                      M->attn_scale, M->kv_type));
+                                      M->attn_scale, M->kv_type, L->k_scale, L->v_scale));
         PHASE(PH_O, appl_linear(&L->o, att, attn_w, x, hid, T, 1));
         PHASE(PH_NORM, appl_rmsnorm(x, hid, L->ln2, h, hid, T, (int)hid, M->eps));
         PHASE(PH_GATE_UP, appl_linear(&L->gate_up, h, hid, gu, 2 * inter, T, 0));

@@ -314,24 +314,33 @@ def test_native_fp8_kv_write_rounds_like_torch(kind):
                    torch.tensor([0.0, -0.0, big, -big, big * 1.03, big * 1.1, 1e30, float("inf"), float("-inf")]),
                    torch.finfo(FP8[kind]).tiny * torch.arange(-24, 25) / 8])  # subnormals and their ties
     kc, vc = torch.zeros(x.numel(), dtype=torch.uint8), torch.zeros(x.numel(), dtype=torch.uint8)
-    _LIB.appl_kv_write(ctypes.c_void_p(kc.data_ptr()), ctypes.c_void_p(vc.data_ptr()), ctypes.c_void_p(x.data_ptr()),
-                       ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(0), ctypes.c_int64(x.numel()),
-                       ctypes.c_int(KV_TYPES[FP8[kind]]))
-    want = to_fp8(x, FP8[kind]).view(torch.uint8)
-    assert torch.equal(kc, want) and torch.equal(vc, want)
+    for k_scale, v_scale in [(1.0, 1.0), (0.37, 5.5)]:  # a checkpoint's scales: the cache holds x / scale
+        _LIB.appl_kv_write(ctypes.c_void_p(kc.data_ptr()), ctypes.c_void_p(vc.data_ptr()),
+                           ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(0),
+                           ctypes.c_int64(x.numel()), ctypes.c_int(KV_TYPES[FP8[kind]]), ctypes.c_float(k_scale),
+                           ctypes.c_float(v_scale))
+        assert torch.equal(kc, to_fp8(x / k_scale, FP8[kind]).view(torch.uint8))
+        assert torch.equal(vc, to_fp8(x / v_scale, FP8[kind]).view(torch.uint8))
 
 
 @pytest.mark.parametrize("kind", list(FP8))
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (9, 3)])
-def test_fp8_kv_cache_matches_sdpa_on_the_rounded_values(kind, num_heads, num_kv_heads):
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.05, 3.0)])
+def test_fp8_kv_cache_matches_sdpa_on_the_rounded_values(kind, num_heads, num_kv_heads, k_scale, v_scale):
+    """The cache holds k / k_scale and v / v_scale; attention reads them
+    scaled back (the scale folded into the scores and the output)."""
+    from appliance.kernels.base import to_fp8
+
     common, q, k, v, cache = make_problem(MIXED, 16, num_heads, num_kv_heads, 64, seed=7)
     fp8_cache = cache.to(FP8[kind])
-    b = CpuNativeBackend(num_heads, num_kv_heads, 64, 0.125, kv_cache_dtype=kind)
+    b = CpuNativeBackend(num_heads, num_kv_heads, 64, 0.125, kv_cache_dtype=kind, k_scale=k_scale, v_scale=v_scale)
+    scales = torch.tensor([k_scale, v_scale]).view(2, 1, 1, 1, 1)
+    before = fp8_cache.float() * scales  # what the cache means
     out = b.forward(q, k, v, fp8_cache, b.build_metadata(common))
-    kq, vq = k.to(FP8[kind]).float(), v.to(FP8[kind]).float()
-    ref_out, ref_cache = reference(common, q, kq, vq, fp8_cache.float(), num_heads, num_kv_heads, 64)
-    torch.testing.assert_close(fp8_cache.float(), ref_cache, rtol=0, atol=0)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    kq, vq = (to_fp8(x / s, FP8[kind]).float() * s for x, s in ((k, k_scale), (v, v_scale)))
+    ref_out, ref_cache = reference(common, q, kq, vq, before, num_heads, num_kv_heads, 64)
+    torch.testing.assert_close(fp8_cache.float() * scales, ref_cache, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5 * v_scale)
 
 
 @pytest.mark.parametrize("kind", list(FP8))

@@ -149,7 +149,7 @@ def test_a_compressed_tensors_fp8_checkpoint_loads(fp8_checkpoint, tmp_path):
 
 @pytest.mark.parametrize("extra,message", [
     ({"weight_block_size": [128, 128]}, "weight_block_size=.* is not built yet"),
-    ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, None),
+    ({"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "attn_head"}}, None),
 ])
 def test_fp8_layouts_not_built_are_refused(fp8_checkpoint, tmp_path, extra, message):
     folder, _ = fp8_checkpoint
@@ -159,7 +159,7 @@ def test_fp8_layouts_not_built_are_refused(fp8_checkpoint, tmp_path, extra, mess
         scheme = {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
                   "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}
         config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {"g": scheme}}
-        message = "kv_cache_scheme .* is not built yet"
+        message = "kv_cache_scheme type=float num_bits=8 strategy=attn_head is not supported"
     config["quantization_config"].update(extra)
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=message):
@@ -171,3 +171,70 @@ def test_an_fp8_checkpoint_refuses_another_method(fp8_checkpoint):
     with pytest.raises(ConfigError, match="quantization=int8_wo but the checkpoint .* has "
                                           "quantization_config.quant_method=fp8"):
         resolve(BASE + [f"model.path={folder}", "quantization=int8_wo"])
+
+
+# Per-layer fp8 KV scales in each naming a checkpoint uses (layer 0: vLLM's fp8 format, layer 1: one scale for both)
+KV_SCALES = {0: {"self_attn.k_scale": 4.0, "self_attn.v_scale": 0.25}, 1: {"self_attn.kv_scale": 2.0}}
+KV_SCALE_NAMINGS = [{"self_attn.k_proj.output_scale": 4.0, "self_attn.v_proj.output_scale": 0.25},  # compressed-tensors
+                    {"self_attn.k_proj.k_scale": 4.0, "self_attn.v_proj.v_scale": 0.25}]  # ModelOpt
+
+
+def _with_kv_scales(folder, tmp_path, name, scales):
+    out = shutil.copytree(folder, tmp_path / name)
+    tensors = load_file(str(out / "model.safetensors"))
+    for layer, given in scales.items():
+        tensors.update({f"model.layers.{layer}.{tail}": torch.tensor(v) for tail, v in given.items()})
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def test_checkpoint_kv_scales_set_each_layer_and_run_alike_on_both_cpu_paths(tmp_path):
+    """k_scale / v_scale tensors give each layer its scales (1.0 where
+    absent); with an fp8 KV cache the native forward and torch_sdpa give
+    the same tokens over them, and the scales change what is stored."""
+    from appliance.kernels.registry import Selection
+
+    plain = generate_tiny(resolve(BASE + ["model=tiny_random"], check=False).cfg.model, tmp_path / "plain")
+    scaled = _with_kv_scales(plain, tmp_path, "scaled", KV_SCALES)
+    overrides = BASE + [f"model.path={scaled}", "cache.kv_cache_dtype=fp8_e4m3", "model.dtype=float32"]
+    p = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
+    prompts = ["Hello there", "The quick brown fox jumps"]
+    nat = LLM(overrides=overrides)
+    layers = nat.engine.runner.model.model.layers
+    assert [(a.self_attn.backend.k_scale, a.self_attn.backend.v_scale) for a in layers] == [(4.0, 0.25), (2.0, 2.0)]
+    assert nat.engine.runner.backend.name == "cpu_native"
+    got = nat.generate(prompts, p, use_tqdm=False)
+    ref = LLM(overrides=overrides, selection=Selection(chosen="torch_sdpa")).generate(prompts, p, use_tqdm=False)
+    unscaled = LLM(overrides=BASE + [f"model.path={plain}", "cache.kv_cache_dtype=fp8_e4m3", "model.dtype=float32"]
+                   ).generate(prompts, p, use_tqdm=False)
+    for a, b in zip(ref, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert lb.logprob == pytest.approx(la.logprob, abs=1e-4)
+    assert any(la.logprob != lb.logprob for a, b in zip(unscaled, got)
+               for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs))
+
+
+@pytest.mark.parametrize("naming", range(len(KV_SCALE_NAMINGS)))
+def test_kv_scales_load_under_each_naming(tmp_path, naming, fp8_checkpoint):
+    folder, _ = fp8_checkpoint
+    scaled = _with_kv_scales(folder, tmp_path, "named", {1: KV_SCALE_NAMINGS[naming]})
+    llm = LLM(overrides=BASE + [f"model.path={scaled}", "cache.kv_cache_dtype=fp8_e4m3"])
+    layers = llm.engine.runner.model.model.layers
+    assert [(a.self_attn.backend.k_scale, a.self_attn.backend.v_scale) for a in layers] == [(1.0, 1.0), (4.0, 0.25)]
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("value,message", [(torch.ones(4), r"a k KV cache scale of shape \(4,\); one scale per layer"),
+                                           (torch.tensor(0.0), "KV cache scales must be positive and finite")])
+def test_kv_scales_that_cannot_run_are_refused(tmp_path, fp8_checkpoint, value, message):
+    from appliance.models.loader import ModelLoadError
+
+    folder, _ = fp8_checkpoint
+    bad = shutil.copytree(folder, tmp_path / "bad")
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["model.layers.0.self_attn.k_scale"] = value
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(overrides=BASE + [f"model.path={bad}"])

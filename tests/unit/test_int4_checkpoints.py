@@ -1,9 +1,11 @@
-"""AWQ and GPTQ 4-bit checkpoints: the packed layouts, the quantization
-facts a folder's quantization_config sets (and contradictions refused),
-and tiny checkpoints in each layout loaded as int4 linears and run."""
+"""AWQ and GPTQ checkpoints (4-bit; GPTQ also 8-bit and act-order): the
+packed layouts, the quantization facts a folder's quantization_config
+sets (and contradictions refused), and tiny checkpoints in each layout
+loaded as grouped linears and run."""
 
 import json
 import shutil
+import zlib
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from appliance.config.compose import ConfigError, resolve
 from appliance.kernels.cpu_native import bf16_dot
 from appliance.models.int4_checkpoints import (AWQ_ORDER, checkpoint_blocks, pack_awq, pack_gptq,
                                                quantize_zero_point)
-from appliance.models.quant import PROJECTIONS, Int4WeightOnlyLinear, dequantize_int4
+from appliance.models.quant import PROJECTIONS, GroupedInt8Linear, Int4WeightOnlyLinear, dequantize_int4
 from appliance.models.tiny import generate_tiny
 from tests.model_helpers import PROMPTS
 
@@ -23,10 +25,36 @@ PACK = {"awq": pack_awq, "gptq": pack_gptq}
 SOURCES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _reference(q, z, s):
-    """The formats' own formula, s * (q - z), in fp32."""
-    group = q.shape[1] // s.shape[1]
-    return (q.float() - z.float().repeat_interleave(group, 1)) * s.float().repeat_interleave(group, 1)
+def _reference(q, z, s, g_idx=None):
+    """The formats' own formula, s * (q - z), in fp32; input i in group
+    g_idx[i] (i // group by default)."""
+    if g_idx is None:
+        g_idx = torch.arange(q.shape[1]) // (q.shape[1] // s.shape[1])
+    g_idx = g_idx.long()
+    return (q.float() - z.float()[:, g_idx]) * s.float()[:, g_idx]
+
+
+def _act_order_quantized(w, group, bits, seed):
+    """w quantized in act-order groups: a random g_idx giving each group
+    ``group`` inputs, and (q, z, s) in GPTQ's terms for it."""
+    k = w.shape[1]
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+    g_idx = torch.empty(k, dtype=torch.int64)
+    g_idx[order] = torch.arange(k) // group
+    q_sorted, z, s = quantize_zero_point(w[:, order], group, bits)
+    q = torch.empty_like(q_sorted)
+    q[:, order] = q_sorted
+    return q, z, s, g_idx
+
+
+def _dequantized(blocks):
+    """fp32 weights of (q, d, m[, perm]) blocks, inputs in natural order."""
+    w = dequantize_int4(*blocks[:3])
+    if len(blocks) > 3:
+        natural = torch.empty_like(w)
+        natural[:, blocks[3]] = w
+        return natural
+    return w
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
@@ -38,6 +66,21 @@ def test_blocks_are_the_formula_bit_for_bit(method, group):
     bq, d, m = checkpoint_blocks(method, PACK[method](q, z, s))
     assert torch.equal(bq, q) and d.dtype == m.dtype == torch.float32
     assert torch.equal(dequantize_int4(bq, d, m), _reference(q, z, s))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_blocks_at_each_width_and_order_are_the_formula(bits, act_order):
+    w = torch.randn(24, 128, generator=torch.Generator().manual_seed(bits))
+    if act_order:
+        q, z, s, g_idx = _act_order_quantized(w, 32, bits, seed=3)
+    else:
+        (q, z, s), g_idx = quantize_zero_point(w, 32, bits), None
+    assert (_reference(q, z, s, g_idx) - w).abs().max() <= s.float().max() / 2 + 1e-6
+    blocks = checkpoint_blocks("gptq", pack_gptq(q, z, s, bits, g_idx), bits)
+    assert blocks[0].dtype == (torch.int8 if bits == 8 else torch.uint8)
+    assert len(blocks) == (4 if act_order else 3)
+    assert torch.equal(_dequantized(blocks), _reference(q, z, s, g_idx))
 
 
 def test_awq_words_hold_channels_in_awq_order():
@@ -55,44 +98,76 @@ def test_gptq_words_hold_inputs_in_order_and_zeros_minus_one():
     assert packed["g_idx"].tolist() == [0] * 32
 
 
-def test_act_order_is_refused():
+def test_a_g_idx_with_uneven_groups_is_refused():
     q, z, s = quantize_zero_point(torch.randn(8, 64), 32)
     packed = pack_gptq(q, z, s)
-    packed["g_idx"] = packed["g_idx"].flip(0)
-    with pytest.raises(ValueError, match="act-order"):
+    packed["g_idx"][0] = 1  # group 1 gets 33 inputs
+    with pytest.raises(ValueError, match="does not give each of the 2 groups 32 inputs"):
         checkpoint_blocks("gptq", packed)
+    with pytest.raises(ValueError, match="GPTQ with 3-bit weights is not supported; supported: \\[4, 8\\]"):
+        checkpoint_blocks("gptq", pack_gptq(q, z, s), bits=3)
+
+
+def test_fused_parts_in_different_act_orders_are_refused():
+    from appliance.models.quant import _input_order
+
+    def blocks(seed):
+        q, z, s, g_idx = _act_order_quantized(torch.randn(8, 64), 32, 4, seed)
+        return checkpoint_blocks("gptq", pack_gptq(q, z, s, 4, g_idx))
+
+    a, b = blocks(1), blocks(2)
+    assert torch.equal(_input_order("qkv", [a, a]), a[3])
+    with pytest.raises(ValueError, match="different act-order orders"):
+        _input_order("qkv", [a, b])
+    with pytest.raises(ValueError, match="different act-order orders"):
+        _input_order("qkv", [a, a[:3]])
+
+
+# checkpoint variants: (quant_method, bits, act-order)
+VARIANTS = {"awq": ("awq", 4, False), "gptq": ("gptq", 4, False), "gptq8": ("gptq", 8, False),
+            "gptq-act": ("gptq", 4, True), "gptq8-act": ("gptq", 8, True)}
+FUSED_INPUTS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """A tiny random model, and the same model as AWQ and GPTQ checkpoints
-    (groups of 32) plus an fp32 folder of exactly their dequantized weights."""
+    (groups of 32; each of VARIANTS) plus an fp32 folder of exactly their
+    dequantized weights. Act-order variants draw one input order per layer
+    input (q, k and v share one, as GPTQ's quantizer gives them)."""
     root = tmp_path_factory.mktemp("int4")
     spec = resolve(BASE + ["model=tiny_random"], check=False).cfg.model
     plain = generate_tiny(spec, root / "plain")
     tensors = load_file(str(plain / "model.safetensors"))
     out = {"plain": plain}
-    for method in ("awq", "gptq"):
-        folder = root / method
+    for variant, (method, bits, act_order) in VARIANTS.items():
+        folder = root / variant
         shutil.copytree(plain, folder)
         quantized, dequantized = dict(tensors), dict(tensors)
         for name in tensors:
-            if name.rsplit(".", 2)[-2] in SOURCES:
-                q, z, s = quantize_zero_point(tensors[name], 32)
+            source = name.rsplit(".", 2)[-2]
+            if source in SOURCES:
+                g_idx = None
+                if act_order:
+                    layer_input = name.replace(source, FUSED_INPUTS.get(source, source))
+                    q, z, s, g_idx = _act_order_quantized(tensors[name], 32, bits, zlib.crc32(layer_input.encode()))
+                else:
+                    q, z, s = quantize_zero_point(tensors[name], 32, bits)
+                packed = pack_awq(q, z, s) if method == "awq" else pack_gptq(q, z, s, bits, g_idx)
                 del quantized[name]
-                quantized.update({f"{name[:-len('weight')]}{k}": v for k, v in PACK[method](q, z, s).items()})
-                dequantized[name] = _reference(q, z, s)
+                quantized.update({f"{name[:-len('weight')]}{k}": v for k, v in packed.items()})
+                dequantized[name] = _reference(q, z, s, g_idx)
         save_file(quantized, str(folder / "model.safetensors"))
         config = json.loads((folder / "config.json").read_text())
-        config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 32,
+        config["quantization_config"] = {"quant_method": method, "bits": bits, "group_size": 32,
                                          **({"version": "gemm", "zero_point": True} if method == "awq" else
-                                            {"desc_act": False, "sym": False})}
+                                            {"desc_act": act_order, "sym": False})}
         (folder / "config.json").write_text(json.dumps(config))
-        out[method] = folder
-        ref = root / f"{method}-dequantized"
+        out[variant] = folder
+        ref = root / f"{variant}-dequantized"
         shutil.copytree(plain, ref)
         save_file(dequantized, str(ref / "model.safetensors"))
-        out[f"{method}-dequantized"] = ref
+        out[f"{variant}-dequantized"] = ref
     return out
 
 
@@ -130,27 +205,35 @@ def test_a_method_the_folder_does_not_have_is_refused(checkpoints, tmp_path):
     with pytest.raises(ConfigError, match="quantization=awq loads an AWQ checkpoint, and model.path=.* has no "
                                           "quantization_config"):
         resolve(BASE + [f"model.path={checkpoints['plain']}", "quantization=awq"])
-    folder = shutil.copytree(checkpoints["gptq"], tmp_path / "act-order")
+    folder = shutil.copytree(checkpoints["gptq"], tmp_path / "three-bit")
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"]["desc_act"] = True
+    config["quantization_config"]["bits"] = 3
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="GPTQ with desc_act=true .* is not built yet"):
+    with pytest.raises(ConfigError, match="gptq with 3-bit weights is not supported; supported: 4, 8-bit"):
         resolve(BASE + [f"model.path={folder}"])
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_the_checkpoint_runs_as_its_dequantized_weights(checkpoints, method):
-    """Every projection an int4 linear holding s * (q - z) bit for bit;
+def test_an_eight_bit_gptq_checkpoint_sets_eight_bits(checkpoints):
+    q = resolve(BASE + [f"model.path={checkpoints['gptq8-act']}"]).cfg.quantization
+    assert (q.method, q.weight_bits, q.group_size) == ("gptq", 8.0, 32)
+    with pytest.raises(ConfigError, match="quantization.weight_bits=6 does not match quantization.method=gptq"):
+        resolve(BASE + ["model=tiny_random", "quantization=gptq", "quantization.weight_bits=6"], check=True)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_checkpoint_runs_as_its_dequantized_weights(checkpoints, variant):
+    """Every projection a grouped linear holding s * (q - z) bit for bit
+    (int4, or grouped int8 at 8 bits; act-order inputs in their order);
     generation equal to the fp32 model of those weights (fp32 activations
-    throughout; int4 sums differ from fp32 ones only in order)."""
-    llm = LLM(overrides=BASE + [f"model.path={checkpoints[method]}", "model.dtype=float32"])
-    ref_llm = LLM(overrides=BASE + [f"model.path={checkpoints[f'{method}-dequantized']}", "model.dtype=float32"])
+    throughout; grouped sums differ from fp32 ones only in order)."""
+    llm = LLM(overrides=BASE + [f"model.path={checkpoints[variant]}", "model.dtype=float32"])
+    ref_llm = LLM(overrides=BASE + [f"model.path={checkpoints[f'{variant}-dequantized']}", "model.dtype=float32"])
+    kind = GroupedInt8Linear if VARIANTS[variant][1] == 8 else Int4WeightOnlyLinear
     for layer, ref_layer in zip(llm.engine.runner.model.model.layers, ref_llm.engine.runner.model.model.layers):
         for path in PROJECTIONS:
             mod = layer.get_submodule(path)
-            assert isinstance(mod, Int4WeightOnlyLinear)
-            assert torch.equal(dequantize_int4(mod.weight_q4, mod.q_scale, mod.q_min),
-                               ref_layer.get_submodule(path).weight.data)
+            assert isinstance(mod, kind) and (mod.in_perm is not None) == VARIANTS[variant][2]
+            assert torch.equal(mod.dequantized(), ref_layer.get_submodule(path).weight.data)
     p = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
     before = bf16_dot()
     bf16_dot(False)
