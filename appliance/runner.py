@@ -204,8 +204,15 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
     )
     eos = tokenizer.eos_token_id
     kv_dtype = backend.cache_dtype(ex.kv_cache_dtype, dtype)
+    spec = cfg.speculative
+    proposer = None
+    if spec.method == "ngram":
+        from appliance.worker.spec_decode import NgramProposer
+
+        proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, mml)
     runner = ModelRunner(model, backend, num_blocks, cfg.cache.block_size, mml, s.max_num_seqs, dtype,
-                         kv_dtype, device, eos, seed=m.seed)
+                         kv_dtype, device, eos, seed=m.seed, proposer=proposer,
+                         disable_spec_above=spec.disable_by_batch_size)
     return EngineCore(scheduler, runner, tokenizer, eos, vocab_size=m.vocab_size, token_budget=budget), tokenizer
 
 

@@ -11,6 +11,7 @@ KINDS = {
     "serve": "appliance.bench.serve",
     "latency": "appliance.bench.latency",
     "prefix": "appliance.bench.prefix",
+    "spec": "appliance.bench.spec",
 }
 
 

@@ -6,8 +6,9 @@ import json
 import os
 import platform
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 def machine_info() -> dict[str, Any]:
@@ -23,6 +24,23 @@ def machine_info() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+@contextmanager
+def counting_steps(engine: Any) -> Iterator[dict[str, int]]:
+    """Count ``engine.step`` calls while the block runs (``counter["steps"]``, resettable)."""
+    counter = {"steps": 0}
+    orig = engine.step
+
+    def counted():
+        counter["steps"] += 1
+        return orig()
+
+    engine.step = counted
+    try:
+        yield counter
+    finally:
+        engine.step = orig
 
 
 def write_results(out_dir: str, name: str, data: dict[str, Any]) -> Path:

@@ -19,7 +19,8 @@ import argparse
 import time
 from typing import Any
 
-from appliance.bench.common import lengths_for, plot_bars, random_prompts, split_overrides, write_results
+from appliance.bench.common import (counting_steps, lengths_for, plot_bars, random_prompts, split_overrides,
+                                    write_results)
 from appliance.bench.machine import load_or_measure
 
 
@@ -35,24 +36,15 @@ def run_ours(llm: Any, prompts: list[list[int]], output_len: int, repeat: int = 
 
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
     _native_phases(reset=True)
-    steps = 0
-    orig = llm.engine.step
-
-    def counted():
-        nonlocal steps
-        steps += 1
-        return orig()
-
-    llm.engine.step = counted
     runs = []
-    for i in range(repeat):
-        steps = 0
-        if i:
-            llm.engine.reset_prefix_cache()  # every run computes its prompts
-        t = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True))
-        runs.append((time.perf_counter() - t, steps))
-    llm.engine.step = orig
+    with counting_steps(llm.engine) as counter:
+        for i in range(repeat):
+            counter["steps"] = 0
+            if i:
+                llm.engine.reset_prefix_cache()  # every run computes its prompts
+            t = time.perf_counter()
+            outs = llm.generate(prompts, SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True))
+            runs.append((time.perf_counter() - t, counter["steps"]))
     elapsed, steps = sorted(runs)[len(runs) // 2]  # the median run
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     res = {"elapsed_s": elapsed, "runs_elapsed_s": [r[0] for r in runs], "output_tokens": out_tokens, "steps": steps,

@@ -162,6 +162,21 @@ def _allowed_keys(path: str) -> list[str]:
     return list(node.keys()) if isinstance(node, DictConfig) else []
 
 
+NGRAM_LOOKUP_DEFAULT = 5  # prompt_lookup_min and _max when neither is set (vLLM's)
+
+
+def _fill_prompt_lookup(plain: dict) -> None:
+    """n-gram lookup lengths: both 5 when neither is set, else the one set for both."""
+    spec = plain.get("speculative") or {}
+    if spec.get("method") != "ngram":
+        return
+    lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+    if lo is None and hi is None:
+        lo = hi = NGRAM_LOOKUP_DEFAULT
+    spec["prompt_lookup_min"] = hi if lo is None else lo
+    spec["prompt_lookup_max"] = lo if hi is None else hi
+
+
 def resolve(overrides: Sequence[str] = (), *, check: bool = True, device: Any = None) -> ResolvedConfig:
     """Compose ``conf/`` with Hydra-style overrides into a validated config.
 
@@ -183,6 +198,7 @@ def resolve(overrides: Sequence[str] = (), *, check: bool = True, device: Any = 
         plain = OmegaConf.to_container(composed, resolve=True)
         # A local checkpoint's own facts replace the model option's numbers.
         checkpoint_problems = apply_checkpoint(plain, rest)
+        _fill_prompt_lookup(plain)
         obj = _plain_values(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema.ApplianceConfig), plain)))
     except OmegaConfBaseException as e:
         raise ConfigError(_explain_compose_error(e, rest)) from None

@@ -140,6 +140,7 @@ class Plan:
     swap_kv_blocks: int
     token_budget: int  # tokens per step: the first one when it follows scheduler.target_itl_ms
     token_budget_reason: str
+    speculative: str = "off"  # what drafts and how many, in words
     execution: dict[str, Any] = field(default_factory=dict)
     summary: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -251,10 +252,23 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         compute_dtype=compute_dtype,
         swap_kv_blocks=swap_blocks,
         **token_budget(cfg, prefill_roofline),
+        speculative=describe_speculative(cfg),
         execution=ex.to_dict(),
         summary=ex.summary(),
         notes=notes,
     )
+
+
+def describe_speculative(cfg: ApplianceConfig) -> str:
+    spec = cfg.speculative
+    if spec.method == "off":
+        return "off"
+    words = (f"{spec.method}: up to {spec.num_speculative_tokens} draft tokens per request per step, from the last "
+             f"{spec.prompt_lookup_min}..{spec.prompt_lookup_max} tokens' earlier occurrence in prompt + output; "
+             f"verified in one forward (greedy: equal to the target's argmax; sampled: rejection sampling)")
+    if spec.disable_by_batch_size is not None:
+        words += f"; off while more than {spec.disable_by_batch_size} requests run"
+    return words
 
 
 def token_budget(cfg: ApplianceConfig, prefill_tok_s: float) -> dict[str, Any]:
@@ -299,6 +313,7 @@ def format_plan(p: Plan) -> str:
         f"decode roofline    {p.decode_roofline_tok_s} tok/s per sequence at batch 1 (weights / bandwidth)",
         f"prefill roofline   {p.prefill_roofline_tok_s} tok/s ({p.compute_dtype} peak / 2 x parameters)",
         f"token budget       {p.token_budget} tokens per step ({p.token_budget_reason})",
+        f"speculative        {p.speculative}",
         *([f"kv swap space      {p.swap_kv_blocks} blocks in host memory (cache.swap_space_gib)"] if p.swap_kv_blocks else []),
     ]
     lines += [f"note: {n}" for n in p.notes]

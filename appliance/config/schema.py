@@ -228,9 +228,11 @@ class ServerConfig:
 @dataclass
 class SpeculativeConfig:
     method: SpecMethod = SpecMethod.off
-    num_speculative_tokens: int = 0
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 3
+    num_speculative_tokens: int = 0  # k: draft tokens proposed per step
+    # ngram: the lengths of context suffix looked up; when neither is set both are 5, when one is the other copies it
+    prompt_lookup_min: Optional[int] = None
+    prompt_lookup_max: Optional[int] = None
+    disable_by_batch_size: Optional[int] = None  # no drafts while more than this many requests run
 
 
 @dataclass

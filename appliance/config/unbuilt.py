@@ -17,14 +17,12 @@ def not_built(cfg: ApplianceConfig) -> list[str]:
     """What ``cfg`` asks for that plans but does not run yet: serving and the
     offline LLM refuse these (``appliance plan`` notes them)."""
     out = []
-    par, spec, cache, q = cfg.parallel, cfg.speculative, cfg.cache, cfg.quantization
+    par, cache, q = cfg.parallel, cfg.cache, cfg.quantization
     world = par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
     if world > 1 or par.enable_expert_parallel:
         out.append(f"parallel execution (tp x pp x dp = {par.tensor_parallel_size} x {par.pipeline_parallel_size} x "
                    f"{par.data_parallel_size}{', expert parallel' if par.enable_expert_parallel else ''}) is not built "
                    f"yet; serve with parallel=single")
-    if spec.method != "off":
-        out.append(f"speculative.method={spec.method}: speculative decoding is not built yet; serve with speculative=off")
     if q.method not in RUNNABLE_QUANTIZATION:
         out.append(f"quantization={q.method} can be planned but its weight kernels are not built yet; serve with "
                    f"quantization=none (or int4_wo / int8_wo on a CPU)")

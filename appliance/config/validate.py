@@ -212,26 +212,22 @@ def validate(cfg: ApplianceConfig) -> list[str]:
 
     # Speculative decoding.
     if spec.method == "off":
-        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             value, default = getattr(spec, key), getattr(DEFAULTS.speculative, key)
             if value != default:
                 problems.append(f"speculative.{key}={value} has no effect with speculative=off; "
-                                f"choose a speculative method or leave it at {default}")
+                                f"choose a speculative method or leave it at {'null' if default is None else default}")
     if spec.method == "ngram":
         if spec.num_speculative_tokens < 1:
             problems.append("speculative.method=ngram needs speculative.num_speculative_tokens >= 1")
-        if not 1 <= spec.prompt_lookup_min <= spec.prompt_lookup_max:
-            problems.append(
-                f"speculative.prompt_lookup_min={spec.prompt_lookup_min} must be between 1 and "
-                f"prompt_lookup_max={spec.prompt_lookup_max}"
-            )
+        lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
+        if lo is None or hi is None or not 1 <= lo <= hi:
+            problems.append(f"speculative.prompt_lookup_min={lo} must be between 1 and prompt_lookup_max={hi}")
+        if spec.disable_by_batch_size is not None and spec.disable_by_batch_size < 1:
+            problems.append(f"speculative.disable_by_batch_size={spec.disable_by_batch_size} must be at least 1 "
+                            f"(or null: speculate at every batch size)")
         if par.pipeline_parallel_size > 1:
             problems.append("speculative decoding is not supported with pipeline_parallel_size > 1; use speculative=off")
-        if s.max_num_batched_tokens < s.max_num_seqs * (1 + spec.num_speculative_tokens):
-            problems.append(
-                f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} cannot hold max_num_seqs="
-                f"{s.max_num_seqs} sequences with {spec.num_speculative_tokens} draft tokens each; raise it or lower max_num_seqs"
-            )
 
     # Memory: weights must fit, and the pool must hold one full-length request.
     if dtype in ("float32", "bfloat16", "float16") and not problems:

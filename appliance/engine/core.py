@@ -66,6 +66,10 @@ class StepStats(msgspec.Struct):
     prefix_hits: int = 0
     iteration_tokens: int = 0  # tokens scheduled by the last step (0: no step ran)
     token_budget: int = 0  # tokens the next step may schedule
+    spec_drafts: int = 0  # speculative decoding: drafts verified,
+    spec_draft_tokens: int = 0  # the draft tokens in them,
+    spec_accepted_tokens: int = 0  # how many of those were accepted,
+    spec_accepted_per_pos: list[int] = []  # and accepted at each draft position (0 = first)
 
 
 class SampledLogprob(Protocol):
@@ -82,6 +86,7 @@ class StepOutput(Protocol):
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[Optional[SampledLogprob]]]
+    spec_token_ids: dict[str, list[int]]  # drafts proposed for the next step (speculative decoding)
 
 
 class StepRunner(Protocol):
@@ -118,6 +123,8 @@ class EngineCore:
         self._strikes: dict[str, int] = {}
         self.token_budget = token_budget  # None: the scheduler's budget stays as configured
         self._counted_from = (0, 0, 0)  # (preemptions, prefix queries, prefix hits) at reset_stats()
+        self._spec = [0, 0, 0]  # drafts, draft tokens, accepted tokens since reset_stats()
+        self._spec_per_pos: list[int] = []
 
     def add_request(
         self,
@@ -174,7 +181,8 @@ class EngineCore:
         s, kv = self.scheduler, self.scheduler.kv
         p0, q0, h0 = self._counted_from
         return StepStats(len(s.running), len(s.waiting), kv.usage(), s.num_preemptions - p0, kv.stats.queries - q0,
-                         kv.stats.hits - h0, iteration_tokens, s.max_num_batched_tokens)
+                         kv.stats.hits - h0, iteration_tokens, s.max_num_batched_tokens, *self._spec,
+                         list(self._spec_per_pos))
 
     def reset_prefix_cache(self) -> bool:
         """Drop every prefix-cache entry; False (nothing dropped) while requests hold blocks."""
@@ -184,6 +192,7 @@ class EngineCore:
         """Count from zero again (after a warm-up: its work is not traffic)."""
         kv = self.scheduler.kv
         self._counted_from = (self.scheduler.num_preemptions, kv.stats.queries, kv.stats.hits)
+        self._spec, self._spec_per_pos = [0, 0, 0], []
         self.last_stats = self.stats()
 
     def step(self) -> list[RequestOutputDelta]:
@@ -214,13 +223,21 @@ class EngineCore:
         stopped: dict[str, int] = {}
         failed: dict[str, Request] = {}
         for rid, toks in runner_out.sampled_token_ids.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None or req.is_finished:
+                continue  # aborted while the step ran
             try:
-                if self.detok[rid].add_tokens(toks) is not None:
-                    stopped[rid] = len(toks)
+                # Text only up to the first stop condition; a stop string cuts at the token that completes it.
+                for j, tok in enumerate(toks[: self.scheduler.num_kept(req, toks)], 1):
+                    if self.detok[rid].add_tokens([tok]) is not None:
+                        stopped[rid] = j
+                        break
             except Exception:
                 log.exception("detokenizing request %s failed", rid)
-                failed[rid] = self.scheduler.requests.get(rid)
-        updates = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids, stopped)
+                failed[rid] = req
+        self._count_spec(sched_out, runner_out.sampled_token_ids)
+        updates = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids, stopped,
+                                                    getattr(runner_out, "spec_token_ids", None))
         deltas = []
         for u in updates:
             req = u.request
@@ -259,16 +276,32 @@ class EngineCore:
         self.last_stats = self.stats(sched_out.total_num_scheduled_tokens)
         return deltas
 
+    def _count_spec(self, sched_out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        """Drafts verified this step, and how many of each were accepted (every
+        sampled token but the last: the target's own)."""
+        for rid, drafts in sched_out.scheduled_spec_decode_tokens.items():
+            if rid not in sampled:
+                continue
+            accepted = len(sampled[rid]) - 1
+            self._spec[0] += 1
+            self._spec[1] += len(drafts)
+            self._spec[2] += accepted
+            if len(self._spec_per_pos) < len(drafts):
+                self._spec_per_pos += [0] * (len(drafts) - len(self._spec_per_pos))
+            for pos in range(accepted):
+                self._spec_per_pos[pos] += 1
+
     # -- failure containment -------------------------------------------------
     def _next_budget(self) -> int:
         """The token budget for the next step (``scheduler.target_itl_ms``): the
-        running decodes first, the rest for a prefill chunk from where the first
-        unfinished prompt stands."""
+        running decodes (with their drafts) first, the rest for a prefill chunk
+        from where the first unfinished prompt stands."""
         decodes, pairs, chunk_context = 0, 0, 0
         for req in self.scheduler.running:
             if req.num_computed_tokens >= req.num_tokens - 1:
-                decodes += 1
-                pairs += req.num_tokens
+                n = 1 + len(req.spec_token_ids)
+                decodes += n
+                pairs += attention_pairs(n, req.num_computed_tokens + n)
             elif not chunk_context:
                 chunk_context = req.num_computed_tokens
         return self.token_budget.next_budget(decodes, pairs, chunk_context)

@@ -199,10 +199,12 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted to make room for an earlier one
             num_new = budget.cap(req.num_tokens_with_spec - req.num_computed_tokens)
-            num_new = min(num_new, self.max_model_len - 1 - req.num_computed_tokens + len(req.spec_token_ids))
+            num_new = min(num_new, self.max_model_len - 1 - req.num_computed_tokens)
+            # Drafts past what the budget or the length allows are dropped, not verified.
+            del req.spec_token_ids[max(0, req.num_computed_tokens + num_new - req.num_tokens):]
             if num_new <= 0 or not budget.admits(req, num_new):
                 continue
-            allocate = partial(self.kv.allocate_slots, req, num_new, num_lookahead_tokens=self.num_lookahead_tokens)
+            allocate = partial(self.kv.allocate_slots, req, num_new, num_lookahead_tokens=self._lookahead(req, num_new))
             while (blocks := allocate()) is None:
                 victim = max(self.running, key=_rank) if self.policy == "priority" else self.running[-1]
                 self._preempt(victim, budget)
@@ -232,7 +234,7 @@ class Scheduler:
             if not budget.admits(req, num_new, num_hit_tokens) or num_new <= 0:
                 skipped.append(self.waiting.pop())
                 continue
-            args = (req, num_new, num_hit_tokens, hits, self.num_lookahead_tokens)
+            args = (req, num_new, num_hit_tokens, hits, self._lookahead(req, num_hit_tokens + num_new))
             fits = partial(self.kv.can_allocate, *args)
             if not fits() and not self._preempt_lower_priority(req, budget, fits):
                 break
@@ -253,6 +255,10 @@ class Scheduler:
             barred.update(r.request_id for r in budget.preempted)
         for req in reversed(skipped):
             self.waiting.prepend(req)
+
+    def _lookahead(self, req: Request, num_new: int) -> int:
+        """Slots reserved past this step's tokens (for a draft model's KV), never past max_model_len."""
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - (req.num_computed_tokens + num_new)))
 
     def _has_seat(self) -> bool:
         return len(self.running) < self.max_num_seqs
@@ -282,17 +288,22 @@ class Scheduler:
 
     # ------------------------------------------------------------------------
     def update_from_output(self, sched_out: SchedulerOutput, sampled_token_ids: dict[str, list[int]],
-                           stopped_by_caller: Optional[dict[str, int]] = None) -> list[RequestUpdate]:
+                           stopped_by_caller: Optional[dict[str, int]] = None,
+                           draft_token_ids: Optional[dict[str, list[int]]] = None) -> list[RequestUpdate]:
         """Append sampled tokens and apply stop conditions.
 
         ``sampled_token_ids`` has an entry for every scheduled request that
         reached the end of its known tokens (a prefill chunk in the middle
         of a prompt samples nothing). With speculative decoding an entry may
-        hold several accepted tokens. ``stopped_by_caller`` maps a request to
-        the number of this step's tokens to keep when the caller (who sees
-        detokenized text) found a stop string.
+        hold several accepted tokens, appended one by one with the stop
+        checks after each. ``stopped_by_caller`` maps a request to the
+        number of this step's tokens to keep when the caller (who sees
+        detokenized text) found a stop string: the tokens after it are not
+        appended. ``draft_token_ids`` are the drafts proposed for the next
+        step of requests still running.
         """
         stopped_by_caller = stopped_by_caller or {}
+        draft_token_ids = draft_token_ids or {}
         updates = []
         for rid in sched_out.num_scheduled_tokens:
             req = self.requests.get(rid)
@@ -305,39 +316,47 @@ class Scheduler:
                 req.spec_token_ids = []
             new_tokens: list[int] = []
             status = None
-            for tok in tokens:
+            for tok in tokens[: stopped_by_caller.get(rid, len(tokens))]:
                 req.append_output_token(tok)
                 new_tokens.append(tok)
-                status = self._check_stop(req, tok)
+                status, reason = self._stop(req, tok, req.num_output_tokens, req.num_tokens)
                 if status is not None:
+                    req.stop_reason = reason
                     break
             if rid in stopped_by_caller and status is None:
-                keep = stopped_by_caller[rid]
-                del req.output_token_ids[len(req.output_token_ids) - len(new_tokens) + keep :]
-                del req.all_token_ids[len(req.all_token_ids) - len(new_tokens) + keep :]
-                new_tokens = new_tokens[:keep]
                 req.stop_reason = "stop_string"
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
+            else:
+                req.spec_token_ids = list(draft_token_ids.get(rid, ()))
             updates.append(RequestUpdate(req, new_tokens, status is not None))
         return updates
 
-    def _check_stop(self, req: Request, tok: int) -> Optional[RequestStatus]:
+    def num_kept(self, req: Request, tokens: list[int]) -> int:
+        """How many of ``tokens`` (sampled this step) ``update_from_output``
+        appends before a stop condition ends the request (all if none):
+        the caller looks for stop strings in those only."""
+        for j, tok in enumerate(tokens, 1):
+            if self._stop(req, tok, req.num_output_tokens + j, req.num_tokens + j)[0] is not None:
+                return j
+        return len(tokens)
+
+    def _stop(self, req: Request, tok: int, num_output: int, num_tokens: int):
+        """(status, stop_reason) once ``tok`` is appended as output token
+        ``num_output`` (``num_tokens`` in all); (None, None) to go on."""
         sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
+        if num_output >= sp.min_tokens:
             if not sp.ignore_eos and tok == req.eos_token_id:
-                req.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
+                return RequestStatus.FINISHED_STOPPED, None
             if tok in sp.stop_token_ids:
-                req.stop_reason = tok
-                return RequestStatus.FINISHED_STOPPED
-        if req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+                return RequestStatus.FINISHED_STOPPED, tok
+        if num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        if sp.max_tokens is not None and num_output >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status

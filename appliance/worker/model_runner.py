@@ -8,6 +8,19 @@ back. Per step it builds input ids, positions, slot mapping and
 attention backend's metadata, and samples the requests that reached the
 end of their known tokens (a mid-prompt chunk samples nothing).
 
+With speculative decoding a request's step also carries the drafts the
+scheduler sent (after its real tokens): the step returns logits at each
+draft position and one past them, ``sampler.verify_drafts`` emits the
+accepted drafts and one more token, and the proposer drafts for the next
+step from the request's tokens as they now stand, at most as many as its
+recent acceptance warrants (``draft_limit``: one more than were accepted
+after a rejection, growing by one after a run fully accepted, up to
+``num_speculative_tokens``), since every draft position costs a row of
+the verifying forward whether it is accepted or not. A seeded request draws
+each position's randomness from a generator seeded by (seed, position),
+so its text is the same alone, in any batch, with or without drafts
+accepted before, after preemption and after a retried step.
+
 The runner, not the model, chooses how a step runs: a backend that says
 ``native_forward`` (cpu_native) runs the whole step in one native call,
 built by ``backend.build_native_forward(model)`` from the model's public
@@ -26,7 +39,15 @@ import torch
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
 from appliance.sampling_params import SamplingParams
-from appliance.worker.sampler import SampleRequest, TokenLogprobs, exp1, sample
+from appliance.worker.sampler import SampleRequest, TokenLogprobs, sample, verify_drafts
+from appliance.worker.spec_decode import NgramProposer
+
+_MIX = 0x9E3779B97F4A7C15  # (seed, position) -> one generator seed
+
+
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The generator a seeded request draws the token at ``position`` with."""
+    return torch.Generator(device="cpu").manual_seed((seed * _MIX + position) % (1 << 63))
 
 
 @dataclass
@@ -37,8 +58,9 @@ class CachedRequestState:
     num_computed_tokens: int
     params: SamplingParams
     row: int
-    generator: Optional[torch.Generator]
     stop_ids: tuple[int, ...]
+    spec: list[int] = field(default_factory=list)  # drafts scheduled this step, after token_ids
+    draft_limit: int = 0  # the most drafts to propose next (adapted to acceptance); 0: not drafting
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -49,6 +71,7 @@ class CachedRequestState:
 class RunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Optional[TokenLogprobs]]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts for the next step
 
 
 class ModelRunner:
@@ -65,6 +88,8 @@ class ModelRunner:
         device: torch.device,
         eos_token_id: Optional[int],
         seed: int = 0,
+        proposer: Optional[NgramProposer] = None,
+        disable_spec_above: Optional[int] = None,
     ):
         arch = model.arch
         self.model = model
@@ -81,6 +106,8 @@ class ModelRunner:
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.proposer = proposer
+        self.disable_spec_above = disable_spec_above  # no drafts while more requests than this run
         model.rope_cache(max_model_len, dtype, device)
         # Decided here; the native forward itself is built at the first step, so it
         # sees the weights as they are then (quantized, or edited after construction).
@@ -118,19 +145,16 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             self._remove(new.req_id)  # a resumed request starts over
             p = new.sampling_params
-            gen = torch.Generator(device="cpu").manual_seed(p.seed) if p.seed is not None else None
             stop_ids = tuple(p.stop_token_ids) + (() if p.ignore_eos or self.eos_token_id is None else (self.eos_token_id,))
             st = CachedRequestState(new.req_id, list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
-                                    p, self.free_rows.pop(), gen, stop_ids)
-            if new.resumed and gen is not None:
-                # Replay the draws already made so a resumed seeded request continues its stream.
-                for _ in range(len(new.token_ids) - new.num_prompt_tokens):
-                    exp1(self.model.arch.vocab_size, gen)
+                                    p, self.free_rows.pop(), stop_ids,
+                                    draft_limit=self.proposer.k if self.proposer is not None else 0)
             self.requests[new.req_id] = st
             self._append_blocks(st.row, new.block_ids)
         for c in so.scheduled_cached_reqs:
             st = self.requests[c.req_id]
             st.num_computed_tokens = c.num_computed_tokens
+            st.spec = so.scheduled_spec_decode_tokens.get(c.req_id, [])
             self._append_blocks(st.row, c.new_block_ids)
 
     # -- one step ------------------------------------------------------------
@@ -153,7 +177,8 @@ class ModelRunner:
         positions = computed[req_of_token] + (np.arange(total) - qsl[:-1][req_of_token])
         input_ids = np.empty(total, dtype=np.int64)
         for i, s in enumerate(states):
-            input_ids[qsl[i] : qsl[i + 1]] = s.token_ids[computed[i] : computed[i] + counts[i]]
+            known = s.token_ids + s.spec if s.spec else s.token_ids
+            input_ids[qsl[i] : qsl[i + 1]] = known[computed[i] : computed[i] + counts[i]]
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n_reqs)
         bt = self.block_table[rows]
         slot_mapping = bt[req_of_token, positions // self.block_size].astype(np.int64) * self.block_size + (
@@ -161,7 +186,10 @@ class ModelRunner:
         )
         seq_lens = computed + counts
         sampling = [i for i, s in enumerate(states) if seq_lens[i] >= len(s.token_ids)]
-        logits_indices = qsl[1:][sampling] - 1
+        # a request verifying drafts gets a row at each draft position and one past them
+        num_drafts = [len(states[i].spec) for i in sampling]
+        logits_indices = np.concatenate([np.arange(qsl[i + 1] - 1 - nd, qsl[i + 1]) for i, nd in zip(sampling, num_drafts)]
+                                        ) if sampling else np.zeros(0, dtype=np.int64)
         dev = self.device
         common = CommonAttentionMetadata(
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
@@ -188,16 +216,45 @@ class ModelRunner:
         for i, s in enumerate(states):
             s.num_computed_tokens = int(seq_lens[i])
         if sampling:
-            reqs = [
-                SampleRequest(states[i].params, states[i].token_ids[: states[i].num_prompt_tokens],
-                              states[i].output_token_ids, states[i].generator, states[i].stop_ids)
-                for i in sampling
-            ]
-            tokens, lps = sample(logits.cpu(), reqs, self.generator)
-            for j, i in enumerate(sampling):
-                s = states[i]
-                s.token_ids.append(tokens[j])
-                out.sampled_token_ids[s.req_id] = [tokens[j]]
-                if lps[j] is not None:
-                    out.logprobs[s.req_id] = [lps[j]]
+            self._sample(logits.cpu(), [states[i] for i in sampling], num_drafts, out)
+        if self.proposer is not None and (self.disable_spec_above is None or len(self.requests) <= self.disable_spec_above):
+            for rid in out.sampled_token_ids:
+                st = self.requests[rid]
+                if drafts := self.proposer.propose(st.token_ids, st.draft_limit):
+                    out.spec_token_ids[rid] = drafts
         return out
+
+    def _row(self, s: CachedRequestState, drafted: list[int]) -> SampleRequest:
+        """``s`` as of the position after its tokens and ``drafted``."""
+        seed = s.params.seed
+        gen = None if seed is None else position_generator(seed, len(s.token_ids) + len(drafted))
+        outputs = s.output_token_ids + drafted if drafted else s.output_token_ids
+        return SampleRequest(s.params, s.token_ids[: s.num_prompt_tokens], outputs, gen, s.stop_ids)
+
+    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState], num_drafts: list[int],
+                out: RunnerOutput) -> None:
+        """Rows in order: a plain request's one row, a drafting request's
+        1 + drafts; plain requests are sampled together."""
+        starts = np.concatenate([[0], np.cumsum([1 + nd for nd in num_drafts])])
+        plain = [j for j, nd in enumerate(num_drafts) if nd == 0]
+        if plain:
+            tokens, lps = sample(logits[torch.as_tensor(starts[plain])], [self._row(states[j], []) for j in plain], self.generator)
+            for j, tok, lp in zip(plain, tokens, lps):
+                self._emit(states[j], [tok], [lp], out)
+        for j, nd in enumerate(num_drafts):
+            if nd:
+                s = states[j]
+                rows = [self._row(s, s.spec[:t]) for t in range(nd + 1)]
+                emitted, lps = verify_drafts(logits[starts[j] : starts[j + 1]], rows, s.spec, self.generator)
+                s.num_computed_tokens -= nd + 1 - len(emitted)  # rejected positions are recomputed
+                accepted = len(emitted) - 1
+                s.draft_limit = min(self.proposer.k, s.draft_limit + 1) if accepted == nd else accepted + 1
+                self._emit(s, emitted, lps, out)
+
+    @staticmethod
+    def _emit(s: CachedRequestState, tokens: list[int], lps: list[Optional[TokenLogprobs]], out: RunnerOutput) -> None:
+        s.token_ids.extend(tokens)
+        s.spec = []
+        out.sampled_token_ids[s.req_id] = tokens
+        if lps[0] is not None:
+            out.logprobs[s.req_id] = lps

@@ -1,4 +1,5 @@
-"""Sampling from the LM head's logits, one row per sampling request.
+"""Sampling from the LM head's logits, one row per sampling request, and
+verifying speculative drafts against them.
 
 Order of operations (as vLLM's): logprobs of the raw logits are taken
 first; then logit bias, min_tokens masking, repetition / frequency /
@@ -6,6 +7,18 @@ presence penalties; greedy rows take the argmax; the others apply
 temperature, top-k, top-p and min-p and draw with the exponential race
 (argmax of p / q with q ~ Exp(1), q = -log U) from their own generator, so a seeded
 request draws the same tokens whatever else is in the batch.
+
+``verify_drafts`` is the rejection sampler: a request with k draft tokens
+brings k + 1 rows (the target's distribution at each draft position and
+one past them), each processed as above with the drafts before it counted
+as output (penalties, min_tokens). Greedy: drafts are accepted while they
+equal the row's argmax, then the argmax is emitted (all accepted: the
+last row's, a bonus token). Random: draft d is accepted with probability
+min(1, p(d) / q(d)), q being the proposer's distribution (one-hot for
+n-gram drafts: p(d)); the first rejection emits a draw from
+normalize(max(p - q, 0)) and ends the run; all accepted, a bonus draw from
+the last row. Every emitted token is thereby distributed exactly as
+without drafts.
 """
 
 from __future__ import annotations
@@ -127,12 +140,65 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest], default_generator: t
         if not want_lp[i]:
             logprobs.append(None)
             continue
-        lp = raw_lp[i]
-        tok = tokens[i]
-        k = min(r.params.logprobs, vocab)
-        top = torch.topk(lp, k) if k else None
-        logprobs.append(TokenLogprobs(
-            tok, float(lp[tok]), int((lp > lp[tok]).sum()) + 1,
-            list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
-        ))
+        logprobs.append(_token_logprobs(raw_lp[i], tokens[i], r.params.logprobs))
     return tokens, logprobs
+
+
+def _probs(logits_row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """A random row's distribution: temperature, then top-k / top-p / min-p (renormalized)."""
+    probs = torch.softmax(logits_row / p.temperature, dim=-1)
+    if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
+        probs = _filter(probs, p)
+        probs /= probs.sum()
+    return probs
+
+
+def _race(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from ``probs`` (unnormalized is fine): the exponential race."""
+    return int((probs / exp1(probs.shape[0], generator)[0]).argmax())
+
+
+def _token_logprobs(lp: torch.Tensor, tok: int, k: int) -> TokenLogprobs:
+    top = torch.topk(lp, min(k, lp.shape[0])) if k else None
+    return TokenLogprobs(tok, float(lp[tok]), int((lp > lp[tok]).sum()) + 1,
+                         list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
+
+
+def verify_drafts(logits: torch.Tensor, rows: list[SampleRequest], drafts: list[int],
+                  default_generator: torch.Generator):
+    """One request's drafts against its ``len(drafts) + 1`` rows of logits
+    (``rows[j]``: the request as of draft position j, the drafts before it
+    among its outputs, with the generator that position draws from).
+    Returns (emitted token ids: the accepted drafts and one more, logprobs
+    or None per emitted token); see the module docstring."""
+    logits = logits.float()
+    p = rows[0].params
+    raw_lp = torch.log_softmax(logits, dim=-1) if p.logprobs is not None else None
+    if any(_needs_processing(r) for r in rows):
+        logits = logits.clone()
+        for j, r in enumerate(rows):
+            if _needs_processing(r):
+                _penalize(logits[j], r)
+    emitted: list[int] = []
+    if p.greedy:
+        best = logits.argmax(dim=-1).tolist()
+        for j, d in enumerate(drafts):
+            if d != best[j]:
+                break
+            emitted.append(d)
+        emitted.append(best[len(emitted)])
+    else:
+        for j, d in enumerate(drafts):
+            gen = rows[j].generator or default_generator
+            probs = _probs(logits[j], p)
+            if float(torch.rand(1, generator=gen)) < float(probs[d]):  # q(d) = 1: accept with p(d)
+                emitted.append(d)
+                continue
+            probs[d] = 0.0  # max(p - q, 0) for a one-hot q; the race normalizes
+            emitted.append(_race(probs, gen))
+            break
+        else:
+            j = len(drafts)
+            emitted.append(_race(_probs(logits[j], p), rows[j].generator or default_generator))
+    logprobs = [None if raw_lp is None else _token_logprobs(raw_lp[j], tok, p.logprobs) for j, tok in enumerate(emitted)]
+    return emitted, logprobs

@@ -146,8 +146,11 @@ static inline __attribute__((always_inline)) void pload_bf16(const uint16_t *p, 
         const float *x, int64_t ldx, const WT *p, int64_t k, const int mr, float c[6][2 * PW]) {          \
         __m256 a0[6], a1[6];                                                                             \
         for (int i = 0; i < 6; i++) a0[i] = a1[i] = _mm256_setzero_ps();                                 \
+        /* the next panel follows this one: stream it in as this one is read */                          \
+        const char *next = (const char *)(p + k * PW);                                                   \
         for (int64_t kk = 0; kk < k; kk++) {                                                             \
             __m256 w0, w1;                                                                               \
+            _mm_prefetch(next + kk * PW * (int64_t)sizeof(WT), _MM_HINT_T0);                             \
             LOAD2(p + kk * PW, &w0, &w1);                                                                \
             for (int i = 0; i < 6; i++)                                                                  \
                 if (i < mr) {                                                                            \
@@ -166,8 +169,11 @@ static inline __attribute__((always_inline)) void pload_bf16(const uint16_t *p, 
         float c[6][2 * PW]) {                                                                            \
         __m256 a0[2], a1[2], a2[2], a3[2];                                                               \
         for (int i = 0; i < 2; i++) a0[i] = a1[i] = a2[i] = a3[i] = _mm256_setzero_ps();                 \
+        const char *next = (const char *)(p + 2 * pstride);                                              \
         for (int64_t kk = 0; kk < k; kk++) {                                                             \
             __m256 w0, w1, w2, w3;                                                                       \
+            _mm_prefetch(next + kk * PW * (int64_t)sizeof(WT), _MM_HINT_T0);                             \
+            _mm_prefetch(next + pstride * (int64_t)sizeof(WT) + kk * PW * (int64_t)sizeof(WT), _MM_HINT_T0); \
             LOAD2(p + kk * PW, &w0, &w1);                                                                \
             LOAD2(p + pstride + kk * PW, &w2, &w3);                                                      \
             for (int i = 0; i < 2; i++)                                                                  \

@@ -89,3 +89,14 @@ def test_serve_starts_its_own_server(out, cli):
     for lv in s["levels"]:
         assert lv["completed"] == 3 and lv["failed"] == 0 and lv["output_tok_s"] > 0
         assert set(lv["ttft_ms"]) == {"mean", "p50", "p90", "p99"} and lv["tpot_ms"]["mean"] > 0
+
+
+def test_spec(out, cli):
+    r = cli("bench", "spec", *TINY, "--output-len", "12", "--concurrency", "1,2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    res = load(out, "spec")
+    assert set(res["runs"]) == {f"{w} c={c}" for w in ("extractive", "free_form") for c in (1, 2)}
+    for both in res["runs"].values():
+        assert both["plain"]["output_tokens"] == both["spec"]["output_tokens"] > 0  # greedy: the same tokens
+        assert both["speedup"] > 0 and "drafts" not in both["plain"]
+    assert (out / "spec.png").stat().st_size > 0

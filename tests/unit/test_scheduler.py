@@ -1,5 +1,7 @@
 """Scheduler: one token budget, chunked prefill, preemption victims, priority."""
 
+import random
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -164,6 +166,34 @@ def test_abort_frees_everything():
     s.kv.check_integrity()
 
 
+def test_drafts_cut_by_the_budget_or_the_length_are_dropped():
+    s = make_scheduler(num_blocks=30, budget=3, max_model_len=9)
+    s.add_request(make_req("a", [1, 2, 3], max_tokens=20))
+    null_step(s)
+    req = s.requests["a"]
+    req.spec_token_ids = [8, 9, 10, 11]
+    out = s.schedule()  # a budget of 3: the last token and two drafts
+    assert out.num_scheduled_tokens == {"a": 3} and out.scheduled_spec_decode_tokens == {"a": [8, 9]}
+    s.update_from_output(out, {"a": [8, 9, 12]}, None, {"a": [1, 2, 3, 4]})
+    assert req.num_tokens == 7 and req.num_computed_tokens == 6
+    out = s.schedule()  # max_model_len 9: positions up to 7, so one draft
+    assert out.num_scheduled_tokens == {"a": 2} and out.scheduled_spec_decode_tokens == {"a": [1]}
+
+
+def test_accepted_tokens_stop_at_the_first_stop_condition():
+    s = make_scheduler(num_blocks=20)
+    s.add_request(make_req("a", [1, 2, 3], max_tokens=20, ignore_eos=False))
+    s.add_request(make_req("b", [1, 2, 4], max_tokens=3))
+    null_step(s)
+    for rid in "ab":
+        s.requests[rid].spec_token_ids = [5, 6, 7]
+    out = s.schedule()
+    assert s.num_kept(s.requests["a"], [5, EOS, 6, 7]) == 2 and s.num_kept(s.requests["b"], [5, 6, 7, 8]) == 2
+    upd = {u.request.request_id: u for u in s.update_from_output(out, {"a": [5, EOS, 6, 7], "b": [5, 6, 7, 8]})}
+    assert upd["a"].new_token_ids == [5, EOS] and upd["a"].request.finish_reason == "stop"
+    assert upd["b"].new_token_ids == [5, 6] and upd["b"].request.finish_reason == "length"  # max_tokens=3
+
+
 def test_speculative_tokens_rollback():
     s = make_scheduler(num_blocks=20)
     s.add_request(make_req("a", [1, 2, 3], max_tokens=20))
@@ -198,22 +228,47 @@ ops = st.lists(
     policy=st.sampled_from(["fcfs", "priority"]),
     caching=st.booleans(),
     threshold=st.sampled_from([0, 5]),
+    spec_k=st.integers(0, 3),
+    lookahead=st.integers(0, 2),
+    seed=st.integers(0, 2 ** 16),
 )
-def test_random_workloads_keep_invariants(ops, budget, max_seqs, num_blocks, block_size, policy, caching, threshold):
+def test_random_workloads_keep_invariants(ops, budget, max_seqs, num_blocks, block_size, policy, caching, threshold,
+                                          spec_k, lookahead, seed):
+    """With spec_k > 0 requests that sampled get up to spec_k random drafts
+    for their next step, and a random number of the drafts sent is
+    accepted (the rest rolled back)."""
     max_model_len = 64
     s = make_scheduler(num_blocks=num_blocks, block_size=block_size, budget=budget, max_seqs=max_seqs,
                        max_model_len=max_model_len, caching=caching, policy=policy,
-                       long_prefill_token_threshold=threshold, max_num_partial_prefills=2, max_long_partial_prefills=1)
+                       long_prefill_token_threshold=threshold, max_num_partial_prefills=2, max_long_partial_prefills=1,
+                       num_lookahead_tokens=lookahead)
     added, n = [], 0
     finished = set()
+    rng = random.Random(seed)
 
     def step():
-        out, upd = null_step(s, token=(len(finished) % 5) + 1)
+        token = (len(finished) % 5) + 1
+        out = s.schedule()
+        sampled, drafts = {}, {}
+        for rid in out.num_scheduled_tokens:
+            req = s.requests[rid]
+            assert req.num_computed_tokens <= max_model_len - 1  # positions stay below max_model_len - 1
+            sent = out.scheduled_spec_decode_tokens.get(rid, [])
+            if req.num_computed_tokens >= req.num_tokens:
+                assert len(sent) == req.num_computed_tokens - req.num_tokens  # dropped drafts are not sent
+                sampled[rid] = sent[: rng.randint(0, len(sent))] + [token]
+                if spec_k:
+                    drafts[rid] = [rng.randint(1, 9) for _ in range(rng.randint(0, spec_k))]
+            else:
+                assert not sent
+        upd = s.update_from_output(out, sampled, None, drafts)
         assert out.total_num_scheduled_tokens <= budget
         assert len(out.num_scheduled_tokens) <= max_seqs and len(s.running) <= max_seqs
         for u in upd:
             if u.finished:
                 finished.add(u.request.request_id)
+            elif u.request.request_id in sampled:
+                assert u.request.num_computed_tokens == u.request.num_tokens - 1  # rejected drafts rolled back
         s.kv.check_integrity()
 
     for op in ops:
