@@ -13,7 +13,7 @@ imports it.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from appliance.config.compose import ResolvedConfig
 from appliance.config.deployment import PROMPT_CHARS_PER_TOKEN, Deployment, ExecutorLayout
@@ -201,6 +201,8 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
         long_prefill_token_threshold=s.long_prefill_token_threshold,
         max_num_partial_prefills=s.max_num_partial_prefills,
         max_long_partial_prefills=s.max_long_partial_prefills,
+        # a draft model writes its K/V at the positions of its drafts, past the step
+        num_lookahead_tokens=cfg.speculative.num_speculative_tokens if cfg.speculative.method == "draft_model" else 0,
     )
     eos = tokenizer.eos_token_id
     kv_dtype = backend.cache_dtype(ex.kv_cache_dtype, dtype)
@@ -210,10 +212,35 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
         from appliance.worker.spec_decode import NgramProposer
 
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, mml)
+    elif spec.method == "draft_model":
+        proposer = _draft_proposer(cfg, ex, tokenizer, num_blocks, dtype, kv_dtype, device, mml)
     runner = ModelRunner(model, backend, num_blocks, cfg.cache.block_size, mml, s.max_num_seqs, dtype,
                          kv_dtype, device, eos, seed=m.seed, proposer=proposer,
                          disable_spec_above=spec.disable_by_batch_size)
     return EngineCore(scheduler, runner, tokenizer, eos, vocab_size=m.vocab_size, token_budget=budget), tokenizer
+
+
+def _draft_proposer(cfg: Any, ex: Any, tokenizer: Any, num_blocks: int, dtype: Any, kv_dtype: Any, device: Any,
+                    mml: int):
+    """The draft model on its own backend instance and KV cache (the target's
+    blocks), checked to read the target's tokens."""
+    from appliance.config.draft import draft_model_config
+    from appliance.kernels.registry import load_backend
+    from appliance.models.loader import load_model
+    from appliance.worker.draft_proposer import DraftModelProposer
+
+    spec = cfg.speculative
+    d, problems = draft_model_config(cfg)
+    if d is None or problems:
+        raise ConfigError("; ".join(problems))
+    backend = load_backend(ex.backend)(d.num_heads, d.num_kv_heads, d.head_dim, d.head_dim ** -0.5, ex.kv_cache_dtype)
+    model, draft_tokenizer, _ = load_model(d, backend, dtype, device)
+    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(f"speculative.draft_model={spec.draft_model}: its tokenizer's vocabulary differs from the "
+                          f"target's; a draft must share the target's tokenizer")
+    model.to(device)
+    return DraftModelProposer(model, backend, spec.num_speculative_tokens, mml, num_blocks, cfg.cache.block_size,
+                              dtype, kv_dtype, device)
 
 
 def serve(resolved: ResolvedConfig) -> int:

@@ -524,7 +524,7 @@ def _apply_model_facts(model: dict, overrides: Sequence[str]) -> list[str]:
     if not is_explicit("name"):
         model["name"] = path.stem if path.is_file() else path.resolve().name
     if not is_explicit("param_count_b"):
-        from appliance.config.plan import parameter_counts
+        from appliance.config.sizes import parameter_counts
 
         total = parameter_counts(SimpleNamespace(**model))["total"]
         model["param_count_b"] = float(f"{total / 1e9:.4g}")

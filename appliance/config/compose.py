@@ -11,7 +11,6 @@ rules run. The result is a frozen, hashable ``ResolvedConfig``.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -22,13 +21,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from appliance.config import schema
 from appliance.config.checkpoint import apply_checkpoint
+from appliance.config.paths import REPO_ROOT, conf_dir  # noqa: F401 (REPO_ROOT: imported from here)
 from appliance.errors import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def conf_dir() -> Path:
-    return Path(os.environ.get("APPLIANCE_CONF_DIR", REPO_ROOT / "conf")).resolve()
 
 
 def profiles_dir() -> Path:

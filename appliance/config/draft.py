@@ -8,16 +8,17 @@ the same tokenizer.json where both are local folders) and reach
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 from pathlib import Path
 from typing import Optional
 
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from appliance.config import schema
 from appliance.config.checkpoint import _apply_model_facts, local_checkpoint
+from appliance.config.paths import conf_dir
 
 
 @functools.lru_cache(maxsize=16)
@@ -26,21 +27,23 @@ def _draft(name: str, conf: str) -> tuple[Optional[schema.ModelConfig], tuple[st
     if option.is_file():
         model = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(schema.ModelConfig),
                                                        OmegaConf.load(option)))
-    elif local_checkpoint(name) is not None:
-        model = dataclasses.asdict(schema.ModelConfig(path=name))
+    elif (path := local_checkpoint(name)) is not None and path.exists():
+        model = OmegaConf.to_container(OmegaConf.structured(schema.ModelConfig))
+        model.update(name=path.stem, path=name)
     else:
         options = ", ".join(sorted(p.stem for p in (Path(conf) / "model").glob("*.yaml")))
         return None, (f"speculative.draft_model={name} is neither a model option ({options}) nor a local "
                       f"checkpoint",)
-    problems = _apply_model_facts(model, [])
-    model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema.ModelConfig), model))
-    return model, tuple(p.replace("model.path=", "speculative.draft_model=", 1) for p in problems)
+    problems = tuple(p.replace("model.path=", "speculative.draft_model=", 1) for p in _apply_model_facts(model, []))
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema.ModelConfig), model)), problems
+    except OmegaConfBaseException as e:
+        return None, problems + (f"speculative.draft_model={name}: its checkpoint does not say the model's "
+                                 f"facts ({type(e).__name__}: {str(e).splitlines()[0]})",)
 
 
 def draft_model_config(cfg: schema.ApplianceConfig) -> tuple[Optional[schema.ModelConfig], list[str]]:
     """(the draft's ModelConfig, problems) for ``cfg.speculative.draft_model``."""
-    from appliance.config.compose import conf_dir
-
     name = cfg.speculative.draft_model
     if not name:
         return None, ["speculative.method=draft_model needs speculative.draft_model (a model option or a local "

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from appliance.config.execution import Execution, kv_dtype, resolve_execution
 from appliance.config.schema import ApplianceConfig, ModelConfig
+from appliance.config.sizes import parameter_counts
 from appliance.config.unbuilt import not_built
 from appliance.kernels.registry import BACKENDS
 
@@ -28,28 +29,6 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_DTYPE_BYTES = {"fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
-def parameter_counts(m: ModelConfig) -> dict[str, int]:
-    """Parameters of a Llama-family decoder by where they live."""
-    embed = m.vocab_size * m.hidden_size
-    q = m.hidden_size * m.num_heads * m.head_dim
-    kv = 2 * m.hidden_size * m.num_kv_heads * m.head_dim
-    o = m.num_heads * m.head_dim * m.hidden_size
-    bias = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim if m.qkv_bias else 0
-    qk_norm = 2 * m.head_dim if m.qk_norm else 0
-    mlp = 3 * m.hidden_size * m.intermediate_size
-    norms = 2 * m.hidden_size
-    per_layer_linear = q + kv + o + mlp
-    per_layer_other = bias + qk_norm + norms
-    lm_head = 0 if m.tie_word_embeddings else embed
-    return {
-        "embedding": embed,
-        "lm_head": lm_head,
-        "linear": m.num_layers * per_layer_linear,
-        "other": m.num_layers * per_layer_other + m.hidden_size,
-        "total": embed + lm_head + m.num_layers * (per_layer_linear + per_layer_other) + m.hidden_size,
-    }
-
-
 def weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
     """Bytes of all weights (before sharding).
 
@@ -57,8 +36,15 @@ def weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
     ``quantization.weight_bits`` plus their group parameters (gguf's
     weight_bits already counts them: the file's own widths as loaded, see
     ``checkpoint.gguf_projection_bits``); embeddings, the LM head and norms
-    stay in the compute dtype, as vLLM keeps them.
+    stay in the compute dtype, as vLLM keeps them. A draft model's weights
+    (unquantized, in the compute dtype) are added.
     """
+    draft = draft_model(cfg)
+    extra = parameter_counts(draft)["total"] * DTYPE_BYTES[dtype] if draft is not None else 0
+    return _target_weight_bytes(cfg, dtype) + extra
+
+
+def _target_weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
     counts = parameter_counts(cfg.model)
     full = DTYPE_BYTES[dtype]
     q = cfg.quantization
@@ -84,9 +70,23 @@ def weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
     return linear + (counts["embedding"] + counts["lm_head"] + counts["other"]) * full
 
 
+def draft_model(cfg: ApplianceConfig) -> Optional[ModelConfig]:
+    """The draft model of ``speculative.method=draft_model`` (None otherwise, or unresolvable)."""
+    if cfg.speculative.method != "draft_model":
+        return None
+    from appliance.config.draft import draft_model_config
+
+    return draft_model_config(cfg)[0]
+
+
 def kv_bytes_per_token(cfg: ApplianceConfig, dtype: str) -> int:
-    """K and V of every layer for one token, per device."""
-    m = cfg.model
+    """K and V of every layer for one token, per device (a draft model's too:
+    its cache shares the target's blocks)."""
+    draft = draft_model(cfg)
+    return _kv_bytes(cfg, cfg.model, dtype) + (_kv_bytes(cfg, draft, dtype) if draft is not None else 0)
+
+
+def _kv_bytes(cfg: ApplianceConfig, m: ModelConfig, dtype: str) -> int:
     tp = cfg.parallel.tensor_parallel_size
     pp = cfg.parallel.pipeline_parallel_size
     kv_heads = max(1, m.num_kv_heads // tp)  # kv heads replicate when tp > num_kv_heads
@@ -263,12 +263,25 @@ def describe_speculative(cfg: ApplianceConfig) -> str:
     spec = cfg.speculative
     if spec.method == "off":
         return "off"
-    words = (f"{spec.method}: up to {spec.num_speculative_tokens} draft tokens per request per step, from the last "
-             f"{spec.prompt_lookup_min}..{spec.prompt_lookup_max} tokens' earlier occurrence in prompt + output; "
-             f"verified in one forward (greedy: equal to the target's argmax; sampled: rejection sampling)")
+    if spec.method == "draft_model":
+        words = _describe_draft(cfg)
+    else:
+        words = (f"{spec.method}: up to {spec.num_speculative_tokens} draft tokens per request per step, from the "
+                 f"last {spec.prompt_lookup_min}..{spec.prompt_lookup_max} tokens' earlier occurrence in prompt + "
+                 f"output; verified in one forward (greedy: equal to the target's argmax; sampled: rejection "
+                 f"sampling)")
     if spec.disable_by_batch_size is not None:
         words += f"; off while more than {spec.disable_by_batch_size} requests run"
     return words
+
+
+def _describe_draft(cfg: ApplianceConfig) -> str:
+    spec = cfg.speculative
+    draft = draft_model(cfg)
+    size = f" ({parameter_counts(draft)['total'] / 1e6:.1f} M parameters)" if draft is not None else ""
+    return (f"draft_model {spec.draft_model}{size}: up to {spec.num_speculative_tokens} draft tokens per request "
+            f"per step, drawn from the draft (run by the same runner, its K/V in the target's blocks); verified in "
+            f"one forward (greedy: equal to the target's argmax; sampled: rejection sampling)")
 
 
 def token_budget(cfg: ApplianceConfig, prefill_tok_s: float) -> dict[str, Any]:

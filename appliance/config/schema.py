@@ -60,6 +60,7 @@ class DeviceKind(StrEnum):
 class SpecMethod(StrEnum):
     off = "off"
     ngram = "ngram"
+    draft_model = "draft_model"
 
 
 class Fallback(StrEnum):
@@ -233,6 +234,8 @@ class SpeculativeConfig:
     prompt_lookup_min: Optional[int] = None
     prompt_lookup_max: Optional[int] = None
     disable_by_batch_size: Optional[int] = None  # no drafts while more than this many requests run
+    # draft_model: a model option or local checkpoint sharing the target's tokenizer, run at the target's dtype
+    draft_model: Optional[str] = None
 
 
 @dataclass

@@ -212,17 +212,30 @@ def validate(cfg: ApplianceConfig) -> list[str]:
 
     # Speculative decoding.
     if spec.method == "off":
-        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+                    "draft_model"):
             value, default = getattr(spec, key), getattr(DEFAULTS.speculative, key)
             if value != default:
                 problems.append(f"speculative.{key}={value} has no effect with speculative=off; "
                                 f"choose a speculative method or leave it at {'null' if default is None else default}")
-    if spec.method == "ngram":
+    if spec.method != "off":
         if spec.num_speculative_tokens < 1:
-            problems.append("speculative.method=ngram needs speculative.num_speculative_tokens >= 1")
-        lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
-        if lo is None or hi is None or not 1 <= lo <= hi:
-            problems.append(f"speculative.prompt_lookup_min={lo} must be between 1 and prompt_lookup_max={hi}")
+            problems.append(f"speculative.method={spec.method} needs speculative.num_speculative_tokens >= 1")
+        if spec.method == "ngram":
+            lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
+            if lo is None or hi is None or not 1 <= lo <= hi:
+                problems.append(f"speculative.prompt_lookup_min={lo} must be between 1 and prompt_lookup_max={hi}")
+            if spec.draft_model is not None:
+                problems.append(f"speculative.draft_model={spec.draft_model} has no effect with speculative=ngram; "
+                                f"use speculative=draft_model")
+        else:
+            for key in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(spec, key) is not None:
+                    problems.append(f"speculative.{key}={getattr(spec, key)} has no effect with "
+                                    f"speculative=draft_model (n-gram lookup only)")
+            from appliance.config.draft import draft_problems
+
+            problems += draft_problems(cfg, m.max_model_len or m.max_position_embeddings)
         if spec.disable_by_batch_size is not None and spec.disable_by_batch_size < 1:
             problems.append(f"speculative.disable_by_batch_size={spec.disable_by_batch_size} must be at least 1 "
                             f"(or null: speculate at every batch size)")

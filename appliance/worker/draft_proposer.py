@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
-from appliance.worker.sampler import _probs, _race
+from appliance.worker.sampler import _probs, _race, position_generator
 
 if TYPE_CHECKING:
     from appliance.worker.model_runner import CachedRequestState, ModelRunner
@@ -61,9 +61,8 @@ class DraftModelProposer:
         """One draft forward: request i's ``tokens[i]`` at positions from
         ``starts[i]``; fp32 logits at the last token of the requests ``want``."""
         counts = np.array([len(t) for t in tokens], dtype=np.int64)
-        batch = runner.batch_inputs(states, np.array(starts, dtype=np.int64), counts,
-                                    np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens]))
-        ids, positions, common, qsl = batch
+        ids, positions, common, qsl = runner.batch_inputs(
+            states, np.array(starts, dtype=np.int64), counts, np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens]))
         metadata = self.backend.build_metadata(common)
         dev = runner.device
         return self._forward()(torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), self.kv_caches,
@@ -76,11 +75,11 @@ class DraftModelProposer:
             return int(logits.argmax()), None
         q = _probs(logits, p)
         seed = p.seed
-        gen = runner.generator if seed is None else runner.position_generator(seed ^ DRAFT_SALT, position)
+        gen = runner.generator if seed is None else position_generator(seed ^ DRAFT_SALT, position)
         return _race(q, gen), q
 
-    def propose(self, runner: ModelRunner, states: list[CachedRequestState], ends: list[int], sampled: set[str],
-                enabled: bool) -> dict[str, tuple[list[int], Optional[torch.Tensor]]]:
+    def draft_step(self, runner: ModelRunner, states: list[CachedRequestState], ends: list[int], sampled: set[str],
+                   enabled: bool) -> dict[str, tuple[list[int], Optional[torch.Tensor]]]:
         """Drafts (and, for sampled requests, their q rows) for the requests
         of ``sampled``; every scheduled request's draft K/V caught up to
         ``ends`` first. Disabled, nothing runs (the draft catches up later)."""
@@ -110,4 +109,7 @@ class DraftModelProposer:
             if active:  # feed the newest draft at its position
                 logits = self._run(runner, active, [len(s.token_ids) + len(drafts[s.req_id]) - 1 for s in active],
                                    [[drafts[s.req_id][-1]] for s in active], list(range(len(active))))
+        for s, _ in run:
+            if s.req_id in drafts:
+                s.draft_fed = len(drafts[s.req_id]) - 1  # the last draft is never fed
         return {rid: (d, torch.stack(qs[rid]) if qs[rid] else None) for rid, d in drafts.items()}

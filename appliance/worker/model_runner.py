@@ -39,15 +39,7 @@ import torch
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
 from appliance.sampling_params import SamplingParams
-from appliance.worker.sampler import SampleRequest, TokenLogprobs, sample, verify_drafts
-from appliance.worker.spec_decode import NgramProposer
-
-_MIX = 0x9E3779B97F4A7C15  # (seed, position) -> one generator seed
-
-
-def position_generator(seed: int, position: int) -> torch.Generator:
-    """The generator a seeded request draws the token at ``position`` with."""
-    return torch.Generator(device="cpu").manual_seed((seed * _MIX + position) % (1 << 63))
+from appliance.worker.sampler import SampleRequest, TokenLogprobs, position_generator, sample, verify_drafts
 
 
 @dataclass
@@ -61,6 +53,11 @@ class CachedRequestState:
     stop_ids: tuple[int, ...]
     spec: list[int] = field(default_factory=list)  # drafts scheduled this step, after token_ids
     draft_limit: int = 0  # the most drafts to propose next (adapted to acceptance); 0: not drafting
+    # a draft model's: positions its K/V holds for the real tokens, drafts it was fed past them (valid as far
+    # as they are accepted), and the distributions sampled drafts were drawn from
+    draft_computed: int = 0
+    draft_fed: int = 0
+    draft_q: Optional[torch.Tensor] = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -88,7 +85,7 @@ class ModelRunner:
         device: torch.device,
         eos_token_id: Optional[int],
         seed: int = 0,
-        proposer: Optional[NgramProposer] = None,
+        proposer: Optional[Any] = None,
         disable_spec_above: Optional[int] = None,
     ):
         arch = model.arch
@@ -148,7 +145,8 @@ class ModelRunner:
             stop_ids = tuple(p.stop_token_ids) + (() if p.ignore_eos or self.eos_token_id is None else (self.eos_token_id,))
             st = CachedRequestState(new.req_id, list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
                                     p, self.free_rows.pop(), stop_ids,
-                                    draft_limit=self.proposer.k if self.proposer is not None else 0)
+                                    draft_limit=self.proposer.k if self.proposer is not None else 0,
+                                    draft_computed=new.num_computed_tokens)
             self.requests[new.req_id] = st
             self._append_blocks(st.row, new.block_ids)
         for c in so.scheduled_cached_reqs:
@@ -158,38 +156,25 @@ class ModelRunner:
             self._append_blocks(st.row, c.new_block_ids)
 
     # -- one step ------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        self._update_states(so)
-        out = RunnerOutput()
-        if not so.num_scheduled_tokens:
-            return out
-        rids = list(so.num_scheduled_tokens)
-        n_reqs = len(rids)
-        states = [self.requests[r] for r in rids]
-        counts = np.fromiter((so.num_scheduled_tokens[r] for r in rids), dtype=np.int64, count=n_reqs)
-        computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=n_reqs)
+    def batch_inputs(self, states: list[CachedRequestState], computed: np.ndarray, counts: np.ndarray,
+                     input_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, CommonAttentionMetadata, np.ndarray]:
+        """The flattened batch of ``counts[i]`` tokens per request from
+        position ``computed[i]`` (``input_ids`` in that order), through the
+        requests' block-table rows: (input ids, positions, metadata,
+        query_start_loc)."""
+        n_reqs = len(states)
         qsl = np.zeros(n_reqs + 1, dtype=np.int64)
         np.cumsum(counts, out=qsl[1:])
         total = int(qsl[-1])
         # positions: computed[i] + 0..counts[i]-1 for each request, flattened
         req_of_token = np.repeat(np.arange(n_reqs), counts)
         positions = computed[req_of_token] + (np.arange(total) - qsl[:-1][req_of_token])
-        input_ids = np.empty(total, dtype=np.int64)
-        for i, s in enumerate(states):
-            known = s.token_ids + s.spec if s.spec else s.token_ids
-            input_ids[qsl[i] : qsl[i + 1]] = known[computed[i] : computed[i] + counts[i]]
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n_reqs)
         bt = self.block_table[rows]
         slot_mapping = bt[req_of_token, positions // self.block_size].astype(np.int64) * self.block_size + (
             positions % self.block_size
         )
         seq_lens = computed + counts
-        sampling = [i for i, s in enumerate(states) if seq_lens[i] >= len(s.token_ids)]
-        # a request verifying drafts gets a row at each draft position and one past them
-        num_drafts = [len(states[i].spec) for i in sampling]
-        logits_indices = np.concatenate([np.arange(qsl[i + 1] - 1 - nd, qsl[i + 1]) for i, nd in zip(sampling, num_drafts)]
-                                        ) if sampling else np.zeros(0, dtype=np.int64)
         dev = self.device
         common = CommonAttentionMetadata(
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
@@ -205,6 +190,29 @@ class ModelRunner:
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
+        return input_ids, positions, common, qsl
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        self._update_states(so)
+        out = RunnerOutput()
+        if not so.num_scheduled_tokens:
+            return out
+        rids = list(so.num_scheduled_tokens)
+        n_reqs = len(rids)
+        states = [self.requests[r] for r in rids]
+        counts = np.fromiter((so.num_scheduled_tokens[r] for r in rids), dtype=np.int64, count=n_reqs)
+        computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=n_reqs)
+        input_ids = np.concatenate([np.asarray((s.token_ids + s.spec if s.spec else s.token_ids)[c : c + n],
+                                               dtype=np.int64) for s, c, n in zip(states, computed, counts)])
+        input_ids, positions, common, qsl = self.batch_inputs(states, computed, counts, input_ids)
+        seq_lens = computed + counts
+        sampling = [i for i, s in enumerate(states) if seq_lens[i] >= len(s.token_ids)]
+        # a request verifying drafts gets a row at each draft position and one past them
+        num_drafts = [len(states[i].spec) for i in sampling]
+        logits_indices = np.concatenate([np.arange(qsl[i + 1] - 1 - nd, qsl[i + 1]) for i, nd in zip(sampling, num_drafts)]
+                                        ) if sampling else np.zeros(0, dtype=np.int64)
+        dev = self.device
         metadata = self.backend.build_metadata(common)
         logits = self.step_forward()(
             torch.from_numpy(input_ids).to(dev),
@@ -217,11 +225,16 @@ class ModelRunner:
             s.num_computed_tokens = int(seq_lens[i])
         if sampling:
             self._sample(logits.cpu(), [states[i] for i in sampling], num_drafts, out)
-        if self.proposer is not None and (self.disable_spec_above is None or len(self.requests) <= self.disable_spec_above):
-            for rid in out.sampled_token_ids:
-                st = self.requests[rid]
-                if drafts := self.proposer.propose(st.token_ids, st.draft_limit):
-                    out.spec_token_ids[rid] = drafts
+        if self.proposer is not None:
+            # the real tokens each request now has K/V for (and, for one that sampled, its new last token)
+            ends = [len(s.token_ids) if s.req_id in out.sampled_token_ids else int(seq_lens[i])
+                    for i, s in enumerate(states)]
+            enabled = self.disable_spec_above is None or len(self.requests) <= self.disable_spec_above
+            drafts = self.proposer.draft_step(self, states, ends, set(out.sampled_token_ids), enabled)
+            for rid, (tokens, q) in drafts.items():
+                if tokens:
+                    out.spec_token_ids[rid] = tokens
+                    self.requests[rid].draft_q = q
         return out
 
     def _row(self, s: CachedRequestState, drafted: list[int]) -> SampleRequest:
@@ -245,16 +258,18 @@ class ModelRunner:
             if nd:
                 s = states[j]
                 rows = [self._row(s, s.spec[:t]) for t in range(nd + 1)]
-                emitted, lps = verify_drafts(logits[starts[j] : starts[j + 1]], rows, s.spec, self.generator)
+                q = s.draft_q[:nd] if s.draft_q is not None else None
+                emitted, lps = verify_drafts(logits[starts[j] : starts[j + 1]], rows, s.spec, self.generator, q)
                 s.num_computed_tokens -= nd + 1 - len(emitted)  # rejected positions are recomputed
                 accepted = len(emitted) - 1
                 s.draft_limit = min(self.proposer.k, s.draft_limit + 1) if accepted == nd else accepted + 1
+                s.draft_computed += min(accepted, s.draft_fed)  # fed drafts that proved real
                 self._emit(s, emitted, lps, out)
 
     @staticmethod
     def _emit(s: CachedRequestState, tokens: list[int], lps: list[Optional[TokenLogprobs]], out: RunnerOutput) -> None:
         s.token_ids.extend(tokens)
-        s.spec = []
+        s.spec, s.draft_fed, s.draft_q = [], 0, None
         out.sampled_token_ids[s.req_id] = tokens
         if lps[0] is not None:
             out.logprobs[s.req_id] = lps

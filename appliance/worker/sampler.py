@@ -19,6 +19,10 @@ n-gram drafts: p(d)); the first rejection emits a draw from
 normalize(max(p - q, 0)) and ends the run; all accepted, a bonus draw from
 the last row. Every emitted token is thereby distributed exactly as
 without drafts.
+
+A seeded request draws the token at position i from a generator seeded by
+(seed, i) (``position_generator``): its text is the same alone or in any
+batch, after preemption or a retried step, whatever drafts came before.
 """
 
 from __future__ import annotations
@@ -94,6 +98,14 @@ def _needs_processing(r: SampleRequest) -> bool:
                 or ((p.frequency_penalty or p.presence_penalty) and r.output_token_ids))
 
 
+_MIX = 0x9E3779B97F4A7C15  # (seed, position) -> one generator seed
+
+
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The generator a seeded request draws the token at ``position`` with."""
+    return torch.Generator(device="cpu").manual_seed((seed * _MIX + position) % (1 << 63))
+
+
 def exp1(n: int, generator: torch.Generator, rows: int = 1) -> torch.Tensor:
     """Exp(1) draws as -log(U): four times faster than Tensor.exponential_ on CPU."""
     return torch.rand(rows, n, generator=generator).log_().neg_()
@@ -165,12 +177,14 @@ def _token_logprobs(lp: torch.Tensor, tok: int, k: int) -> TokenLogprobs:
 
 
 def verify_drafts(logits: torch.Tensor, rows: list[SampleRequest], drafts: list[int],
-                  default_generator: torch.Generator):
+                  default_generator: torch.Generator, draft_probs: Optional[torch.Tensor] = None):
     """One request's drafts against its ``len(drafts) + 1`` rows of logits
     (``rows[j]``: the request as of draft position j, the drafts before it
     among its outputs, with the generator that position draws from).
-    Returns (emitted token ids: the accepted drafts and one more, logprobs
-    or None per emitted token); see the module docstring."""
+    ``draft_probs`` [len(drafts), vocab] is the distribution q each draft
+    was drawn from (a draft model's); None: drafts are given (n-gram), q
+    one-hot. Returns (emitted token ids: the accepted drafts and one more,
+    logprobs or None per emitted token); see the module docstring."""
     logits = logits.float()
     p = rows[0].params
     raw_lp = torch.log_softmax(logits, dim=-1) if p.logprobs is not None else None
@@ -191,10 +205,15 @@ def verify_drafts(logits: torch.Tensor, rows: list[SampleRequest], drafts: list[
         for j, d in enumerate(drafts):
             gen = rows[j].generator or default_generator
             probs = _probs(logits[j], p)
-            if float(torch.rand(1, generator=gen)) < float(probs[d]):  # q(d) = 1: accept with p(d)
+            q_d = 1.0 if draft_probs is None else float(draft_probs[j, d])
+            if q_d > 0 and float(torch.rand(1, generator=gen)) < float(probs[d]) / q_d:  # min(1, p(d) / q(d))
                 emitted.append(d)
                 continue
-            probs[d] = 0.0  # max(p - q, 0) for a one-hot q; the race normalizes
+            if draft_probs is None:
+                probs[d] = 0.0  # max(p - q, 0) for a one-hot q; the race normalizes
+            else:
+                residual = (probs - draft_probs[j]).clamp_(min=0.0)
+                probs = residual if float(residual.sum()) > 0 else probs
             emitted.append(_race(probs, gen))
             break
         else:

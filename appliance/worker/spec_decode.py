@@ -11,6 +11,8 @@ step; the drafts are then verified by the target model in one forward
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 
@@ -64,3 +66,10 @@ class NgramProposer:
         if k <= 0:
             return []
         return ngram_draft(np.asarray(token_ids, dtype=np.int64), k, self.min_n, self.max_n)
+
+    def draft_step(self, runner: Any, states: list, ends: list[int], sampled: set[str], enabled: bool
+                   ) -> dict[str, tuple[list[int], None]]:
+        """The runner's hook after a step: drafts for the requests that sampled."""
+        if not enabled:
+            return {}
+        return {s.req_id: (self.propose(s.token_ids, s.draft_limit), None) for s in states if s.req_id in sampled}

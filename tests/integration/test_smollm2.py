@@ -115,3 +115,20 @@ def test_a_gguf_path_runs_at_its_own_width():
     assert isinstance(llm.engine.runner.model.model.layers[0].mlp.down_proj, Int4WeightOnlyLinear)
     assert "Paris" in llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                                SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text
+
+
+def test_smollm2_drafting_for_itself_accepts_its_own_tokens():
+    """SmolLM2 as its own draft model (fp32): the target's greedy tokens, and
+    the draft's K/V bookkeeping right, so (nearly) every draft is accepted
+    (the draft and the target sum the same weights over different row
+    counts, so a near tie may flip)."""
+    p = SamplingParams(max_tokens=24, temperature=0)
+    prompts = PROMPTS[:4]
+    ref = LLM(overrides=BASE).generate(prompts, p, use_tqdm=False)
+    llm = LLM(overrides=BASE + ["speculative=draft_model", "speculative.draft_model=smollm2_135m",
+                                "speculative.num_speculative_tokens=3"])
+    got = llm.generate(prompts, p, use_tqdm=False)
+    for a, b in zip(ref, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    s = llm.engine.stats()
+    assert s.spec_drafts > 10 and s.spec_accepted_tokens >= 0.95 * s.spec_draft_tokens

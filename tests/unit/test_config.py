@@ -10,7 +10,7 @@ from appliance.config.plan import GIB, make_plan, parameter_counts
 from appliance.config.validate import validate
 
 PROFILES = ["b200_fp8", "cpu", "cpu_int4", "cpu_int8", "h100_bf16", "h100_fp8", "h200_fp8", "mi300x_bf16"]
-MODELS = ["llama3_1_8b", "mistral_7b", "qwen2_5_0_5b", "qwen3_8b", "smollm2_135m", "tiny_random"]
+MODELS = ["llama3_1_8b", "mistral_7b", "qwen2_5_0_5b", "qwen3_8b", "smollm2_135m", "tiny_random", "tiny_random_draft"]
 
 
 def test_catalog_is_complete():
@@ -20,7 +20,7 @@ def test_catalog_is_complete():
     assert list_options("parallel") == ["dp8_ep", "single", "tp2", "tp8", "tp8_pp2"]
     assert list_options("scheduler") == ["default", "latency", "throughput"]
     assert list_options("hardware") == ["b200", "cpu", "h100", "h200", "mi300x"]
-    assert list_options("speculative") == ["ngram", "off"]
+    assert list_options("speculative") == ["draft_model", "ngram", "off"]
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -31,7 +31,7 @@ def test_every_profile_composes_with_every_model(profile, model):
     plan = make_plan(r.cfg)
     assert plan.kv_bytes_per_token > 0 and plan.weight_bytes_total > 0
     problems = validate(r.cfg)
-    if not profile.startswith("cpu") or model in ("smollm2_135m", "tiny_random", "qwen2_5_0_5b"):
+    if not profile.startswith("cpu") or model in ("smollm2_135m", "tiny_random", "tiny_random_draft", "qwen2_5_0_5b"):
         assert problems == []
     elif profile == "cpu":  # 7-8B models in bf16 fit the cpu profile's 24 GiB, but not one max-length request
         assert any("one max_model_len=" in p for p in problems)
