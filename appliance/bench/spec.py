@@ -8,7 +8,10 @@ Reports output tok/s with and without (``--spec``, default
 ``speculative=ngram``), their ratio, the drafts' acceptance rate and mean
 acceptance length (1 + accepted / drafts: tokens per verifying step of a
 drafting request), and the weight-streaming bandwidth of each run against
-`bench machine`'s roofline.
+`bench machine`'s roofline. Speculation speeds decoding only, so each run
+also times the same batches' prefills alone (one output token each, the
+prefix cache emptied first) and reports decode tok/s: the tokens after
+the first over the time after the prefills.
 """
 
 from __future__ import annotations
@@ -62,22 +65,30 @@ FREE_FORM = [
 WORKLOADS = {"extractive": EXTRACTIVE, "free_form": FREE_FORM}
 
 
+def _timed(llm: Any, prompts: list[str], concurrency: int, params: Any) -> tuple[float, int, int]:
+    """(seconds, output tokens, requests) for the prompts, ``concurrency`` at a time, prefix cache emptied first."""
+    llm.engine.reset_prefix_cache()
+    n_out = 0
+    t = time.perf_counter()
+    for i in range(0, len(prompts), concurrency):
+        batch = [[{"role": "user", "content": p}] for p in prompts[i : i + concurrency]]
+        outs = llm.chat(batch, params, use_tqdm=False)
+        n_out += sum(len(o.outputs[0].token_ids) for o in outs)
+    return time.perf_counter() - t, n_out, len(prompts)
+
+
 def run(llm: Any, prompts: list[str], concurrency: int, output_len: int) -> dict:
-    """Every prompt once, ``concurrency`` at a time; tok/s and acceptance."""
+    """Every prompt once, ``concurrency`` at a time; tok/s (all, and decode
+    alone) and acceptance."""
     from appliance import SamplingParams
 
-    params = SamplingParams(max_tokens=output_len, temperature=0)
+    prefill_s, _, _ = _timed(llm, prompts, concurrency, SamplingParams(max_tokens=1, temperature=0))
     llm.engine.reset_stats()
-    n_out = 0
     with counting_steps(llm.engine) as counter:
-        t = time.perf_counter()
-        for i in range(0, len(prompts), concurrency):
-            batch = [[{"role": "user", "content": p}] for p in prompts[i : i + concurrency]]
-            outs = llm.chat(batch, params, use_tqdm=False)
-            n_out += sum(len(o.outputs[0].token_ids) for o in outs)
-        elapsed = time.perf_counter() - t
+        elapsed, n_out, n_req = _timed(llm, prompts, concurrency, SamplingParams(max_tokens=output_len, temperature=0))
     s = llm.engine.stats()
-    res = {"elapsed_s": elapsed, "output_tokens": n_out, "output_tok_s": n_out / elapsed, "steps": counter["steps"]}
+    res = {"elapsed_s": elapsed, "output_tokens": n_out, "output_tok_s": n_out / elapsed, "steps": counter["steps"],
+           "prefill_s": prefill_s, "decode_tok_s": (n_out - n_req) / max(1e-9, elapsed - prefill_s)}
     if s.spec_drafts:
         res.update({"drafts": s.spec_drafts, "draft_tokens": s.spec_draft_tokens, "accepted": s.spec_accepted_tokens,
                     "acceptance_rate": s.spec_accepted_tokens / max(1, s.spec_draft_tokens),
@@ -119,13 +130,14 @@ def main(argv: list[str]) -> int:
     bars = {}
     for key, both in result["runs"].items():
         both["speedup"] = both["spec"]["output_tok_s"] / both["plain"]["output_tok_s"]
+        both["decode_speedup"] = both["spec"]["decode_tok_s"] / both["plain"]["decode_tok_s"]
         bars[f"{key} plain"] = both["plain"]["output_tok_s"]
         bars[f"{key} spec"] = both["spec"]["output_tok_s"]
         s = both["spec"]
         acc = (f", acceptance {s['acceptance_rate']:.0%}, mean length {s['mean_acceptance_length']:.2f}"
                if "drafts" in s else ", no drafts")
         print(f"{key:16} plain {both['plain']['output_tok_s']:7.1f} tok/s, spec {s['output_tok_s']:7.1f} tok/s "
-              f"(x{both['speedup']:.2f}{acc})")
+              f"(x{both['speedup']:.2f}; decode x{both['decode_speedup']:.2f}{acc})")
     path = write_results(a.out, "spec", result)
     png = plot_bars(a.out, "spec", f"Output tok/s with and without {a.spec}", bars, "tok/s")
     print(f"wrote {path} and {png}")

@@ -287,7 +287,8 @@ DISPATCH_PTILE(bf16, uint16_t)
  * once: sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k, each row's
  * group sums (xs) computed once per call. AVX2 runs one row over four
  * panels, or up to four rows over one; AVX-512F, where the CPU has it, up
- * to four rows over four panels (see "AVX-512 int4 rows"). More rows widen
+ * to four rows over four panels, or five or six over two (see "AVX-512 int4
+ * rows"). More rows widen
  * each panel once, to fp32 (exactly d * q + m) for the fp32 tiles or to bf16
  * pairs for the AVX512-BF16 tiles.
  */
@@ -674,7 +675,9 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
  * converts and two FMAs per row, and each widened panel feeds every row.
  * One row keeps the two k of a pair in separate accumulators (eight chains).
  * Sums are fp32 as on the AVX2 path; only their order differs. Decode
- * batches of up to Q4_ROWS_MAX rows run here, four rows a pass.
+ * batches of up to Q4_ROWS_MAX rows run here: up to four rows over four
+ * panels, five or six rows (a speculative step's verification) over two
+ * panels, each weight widened once for every row.
  */
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw")))
 
@@ -690,18 +693,18 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q4_rows512(const
     const int pairs = L->group / 2, split = R <= 2;
     const uint8_t *p = (const uint8_t *)L->w + pn * pstride;
     const int64_t qp = pn * qstride;
-    const char *next = (const char *)(p + 4 * pstride);
+    const char *next = (const char *)(p + np * pstride); /* the next np panels follow these */
     const __m512i mask = _mm512_set1_epi32(0x0f);
     for (int r = 0; r < R; r++)
         for (int q = 0; q < np; q++) _mm512_storeu_ps(c + r * 4 * PW + q * PW, _mm512_setzero_ps());
     for (int64_t g = 0; g < groups; g++) {
-        __m512 a[4][4], h[4][4];
+        __m512 a[Q4_ROWS_MAX][4], h[Q4_ROWS_MAX][4];
         for (int r = 0; r < R; r++)
             for (int q = 0; q < np; q++) a[r][q] = h[r][q] = _mm512_setzero_ps();
         const uint8_t *pg = p + g * pairs * PW;
         const float *xg = x + g * L->group;
         for (int j = 0; j < pairs; j++) {
-            if (np == 4) _mm_prefetch(next + (g * pairs + j) * 4 * PW, _MM_HINT_T0);
+            if (np >= 2) _mm_prefetch(next + (g * pairs + j) * np * PW, _MM_HINT_T0);
             __m512 wl[4], wh[4];
             for (int q = 0; q < np; q++) {
                 const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pg + q * pstride + j * PW)));
@@ -741,23 +744,31 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q4_rows512(const
             for (int q = 0; q < np; q++) q4_rows512(L, xr, ldx, sr, pn + q, 1, R, c + q * PW); \
         break;
 
+/* Five or six rows: two panels at a time, every row in one pass (24 accumulators for four
+ * panels would not fit the 32 zmm registers; two passes of three rows unpack every weight twice). */
+#define Q4_ROWS_CASE2(R)                                                                     \
+    case R:                                                                                  \
+        if (np == 2)                                                                         \
+            q4_rows512(L, xr, ldx, sr, pn, 2, R, c);                                         \
+        else                                                                                 \
+            q4_rows512(L, xr, ldx, sr, pn, 1, R, c);                                         \
+        break;
+
 /* Rows [0, m) (m <= Q4_ROWS_MAX) against int4 panels [p0, p1); xs: each row's group sums. */
 AVX512_TARGET static void q4_rows(const Linear *L, const float *x, int64_t ldx, const float *xs, float *out,
                                   int64_t ldo, int64_t m, int64_t p0, int64_t p1, int accumulate) {
-    const int64_t n = L->n, groups = L->k / L->group;
-    float c[4 * 4 * PW]; /* [R][4 PW] */
-    for (int64_t pn = p0; pn < p1; pn += 4) {
+    const int64_t n = L->n;
+    const int step = m > 4 ? 2 : 4; /* panels per pass */
+    float c[Q4_ROWS_MAX * 4 * PW]; /* [R][4 PW] */
+    for (int64_t pn = p0; pn < p1; pn += step) {
         const int64_t n0 = pn * PW;
-        const int np = (int)(p1 - pn < 4 ? p1 - pn : 4);
+        const int np = (int)(p1 - pn < step ? p1 - pn : step);
         const int nv = (int)(n - n0 < np * PW ? n - n0 : np * PW);
-        for (int64_t r0 = 0, R; r0 < m; r0 += R) {
-            R = m <= 4 ? m : (m + 1) / 2 < m - r0 ? (m + 1) / 2 : m - r0; /* 5 rows: 3 + 2, 6: 3 + 3 */
-            const float *xr = x + r0 * ldx, *sr = xs + r0 * groups;
-            switch (R) {
-                Q4_ROWS_CASE(4) Q4_ROWS_CASE(3) Q4_ROWS_CASE(2) Q4_ROWS_CASE(1)
-            }
-            for (int r = 0; r < (int)R; r++) store_out(L, out + (r0 + r) * ldo + n0, n0, c + r * 4 * PW, nv, accumulate);
+        const float *xr = x, *sr = xs;
+        switch (m) {
+            Q4_ROWS_CASE2(6) Q4_ROWS_CASE2(5) Q4_ROWS_CASE(4) Q4_ROWS_CASE(3) Q4_ROWS_CASE(2) Q4_ROWS_CASE(1)
         }
+        for (int r = 0; r < (int)m; r++) store_out(L, out + r * ldo + n0, n0, c + r * 4 * PW, nv, accumulate);
     }
 }
 

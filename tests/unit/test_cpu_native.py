@@ -181,8 +181,9 @@ def _check_on_avx2(mod, w, b, m):
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6])
 @pytest.mark.parametrize("n", [7, 50, 100])
 def test_int4_avx512_rows_match_the_avx2_path(params, group, m, n):
-    """One to six rows on AVX-512F (four rows a pass, a remainder of panels
-    one at a time): the AVX2 path's sums up to their order."""
+    """One to six rows on AVX-512F (up to four rows over four panels a pass,
+    the remainder of panels one at a time; five or six rows over two panels,
+    then one): the AVX2 path's sums up to their order."""
     mod, w, b = _int4(n, 384, group, seed=m * 100 + n, params=params)
     x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m))
     base = torch.randn(m, n)

@@ -200,3 +200,12 @@ def test_sampled_generations_follow_the_same_distribution(plain):
     expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
     stat = ((table - expected) ** 2 / expected).sum()
     assert table.shape[1] >= 3 and _chi2_sf(stat, table.shape[1] - 1) > 1e-6
+
+
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size():
+    llm = LLM(overrides=BASE + SPEC[:2] + ["speculative.disable_by_batch_size=2"])
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    llm.generate(REPEATING[:3], p, use_tqdm=False)  # three run to the end together
+    assert llm.engine.stats().spec_drafts == 0
+    llm.generate(REPEATING[:2], p, use_tqdm=False)
+    assert llm.engine.stats().spec_drafts > 0
