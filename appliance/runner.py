@@ -224,6 +224,8 @@ def _draft_proposer(cfg: Any, ex: Any, tokenizer: Any, num_blocks: int, dtype: A
                     mml: int):
     """The draft model on its own backend instance and KV cache (the target's
     blocks), checked to read the target's tokens."""
+    import torch
+
     from appliance.config.draft import draft_model_config
     from appliance.kernels.registry import load_backend
     from appliance.models.loader import load_model
@@ -233,7 +235,12 @@ def _draft_proposer(cfg: Any, ex: Any, tokenizer: Any, num_blocks: int, dtype: A
     d, problems = draft_model_config(cfg)
     if d is None or problems:
         raise ConfigError("; ".join(problems))
-    backend = load_backend(ex.backend)(d.num_heads, d.num_kv_heads, d.head_dim, d.head_dim ** -0.5, ex.kv_cache_dtype)
+    # K/V of the draft's own dtype, unless the cache is set to another element type (fp8, bf16)
+    kv_name = "auto" if cfg.cache.kv_cache_dtype == "auto" else ex.kv_cache_dtype
+    backend = load_backend(ex.backend)(d.num_heads, d.num_kv_heads, d.head_dim, d.head_dim ** -0.5, kv_name)
+    if spec.draft_dtype != "auto":
+        dtype = getattr(torch, spec.draft_dtype)
+        kv_dtype = backend.cache_dtype(kv_name, dtype)
     model, draft_tokenizer, _ = load_model(d, backend, dtype, device)
     if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ConfigError(f"speculative.draft_model={spec.draft_model}: its tokenizer's vocabulary differs from the "

@@ -40,7 +40,7 @@ def weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
     (unquantized, in the compute dtype) are added.
     """
     draft = draft_model(cfg)
-    extra = parameter_counts(draft)["total"] * DTYPE_BYTES[dtype] if draft is not None else 0
+    extra = parameter_counts(draft)["total"] * DTYPE_BYTES[draft_dtype(cfg, dtype)] if draft is not None else 0
     return _target_weight_bytes(cfg, dtype) + extra
 
 
@@ -83,7 +83,13 @@ def kv_bytes_per_token(cfg: ApplianceConfig, dtype: str) -> int:
     """K and V of every layer for one token, per device (a draft model's too:
     its cache shares the target's blocks)."""
     draft = draft_model(cfg)
-    return _kv_bytes(cfg, cfg.model, dtype) + (_kv_bytes(cfg, draft, dtype) if draft is not None else 0)
+    return _kv_bytes(cfg, cfg.model, dtype) + (_kv_bytes(cfg, draft, draft_dtype(cfg, dtype)) if draft is not None
+                                               else 0)
+
+
+def draft_dtype(cfg: ApplianceConfig, dtype: str) -> str:
+    """The dtype the draft model runs at: ``speculative.draft_dtype``, or the target's ``dtype``."""
+    return dtype if cfg.speculative.draft_dtype == "auto" else str(cfg.speculative.draft_dtype)
 
 
 def _kv_bytes(cfg: ApplianceConfig, m: ModelConfig, dtype: str) -> int:
@@ -279,6 +285,8 @@ def _describe_draft(cfg: ApplianceConfig) -> str:
     spec = cfg.speculative
     draft = draft_model(cfg)
     size = f" ({parameter_counts(draft)['total'] / 1e6:.1f} M parameters)" if draft is not None else ""
+    if spec.draft_dtype != "auto":
+        size += f" at {spec.draft_dtype}"
     return (f"draft_model {spec.draft_model}{size}: up to {spec.num_speculative_tokens} draft tokens per request "
             f"per step, drawn from the draft (run by the same runner, its K/V in the target's blocks); verified in "
             f"one forward (greedy: equal to the target's argmax; sampled: rejection sampling)")

@@ -234,8 +234,10 @@ class SpeculativeConfig:
     prompt_lookup_min: Optional[int] = None
     prompt_lookup_max: Optional[int] = None
     disable_by_batch_size: Optional[int] = None  # no drafts while more than this many requests run
-    # draft_model: a model option or local checkpoint sharing the target's tokenizer, run at the target's dtype
+    # draft_model: a model option or local checkpoint sharing the target's tokenizer, and the dtype it runs at
+    # (auto: the target's)
     draft_model: Optional[str] = None
+    draft_dtype: DType = DType.auto
 
 
 @dataclass

@@ -213,7 +213,7 @@ def validate(cfg: ApplianceConfig) -> list[str]:
     # Speculative decoding.
     if spec.method == "off":
         for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
-                    "draft_model"):
+                    "draft_model", "draft_dtype"):
             value, default = getattr(spec, key), getattr(DEFAULTS.speculative, key)
             if value != default:
                 problems.append(f"speculative.{key}={value} has no effect with speculative=off; "
@@ -225,9 +225,10 @@ def validate(cfg: ApplianceConfig) -> list[str]:
             lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
             if lo is None or hi is None or not 1 <= lo <= hi:
                 problems.append(f"speculative.prompt_lookup_min={lo} must be between 1 and prompt_lookup_max={hi}")
-            if spec.draft_model is not None:
-                problems.append(f"speculative.draft_model={spec.draft_model} has no effect with speculative=ngram; "
-                                f"use speculative=draft_model")
+            for key in ("draft_model", "draft_dtype"):
+                if getattr(spec, key) != getattr(DEFAULTS.speculative, key):
+                    problems.append(f"speculative.{key}={getattr(spec, key)} has no effect with speculative=ngram; "
+                                    f"use speculative=draft_model")
         else:
             for key in ("prompt_lookup_min", "prompt_lookup_max"):
                 if getattr(spec, key) is not None:
@@ -236,6 +237,9 @@ def validate(cfg: ApplianceConfig) -> list[str]:
             from appliance.config.draft import draft_problems
 
             problems += draft_problems(cfg, m.max_model_len or m.max_position_embeddings)
+            if spec.draft_dtype != "auto" and spec.draft_dtype not in hw.supported_dtypes:
+                problems.append(f"speculative.draft_dtype={spec.draft_dtype} is not supported by hardware={hw.name} "
+                                f"(supported: {list(hw.supported_dtypes)})")
         if spec.disable_by_batch_size is not None and spec.disable_by_batch_size < 1:
             problems.append(f"speculative.disable_by_batch_size={spec.disable_by_batch_size} must be at least 1 "
                             f"(or null: speculate at every batch size)")

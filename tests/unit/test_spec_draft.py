@@ -96,3 +96,21 @@ def test_sampled_draft_requests_run_and_seeded_ones_repeat(plain):
     a = llm.generate([REPEATING[1]], p, use_tqdm=False)[0].outputs[0].token_ids
     b = llm.generate(REPEATING[:3], [SamplingParams(max_tokens=16, temperature=1.0)] + [p] * 2, use_tqdm=False)
     assert b[1].outputs[0].token_ids == a and len(a) == 16
+
+
+def test_the_draft_runs_at_its_own_dtype(plain):
+    from appliance.config.plan import make_plan
+
+    own = make_plan(resolve(BASE + OTHER + ["speculative.draft_dtype=bfloat16"]).cfg)
+    same = make_plan(resolve(BASE + OTHER).cfg)
+    assert own.weight_bytes_total < same.weight_bytes_total and own.kv_bytes_per_token < same.kv_bytes_per_token
+    assert "at bfloat16" in own.speculative
+    llm = LLM(overrides=BASE + OTHER + ["speculative.draft_dtype=bfloat16"])
+    proposer = llm.engine.runner.proposer
+    assert proposer.kv_caches[0].dtype == torch.bfloat16 and llm.engine.runner.kv_caches[0].dtype == torch.float32
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    _equal(plain.generate(REPEATING, p, use_tqdm=False), llm.generate(REPEATING, p, use_tqdm=False))
+    with pytest.raises(ConfigError, match="speculative.draft_dtype=float16 is not supported by hardware=cpu"):
+        resolve(BASE + OTHER + ["speculative.draft_dtype=float16"])
+    with pytest.raises(ConfigError, match="speculative.draft_dtype=bfloat16 has no effect with speculative=ngram"):
+        resolve(BASE + ["speculative=ngram", "speculative.draft_dtype=bfloat16"])
