@@ -247,7 +247,7 @@ def _draft_proposer(cfg: Any, ex: Any, tokenizer: Any, num_blocks: int, dtype: A
                           f"target's; a draft must share the target's tokenizer")
     model.to(device)
     return DraftModelProposer(model, backend, spec.num_speculative_tokens, mml, num_blocks, cfg.cache.block_size,
-                              dtype, kv_dtype, device)
+                              dtype, kv_dtype, device, cfg.scheduler.max_num_batched_tokens)
 
 
 def serve(resolved: ResolvedConfig) -> int:

@@ -114,6 +114,8 @@ class Metrics:
             before = old.spec_accepted_per_pos[pos] if pos < len(old.spec_accepted_per_pos) else 0
             self._accepted_per_pos.labels(**self.label_values, position=str(pos)).inc(max(0, accepted - before))
         now = time.monotonic()
+        if new.prefix_queries < self._logged_stats.prefix_queries or new.spec_drafts < self._logged_stats.spec_drafts:
+            self._logged_stats = StepStats()  # the core's counters restarted (reset_stats, a new core)
         if now - self._logged_at >= LOG_INTERVAL_S:
             log.info("%s", describe_interval(self._logged_stats, new))
             self._logged_stats, self._logged_at = new, now

@@ -41,9 +41,10 @@ DRAFT_SALT = 0x5DEECE66D  # seeded requests draw drafts from generators apart fr
 
 class DraftModelProposer:
     def __init__(self, model: Any, backend: Any, k: int, max_model_len: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, kv_dtype: torch.dtype, device: Any):
+                 dtype: torch.dtype, kv_dtype: torch.dtype, device: Any, max_catch_up: int):
         arch = model.arch
         self.model, self.backend, self.k, self.max_model_len = model, backend, k, max_model_len
+        self.max_catch_up = max_catch_up  # tokens one catch-up forward takes at most (the step's token cap)
         shape = backend.kv_cache_shape(num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(arch.num_layers)]
         model.rope_cache(max_model_len, dtype, device)
@@ -82,14 +83,22 @@ class DraftModelProposer:
                    enabled: bool) -> dict[str, tuple[list[int], Optional[torch.Tensor]]]:
         """Drafts (and, for sampled requests, their q rows) for the requests
         of ``sampled``; every scheduled request's draft K/V caught up to
-        ``ends`` first. Disabled, nothing runs (the draft catches up later)."""
+        ``ends`` first, at most ``max_catch_up`` tokens in all (a request
+        further behind, after drafting was off, catches up over several steps
+        and drafts once it has). Disabled, nothing runs."""
         if not enabled:
             return {}
-        run = [(s, e) for s, e in zip(states, ends) if s.draft_computed < e]
+        run, budget = [], self.max_catch_up
+        # requests that sampled first: they draft once caught up
+        for s, e in sorted(zip(states, ends), key=lambda se: se[0].req_id not in sampled):
+            take = min(e - s.draft_computed, budget)
+            if take > 0:
+                run.append((s, s.draft_computed + take))
+                budget -= take
         if not run:
             return {}
         limits = {s.req_id: min(s.draft_limit, self.k, self.max_model_len - 1 - len(s.token_ids))
-                  for s, _ in run if s.req_id in sampled}
+                  for s, e in run if s.req_id in sampled and e == len(s.token_ids)}
         want = [i for i, (s, _) in enumerate(run) if limits.get(s.req_id, 0) > 0]
         logits = self._run(runner, [s for s, _ in run], [s.draft_computed for s, _ in run],
                            [s.token_ids[s.draft_computed : e] for s, e in run], want)

@@ -18,8 +18,8 @@ after a rejection, growing by one after a run fully accepted, up to
 ``num_speculative_tokens``), since every draft position costs a row of
 the verifying forward whether it is accepted or not. A seeded request draws
 each position's randomness from a generator seeded by (seed, position),
-so its text is the same alone, in any batch, with or without drafts
-accepted before, after preemption and after a retried step.
+so its text is the same alone, in any batch, after preemption and after a
+retried step, with or without n-gram drafts (see ``sampler``).
 
 The runner, not the model, chooses how a step runs: a backend that says
 ``native_forward`` (cpu_native) runs the whole step in one native call,

@@ -14,15 +14,19 @@ one past them), each processed as above with the drafts before it counted
 as output (penalties, min_tokens). Greedy: drafts are accepted while they
 equal the row's argmax, then the argmax is emitted (all accepted: the
 last row's, a bonus token). Random: draft d is accepted with probability
-min(1, p(d) / q(d)), q being the proposer's distribution (one-hot for
-n-gram drafts: p(d)); the first rejection emits a draw from
-normalize(max(p - q, 0)) and ends the run; all accepted, a bonus draw from
-the last row. Every emitted token is thereby distributed exactly as
-without drafts.
+min(1, p(d) / q(d)), q being the proposer's distribution, and the first
+rejection emits a draw from normalize(max(p - q, 0)) and ends the run; all
+accepted, a bonus draw from the last row. Every emitted token is thereby
+distributed exactly as without drafts. Drafts given without q (n-gram: q
+one-hot) take the same acceptance, p(d), in its exact form: each position
+draws its token as plain sampling would (the same race from the same
+generator) and the draft is accepted when it is that token, so a seeded
+request emits the very tokens it would without drafts.
 
 A seeded request draws the token at position i from a generator seeded by
 (seed, i) (``position_generator``): its text is the same alone or in any
-batch, after preemption or a retried step, whatever drafts came before.
+batch, after preemption or a retried step, with or without n-gram drafts
+(a draft model's drafts change which draws it makes).
 """
 
 from __future__ import annotations
@@ -156,12 +160,14 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest], default_generator: t
     return tokens, logprobs
 
 
-def _probs(logits_row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """A random row's distribution: temperature, then top-k / top-p / min-p (renormalized)."""
+def _probs(logits_row: torch.Tensor, p: SamplingParams, normalize: bool = True) -> torch.Tensor:
+    """A random row's distribution: temperature, then top-k / top-p / min-p
+    (renormalized unless ``normalize`` is off: the race takes it as ``sample`` does)."""
     probs = torch.softmax(logits_row / p.temperature, dim=-1)
     if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
         probs = _filter(probs, p)
-        probs /= probs.sum()
+        if normalize:
+            probs /= probs.sum()
     return probs
 
 
@@ -204,20 +210,23 @@ def verify_drafts(logits: torch.Tensor, rows: list[SampleRequest], drafts: list[
     else:
         for j, d in enumerate(drafts):
             gen = rows[j].generator or default_generator
+            if draft_probs is None:  # q one-hot: the position's own draw, accepted when it is the draft
+                tok = _race(_probs(logits[j], p, normalize=False), gen)
+                emitted.append(tok)
+                if tok != d:
+                    break
+                continue
             probs = _probs(logits[j], p)
-            q_d = 1.0 if draft_probs is None else float(draft_probs[j, d])
+            q_d = float(draft_probs[j, d])
             if q_d > 0 and float(torch.rand(1, generator=gen)) < float(probs[d]) / q_d:  # min(1, p(d) / q(d))
                 emitted.append(d)
                 continue
-            if draft_probs is None:
-                probs[d] = 0.0  # max(p - q, 0) for a one-hot q; the race normalizes
-            else:
-                residual = (probs - draft_probs[j]).clamp_(min=0.0)
-                probs = residual if float(residual.sum()) > 0 else probs
+            residual = (probs - draft_probs[j]).clamp_(min=0.0)
+            probs = residual if float(residual.sum()) > 0 else probs
             emitted.append(_race(probs, gen))
             break
         else:
             j = len(drafts)
-            emitted.append(_race(_probs(logits[j], p), rows[j].generator or default_generator))
+            emitted.append(_race(_probs(logits[j], p, normalize=False), rows[j].generator or default_generator))
     logprobs = [None if raw_lp is None else _token_logprobs(raw_lp[j], tok, p.logprobs) for j, tok in enumerate(emitted)]
     return emitted, logprobs

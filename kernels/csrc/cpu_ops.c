@@ -143,14 +143,14 @@ static inline __attribute__((always_inline)) void pload_bf16(const uint16_t *p, 
 /* mr rows (<= 6) by one panel; mr rows (<= 2) by two panels. */
 #define DEFINE_PTILE(SUFFIX, WT, LOAD2)                                                                   \
     static inline __attribute__((always_inline)) void ptile1_##SUFFIX(                                   \
-        const float *x, int64_t ldx, const WT *p, int64_t k, const int mr, float c[6][2 * PW]) {          \
+        const float *x, int64_t ldx, const WT *p, int64_t k, const int mr, const int pf, float c[6][2 * PW]) { \
         __m256 a0[6], a1[6];                                                                             \
         for (int i = 0; i < 6; i++) a0[i] = a1[i] = _mm256_setzero_ps();                                 \
-        /* the next panel follows this one: stream it in as this one is read */                          \
-        const char *next = (const char *)(p + k * PW);                                                   \
+        /* pf: the next panel follows this one in memory (not a widened copy): stream it in */            \
+        const char *next = pf ? (const char *)p + k * PW * (int64_t)sizeof(WT) : (const char *)p;        \
         for (int64_t kk = 0; kk < k; kk++) {                                                             \
             __m256 w0, w1;                                                                               \
-            _mm_prefetch(next + kk * PW * (int64_t)sizeof(WT), _MM_HINT_T0);                             \
+            if (pf) _mm_prefetch(next + kk * PW * (int64_t)sizeof(WT), _MM_HINT_T0);                     \
             LOAD2(p + kk * PW, &w0, &w1);                                                                \
             for (int i = 0; i < 6; i++)                                                                  \
                 if (i < mr) {                                                                            \
@@ -252,19 +252,19 @@ static inline void store_out(const Linear *L, float *o, int64_t n0, const float 
 
 #define DISPATCH_PTILE(SUFFIX, WT)                                                                        \
     static void run_ptile_##SUFFIX(const float *x, int64_t ldx, const WT *p, int64_t pstride, int64_t k,  \
-                                   int mr, int np, float c[6][2 * PW]) {                                  \
+                                   int mr, int np, int pf, float c[6][2 * PW]) {                          \
         if (np == 2) {                                                                                    \
             if (mr == 2) ptile2_##SUFFIX(x, ldx, p, pstride, k, 2, c);                                    \
             else ptile2_##SUFFIX(x, ldx, p, pstride, k, 1, c);                                            \
             return;                                                                                       \
         }                                                                                                 \
         switch (mr) {                                                                                     \
-        case 6: ptile1_##SUFFIX(x, ldx, p, k, 6, c); break;                                               \
-        case 5: ptile1_##SUFFIX(x, ldx, p, k, 5, c); break;                                               \
-        case 4: ptile1_##SUFFIX(x, ldx, p, k, 4, c); break;                                               \
-        case 3: ptile1_##SUFFIX(x, ldx, p, k, 3, c); break;                                               \
-        case 2: ptile1_##SUFFIX(x, ldx, p, k, 2, c); break;                                               \
-        default: ptile1_##SUFFIX(x, ldx, p, k, 1, c); break;                                              \
+        case 6: ptile1_##SUFFIX(x, ldx, p, k, 6, pf, c); break;                                           \
+        case 5: ptile1_##SUFFIX(x, ldx, p, k, 5, pf, c); break;                                           \
+        case 4: ptile1_##SUFFIX(x, ldx, p, k, 4, pf, c); break;                                           \
+        case 3: ptile1_##SUFFIX(x, ldx, p, k, 3, pf, c); break;                                           \
+        case 2: ptile1_##SUFFIX(x, ldx, p, k, 2, pf, c); break;                                           \
+        default: ptile1_##SUFFIX(x, ldx, p, k, 1, pf, c); break;                                          \
         }                                                                                                 \
     }
 
@@ -534,11 +534,11 @@ static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out
             const int64_t left = m1 - m;
             mr = left >= 12 || left <= 6 ? (left < 6 ? (int)left : 6) : (int)((left + 1) / 2);
             if (L->wtype == WTYPE_I8 && !widen)
-                run_ptile_i8(x + m * ldx, ldx, pq, pstride, k, mr, npu, c);
+                run_ptile_i8(x + m * ldx, ldx, pq, pstride, k, mr, npu, 1, c);
             else if (L->wtype == WTYPE_BF16 && !widen)
-                run_ptile_bf16(x + m * ldx, ldx, pb, pstride, k, mr, npu, c);
+                run_ptile_bf16(x + m * ldx, ldx, pb, pstride, k, mr, npu, 1, c);
             else
-                run_ptile_f32(x + m * ldx, ldx, pf, pstride, k, mr, npu, c);
+                run_ptile_f32(x + m * ldx, ldx, pf, pstride, k, mr, npu, !widen, c); /* a widened copy: no next panel */
             for (int i = 0; i < (int)mr; i++) store_out(L, out + (m + i) * ldo + n0, n0, c[i], nv, accumulate);
         }
     }
@@ -799,15 +799,20 @@ static void packed_gemv(const Linear *L, const float *x, const float *xs, float 
  * w packed in panels (see PW); threads split the panels. Rows are blocked so
  * a block of activations stays in L2 while the panels pass over it. */
 void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m, int accumulate) {
-    if (L->perm) { /* gather the inputs into the stored order, then the plain product */
-        const int64_t k = L->k;
-        float *xp = (float *)malloc(sizeof(float) * (size_t)(m * k));
-#pragma omp parallel for schedule(static) if (m * k >= 65536)
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t j = 0; j < k; j++) xp[r * k + j] = x[r * ldx + L->perm[j]];
+    if (L->perm) { /* gather the inputs into the stored order, then the plain product, PERM_ROWS rows at a time */
+        enum { PERM_ROWS = 256 };
+        const int64_t k = L->k, rows = m < PERM_ROWS ? m : PERM_ROWS;
+        float *xp = (float *)malloc(sizeof(float) * (size_t)(rows * k));
+        if (!xp) abort();
         Linear stored = *L;
         stored.perm = NULL;
-        appl_linear(&stored, xp, k, out, ldo, m, accumulate);
+        for (int64_t r0 = 0; r0 < m; r0 += rows) {
+            const int64_t mr = m - r0 < rows ? m - r0 : rows;
+#pragma omp parallel for schedule(static) if (mr * k >= 65536)
+            for (int64_t r = 0; r < mr; r++)
+                for (int64_t j = 0; j < k; j++) xp[r * k + j] = x[(r0 + r) * ldx + L->perm[j]];
+            appl_linear(&stored, xp, k, out + r0 * ldo, ldo, mr, accumulate);
+        }
         free(xp);
         return;
     }

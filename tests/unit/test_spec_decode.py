@@ -174,13 +174,20 @@ def test_stops_inside_an_accepted_run(plain, spec):
             _equal(plain.generate([prompt], params, use_tqdm=False), spec.generate([prompt], params, use_tqdm=False))
 
 
-def test_a_seeded_request_is_the_same_alone_and_in_a_batch(spec):
-    p = SamplingParams(max_tokens=24, temperature=0.8, seed=1234)
-    alone = spec.generate([REPEATING[0]], p, use_tqdm=False)[0].outputs[0].token_ids
-    batch = spec.generate(REPEATING, [p] + [SamplingParams(max_tokens=24, temperature=1.0)] * (len(REPEATING) - 1),
-                          use_tqdm=False)
-    assert batch[0].outputs[0].token_ids == alone
-    assert spec.generate([REPEATING[0]], p, use_tqdm=False)[0].outputs[0].token_ids == alone
+def test_a_seeded_request_is_the_same_alone_in_a_batch_and_without_drafts(plain):
+    """n-gram drafts change nothing a seeded request emits: alone (drafting)
+    and among six (above disable_by_batch_size, not drafting) and without
+    speculation, the same tokens."""
+    spec = LLM(overrides=BASE + ["speculative=ngram", "speculative.prompt_lookup_min=1"])  # drafts off above 4
+    for seed in (1234, 7, 99):
+        p = SamplingParams(max_tokens=24, temperature=0.6, seed=seed)
+        before = spec.engine.stats().spec_drafts
+        alone = spec.generate([REPEATING[0]], p, use_tqdm=False)[0].outputs[0].token_ids
+        assert spec.engine.stats().spec_drafts > before
+        batch = spec.generate(REPEATING, [p] + [SamplingParams(max_tokens=24, temperature=1.0)] * (len(REPEATING) - 1),
+                              use_tqdm=False)
+        assert batch[0].outputs[0].token_ids == alone
+        assert plain.generate([REPEATING[0]], p, use_tqdm=False)[0].outputs[0].token_ids == alone
 
 
 def test_sampled_generations_follow_the_same_distribution(plain):

@@ -114,3 +114,21 @@ def test_the_draft_runs_at_its_own_dtype(plain):
         resolve(BASE + OTHER + ["speculative.draft_dtype=float16"])
     with pytest.raises(ConfigError, match="speculative.draft_dtype=bfloat16 has no effect with speculative=ngram"):
         resolve(BASE + ["speculative=ngram", "speculative.draft_dtype=bfloat16"])
+
+
+def test_a_draft_behind_catches_up_within_the_token_cap(plain):
+    """Drafting off while three requests run, the draft falls behind; once one
+    runs alone it catches up over several steps, no forward past the step's
+    token cap, and the output stays the target's."""
+    cap = ["scheduler.max_num_batched_tokens=16", "scheduler.target_itl_ms=null"]
+    llm = LLM(overrides=BASE + OTHER[:3] + ["speculative.disable_by_batch_size=1"] + cap)
+    proposer = llm.engine.runner.proposer
+    sizes, orig = [], proposer._run
+    proposer._run = lambda runner, states, starts, tokens, want: (sizes.append(sum(map(len, tokens))),
+                                                                  orig(runner, states, starts, tokens, want))[1]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (40, 4, 4)]
+    got = llm.generate(REPEATING[:3], params, use_tqdm=False)
+    ref = LLM(overrides=BASE + cap).generate(REPEATING[:3], params, use_tqdm=False)
+    _equal(ref, got)
+    assert llm.engine.stats().spec_drafts > 0 and sizes and max(sizes) <= 16
+    assert sum(1 for n in sizes if n == 16) >= 2  # the prompt and outputs took more than one forward
