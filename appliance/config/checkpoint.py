@@ -388,9 +388,13 @@ def quantization_facts(hf: dict) -> tuple[list[Fact], list[str]]:
                   Fact("activations", scheme is not None, f"quantization_config.activation_scheme={scheme}")]
         if scheme not in (None, "dynamic", "static"):
             problems.append(f"fp8 activation_scheme={scheme} is not supported (dynamic or static)")
-        if qc.get("weight_block_size"):
-            problems.append(f"fp8 weight_block_size={qc['weight_block_size']} (block-wise scales) is not built yet "
-                            f"(per-tensor or per-channel scales only)")
+        block = qc.get("weight_block_size")
+        if block is not None:
+            if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+                problems.append(f"fp8 weight_block_size={block} must be two positive integers [rows, inputs]")
+            elif scheme == "static":
+                problems.append("fp8 weight_block_size with activation_scheme=static is not supported (block-wise "
+                                "fp8 checkpoints quantize activations per token group, dynamic)")
     if method in ("awq", "gptq"):
         bits = qc.get("bits", qc.get("w_bit"))
         group = qc.get("group_size", qc.get("q_group_size", -1))

@@ -6,14 +6,17 @@ at run time (dynamic) or with a checkpoint's static ``input_scale``.
 A projection is quantized at load from a bf16/fp16/fp32 checkpoint (scale =
 the row's largest magnitude / 448), or loaded from an fp8 checkpoint
 (``quantization_config.quant_method: fp8``: ``weight`` in float8_e4m3fn,
-``weight_scale``, optional ``input_scale``).
+``weight_scale``, optional ``input_scale``; or, with ``weight_block_size``
+[rows, inputs] as DeepSeek-V3 and Qwen3 FP8 checkpoints have it,
+``weight_scale_inv`` per block of the weight, and activations quantized
+per token per group of that many inputs, dynamically).
 
 W8A8 on CUDA runs ``torch._scaled_mm`` (row-wise scales: per-token
 activations, per-channel weights; Hopper and Blackwell); on ROCm CDNA3 the
 same on e4m3fnuz, whose bit patterns mean half the e4m3fn value, so the
-scales double. Weight-only fp8 and every CPU take a reference path: the
-weight (and the quantized activations) dequantized per call and an
-ordinary GEMM in the activation dtype; correct, not fast.
+scales double. Weight-only fp8, block-wise scales and every CPU take a
+reference path: the weight (and the quantized activations) dequantized
+per call and an ordinary GEMM in the activation dtype; correct, not fast.
 """
 
 from __future__ import annotations
@@ -44,32 +47,63 @@ def quantize_per_token_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = 
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def quantize_per_token_group_fp8(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [rows, k] as e4m3 with a scale per row per group of ``group`` inputs
+    (each group's largest magnitude / 448), dequantized back: what a
+    block-wise fp8 GEMM multiplies."""
+    rows, k = x.shape
+    pad = -k % group
+    g = F.pad(x.float(), (0, pad)).reshape(rows, -1, group)
+    scale = (g.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return (q.float() * scale).reshape(rows, -1)[:, :k]
+
+
 class Fp8Linear(nn.Module):
+    """``weight_scale``: one, one per row, or (with ``block_k``) one per row
+    per block of ``block_k`` inputs ([rows, ceil(k / block_k)]: a checkpoint's
+    block scales repeated over their rows)."""
+
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                 activations: bool, input_scale: torch.Tensor | None = None):
+                 activations: bool, input_scale: torch.Tensor | None = None, block_k: int = 0):
         super().__init__()
         if weight.dtype != FP8:
             raise ValueError(f"fp8 weights are float8_e4m3fn, not {weight.dtype}")
-        n = weight.shape[0]
-        scale = weight_scale.float().reshape(-1)
-        if scale.numel() not in (1, n):
-            raise ValueError(f"an fp8 weight of {n} rows has {scale.numel()} scales (one, or one per row)")
+        n, k = weight.shape
+        if block_k:
+            scale = weight_scale.float()
+            if scale.shape != (n, -(-k // block_k)):
+                raise ValueError(f"an fp8 weight [{n}, {k}] in blocks of {block_k} inputs has scales of shape "
+                                 f"{tuple(scale.shape)}, not ({n}, {-(-k // block_k)})")
+            if input_scale is not None:
+                raise ValueError("block-wise fp8 quantizes activations per token group: no static input_scale")
+        else:
+            scale = weight_scale.float().reshape(-1)
+            if scale.numel() not in (1, n):
+                raise ValueError(f"an fp8 weight of {n} rows has {scale.numel()} scales (one, or one per row)")
+            scale = scale.expand(n)
+        self.block_k = block_k
         self.register_buffer("weight_fp8", weight.contiguous())
-        self.register_buffer("weight_scale", scale.expand(n).contiguous())
+        self.register_buffer("weight_scale", scale.contiguous())
         self.register_buffer("input_scale", None if input_scale is None else input_scale.float().reshape(()))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.activations = activations
         self.out_features, self.in_features = weight.shape
 
     def dequantized_weight(self) -> torch.Tensor:
+        if self.block_k:
+            k = self.in_features
+            return self.weight_fp8.float() * self.weight_scale.repeat_interleave(self.block_k, dim=1)[:, :k]
         return self.weight_fp8.float() * self.weight_scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if x.is_cuda and self.activations:
+        if x.is_cuda and self.activations and not self.block_k:
             y = self._scaled_mm(rows)
         else:
-            if self.activations:
+            if self.activations and self.block_k:
+                rows = quantize_per_token_group_fp8(rows, self.block_k).to(x.dtype)
+            elif self.activations:
                 xq, xs = quantize_per_token_fp8(rows, self.input_scale)
                 rows = (xq.float() * xs).to(x.dtype)
             y = F.linear(rows, self.dequantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -115,21 +149,39 @@ def _to_fnuz(x: torch.Tensor) -> torch.Tensor:
     return torch.where(xi == -128, torch.zeros_like(xi), xi).view(torch.float8_e4m3fnuz)
 
 
-CHECKPOINT_TENSORS = ("weight", "weight_scale", "input_scale")  # an fp8 checkpoint's projection tensors
+# an fp8 checkpoint's projection tensors (weight_scale_inv: block-wise scales, weight_block_size)
+CHECKPOINT_TENSORS = ("weight", "weight_scale", "input_scale", "weight_scale_inv")
 
 
-def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], activations: bool) -> set[str]:
+def _row_scales(p: dict[str, torch.Tensor], block: list[int] | None) -> torch.Tensor:
+    """A part's scales on its rows: [rows] (per tensor or per channel), or
+    [rows, k blocks] (its block scales repeated over each block's rows)."""
+    rows, k = p["weight"].shape
+    if block is None:
+        return p["weight_scale"].float().reshape(-1).expand(rows)
+    bn, bk = block
+    s = p["weight_scale_inv"].float()
+    if s.shape != (-(-rows // bn), -(-k // bk)):
+        raise ValueError(f"block scales of shape {tuple(s.shape)} do not cover a [{rows}, {k}] weight in [{bn}, {bk}] "
+                         f"blocks")
+    return s.repeat_interleave(bn, dim=0)[:rows]
+
+
+def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], activations: bool,
+                block: list[int] | None = None) -> set[str]:
     """An fp8 checkpoint's projections (by checkpoint weight name: its
-    ``weight``, ``weight_scale`` and optional ``input_scale``) as Fp8Linear
-    modules; a fused projection stacks its parts with each part's scale on
-    its rows and the largest static input scale (as vLLM takes). Returns the
-    module weight names replaced."""
+    ``weight``, ``weight_scale`` and optional ``input_scale``; with
+    ``block`` = weight_block_size, ``weight_scale_inv`` per block) as
+    Fp8Linear modules; a fused projection stacks its parts with each part's
+    scales on its rows and the largest static input scale (as vLLM takes).
+    Returns the module weight names replaced."""
     from appliance.models.llama import fused_parts, replace_linear
 
     if "lm_head.weight" in parts:
         raise ValueError("an fp8 LM head is not built yet (fp8 projections only; keep lm_head in the model dtype)")
+    needed = ("weight", "weight_scale_inv") if block else ("weight", "weight_scale")
     for name, p in parts.items():
-        missing = [t for t in CHECKPOINT_TENSORS[:2] if t not in p]
+        missing = [t for t in needed if t not in p]
         if missing:
             raise ValueError(f"fp8 projection {name} lacks {', '.join(missing)}")
     groups = fused_parts(model.arch, parts)
@@ -137,11 +189,11 @@ def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], act
     def make(names: list[str]):
         def build(lin: nn.Module) -> nn.Module:
             weight = torch.cat([parts[n]["weight"] for n in names])
-            scale = torch.cat([parts[n]["weight_scale"].float().reshape(-1).expand(parts[n]["weight"].shape[0])
-                               for n in names])
+            scale = torch.cat([_row_scales(parts[n], block) for n in names])
             static = [parts[n]["input_scale"] for n in names if "input_scale" in parts[n]]
             input_scale = torch.stack([s.float().reshape(()) for s in static]).max() if static else None
-            return Fp8Linear(weight, scale, None if lin.bias is None else lin.bias.data, activations, input_scale)
+            return Fp8Linear(weight, scale, None if lin.bias is None else lin.bias.data, activations, input_scale,
+                             block_k=block[1] if block else 0)
         return build
 
     for target, names in groups.items():

@@ -331,8 +331,9 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
         from appliance.models.fp8 import install_fp8
 
         activations = _checkpoint_activations(hf)
+        block = (hf.get("quantization_config") or {}).get("weight_block_size")
         try:
-            loaded |= install_fp8(model, fp8_parts, activations)
+            loaded |= install_fp8(model, fp8_parts, activations, block)
         except ValueError as e:
             raise ModelLoadError(f"{folder}: {e}") from None
     _set_kv_scales(model, kv_scales, folder)

@@ -148,7 +148,8 @@ def test_a_compressed_tensors_fp8_checkpoint_loads(fp8_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("extra,message", [
-    ({"weight_block_size": [128, 128]}, "weight_block_size=.* is not built yet"),
+    ({"weight_block_size": [128, 128]}, "weight_block_size with activation_scheme=static is not supported"),
+    ({"weight_block_size": [128], "activation_scheme": "dynamic"}, "must be two positive integers"),
     ({"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "attn_head"}}, None),
 ])
 def test_fp8_layouts_not_built_are_refused(fp8_checkpoint, tmp_path, extra, message):
@@ -238,3 +239,46 @@ def test_kv_scales_that_cannot_run_are_refused(tmp_path, fp8_checkpoint, value, 
     save_file(tensors, str(bad / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=message):
         LLM(overrides=BASE + [f"model.path={bad}"])
+
+
+def _block_quantize(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, fp32 scale per [bn, bk] block) as DeepSeek-V3 / Qwen3 FP8 checkpoints store them."""
+    n, k = w.shape
+    blocks = w.float().reshape(n // bn, bn, k // bk, bk)
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(n, k)
+    return q, scale
+
+
+def test_a_block_wise_fp8_checkpoint_loads_and_runs(fp8_checkpoint, tmp_path):
+    """weight_block_size [32, 32] with weight_scale_inv per block: the weight
+    is q times its block's scale bit for bit (fused parts keep their own
+    blocks), and activations are quantized per token per 32 inputs."""
+    from appliance.models.fp8 import quantize_per_token_group_fp8
+
+    folder, stored = fp8_checkpoint
+    blk = shutil.copytree(folder, tmp_path / "block")
+    tensors = {k: v for k, v in stored.items() if not k.endswith(("input_scale", "weight_scale"))}
+    originals = {}
+    for name in [k for k in tensors if k.rsplit(".", 2)[-2] in SOURCES]:
+        w = stored[name].float() * stored[name[: -len("weight")] + "weight_scale"]
+        tensors[name], tensors[name + "_scale_inv"] = _block_quantize(w, 32, 32)
+        originals[name] = (tensors[name], tensors[name + "_scale_inv"])
+    save_file(tensors, str(blk / "model.safetensors"))
+    config = json.loads((blk / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [32, 32]}
+    (blk / "config.json").write_text(json.dumps(config))
+    llm = LLM(overrides=BASE + [f"model.path={blk}", "model.dtype=float32"])
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Fp8Linear) and qkv.block_k == 32 and qkv.activations
+    pre = "model.layers.0.self_attn."
+    want = torch.cat([q.float() * s.repeat_interleave(32, 0).repeat_interleave(32, 1)
+                      for q, s in (originals[f"{pre}{p}.weight"] for p in ("q_proj", "k_proj", "v_proj"))])
+    assert torch.equal(qkv.dequantized_weight(), want)
+    x = torch.randn(3, qkv.in_features, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(qkv(x), F.linear(quantize_per_token_group_fp8(x, 32), want))
+    xq = quantize_per_token_group_fp8(x, 32)
+    assert ((xq - x).abs() <= x.abs().reshape(3, -1, 32).amax(-1).repeat_interleave(32, 1) / 16 + 1e-6).all()
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
