@@ -216,3 +216,20 @@ def test_no_drafts_while_more_requests_run_than_disable_by_batch_size():
     assert llm.engine.stats().spec_drafts == 0
     llm.generate(REPEATING[:2], p, use_tqdm=False)
     assert llm.engine.stats().spec_drafts > 0
+
+
+@pytest.mark.parametrize("proposer", [SPEC, ["speculative=draft_model", "speculative.draft_model=tiny_random_draft",
+                                              "speculative.disable_by_batch_size=null"]])
+def test_bf16_speculation_stays_close_to_plain_bf16(proposer):
+    """bf16 weights and activations (every CPU: native bf16 or emulated): a
+    verifying step runs more rows than a decode, whose sums round
+    differently, so greedy output is held to vLLM's closeness rule."""
+    from tests.model_helpers import check_logprobs_close, greedy_top_logprobs
+
+    bf16 = BASE + ["model.dtype=bfloat16"]
+    plain_llm = LLM(overrides=bf16)
+    ids = [plain_llm.tokenizer.encode(p) for p in REPEATING]
+    plain = greedy_top_logprobs(plain_llm, ids, 24, 5)
+    spec = LLM(overrides=bf16 + proposer)
+    check_logprobs_close(greedy_top_logprobs(spec, ids, 24, 5), plain, "speculative", "plain")
+    assert spec.engine.stats().spec_drafts > 0
