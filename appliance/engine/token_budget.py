@@ -12,7 +12,10 @@ largest that fits the objective given the running decodes and the context
 the next prefill chunk starts from, between the running decodes plus one
 prefill token (every stream advances, and so does the prompt) and ``cap``
 (``scheduler.max_num_batched_tokens``).
-Until the steps say more it keeps the plan's first estimate.
+Until the steps say more it keeps the plan's first estimate (never below
+the running decodes plus one); when every recent step was exactly as large
+as the budget, which a budget of 1 after a stalled step makes of every
+step, the steps cannot say more, so it doubles the budget to learn.
 """
 
 from __future__ import annotations
@@ -77,6 +80,11 @@ class TokenBudget:
         ``chunk_context`` tokens of its prompt."""
         fitted = self.fit()
         if fitted is None:
+            if len(self.samples) >= self.MIN_SAMPLES and all(t == self.budget for t, _, _ in self.samples):
+                # every recent step was as large as the budget allowed and no larger: without steps of
+                # another size the cost per token stays unknown, so try twice as many
+                self.budget *= 2
+            self.budget = self._clamp(self.budget, decodes + 1)
             return self.budget
         a, b, c = fitted
         # a + b (decodes + x) + c (decode_pairs + x chunk_context + x (x + 1) / 2) = target, for the chunk x

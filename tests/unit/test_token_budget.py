@@ -55,6 +55,24 @@ def test_until_the_steps_pin_a_cost_down_the_first_estimate_holds():
     assert tb.fit() is None and tb.next_budget(4, 40, 0) == 300
 
 
+def test_the_budget_never_drops_below_the_running_decodes_plus_one():
+    tb = TokenBudget(target_itl_ms=50, initial=300, cap=2048)
+    tb.budget = 1  # as a stalled step with nothing but a prompt may leave it
+    assert tb.next_budget(8, 80, 0) == 9
+
+
+def test_a_budget_every_step_fills_exactly_grows_until_the_fit_returns():
+    """Steps of exactly the budget's size cannot tell the cost per token:
+    the budget doubles until they can, then the fit decides."""
+    tb = TokenBudget(target_itl_ms=50, initial=1, cap=2048)
+    for _ in range(4):
+        tb.observe(1, 1, 0.010)
+    assert tb.fit() is None and tb.next_budget(0, 0, 0) == 2
+    for tokens in (2, 2):
+        tb.observe(tokens, 0, 0.010 + 0.0005 * tokens)
+    assert tb.fit() is not None and tb.next_budget(0, 0, 0) > 2
+
+
 @pytest.mark.parametrize("target_ms,expected", [(1, 17), (10_000, 1024)])
 def test_the_budget_stays_between_the_decodes_and_the_cap(target_ms, expected):
     """At least every running decode plus one prefill token; at most the cap."""
