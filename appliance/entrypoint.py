@@ -18,12 +18,12 @@ from appliance.config.compose import ResolvedConfig, resolve
 from appliance.config.execution import Execution
 from appliance.engine.core import TokenLogprob
 from appliance.engine.parallel_sampling import ParentRequest
-from appliance.sampling_params import SamplingParams
+from appliance.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from appliance.kernels.registry import Selection
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 log = logging.getLogger("appliance")
 
@@ -110,10 +110,14 @@ class LLM:
         params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
+        tools: Optional[list[dict]] = None,
     ) -> list[RequestOutput]:
+        """``tools`` (OpenAI function definitions) are given to the chat template;
+        to force a call, constrain the output (``SamplingParams.structured_outputs``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+            self.tokenizer.apply_chat_template(c, tools=tools, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt)
             for c in conversations
         ]
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]

@@ -217,7 +217,19 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
     runner = ModelRunner(model, backend, num_blocks, cfg.cache.block_size, mml, s.max_num_seqs, dtype,
                          kv_dtype, device, eos, seed=m.seed, proposer=proposer,
                          disable_spec_above=spec.disable_by_batch_size)
-    return EngineCore(scheduler, runner, tokenizer, eos, vocab_size=m.vocab_size, token_budget=budget), tokenizer
+    return EngineCore(scheduler, runner, tokenizer, eos, vocab_size=m.vocab_size, token_budget=budget,
+                      grammars=_grammars(cfg, tokenizer, eos)), tokenizer
+
+
+def _grammars(cfg: Any, tokenizer: Any, eos: Optional[int]):
+    """The output constraints' compiler (``structured_output``) for this tokenizer;
+    a grammar ends on the model's end-of-sequence token."""
+    from appliance.structured_output import Grammars
+
+    so = cfg.structured_output
+    return Grammars(tokenizer, cfg.model.vocab_size, [] if eos is None else [eos], so.num_threads,
+                    so.cache_size_mib << 20, any_whitespace=not so.disable_any_whitespace,
+                    max_whitespace=so.max_json_whitespace)
 
 
 def _draft_proposer(cfg: Any, ex: Any, tokenizer: Any, num_blocks: int, dtype: Any, kv_dtype: Any, device: Any,

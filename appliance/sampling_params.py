@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 # What torch.Generator.manual_seed takes.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -23,6 +24,57 @@ class SamplingParamsError(ValueError):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's ``structured_outputs``): exactly one
+    of a JSON schema (``json``: a dict or its JSON text), a regular
+    expression, a list of strings to choose from, an EBNF grammar, or any
+    JSON object. ``disable_any_whitespace``: JSON without free whitespace
+    between its tokens (compact)."""
+
+    json: Union[str, dict, None] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            try:
+                # key order kept: the grammar writes properties in the schema's order
+                self.json = _json.dumps(self.json, ensure_ascii=False, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise SamplingParamsError(f"structured_outputs.json is not a JSON schema: {e}",
+                                          "structured_outputs.json") from None
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise SamplingParamsError(
+                "structured_outputs takes exactly one of " + ", ".join(STRUCTURED_KINDS)
+                + (f"; got {', '.join(given)}" if given else ""), "structured_outputs")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise SamplingParamsError("structured_outputs.choice must be a non-empty list of non-empty strings",
+                                      "structured_outputs.choice")
+        for name in ("json", "regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise SamplingParamsError(f"structured_outputs.{name} must be a non-empty string",
+                                          f"structured_outputs.{name}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple:
+        """What the compiled grammar depends on (the compile cache's key)."""
+        spec = getattr(self, self.kind)
+        return self.kind, tuple(spec) if isinstance(spec, list) else spec, self.disable_any_whitespace
 
 
 @dataclass
@@ -45,6 +97,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: Optional[int] = None  # number of top logprobs besides the sampled one
     skip_special_tokens: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -132,7 +132,8 @@ def _explain_compose_error(e: BaseException, overrides: list[str]) -> str:
         return f"unknown profile; available profiles: {', '.join(list_profiles())} (or auto)"
     if "Could not find" in text or "Could not load" in text:
         first = next(ln for ln in lines if "Could not" in ln)
-        for group in ("model", "quantization", "parallel", "scheduler", "cache", "hardware", "server", "speculative"):
+        for group in ("model", "quantization", "parallel", "scheduler", "cache", "hardware", "server", "speculative",
+                      "structured_output"):
             if f"'{group}/" in first:
                 return f"{first}; available {group} options: {', '.join(list_options(group))}"
         return first

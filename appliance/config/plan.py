@@ -147,6 +147,7 @@ class Plan:
     token_budget: int  # tokens per step: the first one when it follows scheduler.target_itl_ms
     token_budget_reason: str
     speculative: str = "off"  # what drafts and how many, in words
+    structured_output: str = ""  # how output constraints compile, in words
     execution: dict[str, Any] = field(default_factory=dict)
     summary: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -259,10 +260,21 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         swap_kv_blocks=swap_blocks,
         **token_budget(cfg, prefill_roofline),
         speculative=describe_speculative(cfg),
+        structured_output=describe_structured_output(cfg),
         execution=ex.to_dict(),
         summary=ex.summary(),
         notes=notes,
     )
+
+
+def describe_structured_output(cfg: ApplianceConfig) -> str:
+    so = cfg.structured_output
+    return (f"{so.backend}: JSON schema, regex, choice, EBNF and forced tool calls compiled on {so.num_threads} "
+            f"thread(s) off the step loop, {so.cache_size_mib} MiB of compiled grammars kept"
+            + ("; compact JSON unless a request allows whitespace" if so.disable_any_whitespace else
+               f"; at most {so.max_json_whitespace} whitespace characters between JSON tokens"
+               if so.max_json_whitespace is not None else "")
+            + f"; tool calls read as {cfg.server.tool_parser}")
 
 
 def describe_speculative(cfg: ApplianceConfig) -> str:
@@ -335,6 +347,7 @@ def format_plan(p: Plan) -> str:
         f"prefill roofline   {p.prefill_roofline_tok_s} tok/s ({p.compute_dtype} peak / 2 x parameters)",
         f"token budget       {p.token_budget} tokens per step ({p.token_budget_reason})",
         f"speculative        {p.speculative}",
+        f"structured output  {p.structured_output}",
         *([f"kv swap space      {p.swap_kv_blocks} blocks in host memory (cache.swap_space_gib)"] if p.swap_kv_blocks else []),
     ]
     lines += [f"note: {n}" for n in p.notes]

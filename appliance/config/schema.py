@@ -63,6 +63,17 @@ class SpecMethod(StrEnum):
     draft_model = "draft_model"
 
 
+class StructuredBackend(StrEnum):
+    xgrammar = "xgrammar"
+    guidance = "guidance"  # vLLM's other backends: refused until built
+    outlines = "outlines"
+
+
+class ToolParser(StrEnum):
+    hermes = "hermes"
+    llama3_json = "llama3_json"
+
+
 class Fallback(StrEnum):
     deny = "deny"
     allow = "allow"
@@ -224,6 +235,10 @@ class ServerConfig:
     core_start_timeout_s: float = 600.0
     cors_origins: list[str] = field(default_factory=list)
     dev_mode: bool = False
+    # How tool calls are read from the model's text under tool_choice=auto:
+    # hermes (<tool_call>{...}</tool_call>, Qwen and SmolLM-style templates) or
+    # llama3_json ({"name": ..., "parameters": ...}, Llama 3.x).
+    tool_parser: ToolParser = ToolParser.hermes
 
 
 @dataclass
@@ -238,6 +253,20 @@ class SpeculativeConfig:
     # (auto: the target's)
     draft_model: Optional[str] = None
     draft_dtype: DType = DType.auto
+
+
+@dataclass
+class StructuredOutputConfig:
+    """Output constraints (response_format, structured_outputs, forced tool calls)."""
+
+    backend: StructuredBackend = StructuredBackend.xgrammar
+    num_threads: int = 2  # grammars compile on these threads, off the step loop
+    cache_size_mib: int = 512  # compiled grammars kept, least recently used dropped first
+    # JSON constraints without free whitespace between tokens, unless a request says otherwise
+    disable_any_whitespace: bool = False
+    # otherwise at most this many whitespace characters between two JSON tokens (null: any number), so a
+    # model cannot pad its JSON with whitespace until max_tokens
+    max_json_whitespace: Optional[int] = 16
 
 
 @dataclass
@@ -258,6 +287,7 @@ class ApplianceConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 
 

@@ -98,11 +98,19 @@ def validate(cfg: ApplianceConfig) -> list[str]:
         ("parallel.data_parallel_size", par.data_parallel_size, 1),
         ("server.max_queue_len", cfg.server.max_queue_len, 1),
         ("server.max_connections", cfg.server.max_connections, 1),
+        ("structured_output.num_threads", cfg.structured_output.num_threads, 1),
+        ("structured_output.cache_size_mib", cfg.structured_output.cache_size_mib, 1),
         ("server.tokenizer_threads", cfg.server.tokenizer_threads, 1),
         ("server.max_core_restarts", cfg.server.max_core_restarts, 0),
     ]:
         if value < low:
             problems.append(f"{key}={value} must be at least {low}")
+    if cfg.structured_output.backend != "xgrammar":
+        problems.append(f"structured_output.backend={cfg.structured_output.backend} is not built yet; "
+                        f"use structured_output.backend=xgrammar")
+    ws = cfg.structured_output.max_json_whitespace
+    if ws is not None and ws < 1:
+        problems.append(f"structured_output.max_json_whitespace={ws} must be at least 1 (or null: unbounded)")
     for key, value in [("cache.swap_space_gib", cache.swap_space_gib), ("cache.cpu_offload_gib", cache.cpu_offload_gib)]:
         if value < 0:
             problems.append(f"{key}={value} must not be negative")

@@ -70,6 +70,7 @@ class StepStats(msgspec.Struct):
     spec_draft_tokens: int = 0  # the draft tokens in them,
     spec_accepted_tokens: int = 0  # how many of those were accepted,
     spec_accepted_per_pos: list[int] = []  # and accepted at each draft position (0 = first)
+    grammar_compile_seconds: list[float] = []  # grammars compiled since the previous stats (each reported once)
 
 
 class SampledLogprob(Protocol):
@@ -87,6 +88,33 @@ class StepOutput(Protocol):
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[Optional[SampledLogprob]]]
     spec_token_ids: dict[str, list[int]]  # drafts proposed for the next step (speculative decoding)
+
+
+class RequestGrammar(Protocol):
+    """One request's output constraint (``structured_output.RequestGrammar``):
+    a matcher that has accepted the request's output tokens."""
+
+    error: Optional[str]  # why compiling failed
+
+    def ready(self) -> bool: ...  # compiled (or failed)
+
+    def accept(self, token_ids: list[int]) -> int: ...  # how many were accepted, in order
+
+    def is_terminated(self) -> bool: ...
+
+    def valid_prefix(self, drafts: list[int]) -> int: ...
+
+
+class GrammarSource(Protocol):
+    """Compiles constraints and masks steps (``structured_output.Grammars``)."""
+
+    def grammar_for(self, params: SamplingParams) -> RequestGrammar: ...  # ValueError: an invalid constraint
+
+    def bitmask(self, entries: list[tuple[str, RequestGrammar, list[int], list[int]]]) -> object: ...
+
+    def wait(self, timeout: float) -> None: ...
+
+    def take_compile_seconds(self) -> list[float]: ...
 
 
 class StepRunner(Protocol):
@@ -111,7 +139,8 @@ class EngineCore:
     MAX_STRIKES = 3  # failed steps a request may be part of before it is ended
 
     def __init__(self, scheduler: Scheduler, runner: StepRunner, tokenizer: PreTrainedTokenizerBase,
-                 eos_token_id: Optional[int], vocab_size: int = 0, token_budget: Optional[TokenBudget] = None):
+                 eos_token_id: Optional[int], vocab_size: int = 0, token_budget: Optional[TokenBudget] = None,
+                 grammars: Optional[GrammarSource] = None):
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
@@ -125,6 +154,8 @@ class EngineCore:
         self._counted_from = (0, 0, 0)  # (preemptions, prefix queries, prefix hits) at reset_stats()
         self._spec = [0, 0, 0]  # drafts, draft tokens, accepted tokens since reset_stats()
         self._spec_per_pos: list[int] = []
+        self.grammars = grammars  # None: requests with structured_outputs are refused
+        self._compiling: dict[str, Request] = {}  # requests waiting for their grammar
 
     def add_request(
         self,
@@ -140,10 +171,17 @@ class EngineCore:
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
         )
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("this engine was built without structured outputs")
+            grammar = self.grammars.grammar_for(params)
         req = Request(request_id, prompt_token_ids, params, eos_token_id=self.eos_token_id,
-                      arrival_time=arrival_time, priority=priority, cache_salt=cache_salt)
+                      arrival_time=arrival_time, priority=priority, cache_salt=cache_salt, grammar=grammar)
         self.scheduler.add_request(req)
         self.detok[request_id] = detok
+        if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            self._compiling[request_id] = req
 
     def _check_token_ids(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         v = self.vocab_size
@@ -182,7 +220,8 @@ class EngineCore:
         p0, q0, h0 = self._counted_from
         return StepStats(len(s.running), len(s.waiting), kv.usage(), s.num_preemptions - p0, kv.stats.queries - q0,
                          kv.stats.hits - h0, iteration_tokens, s.max_num_batched_tokens, *self._spec,
-                         list(self._spec_per_pos))
+                         list(self._spec_per_pos),
+                         self.grammars.take_compile_seconds() if self.grammars is not None else [])
 
     def reset_prefix_cache(self) -> bool:
         """Drop every prefix-cache entry; False (nothing dropped) while requests hold blocks."""
@@ -205,10 +244,15 @@ class EngineCore:
             return deltas
 
     def _step(self) -> list[RequestOutputDelta]:
+        failed_compiles = self._compiled() if self._compiling else []
         alone = self._next_suspect()
         if self.token_budget is not None and alone is None:
             self.scheduler.max_num_batched_tokens = self._next_budget()
         sched_out = self._schedule_alone(alone) if alone is not None else self.scheduler.schedule()
+        if not sched_out.num_scheduled_tokens and self._compiling:
+            self.grammars.wait(0.005)  # nothing to run but grammars to wait for: do not spin
+        if self.grammars is not None:
+            self._mask(sched_out)
         t0 = time.perf_counter()
         try:
             runner_out = self.runner.execute(sched_out)
@@ -220,7 +264,7 @@ class EngineCore:
             self._observe_step(sched_out, time.perf_counter() - t0)
         if alone is not None and (alone in runner_out.sampled_token_ids or alone not in sched_out.num_scheduled_tokens):
             self._suspects.remove(alone)  # it ran on its own to a sample: cleared
-        stopped: dict[str, int] = {}
+        stopped: dict[str, tuple[int, Union[str, int, None]]] = {}
         failed: dict[str, Request] = {}
         for rid, toks in runner_out.sampled_token_ids.items():
             req = self.scheduler.requests.get(rid)
@@ -228,16 +272,24 @@ class EngineCore:
                 continue  # aborted while the step ran
             try:
                 # Text only up to the first stop condition; a stop string cuts at the token that completes it.
-                for j, tok in enumerate(toks[: self.scheduler.num_kept(req, toks)], 1):
+                kept = self.scheduler.num_kept(req, toks)
+                if req.grammar is not None and (ended := self._advance_grammar(req, toks[:kept])):
+                    kept = ended
+                    stopped[rid] = (ended, None)
+                for j, tok in enumerate(toks[:kept], 1):
                     if self.detok[rid].add_tokens([tok]) is not None:
-                        stopped[rid] = j
+                        stopped[rid] = (j, "stop_string")
                         break
             except Exception:
-                log.exception("detokenizing request %s failed", rid)
+                log.exception("processing the tokens of request %s failed", rid)
                 failed[rid] = req
         self._count_spec(sched_out, runner_out.sampled_token_ids)
         updates = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids, stopped,
                                                     getattr(runner_out, "spec_token_ids", None))
+        for u in updates:
+            req = u.request
+            if req.grammar is not None and req.spec_token_ids and not u.finished:
+                del req.spec_token_ids[req.grammar.valid_prefix(req.spec_token_ids):]  # drafts the grammar allows
         deltas = []
         for u in updates:
             req = u.request
@@ -274,7 +326,46 @@ class EngineCore:
         if failed:
             deltas += self._fail([r for r in failed.values() if r is not None])
         self.last_stats = self.stats(sched_out.total_num_scheduled_tokens)
-        return deltas
+        return failed_compiles + deltas
+
+    # -- structured outputs ----------------------------------------------------
+    def _compiled(self) -> list[RequestOutputDelta]:
+        """Requests whose grammar finished compiling become schedulable; one
+        that failed to compile ends with an error (the cause is logged)."""
+        failed = []
+        for rid, req in list(self._compiling.items()):
+            if req.is_finished or req.grammar.ready():
+                del self._compiling[rid]
+                if not req.is_finished and req.grammar.error is not None:
+                    log.error("request %s: its grammar did not compile: %s", rid, req.grammar.error)
+                    failed.append(req)
+        return self._fail(failed) if failed else []
+
+    def _mask(self, sched_out: SchedulerOutput) -> None:
+        """The grammar bitmask of the requests this step samples (a row per
+        sampled position: with drafts, one per draft and one past them)."""
+        requests = self.scheduler.requests
+        entries = []
+        for rid in sched_out.num_scheduled_tokens:
+            req = requests[rid]
+            if req.grammar is not None and req.num_computed_tokens >= req.num_tokens:
+                entries.append((rid, req.grammar, req.output_token_ids,
+                                sched_out.scheduled_spec_decode_tokens.get(rid, [])))
+        if entries:
+            sched_out.grammar_bitmask = self.grammars.bitmask(entries)
+
+    @staticmethod
+    def _advance_grammar(req: Request, tokens: list[int]) -> int:
+        """The matcher takes the tokens the request keeps; returns how many
+        it keeps when the grammar terminates among them (the request then
+        ends there, finish_reason stop), else 0."""
+        g = req.grammar
+        for j, tok in enumerate(tokens, 1):
+            if g.accept([tok]) != 1:
+                raise RuntimeError(f"the grammar refused token {tok}, which its own mask allowed")
+            if g.is_terminated():
+                return j
+        return 0
 
     def _count_spec(self, sched_out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         """Drafts verified this step, and how many of each were accepted (every

@@ -11,12 +11,13 @@ from appliance.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    WAITING_FOR_GRAMMAR = 1  # queued, but its output constraint is still compiling
+    RUNNING = 2
+    PREEMPTED = 3
     # Everything after PREEMPTED is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -38,6 +39,8 @@ class Request:
     being written by the step just scheduled: the scheduler advances it at
     scheduling time, as vLLM V1 does). ``spec_token_ids`` are draft tokens
     scheduled for verification; ``num_tokens_with_spec`` includes them.
+    A request whose grammar is compiling waits in WAITING_FOR_GRAMMAR: it
+    keeps its place in the queue and the scheduler passes it over.
     """
 
     def __init__(
@@ -51,6 +54,7 @@ class Request:
         cache_salt: Optional[str] = None,
         lora_id: Optional[int] = None,
         mm_hashes: Optional[list[tuple[int, int, str]]] = None,
+        grammar: Optional[Any] = None,
     ):
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -74,6 +78,10 @@ class Request:
         self.stop_reason: Any = None
         self.block_hashes: list[Any] = []  # one per full block, chained
         self.first_scheduled_time: Optional[float] = None
+        # the output constraint's state (``core.RequestGrammar``), None when unconstrained
+        self.grammar = grammar
+        if grammar is not None and not grammar.ready():
+            self.status = RequestStatus.WAITING_FOR_GRAMMAR
 
     @property
     def num_prompt_tokens(self) -> int:

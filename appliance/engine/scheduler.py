@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 from appliance.engine.kv_cache.manager import KVCacheManager
 from appliance.engine.request import Request, RequestStatus
@@ -60,6 +60,7 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
+    grammar_bitmask: Any = None  # the structured-output masks of the step (``structured_output.StepBitmask``)
 
 
 @dataclass
@@ -216,7 +217,7 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: _Budget, out: SchedulerOutput) -> None:
         """Phase 2, in queue order: prefix hits first, then new blocks."""
-        skipped: list[Request] = []  # over the partial-prefill limits: they keep their place
+        skipped: list[Request] = []  # over the partial-prefill limits, or compiling: they keep their place
         # Preempted this step: not readmitted. Refreshed on admission only, so a
         # victim of a seat made for a request that is then skipped may be.
         barred = {r.request_id for r in budget.preempted}
@@ -224,6 +225,11 @@ class Scheduler:
             req = self.waiting.peek()
             if req.request_id in barred:
                 break
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                if not req.grammar.ready():
+                    skipped.append(self.waiting.pop())
+                    continue
+                req.status = RequestStatus.WAITING
             if not self._has_seat() and not self._preempt_lower_priority(req, budget, self._has_seat):
                 break
             hits, num_hit_tokens = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
@@ -288,7 +294,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------------
     def update_from_output(self, sched_out: SchedulerOutput, sampled_token_ids: dict[str, list[int]],
-                           stopped_by_caller: Optional[dict[str, int]] = None,
+                           stopped_by_caller: Optional[dict[str, tuple[int, Union[str, int, None]]]] = None,
                            draft_token_ids: Optional[dict[str, list[int]]] = None) -> list[RequestUpdate]:
         """Append sampled tokens and apply stop conditions.
 
@@ -296,10 +302,10 @@ class Scheduler:
         reached the end of its known tokens (a prefill chunk in the middle
         of a prompt samples nothing). With speculative decoding an entry may
         hold several accepted tokens, appended one by one with the stop
-        checks after each. ``stopped_by_caller`` maps a request to the
-        number of this step's tokens to keep when the caller (who sees
-        detokenized text) found a stop string: the tokens after it are not
-        appended. ``draft_token_ids`` are the drafts proposed for the next
+        checks after each. ``stopped_by_caller`` maps a request the caller
+        ends (a stop string in the detokenized text, a grammar that
+        terminated) to (how many of this step's tokens to keep, the stop
+        reason): the tokens after those are not appended. ``draft_token_ids`` are the drafts proposed for the next
         step of requests still running.
         """
         stopped_by_caller = stopped_by_caller or {}
@@ -316,7 +322,8 @@ class Scheduler:
                 req.spec_token_ids = []
             new_tokens: list[int] = []
             status = None
-            for tok in tokens[: stopped_by_caller.get(rid, len(tokens))]:
+            keep, caller_reason = stopped_by_caller.get(rid, (len(tokens), None))
+            for tok in tokens[:keep]:
                 req.append_output_token(tok)
                 new_tokens.append(tok)
                 status, reason = self._stop(req, tok, req.num_output_tokens, req.num_tokens)
@@ -324,7 +331,7 @@ class Scheduler:
                     req.stop_reason = reason
                     break
             if rid in stopped_by_caller and status is None:
-                req.stop_reason = "stop_string"
+                req.stop_reason = caller_reason
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self.running.remove(req)

@@ -17,6 +17,7 @@ from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
+from appliance.sampling_params import StructuredOutputsParams
 from appliance.version import __version__
 from appliance.server.auth import match_key, tenant_salt
 from appliance.server.client import EngineDeadError
@@ -34,7 +35,9 @@ from appliance.server.protocol import (
     sampling_from_body,
     stream_options,
 )
-from appliance.server.responses import chat_body, chat_events, completion_body, completion_events
+from appliance.server.responses import chat_body, chat_events, completion_body, completion_events, tool_output
+from appliance.server.structured import check_constraint, constraint_from_body
+from appliance.server.tools import ToolRequest, parse_tools
 from appliance.server.state import ServerState
 
 __all__ = ["ServerState", "create_app"]
@@ -125,6 +128,14 @@ async def _read_body(request: Request, st: ServerState) -> dict:
     return body
 
 
+async def _constraint(st: ServerState, body: dict, tools: Optional[ToolRequest]) -> Optional[StructuredOutputsParams]:
+    """The request's output constraint, checked on the tokenizer threads (400 when it does not compile)."""
+    so, source = constraint_from_body(body, tools)
+    if so is not None:
+        await asyncio.get_running_loop().run_in_executor(st.tokenize_pool, check_constraint, so, source)
+    return so
+
+
 def _json(body: dict) -> Response:
     return Response(body, media_type="application/json")
 
@@ -140,8 +151,9 @@ async def completions(request: Request) -> Response:
     body = await _read_body(request, st)
     if body.get("suffix"):
         raise OpenAIError(400, "'suffix' is not supported", param="suffix")
-    reject_unsupported(body)
+    reject_unsupported(body, chat=False)
     params, lp_mode = sampling_from_body(body, chat=False, vocab_size=st.cfg.model.vocab_size)
+    params.structured_outputs = await _constraint(st, body, None)
     stream, include_usage = stream_options(body)
     priority, salt = common_extensions(body)
     echo = typed(body, "echo", (bool,), False)
@@ -164,16 +176,19 @@ async def chat_completions(request: Request) -> Response:
     body = await _read_body(request, st)
     reject_unsupported(body)
     params, lp_mode = sampling_from_body(body, chat=True, vocab_size=st.cfg.model.vocab_size)
+    tools = parse_tools(body)
+    params.structured_outputs = await _constraint(st, body, tools)
     stream, include_usage = stream_options(body)
     priority, salt = common_extensions(body)
-    ids, text = await tokenize(st, chat_prompt, body, chat=True)
+    ids, text = await tokenize(st, chat_prompt, body, True, tools.tools if tools is not None else None)
     check_length(st, len(ids), params, "messages")
     g = GenerationRequest([ids], [text], params, stream, include_usage, priority, salt, False, lp_mode)
     gen = Generation(st, g, new_id("chatcmpl"))
     created = now()
+    calls = tool_output(tools, st.cfg.server.tool_parser)
     if not stream:
-        return _json(chat_body(st, gen, created, await gen.collect(request)))
-    return _sse_stream(chat_events(st, gen, created))
+        return _json(chat_body(st, gen, created, await gen.collect(request), calls))
+    return _sse_stream(chat_events(st, gen, created, calls))
 
 
 @get("/v1/models")

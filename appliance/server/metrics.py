@@ -92,6 +92,8 @@ class Metrics:
         self._accepted_per_pos = Counter("appliance:spec_decode_num_accepted_tokens_per_pos",
                                          "Draft tokens accepted, by position in the draft (0 = first)",
                                          labels + ["position"], registry=r)
+        self.grammar_compile_seconds = hist("grammar_compile_seconds", "Time to compile an output constraint's "
+                                            "grammar (a compile-cache miss)", LATENCY_BUCKETS)
         self._logged_stats, self._logged_at = StepStats(), time.monotonic()
 
     def request_success(self, reason: str) -> None:
@@ -113,6 +115,8 @@ class Metrics:
         for pos, accepted in enumerate(new.spec_accepted_per_pos):
             before = old.spec_accepted_per_pos[pos] if pos < len(old.spec_accepted_per_pos) else 0
             self._accepted_per_pos.labels(**self.label_values, position=str(pos)).inc(max(0, accepted - before))
+        for seconds in new.grammar_compile_seconds:
+            self.grammar_compile_seconds.observe(seconds)
         now = time.monotonic()
         if new.prefix_queries < self._logged_stats.prefix_queries or new.spec_drafts < self._logged_stats.spec_drafts:
             self._logged_stats = StepStats()  # the core's counters restarted (reset_stats, a new core)

@@ -5,7 +5,8 @@ length check."""
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Optional, TypeVar
+import json
+from typing import Any, Callable, Optional, TypeVar
 
 from appliance.sampling_params import SamplingParams
 from appliance.server.protocol import MAX_PROMPTS, OpenAIError, typed, token_id_list
@@ -44,11 +45,11 @@ def check_prompt_chars(st: ServerState, body: dict, chat: bool) -> None:
                               code="prompt_too_long")
 
 
-async def tokenize(st: ServerState, build: Callable[[ServerState, dict], T], body: dict, chat: bool) -> T:
-    """``build(st, body)`` (tokenization, chat template) on the tokenizer pool, so
+async def tokenize(st: ServerState, build: Callable[..., T], body: dict, chat: bool, *args: Any) -> T:
+    """``build(st, body, *args)`` (tokenization, chat template) on the tokenizer pool, so
     the event loop keeps streaming while a long prompt is encoded."""
     check_prompt_chars(st, body, chat)
-    return await asyncio.get_running_loop().run_in_executor(st.tokenize_pool, build, st, body)
+    return await asyncio.get_running_loop().run_in_executor(st.tokenize_pool, build, st, body, *args)
 
 
 def completion_prompts(st: ServerState, body: dict) -> tuple[list[list[int]], list[Optional[str]]]:
@@ -83,7 +84,28 @@ def completion_prompts(st: ServerState, body: dict) -> tuple[list[list[int]], li
     return prompts, texts
 
 
-def chat_prompt(st: ServerState, body: dict) -> tuple[list[int], str]:
+def _tool_calls(calls: Any, i: int) -> list[dict]:
+    """An assistant message's ``tool_calls`` for the chat template: arguments
+    as an object where they parse (templates print them as JSON)."""
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise OpenAIError(400, f"'{param}' must be a list", param=param)
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise OpenAIError(400, f"'{param}[{j}]' must be {{'id', 'type': 'function', 'function': {{'name', "
+                                   f"'arguments' (a JSON string)}}}}", param=f"{param}[{j}]")
+        try:
+            args: Any = json.loads(fn["arguments"])
+        except ValueError:
+            args = fn["arguments"]
+        out.append({"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def chat_prompt(st: ServerState, body: dict, tools: Optional[list[dict]] = None) -> tuple[list[int], str]:
+    """The chat template over the messages (and the request's ``tools``)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise OpenAIError(400, "'messages' must be a non-empty list", param="messages")
@@ -107,10 +129,21 @@ def chat_prompt(st: ServerState, body: dict) -> tuple[list[int], str]:
             raise OpenAIError(400, f"messages[{i}].content must be a string or a list of text parts",
                               param=f"messages[{i}].content")
         role = "system" if m["role"] == "developer" else m["role"]
-        conv.append({"role": role, "content": content})
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise OpenAIError(400, f"messages[{i}] (role tool) needs a string 'tool_call_id'",
+                                  param=f"messages[{i}].tool_call_id")
+            msg["tool_call_id"] = call_id
+            if isinstance(m.get("name"), str):
+                msg["name"] = m["name"]
+        conv.append(msg)
     add_gen = typed(body, "add_generation_prompt", (bool,), True)
     try:
-        text = st.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_gen)
+        text = st.tokenizer.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=add_gen)
     except Exception as e:
         raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
     return st.tokenizer.encode(text, add_special_tokens=False), text

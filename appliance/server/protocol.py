@@ -215,14 +215,8 @@ NOT_BUILT = {
     "prediction": "predicted outputs",
     "web_search_options": "web search",
     "reasoning_effort": "reasoning controls",
-    "guided_json": "structured outputs",
-    "guided_regex": "structured outputs",
-    "guided_choice": "structured outputs",
-    "guided_grammar": "structured outputs",
-    "guided_decoding_backend": "structured outputs",
-    "guided_whitespace_pattern": "structured outputs",
-    "structured_outputs": "structured outputs",
-    "structural_tag": "structured outputs",
+    "guided_whitespace_pattern": "a whitespace pattern for structured outputs",
+    "structural_tag": "structural tags",
     "allowed_token_ids": "allowed_token_ids",
     "bad_words": "bad_words",
     "prompt_logprobs": "prompt logprobs",
@@ -238,32 +232,21 @@ NOT_BUILT = {
 }
 
 
-def reject_unsupported(body: dict) -> None:
+def reject_unsupported(body: dict, chat: bool = True) -> None:
     """400 for any field that asks for behaviour not built yet; a field
     at a value that changes nothing (no tools, text output) is accepted."""
     def refuse(param: str, what: str) -> None:
         raise OpenAIError(400, f"'{param}' asks for {what}, which this server does not support yet", param=param,
                           code="unsupported_parameter")
 
-    for tools, choice, what in (("tools", "tool_choice", "tool calling"),
-                                ("functions", "function_call", "function calling")):
-        listed, chosen = body.get(tools), body.get(choice)
-        if listed is not None and not isinstance(listed, list):
-            raise OpenAIError(400, f"'{tools}' must be a list", param=tools)
-        if chosen not in (None, "none", "auto"):
-            refuse(choice, what)
-        if listed and chosen != "none":
-            refuse(tools, what)
-    fmt = body.get("response_format")
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if not isinstance(kind, str):
-            raise OpenAIError(400, "'response_format' must be an object with a string 'type'", param="response_format")
-        if kind in ("json_object", "json_schema", "grammar", "regex", "structural_tag"):
-            refuse("response_format", f"structured output ({kind})")
-        if kind != "text":
-            raise OpenAIError(400, f"'response_format' type {kind[:40]!r} is unknown; 'text' is supported",
-                              param="response_format")
+    if not chat:
+        for key in ("tools", "tool_choice", "functions", "function_call"):
+            if body.get(key) not in (None, [], "none"):
+                raise OpenAIError(400, f"'{key}' is only available on /v1/chat/completions", param=key)
+    backend = body.get("guided_decoding_backend")
+    if backend not in (None, "auto", "xgrammar"):
+        refuse("guided_decoding_backend", f"the structured-output backend {str(backend)[:40]!r} (this server has "
+                                          f"'xgrammar')")
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         refuse("modalities", "output modalities other than ['text']")

@@ -5,6 +5,7 @@ every error is an error event, then ``[DONE]``."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence, Union
 
 from appliance.engine.core import TokenLogprob
@@ -12,6 +13,7 @@ from appliance.engine.parallel_sampling import Child
 from appliance.server.generation import Generation, map_engine_error
 from appliance.server.protocol import usage
 from appliance.server.state import ServerState
+from appliance.server.tools import ContentDelta, ToolCallStream, ToolRequest, extract_tool_calls
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -106,35 +108,96 @@ async def completion_events(st: ServerState, gen: Generation, created: int, echo
 
 
 # -- /v1/chat/completions --------------------------------------------------------
-def chat_body(st: ServerState, gen: Generation, created: int, children: list[Child]) -> dict:
+@dataclass(frozen=True)
+class ToolOutput:
+    """How a request with tools reads calls from its text: ``mode`` auto (the
+    ``parser``'s format, among content), required (a JSON array of calls) or
+    named (the text is ``function``'s arguments)."""
+
+    mode: str
+    parser: str
+    function: Optional[str]
+
+    def stream(self) -> ToolCallStream:
+        return ToolCallStream(self.mode, self.parser, self.function)
+
+    def finish_reason(self, reason: Optional[str], called: bool) -> Optional[str]:
+        """"tool_calls" when calls ended the turn (a forced named call keeps "stop", as OpenAI's)."""
+        return "tool_calls" if called and reason == "stop" and self.mode != "named" else reason
+
+
+def tool_output(tools: Optional[ToolRequest], parser: str) -> Optional[ToolOutput]:
+    if tools is None or tools.choice == "none":
+        return None
+    return ToolOutput(tools.choice, parser, tools.function)
+
+
+def _message(text: str, calls: Optional[ToolOutput]) -> tuple[dict, bool]:
+    if calls is None:
+        return {"role": "assistant", "content": text}, False
+    content, found = extract_tool_calls(calls.mode, calls.parser, calls.function, text)
+    msg: dict = {"role": "assistant", "content": content}
+    if found:
+        msg["tool_calls"] = [c.to_openai() for c in found]
+    return msg, bool(found)
+
+
+def chat_body(st: ServerState, gen: Generation, created: int, children: list[Child],
+              calls: Optional[ToolOutput] = None) -> dict:
     lp_mode = gen.request.logprobs_mode
+    choices = []
+    for c in children:
+        msg, called = _message(c.text, calls)
+        choices.append({"index": c.index, "message": msg,
+                        "logprobs": format_logprobs(st.tokenizer, "chat", c.logprobs, 0) if lp_mode else None,
+                        "finish_reason": calls.finish_reason(c.finish_reason, called) if calls else c.finish_reason})
     return {
         **_head(st, gen, "chat.completion", created),
-        "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": format_logprobs(st.tokenizer, "chat", c.logprobs, 0) if lp_mode else None,
-                     "finish_reason": c.finish_reason} for c in children],
+        "choices": choices,
         "usage": usage(len(gen.request.prompts[0]), sum(c.num_output_tokens for c in children),
                        max((c.num_cached_tokens for c in children), default=0)),
     }
 
 
-async def chat_events(st: ServerState, gen: Generation, created: int) -> AsyncIterator[str]:
+def _chat_deltas(text: str, finished: bool, stream: Optional[ToolCallStream]) -> list[dict]:
+    """The ``delta`` objects of one engine delta: its text, or with tools the
+    content and tool-call deltas the text completes."""
+    if stream is None:
+        return [{"content": text}] if text else []
+    events = stream.feed(text) if text else []
+    if finished:
+        events += stream.finish()
+    return [{"content": e.text} if isinstance(e, ContentDelta) else {"tool_calls": [e.to_openai()]} for e in events]
+
+
+async def chat_events(st: ServerState, gen: Generation, created: int,
+                      calls: Optional[ToolOutput] = None) -> AsyncIterator[str]:
     g = gen.request
     head = _head(st, gen, "chat.completion.chunk", created)
     for k in range(g.params.n):
         yield sse({**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]})
     completion_tokens = 0
+    streams = {k: calls.stream() for k in range(g.params.n)} if calls else {}
     try:
         async for child, d in gen.deltas():
             if d.finished:
                 completion_tokens += d.num_output_tokens
-            if not d.new_text and not d.finished and not d.logprobs:
+            stream = streams.get(child.index)
+            deltas = _chat_deltas(d.new_text, d.finished, stream)
+            if not deltas and not d.finished and not d.logprobs:
                 continue
-            yield sse({**head, "choices": [{
-                "index": child.index, "delta": {"content": d.new_text} if d.new_text else {},
-                "logprobs": format_logprobs(st.tokenizer, "chat", d.logprobs, 0) if g.logprobs_mode else None,
-                "finish_reason": d.finish_reason if d.finished else None}]})
+            deltas = deltas or [{}]
+            reason = d.finish_reason
+            if stream is not None and d.finished:
+                reason = calls.finish_reason(reason, bool(stream.calls))
+            for j, delta in enumerate(deltas):
+                last = j == len(deltas) - 1
+                yield sse({**head, "choices": [{
+                    "index": child.index, "delta": delta,
+                    "logprobs": format_logprobs(st.tokenizer, "chat", d.logprobs, 0) if g.logprobs_mode and j == 0
+                    else None,
+                    "finish_reason": reason if d.finished and last else None}]})
         if g.include_usage:
             yield sse({**head, "choices": [], "usage": usage(len(g.prompts[0]), completion_tokens)})
     except Exception as e:  # after the 200 headers every error is an event, then [DONE]

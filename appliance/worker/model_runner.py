@@ -224,7 +224,7 @@ class ModelRunner:
         for i, s in enumerate(states):
             s.num_computed_tokens = int(seq_lens[i])
         if sampling:
-            self._sample(logits.cpu(), [states[i] for i in sampling], num_drafts, out)
+            self._sample(logits.cpu(), [states[i] for i in sampling], num_drafts, out, so.grammar_bitmask)
         if self.proposer is not None:
             # the real tokens each request now has K/V for (and, for one that sampled, its new last token)
             ends = [len(s.token_ids) if s.req_id in out.sampled_token_ids else int(seq_lens[i])
@@ -245,10 +245,14 @@ class ModelRunner:
         return SampleRequest(s.params, s.token_ids[: s.num_prompt_tokens], outputs, gen, s.stop_ids)
 
     def _sample(self, logits: torch.Tensor, states: list[CachedRequestState], num_drafts: list[int],
-                out: RunnerOutput) -> None:
+                out: RunnerOutput, grammar_bitmask: Any = None) -> None:
         """Rows in order: a plain request's one row, a drafting request's
-        1 + drafts; plain requests are sampled together."""
+        1 + drafts; plain requests are sampled together. Rows of requests
+        with an output constraint are masked to what their grammar allows
+        first."""
         starts = np.concatenate([[0], np.cumsum([1 + nd for nd in num_drafts])])
+        if grammar_bitmask is not None:
+            grammar_bitmask.apply(logits, {s.req_id: int(starts[j]) for j, s in enumerate(states)})
         plain = [j for j, nd in enumerate(num_drafts) if nd == 0]
         if plain:
             tokens, lps = sample(logits[torch.as_tensor(starts[plain])], [self._row(states[j], []) for j in plain], self.generator)

@@ -69,7 +69,11 @@ def _penalize(logits: torch.Tensor, r: SampleRequest) -> None:
         bias = {t: b for t, b in p.logit_bias.items() if 0 <= t < vocab}
         logits[torch.tensor(list(bias), dtype=torch.long)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
     if len(r.output_token_ids) < p.min_tokens and r.stop_ids:
-        logits[[t for t in r.stop_ids if 0 <= t < vocab]] = float("-inf")
+        stops = [t for t in r.stop_ids if 0 <= t < vocab]
+        kept = logits[stops].clone()
+        logits[stops] = float("-inf")
+        if bool(torch.isneginf(logits).all()):  # an output constraint allows nothing else: it wins
+            logits[stops] = kept
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), dtype=torch.long)
         seen = _in_vocab(seen, vocab)
@@ -178,8 +182,10 @@ def _race(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 def _token_logprobs(lp: torch.Tensor, tok: int, k: int) -> TokenLogprobs:
     top = torch.topk(lp, min(k, lp.shape[0])) if k else None
+    # tokens an output constraint masked (-inf) are not candidates
     return TokenLogprobs(tok, float(lp[tok]), int((lp > lp[tok]).sum()) + 1,
-                         list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
+                         [(i, v) for i, v in zip(top.indices.tolist(), top.values.tolist()) if v != float("-inf")]
+                         if top is not None else [])
 
 
 def verify_drafts(logits: torch.Tensor, rows: list[SampleRequest], drafts: list[int],

@@ -194,25 +194,29 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
-    ({"tools": [TOOL]}, "tools"),
-    ({"tools": [TOOL], "tool_choice": "auto"}, "tools"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
-                                                                 "schema": {"type": "object"}}}}, "response_format"),
-    ({"response_format": {"type": "bogus"}}, "response_format"),
-    ({"response_format": "json"}, "response_format"),
-    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ({"modalities": ["audio"]}, "modalities"),
     ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
-    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"structural_tag": {"type": "structural_tag"}}, "structural_tag"),
+    ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"use_beam_search": True}, "use_beam_search"),
 ])
 def test_unbuilt_features_are_400_naming_the_field(server, extra, param):
     err = assert_openai_error(post(server, CHAT, {"messages": MSGS, "max_tokens": 2, **extra}), 400, param)
     assert param in err["message"]
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"response_format": {"type": "bogus"}}, "response_format"),
+    ({"response_format": "json"}, "response_format"),
+    ({"structured_outputs": {"json": 5}}, "structured_outputs.json"),
+    ({"guided_json": {"type": "object", "properties": []}}, "guided_json"),
+])
+def test_malformed_tools_and_constraints_are_400_naming_the_field(server, extra, param):
+    assert_openai_error(post(server, CHAT, {"messages": MSGS, "max_tokens": 2, **extra}), 400, param)
 
 
 @pytest.mark.parametrize("extra", [

@@ -109,11 +109,12 @@ ALLOWED = {
     "kernels": {"errors"},
     "sampling_params": set(),
     "engine": {"sampling_params", "errors"},
+    "structured_output": {"sampling_params"},
     "config": {"errors", "kernels"},
     "models": {"config", "kernels", "errors"},
     "worker": {"engine", "models", "kernels", "sampling_params", "errors"},
-    "server": {"config", "engine", "models", "sampling_params", "errors", "version"},
-    "runner": {"config", "engine", "worker", "models", "kernels", "server", "errors"},
+    "server": {"config", "engine", "models", "sampling_params", "structured_output", "errors", "version"},
+    "runner": {"config", "engine", "worker", "models", "kernels", "server", "structured_output", "errors"},
 }
 
 

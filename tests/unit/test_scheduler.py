@@ -148,7 +148,7 @@ def test_stop_string_decided_by_caller_truncates():
     s = make_scheduler(num_blocks=20)
     s.add_request(make_req("a", [1, 2], max_tokens=10))
     out = s.schedule()
-    upd = s.update_from_output(out, {"a": [5]}, stopped_by_caller={"a": 0})
+    upd = s.update_from_output(out, {"a": [5]}, stopped_by_caller={"a": (0, "stop_string")})
     assert upd[0].finished and upd[0].new_token_ids == [] and upd[0].request.output_token_ids == []
 
 

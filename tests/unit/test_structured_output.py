@@ -1,0 +1,258 @@
+"""Structured outputs: constraints checked at the boundary, bitmask rows
+equal to xgrammar's own matcher (draft rows too, with the matcher rolled
+back), and the engine with constrained requests: outputs hold to their
+constraint, a request compiling its grammar waits without holding others
+back, speculative decoding and n > 1 keep working, a grammar that fails
+to compile ends only its own request."""
+
+import json
+import re
+import threading
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from appliance import LLM, SamplingParams, StructuredOutputsParams
+from appliance.engine.request import RequestStatus
+from appliance.sampling_params import SamplingParamsError
+from appliance.structured_output import Grammars, check, unsupported_schema_features
+
+TINY = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05"]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(overrides=TINY)
+
+
+@pytest.fixture(scope="module")
+def grammars(llm):
+    return Grammars(llm.tokenizer, llm.resolved.cfg.model.vocab_size, [llm.tokenizer.eos_token_id])
+
+
+def compiled(grammars, **constraint):
+    g = grammars.grammar_for(SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)))
+    g._future.result(timeout=60)
+    return g
+
+
+# -- the constraint itself ------------------------------------------------------------
+def test_params_take_exactly_one_constraint():
+    with pytest.raises(SamplingParamsError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(SamplingParamsError, match="got regex, choice"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(SamplingParamsError) as e:
+        StructuredOutputsParams(choice=[])
+    assert e.value.param == "structured_outputs.choice"
+
+
+def test_a_schema_dict_is_keyed_by_its_text_in_its_own_order():
+    a = StructuredOutputsParams(json={"properties": {"b": {}, "a": {}}})
+    assert a.kind == "json" and a.json == '{"properties": {"b": {}, "a": {}}}'  # properties are written in this order
+    assert a.key == StructuredOutputsParams(json=a.json).key
+    assert a.key != StructuredOutputsParams(json={"properties": {"a": {}, "b": {}}}).key
+    assert StructuredOutputsParams(json=a.json, disable_any_whitespace=True).key != a.key
+
+
+@pytest.mark.parametrize("constraint, message", [
+    ({"json": '{"type": "strin"}'}, 'Unsupported type "strin"'),
+    ({"json": '{"type": "object", "properties": 5}'}, "properties must be an object"),
+    ({"json": "{not json"}, "not valid JSON"),
+    ({"regex": "[a-"}, "Unclosed '['"),
+    ({"grammar": 'root ::= "a" | '}, "Expect element"),
+    ({"grammar": "root ::= foo"}, 'Rule "foo" is not defined'),
+])
+def test_invalid_constraints_carry_the_compilers_message(constraint, message):
+    with pytest.raises(SamplingParamsError) as e:
+        check(StructuredOutputsParams(**constraint))
+    assert message in str(e.value) and e.value.param == f"structured_outputs.{next(iter(constraint))}"
+
+
+def test_schema_features_that_would_go_unenforced_are_named():
+    schema = {"type": "object", "properties": {
+        "tags": {"type": "array", "uniqueItems": True, "items": {"type": "string", "format": "color"}},
+        "n": {"type": "number", "multipleOf": 0.5}, "k": {"type": "integer", "multipleOf": 3},
+        "x": {"not": {"type": "string"}}}}
+    assert unsupported_schema_features(schema) == [
+        "'format': 'color' at #/properties/tags/items", "'multipleOf' on a non-integer at #/properties/n",
+        "'not' at #/properties/x", "'uniqueItems' at #/properties/tags"]
+    with pytest.raises(SamplingParamsError, match="cannot enforce: .*uniqueItems"):
+        check(StructuredOutputsParams(json=schema))
+    for ok in (PERSON, {"type": "string", "format": "email"}, {"type": "integer", "multipleOf": 3},
+               {"anyOf": [{"type": "integer"}, {"type": "null"}]}):
+        check(StructuredOutputsParams(json=ok))
+
+
+# -- bitmask rows -------------------------------------------------------------------
+def reference_row(grammars, constraint, tokens):
+    """xgrammar's own matcher after ``tokens``: its next-token bitmask."""
+    m = xgr.GrammarMatcher(grammars._compiler.compile_grammar(check(StructuredOutputsParams(**constraint))))
+    for t in tokens:
+        assert m.accept_token(t)
+    row = xgr.allocate_token_bitmask(1, grammars.vocab_size)
+    m.fill_next_token_bitmask(row, 0)
+    return row[0]
+
+
+def encode(llm, text):
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("constraint, prefix", [
+    ({"json": PERSON}, '{"name": "Al'), ({"regex": r"[0-9]{2}-[a-c]+"}, "12-"),
+    ({"choice": ["Paris", "Parma", "Rome"]}, "Par"), ({"json_object": True}, '{"a": [1, '),
+])
+def test_bitmask_rows_equal_xgrammars_matcher(llm, grammars, constraint, prefix):
+    tokens = encode(llm, prefix)
+    g = compiled(grammars, **constraint)
+    mask = grammars.bitmask([("r", g, tokens, [])])
+    assert mask.rows == {"r": (0, 1)}
+    assert torch.equal(mask.tensor[0], reference_row(grammars, constraint, tokens))
+    assert g.num_accepted == len(tokens)  # synced from the output tokens
+
+
+def test_draft_rows_follow_the_drafts_and_the_matcher_rolls_back(llm, grammars):
+    tokens = encode(llm, '{"name": "')
+    drafts = encode(llm, 'Al", "age')
+    g = compiled(grammars, json=PERSON)
+    mask = grammars.bitmask([("a", g, tokens[:2], []), ("b", g, tokens, drafts)])
+    assert mask.rows == {"a": (0, 1), "b": (1, 1 + len(drafts))}
+    for j in range(len(drafts) + 1):
+        assert torch.equal(mask.tensor[1 + j], reference_row(grammars, {"json": PERSON}, tokens + drafts[:j]))
+    assert g.num_accepted == len(tokens)
+    after = grammars.bitmask([("b", g, tokens, [])])
+    assert torch.equal(after.tensor[0], mask.tensor[1])  # the drafts left no trace
+
+
+def test_only_drafts_the_grammar_allows_are_kept(llm, grammars):
+    g = compiled(grammars, regex="[0-9]+")
+    g.sync(encode(llm, "1"))
+    assert g.valid_prefix(encode(llm, "23")) == len(encode(llm, "23"))
+    assert g.valid_prefix([*encode(llm, "4"), *encode(llm, "x")]) == len(encode(llm, "4"))
+    assert g.num_accepted == 1 and g.accept(encode(llm, "5")) == 1
+
+
+def test_apply_masks_only_the_constrained_rows(llm, grammars):
+    g = compiled(grammars, choice=["Rome"])
+    mask = grammars.bitmask([("c", g, [], [])])
+    logits = torch.zeros(3, grammars.vocab_size)
+    mask.apply(logits, {"c": 1, "other": 0})
+    allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
+    assert allowed and all("Rome".startswith(llm.tokenizer.decode([t])) for t in allowed)
+    assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
+
+
+def test_one_compile_per_constraint_and_compile_times_reported(llm):
+    grammars = Grammars(llm.tokenizer, llm.resolved.cfg.model.vocab_size, [llm.tokenizer.eos_token_id])
+    a = compiled(grammars, regex="[a-z]{3}")
+    b = grammars.grammar_for(SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]{3}")))
+    assert b.ready() and b._future is a._future  # cached
+    assert len(grammars.take_compile_seconds()) == 1 and grammars.take_compile_seconds() == []
+
+
+# -- through the engine -----------------------------------------------------------------
+def constrained(max_tokens=24, temperature=0.0, **constraint):
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=1,
+                          structured_outputs=StructuredOutputsParams(**constraint))
+
+
+def test_outputs_hold_to_their_constraints(llm):
+    params = [constrained(regex=r"[0-9]{3}-[a-z]{2}"), constrained(choice=["alpha", "beta", "gamma"]),
+              constrained(max_tokens=60, json=PERSON), constrained(grammar='root ::= "yes" | "no" | "maybe"'),
+              constrained(temperature=1.0, regex=r"(ab|cd)+!")]
+    outs = llm.generate(["Hello"] * len(params), params, use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", texts[0]), texts
+    assert texts[1] in ("alpha", "beta", "gamma") and texts[3] in ("yes", "no", "maybe"), texts
+    if outs[2].outputs[0].finish_reason == "stop":
+        value = json.loads(texts[2])
+        assert set(value) == {"name", "age"} and 0 <= value["age"] <= 99 and len(value["name"]) <= 8
+    assert all(o.outputs[0].finish_reason == "stop" for i, o in enumerate(outs) if i != 2)
+    assert re.fullmatch(r"(ab|cd)+!", texts[4]) or outs[4].outputs[0].finish_reason == "length"
+
+
+def test_n_samples_each_hold_and_logprobs_stay_finite(llm):
+    p = SamplingParams(n=6, max_tokens=8, temperature=1.0, logprobs=5,
+                       structured_outputs=StructuredOutputsParams(choice=["red", "green", "blue"]))
+    out = llm.generate("Colour:", p, use_tqdm=False)[0]
+    assert all(c.text in ("red", "green", "blue") for c in out.outputs)
+    for c in out.outputs:
+        for lp in c.logprobs:
+            assert lp.logprob > float("-inf") and all(v > float("-inf") for _, v in lp.top)
+
+
+def test_stop_strings_and_min_tokens_beside_a_grammar(llm):
+    first, second = llm.generate(["x", "x"], [SamplingParams(max_tokens=8, stop=[";"], temperature=0,
+                                                             structured_outputs=StructuredOutputsParams(regex="ab;cd")),
+                                              SamplingParams(max_tokens=8, min_tokens=3, temperature=0, structured_outputs=
+                                                             StructuredOutputsParams(choice=["ok"]))], use_tqdm=False)
+    assert first.outputs[0].text == "ab" and first.outputs[0].stop_reason == "stop_string"
+    # the grammar allows nothing but the end after "ok": it wins over min_tokens
+    assert second.outputs[0].text == "ok" and second.outputs[0].finish_reason == "stop"
+
+
+def test_a_compiling_request_waits_without_holding_others_back(llm, monkeypatch):
+    engine = llm.engine
+    release = threading.Event()
+    real = engine.grammars._compile
+    monkeypatch.setattr(engine.grammars, "_compile", lambda g: (release.wait(60), real(g))[1])
+    ids = encode(llm, "Hello")
+    engine.add_request("slow", ids, constrained(regex="[0-9]{40}z"))
+    engine.add_request("free", ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert engine.scheduler.requests["slow"].status == RequestStatus.WAITING_FOR_GRAMMAR
+    done = {}
+    for _ in range(20):
+        for d in engine.step():
+            if d.finished:
+                done[d.request_id] = d
+        if "free" in done:
+            break
+    assert "free" in done and "slow" not in done
+    assert engine.scheduler.requests["slow"].status == RequestStatus.WAITING_FOR_GRAMMAR
+    release.set()
+    text, reason = "", None
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            text += d.new_text
+            reason = d.finish_reason
+    assert re.fullmatch(r"[0-9]{24}", text) and reason == "length"
+
+
+def test_a_grammar_that_fails_to_compile_ends_only_its_request(llm, monkeypatch):
+    engine = llm.engine
+
+    def fail(grammar):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(engine.grammars, "_compile", fail)
+    ids = encode(llm, "Hello")
+    engine.add_request("bad", ids, constrained(regex="never-compiled-[0-9]"))
+    engine.add_request("good", ids, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({d.request_id: d.finish_reason for d in engine.step() if d.finished})
+    assert finished == {"bad": "error", "good": "length"}
+
+
+def test_an_invalid_constraint_is_refused_at_admission(llm):
+    with pytest.raises(ValueError, match="Unclosed"):
+        llm.engine.add_request("r", encode(llm, "x"), constrained(regex="(["))
+    assert "r" not in llm.engine.scheduler.requests
+
+
+@pytest.mark.parametrize("spec", [["speculative=ngram"],
+                                  ["speculative=draft_model", "speculative.draft_model=tiny_random"]])
+def test_speculative_decoding_keeps_a_constrained_output_unchanged(spec):
+    prompt = "one two three one two three one two three"
+    params = [constrained(max_tokens=30, regex=r"(one |two |three )+"),
+              constrained(max_tokens=30, json={"type": "array", "items": {"enum": ["one", "two", "three"]},
+                                               "maxItems": 6}, disable_any_whitespace=True)]
+    plain = [o.outputs[0].text for o in LLM(overrides=TINY).generate([prompt] * 2, params, use_tqdm=False)]
+    spec_llm = LLM(overrides=[*TINY, *spec])
+    assert [o.outputs[0].text for o in spec_llm.generate([prompt] * 2, params, use_tqdm=False)] == plain
+    assert spec_llm.engine.stats().spec_drafts > 0
