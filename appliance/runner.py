@@ -13,7 +13,7 @@ imports it.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from appliance.config.compose import ResolvedConfig
 from appliance.config.deployment import PROMPT_CHARS_PER_TOKEN, Deployment, ExecutorLayout
@@ -216,9 +216,20 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
         proposer = _draft_proposer(cfg, ex, tokenizer, num_blocks, dtype, kv_dtype, device, mml)
     runner = ModelRunner(model, backend, num_blocks, cfg.cache.block_size, mml, s.max_num_seqs, dtype,
                          kv_dtype, device, eos, seed=m.seed, proposer=proposer,
-                         disable_spec_above=spec.disable_by_batch_size)
+                         disable_spec_above=spec.disable_by_batch_size, bitmask_kernel=_bitmask_kernel(ex.backend))
     return EngineCore(scheduler, runner, tokenizer, eos, vocab_size=m.vocab_size, token_budget=budget,
                       grammars=_grammars(cfg, tokenizer, eos)), tokenizer
+
+
+def _bitmask_kernel(backend: str) -> Optional[Callable]:
+    """The kernel that masks constrained logits rows (sampling runs on host
+    logits): the native one where the native kernels are loaded, else None
+    (xgrammar's)."""
+    if backend != "cpu_native":
+        return None
+    from appliance.kernels.cpu_native import apply_token_bitmask
+
+    return apply_token_bitmask
 
 
 def _grammars(cfg: Any, tokenizer: Any, eos: Optional[int]):

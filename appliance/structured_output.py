@@ -32,7 +32,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from appliance.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 
@@ -191,19 +191,23 @@ class StepBitmask:
         self.rows = rows  # rid -> (first row, number of rows)
         self.vocab_size = vocab_size
 
-    def apply(self, logits: torch.Tensor, logit_rows: dict[str, int]) -> None:
-        """Mask ``logits`` in place; ``logit_rows[rid]`` is the first logits row of that request."""
+    def apply(self, logits: torch.Tensor, logit_rows: dict[str, int], kernel: Optional[Callable] = None) -> None:
+        """Mask ``logits`` in place; ``logit_rows[rid]`` is the first logits row of that request.
+        ``kernel(logits, bitmask, [(logits row, bitmask row), ...], vocab_size)``
+        masks fp32 CPU logits when given (the native one); xgrammar's kernel
+        masks them otherwise."""
         import torch
 
-        src, dst = [], []
-        for rid, (first, n) in self.rows.items():
-            if rid in logit_rows:
-                src.extend(range(first, first + n))
-                dst.extend(range(logit_rows[rid], logit_rows[rid] + n))
-        if not dst:
+        pairs = [(logit_rows[rid] + j, first + j) for rid, (first, n) in self.rows.items() if rid in logit_rows
+                 for j in range(n)]
+        if not pairs:
             return
+        if kernel is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
+            kernel(logits, self.tensor, pairs, self.vocab_size)
+            return
+        dst = [d for d, _ in pairs]
         full = torch.full((logits.shape[0], self.tensor.shape[1]), -1, dtype=torch.int32)
-        full[dst] = self.tensor[src]
+        full[dst] = self.tensor[[s for _, s in pairs]]
         _xgr().apply_token_bitmask_inplace(logits, full.to(logits.device), vocab_size=self.vocab_size, indices=dst)
 
 

@@ -81,6 +81,8 @@ _LIB.appl_bf16_dot.argtypes = [ctypes.c_int]
 _LIB.appl_bf16_dot.restype = ctypes.c_int
 _LIB.appl_avx512.argtypes = [ctypes.c_int]
 _LIB.appl_avx512.restype = ctypes.c_int
+_LIB.appl_apply_token_bitmask.argtypes = [_p, _i64, _p, _i64, _p, ctypes.c_int, _i64]
+_LIB.appl_apply_token_bitmask.restype = None
 
 PHASES = ("norm", "qkv", "rope_kv_write", "attention", "o_proj", "gate_up", "silu_mul", "down", "lm_head")
 
@@ -113,6 +115,32 @@ def avx512(enabled: Optional[bool] = None) -> bool:
     Both sum in fp32; only the order differs. ``enabled`` switches it; on is
     refused, returning False, where the CPU lacks it."""
     return bool(_LIB.appl_avx512(-1 if enabled is None else int(enabled)))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[tuple[int, int]],
+                        vocab_size: int) -> None:
+    """Structured outputs' mask, in place: for each (logits row, bitmask
+    row) in ``rows``, the first ``vocab_size`` logits of that row whose bit
+    is clear in the packed int32 ``bitmask`` row (xgrammar's layout: bit b of
+    word w is token 32 w + b) become -inf; the same result as xgrammar's
+    ``apply_token_bitmask_inplace``, in one pass over each row."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"the native bitmask needs 2-d fp32 CPU logits with unit stride; got {logits.dtype} "
+                         f"{tuple(logits.shape)} on {logits.device}")
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or not bitmask.is_contiguous():
+        raise ValueError("the bitmask must be a contiguous 2-d int32 tensor")
+    if vocab_size > min(logits.shape[1], 32 * bitmask.shape[1]):
+        raise ValueError(f"vocab_size {vocab_size} exceeds the logits ({logits.shape[1]}) or the bitmask "
+                         f"({32 * bitmask.shape[1]})")
+    for dst, src in rows:
+        if not (0 <= dst < logits.shape[0] and 0 <= src < bitmask.shape[0]):
+            raise IndexError(f"row pair {(dst, src)} is outside the logits ({logits.shape[0]}) or the bitmask "
+                             f"({bitmask.shape[0]})")
+    if not rows:
+        return
+    pairs = torch.tensor(rows, dtype=torch.int32)
+    _LIB.appl_apply_token_bitmask(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.shape[1],
+                                  pairs.data_ptr(), len(rows), vocab_size)
 
 
 if os.environ.get("APPLIANCE_CPU_BF16_DOT") == "0":

@@ -12,6 +12,7 @@ KINDS = {
     "latency": "appliance.bench.latency",
     "prefix": "appliance.bench.prefix",
     "spec": "appliance.bench.spec",
+    "structured": "appliance.bench.structured",
 }
 
 

@@ -87,6 +87,7 @@ class ModelRunner:
         seed: int = 0,
         proposer: Optional[Any] = None,
         disable_spec_above: Optional[int] = None,
+        bitmask_kernel: Optional[Callable] = None,
     ):
         arch = model.arch
         self.model = model
@@ -95,6 +96,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.device = device
         self.eos_token_id = eos_token_id
+        self.bitmask_kernel = bitmask_kernel  # masks constrained logits rows (None: xgrammar's kernel)
         shape = backend.kv_cache_shape(num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(arch.num_layers)]
         self.max_blocks_per_req = -(-max_model_len // block_size)
@@ -252,7 +254,8 @@ class ModelRunner:
         first."""
         starts = np.concatenate([[0], np.cumsum([1 + nd for nd in num_drafts])])
         if grammar_bitmask is not None:
-            grammar_bitmask.apply(logits, {s.req_id: int(starts[j]) for j, s in enumerate(states)})
+            grammar_bitmask.apply(logits, {s.req_id: int(starts[j]) for j, s in enumerate(states)},
+                                  self.bitmask_kernel)
         plain = [j for j, nd in enumerate(num_drafts) if nd == 0]
         if plain:
             tokens, lps = sample(logits[torch.as_tensor(starts[plain])], [self._row(states[j], []) for j in plain], self.generator)

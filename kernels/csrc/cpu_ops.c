@@ -1245,3 +1245,34 @@ void appl_forward(const Model *M, const Step *S) {
     appl_linear(&M->lm_head, h, hid, S->logits, M->vocab, S->n_logits, 0);
     g_phase[PH_LM_HEAD] += now_s() - t_lm;
 }
+
+/* ---- grammar bitmask ----
+ * Structured outputs mask each constrained logits row to the tokens its
+ * grammar allows: bit b of word w of a packed int32 bitmask row (xgrammar's
+ * layout) allows token 32 w + b. rows[i] = (logits row, bitmask row); only
+ * the first `vocab` logits of a row are read. A word that allows all 32
+ * tokens is skipped; the others are written eight lanes at a time (each
+ * lane's bit tested in a vector, -inf blended in where it is clear). */
+void appl_apply_token_bitmask(float *logits, int64_t ld_logits, const int32_t *bitmask, int64_t ld_bitmask,
+                              const int32_t *rows, int n_rows, int64_t vocab) {
+    const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i zero = _mm256_setzero_si256();
+    for (int i = 0; i < n_rows; i++) {
+        float *row = logits + (int64_t)rows[2 * i] * ld_logits;
+        const int32_t *bits = bitmask + (int64_t)rows[2 * i + 1] * ld_bitmask;
+        const int64_t full_words = vocab / 32;
+        for (int64_t w = 0; w < full_words; w++) {
+            const uint32_t word = (uint32_t)bits[w];
+            if (word == 0xFFFFFFFFu) continue;
+            float *out = row + w * 32;
+            for (int q = 0; q < 4; q++) {
+                const __m256i lanes = _mm256_and_si256(_mm256_set1_epi32((int32_t)(word >> (8 * q))), lane_bit);
+                const __m256 clear = _mm256_castsi256_ps(_mm256_cmpeq_epi32(lanes, zero));
+                _mm256_storeu_ps(out + 8 * q, _mm256_blendv_ps(_mm256_loadu_ps(out + 8 * q), neg_inf, clear));
+            }
+        }
+        for (int64_t t = full_words * 32; t < vocab; t++) /* a vocabulary that is not a multiple of 32 */
+            if (!(((uint32_t)bits[t / 32] >> (t % 32)) & 1u)) row[t] = -INFINITY;
+    }
+}

@@ -100,3 +100,25 @@ def test_spec(out, cli):
         assert both["plain"]["output_tokens"] == both["spec"]["output_tokens"] > 0  # greedy: the same tokens
         assert both["speedup"] > 0 and "drafts" not in both["plain"]
     assert (out / "spec.png").stat().st_size > 0
+
+
+def test_structured(out, cli):
+    r = cli("bench", "structured", *TINY, "--max-tokens", "12", "--concurrency", "1,2", "--num-prompts", "2",
+            "--repeat", "1", "--compiles", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    res = load(out, "structured")
+    assert set(res["runs"]) == {"c=1", "c=2"} and res["target"]["met"] is None  # no 8-concurrent level
+    for both in res["runs"].values():
+        for name in ("plain", "json"):
+            run = both[name]
+            assert run["requests"] == 2 and 0 < run["output_tokens"] <= 2 * 12 and run["output_tok_s"] > 0
+            assert run["mean_output_len"] == pytest.approx(run["output_tokens"] / 2) and run["ms_per_output_token"] > 0
+            assert run["grammar_compiles_during_run"] == 0  # the schema was compiled before the timed runs
+            assert 1 <= run["max_running"] <= 2
+        assert both["json"]["valid_json"] <= both["json"]["ended_by_grammar"] <= 2
+        assert both["ratio"] == pytest.approx(both["json"]["output_tok_s"] / both["plain"]["output_tok_s"])
+    comp = res["compile"]
+    assert len(comp["cold"]["all_ms"]) == len(comp["cold_compile_thread"]["all_ms"]) == 2
+    assert comp["cold"]["median_ms"] > 0 and comp["cached"]["max_ms"] >= 0 and comp["cached_recompiles"] == 0
+    assert len(res["first_compile_ms"]) == 1
+    assert res["host"]["cpu_isa"] is not None and (out / "structured.png").stat().st_size > 0

@@ -137,14 +137,55 @@ def test_only_drafts_the_grammar_allows_are_kept(llm, grammars):
     assert g.num_accepted == 1 and g.accept(encode(llm, "5")) == 1
 
 
-def test_apply_masks_only_the_constrained_rows(llm, grammars):
+def native_bitmask():
+    return pytest.importorskip("appliance.kernels.cpu_native",
+                               reason="the native CPU kernels do not build here").apply_token_bitmask
+
+
+@pytest.mark.parametrize("kernel", ["xgrammar", "native"])
+def test_apply_masks_only_the_constrained_rows(llm, grammars, kernel):
     g = compiled(grammars, choice=["Rome"])
     mask = grammars.bitmask([("c", g, [], [])])
     logits = torch.zeros(3, grammars.vocab_size)
-    mask.apply(logits, {"c": 1, "other": 0})
+    mask.apply(logits, {"c": 1, "other": 0}, native_bitmask() if kernel == "native" else None)
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     assert allowed and all("Rome".startswith(llm.tokenizer.decode([t])) for t in allowed)
     assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
+
+
+@pytest.mark.parametrize("vocab", [32, 100, 1000, 49152])
+def test_the_native_mask_equals_xgrammars(vocab):
+    """Random rows of whole, empty and mixed words, rows taken out of order,
+    logits wider than the vocabulary (the padding stays as it was)."""
+    apply = native_bitmask()
+    gen = torch.Generator().manual_seed(vocab)
+    words = -(-vocab // 32)
+    bitmask = torch.randint(-2**31, 2**31, (5, words), dtype=torch.int32, generator=gen)
+    bitmask[0] = -1
+    bitmask[1] = 0
+    bitmask[2, ::3] = 0
+    bitmask[3, ::2] = -1
+    logits = torch.randn(7, vocab + 5, generator=gen)
+    pairs = [(6, 2), (0, 4), (3, 0), (1, 1), (4, 3), (2, 2)]
+    ref = logits.clone()
+    full = torch.full((7, words), -1, dtype=torch.int32)
+    full[[d for d, _ in pairs]] = bitmask[[s for _, s in pairs]]
+    xgr.apply_token_bitmask_inplace(ref, full, vocab_size=vocab, indices=[d for d, _ in pairs])
+    apply(logits, bitmask, pairs, vocab)
+    assert torch.equal(logits, ref)
+    assert torch.isinf(logits[1, :vocab]).all() and torch.isfinite(logits[1, vocab:]).all()
+    assert torch.isfinite(logits[5]).all()  # a row no pair names
+
+
+def test_the_native_mask_refuses_what_it_cannot_read():
+    apply = native_bitmask()
+    bitmask = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="fp32"):
+        apply(torch.zeros(2, 128, dtype=torch.float64), bitmask, [(0, 0)], 128)
+    with pytest.raises(ValueError, match="exceeds"):
+        apply(torch.zeros(2, 128), bitmask, [(0, 0)], 129)
+    with pytest.raises(IndexError):
+        apply(torch.zeros(2, 128), bitmask, [(2, 0)], 128)
 
 
 def test_one_compile_per_constraint_and_compile_times_reported(llm):
@@ -162,6 +203,8 @@ def constrained(max_tokens=24, temperature=0.0, **constraint):
 
 
 def test_outputs_hold_to_their_constraints(llm):
+    runner = llm.engine.runner
+    assert (runner.bitmask_kernel is not None) == (runner.backend.name == "cpu_native")  # the native mask there
     params = [constrained(regex=r"[0-9]{3}-[a-z]{2}"), constrained(choice=["alpha", "beta", "gamma"]),
               constrained(max_tokens=60, json=PERSON), constrained(grammar='root ::= "yes" | "no" | "maybe"'),
               constrained(temperature=1.0, regex=r"(ab|cd)+!")]
