@@ -129,31 +129,99 @@ def compose(resolved: ResolvedConfig, *, here: bool = True, device: Optional[Dev
         max_model_len=mml,
         max_prompt_chars=cfg.server.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * mml,
         layout=ExecutorLayout(par.tensor_parallel_size, par.pipeline_parallel_size, par.data_parallel_size,
-                              plan.parallel["expert_parallel_size"]),
+                              plan.parallel["expert_parallel_size"], executor_kind(cfg)),
     )
 
 
+def executor_kind(cfg: ApplianceConfig) -> str:
+    """What runs the ranks: ``parallel.executor``, where ``auto`` is ``uni``
+    for one rank and ``mp`` for more."""
+    par = cfg.parallel
+    if par.executor != "auto":
+        return par.executor
+    world = par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
+    return "uni" if world == 1 else "mp"
+
+
 def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenizerBase]:
-    """Model, backend, KV cache, scheduler and engine core for ``deployment``.
+    """Model, backend, KV cache, scheduler and engine core for ``deployment``:
+    the model runner in this process (executor ``uni``), or an executor over
+    a worker process per tensor-parallel rank (``mp``, ``worker.executor``),
+    each building its part with ``build_rank_runner``.
 
     Returns (EngineCore, tokenizer)."""
-    import torch
-
     from appliance.engine.core import EngineCore
     from appliance.engine.kv_cache.manager import KVCacheManager
     from appliance.engine.scheduler import Scheduler
     from appliance.engine.token_budget import TokenBudget
+
+    cfg = deployment.cfg
+    if deployment.layout.executor == "mp":
+        from appliance.models.loader import load_tokenizer
+        from appliance.worker.executor import MultiprocExecutor
+
+        tokenizer = load_tokenizer(cfg.model)
+        runner: Any = MultiprocExecutor(deployment, build_rank_runner, deployment.layout.tensor_parallel_size,
+                                        cfg.parallel.step_timeout_s)
+    else:
+        runner, tokenizer = _model_runner(deployment)
+    num_blocks, mml = deployment.num_kv_blocks, deployment.max_model_len
+    kv = KVCacheManager(num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
+                        cfg.cache.prefix_caching_hash_algo)
+    s = cfg.scheduler
+    plan = deployment.plan
+    budget = None
+    if s.target_itl_ms is not None:
+        budget = TokenBudget(s.target_itl_ms, plan.token_budget, s.max_num_batched_tokens)
+    scheduler = Scheduler(
+        kv,
+        max_num_batched_tokens=plan.token_budget,
+        max_num_seqs=s.max_num_seqs,
+        max_model_len=mml,
+        policy=s.policy,
+        enable_chunked_prefill=s.enable_chunked_prefill,
+        long_prefill_token_threshold=s.long_prefill_token_threshold,
+        max_num_partial_prefills=s.max_num_partial_prefills,
+        max_long_partial_prefills=s.max_long_partial_prefills,
+        # a draft model writes its K/V at the positions of its drafts, past the step
+        num_lookahead_tokens=cfg.speculative.num_speculative_tokens if cfg.speculative.method == "draft_model" else 0,
+    )
+    eos = tokenizer.eos_token_id
+    return EngineCore(scheduler, runner, tokenizer, eos, vocab_size=cfg.model.vocab_size, token_budget=budget,
+                      grammars=_grammars(cfg, tokenizer, eos)), tokenizer
+
+
+def build_rank_runner(deployment: Deployment, rank: int, comm: Any) -> Any:
+    """Rank ``rank``'s model runner of a tensor-parallel deployment: its part
+    of the model (``comm`` runs the collectives between the ranks), its KV
+    heads' cache. Runs in that rank's worker process."""
+    from appliance.models.llama import TensorParallel
+
+    size = deployment.layout.tensor_parallel_size
+    return _model_runner(deployment, TensorParallel(rank, size, comm) if size > 1 else None)[0]
+
+
+def _model_runner(deployment: Deployment, tp: Any = None) -> tuple[Any, PreTrainedTokenizerBase]:
+    """The model (one rank's part with ``tp``), quantized as configured, on
+    its attention backend, in a ``ModelRunner`` with the KV cache; and the
+    tokenizer."""
+    import torch
+
     from appliance.kernels.registry import load_backend
     from appliance.models.loader import load_model
+    from appliance.models.llama import ModelArch, shard_arch
     from appliance.worker.model_runner import ModelRunner
 
     cfg, ex = deployment.cfg, deployment.execution
     dtype = getattr(torch, ex.dtype)
-    device = torch.device(deployment.device)
+    device = torch.device(deployment.device if tp is None or deployment.device == "cpu" else f"cuda:{tp.rank}")
     m = cfg.model
-    backend = load_backend(ex.backend)(m.num_heads, m.num_kv_heads, m.head_dim, m.head_dim ** -0.5,
-                                       ex.kv_cache_dtype)
-    model, tokenizer, _ = load_model(m, backend, dtype, device, cfg.quantization.method)
+    heads, kv_heads = m.num_heads, m.num_kv_heads
+    if tp is not None:
+        local = shard_arch(ModelArch.from_model_config(m), tp.size)
+        heads, kv_heads = local.num_heads, local.num_kv_heads
+    backend = load_backend(ex.backend)(heads, kv_heads, m.head_dim, m.head_dim ** -0.5, ex.kv_cache_dtype)
+    model, tokenizer, _ = load_model(m, backend, dtype, device, cfg.quantization.method, tp)
     if cfg.quantization.method == "int8_wo":
         from appliance.models.quant import quantize_int8_weight_only
 
@@ -184,27 +252,6 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
                 module.pack_rows()
     model.to(device)  # modules a quantization method built from host tensors
     num_blocks, mml = deployment.num_kv_blocks, deployment.max_model_len
-    kv = KVCacheManager(num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
-                        cfg.cache.prefix_caching_hash_algo)
-    s = cfg.scheduler
-    plan = deployment.plan
-    budget = None
-    if s.target_itl_ms is not None:
-        budget = TokenBudget(s.target_itl_ms, plan.token_budget, s.max_num_batched_tokens)
-    scheduler = Scheduler(
-        kv,
-        max_num_batched_tokens=plan.token_budget,
-        max_num_seqs=s.max_num_seqs,
-        max_model_len=mml,
-        policy=s.policy,
-        enable_chunked_prefill=s.enable_chunked_prefill,
-        long_prefill_token_threshold=s.long_prefill_token_threshold,
-        max_num_partial_prefills=s.max_num_partial_prefills,
-        max_long_partial_prefills=s.max_long_partial_prefills,
-        # a draft model writes its K/V at the positions of its drafts, past the step
-        num_lookahead_tokens=cfg.speculative.num_speculative_tokens if cfg.speculative.method == "draft_model" else 0,
-    )
-    eos = tokenizer.eos_token_id
     kv_dtype = backend.cache_dtype(ex.kv_cache_dtype, dtype)
     spec = cfg.speculative
     proposer = None
@@ -214,11 +261,10 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, mml)
     elif spec.method == "draft_model":
         proposer = _draft_proposer(cfg, ex, tokenizer, num_blocks, dtype, kv_dtype, device, mml)
-    runner = ModelRunner(model, backend, num_blocks, cfg.cache.block_size, mml, s.max_num_seqs, dtype,
-                         kv_dtype, device, eos, seed=m.seed, proposer=proposer,
+    runner = ModelRunner(model, backend, num_blocks, cfg.cache.block_size, mml, cfg.scheduler.max_num_seqs, dtype,
+                         kv_dtype, device, tokenizer.eos_token_id, seed=m.seed, proposer=proposer,
                          disable_spec_above=spec.disable_by_batch_size, bitmask_kernel=_bitmask_kernel(ex.backend))
-    return EngineCore(scheduler, runner, tokenizer, eos, vocab_size=m.vocab_size, token_budget=budget,
-                      grammars=_grammars(cfg, tokenizer, eos)), tokenizer
+    return runner, tokenizer
 
 
 def _bitmask_kernel(backend: str) -> Optional[Callable]:

@@ -49,9 +49,10 @@ def run_ours(llm: Any, prompts: list[list[int]], output_len: int, repeat: int = 
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     res = {"elapsed_s": elapsed, "runs_elapsed_s": [r[0] for r in runs], "output_tokens": out_tokens, "steps": steps,
            "output_tok_s": out_tokens / elapsed, "total_tok_s": (out_tokens + sum(map(len, prompts))) / elapsed,
-           "requests_s": len(prompts) / elapsed, "attention_backend": llm.engine.runner.backend.name}
-    phases = _native_phases(reset=True)
-    if phases and llm.engine.runner.backend.name == "cpu_native":
+           "requests_s": len(prompts) / elapsed, "attention_backend": llm.deployment.execution.backend,
+           "executor": llm.deployment.layout.executor, "tensor_parallel_size": llm.deployment.layout.tensor_parallel_size}
+    phases = _native_phases(reset=True)  # of this process: a model run by worker processes reports none
+    if phases and llm.deployment.execution.backend == "cpu_native" and llm.deployment.layout.executor == "uni":
         res["native_phases_s"] = {k: v / repeat for k, v in phases.items()}  # mean per run
     return res
 

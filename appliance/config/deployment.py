@@ -21,13 +21,15 @@ PROMPT_CHARS_PER_TOKEN = 16  # server.max_prompt_chars=null: this many character
 
 @dataclass(frozen=True)
 class ExecutorLayout:
-    """How many devices of each kind of parallelism the engine spans. One
-    device each today; the parallel executors fill these in."""
+    """How many devices of each kind of parallelism the engine spans, and
+    what runs the ranks: ``uni`` (the model in the engine's process) or
+    ``mp`` (a worker process per rank, ``worker.executor``)."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     expert_parallel_size: int = 1
+    executor: str = "uni"
 
     @property
     def world_size(self) -> int:

@@ -51,6 +51,13 @@ class Policy(StrEnum):
     priority = "priority"
 
 
+class ParallelExecutor(StrEnum):
+    auto = "auto"  # uni for one rank, mp for more
+    uni = "uni"  # the model in the engine's own process (one rank)
+    mp = "mp"  # a worker process per rank on this host
+    ray = "ray"  # Ray actors (not built yet)
+
+
 class DeviceKind(StrEnum):
     cpu = "cpu"
     cuda = "cuda"
@@ -138,6 +145,10 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    executor: ParallelExecutor = ParallelExecutor.auto
+    # How long the engine waits for the ranks' result of one step before it
+    # declares the engine dead (loading may take 600 s, or this if longer).
+    step_timeout_s: float = 300.0
 
 
 @dataclass

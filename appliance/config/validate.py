@@ -215,6 +215,18 @@ def validate(cfg: ApplianceConfig) -> list[str]:
         )
     if par.pipeline_parallel_size > m.num_layers:
         problems.append(f"parallel.pipeline_parallel_size={par.pipeline_parallel_size} exceeds model.num_layers={m.num_layers}")
+    if par.executor == "uni" and world > 1:
+        problems.append(f"parallel.executor=uni runs one rank, and the layout has {world}; use parallel.executor=mp "
+                        f"(or auto)")
+    if not par.step_timeout_s > 0:
+        problems.append(f"parallel.step_timeout_s={par.step_timeout_s} must be positive")
+    kv_heads, tp = m.num_kv_heads, par.tensor_parallel_size
+    if kv_heads % tp and tp % kv_heads:
+        problems.append(f"model.num_kv_heads={kv_heads} and parallel.tensor_parallel_size={tp}: one must divide the "
+                        f"other (KV heads split across ranks, or each replicated on tp / kv ranks)")
+    if m.intermediate_size % tp:
+        problems.append(f"model.intermediate_size={m.intermediate_size} is not divisible by "
+                        f"parallel.tensor_parallel_size={tp}")
     if par.enable_expert_parallel and par.tensor_parallel_size * par.data_parallel_size == 1:
         problems.append("parallel.enable_expert_parallel needs tp x dp > 1 (EP width = dp x tp)")
 

@@ -117,6 +117,13 @@ class GrammarSource(Protocol):
     def take_compile_seconds(self) -> list[float]: ...
 
 
+class EngineDeadError(RuntimeError):
+    """The model side cannot run steps any more (a worker process died, or
+    a step outlasted its timeout, e.g. a hung collective): no request's
+    fault, and no retry helps; the engine stops (a server's supervisor
+    starts a new core)."""
+
+
 class StepRunner(Protocol):
     """The model side of a step (``worker.model_runner.ModelRunner``)."""
 
@@ -237,6 +244,8 @@ class EngineCore:
     def step(self) -> list[RequestOutputDelta]:
         try:
             return self._step()
+        except EngineDeadError:
+            raise
         except Exception:
             log.exception("engine step failed outside any one request; ending every request")
             deltas = self._fail(list(self.scheduler.requests.values()))
@@ -256,6 +265,8 @@ class EngineCore:
         t0 = time.perf_counter()
         try:
             runner_out = self.runner.execute(sched_out)
+        except EngineDeadError:
+            raise
         except Exception:
             deltas = self._step_failed(sched_out, alone)
             self.last_stats = self.stats()

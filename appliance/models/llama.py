@@ -13,6 +13,7 @@ from the checkpoint's separate tensors (``PACKED``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
@@ -118,6 +119,64 @@ def replace_linear(model: nn.Module, weight_name: str, make: Callable[[nn.Module
     setattr(parent, attr, make(getattr(parent, attr)))
 
 
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's part of a tensor-parallel model (as vLLM splits one):
+    q heads and the gate/up rows split across the ranks (column-parallel),
+    o_proj and down_proj split along their inputs (row-parallel, their
+    partial sums all-reduced), KV heads split, or each replicated on
+    ``size / num_kv_heads`` ranks when there are fewer KV heads than ranks;
+    the embedding and the LM head split by vocabulary rows (the vocabulary
+    padded to a multiple of 64 x size; an id outside a rank's rows gives a
+    zero row there, then all-reduce; the logits of every rank gathered, so
+    every rank samples from the whole row). ``comm`` runs the collectives:
+    ``all_reduce(t)`` sums in place over the ranks, ``all_gather(t)``
+    returns every rank's ``t`` in rank order."""
+
+    rank: int
+    size: int
+    comm: Any
+
+
+def padded_vocab(vocab_size: int, tp_size: int) -> int:
+    unit = 64 * tp_size
+    return -(-vocab_size // unit) * unit
+
+
+def shard_arch(arch: ModelArch, tp_size: int) -> ModelArch:
+    """The dimensions one rank holds: its heads, KV heads, MLP rows and vocabulary rows."""
+    kv = arch.num_kv_heads // tp_size if arch.num_kv_heads % tp_size == 0 else 1
+    return dataclasses.replace(arch, num_heads=arch.num_heads // tp_size, num_kv_heads=kv,
+                               intermediate_size=arch.intermediate_size // tp_size,
+                               vocab_size=padded_vocab(arch.vocab_size, tp_size) // tp_size)
+
+
+_COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "inter", "up_proj": "inter"}
+_ROW = {"o_proj": "q", "down_proj": "inter"}
+
+
+def tensor_shard(arch: ModelArch, rank: int, tp_size: int, name: str) -> Optional[tuple[int, int, int]]:
+    """(dim, start, stop) of the checkpoint tensor ``name`` (full ``arch``)
+    that rank ``rank`` of ``tp_size`` holds; None: every rank holds it whole
+    (norms). Vocabulary rows may stop past the checkpoint's (padding)."""
+    local = shard_arch(arch, tp_size)
+    d = arch.head_dim
+    kv_start = (rank * local.num_kv_heads if arch.num_kv_heads % tp_size == 0
+                else rank * arch.num_kv_heads // tp_size)
+    spans = {"q": (rank * local.num_heads * d, local.num_heads * d), "kv": (kv_start * d, local.num_kv_heads * d),
+             "inter": (rank * local.intermediate_size, local.intermediate_size)}
+    module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+    if name.startswith(("model.embed_tokens.", "lm_head.")):
+        return 0, rank * local.vocab_size, (rank + 1) * local.vocab_size
+    if module in _COLUMN:
+        start, n = spans[_COLUMN[module]]
+        return 0, start, start + n
+    if module in _ROW and name.endswith(".weight"):
+        start, n = spans[_ROW[module]]
+        return 1, start, start + n
+    return None
+
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -174,8 +233,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None):
         super().__init__()
+        self.tp = tp
         h, kv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
         # q, k and v projections packed into one GEMM (rows q | k | v).
@@ -208,12 +268,16 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        if self.tp is not None:
+            self.tp.comm.all_reduce(out)
+        return out
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch):
+    def __init__(self, arch: ModelArch, tp: Optional[TensorParallel] = None):
         super().__init__()
+        self.tp = tp
         # gate and up projections packed into one GEMM (rows gate | up).
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.intermediate_size = arch.intermediate_size
@@ -221,16 +285,19 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        if self.tp is not None:
+            self.tp.comm.all_reduce(out)
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, backend)
+        self.self_attn = Attention(arch, backend, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp = MLP(arch, tp)
 
     def forward(self, x, cos, sin, kv_cache, attn_metadata):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_metadata)
@@ -238,10 +305,10 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, backend) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, backend, tp) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
@@ -278,14 +345,22 @@ class ModelWeights:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend):
+    """``arch`` is the whole model's; with ``tp`` the module holds rank
+    ``tp.rank``'s part of it (``self.arch``: the dimensions it holds,
+    ``shard_arch``) and its forward runs the collectives."""
+
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None):
         super().__init__()
         if arch.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch.architecture}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        self.tp = tp
+        self.vocab_size = arch.vocab_size  # the logits' width
+        if tp is not None:
+            arch = shard_arch(arch, tp.size)
         self.arch = arch
-        self.model = Backbone(arch, backend)
+        self.model = Backbone(arch, backend, tp)
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         # (cos, sin) [positions, head_dim] in the model dtype, set by rope_cache(); a
@@ -337,10 +412,27 @@ class LlamaForCausalLM(nn.Module):
         assert self.rope is not None, "call rope_cache() once before forward"
         cos = self.rope[0][positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope[1][positions].unsqueeze(1)
-        x = self.model.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, attn_metadata)
         x = self.model.norm(x[logits_indices])
         if self.lm_head_q is not None:
-            return self.lm_head_q(x).float()
-        return F.linear(x, self.lm_head_weight()).float()
+            logits = self.lm_head_q(x).float()
+        else:
+            logits = F.linear(x, self.lm_head_weight()).float()
+        if self.tp is None:
+            return logits
+        return torch.cat(self.tp.comm.all_gather(logits), dim=-1)[:, : self.vocab_size]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.model.embed_tokens(input_ids)
+        if input_ids.numel() and not (0 <= int(input_ids.min()) and int(input_ids.max()) < self.vocab_size):
+            raise ValueError(f"a token id is outside the vocabulary (0..{self.vocab_size - 1})")
+        rows = self.arch.vocab_size
+        local = input_ids - self.tp.rank * rows
+        outside = (local < 0) | (local >= rows)
+        x = self.model.embed_tokens(local.clamp(0, rows - 1))
+        x[outside] = 0
+        self.tp.comm.all_reduce(x)
+        return x

@@ -245,11 +245,32 @@ def _install_int4_checkpoint(model: Any, method: str, parts: dict[str, dict], fo
         raise ModelLoadError(f"{folder}: {e}") from None
 
 
+def _read_shard(sf: Any, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
+    """The tensor ``name``, or only its rows / columns ``shard`` (dim, start,
+    stop) read from the file; rows past the tensor's (a padded vocabulary)
+    are zeros."""
+    if shard is None:
+        return sf.get_tensor(name)
+    import torch
+
+    dim, start, stop = shard
+    sl = sf.get_slice(name)
+    size = sl.get_shape()[dim]
+    t = sl[start:min(stop, size)] if dim == 0 else sl[:, start:min(stop, size)]
+    if stop > size:
+        pad = list(t.shape)
+        pad[dim] = stop - max(start, size)
+        t = torch.cat([t, torch.zeros(pad, dtype=t.dtype)], dim=dim)
+    return t
+
+
 def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: Any = "cpu",
-               quantization: str = "none"):
+               quantization: str = "none", tp: Any = None):
     """(model, tokenizer, folder) for the model config ``m``; ``quantization``
     is the configured method, which must agree with a checkpoint's own
-    quantization_config (AWQ/GPTQ projections load as int4 linears)."""
+    quantization_config (AWQ/GPTQ projections load as int4 linears). With
+    ``tp`` (``llama.TensorParallel``) the model is that rank's part, and only
+    its rows and columns of each tensor are read."""
     import torch
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
@@ -257,14 +278,15 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
 
     from appliance.models.fp8 import CHECKPOINT_TENSORS as FP8_TENSORS
     from appliance.models.int4_checkpoints import UNPACK
-    from appliance.models.llama import LlamaForCausalLM, ModelArch, packed_target
+    from appliance.models.llama import LlamaForCausalLM, ModelArch, packed_target, tensor_shard
 
     folder = resolve_model_folder(m)
     hf = read_hf_config(folder)
     check_checkpoint(m, hf, folder)
-    arch = ModelArch.from_model_config(m)
+    full_arch = ModelArch.from_model_config(m)
     with init_empty_weights():
-        model = LlamaForCausalLM(arch, backend)
+        model = LlamaForCausalLM(full_arch, backend, tp)
+    arch = model.arch  # the dimensions this model holds (one rank's, with tp)
     expected = dict(model.named_parameters())
     loaded: set[str] = set()
     packed_rows: dict[str, int] = {}  # packed parameter -> rows filled so far
@@ -302,7 +324,7 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
                     if "rotary_emb" in name:
                         continue
                     raise ModelLoadError(f"{f.name}: unexpected tensor {name} for {arch.architecture}")
-                t = sf.get_tensor(name)
+                t = _read_shard(sf, name, tensor_shard(full_arch, tp.rank, tp.size, name) if tp else None)
                 want = tuple(expected[target].shape)
                 if packed:
                     want = (packed[2],) + want[1:]
@@ -345,3 +367,10 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return model, tokenizer, folder
+
+
+def load_tokenizer(m: ModelConfig):
+    """The tokenizer of ``m`` alone (an engine whose ranks load the weights)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_folder(m)))

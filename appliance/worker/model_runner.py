@@ -110,7 +110,8 @@ class ModelRunner:
         model.rope_cache(max_model_len, dtype, device)
         # Decided here; the native forward itself is built at the first step, so it
         # sees the weights as they are then (quantized, or edited after construction).
-        self.uses_native_forward = backend.native_forward
+        # (not for a tensor-parallel rank's part: its layers all-reduce between the native phases)
+        self.uses_native_forward = backend.native_forward and getattr(model, "tp", None) is None
         self._native: Any = None
         self._native_rope: Any = None  # the model's rope tables the native forward was built with
 

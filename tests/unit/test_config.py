@@ -17,7 +17,7 @@ def test_catalog_is_complete():
     assert list_profiles() == PROFILES
     assert list_options("model") == MODELS
     assert list_options("quantization") == ["awq", "fp8", "gguf", "gptq", "int4_wo", "int8_wo", "none"]
-    assert list_options("parallel") == ["dp8_ep", "single", "tp2", "tp8", "tp8_pp2"]
+    assert list_options("parallel") == ["dp8_ep", "single", "tp2", "tp3", "tp8", "tp8_pp2"]
     assert list_options("scheduler") == ["default", "latency", "throughput"]
     assert list_options("hardware") == ["b200", "cpu", "h100", "h200", "mi300x"]
     assert list_options("speculative") == ["draft_model", "ngram", "off"]
@@ -108,6 +108,13 @@ def _problems(*overrides):
          "speculative decoding is not supported with pipeline_parallel_size > 1"),
         (["+profile=cpu", "model.dtype=float16"], "model.dtype=float16 is not supported by hardware=cpu"),
         (["+profile=cpu", "parallel=tp2", "hardware.num_devices=2"], "model.num_heads=9 is not divisible by parallel.tensor_parallel_size=2"),
+        (["+profile=cpu", "model=tiny_random", "parallel=tp2", "parallel.executor=uni"],
+         "parallel.executor=uni runs one rank, and the layout has 2"),
+        (["+profile=cpu", "model=tiny_random", "parallel.tensor_parallel_size=3"],
+         "model.num_kv_heads=2 and parallel.tensor_parallel_size=3: one must divide the other"),
+        (["+profile=cpu", "model=tiny_random", "parallel=tp3", "model.num_heads=6", "model.num_kv_heads=3"],
+         "model.intermediate_size=128 is not divisible by parallel.tensor_parallel_size=3"),
+        (["+profile=cpu", "parallel.step_timeout_s=0"], "parallel.step_timeout_s=0.0 must be positive"),
         (["+profile=cpu", "model.dtype=float32", "cache.kv_cache_memory_gib=0.01"], "the KV cache holds 14 blocks (224 tokens) but one max_model_len=8192 request needs 512"),
         (["+profile=h100_bf16", "model=llama3_1_8b", "model.dtype=float32", "hardware.memory_gib=30"], "do not fit in 27.0 GiB"),
         (["+profile=cpu", "scheduler.max_long_partial_prefills=2"], "scheduler.max_long_partial_prefills=2 exceeds"),
@@ -144,9 +151,9 @@ def test_cross_field_rules(overrides, expected):
 def test_all_problems_reported_at_once():
     with pytest.raises(ConfigError) as e:
         resolve(["+profile=cpu", "quantization=int8_wo", "quantization.group_size=32", "model.max_model_len=9000",
-                 "parallel=tp8"])
+                 "parallel.tensor_parallel_size=16"])
     msg = str(e.value)
-    assert "quantization.group_size=32" in msg and "max_model_len=9000" in msg and "8 devices" in msg
+    assert "quantization.group_size=32" in msg and "max_model_len=9000" in msg and "16 devices" in msg
 
 
 def test_plan_numbers_smollm2_cpu():

@@ -53,6 +53,7 @@ RUN_TIME_KEYS = {
     "scheduler.long_prefill_token_threshold", "scheduler.max_num_partial_prefills", "scheduler.policy",
     "cache.enable_prefix_caching", "cache.prefix_caching_hash_algo",
     "attention.fallback",  # acts when the profile's first backend cannot run here
+    "parallel.step_timeout_s",  # how long the mp executor waits for a step
     *(f"server.{k}" for k in (
         "host", "port", "api_key", "api_key_file", "allow_unauthenticated", "tenant_isolation", "max_queue_len",
         "max_body_bytes", "request_timeout_s", "shutdown_timeout_s", "header_timeout_s", "body_timeout_s",
@@ -62,6 +63,7 @@ RUN_TIME_KEYS = {
 
 # Where the generic change (below) is not a valid value for the base deployment.
 ALTERNATIVES = {
+    "parallel.executor": "mp",  # one rank in a worker process
     "model.path": "tiny_random",
     "model.architecture": "Qwen2ForCausalLM",
     "model.head_dim": 128,
@@ -156,7 +158,7 @@ def observe(overrides: list[str]) -> tuple[str, Any]:
         refused_here = str(e)
     d = compose(r, here=False)
     return "composed", (refused_here, d.plan.to_dict(), d.execution.to_dict(), d.num_kv_blocks, d.max_model_len,
-                        d.max_prompt_chars, d.device, d.model_name)
+                        d.max_prompt_chars, d.device, d.model_name, d.layout)
 
 
 def read_by_consumers(attr: str) -> list[str]:
@@ -197,13 +199,18 @@ def test_run_time_keys_are_schema_leaves():
 
 
 @pytest.mark.parametrize("override,message", [
-    ("parallel.data_parallel_size=2", "parallel execution"),
+    ("parallel.data_parallel_size=2", "only tensor parallelism is built yet"),
+    ("parallel.pipeline_parallel_size=2", "only tensor parallelism is built yet"),
+    ("parallel=tp3 parallel.executor=ray", "parallel.executor=ray is not built yet"),
+    ("parallel=tp3 quantization=fp8", "quantization=fp8 with tensor parallelism is not built yet"),
+    ("parallel=tp3 speculative=draft_model speculative.draft_model=smollm2_135m",
+     "speculative=draft_model with tensor parallelism is not built yet"),
     ("cache.swap_space_gib=1", "not built yet"),
     ("cache.cpu_offload_gib=1", "not built yet"),
     ("speculative.num_speculative_tokens=3", "has no effect with speculative=off"),
 ])
 def test_planned_but_unbuilt_keys_are_refused_when_run(override, message):
-    kind, seen = observe(BASE + [override, "hardware.num_devices=2"])
+    kind, seen = observe(BASE + [*override.split(), "hardware.num_devices=4"])
     why = seen if kind == "refused" else seen[0]  # refused by validation, or by compose for this machine
     assert why and message in why
 

@@ -1,0 +1,261 @@
+"""The model side of a step over worker processes (``parallel.executor=mp``).
+
+``MultiprocExecutor`` is the engine core's step runner when the model is
+split across tensor-parallel ranks: it starts one worker process per rank
+on this host (a fresh interpreter, ``python -m appliance.worker.executor``,
+talking over a socket pair, so nothing of the engine's process is inherited
+or re-imported), each of which joins a
+``torch.distributed`` group (gloo on CPUs, NCCL on CUDA) and builds its
+rank's model runner with the function the composition root hands down.
+Every step's ``SchedulerOutput`` goes to every rank; each runs the same
+forward on its part of the model (the collectives inside it, see
+``models.llama.TensorParallel``), samples from the same gathered logits
+with the same seeded generator, and answers with its ``RunnerOutput``. The
+executor returns rank 0's and checks that every rank sampled the same
+tokens, so the ranks' persistent batches cannot drift apart unseen.
+
+Failures: a step that raised on every rank (the same inputs fail the same
+way) is an ordinary failed step, which the engine core retries request by
+request. A worker that exits, a step that outlasts
+``parallel.step_timeout_s`` (a hung collective), ranks that disagree, or a
+step that failed on some ranks only raise ``EngineDeadError``: the workers
+are stopped and the engine ends (a server's supervisor starts a new core).
+Workers die with the engine's process (``PR_SET_PDEATHSIG``); none is left
+behind after ``close``.
+
+On CPUs the ranks split the cores they may run on: each rank gets its own
+run of them (pinned) and as many torch threads, or, with more ranks than
+cores, one thread each.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+from appliance.engine.core import EngineDeadError
+
+log = logging.getLogger("appliance.executor")
+
+LOAD_TIMEOUT_S = 600.0  # the longest the ranks may take to start and load, unless the step timeout is longer
+# builds rank r's model runner: (deployment, rank, comm) -> ModelRunner (module level: it is pickled)
+BuildRank = Callable[[Any, int, Any], Any]
+
+
+class TorchDistributedComm:
+    """The collectives a tensor-parallel model runs, over the default
+    ``torch.distributed`` process group."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def all_reduce(self, t: Any) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(t)
+
+    def all_gather(self, t: Any) -> list:
+        import torch
+        import torch.distributed as dist
+
+        t = t.contiguous()
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t)
+        return out
+
+
+def cpu_share(rank: int, world_size: int, cores: list[int]) -> list[int]:
+    """The cores rank ``rank`` runs on: its own contiguous run of ``cores``
+    when there are at least as many as ranks (the remainder to the first
+    ranks), else all of them (the ranks share, one thread each)."""
+    if len(cores) < world_size:
+        return cores
+    base, extra = divmod(len(cores), world_size)
+    start = rank * base + min(rank, extra)
+    return cores[start : start + base + (rank < extra)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _worker(conn: Connection) -> None:
+    """A rank's process: join the group, build the runner, then run every step it is sent."""
+    _die_with_parent()
+    deployment, build_rank, rank, world_size, port, timeout_s = pickle.loads(conn.recv_bytes())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's process owns shutdown
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        if deployment.device == "cpu":
+            allowed = sorted(os.sched_getaffinity(0))
+            cores = cpu_share(rank, world_size, allowed)
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(len(cores) if len(allowed) >= world_size else 1)
+            backend = "gloo"
+        else:
+            torch.cuda.set_device(rank)
+            backend = "nccl"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        runner = build_rank(deployment, rank, TorchDistributedComm(world_size))
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        return
+    conn.send(("ready", None, None))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the engine went away
+            break
+        if msg[0] == "stop":
+            break
+        try:
+            out = runner.execute(msg[1])
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+            continue
+        conn.send(("ok", out, None))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class MultiprocExecutor:
+    """A step runner over ``world_size`` worker processes; see the module docstring."""
+
+    def __init__(self, deployment: Any, build_rank: BuildRank, world_size: int, timeout_s: float):
+        port = _free_port()
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._procs: list[subprocess.Popen] = []
+        self._conns: list[Connection] = []
+        self._sentinels: list[int] = []  # pidfds: readable once the process exits
+        for rank in range(world_size):
+            ours, theirs = socket.socketpair()
+            proc = subprocess.Popen([sys.executable, "-m", "appliance.worker.executor", str(theirs.fileno())],
+                                    pass_fds=(theirs.fileno(),))
+            theirs.close()
+            conn = Connection(ours.detach())
+            conn.send_bytes(pickle.dumps((deployment, build_rank, rank, world_size, port, timeout_s)))
+            self._procs.append(proc)
+            self._conns.append(conn)
+            self._sentinels.append(os.pidfd_open(proc.pid))
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._sentinels)
+        replies = self._collect("loading the model", max(timeout_s, LOAD_TIMEOUT_S))
+        errors = [(r, msg) for r, (kind, msg, _) in enumerate(replies) if kind == "error"]
+        if errors:
+            self.close()
+            rank, msg = errors[0]
+            raise RuntimeError(f"tensor-parallel rank {rank} could not start: {msg}")
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def execute(self, sched_out: Any) -> Any:
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send(("step", sched_out))
+            except (BrokenPipeError, OSError):
+                self._dead(f"tensor-parallel rank {rank} exited (its pipe broke)")
+        replies = self._collect("a step")
+        failed = [r for r, (kind, _, _) in enumerate(replies) if kind == "error"]
+        if failed and len(failed) < self.world_size:
+            self._dead(f"the step failed on rank(s) {failed} only ({replies[failed[0]][1]}); the ranks' states "
+                       f"differ now")
+        if failed:
+            log.error("the step failed on every rank; rank 0:\n%s", replies[0][2])
+            raise RuntimeError(replies[0][1])
+        outs = [out for _, out, _ in replies]
+        for rank, out in enumerate(outs[1:], 1):
+            if out.sampled_token_ids != outs[0].sampled_token_ids:
+                self._dead(f"tensor-parallel rank {rank} sampled other tokens than rank 0")
+        return outs[0]
+
+    def _collect(self, what: str, timeout_s: float | None = None) -> list[tuple]:
+        """Every rank's reply, in rank order; EngineDeadError when a worker
+        exits or the replies take longer than the timeout (the step's)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        pending = dict(enumerate(self._conns))
+        replies: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout_s
+        sentinels = {fd: r for r, fd in enumerate(self._sentinels)}
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._dead(f"{what} took longer than {timeout_s:g} s (parallel.step_timeout_s={self.timeout_s:g}) "
+                           f"on rank(s) {sorted(pending)}")
+            ready = wait([*pending.values(), *sentinels], timeout=left)
+            for obj in ready:
+                rank = next((r for r, c in pending.items() if c is obj), None)
+                if rank is not None:
+                    try:
+                        replies[rank] = pending.pop(rank).recv()
+                    except (EOFError, OSError):
+                        self._dead(f"tensor-parallel rank {rank} closed its pipe during {what}")
+            for obj in ready:
+                if obj in sentinels and sentinels[obj] in pending:
+                    rank = sentinels[obj]
+                    self._dead(f"tensor-parallel rank {rank} exited (code {self._procs[rank].wait()}) during {what}")
+        return [replies[r] for r in range(self.world_size)]
+
+    def _dead(self, why: str) -> None:
+        self.close()
+        raise EngineDeadError(why)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _stop(procs: list, conns: list, sentinels: list) -> None:
+    """Ask every worker to stop, then make sure: terminate, then kill."""
+    for conn in conns:
+        try:
+            conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+    deadline = time.monotonic() + 5
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    for conn in conns:
+        conn.close()
+    for fd in sentinels:
+        os.close(fd)
+
+
+if __name__ == "__main__":
+    _worker(Connection(int(sys.argv[1])))

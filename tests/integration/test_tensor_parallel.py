@@ -1,0 +1,154 @@
+"""Tensor parallelism on CPU ranks (``parallel.executor=mp``, gloo): the
+same greedy tokens and logprobs as one rank, KV heads split or replicated,
+a shard of each tensor read per rank, the server serving a layout, and a
+rank that dies or hangs ending the engine within the timeout with no
+process left behind."""
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+
+from appliance import LLM, SamplingParams
+from appliance.engine.core import EngineDeadError
+from appliance.models.llama import ModelArch, padded_vocab, shard_arch, tensor_shard
+from appliance.worker.executor import cpu_share
+from tests.integration.server_helpers import ServerProcess
+
+TINY = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "model.dtype=float32"]
+PROMPTS = ["Hello there", "The capital of France is", "1 2 3 4 5", "Once upon a time, in a land far away",
+           "a", "Tensor parallel ranks", "def f(x):\n    return", "zzz zzz zzz zzz zzz"]
+
+
+def generate(overrides, prompts, max_tokens):
+    llm = LLM(overrides=overrides)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=1, ignore_eos=True)
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)], llm
+    finally:
+        close = getattr(llm.engine.runner, "close", None)
+        if close is not None:
+            close()
+
+
+def assert_same(ours, ref):
+    for a, b in zip(ours, ref):
+        assert a.token_ids == b.token_ids
+        assert [lp.token_id for lp in a.logprobs] == a.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def tiny_reference():
+    return generate(TINY, PROMPTS, 24)[0]
+
+
+@pytest.mark.parametrize("tp", [2, 4])  # 4 ranks over 2 KV heads: each KV head on two ranks
+def test_tiny_model_tokens_equal_one_rank(tiny_reference, tp):
+    outs, llm = generate([*TINY, f"parallel.tensor_parallel_size={tp}"], PROMPTS, 24)
+    assert llm.deployment.layout.executor == "mp" and len(llm.engine.runner.pids) == tp
+    assert_same(outs, tiny_reference)
+
+
+def test_smollm2_tokens_equal_one_rank():
+    """SmolLM2-135M's 9 heads and 3 KV heads over three ranks (the shipped tp3 option), fp32."""
+    base = ["+profile=cpu", "model.dtype=float32", "cache.kv_cache_memory_gib=0.2", "model.max_model_len=1024"]
+    prompts = PROMPTS[:4]
+    ref, _ = generate(base, prompts, 16)
+    outs, _ = generate([*base, "parallel=tp3"], prompts, 16)
+    assert_same(outs, ref)
+
+
+def test_one_rank_in_a_worker_process(tiny_reference):
+    outs, llm = generate([*TINY, "parallel.executor=mp"], PROMPTS[:2], 24)
+    assert len(llm.engine.runner.pids) == 1
+    assert [o.token_ids for o in outs] == [o.token_ids for o in tiny_reference[:2]]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_rank_that_dies_ends_the_engine_and_leaves_no_process():
+    llm = LLM(overrides=[*TINY, "parallel=tp2", "parallel.step_timeout_s=20"])
+    pids = llm.engine.runner.pids
+    llm.engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True))
+    llm.engine.step()
+    os.kill(pids[1], signal.SIGKILL)
+    t = time.monotonic()
+    with pytest.raises(EngineDeadError, match="rank 1"):
+        for _ in range(500):
+            llm.engine.step()
+    assert time.monotonic() - t < 20
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_a_hung_rank_ends_the_engine_at_the_timeout():
+    llm = LLM(overrides=[*TINY, "parallel=tp2", "parallel.step_timeout_s=3"])
+    pids = llm.engine.runner.pids
+    os.kill(pids[0], signal.SIGSTOP)  # rank 1 waits in a collective for a rank that never comes
+    try:
+        llm.engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+        t = time.monotonic()
+        with pytest.raises(EngineDeadError, match="step_timeout_s=3"):
+            while llm.engine.has_unfinished_requests():
+                llm.engine.step()
+        assert 2.5 < time.monotonic() - t < 15
+    finally:
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_served_layout_answers_as_one_rank(tiny_reference):
+    s = ServerProcess(*TINY[1:], "parallel=tp2")
+    try:
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0,
+                                                        "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == tiny_reference[1].text
+    finally:
+        s.stop()
+
+
+# -- the pieces ------------------------------------------------------------------------
+def test_each_rank_reads_its_rows_and_columns():
+    arch = ModelArch("LlamaForCausalLM", 2, 64, 128, 4, 2, 16, 500, 1024, 1e4, 1e-5, True)
+    assert padded_vocab(500, 2) == 512 and shard_arch(arch, 2).vocab_size == 256
+    local = shard_arch(arch, 4)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (1, 1, 32)
+    layer = "model.layers.1."
+    assert tensor_shard(arch, 1, 2, layer + "self_attn.q_proj.weight") == (0, 32, 64)
+    assert tensor_shard(arch, 1, 2, layer + "self_attn.k_proj.weight") == (0, 16, 32)
+    assert tensor_shard(arch, 3, 4, layer + "self_attn.v_proj.weight") == (0, 16, 32)  # KV head 1, shared by 2 and 3
+    assert tensor_shard(arch, 2, 4, layer + "self_attn.v_proj.weight") == (0, 16, 32)
+    assert tensor_shard(arch, 1, 4, layer + "self_attn.k_proj.weight") == (0, 0, 16)
+    assert tensor_shard(arch, 1, 2, layer + "self_attn.o_proj.weight") == (1, 32, 64)
+    assert tensor_shard(arch, 1, 2, layer + "mlp.up_proj.weight") == (0, 64, 128)
+    assert tensor_shard(arch, 0, 2, layer + "mlp.down_proj.weight") == (1, 0, 64)
+    assert tensor_shard(arch, 1, 2, "model.embed_tokens.weight") == (0, 256, 512)  # past 500: zero rows
+    assert tensor_shard(arch, 1, 2, layer + "input_layernorm.weight") is None
+
+
+def test_ranks_split_the_cores():
+    assert [cpu_share(r, 2, [0, 1, 2, 3, 4]) for r in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [cpu_share(r, 3, [0, 1]) for r in range(3)] == [[0, 1]] * 3  # more ranks than cores: they share
+    assert torch.get_num_threads() >= 1
