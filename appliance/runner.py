@@ -192,9 +192,10 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
 
 
 def build_rank_runner(deployment: Deployment, rank: int, comm: Any) -> Any:
-    """Rank ``rank``'s model runner of a tensor-parallel deployment: its part
-    of the model (``comm`` runs the collectives between the ranks), its KV
-    heads' cache. Runs in that rank's worker process."""
+    """Rank ``rank``'s model runner under the ``mp`` executor: with tensor
+    parallelism its part of the model (``comm`` runs the collectives between
+    the ranks) and its KV heads' cache; one rank alone, the whole model. Runs
+    in that rank's worker process."""
     from appliance.models.llama import TensorParallel
 
     size = deployment.layout.tensor_parallel_size
