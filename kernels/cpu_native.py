@@ -334,11 +334,12 @@ class CpuNativeBackend(AttentionBackend):
             raise ValueError(f"cpu_native keeps an fp32, bf16 or fp8 KV cache, got {kv_cache.dtype}")
         self.write_kv(k, v, kv_cache, md.common.slot_mapping)
         t = q.shape[0]
-        q2 = _f32_contig(q, "the query").view(t, -1)
+        # a bf16 model's query is widened: the kernel reads fp32 queries (and any cache), the output goes back
+        q2 = _f32_contig(q.float() if q.dtype == torch.bfloat16 else q, "the query").view(t, -1)
         out = torch.empty_like(q2)
         paged_attention(q2, out, kv_cache, md, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
                         self.k_scale, self.v_scale)
-        return out.view_as(q)
+        return out.view(q.shape).to(q.dtype)
 
 
 class NativeForward:

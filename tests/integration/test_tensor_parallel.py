@@ -17,6 +17,7 @@ from appliance.engine.core import EngineDeadError
 from appliance.models.llama import ModelArch, padded_vocab, shard_arch, tensor_shard
 from appliance.worker.executor import cpu_share
 from tests.integration.server_helpers import ServerProcess
+from tests.model_helpers import check_logprobs_close, greedy_top_logprobs
 
 TINY = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "model.dtype=float32"]
 PROMPTS = ["Hello there", "The capital of France is", "1 2 3 4 5", "Once upon a time, in a land far away",
@@ -51,6 +52,21 @@ def test_tiny_model_tokens_equal_one_rank(tiny_reference, tp):
     outs, llm = generate([*TINY, f"parallel.tensor_parallel_size={tp}"], PROMPTS, 24)
     assert llm.deployment.layout.executor == "mp" and len(llm.engine.runner.pids) == tp
     assert_same(outs, tiny_reference)
+
+
+def test_bf16_ranks_stay_close_to_one_rank():
+    """bf16 on every CPU (native or emulated): two ranks against one under the closeness rule."""
+    bf16 = [*TINY[:-1], "model.dtype=bfloat16"]
+    prompt_ids = [[1, 2, 3, 4], [7, 100, 42], [300, 5, 5, 5, 9]]
+
+    def run(overrides):
+        llm = LLM(overrides=overrides)
+        try:
+            return greedy_top_logprobs(llm, prompt_ids, 16, 5)
+        finally:
+            getattr(llm.engine.runner, "close", lambda: None)()
+
+    check_logprobs_close(run([*bf16, "parallel=tp2"]), run(bf16), "tp2", "one rank")
 
 
 def test_smollm2_tokens_equal_one_rank():
