@@ -104,7 +104,7 @@ def _worker(conn: Connection) -> None:
     _die_with_parent()
     deployment, build_rank, rank, world_size, port, timeout_s = pickle.loads(conn.recv_bytes())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's process owns shutdown
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the core ignores it, and an ignored signal survives exec
     try:
         import datetime
 
@@ -179,9 +179,10 @@ class MultiprocExecutor:
         return [p.pid for p in self._procs]
 
     def execute(self, sched_out: Any) -> Any:
+        payload = pickle.dumps(("step", sched_out), protocol=pickle.HIGHEST_PROTOCOL)  # once for every rank
         for rank, conn in enumerate(self._conns):
             try:
-                conn.send(("step", sched_out))
+                conn.send_bytes(payload)
             except (BrokenPipeError, OSError):
                 self._dead(f"tensor-parallel rank {rank} exited (its pipe broke)")
         replies = self._collect("a step")
