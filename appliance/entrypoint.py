@@ -18,6 +18,7 @@ from appliance.config.compose import ResolvedConfig, resolve
 from appliance.config.execution import Execution
 from appliance.engine.core import TokenLogprob
 from appliance.engine.parallel_sampling import ParentRequest
+from appliance.errors import ConfigError
 from appliance.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -59,6 +60,11 @@ class LLM:
 
         resolved = cfg if cfg is not None else resolve(list(overrides))
         self.deployment = compose(resolved, selection=selection)
+        dp = self.deployment.layout.data_parallel_size
+        if dp > 1:
+            raise ConfigError(f"parallel.data_parallel_size={dp}: data-parallel ranks are engine cores behind one "
+                              f"server (appliance run); the offline LLM runs one engine core, use "
+                              f"parallel.data_parallel_size=1")
         if selection is None:
             for line in startup_lines(self.deployment):
                 log.warning(line)
@@ -154,8 +160,6 @@ def generate_cli(overrides: list[str]) -> int:
         else:
             rest.append(o)
     if prompt is None:
-        from appliance.errors import ConfigError
-
         raise ConfigError('appliance generate needs prompt="..."')
     llm = LLM(overrides=rest)
     out = llm.chat([{"role": "user", "content": prompt}], SamplingParams(max_tokens=max_tokens, temperature=temperature),

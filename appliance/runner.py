@@ -134,20 +134,21 @@ def compose(resolved: ResolvedConfig, *, here: bool = True, device: Optional[Dev
 
 
 def executor_kind(cfg: ApplianceConfig) -> str:
-    """What runs the ranks: ``parallel.executor``, where ``auto`` is ``uni``
-    for one rank and ``mp`` for more."""
+    """What runs an engine core's ranks (tensor x pipeline; each
+    data-parallel rank is a core of its own): ``parallel.executor``, where
+    ``auto`` is ``uni`` for one rank and ``mp`` for more."""
     par = cfg.parallel
     if par.executor != "auto":
         return par.executor
-    world = par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
-    return "uni" if world == 1 else "mp"
+    return "uni" if par.tensor_parallel_size * par.pipeline_parallel_size == 1 else "mp"
 
 
 def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenizerBase]:
     """Model, backend, KV cache, scheduler and engine core for ``deployment``:
     the model runner in this process (executor ``uni``), or an executor over
     a worker process per tensor-parallel rank (``mp``, ``worker.executor``),
-    each building its part with ``build_rank_runner``.
+    each building its part with ``build_rank_runner``. A data-parallel
+    rank's core first takes its share of the host (``place_data_parallel_rank``).
 
     Returns (EngineCore, tokenizer)."""
     from appliance.engine.core import EngineCore
@@ -156,6 +157,7 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
     from appliance.engine.token_budget import TokenBudget
 
     cfg = deployment.cfg
+    place_data_parallel_rank(deployment)
     if deployment.layout.executor == "mp":
         from appliance.models.loader import load_tokenizer
         from appliance.worker.executor import MultiprocExecutor
@@ -189,6 +191,23 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
     eos = tokenizer.eos_token_id
     return EngineCore(scheduler, runner, tokenizer, eos, vocab_size=cfg.model.vocab_size, token_budget=budget,
                       grammars=_grammars(cfg, tokenizer, eos)), tokenizer
+
+
+def place_data_parallel_rank(deployment: Deployment) -> None:
+    """With data parallelism, confine this engine core (and the workers it
+    starts) to its rank's share of the host: on CPUs its run of the cores,
+    pinned, and as many torch threads; on GPUs its ``tp x pp`` devices
+    (``CUDA_VISIBLE_DEVICES``, set before CUDA starts). One rank: nothing."""
+    layout = deployment.layout
+    if layout.data_parallel_size == 1:
+        return
+    from appliance.worker.placement import cuda_devices, pin_cpu_rank
+
+    rank = deployment.data_parallel_rank
+    if deployment.device == "cpu":
+        pin_cpu_rank(rank, layout.data_parallel_size)
+    else:
+        cuda_devices(rank, layout.ranks_per_engine)
 
 
 def build_rank_runner(deployment: Deployment, rank: int, comm: Any) -> Any:

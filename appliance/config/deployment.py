@@ -9,7 +9,7 @@ engine-core process receives it whole).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from appliance.config.compose import ResolvedConfig
 from appliance.config.execution import Execution
@@ -21,9 +21,11 @@ PROMPT_CHARS_PER_TOKEN = 16  # server.max_prompt_chars=null: this many character
 
 @dataclass(frozen=True)
 class ExecutorLayout:
-    """How many devices of each kind of parallelism the engine spans, and
-    what runs the ranks: ``uni`` (the model in the engine's process) or
-    ``mp`` (a worker process per rank, ``worker.executor``)."""
+    """How many devices of each kind of parallelism the deployment spans,
+    and what runs one engine core's ranks (tensor x pipeline): ``uni`` (the
+    model in the engine's process) or ``mp`` (a worker process per rank,
+    ``worker.executor``). Each data-parallel rank is an engine core of its
+    own, behind one server."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -34,6 +36,11 @@ class ExecutorLayout:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def ranks_per_engine(self) -> int:
+        """Devices (or CPU ranks) one engine core's model spans."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,7 @@ class Deployment:
     max_model_len: int
     max_prompt_chars: int  # prompts longer than this are refused before tokenizing
     layout: ExecutorLayout
+    data_parallel_rank: int = 0  # which engine core of ``layout.data_parallel_size`` this one builds
 
     @property
     def cfg(self) -> ApplianceConfig:
@@ -55,6 +63,12 @@ class Deployment:
     def fingerprint(self) -> str:
         """The config hash plus what this host resolved it to."""
         return self.execution.fingerprint(self.resolved.hash)
+
+    def for_data_parallel_rank(self, rank: int) -> "Deployment":
+        """The same deployment as data-parallel rank ``rank``'s engine core builds it."""
+        if not 0 <= rank < self.layout.data_parallel_size:
+            raise ValueError(f"data-parallel rank {rank} outside 0..{self.layout.data_parallel_size - 1}")
+        return replace(self, data_parallel_rank=rank)
 
     @property
     def model_name(self) -> str:

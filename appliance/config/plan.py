@@ -1,9 +1,11 @@
 """What a resolved deployment would run, computed without a GPU.
 
-All figures are per device (one tensor/pipeline shard) unless named
-otherwise. Memory model, in the order vLLM's worker sizes the KV pool:
+All figures are per device (one tensor/pipeline shard; a CPU host's rank)
+unless named otherwise. Memory model, in the order vLLM's worker sizes the
+KV pool:
 
     usable      = memory_gib * memory_utilization      (or cache.kv_cache_memory_gib)
+                  (a CPU host's ranks share it: divided by tp x pp x dp)
     kv_bytes    = usable - weight_bytes - activation_bytes
     num_blocks  = kv_bytes // (block_size * kv_bytes_per_token)
 
@@ -146,6 +148,11 @@ class Plan:
     swap_kv_blocks: int
     token_budget: int  # tokens per step: the first one when it follows scheduler.target_itl_ms
     token_budget_reason: str
+    engine_cores: int = 1  # data-parallel ranks: an engine core each, the whole model over tp x pp devices
+    collectives_per_step: int = 0  # collective calls of one forward (tensor and pipeline parallel)
+    collective_bytes_per_token: int = 0  # bytes each rank sends and receives per scheduled token
+    collective_bytes_per_sampled_token: int = 0  # and per sampled row (the gathered logits)
+    decode_comm_share: Optional[float] = None  # estimated share of a one-request decode step spent in collectives
     speculative: str = "off"  # what drafts and how many, in words
     structured_output: str = ""  # how output constraints compile, in words
     execution: dict[str, Any] = field(default_factory=dict)
@@ -188,6 +195,8 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         kv_bytes = int(cfg.cache.kv_cache_memory_gib * GIB)
     else:
         usable = int(cfg.hardware.memory_gib * GIB * cfg.cache.memory_utilization)
+        if cfg.hardware.device_kind == "cpu":  # a CPU host's ranks share its memory
+            usable //= devices
         kv_bytes = max(0, usable - w_dev - act)
     per_tok = kv_bytes_per_token(cfg, dtype)
     bs = cfg.cache.block_size
@@ -221,6 +230,10 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         notes.append("fp8 weights without fp8 activations, or on hardware without fp8, run the reference path "
                      "(dequantized per GEMM): correct, not fast; the decode roofline above assumes fp8 bytes")
     swap_blocks = int(cfg.cache.swap_space_gib * GIB) // (bs * per_tok) if per_tok else 0
+    comm = communication(cfg, dtype, w_dev)
+    if comm["collectives_per_step"] and comm["decode_comm_share"] is None:
+        notes.append(f"hardware={cfg.hardware.name} sets no interconnect_gbps / collective_latency_us: the "
+                     f"communication share of a decode step is not estimated")
     return Plan(
         profile=cfg.profile,
         model=cfg.model.name,
@@ -259,12 +272,54 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         compute_dtype=compute_dtype,
         swap_kv_blocks=swap_blocks,
         **token_budget(cfg, prefill_roofline),
+        engine_cores=par.data_parallel_size,
+        **comm,
         speculative=describe_speculative(cfg),
         structured_output=describe_structured_output(cfg),
         execution=ex.to_dict(),
         summary=ex.summary(),
         notes=notes,
     )
+
+
+GLOO_LOOPBACK_LATENCY_US = 1000.0  # a few-kB gloo all-reduce between two CPU ranks over loopback (2-vCPU EPYC)
+
+
+def communication(cfg: ApplianceConfig, dtype: str, weight_bytes_per_device: int) -> dict[str, Any]:
+    """The collectives of one forward and their estimated share of a decode step.
+
+    Tensor parallelism all-reduces the hidden row of each token after
+    o_proj and down_proj (two per layer) and after the vocabulary-parallel
+    embedding, and gathers the fp32 logits of each sampled row (the
+    vocabulary padded to 64 x tp); pipeline parallelism hands each token's
+    hidden state and residual to the next stage. Bytes are what one rank
+    moves: a ring all-reduce sends and receives 2 (tp - 1) / tp of the
+    row, an all-gather (tp - 1) / tp of the gathered row. The share is for
+    one request: ``calls x collective_latency_us + bytes / interconnect_gbps``
+    against the weights streamed (``pp`` stages in sequence)."""
+    par, m, hw = cfg.parallel, cfg.model, cfg.hardware
+    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+    row = m.hidden_size * DTYPE_BYTES[dtype]
+    layers = -(-m.num_layers // pp)
+    calls = per_token = per_sampled = 0
+    if tp > 1:
+        calls += 2 * layers + 2
+        per_token += int((2 * layers + 1) * row * 2 * (tp - 1) / tp)
+        unit = 64 * tp
+        per_sampled += int(-(-m.vocab_size // unit) * unit * 4 * (tp - 1) / tp)
+    if pp > 1:
+        calls += pp - 1
+        per_token += 2 * row  # a stage boundary: sent by one rank, received by the next
+    share = None
+    latency_us = hw.collective_latency_us
+    if hw.device_kind == "cpu" and par.cpu_collectives == "gloo":
+        latency_us = GLOO_LOOPBACK_LATENCY_US
+    if calls and hw.interconnect_gbps > 0 and latency_us > 0 and hw.memory_bandwidth_gbps > 0:
+        comm_s = calls * latency_us * 1e-6 + (per_token + per_sampled) / (hw.interconnect_gbps * 1e9)
+        compute_s = pp * weight_bytes_per_device / (hw.memory_bandwidth_gbps * 1e9)
+        share = round(comm_s / (comm_s + compute_s), 3)
+    return {"collectives_per_step": calls, "collective_bytes_per_token": per_token,
+            "collective_bytes_per_sampled_token": per_sampled, "decode_comm_share": share}
 
 
 def describe_structured_output(cfg: ApplianceConfig) -> str:
@@ -341,7 +396,14 @@ def format_plan(p: Plan) -> str:
         f"weights            {gib(p.weight_bytes_total)} total, {gib(p.weight_bytes_per_device)} per device",
         f"activations        {gib(p.activation_bytes_per_device)} per device (estimate)",
         f"kv cache           {gib(p.kv_cache_bytes)} per device, {p.kv_bytes_per_token} bytes/token",
-        f"kv blocks          {p.num_kv_blocks} x {p.block_size} tokens = {p.kv_tokens} tokens",
+        f"kv blocks          {p.num_kv_blocks} x {p.block_size} tokens = {p.kv_tokens} tokens"
+        + (f" in each of {p.engine_cores} engine cores (data parallel: own KV and prefix cache)"
+           if p.engine_cores > 1 else ""),
+        *([f"collectives        {p.collectives_per_step} per forward; per rank {p.collective_bytes_per_token} bytes "
+           f"per token + {p.collective_bytes_per_sampled_token} per sampled token; "
+           + (f"~{p.decode_comm_share:.0%} of a one-request decode step (estimate)"
+              if p.decode_comm_share is not None else "share not estimated")]
+          if p.collectives_per_step else []),
         f"max_model_len      {p.max_model_len}; max concurrency at that length {p.max_concurrency_at_max_len}x",
         f"decode roofline    {p.decode_roofline_tok_s} tok/s per sequence at batch 1 (weights / bandwidth)",
         f"prefill roofline   {p.prefill_roofline_tok_s} tok/s ({p.compute_dtype} peak / 2 x parameters)",

@@ -58,6 +58,11 @@ class ParallelExecutor(StrEnum):
     ray = "ray"  # Ray actors (not built yet)
 
 
+class CpuCollectives(StrEnum):
+    shm = "shm"  # a shared-memory segment between the ranks of one host
+    gloo = "gloo"  # torch.distributed's gloo backend
+
+
 class DeviceKind(StrEnum):
     cpu = "cpu"
     cuda = "cuda"
@@ -149,6 +154,9 @@ class ParallelConfig:
     # How long the engine waits for the ranks' result of one step before it
     # declares the engine dead (loading may take 600 s, or this if longer).
     step_timeout_s: float = 300.0
+    # How CPU ranks on one host run their collectives: shm (shared memory,
+    # microseconds each) or gloo (torch.distributed over loopback TCP).
+    cpu_collectives: CpuCollectives = CpuCollectives.shm
 
 
 @dataclass
@@ -199,6 +207,11 @@ class HardwareConfig:
     num_devices: int = 1
     memory_gib: float = 0.0
     memory_bandwidth_gbps: float = 0.0
+    # Between ranks (plan estimates only): a collective's bandwidth per rank
+    # and the latency of a small one (NVLink / xGMI with NCCL or RCCL;
+    # shared memory between a CPU host's ranks). 0: unknown.
+    interconnect_gbps: float = 0.0
+    collective_latency_us: float = 0.0
     peak_tflops: PeakTflops = field(default_factory=PeakTflops)
     attention_backends: list[str] = field(default_factory=list)
     supported_dtypes: list[str] = field(default_factory=list)

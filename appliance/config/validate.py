@@ -215,9 +215,10 @@ def validate(cfg: ApplianceConfig) -> list[str]:
         )
     if par.pipeline_parallel_size > m.num_layers:
         problems.append(f"parallel.pipeline_parallel_size={par.pipeline_parallel_size} exceeds model.num_layers={m.num_layers}")
-    if par.executor == "uni" and world > 1:
-        problems.append(f"parallel.executor=uni runs one rank, and the layout has {world}; use parallel.executor=mp "
-                        f"(or auto)")
+    per_engine = par.tensor_parallel_size * par.pipeline_parallel_size
+    if par.executor == "uni" and per_engine > 1:
+        problems.append(f"parallel.executor=uni runs one rank, and an engine core of this layout spans tp x pp = "
+                        f"{per_engine}; use parallel.executor=mp (or auto)")
     if not par.step_timeout_s > 0:
         problems.append(f"parallel.step_timeout_s={par.step_timeout_s} must be positive")
     kv_heads, tp = m.num_kv_heads, par.tensor_parallel_size

@@ -24,10 +24,12 @@ from appliance.server.client import EngineDeadError
 from appliance.server.generation import ENGINE_FAILED, ENGINE_RESTARTING, Generation, map_engine_error
 from appliance.server.prompts import chat_prompt, check_length, completion_prompts, tokenize
 from appliance.server.protocol import (
+    DATA_PARALLEL_RANK_HEADER,
     GenerationRequest,
     OpenAIError,
     typed,
     common_extensions,
+    data_parallel_rank,
     new_id,
     now,
     parse_json,
@@ -109,6 +111,11 @@ def _check_model(st: ServerState, body: dict) -> None:
                           param="model", code="model_not_found")
 
 
+def _pinned_rank(request: Request, st: ServerState, body: dict) -> Optional[int]:
+    return data_parallel_rank(body, request.headers.get(DATA_PARALLEL_RANK_HEADER),
+                              st.deployment.layout.data_parallel_size)
+
+
 LOOP_PARSE_BYTES = 64 * 1024  # larger bodies are parsed off the event loop
 
 
@@ -160,7 +167,8 @@ async def completions(request: Request) -> Response:
     prompts, texts = await tokenize(st, completion_prompts, body, chat=False)
     for ids in prompts:
         check_length(st, len(ids), params, "prompt")
-    g = GenerationRequest(prompts, texts, params, stream, include_usage, priority, salt, echo, lp_mode)
+    g = GenerationRequest(prompts, texts, params, stream, include_usage, priority, salt, echo, lp_mode,
+                          _pinned_rank(request, st, body))
     gen = Generation(st, g, new_id("cmpl"), "n" if len(prompts) == 1 else "prompt")
     created = now()
     echo_text = [(texts[i] if texts[i] is not None else st.tokenizer.decode(prompts[i])) if echo else ""
@@ -182,7 +190,8 @@ async def chat_completions(request: Request) -> Response:
     priority, salt = common_extensions(body)
     ids, text = await tokenize(st, chat_prompt, body, True, tools.tools if tools is not None else None)
     check_length(st, len(ids), params, "messages")
-    g = GenerationRequest([ids], [text], params, stream, include_usage, priority, salt, False, lp_mode)
+    g = GenerationRequest([ids], [text], params, stream, include_usage, priority, salt, False, lp_mode,
+                          _pinned_rank(request, st, body))
     gen = Generation(st, g, new_id("chatcmpl"))
     created = now()
     calls = tool_output(tools, st.cfg.server.tool_parser)

@@ -79,8 +79,11 @@ class _Pending:
 class EngineClient:
     def __init__(self, deployment: Deployment, build_engine: BuildEngine,
                  on_stats: Optional[Callable[[StepStats, StepStats], None]] = None,
-                 on_restart: Optional[Callable[[], None]] = None, on_fatal: Optional[Callable[[str], None]] = None):
+                 on_restart: Optional[Callable[[], None]] = None, on_fatal: Optional[Callable[[str], None]] = None,
+                 rank: Optional[int] = None):
+        """``rank``: the data-parallel rank this core is, named in its logs (None: the only core)."""
         self.deployment = deployment
+        self.core_name = "engine core" if rank is None else f"engine core {rank}"
         self.build_engine = build_engine  # run in the core process (a module-level function: it is pickled)
         self.on_stats = on_stats
         self.on_restart = on_restart  # a replacement core is being started
@@ -132,7 +135,7 @@ class EngineClient:
         self.pull.bind(out_addr)
         spawn = mp.get_context("spawn")
         self.proc = spawn.Process(target=run_core, args=(self.deployment, self.build_engine, in_addr, out_addr),
-                                  name="appliance-engine-core", daemon=True)
+                                  name="appliance-" + self.core_name.replace(" ", "-"), daemon=True)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         try:
@@ -144,11 +147,11 @@ class EngineClient:
                         self.ready_info = msg
                         break
                     if isinstance(msg, Fatal):
-                        raise EngineDeadError(f"the engine core failed to start: {msg.message}")
+                        raise EngineDeadError(f"the {self.core_name} failed to start: {msg.message}")
                 if not self.proc.is_alive():
-                    raise EngineDeadError(f"the engine core exited during start-up (exit code {self.proc.exitcode})")
+                    raise EngineDeadError(f"the {self.core_name} exited during start-up (exit code {self.proc.exitcode})")
                 if loop.time() - t0 > self.start_timeout_s:
-                    raise EngineDeadError(f"the engine core was not ready after {self.start_timeout_s:g} s "
+                    raise EngineDeadError(f"the {self.core_name} was not ready after {self.start_timeout_s:g} s "
                                           f"(server.core_start_timeout_s)")
         except BaseException:
             self._stop_core()
@@ -176,7 +179,7 @@ class EngineClient:
         if self._supervisor is not None:
             self._supervisor.cancel()
             await asyncio.gather(self._supervisor, return_exceptions=True)
-        if self._up and self.proc is not None and self.proc.is_alive():
+        if self.up and self.proc is not None and self.proc.is_alive():
             self._send(Shutdown())
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout_s
@@ -188,7 +191,7 @@ class EngineClient:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     @property
-    def _up(self) -> bool:
+    def up(self) -> bool:
         return self.push is not None and not (self.dead or self.restarting or self._closing)
 
     def _send(self, msg: ToCore) -> None:
@@ -214,7 +217,7 @@ class EngineClient:
         """The running core is gone: fail what waits on it, then restart it or give up."""
         if self._closing or self.dead or self.restarting:
             return
-        log.error("engine core died: %s", reason)
+        log.error("%s died: %s", self.core_name, reason)
         self._stop_core()
         old, self.stats = self.stats, StepStats()
         if self.on_stats:
@@ -224,7 +227,7 @@ class EngineClient:
             return
         self.restarting, self.down_reason = True, reason
         self._next_attempt = asyncio.get_running_loop().time() + self._backoff()
-        self._fail_waiters(EngineRestartingError(f"the engine core died ({reason}) and is being restarted",
+        self._fail_waiters(EngineRestartingError(f"the {self.core_name} died ({reason}) and is being restarted",
                                                  self.retry_after_s()))
         self._supervisor = asyncio.create_task(self._restart_loop())
 
@@ -234,7 +237,7 @@ class EngineClient:
         self.dead = True
         self.dead_reason = (f"{reason}; {n} restart(s) in the last {self.restart_window_s:g} s did not keep it up "
                             f"(server.max_core_restarts={self.max_restarts})")
-        log.error("engine core is dead: %s", self.dead_reason)
+        log.error("%s is dead: %s", self.core_name, self.dead_reason)
         self._fail_waiters(EngineDeadError(self.dead_reason))
         if self.on_fatal:
             self.on_fatal(self.dead_reason)
@@ -248,7 +251,7 @@ class EngineClient:
                 return
             delay = self._backoff()
             self._next_attempt = loop.time() + delay
-            log.warning("restarting the engine core in %.1f s (restart %d of at most %d in %g s)", delay, n + 1,
+            log.warning("restarting the %s in %.1f s (restart %d of at most %d in %g s)", self.core_name, delay, n + 1,
                         self.max_restarts, self.restart_window_s)
             await asyncio.sleep(delay)
             self._restart_times.append(loop.time())
@@ -258,11 +261,11 @@ class EngineClient:
             try:
                 await self._launch()
             except EngineDeadError as e:
-                log.error("the replacement engine core did not come up: %s", e)
+                log.error("the replacement %s did not come up: %s", self.core_name, e)
                 self.down_reason = str(e)
                 continue
             self.restarting, self.down_reason = False, ""
-            log.info("engine core restarted (pid %s, ready after %.1f s)", self.ready_info.pid, self.start_s)
+            log.info("%s restarted (pid %s, ready after %.1f s)", self.core_name, self.ready_info.pid, self.start_s)
             return
 
     def _backoff(self) -> float:
@@ -286,7 +289,7 @@ class EngineClient:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # nothing would ever answer the waiting requests: treat it as the core's loss
-            log.exception("reading the engine core's outputs failed")
+            log.exception("reading the %s's outputs failed", self.core_name)
             self._core_lost(f"its outputs could not be read ({type(e).__name__}: {e})")
 
     async def _read_outputs(self, pull: zmq.asyncio.Socket) -> None:
@@ -312,19 +315,19 @@ class EngineClient:
                 return
 
     # -- requests ----------------------------------------------------------------
-    def _check_up(self) -> None:
+    def check_up(self) -> None:
         if self.dead:
             raise EngineDeadError(self.dead_reason)
         if self.restarting:
-            raise EngineRestartingError(f"the engine core is restarting ({self.down_reason})", self.retry_after_s())
-        if not self._up:
+            raise EngineRestartingError(f"the {self.core_name} is restarting ({self.down_reason})", self.retry_after_s())
+        if not self.up:
             raise EngineDeadError("the engine is shutting down")
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
                        cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutputDelta]:
         """Output deltas of one request; aborts it in the core if the
         consumer stops early (client disconnect, cancellation)."""
-        self._check_up()
+        self.check_up()
         p = _Pending()
         self.pending[request_id] = p
         try:
@@ -346,11 +349,11 @@ class EngineClient:
 
     def abort_nowait(self, request_ids: list[str]) -> None:
         """Queue an abort without awaiting: safe from a cancelled task or a finally block."""
-        if self._up:
+        if self.up:
             self._send(AbortRequests(request_ids))
 
     async def reset_prefix_cache(self) -> bool:
-        self._check_up()
+        self.check_up()
         fut = asyncio.get_running_loop().create_future()
         self._reset_waiters.append(fut)
         self._send(ResetPrefixCache())

@@ -124,7 +124,7 @@ class Generation:
         finished = False
         try:
             async for d in st.client.generate(rid, g.prompts[child.prompt_index], child.params, g.priority,
-                                              g.cache_salt):
+                                              g.cache_salt, g.data_parallel_rank):
                 t = time.monotonic()
                 if d.new_token_ids:
                     if first is None:

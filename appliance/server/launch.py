@@ -102,7 +102,8 @@ async def _serve(deployment: Deployment, build_engine: BuildEngine) -> int:
     from appliance.models.loader import resolve_model_folder
     from appliance.server.auth import load_api_keys
     from appliance.server.app import create_app
-    from appliance.server.client import EngineClient, EngineDeadError
+    from appliance.server.client import EngineDeadError
+    from appliance.server.data_parallel import DataParallelClient
     from appliance.server.metrics import Metrics
     from appliance.server.state import ServerState
     from appliance.server.transport import ConnectionLimits, guarded_protocol
@@ -111,15 +112,17 @@ async def _serve(deployment: Deployment, build_engine: BuildEngine) -> int:
     folder = resolve_model_folder(cfg.model)  # prepare (convert/generate) once, before the core starts
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     api_keys = load_api_keys(cfg.server)  # before the core starts: an unreadable key file stops nothing half-started
-    metrics = Metrics(deployment.model_name, cfg.profile, deployment.resolved.hash, deployment.fingerprint)
+    dp = deployment.layout.data_parallel_size
+    metrics = Metrics(deployment.model_name, cfg.profile, deployment.resolved.hash, deployment.fingerprint, dp)
     fatal: list[str] = []
 
     def on_fatal(reason: str) -> None:
         fatal.append(reason)
         state.shutting_down = True
 
-    client = EngineClient(deployment, build_engine, on_stats=metrics.on_core_stats, on_restart=metrics.engine_restarts.inc,
-                          on_fatal=on_fatal)
+    client = DataParallelClient(deployment, build_engine,
+                                on_stats=lambda rank, old, new: metrics.on_core_stats(old, new, engine=rank),
+                                on_restart=metrics.engine_restarted, on_fatal=on_fatal)
     try:
         await client.start()
     except EngineDeadError as e:
@@ -154,8 +157,9 @@ async def _serve(deployment: Deployment, build_engine: BuildEngine) -> int:
     log.info("profile %s (config %s, deployment %s), model %s, backend %s, dtype %s, kv cache %s, host %s",
              cfg.profile, deployment.resolved.hash, deployment.fingerprint, deployment.model_name, ex.backend, ex.dtype,
              ex.kv_cache_dtype, ex.host)
-    log.info("KV cache: %d blocks x %d tokens, max_model_len %d", client.ready_info.num_kv_blocks,
-             client.ready_info.block_size, deployment.max_model_len)
+    log.info("KV cache: %d blocks x %d tokens%s, max_model_len %d", client.ready_info.num_kv_blocks,
+             client.ready_info.block_size, f" in each of {dp} data-parallel engine cores" if dp > 1 else "",
+             deployment.max_model_len)
     log.info("serving on http://%s:%d/v1", cfg.server.host, cfg.server.port)
     try:
         await server.serve()

@@ -49,22 +49,30 @@ def describe_interval(old: StepStats, new: StepStats) -> str:
 
 
 class Metrics:
-    def __init__(self, model_name: str, profile: str, config_hash: str, deployment: str):
+    """The registry. Series the engine cores report carry an ``engine`` label
+    (the data-parallel rank, "0" with one core), as vLLM's do; the request
+    latencies and outcomes the front end measures are the server's."""
+
+    def __init__(self, model_name: str, profile: str, config_hash: str, deployment: str, num_engines: int = 1):
         self.registry = CollectorRegistry()
         labels = ["model_name", "profile", "config_hash", "deployment"]
         self.label_values = {"model_name": model_name, "profile": profile, "config_hash": config_hash,
                              "deployment": deployment}
         r = self.registry
+        per_engine = labels + ["engine"]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"appliance:{name}", doc, labels, registry=r).labels(**self.label_values)
+            return Gauge(f"appliance:{name}", doc, per_engine, registry=r)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"appliance:{name}", doc, labels, registry=r).labels(**self.label_values)
+        def counter(name: str, doc: str, by_engine: bool = True) -> Counter:
+            c = Counter(f"appliance:{name}", doc, per_engine if by_engine else labels, registry=r)
+            return c if by_engine else c.labels(**self.label_values)
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"appliance:{name}", doc, labels, buckets=buckets, registry=r).labels(**self.label_values)
+        def hist(name: str, doc: str, buckets: tuple[float, ...], by_engine: bool = False) -> Histogram:
+            h = Histogram(f"appliance:{name}", doc, per_engine if by_engine else labels, buckets=buckets, registry=r)
+            return h if by_engine else h.labels(**self.label_values)
 
+        # engine-core series: families, one child per engine (``_engine``)
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
@@ -73,9 +81,19 @@ class Metrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recompute)")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.engine_restarts = counter("engine_restarts", "Engine-core processes started to replace one that died")
+        self.iteration_tokens = hist("iteration_tokens", "Tokens scheduled per engine step", TOKEN_BUCKETS, True)
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Speculative drafts verified")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self._accepted_per_pos = Counter("appliance:spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by position in the draft (0 = first)",
+                                         per_engine + ["position"], registry=r)
+        self.grammar_compile_seconds = hist("grammar_compile_seconds", "Time to compile an output constraint's "
+                                            "grammar (a compile-cache miss)", LATENCY_BUCKETS, True)
+        # the front end's series
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed", by_engine=False)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated", by_engine=False)
         self._success = Counter("appliance:request_success", "Finished requests by finish reason",
                                 labels + ["finished_reason"], registry=r)
         for reason in ("stop", "length", "abort"):  # exported from the start, at 0
@@ -85,44 +103,55 @@ class Metrics:
         self.e2e_request_latency_seconds = hist("e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
         self.request_queue_time_seconds = hist("request_queue_time_seconds", "Time waiting before first scheduled",
                                                LATENCY_BUCKETS)
-        self.iteration_tokens = hist("iteration_tokens", "Tokens scheduled per engine step", TOKEN_BUCKETS)
-        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Speculative drafts verified")
-        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
-        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
-        self._accepted_per_pos = Counter("appliance:spec_decode_num_accepted_tokens_per_pos",
-                                         "Draft tokens accepted, by position in the draft (0 = first)",
-                                         labels + ["position"], registry=r)
-        self.grammar_compile_seconds = hist("grammar_compile_seconds", "Time to compile an output constraint's "
-                                            "grammar (a compile-cache miss)", LATENCY_BUCKETS)
-        self._logged_stats, self._logged_at = StepStats(), time.monotonic()
+        self.num_engines = num_engines
+        self._logged: dict[int, tuple[StepStats, float]] = {}  # engine -> (stats last logged, when)
+        for engine in range(num_engines):  # every engine's series exported from the start, at 0
+            for family in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
+                           self.token_budget, self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions,
+                           self.engine_restarts, self.iteration_tokens, self.spec_decode_num_drafts,
+                           self.spec_decode_num_draft_tokens, self.spec_decode_num_accepted_tokens):
+                self._engine(family, engine)
+
+    def _engine(self, family, engine: int):
+        return family.labels(**self.label_values, engine=str(engine))
 
     def request_success(self, reason: str) -> None:
         self._success.labels(**self.label_values, finished_reason=reason).inc()
 
-    def on_core_stats(self, old: StepStats, new: StepStats) -> None:
-        self.num_requests_running.set(new.num_running)
-        self.num_requests_waiting.set(new.num_waiting)
-        self.kv_cache_usage_perc.set(new.kv_usage)
-        self.token_budget.set(new.token_budget)
-        self.prefix_cache_queries.inc(max(0, new.prefix_queries - old.prefix_queries))
-        self.prefix_cache_hits.inc(max(0, new.prefix_hits - old.prefix_hits))
-        self.num_preemptions.inc(max(0, new.num_preemptions - old.num_preemptions))
+    def engine_restarted(self, engine: int = 0) -> None:
+        self._engine(self.engine_restarts, engine).inc()
+
+    def on_core_stats(self, old: StepStats, new: StepStats, engine: int = 0) -> None:
+        """Engine ``engine``'s stats went from ``old`` to ``new``: gauges set, counters by the difference."""
+        def e(family):
+            return self._engine(family, engine)
+
+        e(self.num_requests_running).set(new.num_running)
+        e(self.num_requests_waiting).set(new.num_waiting)
+        e(self.kv_cache_usage_perc).set(new.kv_usage)
+        e(self.token_budget).set(new.token_budget)
+        e(self.prefix_cache_queries).inc(max(0, new.prefix_queries - old.prefix_queries))
+        e(self.prefix_cache_hits).inc(max(0, new.prefix_hits - old.prefix_hits))
+        e(self.num_preemptions).inc(max(0, new.num_preemptions - old.num_preemptions))
         if new.iteration_tokens:
-            self.iteration_tokens.observe(new.iteration_tokens)
-        self.spec_decode_num_drafts.inc(max(0, new.spec_drafts - old.spec_drafts))
-        self.spec_decode_num_draft_tokens.inc(max(0, new.spec_draft_tokens - old.spec_draft_tokens))
-        self.spec_decode_num_accepted_tokens.inc(max(0, new.spec_accepted_tokens - old.spec_accepted_tokens))
+            e(self.iteration_tokens).observe(new.iteration_tokens)
+        e(self.spec_decode_num_drafts).inc(max(0, new.spec_drafts - old.spec_drafts))
+        e(self.spec_decode_num_draft_tokens).inc(max(0, new.spec_draft_tokens - old.spec_draft_tokens))
+        e(self.spec_decode_num_accepted_tokens).inc(max(0, new.spec_accepted_tokens - old.spec_accepted_tokens))
         for pos, accepted in enumerate(new.spec_accepted_per_pos):
             before = old.spec_accepted_per_pos[pos] if pos < len(old.spec_accepted_per_pos) else 0
-            self._accepted_per_pos.labels(**self.label_values, position=str(pos)).inc(max(0, accepted - before))
+            self._accepted_per_pos.labels(**self.label_values, engine=str(engine), position=str(pos)).inc(
+                max(0, accepted - before))
         for seconds in new.grammar_compile_seconds:
-            self.grammar_compile_seconds.observe(seconds)
+            e(self.grammar_compile_seconds).observe(seconds)
         now = time.monotonic()
-        if new.prefix_queries < self._logged_stats.prefix_queries or new.spec_drafts < self._logged_stats.spec_drafts:
-            self._logged_stats = StepStats()  # the core's counters restarted (reset_stats, a new core)
-        if now - self._logged_at >= LOG_INTERVAL_S:
-            log.info("%s", describe_interval(self._logged_stats, new))
-            self._logged_stats, self._logged_at = new, now
+        logged, at = self._logged.get(engine) or (StepStats(), now)
+        if new.prefix_queries < logged.prefix_queries or new.spec_drafts < logged.spec_drafts:
+            logged = StepStats()  # the core's counters restarted (reset_stats, a new core)
+        if now - at >= LOG_INTERVAL_S:
+            log.info("%s%s", f"engine {engine}: " if self.num_engines > 1 else "", describe_interval(logged, new))
+            logged, at = new, now
+        self._logged[engine] = (logged, at)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -267,6 +267,7 @@ class GenerationRequest:
     cache_salt: Optional[str]
     echo: bool = False
     logprobs_mode: Optional[str] = None  # "completion" | "chat" | None
+    data_parallel_rank: Optional[int] = None  # the engine core the client pinned (None: the least loaded)
 
 
 def sampling_from_body(body: dict, *, chat: bool, vocab_size: int) -> tuple[SamplingParams, Optional[str]]:
@@ -362,6 +363,30 @@ def common_extensions(body: dict) -> tuple[int, Optional[str]]:
     if salt is not None and not salt:
         raise OpenAIError(400, "'cache_salt' must not be empty", param="cache_salt")
     return priority, salt
+
+
+DATA_PARALLEL_RANK_HEADER = "x-data-parallel-rank"
+
+
+def data_parallel_rank(body: dict, header: Optional[str], size: int) -> Optional[int]:
+    """The engine core a request pins: the ``X-Data-Parallel-Rank`` header or
+    the ``data_parallel_rank`` field (both: they must agree), 0..size-1; None
+    when neither is given."""
+    field_rank = _int(body, "data_parallel_rank", lo=0, hi=size - 1)
+    if header is None:
+        return field_rank
+    try:
+        rank = int(header.strip())
+    except ValueError:
+        raise OpenAIError(400, f"the X-Data-Parallel-Rank header must be an integer, got {header[:40]!r}",
+                          param="X-Data-Parallel-Rank") from None
+    if not 0 <= rank < size:
+        raise OpenAIError(400, f"the X-Data-Parallel-Rank header must be in 0..{size - 1} (this server runs {size} "
+                               f"data-parallel engine core(s)), got {rank}", param="X-Data-Parallel-Rank")
+    if field_rank is not None and field_rank != rank:
+        raise OpenAIError(400, f"the X-Data-Parallel-Rank header ({rank}) and 'data_parallel_rank' ({field_rank}) "
+                               f"disagree", param="data_parallel_rank")
+    return rank
 
 
 def new_id(prefix: str) -> str:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 from appliance.config.compose import ResolvedConfig
 from appliance.config.deployment import Deployment
 from appliance.config.schema import ApplianceConfig
-from appliance.server.client import EngineClient
+from appliance.server.data_parallel import DataParallelClient
 from appliance.server.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 @dataclass
 class ServerState:
     deployment: Deployment
-    client: EngineClient
+    client: DataParallelClient
     tokenizer: PreTrainedTokenizerBase
     metrics: Metrics
     api_keys: tuple[str, ...]  # empty: no authentication (appliance.server.auth)

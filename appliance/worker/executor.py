@@ -41,9 +41,10 @@ import time
 import traceback
 import weakref
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from appliance.engine.core import EngineDeadError
+from appliance.worker.placement import pin_cpu_rank
 
 log = logging.getLogger("appliance.executor")
 
@@ -74,17 +75,6 @@ class TorchDistributedComm:
         return out
 
 
-def cpu_share(rank: int, world_size: int, cores: list[int]) -> list[int]:
-    """The cores rank ``rank`` runs on: its own contiguous run of ``cores``
-    when there are at least as many as ranks (the remainder to the first
-    ranks), else all of them (the ranks share, one thread each)."""
-    if len(cores) < world_size:
-        return cores
-    base, extra = divmod(len(cores), world_size)
-    start = rank * base + min(rank, extra)
-    return cores[start : start + base + (rank < extra)]
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -102,7 +92,7 @@ def _die_with_parent() -> None:
 def _worker(conn: Connection) -> None:
     """A rank's process: join the group, build the runner, then run every step it is sent."""
     _die_with_parent()
-    deployment, build_rank, rank, world_size, port, timeout_s = pickle.loads(conn.recv_bytes())
+    deployment, build_rank, rank, world_size, port, shm_path, timeout_s = pickle.loads(conn.recv_bytes())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's process owns shutdown
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the core ignores it, and an ignored signal survives exec
     try:
@@ -112,17 +102,20 @@ def _worker(conn: Connection) -> None:
         import torch.distributed as dist
 
         if deployment.device == "cpu":
-            allowed = sorted(os.sched_getaffinity(0))
-            cores = cpu_share(rank, world_size, allowed)
-            os.sched_setaffinity(0, cores)
-            torch.set_num_threads(len(cores) if len(allowed) >= world_size else 1)
+            pin_cpu_rank(rank, world_size)
             backend = "gloo"
         else:
             torch.cuda.set_device(rank)
             backend = "nccl"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        runner = build_rank(deployment, rank, TorchDistributedComm(world_size))
+        if shm_path is not None:
+            from appliance.kernels.shm_comm import ShmComm
+
+            comm: Any = ShmComm(shm_path, rank, world_size, timeout_s)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+            comm = TorchDistributedComm(world_size)
+        runner = build_rank(deployment, rank, comm)
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
         return
@@ -140,10 +133,8 @@ def _worker(conn: Connection) -> None:
             conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
             continue
         conn.send(("ok", out, None))
-    try:
+    if dist.is_initialized():
         dist.destroy_process_group()
-    except Exception:
-        pass
 
 
 class MultiprocExecutor:
@@ -151,6 +142,12 @@ class MultiprocExecutor:
 
     def __init__(self, deployment: Any, build_rank: BuildRank, world_size: int, timeout_s: float):
         port = _free_port()
+        self.collectives = _collectives(deployment, world_size)
+        shm_path = None
+        if self.collectives == "shm":
+            from appliance.kernels.shm_comm import create_segment
+
+            shm_path = create_segment(world_size)
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._procs: list[subprocess.Popen] = []
@@ -162,12 +159,16 @@ class MultiprocExecutor:
                                     pass_fds=(theirs.fileno(),))
             theirs.close()
             conn = Connection(ours.detach())
-            conn.send_bytes(pickle.dumps((deployment, build_rank, rank, world_size, port, timeout_s)))
+            conn.send_bytes(pickle.dumps((deployment, build_rank, rank, world_size, port, shm_path, timeout_s)))
             self._procs.append(proc)
             self._conns.append(conn)
             self._sentinels.append(os.pidfd_open(proc.pid))
-        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._sentinels)
-        replies = self._collect("loading the model", max(timeout_s, LOAD_TIMEOUT_S))
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._sentinels, shm_path)
+        try:
+            replies = self._collect("loading the model", max(timeout_s, LOAD_TIMEOUT_S))
+        finally:
+            if shm_path is not None:  # every rank has mapped it (or failed): the name can go
+                _unlink(shm_path)
         errors = [(r, msg) for r, (kind, msg, _) in enumerate(replies) if kind == "error"]
         if errors:
             self.close()
@@ -234,7 +235,31 @@ class MultiprocExecutor:
         self._finalizer()
 
 
-def _stop(procs: list, conns: list, sentinels: list) -> None:
+def _collectives(deployment: Any, world_size: int) -> str:
+    """How the ranks exchange: ``shm`` (one host's CPU ranks, where the
+    shared-memory collectives build; else gloo with a warning), ``gloo``
+    or ``nccl``."""
+    if deployment.device != "cpu":
+        return "nccl"
+    if deployment.cfg.parallel.cpu_collectives != "shm" or world_size == 1:
+        return "gloo"
+    try:
+        import appliance.kernels.shm_comm  # noqa: F401  (builds the library once, here)
+    except ImportError as e:
+        log.warning("parallel.cpu_collectives=shm: the shared-memory collectives cannot load (%s); the ranks use "
+                    "gloo", e)
+        return "gloo"
+    return "shm"
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _stop(procs: list, conns: list, sentinels: list, shm_path: Optional[str] = None) -> None:
     """Ask every worker to stop, then make sure: terminate, then kill."""
     for conn in conns:
         try:
@@ -256,6 +281,8 @@ def _stop(procs: list, conns: list, sentinels: list) -> None:
         conn.close()
     for fd in sentinels:
         os.close(fd)
+    if shm_path is not None:
+        _unlink(shm_path)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,24 @@ class ServerProcess(LocalServer):
     def __init__(self, *overrides, startup_timeout=240, env=None):
         super().__init__(["+profile=cpu", *overrides], timeout_s=startup_timeout, cwd=REPO, env=env)
 
-    def core_pid(self) -> int:
+    def core_pids(self) -> list[int]:
+        """The engine-core processes (one per data-parallel rank, in no particular order)."""
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        pids = []
         for pid in out:
-            with open(f"/proc/{pid}/cmdline") as f:
-                if "spawn_main" in f.read():
-                    return int(pid)
-        raise RuntimeError(f"no engine-core child among {out}")
+            try:
+                with open(f"/proc/{pid}/cmdline") as f:
+                    if "spawn_main" in f.read():
+                        pids.append(int(pid))
+            except FileNotFoundError:  # exited meanwhile
+                pass
+        return pids
+
+    def core_pid(self) -> int:
+        pids = self.core_pids()
+        if not pids:
+            raise RuntimeError("no engine-core child")
+        return pids[0]
 
 
 def metric(text: str, name: str, **labels) -> float:

@@ -484,7 +484,8 @@ class ScriptedClient:
         self.restarting, self.down_reason = False, ""
         self.stats, self.ready_info = StepStats(), Ready(num_kv_blocks=1, block_size=16, backend="torch_sdpa", pid=1)
 
-    async def generate(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None):
+    async def generate(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None,
+                       data_parallel_rank=None):
         from appliance.engine.core import RequestOutputDelta
 
         for item in self.script:

@@ -15,7 +15,7 @@ import torch
 from appliance import LLM, SamplingParams
 from appliance.engine.core import EngineDeadError
 from appliance.models.llama import ModelArch, padded_vocab, shard_arch, tensor_shard
-from appliance.worker.executor import cpu_share
+from appliance.worker.placement import cpu_share
 from tests.integration.server_helpers import ServerProcess
 from tests.model_helpers import check_logprobs_close, greedy_top_logprobs
 

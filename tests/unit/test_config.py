@@ -6,7 +6,7 @@ import pytest
 
 from appliance.config.compose import ConfigError, list_options, list_profiles, resolve
 from appliance.config.detect import DeviceDescription, pick_profile
-from appliance.config.plan import GIB, make_plan, parameter_counts
+from appliance.config.plan import GIB, format_plan, make_plan, parameter_counts
 from appliance.config.validate import validate
 
 PROFILES = ["b200_fp8", "cpu", "cpu_int4", "cpu_int8", "h100_bf16", "h100_fp8", "h200_fp8", "mi300x_bf16"]
@@ -17,7 +17,7 @@ def test_catalog_is_complete():
     assert list_profiles() == PROFILES
     assert list_options("model") == MODELS
     assert list_options("quantization") == ["awq", "fp8", "gguf", "gptq", "int4_wo", "int8_wo", "none"]
-    assert list_options("parallel") == ["dp8_ep", "single", "tp2", "tp3", "tp8", "tp8_pp2"]
+    assert list_options("parallel") == ["dp2", "dp8_ep", "single", "tp2", "tp3", "tp8", "tp8_pp2"]
     assert list_options("scheduler") == ["default", "latency", "throughput"]
     assert list_options("hardware") == ["b200", "cpu", "h100", "h200", "mi300x"]
     assert list_options("speculative") == ["draft_model", "ngram", "off"]
@@ -109,7 +109,7 @@ def _problems(*overrides):
         (["+profile=cpu", "model.dtype=float16"], "model.dtype=float16 is not supported by hardware=cpu"),
         (["+profile=cpu", "parallel=tp2", "hardware.num_devices=2"], "model.num_heads=9 is not divisible by parallel.tensor_parallel_size=2"),
         (["+profile=cpu", "model=tiny_random", "parallel=tp2", "parallel.executor=uni"],
-         "parallel.executor=uni runs one rank, and the layout has 2"),
+         "parallel.executor=uni runs one rank, and an engine core of this layout spans tp x pp = 2"),
         (["+profile=cpu", "model=tiny_random", "parallel.tensor_parallel_size=3"],
          "model.num_kv_heads=2 and parallel.tensor_parallel_size=3: one must divide the other"),
         (["+profile=cpu", "model=tiny_random", "parallel=tp3", "model.num_heads=6", "model.num_kv_heads=3"],
@@ -209,6 +209,38 @@ def test_plan_tensor_parallel_shards_weights_and_kv():
     assert tp8.kv_bytes_per_token == one.kv_bytes_per_token // 8
     ep = make_plan(resolve(["+profile=h100_bf16", "model=llama3_1_8b", "parallel=dp8_ep"]).cfg)
     assert ep.parallel["expert_parallel_size"] == 8 and ep.num_devices_used == 8
+
+
+def test_plan_counts_the_collectives_and_their_share():
+    base = ["+profile=h100_bf16", "model=llama3_1_8b"]
+    one = make_plan(resolve(base).cfg)
+    assert (one.collectives_per_step, one.collective_bytes_per_token, one.decode_comm_share) == (0, 0, None)
+    tp8 = make_plan(resolve([*base, "parallel=tp8"]).cfg)
+    row = 4096 * 2  # a bf16 hidden row
+    assert tp8.collectives_per_step == 2 * 32 + 2  # o_proj and down_proj per layer, the embedding, the logits
+    assert tp8.collective_bytes_per_token == int(65 * row * 2 * 7 / 8)  # ring all-reduce: 2 (tp - 1) / tp
+    assert tp8.collective_bytes_per_sampled_token == int(128512 * 4 * 7 / 8)  # fp32 logits, 128256 padded to 64 x 8
+    comm = 66 * 10e-6 + (tp8.collective_bytes_per_token + tp8.collective_bytes_per_sampled_token) / 450e9
+    compute = tp8.weight_bytes_per_device / 3350e9
+    assert tp8.decode_comm_share == round(comm / (comm + compute), 3)
+    pp = make_plan(resolve([*base, "parallel=tp8_pp2", "hardware.num_devices=16"]).cfg)
+    assert pp.collectives_per_step == 2 * 16 + 2 + 1  # 16 layers a stage, one stage boundary
+    lines = format_plan(tp8)
+    assert "collectives        66 per forward" in lines and "of a one-request decode step" in lines
+    # a CPU host's ranks: shared memory by default, gloo far slower
+    cpu = ["+profile=cpu", "parallel=tp3"]
+    shm, gloo = (make_plan(resolve(cpu + extra).cfg) for extra in ([], ["parallel.cpu_collectives=gloo"]))
+    assert 0 < shm.decode_comm_share < gloo.decode_comm_share < 1
+    unknown = make_plan(resolve([*cpu, "hardware.interconnect_gbps=0"]).cfg)
+    assert unknown.decode_comm_share is None and any("not estimated" in n for n in unknown.notes)
+
+
+def test_plan_splits_a_cpu_hosts_memory_between_its_ranks():
+    base = ["+profile=cpu", "cache.kv_cache_memory_gib=null"]
+    one, dp2 = (make_plan(resolve(base + extra).cfg) for extra in ([], ["parallel=dp2"]))
+    assert dp2.engine_cores == 2 and one.engine_cores == 1
+    assert dp2.kv_cache_bytes < one.kv_cache_bytes / 2  # each core gets half the host, less its own weights
+    assert "in each of 2 engine cores" in format_plan(dp2)
 
 
 def test_fp8_kv_doubles_capacity_per_byte():

@@ -43,6 +43,9 @@ BASES = {
     "hardware.compute_capability": ["+profile=h100_bf16"],
     "parallel.pipeline_parallel_size": [*BASE, "hardware.num_devices=2"],
     "parallel.data_parallel_size": [*BASE, "hardware.num_devices=2"],
+    # collectives exist only across ranks
+    "hardware.interconnect_gbps": [*BASE, "parallel=tp3"],
+    "hardware.collective_latency_us": [*BASE, "parallel=tp3"],
 }
 # Keys whose effect is only where the engine is built or served (the tests
 # of those parts show it); the test checks that code there reads them.
@@ -54,6 +57,7 @@ RUN_TIME_KEYS = {
     "cache.enable_prefix_caching", "cache.prefix_caching_hash_algo",
     "attention.fallback",  # acts when the profile's first backend cannot run here
     "parallel.step_timeout_s",  # how long the mp executor waits for a step
+    "parallel.cpu_collectives",  # how the mp executor's CPU ranks exchange
     *(f"server.{k}" for k in (
         "host", "port", "api_key", "api_key_file", "allow_unauthenticated", "tenant_isolation", "max_queue_len",
         "max_body_bytes", "request_timeout_s", "shutdown_timeout_s", "header_timeout_s", "body_timeout_s",
@@ -199,9 +203,10 @@ def test_run_time_keys_are_schema_leaves():
 
 
 @pytest.mark.parametrize("override,message", [
-    ("parallel.data_parallel_size=2", "only tensor parallelism is built yet"),
-    ("parallel.pipeline_parallel_size=2", "only tensor parallelism is built yet"),
+    ("parallel.pipeline_parallel_size=2", "pipeline and expert parallelism are not built yet"),
+    ("parallel=dp2 parallel.enable_expert_parallel=true", "pipeline and expert parallelism are not built yet"),
     ("parallel=tp3 parallel.executor=ray", "parallel.executor=ray is not built yet"),
+    ("parallel=dp2 parallel.executor=ray", "parallel.executor=ray is not built yet"),
     ("parallel=tp3 quantization=fp8", "quantization=fp8 with tensor parallelism is not built yet"),
     ("parallel=tp3 speculative=draft_model speculative.draft_model=smollm2_135m",
      "speculative=draft_model with tensor parallelism is not built yet"),

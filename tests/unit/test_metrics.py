@@ -19,7 +19,7 @@ def test_speculative_counters_are_exported_as_deltas():
     labels = {"model_name": "m", "profile": "cpu", "config_hash": "c0ffee", "deployment": "d00d"}
 
     def value(name, **extra):
-        return m.registry.get_sample_value(f"appliance:spec_decode_{name}_total", {**labels, **extra})
+        return m.registry.get_sample_value(f"appliance:spec_decode_{name}_total", {**labels, "engine": "0", **extra})
 
     assert (value("num_drafts"), value("num_draft_tokens"), value("num_accepted_tokens")) == (4, 12, 8)
     assert [value("num_accepted_tokens_per_pos", position=str(i)) for i in range(3)] == [4, 3, 1]
@@ -41,3 +41,20 @@ def test_the_log_line_says_acceptance_over_the_interval(caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="appliance.stats"):
         m.on_core_stats(StepStats(), new)
     assert "mean acceptance length 2.50" in caplog.text
+
+
+def test_each_engine_core_has_its_own_series():
+    m = Metrics("m", "cpu", "c", "d", num_engines=2)
+    labels = {"model_name": "m", "profile": "cpu", "config_hash": "c", "deployment": "d"}
+    text = m.render().decode()
+    for engine in ("0", "1"):  # exported from the start
+        assert f'appliance:num_requests_running{{config_hash="c",deployment="d",engine="{engine}"' in text
+    m.on_core_stats(StepStats(), _stats(), engine=1)
+    m.engine_restarted(0)
+
+    def value(name, engine):
+        return m.registry.get_sample_value(f"appliance:{name}", {**labels, "engine": engine})
+
+    assert (value("num_requests_running", "1"), value("num_requests_running", "0")) == (2, 0)
+    assert (value("prefix_cache_queries_total", "1"), value("prefix_cache_queries_total", "0")) == (100, 0)
+    assert (value("engine_restarts_total", "0"), value("engine_restarts_total", "1")) == (1, 0)

@@ -1,0 +1,139 @@
+"""The front end's handle on every engine core: one per data-parallel rank.
+
+``parallel.data_parallel_size`` engine cores run behind one server, each
+with the whole model (over its own ``tp x pp`` ranks), its own KV cache
+and prefix cache, on its share of the host (``runner.place_data_parallel_rank``).
+Each core has its own ``EngineClient`` and supervisor: a core that dies is
+restarted while the others keep serving.
+
+A request goes to the rank its client pinned (the ``X-Data-Parallel-Rank``
+header or the ``data_parallel_rank`` field), else to the rank that can take
+work with the lowest ``4 x waiting + running`` (ties to the lowest rank),
+as vLLM balances its engines. ``running`` is what the core reported with
+its last outputs; ``waiting`` is every request the front end has sent that
+rank and not seen finish, less the running ones, so a burst is spread
+before any core has answered.
+
+One rank is the same object with one client: the server always speaks to
+this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Callable, Optional
+
+from appliance.config.deployment import Deployment
+from appliance.engine.core import RequestOutputDelta, StepStats
+from appliance.sampling_params import SamplingParams
+from appliance.server.client import EngineClient, EngineDeadError
+from appliance.server.core_proc import BuildEngine
+from appliance.server.messages import Ready
+
+WAITING_WEIGHT = 4  # a waiting request counts four times a running one when picking a rank
+
+
+def balance_score(pending: int, running: int) -> int:
+    """How loaded a rank is: ``4 x waiting + running``, where waiting is what
+    the front end has in flight there beyond what the core runs."""
+    return WAITING_WEIGHT * max(0, pending - running) + running
+
+
+class DataParallelClient:
+    def __init__(self, deployment: Deployment, build_engine: BuildEngine,
+                 on_stats: Optional[Callable[[int, StepStats, StepStats], None]] = None,
+                 on_restart: Optional[Callable[[int], None]] = None, on_fatal: Optional[Callable[[str], None]] = None):
+        """``on_stats(rank, old, new)`` and ``on_restart(rank)`` name the rank;
+        ``on_fatal(reason)``: a rank's restarts are exhausted."""
+        self.deployment = deployment
+        self.clients = [
+            EngineClient(deployment.for_data_parallel_rank(r), build_engine,
+                         on_stats=(lambda old, new, r=r: on_stats(r, old, new)) if on_stats else None,
+                         on_restart=(lambda r=r: on_restart(r)) if on_restart else None,
+                         on_fatal=on_fatal, rank=r if deployment.layout.data_parallel_size > 1 else None)
+            for r in range(deployment.layout.data_parallel_size)
+        ]
+
+    @property
+    def size(self) -> int:
+        return len(self.clients)
+
+    # -- lifecycle ---------------------------------------------------------------
+    async def start(self) -> None:
+        """Start every rank's core at once; EngineDeadError (the first rank's
+        reason) when any does not come up."""
+        results = await asyncio.gather(*(c.start() for c in self.clients), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        await asyncio.gather(*(c.shutdown(timeout_s) for c in self.clients))
+
+    # -- state the handlers read -------------------------------------------------
+    @property
+    def dead(self) -> bool:
+        """A rank is dead for good (its restarts did not keep it up): the server exits."""
+        return any(c.dead for c in self.clients)
+
+    @property
+    def dead_reason(self) -> str:
+        return next((c.dead_reason for c in self.clients if c.dead), "")
+
+    @property
+    def restarting(self) -> bool:
+        """No rank can take work: every one is restarting."""
+        return all(c.restarting for c in self.clients)
+
+    @property
+    def down_reason(self) -> str:
+        return next((c.down_reason for c in self.clients if c.restarting), "")
+
+    @property
+    def ready_info(self) -> Optional[Ready]:
+        """Rank 0's start-up answer (every rank has the same layout); None until it came up."""
+        return self.clients[0].ready_info
+
+    @property
+    def restarts(self) -> int:
+        return sum(c.restarts for c in self.clients)
+
+    @property
+    def stats(self) -> StepStats:
+        """The ranks' load summed (running and waiting requests)."""
+        return StepStats(num_running=sum(c.stats.num_running for c in self.clients),
+                         num_waiting=sum(c.stats.num_waiting for c in self.clients))
+
+    def retry_after_s(self) -> int:
+        return min(c.retry_after_s() for c in self.clients)
+
+    # -- requests ----------------------------------------------------------------
+    def pick_rank(self, pinned: Optional[int] = None) -> int:
+        """The rank a request goes to: ``pinned``, else the least loaded one
+        that is up. Raises the pinned (or first) rank's error when none can take it."""
+        if pinned is not None:
+            if not 0 <= pinned < self.size:
+                raise ValueError(f"data-parallel rank {pinned} outside 0..{self.size - 1}")
+            self.clients[pinned].check_up()
+            return pinned
+        up = [r for r, c in enumerate(self.clients) if c.up]
+        if not up:
+            self.clients[0].check_up()
+            raise EngineDeadError("the engine is shutting down")
+        return min(up, key=lambda r: (balance_score(len(self.clients[r].pending), self.clients[r].stats.num_running),
+                                      r))
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+                       cache_salt: Optional[str] = None,
+                       data_parallel_rank: Optional[int] = None) -> AsyncIterator[RequestOutputDelta]:
+        """Output deltas of one request from the rank ``pick_rank`` chooses."""
+        client = self.clients[self.pick_rank(data_parallel_rank)]
+        async for d in client.generate(request_id, prompt_token_ids, params, priority, cache_salt):
+            yield d
+
+    async def reset_prefix_cache(self) -> bool:
+        """Reset every rank's prefix cache; False when any is in use."""
+        for c in self.clients:
+            c.check_up()
+        return all(await asyncio.gather(*(c.reset_prefix_cache() for c in self.clients)))
+

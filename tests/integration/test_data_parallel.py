@@ -1,0 +1,115 @@
+"""Data parallelism behind one server (``parallel=dp2``): two engine cores,
+each on its own share of the cores with its own KV and prefix cache; a
+burst is spread over both, answers are those of one core, ``/metrics``
+shows both ranks, a pinned request reaches its rank, and a core that dies
+is restarted while the other keeps serving."""
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from appliance import LLM, SamplingParams
+from appliance.errors import ConfigError
+from appliance.worker.placement import cpu_share
+from tests.integration.server_helpers import ServerProcess, metric
+
+TINY = ["model=tiny_random", "cache.kv_cache_memory_gib=0.05", "model.dtype=float32"]
+PROMPTS = ["Hello there", "The capital of France is", "1 2 3 4 5", "Once upon a time, in a land far away",
+           "a", "Data parallel ranks", "def f(x):\n    return", "zzz zzz zzz zzz zzz"]
+
+
+def complete(url, prompt, headers=None, **extra):
+    return httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 16, "temperature": 0,
+                                                     "ignore_eos": True, **extra}, headers=headers, timeout=120)
+
+
+def affinity(pid):
+    with open(f"/proc/{pid}/status") as f:
+        line = next(ln for ln in f if ln.startswith("Cpus_allowed_list"))
+    return line.split(":", 1)[1].strip()
+
+
+def test_two_engine_cores_behind_one_server():
+    llm = LLM(overrides=["+profile=cpu", *TINY])
+    ref = [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0,
+                                                                          ignore_eos=True), use_tqdm=False)]
+    del llm
+    s = ServerProcess(*TINY, "parallel=dp2", "server.core_restart_backoff_s=0.5")
+    try:
+        pids = s.core_pids()
+        assert len(pids) == 2
+        allowed = sorted(os.sched_getaffinity(0))
+        if len(allowed) >= 2:  # each core pinned to its own share
+            shares = {",".join(map(str, cpu_share(r, 2, allowed))) for r in range(2)}
+            assert {affinity(p) for p in pids} == {_as_list(sh) for sh in shares}
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(lambda p: complete(s.url, p), PROMPTS))
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+        assert [r.json()["choices"][0]["text"] for r in answers] == ref
+        text = httpx.get(f"{s.url}/metrics").text
+        steps = [metric(text, "appliance:iteration_tokens_count", engine=str(e)) for e in (0, 1)]
+        assert all(n > 0 for n in steps), steps  # both ranks took part of the burst
+        prompt_tokens = sum(metric(text, "appliance:prefix_cache_queries_total", engine=str(e)) for e in (0, 1))
+
+        # pinned by header, then by field: only that rank looks the prompt up
+        before = [metric(text, "appliance:prefix_cache_queries_total", engine=str(e)) for e in (0, 1)]
+        assert complete(s.url, PROMPTS[0], headers={"X-Data-Parallel-Rank": "1"}).status_code == 200
+        assert complete(s.url, PROMPTS[0], data_parallel_rank=1).status_code == 200
+        text = httpx.get(f"{s.url}/metrics").text
+        after = [metric(text, "appliance:prefix_cache_queries_total", engine=str(e)) for e in (0, 1)]
+        assert after[0] == before[0] and after[1] > before[1] and prompt_tokens > 0
+        for headers, extra in [({"X-Data-Parallel-Rank": "2"}, {}), ({}, {"data_parallel_rank": -1}),
+                               ({"X-Data-Parallel-Rank": "0"}, {"data_parallel_rank": 1})]:
+            r = complete(s.url, "x", headers=headers, **extra)
+            assert r.status_code == 400, r.text
+
+        # one core dies: the other keeps serving, requests pinned to the dead one are told to retry
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.time() + 10
+        dead_rank = None
+        while dead_rank is None and time.time() < deadline:
+            for rank in (0, 1):
+                r = complete(s.url, "x", headers={"X-Data-Parallel-Rank": str(rank)}, max_tokens=1)
+                if r.status_code == 503:
+                    assert r.json()["error"]["code"] == "engine_restarting"
+                    dead_rank = rank
+        assert dead_rank is not None, "no rank reported restarting"
+        assert httpx.get(f"{s.url}/ready").status_code == 200  # the other rank still serves
+        for prompt in PROMPTS[:3]:
+            assert complete(s.url, prompt).status_code == 200
+        deadline = time.time() + 120
+        while complete(s.url, "x", headers={"X-Data-Parallel-Rank": str(dead_rank)}, max_tokens=1).status_code != 200:
+            assert time.time() < deadline, "the killed rank was not restarted"
+            time.sleep(0.5)
+        text = httpx.get(f"{s.url}/metrics").text
+        assert metric(text, "appliance:engine_restarts_total", engine=str(dead_rank)) == 1
+        assert metric(text, "appliance:engine_restarts_total", engine=str(1 - dead_rank)) == 0
+        assert f"engine core {dead_rank} died" in s.output()
+        pids = s.core_pids()
+    finally:
+        s.stop()
+    deadline = time.time() + 10
+    while [p for p in pids if os.path.exists(f"/proc/{p}")]:
+        assert time.time() < deadline, "an engine core outlived the server"
+        time.sleep(0.1)
+
+
+def _as_list(cores: str) -> str:
+    """'0,1,2' as the kernel writes an affinity list: '0-2'."""
+    ids = [int(c) for c in cores.split(",")]
+    runs, start = [], ids[0]
+    for a, b in zip(ids, ids[1:] + [None]):
+        if b != a + 1:
+            runs.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(runs)
+
+
+def test_the_offline_llm_refuses_data_parallelism():
+    with pytest.raises(ConfigError, match="behind one server"):
+        LLM(overrides=["+profile=cpu", *TINY, "parallel=dp2"])

@@ -1,0 +1,111 @@
+"""Shared-memory collectives between ranks on one host: sums equal to the
+rank-order sum and the same bits on every rank (fp32 and bf16, inputs
+longer than a slot), all-gather in rank order, many operations in a row
+(the two slot parities), more ranks than cores, and a rank that never
+arrives ending the wait with an error."""
+
+import multiprocessing as mp
+import os
+import pickle
+import time
+
+import pytest
+import torch
+
+from appliance.kernels.shm_comm import ShmComm, create_segment
+
+SLOT = 1024  # bytes: inputs of a few thousand elements go through in chunks
+
+
+def inputs(rank, step, n, dtype):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return (torch.randn(n, generator=g) * (rank + 1)).to(dtype)
+
+
+def _rank(path, rank, world, q, steps, sizes):
+    torch.set_num_threads(1)
+    comm = ShmComm(path, rank, world, timeout_s=30, slot_bytes=SLOT)
+    out = []
+    for step in range(steps):
+        for n in sizes:
+            for dtype in (torch.float32, torch.bfloat16):
+                t = inputs(rank, step, n, dtype)
+                comm.all_reduce(t)
+                out.append(t)
+        gathered = comm.all_gather(torch.full((3, 5), float(rank * 10 + step)))
+        out.append(torch.stack(gathered))
+        strided = inputs(rank, step, 64, torch.float32).view(8, 8).t()  # not contiguous: reduced in place all the same
+        comm.all_reduce(strided)
+        out.append(strided.clone())
+    q.put((rank, pickle.dumps(out)))  # plain pickling: torch's queue would share fds with an exiting process
+
+
+def run_ranks(world, steps, sizes):
+    path = create_segment(world, SLOT)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(path, r, world, q, steps, sizes)) for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        results = {r: pickle.loads(b) for r, b in (q.get(timeout=120) for _ in procs)}
+    finally:
+        for p in procs:
+            p.join(30)
+        os.unlink(path)
+    return [results[r] for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 3])  # 3 ranks on a 2-core host: the waits must yield
+def test_all_reduce_and_all_gather_match_the_rank_order_reference(world):
+    steps, sizes = 5, [1, 7, 576, 3000]  # 3000 fp32 = 12 kB: 12 chunks of a 1 kB slot
+    results = run_ranks(world, steps, sizes)
+    for rank_out in results[1:]:  # the same bits everywhere
+        assert all(torch.equal(a, b) for a, b in zip(rank_out, results[0]))
+    i = 0
+    for step in range(steps):
+        for n in sizes:
+            for dtype in (torch.float32, torch.bfloat16):
+                want = inputs(0, step, n, dtype).float()
+                for r in range(1, world):
+                    want = want + inputs(r, step, n, dtype).float()
+                got = results[0][i]
+                assert got.dtype == dtype
+                if dtype == torch.float32:
+                    assert torch.equal(got, want)  # fp32 adds in rank order, exactly
+                else:
+                    assert torch.equal(got, want.to(torch.bfloat16))  # summed in fp32, rounded once
+                i += 1
+        gathered = results[0][i]
+        assert [float(gathered[r, 0, 0]) for r in range(world)] == [r * 10 + step for r in range(world)]
+        i += 1
+        want = sum(inputs(r, step, 64, torch.float32).view(8, 8).t() for r in range(world))
+        assert torch.allclose(results[0][i], want, atol=1e-5)
+        i += 1
+
+
+def test_a_rank_that_never_arrives_ends_the_wait():
+    path = create_segment(2, SLOT)
+    try:
+        comm = ShmComm(path, 0, 2, timeout_s=0.5, slot_bytes=SLOT)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="did not arrive within 0.5 s"):
+            comm.all_reduce(torch.ones(4))
+        assert time.monotonic() - t0 < 5
+    finally:
+        os.unlink(path)
+
+
+def test_refuses_what_it_cannot_reduce():
+    path = create_segment(1, SLOT)
+    try:
+        comm = ShmComm(path, 0, 1, timeout_s=1, slot_bytes=SLOT)
+        t = torch.arange(5, dtype=torch.float32)
+        comm.all_reduce(t)  # one rank: itself
+        assert torch.equal(t, torch.arange(5, dtype=torch.float32))
+        with pytest.raises(ValueError, match="fp32 or bf16"):
+            comm.all_reduce(torch.ones(3, dtype=torch.int64))
+        with pytest.raises(ValueError, match="holds"):
+            ShmComm(path, 0, 2, timeout_s=1, slot_bytes=SLOT)
+    finally:
+        os.unlink(path)
