@@ -12,6 +12,7 @@ imports it.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -54,7 +55,8 @@ def device_problems(cfg: ApplianceConfig, device: DeviceDescription) -> list[str
                 f"{device.name} has {have}; use +profile=auto"
             )
     needed = cfg.parallel.tensor_parallel_size * cfg.parallel.pipeline_parallel_size * cfg.parallel.data_parallel_size
-    if device.count and needed > device.count:
+    # Ray places the ranks on its cluster's nodes (and says when it cannot); otherwise they are this machine's
+    if device.count and needed > device.count and executor_kind(cfg) != "ray":
         problems.append(f"the parallel layout needs {needed} devices; this machine has {device.count}")
     return problems
 
@@ -76,6 +78,9 @@ def check_runnable(resolved: ResolvedConfig, device: DeviceDescription | None = 
     if problems:
         raise ConfigError("\n".join(problems))
     ex = resolve_execution(resolved.cfg, probe=True, device=device)
+    if executor_kind(resolved.cfg) == "ray" and importlib.util.find_spec("ray") is None:
+        raise ConfigError("parallel.executor=ray needs the ray package, which is not installed here: "
+                          "pip install 'appliance[ray]' (or use parallel.executor=mp)")
     sel = ex.selection
     if sel.chosen is None:
         raise BackendSelectionError(
@@ -146,8 +151,9 @@ def executor_kind(cfg: ApplianceConfig) -> str:
 def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenizerBase]:
     """Model, backend, KV cache, scheduler and engine core for ``deployment``:
     the model runner in this process (executor ``uni``), or an executor over
-    a worker process per tensor-parallel rank (``mp``, ``worker.executor``),
-    each building its part with ``build_rank_runner``. A data-parallel
+    a worker process per tensor-parallel rank (``mp``, ``worker.executor``)
+    or a Ray actor per rank (``ray``, ``worker.ray_executor``), each building
+    its part with ``build_rank_runner``. A data-parallel
     rank's core first takes its share of the host (``place_data_parallel_rank``).
 
     Returns (EngineCore, tokenizer)."""
@@ -158,13 +164,16 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
 
     cfg = deployment.cfg
     place_data_parallel_rank(deployment)
-    if deployment.layout.executor == "mp":
+    if deployment.layout.executor in ("mp", "ray"):
         from appliance.models.loader import load_tokenizer
-        from appliance.worker.executor import MultiprocExecutor
 
+        if deployment.layout.executor == "mp":
+            from appliance.worker.executor import MultiprocExecutor as Executor
+        else:
+            from appliance.worker.ray_executor import RayExecutor as Executor
         tokenizer = load_tokenizer(cfg.model)
-        runner: Any = MultiprocExecutor(deployment, build_rank_runner, deployment.layout.tensor_parallel_size,
-                                        cfg.parallel.step_timeout_s)
+        runner: Any = Executor(deployment, build_rank_runner, deployment.layout.tensor_parallel_size,
+                               cfg.parallel.step_timeout_s)
     else:
         runner, tokenizer = _model_runner(deployment)
     num_blocks, mml = deployment.num_kv_blocks, deployment.max_model_len
@@ -199,7 +208,7 @@ def place_data_parallel_rank(deployment: Deployment) -> None:
     pinned, and as many torch threads; on GPUs its ``tp x pp`` devices
     (``CUDA_VISIBLE_DEVICES``, set before CUDA starts). One rank: nothing."""
     layout = deployment.layout
-    if layout.data_parallel_size == 1:
+    if layout.data_parallel_size == 1 or layout.executor == "ray":  # Ray's placement groups place the ranks
         return
     from appliance.worker.placement import cuda_devices, pin_cpu_rank
 
@@ -234,7 +243,9 @@ def _model_runner(deployment: Deployment, tp: Any = None) -> tuple[Any, PreTrain
 
     cfg, ex = deployment.cfg, deployment.execution
     dtype = getattr(torch, ex.dtype)
-    device = torch.device(deployment.device if tp is None or deployment.device == "cpu" else f"cuda:{tp.rank}")
+    # a tensor-parallel rank's GPU is the one its worker selected (executor.init_rank)
+    device = torch.device(deployment.device if tp is None or deployment.device == "cpu"
+                          else f"cuda:{torch.cuda.current_device()}")
     m = cfg.model
     heads, kv_heads = m.num_heads, m.num_kv_heads
     if tp is not None:

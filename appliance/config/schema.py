@@ -55,7 +55,7 @@ class ParallelExecutor(StrEnum):
     auto = "auto"  # uni for one rank, mp for more
     uni = "uni"  # the model in the engine's own process (one rank)
     mp = "mp"  # a worker process per rank on this host
-    ray = "ray"  # Ray actors (not built yet)
+    ray = "ray"  # a Ray actor per rank, on a local Ray instance or a cluster (parallel.ray_address)
 
 
 class CpuCollectives(StrEnum):
@@ -157,6 +157,10 @@ class ParallelConfig:
     # How CPU ranks on one host run their collectives: shm (shared memory,
     # microseconds each) or gloo (torch.distributed over loopback TCP).
     cpu_collectives: CpuCollectives = CpuCollectives.shm
+    # executor=ray: the cluster to run on. null: start a local Ray instance
+    # (stopped with the engine); "auto": the one `ray start` or RAY_ADDRESS
+    # names; else an address (host:port, or ray://host:10001 for a client).
+    ray_address: Optional[str] = None
 
 
 @dataclass

@@ -24,9 +24,6 @@ def not_built(cfg: ApplianceConfig) -> list[str]:
     if par.pipeline_parallel_size > 1 or par.enable_expert_parallel:
         out.append(f"parallel execution ({layout}): pipeline and expert parallelism are not built yet; serve with "
                    f"parallel=single, tp2 or dp2")
-    if par.executor == "ray":
-        out.append("parallel.executor=ray is not built yet; use parallel.executor=mp (worker processes on this "
-                   "host)")
     if par.tensor_parallel_size > 1:
         if q.method not in TENSOR_PARALLEL_QUANTIZATION:
             out.append(f"quantization={q.method} with tensor parallelism is not built yet (its weights are not "

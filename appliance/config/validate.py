@@ -219,6 +219,13 @@ def validate(cfg: ApplianceConfig) -> list[str]:
     if par.executor == "uni" and per_engine > 1:
         problems.append(f"parallel.executor=uni runs one rank, and an engine core of this layout spans tp x pp = "
                         f"{per_engine}; use parallel.executor=mp (or auto)")
+    if par.executor == "ray" and par.data_parallel_size > 1 and par.ray_address is None:
+        problems.append(f"parallel.executor=ray with data_parallel_size={par.data_parallel_size} needs "
+                        f"parallel.ray_address (a cluster the engine cores share; with null each would start its own "
+                        f"local Ray instance)")
+    if par.ray_address is not None and par.executor != "ray":
+        problems.append(f"parallel.ray_address={par.ray_address} has no effect with parallel.executor="
+                        f"{par.executor}; set parallel.executor=ray or leave it null")
     if not par.step_timeout_s > 0:
         problems.append(f"parallel.step_timeout_s={par.step_timeout_s} must be positive")
     kv_heads, tp = m.num_kv_heads, par.tensor_parallel_size

@@ -89,6 +89,72 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def init_rank(deployment: Any, build_rank: BuildRank, rank: int, world_size: int, init_method: str,
+              shm_path: Optional[str], timeout_s: float, local_rank: Optional[int] = None,
+              local_world_size: Optional[int] = None) -> Any:
+    """Make this process rank ``rank``: take its cores (CPUs: its share of this
+    host's, by ``local_rank`` of ``local_world_size`` ranks here) or its GPU,
+    join the collectives (the shared-memory segment at ``shm_path``, else
+    torch.distributed at ``init_method``: gloo on CPUs, NCCL on CUDA), then
+    build its model runner."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    local_rank = rank if local_rank is None else local_rank
+    local_world_size = world_size if local_world_size is None else local_world_size
+    if deployment.device == "cpu":
+        pin_cpu_rank(local_rank, local_world_size)
+        backend = "gloo"
+    else:
+        torch.cuda.set_device(local_rank if torch.cuda.device_count() > 1 else 0)
+        backend = "nccl"
+    if shm_path is not None:
+        from appliance.kernels.shm_comm import ShmComm
+
+        comm: Any = ShmComm(shm_path, rank, world_size, timeout_s)
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        comm = TorchDistributedComm(world_size)
+    return build_rank(deployment, rank, comm)
+
+
+def run_step(runner: Any, sched_out: Any) -> tuple:
+    """One step on this rank, as the executors' replies: ("ok", output, None)
+    or ("error", message, traceback)."""
+    try:
+        return "ok", runner.execute(sched_out), None
+    except Exception as e:
+        return "error", f"{type(e).__name__}: {e}", traceback.format_exc()
+
+
+def leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def combine_replies(replies: list[tuple], dead: Callable[[str], Any]) -> Any:
+    """Rank 0's output of a step from every rank's reply: ``dead(why)`` (it
+    raises EngineDeadError) when the step failed on some ranks only or the
+    ranks sampled different tokens; RuntimeError when it failed on every
+    rank (the same inputs fail the same way: an ordinary failed step)."""
+    failed = [r for r, (kind, _, _) in enumerate(replies) if kind == "error"]
+    if failed and len(failed) < len(replies):
+        dead(f"the step failed on rank(s) {failed} only ({replies[failed[0]][1]}); the ranks' states differ now")
+    if failed:
+        log.error("the step failed on every rank; rank 0:\n%s", replies[0][2])
+        raise RuntimeError(replies[0][1])
+    outs = [out for _, out, _ in replies]
+    for rank, out in enumerate(outs[1:], 1):
+        if out.sampled_token_ids != outs[0].sampled_token_ids:
+            dead(f"tensor-parallel rank {rank} sampled other tokens than rank 0")
+    return outs[0]
+
+
 def _worker(conn: Connection) -> None:
     """A rank's process: join the group, build the runner, then run every step it is sent."""
     _die_with_parent()
@@ -96,26 +162,7 @@ def _worker(conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's process owns shutdown
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the core ignores it, and an ignored signal survives exec
     try:
-        import datetime
-
-        import torch
-        import torch.distributed as dist
-
-        if deployment.device == "cpu":
-            pin_cpu_rank(rank, world_size)
-            backend = "gloo"
-        else:
-            torch.cuda.set_device(rank)
-            backend = "nccl"
-        if shm_path is not None:
-            from appliance.kernels.shm_comm import ShmComm
-
-            comm: Any = ShmComm(shm_path, rank, world_size, timeout_s)
-        else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
-            comm = TorchDistributedComm(world_size)
-        runner = build_rank(deployment, rank, comm)
+        runner = init_rank(deployment, build_rank, rank, world_size, f"tcp://127.0.0.1:{port}", shm_path, timeout_s)
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
         return
@@ -127,14 +174,8 @@ def _worker(conn: Connection) -> None:
             break
         if msg[0] == "stop":
             break
-        try:
-            out = runner.execute(msg[1])
-        except Exception as e:
-            conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
-            continue
-        conn.send(("ok", out, None))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        conn.send(run_step(runner, msg[1]))
+    leave_group()
 
 
 class MultiprocExecutor:
@@ -142,7 +183,7 @@ class MultiprocExecutor:
 
     def __init__(self, deployment: Any, build_rank: BuildRank, world_size: int, timeout_s: float):
         port = _free_port()
-        self.collectives = _collectives(deployment, world_size)
+        self.collectives = collectives(deployment, world_size)
         shm_path = None
         if self.collectives == "shm":
             from appliance.kernels.shm_comm import create_segment
@@ -186,19 +227,7 @@ class MultiprocExecutor:
                 conn.send_bytes(payload)
             except (BrokenPipeError, OSError):
                 self._dead(f"tensor-parallel rank {rank} exited (its pipe broke)")
-        replies = self._collect("a step")
-        failed = [r for r, (kind, _, _) in enumerate(replies) if kind == "error"]
-        if failed and len(failed) < self.world_size:
-            self._dead(f"the step failed on rank(s) {failed} only ({replies[failed[0]][1]}); the ranks' states "
-                       f"differ now")
-        if failed:
-            log.error("the step failed on every rank; rank 0:\n%s", replies[0][2])
-            raise RuntimeError(replies[0][1])
-        outs = [out for _, out, _ in replies]
-        for rank, out in enumerate(outs[1:], 1):
-            if out.sampled_token_ids != outs[0].sampled_token_ids:
-                self._dead(f"tensor-parallel rank {rank} sampled other tokens than rank 0")
-        return outs[0]
+        return combine_replies(self._collect("a step"), self._dead)
 
     def _collect(self, what: str, timeout_s: float | None = None) -> list[tuple]:
         """Every rank's reply, in rank order; EngineDeadError when a worker
@@ -235,7 +264,7 @@ class MultiprocExecutor:
         self._finalizer()
 
 
-def _collectives(deployment: Any, world_size: int) -> str:
+def collectives(deployment: Any, world_size: int) -> str:
     """How the ranks exchange: ``shm`` (one host's CPU ranks, where the
     shared-memory collectives build; else gloo with a warning), ``gloo``
     or ``nccl``."""

@@ -8,6 +8,7 @@ from appliance.config.compose import ConfigError, list_options, list_profiles, r
 from appliance.config.detect import DeviceDescription, pick_profile
 from appliance.config.plan import GIB, format_plan, make_plan, parameter_counts
 from appliance.config.validate import validate
+from appliance.runner import compose
 
 PROFILES = ["b200_fp8", "cpu", "cpu_int4", "cpu_int8", "h100_bf16", "h100_fp8", "h200_fp8", "mi300x_bf16"]
 MODELS = ["llama3_1_8b", "mistral_7b", "qwen2_5_0_5b", "qwen3_8b", "smollm2_135m", "tiny_random", "tiny_random_draft"]
@@ -343,3 +344,12 @@ def test_int4_wo_plan_bytes():
         linear = counts["linear"] * (4 + 32 / group) / 8
         assert q.weight_bytes_total == int(linear) + 49152 * (576 + 4) + (counts["embedding"] + counts["other"]) * 4
         assert q.weight_bytes_total < int8.weight_bytes_total
+
+
+def test_the_ray_executor_needs_ray(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(ConfigError, match="needs the ray package"):
+        compose(resolve(["+profile=cpu", "model=tiny_random", "parallel=tp2", "parallel.executor=ray"]))

@@ -205,8 +205,8 @@ def test_run_time_keys_are_schema_leaves():
 @pytest.mark.parametrize("override,message", [
     ("parallel.pipeline_parallel_size=2", "pipeline and expert parallelism are not built yet"),
     ("parallel=dp2 parallel.enable_expert_parallel=true", "pipeline and expert parallelism are not built yet"),
-    ("parallel=tp3 parallel.executor=ray", "parallel.executor=ray is not built yet"),
-    ("parallel=dp2 parallel.executor=ray", "parallel.executor=ray is not built yet"),
+    ("parallel=dp2 parallel.executor=ray", "needs parallel.ray_address"),
+    ("parallel.ray_address=auto", "has no effect with parallel.executor=auto"),
     ("parallel=tp3 quantization=fp8", "quantization=fp8 with tensor parallelism is not built yet"),
     ("parallel=tp3 speculative=draft_model speculative.draft_model=smollm2_135m",
      "speculative=draft_model with tensor parallelism is not built yet"),

@@ -121,6 +121,38 @@ def test_kubernetes_example():
     assert any(d["kind"] == "Service" for d in docs)
 
 
+def test_kuberay_multi_node_example():
+    docs = list(yaml.safe_load_all((REPO / "docker" / "k8s" / "raycluster.yaml").read_text()))
+    cluster = next(d for d in docs if d["kind"] == "RayCluster")
+    assert cluster["apiVersion"] == "ray.io/v1"
+    assert cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    head = cluster["spec"]["headGroupSpec"]
+    c = head["template"]["spec"]["containers"][0]
+    assert "$KUBERAY_GEN_RAY_START_CMD && exec appliance-entrypoint run" in c["args"][0]  # ray start, then the server
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready" and c["livenessProbe"]["httpGet"]["path"] == "/health"
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    key = next(e for e in c["env"] if e["name"] == "APPLIANCE_API_KEY")
+    assert "secretKeyRef" in key["valueFrom"]
+    cfg = resolve([f"+profile={env['APPLIANCE_PROFILE']}", *env["APPLIANCE_OVERRIDES"].split()]).cfg
+    par = cfg.parallel
+    assert par.executor == "ray" and par.ray_address == "auto"
+    workers = cluster["spec"]["workerGroupSpecs"]
+    gpus = [int(head["rayStartParams"]["num-gpus"])] + [int(w["rayStartParams"]["num-gpus"]) * w["replicas"]
+                                                         for w in workers]
+    assert sum(gpus) == par.tensor_parallel_size * par.data_parallel_size  # the cluster holds every rank
+    for group in [head, *workers]:
+        spec = group["template"]["spec"]
+        assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == int(group["rayStartParams"]["num-gpus"])
+        assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in spec["volumes"])  # /dev/shm for NCCL
+    service = next(d for d in docs if d["kind"] == "Service")
+    assert service["spec"]["selector"]["role"] == "head"
+
+
+def test_gpu_images_carry_ray():
+    text = (REPO / "Dockerfile").read_text()
+    assert text.count('pip install --no-cache-dir . "ray==2.60.0"') == 2  # cuda and rocm, the manifest's rayVersion
+
+
 def dashboard_metric_names() -> set[str]:
     base = REPO / "docker"
     text = (base / "grafana" / "dashboards" / "appliance.json").read_text() + (base / "prometheus.yml").read_text()
