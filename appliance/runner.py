@@ -172,7 +172,7 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
         else:
             from appliance.worker.ray_executor import RayExecutor as Executor
         tokenizer = load_tokenizer(cfg.model)
-        runner: Any = Executor(deployment, build_rank_runner, deployment.layout.tensor_parallel_size,
+        runner: Any = Executor(deployment, build_rank_runner, deployment.layout.ranks_per_engine,
                                cfg.parallel.step_timeout_s)
     else:
         runner, tokenizer = _model_runner(deployment)
@@ -219,21 +219,33 @@ def place_data_parallel_rank(deployment: Deployment) -> None:
         cuda_devices(rank, layout.ranks_per_engine)
 
 
-def build_rank_runner(deployment: Deployment, rank: int, comm: Any) -> Any:
-    """Rank ``rank``'s model runner under the ``mp`` executor: with tensor
-    parallelism its part of the model (``comm`` runs the collectives between
-    the ranks) and its KV heads' cache; one rank alone, the whole model. Runs
-    in that rank's worker process."""
-    from appliance.models.llama import TensorParallel
+def build_rank_runner(deployment: Deployment, rank: int, comms: Any) -> Any:
+    """Rank ``rank``'s model runner under the ``mp`` or ``ray`` executor: its
+    part of the model (its pipeline stage's layers, its tensor-parallel
+    rows and columns of them; ``comms``, an ``executor.RankCollectives``,
+    runs the exchanges) and the cache of its layers' KV heads; one rank
+    alone, the whole model. Runs in that rank's worker process."""
+    from appliance.config.sizes import pipeline_partition
+    from appliance.models.llama import PipelineParallel, TensorParallel
+    from appliance.worker.executor import rank_position
 
-    size = deployment.layout.tensor_parallel_size
-    return _model_runner(deployment, TensorParallel(rank, size, comm) if size > 1 else None)[0]
+    layout, cfg = deployment.layout, deployment.cfg
+    tp_size, pp_size = layout.tensor_parallel_size, layout.pipeline_parallel_size
+    stage, tp_rank = rank_position(rank, tp_size)
+    tp = TensorParallel(tp_rank, tp_size, comms.tp) if tp_size > 1 else None
+    pp = None
+    if pp_size > 1:
+        parts = pipeline_partition(cfg.model.num_layers, pp_size, cfg.parallel.pp_layer_partition)
+        start = sum(parts[:stage])
+        pp = PipelineParallel(stage, pp_size, start, start + parts[stage], comms.world,
+                              tuple(s * tp_size for s in range(pp_size)))
+    return _model_runner(deployment, tp, pp)[0]
 
 
-def _model_runner(deployment: Deployment, tp: Any = None) -> tuple[Any, PreTrainedTokenizerBase]:
-    """The model (one rank's part with ``tp``), quantized as configured, on
-    its attention backend, in a ``ModelRunner`` with the KV cache; and the
-    tokenizer."""
+def _model_runner(deployment: Deployment, tp: Any = None, pp: Any = None) -> tuple[Any, PreTrainedTokenizerBase]:
+    """The model (one rank's part with ``tp`` and / or ``pp``), quantized as
+    configured, on its attention backend, in a ``ModelRunner`` with the KV
+    cache; and the tokenizer."""
     import torch
 
     from appliance.kernels.registry import load_backend
@@ -244,7 +256,7 @@ def _model_runner(deployment: Deployment, tp: Any = None) -> tuple[Any, PreTrain
     cfg, ex = deployment.cfg, deployment.execution
     dtype = getattr(torch, ex.dtype)
     # a tensor-parallel rank's GPU is the one its worker selected (executor.init_rank)
-    device = torch.device(deployment.device if tp is None or deployment.device == "cpu"
+    device = torch.device(deployment.device if (tp is None and pp is None) or deployment.device == "cpu"
                           else f"cuda:{torch.cuda.current_device()}")
     m = cfg.model
     heads, kv_heads = m.num_heads, m.num_kv_heads
@@ -252,7 +264,7 @@ def _model_runner(deployment: Deployment, tp: Any = None) -> tuple[Any, PreTrain
         local = shard_arch(ModelArch.from_model_config(m), tp.size)
         heads, kv_heads = local.num_heads, local.num_kv_heads
     backend = load_backend(ex.backend)(heads, kv_heads, m.head_dim, m.head_dim ** -0.5, ex.kv_cache_dtype)
-    model, tokenizer, _ = load_model(m, backend, dtype, device, cfg.quantization.method, tp)
+    model, tokenizer, _ = load_model(m, backend, dtype, device, cfg.quantization.method, tp, pp)
     if cfg.quantization.method == "int8_wo":
         from appliance.models.quant import quantize_int8_weight_only
 

@@ -5,8 +5,9 @@ a few kilobytes each: over gloo (loopback TCP) each costs about a
 millisecond on a small CPU host, over shared memory a few microseconds
 (``csrc/shm_comm.c``: a flag line per rank and double-buffered slots, see
 there). ``ShmComm`` has the collectives' interface the model runs
-(``all_reduce`` in place, ``all_gather`` in rank order) and gives every
-rank the same bits (the sum is taken in rank order on each).
+(``all_reduce`` in place, ``all_gather`` in rank order, ``broadcast`` from
+one rank into the others' tensors) and gives every rank the same bits (the
+sum is taken in rank order on each).
 
 The executor creates the segment (``create_segment``) before it starts the
 ranks, each rank maps it (``ShmComm``), and the executor unlinks the file
@@ -33,6 +34,9 @@ _LIB.appl_shm_all_reduce.restype = ctypes.c_int
 _LIB.appl_shm_all_gather.argtypes = [_p, ctypes.c_int, ctypes.c_int, _i64, ctypes.POINTER(ctypes.c_uint64), _p, _i64,
                                      _p, _i64]
 _LIB.appl_shm_all_gather.restype = ctypes.c_int
+_LIB.appl_shm_broadcast.argtypes = [_p, ctypes.c_int, ctypes.c_int, _i64, ctypes.POINTER(ctypes.c_uint64), _p, _i64,
+                                    ctypes.c_int, _i64]
+_LIB.appl_shm_broadcast.restype = ctypes.c_int
 
 LINE = 64
 SLOT_BYTES = 4 << 20  # per rank and parity; longer inputs go through in chunks
@@ -101,3 +105,13 @@ class ShmComm:
                                       t.data_ptr(), nbytes, out.data_ptr(), self.timeout_ns)
         self._check(rc, "all-gather")
         return list(out.unbind(0))
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        """``src``'s ``t`` into every other rank's ``t`` (same shape and dtype on each), in place."""
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("shared-memory broadcast takes contiguous CPU tensors")
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast source {src} outside 0..{self.world_size - 1}")
+        rc = _LIB.appl_shm_broadcast(self._base, self.rank, self.world_size, self.slot_bytes, ctypes.byref(self._seq),
+                                     t.data_ptr(), t.numel() * t.element_size(), src, self.timeout_ns)
+        self._check(rc, "broadcast")

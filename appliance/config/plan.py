@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from appliance.config.execution import Execution, kv_dtype, resolve_execution
 from appliance.config.schema import ApplianceConfig, ModelConfig
-from appliance.config.sizes import parameter_counts
+from appliance.config.sizes import parameter_counts, pipeline_partition
 from appliance.config.unbuilt import not_built
 from appliance.kernels.registry import BACKENDS
 
@@ -98,7 +98,8 @@ def _kv_bytes(cfg: ApplianceConfig, m: ModelConfig, dtype: str) -> int:
     tp = cfg.parallel.tensor_parallel_size
     pp = cfg.parallel.pipeline_parallel_size
     kv_heads = max(1, m.num_kv_heads // tp)  # kv heads replicate when tp > num_kv_heads
-    layers = -(-m.num_layers // pp)
+    partition = cfg.parallel.pp_layer_partition if m is cfg.model else None  # a draft model's are its own
+    layers = max(pipeline_partition(m.num_layers, pp, partition))  # the stage holding the most
     elem = KV_DTYPE_BYTES.get(kv_dtype(cfg, dtype), DTYPE_BYTES.get(kv_dtype(cfg, dtype), 2))
     return 2 * layers * kv_heads * m.head_dim * elem
 
@@ -292,24 +293,26 @@ def communication(cfg: ApplianceConfig, dtype: str, weight_bytes_per_device: int
     o_proj and down_proj (two per layer) and after the vocabulary-parallel
     embedding, and gathers the fp32 logits of each sampled row (the
     vocabulary padded to 64 x tp); pipeline parallelism hands each token's
-    hidden state and residual to the next stage. Bytes are what one rank
-    moves: a ring all-reduce sends and receives 2 (tp - 1) / tp of the
+    hidden row from stage to stage (a broadcast per stage boundary, every
+    rank taking part) and the last stage's fp32 logits to every rank. Bytes
+    are what one rank moves: a ring all-reduce sends and receives 2 (tp - 1) / tp of the
     row, an all-gather (tp - 1) / tp of the gathered row. The share is for
     one request: ``calls x collective_latency_us + bytes / interconnect_gbps``
     against the weights streamed (``pp`` stages in sequence)."""
     par, m, hw = cfg.parallel, cfg.model, cfg.hardware
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     row = m.hidden_size * DTYPE_BYTES[dtype]
-    layers = -(-m.num_layers // pp)
+    layers = max(pipeline_partition(m.num_layers, pp, par.pp_layer_partition))
     calls = per_token = per_sampled = 0
     if tp > 1:
         calls += 2 * layers + 2
         per_token += int((2 * layers + 1) * row * 2 * (tp - 1) / tp)
         unit = 64 * tp
         per_sampled += int(-(-m.vocab_size // unit) * unit * 4 * (tp - 1) / tp)
-    if pp > 1:
-        calls += pp - 1
-        per_token += 2 * row  # a stage boundary: sent by one rank, received by the next
+    if pp > 1:  # each stage boundary a broadcast every rank takes part in, then the logits to every rank
+        calls += pp
+        per_token += (pp - 1) * row
+        per_sampled += m.vocab_size * 4
     share = None
     latency_us = hw.collective_latency_us
     if hw.device_kind == "cpu" and par.cpu_collectives == "gloo":

@@ -157,6 +157,9 @@ class ParallelConfig:
     # How CPU ranks on one host run their collectives: shm (shared memory,
     # microseconds each) or gloo (torch.distributed over loopback TCP).
     cpu_collectives: CpuCollectives = CpuCollectives.shm
+    # Layers per pipeline stage, e.g. [8, 7, 7, 8] (null: an even split, the
+    # remainder to the stages before the last, as vLLM splits).
+    pp_layer_partition: Optional[list[int]] = None
     # executor=ray: the cluster to run on. null: start a local Ray instance
     # (stopped with the engine); "auto": the one `ray start` or RAY_ADDRESS
     # names; else an address (host:port, or ray://host:10001 for a client).

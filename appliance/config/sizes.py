@@ -1,7 +1,10 @@
-"""Parameter counts of a model config (no other config module needed, so
-checkpoint reading and planning can both use them)."""
+"""Parameter counts of a model config and its layers per pipeline stage (no
+other config module needed, so checkpoint reading, planning and the
+composition root can all use them)."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 from appliance.config.schema import ModelConfig
 
@@ -26,3 +29,15 @@ def parameter_counts(m: ModelConfig) -> dict[str, int]:
         "other": m.num_layers * per_layer_other + m.hidden_size,
         "total": embed + lm_head + m.num_layers * (per_layer_linear + per_layer_other) + m.hidden_size,
     }
+
+
+def pipeline_partition(num_layers: int, pp_size: int, partition: Optional[list[int]] = None) -> list[int]:
+    """Layers per stage: ``partition`` when given, else an even split whose
+    remainder goes one layer each to the stages before the last, from the
+    second-to-last back (the last stage also runs the LM head), as vLLM splits."""
+    if partition:
+        return list(partition)
+    parts = [num_layers // pp_size] * pp_size
+    for i in range(2, num_layers % pp_size + 2):
+        parts[-i] += 1
+    return parts

@@ -11,7 +11,7 @@ from __future__ import annotations
 from appliance.config.schema import ApplianceConfig
 
 RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo", "int4_wo", "awq", "gptq", "fp8")  # methods whose weights run
-TENSOR_PARALLEL_QUANTIZATION = ("none", "int8_wo", "int4_wo")  # quantized after the shards load
+TENSOR_PARALLEL_QUANTIZATION = ("none", "int8_wo", "int4_wo")  # quantized after the shards (or stages) load
 
 
 def not_built(cfg: ApplianceConfig) -> list[str]:
@@ -21,16 +21,16 @@ def not_built(cfg: ApplianceConfig) -> list[str]:
     par, cache, q = cfg.parallel, cfg.cache, cfg.quantization
     layout = (f"tp x pp x dp = {par.tensor_parallel_size} x {par.pipeline_parallel_size} x {par.data_parallel_size}"
               f"{', expert parallel' if par.enable_expert_parallel else ''}")
-    if par.pipeline_parallel_size > 1 or par.enable_expert_parallel:
-        out.append(f"parallel execution ({layout}): pipeline and expert parallelism are not built yet; serve with "
-                   f"parallel=single, tp2 or dp2")
-    if par.tensor_parallel_size > 1:
+    if par.enable_expert_parallel:
+        out.append(f"parallel execution ({layout}): expert parallelism is not built yet; serve with "
+                   f"parallel=single, tp2, pp2 or dp2")
+    if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
         if q.method not in TENSOR_PARALLEL_QUANTIZATION:
-            out.append(f"quantization={q.method} with tensor parallelism is not built yet (its weights are not "
-                       f"sharded); use one of {', '.join(TENSOR_PARALLEL_QUANTIZATION)}, or parallel=single")
+            out.append(f"quantization={q.method} with tensor or pipeline parallelism is not built yet (its weights "
+                       f"are not sharded); use one of {', '.join(TENSOR_PARALLEL_QUANTIZATION)}, or parallel=single")
         if cfg.speculative.method == "draft_model":
-            out.append("speculative=draft_model with tensor parallelism is not built yet; use speculative=ngram "
-                       "or parallel=single")
+            out.append("speculative=draft_model with tensor or pipeline parallelism is not built yet; use "
+                       "speculative=ngram or parallel=single")
     if q.method not in RUNNABLE_QUANTIZATION:
         out.append(f"quantization={q.method} can be planned but its weight kernels are not built yet; serve with "
                    f"quantization=none (or int4_wo / int8_wo on a CPU)")

@@ -226,6 +226,12 @@ def validate(cfg: ApplianceConfig) -> list[str]:
     if par.ray_address is not None and par.executor != "ray":
         problems.append(f"parallel.ray_address={par.ray_address} has no effect with parallel.executor="
                         f"{par.executor}; set parallel.executor=ray or leave it null")
+    parts = par.pp_layer_partition
+    if parts is not None:
+        if len(parts) != par.pipeline_parallel_size or sum(parts) != m.num_layers or min(parts, default=0) < 1:
+            problems.append(f"parallel.pp_layer_partition={list(parts)} must give each of the "
+                            f"{par.pipeline_parallel_size} pipeline stages at least one layer, "
+                            f"{m.num_layers} (model.num_layers) in all")
     if not par.step_timeout_s > 0:
         problems.append(f"parallel.step_timeout_s={par.step_timeout_s} must be positive")
     kv_heads, tp = m.num_kv_heads, par.tensor_parallel_size

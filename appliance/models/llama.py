@@ -138,6 +138,34 @@ class TensorParallel:
     comm: Any
 
 
+@dataclass(frozen=True)
+class PipelineParallel:
+    """This rank's stage of a pipeline-parallel model: layers ``start`` to
+    ``end`` (exclusive) of the whole model; the first stage also embeds, the
+    last also norms and projects the logits (and keeps the embedding when
+    the LM head is tied to it). ``comm.broadcast(t, src)`` copies rank
+    ``src``'s ``t`` into every rank's ``t``, over every rank of every stage;
+    ``leaders[k]`` is the rank that sends stage ``k``'s output (its first
+    tensor-parallel rank). A forward hands each stage's hidden rows to the
+    next, one stage after the other, then the last stage's logits to every
+    rank, so every rank samples the same tokens from the same row."""
+
+    stage: int
+    size: int
+    start: int
+    end: int
+    comm: Any
+    leaders: tuple[int, ...]
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.size - 1
+
+
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
     unit = 64 * tp_size
     return -(-vocab_size // unit) * unit
@@ -305,11 +333,18 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None):
+    """The decoder layers a rank holds (all, or a pipeline stage's), with the
+    embedding and the final norm where the stage needs them."""
+
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
+                 num_layers: Optional[int] = None, embed: bool = True, norm: bool = True):
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, backend, tp) for _ in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        if embed:
+            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        n = arch.num_layers if num_layers is None else num_layers
+        self.layers = nn.ModuleList(DecoderLayer(arch, backend, tp) for _ in range(n))
+        if norm:
+            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
 @dataclass(frozen=True)
@@ -347,26 +382,50 @@ class ModelWeights:
 class LlamaForCausalLM(nn.Module):
     """``arch`` is the whole model's; with ``tp`` the module holds rank
     ``tp.rank``'s part of it (``self.arch``: the dimensions it holds,
-    ``shard_arch``) and its forward runs the collectives."""
+    ``shard_arch``) and its forward runs the collectives; with ``pp`` only
+    its stage's layers (``model.layers`` holds them from 0; ``local_name``
+    maps a checkpoint's names)."""
 
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
+                 pp: Optional[PipelineParallel] = None):
         super().__init__()
         if arch.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch.architecture}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        self.tp = tp
+        self.tp, self.pp = tp, pp
         self.vocab_size = arch.vocab_size  # the logits' width
         if tp is not None:
             arch = shard_arch(arch, tp.size)
         self.arch = arch
-        self.model = Backbone(arch, backend, tp)
-        if not arch.tie_word_embeddings:
+        first, last = pp is None or pp.first, pp is None or pp.last
+        self.holds_embedding = first or (last and arch.tie_word_embeddings)
+        self.holds_head = last
+        self.model = Backbone(arch, backend, tp, None if pp is None else pp.end - pp.start,
+                              embed=self.holds_embedding, norm=last)
+        if not arch.tie_word_embeddings and last:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         # (cos, sin) [positions, head_dim] in the model dtype, set by rope_cache(); a
         # new tuple on every call, so a holder of derived tables can tell they changed.
         self.rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.lm_head_q: Optional[nn.Module] = None  # set by quantize_int8_weight_only
+
+    def local_name(self, name: str) -> Optional[str]:
+        """The parameter a checkpoint tensor fills here, or None when another
+        pipeline stage holds it (its layer, the embedding, the norm, the head)."""
+        if self.pp is None:
+            return name
+        head, sep, rest = name.partition("model.layers.")
+        if sep and not head:
+            index, _, tail = rest.partition(".")
+            if index.isdigit():
+                i = int(index)
+                return f"model.layers.{i - self.pp.start}.{tail}" if self.pp.start <= i < self.pp.end else None
+        if name.startswith("model.embed_tokens."):
+            return name if self.holds_embedding else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if self.holds_head else None
+        return name
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
@@ -412,9 +471,36 @@ class LlamaForCausalLM(nn.Module):
         assert self.rope is not None, "call rope_cache() once before forward"
         cos = self.rope[0][positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope[1][positions].unsqueeze(1)
-        x = self._embed(input_ids)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, attn_metadata)
+
+        def layers(x: torch.Tensor) -> torch.Tensor:
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                x = layer(x, cos, sin, kv_cache, attn_metadata)
+            return x
+
+        pp = self.pp
+        if pp is None:
+            return self._logits(layers(self._embed(input_ids)), logits_indices)
+        # one stage after the other: stage k runs its layers, then its leader hands the rows to stage k + 1
+        x = self._embed(input_ids) if pp.first else None
+        for k in range(pp.size - 1):
+            if k == pp.stage:
+                x = layers(x).contiguous()
+                pp.comm.broadcast(x, pp.leaders[k])
+            else:
+                rows = torch.empty((input_ids.shape[0], self.arch.hidden_size), dtype=self.rope[0].dtype,
+                                   device=input_ids.device)
+                pp.comm.broadcast(rows, pp.leaders[k])
+                if k == pp.stage - 1:
+                    x = rows
+        if pp.last:
+            logits = self._logits(layers(x), logits_indices).contiguous()
+        else:
+            logits = torch.empty((logits_indices.shape[0], self.vocab_size), dtype=torch.float32,
+                                 device=input_ids.device)
+        pp.comm.broadcast(logits, pp.leaders[-1])
+        return logits
+
+    def _logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         x = self.model.norm(x[logits_indices])
         if self.lm_head_q is not None:
             logits = self.lm_head_q(x).float()

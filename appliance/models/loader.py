@@ -265,12 +265,13 @@ def _read_shard(sf: Any, name: str, shard: tuple[int, int, int] | None) -> torch
 
 
 def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: Any = "cpu",
-               quantization: str = "none", tp: Any = None):
+               quantization: str = "none", tp: Any = None, pp: Any = None):
     """(model, tokenizer, folder) for the model config ``m``; ``quantization``
     is the configured method, which must agree with a checkpoint's own
     quantization_config (AWQ/GPTQ projections load as int4 linears). With
     ``tp`` (``llama.TensorParallel``) the model is that rank's part, and only
-    its rows and columns of each tensor are read."""
+    its rows and columns of each tensor are read; with ``pp``
+    (``llama.PipelineParallel``) only its stage's tensors."""
     import torch
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
@@ -285,7 +286,7 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     check_checkpoint(m, hf, folder)
     full_arch = ModelArch.from_model_config(m)
     with init_empty_weights():
-        model = LlamaForCausalLM(full_arch, backend, tp)
+        model = LlamaForCausalLM(full_arch, backend, tp, pp)
     arch = model.arch  # the dimensions this model holds (one rank's, with tp)
     expected = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -301,22 +302,23 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     kv_scales: dict[int, dict[str, torch.Tensor]] = {}  # layer -> "k" / "v" -> its fp8 KV cache scale
     for f in _safetensors_files(folder):
         with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
-                if name == "lm_head.weight" and arch.tie_word_embeddings:
-                    continue
+            for stored in sf.keys():
+                name = model.local_name(stored)
+                if name is None or (name == "lm_head.weight" and arch.tie_word_embeddings):
+                    continue  # another pipeline stage's, or tied to the embedding
                 kv_scale = _kv_scale_target(name)
                 if kv_scale is not None:
-                    t = sf.get_tensor(name)
+                    t = sf.get_tensor(stored)
                     for which in kv_scale[1]:
                         kv_scales.setdefault(kv_scale[0], {})[which] = t
                     continue
                 prefix, _, suffix = name.rpartition(".")
                 if checkpoint_method in UNPACK and suffix in UNPACK[checkpoint_method][1]:
-                    int4_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(name)
+                    int4_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(stored)
                     continue
                 if checkpoint_method == "fp8" and suffix in FP8_TENSORS and (
-                        suffix != "weight" or sf.get_slice(name).get_dtype() == "F8_E4M3"):
-                    fp8_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(name)
+                        suffix != "weight" or sf.get_slice(stored).get_dtype() == "F8_E4M3"):
+                    fp8_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(stored)
                     continue
                 packed = packed_target(arch, name)
                 target = packed[0] if packed else name
@@ -324,7 +326,7 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
                     if "rotary_emb" in name:
                         continue
                     raise ModelLoadError(f"{f.name}: unexpected tensor {name} for {arch.architecture}")
-                t = _read_shard(sf, name, tensor_shard(full_arch, tp.rank, tp.size, name) if tp else None)
+                t = _read_shard(sf, stored, tensor_shard(full_arch, tp.rank, tp.size, name) if tp else None)
                 want = tuple(expected[target].shape)
                 if packed:
                     want = (packed[2],) + want[1:]

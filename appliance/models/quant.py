@@ -218,6 +218,8 @@ def replace_projections(model: nn.Module, make) -> None:
 
 def _int8_lm_head(model: nn.Module) -> None:
     # Tied models keep the embedding for lookups; the LM head gets its own int8 copy.
+    if not getattr(model, "holds_head", True):  # a pipeline stage before the last has none
+        return
     model.lm_head_q = Int8WeightOnlyLinear(model.lm_head_weight().data, None)
     if not model.arch.tie_word_embeddings:
         del model.lm_head

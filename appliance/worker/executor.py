@@ -40,6 +40,7 @@ import sys
 import time
 import traceback
 import weakref
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional
 
@@ -49,21 +50,22 @@ from appliance.worker.placement import pin_cpu_rank
 log = logging.getLogger("appliance.executor")
 
 LOAD_TIMEOUT_S = 600.0  # the longest the ranks may take to start and load, unless the step timeout is longer
-# builds rank r's model runner: (deployment, rank, comm) -> ModelRunner (module level: it is pickled)
+# builds rank r's model runner: (deployment, rank, RankCollectives) -> ModelRunner (module level: it is pickled)
 BuildRank = Callable[[Any, int, Any], Any]
 
 
 class TorchDistributedComm:
-    """The collectives a tensor-parallel model runs, over the default
-    ``torch.distributed`` process group."""
+    """The collectives a model runs, over a ``torch.distributed`` process
+    group (``group``; None: every rank). ``broadcast`` names its source by
+    its rank in the whole world."""
 
-    def __init__(self, world_size: int):
-        self.world_size = world_size
+    def __init__(self, world_size: int, group: Any = None):
+        self.world_size, self.group = world_size, group
 
     def all_reduce(self, t: Any) -> None:
         import torch.distributed as dist
 
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
 
     def all_gather(self, t: Any) -> list:
         import torch
@@ -71,8 +73,49 @@ class TorchDistributedComm:
 
         t = t.contiguous()
         out = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(out, t)
+        dist.all_gather(out, t, group=self.group)
         return out
+
+    def broadcast(self, t: Any, src: int) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast(t, src, group=self.group)
+
+
+@dataclass(frozen=True)
+class RankCollectives:
+    """What a rank's model exchanges over: ``tp`` among its pipeline stage's
+    tensor-parallel ranks (None: one), ``world`` over every rank for the
+    stages' hand-offs (None: one stage)."""
+
+    tp: Any = None
+    world: Any = None
+
+
+def rank_position(rank: int, tp_size: int) -> tuple[int, int]:
+    """(pipeline stage, tensor-parallel rank) of world rank ``rank``: a stage's
+    tensor-parallel ranks are consecutive, as vLLM numbers them."""
+    return divmod(rank, tp_size)
+
+
+def create_segments(tp_size: int, pp_size: int) -> dict[str, str]:
+    """The shared-memory segments a layout's collectives need: one per stage
+    for its tensor-parallel ranks (``tp<stage>``), one over every rank for
+    the stages' hand-offs (``world``)."""
+    from appliance.kernels.shm_comm import create_segment
+
+    out = {f"tp{stage}": create_segment(tp_size) for stage in range(pp_size)} if tp_size > 1 else {}
+    if pp_size > 1:
+        out["world"] = create_segment(tp_size * pp_size)
+    return out
+
+
+def unlink_segments(segments: Optional[dict[str, str]]) -> None:
+    for path in (segments or {}).values():
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _free_port() -> int:
@@ -90,13 +133,14 @@ def _die_with_parent() -> None:
 
 
 def init_rank(deployment: Any, build_rank: BuildRank, rank: int, world_size: int, init_method: str,
-              shm_path: Optional[str], timeout_s: float, local_rank: Optional[int] = None,
+              segments: Optional[dict[str, str]], timeout_s: float, local_rank: Optional[int] = None,
               local_world_size: Optional[int] = None) -> Any:
     """Make this process rank ``rank``: take its cores (CPUs: its share of this
     host's, by ``local_rank`` of ``local_world_size`` ranks here) or its GPU,
-    join the collectives (the shared-memory segment at ``shm_path``, else
-    torch.distributed at ``init_method``: gloo on CPUs, NCCL on CUDA), then
-    build its model runner."""
+    join the collectives (the shared-memory ``segments`` of
+    ``create_segments``, else torch.distributed at ``init_method``: gloo on
+    CPUs, NCCL on CUDA, a group per pipeline stage), then build its model
+    runner with its ``RankCollectives``."""
     import datetime
 
     import torch
@@ -110,15 +154,21 @@ def init_rank(deployment: Any, build_rank: BuildRank, rank: int, world_size: int
     else:
         torch.cuda.set_device(local_rank if torch.cuda.device_count() > 1 else 0)
         backend = "nccl"
-    if shm_path is not None:
+    tp, pp = deployment.layout.tensor_parallel_size, deployment.layout.pipeline_parallel_size
+    stage, tp_rank = rank_position(rank, tp)
+    if segments is not None:
         from appliance.kernels.shm_comm import ShmComm
 
-        comm: Any = ShmComm(shm_path, rank, world_size, timeout_s)
+        comms = RankCollectives(
+            tp=ShmComm(segments[f"tp{stage}"], tp_rank, tp, timeout_s) if tp > 1 else None,
+            world=ShmComm(segments["world"], rank, world_size, timeout_s) if pp > 1 else None)
     else:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        comm = TorchDistributedComm(world_size)
-    return build_rank(deployment, rank, comm)
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)] if pp > 1 else [None]
+        comms = RankCollectives(tp=TorchDistributedComm(tp, groups[stage]) if tp > 1 else None,
+                                world=TorchDistributedComm(world_size) if pp > 1 else None)
+    return build_rank(deployment, rank, comms)
 
 
 def run_step(runner: Any, sched_out: Any) -> tuple:
@@ -158,11 +208,11 @@ def combine_replies(replies: list[tuple], dead: Callable[[str], Any]) -> Any:
 def _worker(conn: Connection) -> None:
     """A rank's process: join the group, build the runner, then run every step it is sent."""
     _die_with_parent()
-    deployment, build_rank, rank, world_size, port, shm_path, timeout_s = pickle.loads(conn.recv_bytes())
+    deployment, build_rank, rank, world_size, port, segments, timeout_s = pickle.loads(conn.recv_bytes())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's process owns shutdown
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the core ignores it, and an ignored signal survives exec
     try:
-        runner = init_rank(deployment, build_rank, rank, world_size, f"tcp://127.0.0.1:{port}", shm_path, timeout_s)
+        runner = init_rank(deployment, build_rank, rank, world_size, f"tcp://127.0.0.1:{port}", segments, timeout_s)
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
         return
@@ -184,11 +234,9 @@ class MultiprocExecutor:
     def __init__(self, deployment: Any, build_rank: BuildRank, world_size: int, timeout_s: float):
         port = _free_port()
         self.collectives = collectives(deployment, world_size)
-        shm_path = None
-        if self.collectives == "shm":
-            from appliance.kernels.shm_comm import create_segment
-
-            shm_path = create_segment(world_size)
+        layout = deployment.layout
+        segments = (create_segments(layout.tensor_parallel_size, layout.pipeline_parallel_size)
+                    if self.collectives == "shm" else None)
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._procs: list[subprocess.Popen] = []
@@ -200,16 +248,15 @@ class MultiprocExecutor:
                                     pass_fds=(theirs.fileno(),))
             theirs.close()
             conn = Connection(ours.detach())
-            conn.send_bytes(pickle.dumps((deployment, build_rank, rank, world_size, port, shm_path, timeout_s)))
+            conn.send_bytes(pickle.dumps((deployment, build_rank, rank, world_size, port, segments, timeout_s)))
             self._procs.append(proc)
             self._conns.append(conn)
             self._sentinels.append(os.pidfd_open(proc.pid))
-        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._sentinels, shm_path)
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._sentinels, segments)
         try:
             replies = self._collect("loading the model", max(timeout_s, LOAD_TIMEOUT_S))
         finally:
-            if shm_path is not None:  # every rank has mapped it (or failed): the name can go
-                _unlink(shm_path)
+            unlink_segments(segments)  # every rank has mapped them (or failed): the names can go
         errors = [(r, msg) for r, (kind, msg, _) in enumerate(replies) if kind == "error"]
         if errors:
             self.close()
@@ -281,14 +328,7 @@ def collectives(deployment: Any, world_size: int) -> str:
     return "shm"
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _stop(procs: list, conns: list, sentinels: list, shm_path: Optional[str] = None) -> None:
+def _stop(procs: list, conns: list, sentinels: list, segments: Optional[dict[str, str]] = None) -> None:
     """Ask every worker to stop, then make sure: terminate, then kill."""
     for conn in conns:
         try:
@@ -310,8 +350,7 @@ def _stop(procs: list, conns: list, sentinels: list, shm_path: Optional[str] = N
         conn.close()
     for fd in sentinels:
         os.close(fd)
-    if shm_path is not None:
-        _unlink(shm_path)
+    unlink_segments(segments)
 
 
 if __name__ == "__main__":

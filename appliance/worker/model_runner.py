@@ -98,7 +98,8 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.bitmask_kernel = bitmask_kernel  # masks constrained logits rows (None: xgrammar's kernel)
         shape = backend.kv_cache_shape(num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(arch.num_layers)]
+        # one per layer this rank holds (a pipeline stage's)
+        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in model.model.layers]
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.block_table = np.zeros((max_num_seqs, self.max_blocks_per_req), dtype=np.int32)
         self.num_blocks_in_row = np.zeros(max_num_seqs, dtype=np.int32)
@@ -110,8 +111,9 @@ class ModelRunner:
         model.rope_cache(max_model_len, dtype, device)
         # Decided here; the native forward itself is built at the first step, so it
         # sees the weights as they are then (quantized, or edited after construction).
-        # (not for a tensor-parallel rank's part: its layers all-reduce between the native phases)
-        self.uses_native_forward = backend.native_forward and getattr(model, "tp", None) is None
+        # (not for a tensor- or pipeline-parallel rank's part: its layers exchange between the native phases)
+        self.uses_native_forward = (backend.native_forward and getattr(model, "tp", None) is None
+                                    and getattr(model, "pp", None) is None)
         self._native: Any = None
         self._native_rope: Any = None  # the model's rope tables the native forward was built with
 

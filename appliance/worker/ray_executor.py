@@ -35,9 +35,11 @@ from appliance.worker.executor import (
     BuildRank,
     collectives,
     combine_replies,
+    create_segments,
     init_rank,
     leave_group,
     run_step,
+    unlink_segments,
 )
 
 log = logging.getLogger("appliance.executor")
@@ -60,21 +62,16 @@ class RankActor:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def create_segment(self, world_size: int) -> str:
-        from appliance.kernels.shm_comm import create_segment
+    def create_segments(self, tp_size: int, pp_size: int) -> dict[str, str]:
+        return create_segments(tp_size, pp_size)
 
-        return create_segment(world_size)
-
-    def unlink(self, path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    def unlink_segments(self, segments: dict[str, str]) -> None:
+        unlink_segments(segments)
 
     def init(self, deployment: Any, build_rank: BuildRank, rank: int, world_size: int, init_method: str,
-             shm_path: Optional[str], timeout_s: float, local_rank: int, local_world_size: int) -> tuple:
+             segments: Optional[dict[str, str]], timeout_s: float, local_rank: int, local_world_size: int) -> tuple:
         try:
-            self.runner = init_rank(deployment, build_rank, rank, world_size, init_method, shm_path, timeout_s,
+            self.runner = init_rank(deployment, build_rank, rank, world_size, init_method, segments, timeout_s,
                                     local_rank, local_world_size)
         except Exception as e:
             import traceback
@@ -133,19 +130,21 @@ class RayExecutor:
             nodes = [node for node, _, _ in where]
             local_rank = [nodes[:r].count(nodes[r]) for r in range(world_size)]
             local_size = [nodes.count(nodes[r]) for r in range(world_size)]
-            shm_path = None
+            segments = None
             if len(set(nodes)) == 1 and collectives(deployment, world_size) == "shm":
-                shm_path = self._get([self._actors[0].create_segment.remote(world_size)], "a memory segment")[0]
+                layout = deployment.layout
+                segments = self._get([self._actors[0].create_segments.remote(
+                    layout.tensor_parallel_size, layout.pipeline_parallel_size)], "memory segments")[0]
             port = self._get([self._actors[0].free_port.remote()], "a port")[0]
             init_method = f"tcp://{where[0][1]}:{port}"
             try:
-                replies = self._get([a.init.remote(deployment, build_rank, r, world_size, init_method, shm_path,
+                replies = self._get([a.init.remote(deployment, build_rank, r, world_size, init_method, segments,
                                                    timeout_s, local_rank[r], local_size[r])
                                      for r, a in enumerate(self._actors)],
                                     "loading the model", max(timeout_s, LOAD_TIMEOUT_S))
             finally:
-                if shm_path is not None:  # every rank has mapped it (or failed): the name can go
-                    self._get([self._actors[0].unlink.remote(shm_path)], "removing the segment name")
+                if segments:  # every rank has mapped them (or failed): the names can go
+                    self._get([self._actors[0].unlink_segments.remote(segments)], "removing the segments' names")
             errors = [(r, msg) for r, (kind, msg, _) in enumerate(replies) if kind == "error"]
             if errors:
                 rank, msg = errors[0]

@@ -128,3 +128,17 @@ int appl_shm_all_gather(void *segment, int rank, int world, int64_t cap, uint64_
     }
     return 0;
 }
+
+/* ``src``'s ``nbytes`` of ``data`` into every other rank's ``data``. */
+int appl_shm_broadcast(void *segment, int rank, int world, int64_t cap, uint64_t *seq, void *data, int64_t nbytes,
+                       int src, int64_t timeout_ns) {
+    char *base = (char *)segment;
+    for (int64_t off = 0; off < nbytes; off += cap) {
+        int64_t m = nbytes - off < cap ? nbytes - off : cap;
+        uint64_t s = ++*seq;
+        if (rank == src) memcpy(slot_of(base, world, cap, s, rank), (const char *)data + off, (size_t)m);
+        if (publish_and_wait(base, rank, world, s, timeout_ns)) return -1;
+        if (rank != src) memcpy((char *)data + off, slot_of(base, world, cap, s, src), (size_t)m);
+    }
+    return 0;
+}

@@ -1,9 +1,11 @@
-"""Tensor parallelism on CPU ranks (``parallel.executor=mp``, gloo): the
-same greedy tokens and logprobs as one rank, KV heads split or replicated,
-a shard of each tensor read per rank, the server serving a layout, and a
-rank that dies or hangs ending the engine within the timeout with no
-process left behind."""
+"""Tensor and pipeline parallelism on CPU ranks (``parallel.executor=mp``,
+shared-memory or gloo collectives): the same greedy tokens and logprobs as
+one rank, KV heads split or replicated, layers split into stages (evenly
+or as ``pp_layer_partition`` says), a shard of each tensor read per rank,
+the server serving a layout, and a rank that dies or hangs ending the
+engine within the timeout with no process left behind."""
 
+import dataclasses
 import os
 import signal
 import time
@@ -47,10 +49,15 @@ def tiny_reference():
     return generate(TINY, PROMPTS, 24)[0]
 
 
-@pytest.mark.parametrize("tp", [2, 4])  # 4 ranks over 2 KV heads: each KV head on two ranks
-def test_tiny_model_tokens_equal_one_rank(tiny_reference, tp):
-    outs, llm = generate([*TINY, f"parallel.tensor_parallel_size={tp}"], PROMPTS, 24)
-    assert llm.deployment.layout.executor == "mp" and len(llm.engine.runner.pids) == tp
+@pytest.mark.parametrize("tp,pp,collectives", [
+    (2, 1, "shm"), (4, 1, "shm"),  # 4 ranks over 2 KV heads: each KV head on two ranks
+    (1, 2, "shm"), (2, 2, "shm"), (2, 2, "gloo"),  # two stages of one layer, alone or each over two ranks
+])
+def test_tiny_model_tokens_equal_one_rank(tiny_reference, tp, pp, collectives):
+    outs, llm = generate([*TINY, f"parallel.tensor_parallel_size={tp}", f"parallel.pipeline_parallel_size={pp}",
+                          f"parallel.cpu_collectives={collectives}"], PROMPTS, 24)
+    assert llm.deployment.layout.executor == "mp" and len(llm.engine.runner.pids) == tp * pp
+    assert llm.engine.runner.collectives == collectives
     assert_same(outs, tiny_reference)
 
 
@@ -69,13 +76,22 @@ def test_bf16_ranks_stay_close_to_one_rank():
     check_logprobs_close(run([*bf16, "parallel=tp2"]), run(bf16), "tp2", "one rank")
 
 
-def test_smollm2_tokens_equal_one_rank():
-    """SmolLM2-135M's 9 heads and 3 KV heads over three ranks (the shipped tp3 option), fp32."""
-    base = ["+profile=cpu", "model.dtype=float32", "cache.kv_cache_memory_gib=0.2", "model.max_model_len=1024"]
-    prompts = PROMPTS[:4]
-    ref, _ = generate(base, prompts, 16)
-    outs, _ = generate([*base, "parallel=tp3"], prompts, 16)
-    assert_same(outs, ref)
+SMOL = ["+profile=cpu", "model.dtype=float32", "cache.kv_cache_memory_gib=0.2", "model.max_model_len=1024"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference():
+    return generate(SMOL, PROMPTS[:4], 16)[0]
+
+
+@pytest.mark.parametrize("layout", [
+    ["parallel=tp3"],  # 9 heads and 3 KV heads over three ranks (the shipped tp3 option)
+    ["parallel=pp2", "parallel.pp_layer_partition=[13,17]"],  # 30 layers over two stages, split unevenly
+])
+def test_smollm2_tokens_equal_one_rank(smollm2_reference, layout):
+    """SmolLM2-135M, fp32: the same greedy tokens and logprobs as one rank."""
+    outs, _ = generate([*SMOL, *layout], PROMPTS[:4], 16)
+    assert_same(outs, smollm2_reference)
 
 
 def test_one_rank_in_a_worker_process(tiny_reference):
@@ -134,8 +150,9 @@ def test_a_hung_rank_ends_the_engine_at_the_timeout():
     assert not any(_alive(p) for p in pids)
 
 
-def test_served_layout_answers_as_one_rank(tiny_reference):
-    s = ServerProcess(*TINY[1:], "parallel=tp2")
+@pytest.mark.parametrize("layout", ["parallel=tp2", "parallel=pp2"])
+def test_served_layout_answers_as_one_rank(tiny_reference, layout):
+    s = ServerProcess(*TINY[1:], layout)
     try:
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0,
                                                         "ignore_eos": True}, timeout=60)
@@ -162,6 +179,30 @@ def test_each_rank_reads_its_rows_and_columns():
     assert tensor_shard(arch, 0, 2, layer + "mlp.down_proj.weight") == (1, 0, 64)
     assert tensor_shard(arch, 1, 2, "model.embed_tokens.weight") == (0, 256, 512)  # past 500: zero rows
     assert tensor_shard(arch, 1, 2, layer + "input_layernorm.weight") is None
+
+
+def test_stages_split_the_layers_and_read_their_own_tensors():
+    from appliance.config.sizes import pipeline_partition
+    from appliance.models.llama import LlamaForCausalLM, PipelineParallel
+    from appliance.kernels.torch_sdpa import TorchSDPABackend
+
+    assert pipeline_partition(30, 4) == [7, 8, 8, 7]  # the remainder to the stages before the last
+    assert pipeline_partition(30, 2) == [15, 15] and pipeline_partition(7, 3) == [2, 3, 2]
+    assert pipeline_partition(30, 2, [13, 17]) == [13, 17]
+    arch = ModelArch("LlamaForCausalLM", 4, 64, 128, 4, 2, 16, 500, 1024, 1e4, 1e-5, True)
+    backend = TorchSDPABackend(4, 2, 16, 0.25, "auto")
+    first = LlamaForCausalLM(arch, backend, pp=PipelineParallel(0, 2, 0, 1, None, (0, 1)))
+    last = LlamaForCausalLM(arch, backend, pp=PipelineParallel(1, 2, 1, 4, None, (0, 1)))
+    assert (len(first.model.layers), len(last.model.layers)) == (1, 3)
+    assert first.local_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert first.local_name("model.layers.1.mlp.up_proj.weight") is None
+    assert last.local_name("model.layers.3.self_attn.o_proj.weight") == "model.layers.2.self_attn.o_proj.weight"
+    assert first.local_name("model.norm.weight") is None and last.local_name("model.norm.weight")
+    # tied: the last stage keeps the embedding for its LM head; a middle stage would hold neither
+    assert first.local_name("model.embed_tokens.weight") and last.local_name("model.embed_tokens.weight")
+    untied = LlamaForCausalLM(dataclasses.replace(arch, tie_word_embeddings=False), backend,
+                              pp=PipelineParallel(1, 2, 1, 4, None, (0, 1)))
+    assert untied.local_name("model.embed_tokens.weight") is None and untied.local_name("lm_head.weight")
 
 
 def test_ranks_split_the_cores():

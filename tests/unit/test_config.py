@@ -18,7 +18,7 @@ def test_catalog_is_complete():
     assert list_profiles() == PROFILES
     assert list_options("model") == MODELS
     assert list_options("quantization") == ["awq", "fp8", "gguf", "gptq", "int4_wo", "int8_wo", "none"]
-    assert list_options("parallel") == ["dp2", "dp8_ep", "single", "tp2", "tp3", "tp8", "tp8_pp2"]
+    assert list_options("parallel") == ["dp2", "dp8_ep", "pp2", "single", "tp2", "tp3", "tp8", "tp8_pp2"]
     assert list_options("scheduler") == ["default", "latency", "throughput"]
     assert list_options("hardware") == ["b200", "cpu", "h100", "h200", "mi300x"]
     assert list_options("speculative") == ["draft_model", "ngram", "off"]
@@ -225,7 +225,7 @@ def test_plan_counts_the_collectives_and_their_share():
     compute = tp8.weight_bytes_per_device / 3350e9
     assert tp8.decode_comm_share == round(comm / (comm + compute), 3)
     pp = make_plan(resolve([*base, "parallel=tp8_pp2", "hardware.num_devices=16"]).cfg)
-    assert pp.collectives_per_step == 2 * 16 + 2 + 1  # 16 layers a stage, one stage boundary
+    assert pp.collectives_per_step == 2 * 16 + 2 + 2  # 16 layers a stage, one stage boundary, the logits to all
     lines = format_plan(tp8)
     assert "collectives        66 per forward" in lines and "of a one-request decode step" in lines
     # a CPU host's ranks: shared memory by default, gloo far slower

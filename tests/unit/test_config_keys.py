@@ -46,6 +46,7 @@ BASES = {
     # collectives exist only across ranks
     "hardware.interconnect_gbps": [*BASE, "parallel=tp3"],
     "hardware.collective_latency_us": [*BASE, "parallel=tp3"],
+    "parallel.pp_layer_partition": [*BASE, "parallel=pp2"],
 }
 # Keys whose effect is only where the engine is built or served (the tests
 # of those parts show it); the test checks that code there reads them.
@@ -68,6 +69,7 @@ RUN_TIME_KEYS = {
 # Where the generic change (below) is not a valid value for the base deployment.
 ALTERNATIVES = {
     "parallel.executor": "mp",  # one rank in a worker process
+    "parallel.pp_layer_partition": [13, 17],
     "model.path": "tiny_random",
     "model.architecture": "Qwen2ForCausalLM",
     "model.head_dim": 128,
@@ -183,7 +185,7 @@ def test_every_leaf_is_listed():
 def test_changing_a_key_has_an_effect(path, typ):
     base = BASES.get(path, BASE)
     before = value_at(resolve(base).cfg, path)
-    after = ALTERNATIVES.get(path, generic_change(before, typ))
+    after = ALTERNATIVES[path] if path in ALTERNATIVES else generic_change(before, typ)
     assert after != before
     kind, seen = observe(base + [f"{path}={written(after)}"])
     if kind == "refused":
@@ -203,13 +205,14 @@ def test_run_time_keys_are_schema_leaves():
 
 
 @pytest.mark.parametrize("override,message", [
-    ("parallel.pipeline_parallel_size=2", "pipeline and expert parallelism are not built yet"),
-    ("parallel=dp2 parallel.enable_expert_parallel=true", "pipeline and expert parallelism are not built yet"),
+    ("parallel=dp2 parallel.enable_expert_parallel=true", "expert parallelism is not built yet"),
+    ("parallel=pp2 quantization=fp8", "quantization=fp8 with tensor or pipeline parallelism is not built yet"),
+    ("parallel=pp2 parallel.pp_layer_partition=[10,10]", "must give each of the 2 pipeline stages"),
     ("parallel=dp2 parallel.executor=ray", "needs parallel.ray_address"),
     ("parallel.ray_address=auto", "has no effect with parallel.executor=auto"),
-    ("parallel=tp3 quantization=fp8", "quantization=fp8 with tensor parallelism is not built yet"),
+    ("parallel=tp3 quantization=fp8", "quantization=fp8 with tensor or pipeline parallelism is not built yet"),
     ("parallel=tp3 speculative=draft_model speculative.draft_model=smollm2_135m",
-     "speculative=draft_model with tensor parallelism is not built yet"),
+     "speculative=draft_model with tensor or pipeline parallelism is not built yet"),
     ("cache.swap_space_gib=1", "not built yet"),
     ("cache.cpu_offload_gib=1", "not built yet"),
     ("speculative.num_speculative_tokens=3", "has no effect with speculative=off"),

@@ -1,6 +1,6 @@
 """Shared-memory collectives between ranks on one host: sums equal to the
 rank-order sum and the same bits on every rank (fp32 and bf16, inputs
-longer than a slot), all-gather in rank order, many operations in a row
+longer than a slot), all-gather in rank order, broadcast from any rank, many operations in a row
 (the two slot parities), more ranks than cores, and a rank that never
 arrives ending the wait with an error."""
 
@@ -37,6 +37,10 @@ def _rank(path, rank, world, q, steps, sizes):
         strided = inputs(rank, step, 64, torch.float32).view(8, 8).t()  # not contiguous: reduced in place all the same
         comm.all_reduce(strided)
         out.append(strided.clone())
+        src = step % world
+        b = inputs(rank, step, 1000, torch.float32)  # 4 kB: four chunks
+        comm.broadcast(b, src)
+        out.append(b)
     q.put((rank, pickle.dumps(out)))  # plain pickling: torch's queue would share fds with an exiting process
 
 
@@ -81,6 +85,8 @@ def test_all_reduce_and_all_gather_match_the_rank_order_reference(world):
         i += 1
         want = sum(inputs(r, step, 64, torch.float32).view(8, 8).t() for r in range(world))
         assert torch.allclose(results[0][i], want, atol=1e-5)
+        i += 1
+        assert torch.equal(results[0][i], inputs(step % world, step, 1000, torch.float32))  # the source's values
         i += 1
 
 
