@@ -13,6 +13,7 @@ KINDS = {
     "prefix": "appliance.bench.prefix",
     "spec": "appliance.bench.spec",
     "structured": "appliance.bench.structured",
+    "parallel": "appliance.bench.parallel",
 }
 
 

@@ -122,3 +122,22 @@ def test_structured(out, cli):
     assert comp["cold"]["median_ms"] > 0 and comp["cached"]["max_ms"] >= 0 and comp["cached_recompiles"] == 0
     assert len(res["first_compile_ms"]) == 1
     assert res["host"]["cpu_isa"] is not None and (out / "structured.png").stat().st_size > 0
+
+
+def test_parallel(out, cli):
+    r = cli("bench", "parallel", *TINY, "--layouts", "pp2 (shm)", "--num-prompts", "2", "--output-len", "4",
+            "--iters", "100", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    res = load(out, "parallel")
+    runs = res["runs"]
+    assert set(runs) == {"1 rank (native forward)", "1 rank (torch layer path)", "pp2 (shm)", "1 core (served)",
+                         "dp2 (served)"}
+    assert all(run["output_tok_s"] > 0 for run in runs.values())
+    pp = runs["pp2 (shm)"]
+    assert pp["ranks"] == 2 and pp["executor"] == "mp" and pp["collectives"] == "shm"
+    assert pp["collectives_per_step"] == 2 and 0 < pp["comm_ms_per_step"] < pp["ms_per_step"] + pp["comm_ms_per_step"]
+    assert pp["rest_ms_per_step"] == pytest.approx(pp["ms_per_step"] - pp["comm_ms_per_step"])
+    assert runs["dp2 (served)"]["ok"] == 2 and runs["dp2 (served)"]["vs_one_core_served"] > 0
+    assert set(res["all_reduce_latency_us"]) == {"shm/2", "gloo/2"}
+    assert all(v > 0 for v in res["all_reduce_latency_us"].values())
+    assert res["host"]["cpu"] and (out / "parallel.png").stat().st_size > 0
