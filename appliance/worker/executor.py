@@ -1,16 +1,18 @@
 """The model side of a step over worker processes (``parallel.executor=mp``).
 
 ``MultiprocExecutor`` is the engine core's step runner when the model is
-split across tensor-parallel ranks: it starts one worker process per rank
-on this host (a fresh interpreter, ``python -m appliance.worker.executor``,
-talking over a socket pair, so nothing of the engine's process is inherited
-or re-imported), each of which joins a
-``torch.distributed`` group (gloo on CPUs, NCCL on CUDA) and builds its
-rank's model runner with the function the composition root hands down.
+split across tensor- and pipeline-parallel ranks: it starts one worker
+process per rank on this host (a fresh interpreter, ``python -m
+appliance.worker.executor``, talking over a socket pair, so nothing of the
+engine's process is inherited or re-imported), each of which joins the
+collectives (``init_rank``: shared-memory segments between a CPU host's
+ranks, else torch.distributed, gloo on CPUs and NCCL on CUDA) and builds
+its rank's model runner with the function the composition root hands down.
 Every step's ``SchedulerOutput`` goes to every rank; each runs the same
 forward on its part of the model (the collectives inside it, see
-``models.llama.TensorParallel``), samples from the same gathered logits
-with the same seeded generator, and answers with its ``RunnerOutput``. The
+``models.llama.TensorParallel`` and ``PipelineParallel``), samples from the
+same logits with the same seeded generator, and answers with its
+``RunnerOutput``. The
 executor returns rank 0's and checks that every rank sampled the same
 tokens, so the ranks' persistent batches cannot drift apart unseen.
 

@@ -17,7 +17,7 @@ import torch
 from appliance import LLM, SamplingParams
 from appliance.engine.core import EngineDeadError
 from appliance.models.llama import ModelArch, padded_vocab, shard_arch, tensor_shard
-from appliance.worker.placement import cpu_share
+from appliance.worker.placement import cpu_share, numa_nodes, parse_cpulist
 from tests.integration.server_helpers import ServerProcess
 from tests.model_helpers import check_logprobs_close, greedy_top_logprobs
 
@@ -205,7 +205,20 @@ def test_stages_split_the_layers_and_read_their_own_tensors():
     assert untied.local_name("model.embed_tokens.weight") is None and untied.local_name("lm_head.weight")
 
 
-def test_ranks_split_the_cores():
+def test_ranks_split_the_cores(tmp_path):
     assert [cpu_share(r, 2, [0, 1, 2, 3, 4]) for r in range(2)] == [[0, 1, 2], [3, 4]]
     assert [cpu_share(r, 3, [0, 1]) for r in range(3)] == [[0, 1]] * 3  # more ranks than cores: they share
+    # two sockets, cores interleaved between them as many hosts number them
+    for node, cpulist in enumerate(["0-3,8-11", "4-7,12-15"]):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "cpulist").write_text(cpulist + "\n")
+    (tmp_path / "possible").write_text("0-1\n")  # not a node
+    allowed = list(range(16))
+    nodes = numa_nodes(allowed, str(tmp_path))
+    assert nodes == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]
+    assert [cpu_share(r, 2, allowed, nodes) for r in range(2)] == nodes  # a rank per node
+    assert cpu_share(3, 4, allowed, nodes) == [12, 13, 14, 15]  # two per node: node 1's second half
+    assert cpu_share(1, 3, allowed, nodes) == [6, 7, 8, 9, 10]  # 3 ranks do not divide 2 nodes: contiguous
+    assert numa_nodes([0, 1], str(tmp_path)) == [[0, 1]] and numa_nodes([5], str(tmp_path / "none")) == [[5]]
+    assert parse_cpulist("0-2,5,7-8") == [0, 1, 2, 5, 7, 8]
     assert torch.get_num_threads() >= 1
