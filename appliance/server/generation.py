@@ -15,6 +15,7 @@ from litestar import Request
 from appliance.engine.core import RequestOutputDelta
 from appliance.engine.parallel_sampling import Child, ParentRequest
 from appliance.server.client import EngineDeadError, EngineRestartingError, RequestRejected
+from appliance.server.metrics import RequestSeries
 from appliance.server.protocol import GenerationRequest, OpenAIError
 from appliance.server.state import ServerState
 
@@ -122,39 +123,43 @@ class Generation:
         arrival = time.monotonic()
         first = last = None
         finished = False
+        m: Optional[RequestSeries] = None  # the series of the engine core that serves it
         try:
+            rank = st.client.pick_rank(g.data_parallel_rank)
+            m = st.metrics.requests(rank)
             async for d in st.client.generate(rid, g.prompts[child.prompt_index], child.params, g.priority,
-                                              g.cache_salt, g.data_parallel_rank):
+                                              g.cache_salt, rank):
                 t = time.monotonic()
                 if d.new_token_ids:
                     if first is None:
                         first = t
-                        st.metrics.time_to_first_token_seconds.observe(t - arrival)
+                        m.time_to_first_token_seconds.observe(t - arrival)
                     elif last is not None:
                         per = (t - last) / len(d.new_token_ids)
                         for _ in d.new_token_ids:
-                            st.metrics.inter_token_latency_seconds.observe(per)
+                            m.inter_token_latency_seconds.observe(per)
                     last = t
                 if d.queue_time is not None:
-                    st.metrics.request_queue_time_seconds.observe(d.queue_time)
+                    m.request_queue_time_seconds.observe(d.queue_time)
                 if d.finish_reason == "error":
                     finished = True
-                    st.metrics.request_success("error")
+                    m.request_success("error")
                     log.error("request_id=%s failed in the engine core", rid)
                     raise RequestFailed("the engine failed to process this request; see the server log")
                 await merged.put((child, d))
                 if d.finished:
                     finished = True
-                    st.metrics.e2e_request_latency_seconds.observe(t - arrival)
-                    st.metrics.generation_tokens.inc(d.num_output_tokens)
-                    st.metrics.request_success(d.finish_reason or "abort")
+                    m.e2e_request_latency_seconds.observe(t - arrival)
+                    m.generation_tokens.inc(d.num_output_tokens)
+                    m.request_success(d.finish_reason or "abort")
                     log.info(
                         "request_id=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d ttft_s=%.4f total_s=%.4f "
                         "finish_reason=%s", rid, d.num_prompt_tokens, d.num_output_tokens, d.num_cached_tokens,
                         (first or t) - arrival, t - arrival, d.finish_reason)
         except asyncio.CancelledError:
             if not finished:  # client went away: the generator aborted it in the core
-                st.metrics.request_success("abort")
+                if m is not None:
+                    m.request_success("abort")
                 log.info("request_id=%s aborted after %.4f s", rid, time.monotonic() - arrival)
             raise
         except Exception as e:  # delivered to the consumer

@@ -49,9 +49,11 @@ def describe_interval(old: StepStats, new: StepStats) -> str:
 
 
 class Metrics:
-    """The registry. Series the engine cores report carry an ``engine`` label
-    (the data-parallel rank, "0" with one core), as vLLM's do; the request
-    latencies and outcomes the front end measures are the server's."""
+    """The registry. Series carry an ``engine`` label (the data-parallel
+    rank, "0" with one core), as vLLM's do: what each engine core reports,
+    and the request latencies and outcomes the front end measures, by the
+    core that served the request (``requests(engine)``); prompt tokens are
+    counted per request, before a core is picked."""
 
     def __init__(self, model_name: str, profile: str, config_hash: str, deployment: str, num_engines: int = 1):
         self.registry = CollectorRegistry()
@@ -91,19 +93,21 @@ class Metrics:
                                          per_engine + ["position"], registry=r)
         self.grammar_compile_seconds = hist("grammar_compile_seconds", "Time to compile an output constraint's "
                                             "grammar (a compile-cache miss)", LATENCY_BUCKETS, True)
-        # the front end's series
+        # what the front end measures of each request, by the engine core that served it
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed", by_engine=False)
-        self.generation_tokens = counter("generation_tokens", "Tokens generated", by_engine=False)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self._success = Counter("appliance:request_success", "Finished requests by finish reason",
-                                labels + ["finished_reason"], registry=r)
-        for reason in ("stop", "length", "abort"):  # exported from the start, at 0
-            self._success.labels(**self.label_values, finished_reason=reason)
-        self.time_to_first_token_seconds = hist("time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
-        self.inter_token_latency_seconds = hist("inter_token_latency_seconds", "Time between tokens", LATENCY_BUCKETS)
-        self.e2e_request_latency_seconds = hist("e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
+                                per_engine + ["finished_reason"], registry=r)
+        self.time_to_first_token_seconds = hist("time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS,
+                                                True)
+        self.inter_token_latency_seconds = hist("inter_token_latency_seconds", "Time between tokens", LATENCY_BUCKETS,
+                                                True)
+        self.e2e_request_latency_seconds = hist("e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS,
+                                                True)
         self.request_queue_time_seconds = hist("request_queue_time_seconds", "Time waiting before first scheduled",
-                                               LATENCY_BUCKETS)
+                                               LATENCY_BUCKETS, True)
         self.num_engines = num_engines
+        self._requests: dict[int, RequestSeries] = {}
         self._logged: dict[int, tuple[StepStats, float]] = {}  # engine -> (stats last logged, when)
         for engine in range(num_engines):  # every engine's series exported from the start, at 0
             for family in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
@@ -111,12 +115,17 @@ class Metrics:
                            self.engine_restarts, self.iteration_tokens, self.spec_decode_num_drafts,
                            self.spec_decode_num_draft_tokens, self.spec_decode_num_accepted_tokens):
                 self._engine(family, engine)
+            self.requests(engine)
 
     def _engine(self, family, engine: int):
         return family.labels(**self.label_values, engine=str(engine))
 
-    def request_success(self, reason: str) -> None:
-        self._success.labels(**self.label_values, finished_reason=reason).inc()
+    def requests(self, engine: int = 0) -> "RequestSeries":
+        """The request series of engine core ``engine``."""
+        series = self._requests.get(engine)
+        if series is None:
+            series = self._requests[engine] = RequestSeries(self, engine)
+        return series
 
     def engine_restarted(self, engine: int = 0) -> None:
         self._engine(self.engine_restarts, engine).inc()
@@ -155,3 +164,26 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestSeries:
+    """One engine core's request series, bound (what a generation records)."""
+
+    def __init__(self, m: Metrics, engine: int):
+        def bound(family):
+            return m._engine(family, engine)
+
+        self.time_to_first_token_seconds = bound(m.time_to_first_token_seconds)
+        self.inter_token_latency_seconds = bound(m.inter_token_latency_seconds)
+        self.e2e_request_latency_seconds = bound(m.e2e_request_latency_seconds)
+        self.request_queue_time_seconds = bound(m.request_queue_time_seconds)
+        self.generation_tokens = bound(m.generation_tokens)
+        self._success = {reason: m._success.labels(**m.label_values, engine=str(engine), finished_reason=reason)
+                         for reason in ("stop", "length", "abort")}  # exported from the start, at 0
+        self._family, self._labels = m._success, {**m.label_values, "engine": str(engine)}
+
+    def request_success(self, reason: str) -> None:
+        child = self._success.get(reason)
+        if child is None:
+            child = self._success[reason] = self._family.labels(**self._labels, finished_reason=reason)
+        child.inc()

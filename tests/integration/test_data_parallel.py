@@ -54,6 +54,8 @@ def test_two_engine_cores_behind_one_server():
         text = httpx.get(f"{s.url}/metrics").text
         steps = [metric(text, "appliance:iteration_tokens_count", engine=str(e)) for e in (0, 1)]
         assert all(n > 0 for n in steps), steps  # both ranks took part of the burst
+        served = [metric(text, "appliance:time_to_first_token_seconds_count", engine=str(e)) for e in (0, 1)]
+        assert sum(served) == len(PROMPTS) and min(served) > 0  # each request's latency under the core it ran on
         prompt_tokens = sum(metric(text, "appliance:prefix_cache_queries_total", engine=str(e)) for e in (0, 1))
 
         # pinned by header, then by field: only that rank looks the prompt up

@@ -494,6 +494,9 @@ class ScriptedClient:
             yield RequestOutputDelta(**{"request_id": request_id, "new_token_ids": [1], "new_text": "",
                                         "finished": False, "num_prompt_tokens": 1, "num_output_tokens": 1, **item})
 
+    def pick_rank(self, pinned=None):
+        return 0
+
     def abort_nowait(self, request_ids):
         pass
 

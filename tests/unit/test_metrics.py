@@ -58,3 +58,20 @@ def test_each_engine_core_has_its_own_series():
     assert (value("num_requests_running", "1"), value("num_requests_running", "0")) == (2, 0)
     assert (value("prefix_cache_queries_total", "1"), value("prefix_cache_queries_total", "0")) == (100, 0)
     assert (value("engine_restarts_total", "0"), value("engine_restarts_total", "1")) == (1, 0)
+
+
+def test_request_series_are_by_the_engine_that_served():
+    m = Metrics("m", "cpu", "c", "d", num_engines=2)
+    labels = {"model_name": "m", "profile": "cpu", "config_hash": "c", "deployment": "d"}
+    m.requests(1).time_to_first_token_seconds.observe(0.2)
+    m.requests(1).request_success("stop")
+    m.requests(0).request_success("error")
+
+    def value(name, engine, **extra):
+        return m.registry.get_sample_value(f"appliance:{name}", {**labels, "engine": engine, **extra})
+
+    assert (value("time_to_first_token_seconds_count", "1"), value("time_to_first_token_seconds_count", "0")) == (1, 0)
+    assert value("request_success_total", "1", finished_reason="stop") == 1
+    assert value("request_success_total", "0", finished_reason="stop") == 0  # exported from the start
+    assert value("request_success_total", "0", finished_reason="error") == 1
+    assert m.requests(1) is m.requests(1)
