@@ -1,6 +1,6 @@
 """The Ray executor (``parallel.executor=ray``) on a local Ray instance: two
-actors give the tokens and logprobs of the ``mp`` executor's two worker
-processes; an actor that dies ends the engine with EngineDeadError, and
+actors (two tensor-parallel ranks, or two pipeline stages) give the tokens
+and logprobs of the ``mp`` executor's two worker processes; an actor that dies ends the engine with EngineDeadError, and
 closing removes the actors and stops the instance it started."""
 
 import os
@@ -16,9 +16,10 @@ from tests.integration.test_tensor_parallel import PROMPTS, TINY, assert_same, g
 ray = pytest.importorskip("ray", reason="parallel.executor=ray needs the ray package (pip install 'appliance[ray]')")
 
 
-def test_two_actors_answer_as_two_worker_processes():
-    mp, _ = generate([*TINY, "parallel=tp2", "parallel.executor=mp"], PROMPTS, 16)
-    outs, llm = generate([*TINY, "parallel=tp2", "parallel.executor=ray"], PROMPTS, 16)
+@pytest.mark.parametrize("layout", ["parallel=tp2", "parallel=pp2"])  # two ranks of one stage, or two stages
+def test_two_actors_answer_as_two_worker_processes(layout):
+    mp, _ = generate([*TINY, layout, "parallel.executor=mp"], PROMPTS, 16)
+    outs, llm = generate([*TINY, layout, "parallel.executor=ray"], PROMPTS, 16)
     assert type(llm.engine.runner).__name__ == "RayExecutor"
     assert_same(outs, mp)
     assert not ray.is_initialized()  # the local instance it started is stopped
