@@ -77,26 +77,14 @@ class DataParallelClient:
         return any(c.dead for c in self.clients)
 
     @property
-    def dead_reason(self) -> str:
-        return next((c.dead_reason for c in self.clients if c.dead), "")
-
-    @property
     def restarting(self) -> bool:
         """No rank can take work: every one is restarting."""
         return all(c.restarting for c in self.clients)
 
     @property
-    def down_reason(self) -> str:
-        return next((c.down_reason for c in self.clients if c.restarting), "")
-
-    @property
     def ready_info(self) -> Optional[Ready]:
         """Rank 0's start-up answer (every rank has the same layout); None until it came up."""
         return self.clients[0].ready_info
-
-    @property
-    def restarts(self) -> int:
-        return sum(c.restarts for c in self.clients)
 
     @property
     def stats(self) -> StepStats:
