@@ -226,6 +226,9 @@ def validate(cfg: ApplianceConfig) -> list[str]:
     if par.ray_address is not None and par.executor != "ray":
         problems.append(f"parallel.ray_address={par.ray_address} has no effect with parallel.executor="
                         f"{par.executor}; set parallel.executor=ray or leave it null")
+    if par.cpu_collectives != "shm" and hw.device_kind != "cpu":
+        problems.append(f"parallel.cpu_collectives={par.cpu_collectives} has no effect on hardware={hw.name} "
+                        f"({hw.device_kind} ranks use {'RCCL' if hw.device_kind == 'rocm' else 'NCCL'}); leave it shm")
     parts = par.pp_layer_partition
     if parts is not None:
         if len(parts) != par.pipeline_parallel_size or sum(parts) != m.num_layers or min(parts, default=0) < 1:
