@@ -227,23 +227,27 @@ def build_rank_runner(deployment: Deployment, rank: int, comms: Any) -> Any:
     alone, the whole model. Runs in that rank's worker process."""
     from appliance.config.sizes import pipeline_partition
     from appliance.models.llama import PipelineParallel, TensorParallel
+    from appliance.models.moe import ExpertParallel
     from appliance.worker.executor import rank_position
 
     layout, cfg = deployment.layout, deployment.cfg
     tp_size, pp_size = layout.tensor_parallel_size, layout.pipeline_parallel_size
     stage, tp_rank = rank_position(rank, tp_size)
     tp = TensorParallel(tp_rank, tp_size, comms.tp) if tp_size > 1 else None
+    # expert parallelism within one engine core: its tensor-parallel ranks hold whole experts each
+    ep = ExpertParallel(tp_rank, tp_size, comms.tp) if cfg.parallel.enable_expert_parallel and tp_size > 1 else None
     pp = None
     if pp_size > 1:
         parts = pipeline_partition(cfg.model.num_layers, pp_size, cfg.parallel.pp_layer_partition)
         start = sum(parts[:stage])
         pp = PipelineParallel(stage, pp_size, start, start + parts[stage], comms.world,
                               tuple(s * tp_size for s in range(pp_size)))
-    return _model_runner(deployment, tp, pp)[0]
+    return _model_runner(deployment, tp, pp, ep)[0]
 
 
-def _model_runner(deployment: Deployment, tp: Any = None, pp: Any = None) -> tuple[Any, PreTrainedTokenizerBase]:
-    """The model (one rank's part with ``tp`` and / or ``pp``), quantized as
+def _model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
+                  ep: Any = None) -> tuple[Any, PreTrainedTokenizerBase]:
+    """The model (one rank's part with ``tp``, ``pp`` and / or ``ep``), quantized as
     configured, on its attention backend, in a ``ModelRunner`` with the KV
     cache; and the tokenizer."""
     import torch
@@ -261,10 +265,10 @@ def _model_runner(deployment: Deployment, tp: Any = None, pp: Any = None) -> tup
     m = cfg.model
     heads, kv_heads = m.num_heads, m.num_kv_heads
     if tp is not None:
-        local = shard_arch(ModelArch.from_model_config(m), tp.size)
+        local = shard_arch(ModelArch.from_model_config(m), tp.size, expert_parallel=ep is not None)
         heads, kv_heads = local.num_heads, local.num_kv_heads
     backend = load_backend(ex.backend)(heads, kv_heads, m.head_dim, m.head_dim ** -0.5, ex.kv_cache_dtype)
-    model, tokenizer, _ = load_model(m, backend, dtype, device, cfg.quantization.method, tp, pp)
+    model, tokenizer, _ = load_model(m, backend, dtype, device, cfg.quantization.method, tp, pp, ep)
     if cfg.quantization.method == "int8_wo":
         from appliance.models.quant import quantize_int8_weight_only
 

@@ -45,17 +45,27 @@ class Linear(ctypes.Structure):
                 ("wtype", _i32), ("group", _i32), ("qparams_f32", _i32), ("_pad", _i32)]
 
 
+class Moe(ctypes.Structure):
+    _fields_ = [("n_experts", _i32), ("top_k", _i32), ("inter", _i32), ("first", _i32), ("n_local", _i32),
+                ("_pad", _i32), ("router", Linear), ("w13", ctypes.POINTER(Linear)), ("w2", ctypes.POINTER(Linear))]
+
+
 class Layer(ctypes.Structure):
     _fields_ = [("ln1", _p), ("ln2", _p), ("q_norm", _p), ("k_norm", _p),
                 ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
-                ("k_cache", _p), ("v_cache", _p), ("k_scale", _f32), ("v_scale", _f32)]
+                ("k_cache", _p), ("v_cache", _p), ("k_scale", _f32), ("v_scale", _f32), ("moe", ctypes.POINTER(Moe))]
+
+
+# logits [T, n_experts] fp32, T, n_experts, top_k -> ids int32 [T, top_k], weights fp32 [T, top_k]
+RouteFn = ctypes.CFUNCTYPE(None, _p, _i64, _i32, _i32, _p, _p)
 
 
 class Model(ctypes.Structure):
     _fields_ = [("n_layers", _i32), ("hidden", _i32), ("inter", _i32), ("n_heads", _i32), ("n_kv_heads", _i32),
                 ("head_dim", _i32), ("vocab", _i32), ("max_pos", _i32), ("eps", _f32), ("attn_scale", _f32),
                 ("kv_type", _i32), ("embed_bf16", _i32), ("embed", _p), ("final_norm", _p), ("rope_cos", _p), ("rope_sin", _p),
-                ("lm_head", Linear), ("layers", ctypes.POINTER(Layer))]
+                ("lm_head", Linear), ("layers", ctypes.POINTER(Layer)), ("route", RouteFn),
+                ("moe_experts", _i32), ("moe_top_k", _i32), ("moe_inter", _i32), ("_pad2", _i32)]
 
 
 class Step(ctypes.Structure):
@@ -84,7 +94,8 @@ _LIB.appl_avx512.restype = ctypes.c_int
 _LIB.appl_apply_token_bitmask.argtypes = [_p, _i64, _p, _i64, _p, ctypes.c_int, _i64]
 _LIB.appl_apply_token_bitmask.restype = None
 
-PHASES = ("norm", "qkv", "rope_kv_write", "attention", "o_proj", "gate_up", "silu_mul", "down", "lm_head")
+PHASES = ("norm", "qkv", "rope_kv_write", "attention", "o_proj", "gate_up", "silu_mul", "down", "lm_head",
+          "moe_route_and_combine")
 
 
 def phase_times(reset: bool = False) -> dict[str, float]:
@@ -342,6 +353,38 @@ class CpuNativeBackend(AttentionBackend):
         return out.view(q.shape).to(q.dtype)
 
 
+def _view(ptr: int, n: int, ctype: Any, dtype: torch.dtype) -> torch.Tensor:
+    return torch.frombuffer((ctype * n).from_address(ptr), dtype=dtype)
+
+
+class _Router:
+    """The routing callback of the native forward: the model's own
+    ``route`` (``torch.topk`` over the router's softmax, so ties fall as in
+    the torch path and the reference models). An exception cannot cross
+    the C frames; it is kept and raised once the step returns."""
+
+    def __init__(self, route: Any):
+        self.route, self.error = route, None
+        self.fn = RouteFn(self)
+
+    def __call__(self, logits_ptr: int, t: int, n_experts: int, k: int, ids_ptr: int, weights_ptr: int) -> None:
+        if t == 0 or self.error is not None:
+            return
+        try:
+            logits = _view(logits_ptr, t * n_experts, ctypes.c_float, torch.float32).view(t, n_experts)
+            weights, ids = self.route(logits)
+            _view(ids_ptr, t * k, ctypes.c_int32, torch.int32).copy_(ids.reshape(-1))
+            _view(weights_ptr, t * k, ctypes.c_float, torch.float32).copy_(weights.reshape(-1))
+        except BaseException as e:  # noqa: BLE001 (kept for the caller; C cannot unwind it)
+            self.error = e
+            _view(ids_ptr, t * k, ctypes.c_int32, torch.int32).fill_(-1)  # routed nowhere: the step is discarded
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise RuntimeError(f"routing a sparse layer failed: {type(e).__name__}: {e}") from e
+
+
 class NativeForward:
     """The whole forward of a LlamaForCausalLM in one native call per step,
     built from the model's ``weights_view()`` (``ModelWeights``)."""
@@ -353,15 +396,23 @@ class NativeForward:
         self._held: list[torch.Tensor] = []  # every tensor a pointer below refers to
         self._layers = (Layer * arch.num_layers)()
         self._kv_ptrs: list[int] = []
+        self._moes: list[Moe] = []
+        route = None
         for i, lw in enumerate(weights.layers):
-            lins = [NativeLinear(m, release=True) for m in (lw.qkv_proj, lw.o_proj, lw.gate_up_proj, lw.down_proj)]
+            mlp = (lw.gate_up_proj, lw.down_proj) if lw.moe is None else ()
+            lins = [NativeLinear(m, release=True) for m in (lw.qkv_proj, lw.o_proj, *mlp)]
             self._lin += lins
             L = self._layers[i]
             L.ln1 = self._hold(lw.input_norm)
             L.ln2 = self._hold(lw.post_attention_norm)
             if arch.qk_norm:
                 L.q_norm, L.k_norm = self._hold(lw.q_norm), self._hold(lw.k_norm)
-            L.qkv, L.o, L.gate_up, L.down = (x.struct for x in lins)
+            L.qkv, L.o = lins[0].struct, lins[1].struct
+            if lw.moe is None:
+                L.gate_up, L.down = lins[2].struct, lins[3].struct
+            else:
+                L.moe = ctypes.pointer(self._sparse(lw.moe))
+                route = route or lw.moe
             L.k_scale, L.v_scale = lw.k_scale, lw.v_scale
         if weights.lm_head is not None:
             self._lm_head = NativeLinear(weights.lm_head, release=True)
@@ -380,7 +431,34 @@ class NativeForward:
             int(embed.dtype == torch.bfloat16), embed.data_ptr(), self._hold(weights.final_norm),
             self._hold(cos), self._hold(sin), self._lm_head.struct, ctypes.cast(self._layers, ctypes.POINTER(Layer)),
         )
+        self._router = None
+        if route is not None:
+            self._router = _Router(route.route)  # held: C keeps the pointer
+            self.struct.route = self._router.fn
+            self.struct.moe_experts, self.struct.moe_top_k = arch.num_experts, arch.num_experts_per_tok
+            self.struct.moe_inter = arch.moe_intermediate_size
         self._scratch = torch.empty(0, dtype=torch.float32)
+
+    def _sparse(self, moe: Any) -> "Moe":
+        """A sparse layer's router and experts, packed (the float experts freed)."""
+        experts = moe.experts
+        if moe.top_k > 64:
+            raise ValueError(f"cpu_native routes a token to at most 64 experts; this model routes to {moe.top_k}")
+        router = NativeLinear(moe.gate, release=True)
+        w13, w2 = [], []
+        for e in range(experts.num_local):
+            gate_up, down = experts.projections(e)
+            w13.append(NativeLinear(gate_up, release=experts.quantized is not None))
+            w2.append(NativeLinear(down, release=experts.quantized is not None))
+        experts.release_float()
+        self._lin += [router, *w13, *w2]
+        arr13 = (Linear * len(w13))(*(x.struct for x in w13))
+        arr2 = (Linear * len(w2))(*(x.struct for x in w2))
+        self._held_structs = getattr(self, "_held_structs", []) + [arr13, arr2]
+        s = Moe(moe.num_experts, moe.top_k, experts.inter, experts.first, experts.num_local, 0, router.struct,
+                ctypes.cast(arr13, ctypes.POINTER(Linear)), ctypes.cast(arr2, ctypes.POINTER(Linear)))
+        self._moes.append(s)
+        return s
 
     def _hold(self, t: torch.Tensor) -> int:
         t = _small_f32(t, "a weight")
@@ -426,4 +504,6 @@ class NativeForward:
                     md.qsl.data_ptr(), md.seq_lens.data_ptr(), md.block_table.data_ptr(),
                     self._scratch.data_ptr(), logits.data_ptr())
         _LIB.appl_forward(ctypes.byref(self.struct), ctypes.byref(step))
+        if self._router is not None:
+            self._router.raise_error()
         return logits

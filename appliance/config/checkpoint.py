@@ -38,6 +38,8 @@ FAMILIES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 # general.architecture values the GGUF converter (appliance.models.gguf) maps.
 GGUF_FAMILIES = {k: FAMILIES[k] for k in ("llama", "qwen2", "qwen3")}
@@ -118,8 +120,54 @@ def hf_facts(hf: dict) -> tuple[list[Fact], list[str]]:
         problems.append(f"attention_bias=true on {arch} (a bias on the output projection too) is not supported")
     else:
         facts.append(Fact("qkv_bias", False, f"architectures={shown([arch])} without attention_bias"))
-    facts.append(Fact("qk_norm", family == "qwen3",
-                      f"architectures={shown([arch])} ({'with' if family == 'qwen3' else 'no'} q/k norm)"))
+    qk_norm = family in ("qwen3", "qwen3_moe")
+    facts.append(Fact("qk_norm", qk_norm, f"architectures={shown([arch])} ({'with' if qk_norm else 'no'} q/k norm)"))
+    moe, moe_problems = _moe_facts(hf, family, arch)
+    return facts + moe, problems + moe_problems
+
+
+def dense_facts(source: str) -> list[Fact]:
+    """A dense checkpoint's mixture-of-experts keys: none, at their defaults."""
+    defaults = schema.ModelConfig()
+    return [Fact(key, getattr(defaults, key), source) for key in MOE_KEYS]
+
+
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+            "mlp_only_layers")
+
+
+def _moe_facts(hf: dict, family: str, arch: str) -> tuple[list[Fact], list[str]]:
+    """The mixture-of-experts facts of a config.json (a dense family states
+    that it has no experts)."""
+    if family not in ("qwen3_moe", "mixtral"):
+        return dense_facts(f"architectures={shown([arch])} (dense)"), []
+    facts, problems = [], []
+    experts_key = "num_local_experts" if "num_local_experts" in hf else "num_experts"
+    for hf_key, key in [(experts_key, "num_experts"), ("num_experts_per_tok", "num_experts_per_tok")]:
+        if hf.get(hf_key):
+            facts.append(Fact(key, hf[hf_key], f"{hf_key}={hf[hf_key]}"))
+        else:
+            problems.append(f"config.json has no {hf_key}")
+    if family == "mixtral":  # every layer sparse, experts of intermediate_size, weights always renormalized
+        if "intermediate_size" in hf:
+            facts.append(Fact("moe_intermediate_size", hf["intermediate_size"],
+                              f"intermediate_size={hf['intermediate_size']} (Mixtral's experts)"))
+        return facts + [Fact("norm_topk_prob", True, "Mixtral (top-k weights renormalized)"),
+                        Fact("decoder_sparse_step", 1, "Mixtral (every layer sparse)"),
+                        Fact("mlp_only_layers", [], "Mixtral (every layer sparse)")], problems
+    if hf.get("moe_intermediate_size"):
+        facts.append(Fact("moe_intermediate_size", hf["moe_intermediate_size"],
+                          f"moe_intermediate_size={hf['moe_intermediate_size']}"))
+    else:
+        problems.append("config.json has no moe_intermediate_size")
+    norm = bool(hf.get("norm_topk_prob", False))  # transformers' Qwen3-MoE default
+    step = int(hf.get("decoder_sparse_step", 1))
+    dense = [int(i) for i in hf.get("mlp_only_layers") or []]
+    if step < 1:
+        problems.append(f"decoder_sparse_step={step} must be at least 1")
+    facts += [Fact("norm_topk_prob", norm, f"norm_topk_prob={shown(norm)}"),
+              Fact("decoder_sparse_step", step, f"decoder_sparse_step={step}"),
+              Fact("mlp_only_layers", dense, f"mlp_only_layers={shown(dense)}")]
     return facts, problems
 
 
@@ -279,6 +327,7 @@ def gguf_facts(path: Path) -> tuple[list[Fact], list[str]]:
         Fact("rope_scaling.type", "none", "no rope scaling"),
         Fact("qkv_bias", arch == "qwen2", f"general.architecture={arch}"),
         Fact("qk_norm", arch == "qwen3", f"general.architecture={arch}"),
+        *dense_facts(f"general.architecture={arch} (dense)"),
     ], problems
 
 

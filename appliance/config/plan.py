@@ -16,12 +16,13 @@ the model runner does the same at start-up where it can.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from appliance.config.execution import Execution, kv_dtype, resolve_execution
 from appliance.config.schema import ApplianceConfig, ModelConfig
-from appliance.config.sizes import parameter_counts, pipeline_partition
+from appliance.config.sizes import parameter_counts, pipeline_partition, sparse_layers
 from appliance.config.unbuilt import not_built
 from appliance.kernels.registry import BACKENDS
 
@@ -60,16 +61,58 @@ def _target_weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
         bits += per_group / q.group_size
     linear = int(counts["linear"] * bits / 8)
     if method in ("fp8", "int8_wo"):  # per-output-channel fp32 scales
-        linear += 4 * cfg.model.num_layers * (
-            cfg.model.num_heads * cfg.model.head_dim
-            + 2 * cfg.model.num_kv_heads * cfg.model.head_dim
-            + cfg.model.hidden_size
-            + 2 * cfg.model.intermediate_size
-        )
+        linear += 4 * output_channels(cfg.model)
     if method in ("int8_wo", "int4_wo"):  # the LM head is int8 too (a tied model keeps its embedding for lookups)
         lm_rows = cfg.model.vocab_size
         return linear + lm_rows * (cfg.model.hidden_size + 4) + (counts["embedding"] + counts["other"]) * full
     return linear + (counts["embedding"] + counts["lm_head"] + counts["other"]) * full
+
+
+def output_channels(m: ModelConfig) -> int:
+    """Output channels of every decoder projection (one scale each under a per-channel method)."""
+    attention = m.num_heads * m.head_dim + 2 * m.num_kv_heads * m.head_dim + m.hidden_size
+    sparse = len(sparse_layers(m))
+    dense_mlp = 2 * m.intermediate_size + m.hidden_size
+    experts = m.num_experts * (2 * m.moe_intermediate_size + m.hidden_size)
+    return m.num_layers * attention + (m.num_layers - sparse) * dense_mlp + sparse * experts
+
+
+def expert_bytes(cfg: ApplianceConfig, dtype: str) -> int:
+    """Bytes of every expert of every sparse layer (0 for a dense model)."""
+    m = cfg.model
+    if not m.num_experts:
+        return 0
+    dense = dataclasses.replace(m, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0)
+    return _target_weight_bytes(cfg, dtype) - _target_weight_bytes(dataclasses.replace(cfg, model=dense), dtype)
+
+
+def active_weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
+    """Bytes one token reads: every weight but the experts it is not routed
+    to (all weights for a dense model)."""
+    m = cfg.model
+    if not m.num_experts:
+        return _target_weight_bytes(cfg, dtype)
+    active = dataclasses.replace(m, num_experts=m.num_experts_per_tok)
+    return _target_weight_bytes(dataclasses.replace(cfg, model=active), dtype)
+
+
+def experts_plan(cfg: ApplianceConfig, dtype: str) -> Optional[dict[str, Any]]:
+    """Where a mixture-of-experts model's experts live: per sparse layer,
+    how many each rank holds (all, a slice of each under tensor
+    parallelism, or whole ones split over tp x dp ranks with expert
+    parallelism), redundant slots, and the expert bytes per rank."""
+    m, par = cfg.model, cfg.parallel
+    if not m.num_experts:
+        return None
+    ep = par.tensor_parallel_size * par.data_parallel_size if par.enable_expert_parallel else 1
+    redundant = par.eplb.num_redundant_experts if par.eplb.enabled else 0
+    slots = m.num_experts + redundant
+    stages = par.pipeline_parallel_size
+    held = expert_bytes(cfg, dtype) * slots // m.num_experts
+    per_rank = held // (ep * stages) if ep > 1 else held // (par.tensor_parallel_size * stages)
+    return {"num_experts": m.num_experts, "top_k": m.num_experts_per_tok, "sparse_layers": len(sparse_layers(m)),
+            "expert_parallel_size": ep, "experts_per_rank": slots // ep, "redundant_experts": redundant,
+            "expert_bytes_per_rank": per_rank, "active_parameter_count": parameter_counts(m)["active"]}
 
 
 def draft_model(cfg: ApplianceConfig) -> Optional[ModelConfig]:
@@ -154,6 +197,7 @@ class Plan:
     collective_bytes_per_token: int = 0  # bytes each rank sends and receives per scheduled token
     collective_bytes_per_sampled_token: int = 0  # and per sampled row (the gathered logits)
     decode_comm_share: Optional[float] = None  # estimated share of a one-request decode step spent in collectives
+    experts: Optional[dict[str, Any]] = None  # a mixture-of-experts model's experts per rank (experts_plan)
     speculative: str = "off"  # what drafts and how many, in words
     structured_output: str = ""  # how output constraints compile, in words
     execution: dict[str, Any] = field(default_factory=dict)
@@ -190,7 +234,10 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
     total_w = weight_bytes(cfg, dtype)
     # cache.cpu_offload_gib of each device's weights live in host memory (vLLM's --cpu-offload-gb).
     offload = min(int(cfg.cache.cpu_offload_gib * GIB), total_w // shards)
+    experts = experts_plan(cfg, dtype)
     w_dev = total_w // shards - offload
+    if experts is not None and experts["expert_parallel_size"] > 1:  # whole experts split over tp x dp ranks
+        w_dev = (total_w - expert_bytes(cfg, dtype)) // shards + experts["expert_bytes_per_rank"] - offload
     act = activation_bytes(cfg, dtype)
     if cfg.cache.kv_cache_memory_gib is not None:
         kv_bytes = int(cfg.cache.kv_cache_memory_gib * GIB)
@@ -213,14 +260,20 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         if provider_here is None:
             notes.append(f"{sel.chosen} is not importable on this machine ({err}); it is chosen for the target hardware")
     bw = cfg.hardware.memory_bandwidth_gbps * 1e9
-    roofline = bw / w_dev if w_dev else 0.0
+    read_dev = w_dev
+    if experts is not None:  # a token reads the non-expert weights and its top-k experts (spread over the ranks)
+        nonexpert = total_w - expert_bytes(cfg, dtype)
+        split = experts["expert_parallel_size"] if experts["expert_parallel_size"] > 1 else par.tensor_parallel_size
+        read_dev = nonexpert // shards + (active_weight_bytes(cfg, dtype) - nonexpert) // (
+            split * par.pipeline_parallel_size)
+    roofline = bw / read_dev if w_dev else 0.0
     peak = cfg.hardware.peak_tflops
     fp8_gemm = cfg.quantization.method == "fp8" and cfg.quantization.activations and cfg.hardware.fp8
     compute_dtype = "fp8" if fp8_gemm else {
         "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
     tflops = getattr(peak, compute_dtype)
     counts = parameter_counts(cfg.model)
-    prefill_roofline = tflops * 1e12 * shards / (2 * counts["total"]) if tflops else 0.0
+    prefill_roofline = tflops * 1e12 * shards / (2 * counts["active"]) if tflops else 0.0
     if cfg.model.param_count_b and abs(counts["total"] / 1e9 - cfg.model.param_count_b) > 0.02 * cfg.model.param_count_b:
         notes.append(f"the architecture counts {counts['total'] / 1e9:.3f} B parameters but the catalog says "
                      f"{cfg.model.param_count_b} B: check the model.* facts")
@@ -274,6 +327,7 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         swap_kv_blocks=swap_blocks,
         **token_budget(cfg, prefill_roofline),
         engine_cores=par.data_parallel_size,
+        experts=experts,
         **comm,
         speculative=describe_speculative(cfg),
         structured_output=describe_structured_output(cfg),
@@ -407,9 +461,18 @@ def format_plan(p: Plan) -> str:
            + (f"~{p.decode_comm_share:.0%} of a one-request decode step (estimate)"
               if p.decode_comm_share is not None else "share not estimated")]
           if p.collectives_per_step else []),
+        *([f"experts            {p.experts['num_experts']} per sparse layer x {p.experts['sparse_layers']} layers, "
+           f"top {p.experts['top_k']} per token ({p.experts['active_parameter_count'] / 1e9:.3f} B parameters "
+           f"active); {p.experts['experts_per_rank']} per rank over ep={p.experts['expert_parallel_size']}"
+           + (f" (a slice of each over tp={p.parallel['tensor_parallel_size']})"
+              if p.experts['expert_parallel_size'] == 1 and p.parallel['tensor_parallel_size'] > 1 else "")
+           + f", {p.experts['redundant_experts']} redundant; {gib(p.experts['expert_bytes_per_rank'])} of experts "
+             f"per rank"] if p.experts else []),
         f"max_model_len      {p.max_model_len}; max concurrency at that length {p.max_concurrency_at_max_len}x",
-        f"decode roofline    {p.decode_roofline_tok_s} tok/s per sequence at batch 1 (weights / bandwidth)",
-        f"prefill roofline   {p.prefill_roofline_tok_s} tok/s ({p.compute_dtype} peak / 2 x parameters)",
+        f"decode roofline    {p.decode_roofline_tok_s} tok/s per sequence at batch 1 (weights"
+        + (" a token reads" if p.experts else "") + " / bandwidth)",
+        f"prefill roofline   {p.prefill_roofline_tok_s} tok/s ({p.compute_dtype} peak / 2 x "
+        + ("active " if p.experts else "") + "parameters)",
         f"token budget       {p.token_budget} tokens per step ({p.token_budget_reason})",
         f"speculative        {p.speculative}",
         f"structured output  {p.structured_output}",

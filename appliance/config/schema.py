@@ -129,6 +129,18 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     qkv_bias: bool = False
     qk_norm: bool = False
+    # Mixture of experts (num_experts=0: a dense model). A sparse layer routes
+    # each token to num_experts_per_tok of num_experts experts of
+    # moe_intermediate_size, weighted by the router's softmax (renormalized
+    # over the chosen experts with norm_topk_prob). Layer i is sparse when
+    # (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers
+    # (those run a dense MLP of intermediate_size), as Qwen3-MoE configures.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
     dtype: DType = DType.auto
     max_model_len: Optional[int] = None
     seed: int = 0
@@ -142,6 +154,17 @@ class QuantizationConfig:
     # Quantize activations as well (W8A8); fp8 only.
     activations: bool = False
     group_size: int = -1
+
+
+@dataclass
+class EplbConfig:
+    # Expert-parallel load balancing: every step_interval steps, replicate the
+    # most loaded experts into num_redundant_experts extra slots and repack
+    # experts over the ranks by the load of the last window_size steps.
+    enabled: bool = False
+    window_size: int = 1000
+    step_interval: int = 3000
+    num_redundant_experts: int = 0
 
 
 @dataclass
@@ -164,6 +187,7 @@ class ParallelConfig:
     # (stopped with the engine); "auto": the one `ray start` or RAY_ADDRESS
     # names; else an address (host:port, or ray://host:10001 for a client).
     ray_address: Optional[str] = None
+    eplb: EplbConfig = field(default_factory=EplbConfig)
 
 
 @dataclass

@@ -9,8 +9,21 @@ from typing import Optional
 from appliance.config.schema import ModelConfig
 
 
+def sparse_layers(m: ModelConfig) -> list[int]:
+    """The decoder layers that route to experts (none for a dense model):
+    every ``decoder_sparse_step``-th, except ``mlp_only_layers``."""
+    if m.num_experts <= 0:
+        return []
+    step = max(1, m.decoder_sparse_step)
+    return [i for i in range(m.num_layers) if (i + 1) % step == 0 and i not in set(m.mlp_only_layers)]
+
+
 def parameter_counts(m: ModelConfig) -> dict[str, int]:
-    """Parameters of a Llama-family decoder by where they live."""
+    """Parameters of a Llama-family decoder by where they live. ``linear``
+    counts every projection, experts included (``experts`` of them);
+    ``active`` is what one token reads (its ``num_experts_per_tok``
+    experts of each sparse layer, not all of them). Routers are ``other``
+    (they stay unquantized, in fp32)."""
     embed = m.vocab_size * m.hidden_size
     q = m.hidden_size * m.num_heads * m.head_dim
     kv = 2 * m.hidden_size * m.num_kv_heads * m.head_dim
@@ -18,16 +31,25 @@ def parameter_counts(m: ModelConfig) -> dict[str, int]:
     bias = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim if m.qkv_bias else 0
     qk_norm = 2 * m.head_dim if m.qk_norm else 0
     mlp = 3 * m.hidden_size * m.intermediate_size
+    expert = 3 * m.hidden_size * m.moe_intermediate_size
     norms = 2 * m.hidden_size
-    per_layer_linear = q + kv + o + mlp
-    per_layer_other = bias + qk_norm + norms
+    sparse = len(sparse_layers(m))
+    dense = m.num_layers - sparse
+    experts = sparse * m.num_experts * expert
+    router = sparse * m.num_experts * m.hidden_size
+    attention = m.num_layers * (q + kv + o)
+    linear = attention + dense * mlp + experts
+    other = m.num_layers * (bias + qk_norm + norms) + router + m.hidden_size
     lm_head = 0 if m.tie_word_embeddings else embed
+    total = embed + lm_head + linear + other
     return {
         "embedding": embed,
         "lm_head": lm_head,
-        "linear": m.num_layers * per_layer_linear,
-        "other": m.num_layers * per_layer_other + m.hidden_size,
-        "total": embed + lm_head + m.num_layers * (per_layer_linear + per_layer_other) + m.hidden_size,
+        "linear": linear,
+        "experts": experts,
+        "other": other,
+        "total": total,
+        "active": total - experts + sparse * m.num_experts_per_tok * expert,
     }
 
 

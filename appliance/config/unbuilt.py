@@ -12,6 +12,7 @@ from appliance.config.schema import ApplianceConfig
 
 RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo", "int4_wo", "awq", "gptq", "fp8")  # methods whose weights run
 TENSOR_PARALLEL_QUANTIZATION = ("none", "int8_wo", "int4_wo")  # quantized after the shards (or stages) load
+MOE_QUANTIZATION = ("none", "int8_wo", "int4_wo")  # methods the stacked expert weights are quantized by
 
 
 def not_built(cfg: ApplianceConfig) -> list[str]:
@@ -21,9 +22,10 @@ def not_built(cfg: ApplianceConfig) -> list[str]:
     par, cache, q = cfg.parallel, cfg.cache, cfg.quantization
     layout = (f"tp x pp x dp = {par.tensor_parallel_size} x {par.pipeline_parallel_size} x {par.data_parallel_size}"
               f"{', expert parallel' if par.enable_expert_parallel else ''}")
-    if par.enable_expert_parallel:
-        out.append(f"parallel execution ({layout}): expert parallelism is not built yet; serve with "
-                   f"parallel=single, tp2, pp2 or dp2")
+    if par.enable_expert_parallel and par.data_parallel_size > 1:
+        out.append(f"parallel execution ({layout}): expert parallelism across data-parallel engine cores is not "
+                   f"built yet (within one core's tensor-parallel ranks it is); serve with "
+                   f"parallel=tp2 parallel.enable_expert_parallel=true, or without expert parallelism")
     if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
         if q.method not in TENSOR_PARALLEL_QUANTIZATION:
             out.append(f"quantization={q.method} with tensor or pipeline parallelism is not built yet (its weights "
@@ -31,6 +33,12 @@ def not_built(cfg: ApplianceConfig) -> list[str]:
         if cfg.speculative.method == "draft_model":
             out.append("speculative=draft_model with tensor or pipeline parallelism is not built yet; use "
                        "speculative=ngram or parallel=single")
+    if cfg.model.num_experts > 0 and q.method not in MOE_QUANTIZATION:
+        out.append(f"quantization={q.method} on a mixture-of-experts model is not built yet (its expert weights "
+                   f"would not load); use one of {', '.join(MOE_QUANTIZATION)}")
+    if par.eplb.enabled:
+        out.append("parallel.eplb.enabled=true: expert-parallel load balancing is not built yet; serve with "
+                   "parallel.eplb.enabled=false")
     if q.method not in RUNNABLE_QUANTIZATION:
         out.append(f"quantization={q.method} can be planned but its weight kernels are not built yet; serve with "
                    f"quantization=none (or int4_wo / int8_wo on a CPU)")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from appliance.config.execution import choose_dtype
 from appliance.config.plan import GIB, activation_bytes, kv_bytes_per_token, max_model_len, weight_bytes
-from appliance.config.schema import ApplianceConfig
+from appliance.config.checkpoint import MOE_KEYS
+from appliance.config.schema import ApplianceConfig, EplbConfig, ModelConfig
 from appliance.kernels.registry import BACKENDS
 
 FP8_HARDWARE = "h100, h200, b200 or mi300x"
@@ -66,11 +67,82 @@ def _quantization_problems(cfg: ApplianceConfig) -> list[str]:
         else:
             inputs = {"hidden_size": m.hidden_size, "num_heads x head_dim": m.num_heads * m.head_dim,
                       "intermediate_size": m.intermediate_size}
+            if m.num_experts > 0:
+                inputs["moe_intermediate_size"] = m.moe_intermediate_size
             bad = [f"{name}={v}" for name, v in inputs.items() if v % q.group_size]
             if bad:
                 out.append(f"quantization.group_size={q.group_size} does not divide the model's projection inputs "
                            f"({', '.join(bad)}); use a group size that does, or quantization=int8_wo")
     return out
+
+
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+
+
+def _moe_problems(cfg: ApplianceConfig) -> list[str]:
+    """Mixture-of-experts keys, expert parallelism and EPLB."""
+    m, par = cfg.model, cfg.parallel
+    eplb = par.eplb
+    problems = []
+    moe_arch = m.architecture in MOE_ARCHITECTURES
+    if m.num_experts <= 0:
+        if m.num_experts < 0:
+            problems.append(f"model.num_experts={m.num_experts} must not be negative (0: a dense model)")
+        if moe_arch:
+            problems.append(f"model.architecture={m.architecture} is a mixture of experts and needs model.num_experts")
+        defaults = ModelConfig()
+        for key in MOE_KEYS[1:]:
+            if getattr(m, key) != getattr(defaults, key):
+                problems.append(f"model.{key}={getattr(m, key)} has no effect on a dense model (model.num_experts=0)")
+        if par.enable_expert_parallel:
+            problems.append(f"parallel.enable_expert_parallel=true needs a mixture-of-experts model; "
+                            f"model={m.name} is dense")
+    else:
+        if not moe_arch:
+            problems.append(f"model.num_experts={m.num_experts} on model.architecture={m.architecture}, which is "
+                            f"dense; mixture-of-experts architectures: {', '.join(MOE_ARCHITECTURES)}")
+        if not 1 <= m.num_experts_per_tok <= m.num_experts:
+            problems.append(f"model.num_experts_per_tok={m.num_experts_per_tok} must be in 1..{m.num_experts} "
+                            f"(model.num_experts)")
+        if m.moe_intermediate_size < 1:
+            problems.append(f"model.moe_intermediate_size={m.moe_intermediate_size} must be positive")
+        if m.architecture == "MixtralForCausalLM" and (m.intermediate_size != m.moe_intermediate_size
+                                                        or m.decoder_sparse_step != 1 or list(m.mlp_only_layers)):
+            problems.append(f"model.architecture=MixtralForCausalLM has only sparse layers whose experts are "
+                            f"intermediate_size wide: model.moe_intermediate_size ({m.moe_intermediate_size}) must "
+                            f"equal model.intermediate_size ({m.intermediate_size}), with "
+                            f"model.decoder_sparse_step=1 and model.mlp_only_layers=[]")
+        if m.decoder_sparse_step < 1:
+            problems.append(f"model.decoder_sparse_step={m.decoder_sparse_step} must be at least 1")
+        outside = [i for i in m.mlp_only_layers if not 0 <= i < m.num_layers]
+        if outside:
+            problems.append(f"model.mlp_only_layers={list(m.mlp_only_layers)}: layers {outside} are outside "
+                            f"0..{m.num_layers - 1}")
+    if par.enable_expert_parallel and m.num_experts > 0:
+        ep = par.tensor_parallel_size * par.data_parallel_size
+        slots = m.num_experts + eplb.num_redundant_experts
+        if ep < 2:
+            problems.append("parallel.enable_expert_parallel=true with tp x dp = 1: one rank holds every expert; "
+                            "use tensor_parallel_size or data_parallel_size above 1")
+        elif slots % ep:
+            problems.append(f"expert parallelism over tp x dp = {ep} ranks: {m.num_experts} experts"
+                            f"{f' + {eplb.num_redundant_experts} redundant' if eplb.num_redundant_experts else ''} "
+                            f"do not split evenly; choose a layout whose rank count divides {slots}")
+    if eplb.enabled and not par.enable_expert_parallel:
+        problems.append("parallel.eplb.enabled=true balances experts over expert-parallel ranks; set "
+                        "parallel.enable_expert_parallel=true")
+    if not eplb.enabled:
+        defaults = EplbConfig()
+        for key in ("window_size", "step_interval", "num_redundant_experts"):
+            if getattr(eplb, key) != getattr(defaults, key):
+                problems.append(f"parallel.eplb.{key}={getattr(eplb, key)} has no effect with "
+                                f"parallel.eplb.enabled=false")
+    for key in ("window_size", "step_interval"):
+        if getattr(eplb, key) < 1:
+            problems.append(f"parallel.eplb.{key}={getattr(eplb, key)} must be at least 1")
+    if eplb.num_redundant_experts < 0:
+        problems.append(f"parallel.eplb.num_redundant_experts={eplb.num_redundant_experts} must not be negative")
+    return problems
 
 
 def validate(cfg: ApplianceConfig) -> list[str]:
@@ -229,6 +301,7 @@ def validate(cfg: ApplianceConfig) -> list[str]:
     if par.cpu_collectives != "shm" and hw.device_kind != "cpu":
         problems.append(f"parallel.cpu_collectives={par.cpu_collectives} has no effect on hardware={hw.name} "
                         f"({hw.device_kind} ranks use {'RCCL' if hw.device_kind == 'rocm' else 'NCCL'}); leave it shm")
+    problems += _moe_problems(cfg)
     parts = par.pp_layer_partition
     if parts is not None:
         if len(parts) != par.pipeline_parallel_size or sum(parts) != m.num_layers or min(parts, default=0) < 1:
@@ -244,8 +317,10 @@ def validate(cfg: ApplianceConfig) -> list[str]:
     if m.intermediate_size % tp:
         problems.append(f"model.intermediate_size={m.intermediate_size} is not divisible by "
                         f"parallel.tensor_parallel_size={tp}")
-    if par.enable_expert_parallel and par.tensor_parallel_size * par.data_parallel_size == 1:
-        problems.append("parallel.enable_expert_parallel needs tp x dp > 1 (EP width = dp x tp)")
+    if m.num_experts > 0 and not par.enable_expert_parallel and m.moe_intermediate_size % tp:
+        problems.append(f"model.moe_intermediate_size={m.moe_intermediate_size} is not divisible by "
+                        f"parallel.tensor_parallel_size={tp} (each rank holds a slice of every expert; or set "
+                        f"parallel.enable_expert_parallel=true to split whole experts)")
 
     # Speculative decoding.
     if spec.method == "off":

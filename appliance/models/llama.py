@@ -1,5 +1,7 @@
 """The Llama family in one implementation: Llama 2/3 (llama3 rope scaling),
-SmolLM2, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm).
+SmolLM2, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), and the
+mixture-of-experts Qwen3-MoE and Mixtral, whose sparse layers hold a
+``moe.SparseMoe`` in place of the dense MLP.
 
 The forward runs over a flattened token batch (prefill chunks and decodes
 mixed), writes K/V through the attention backend into the paged cache, and
@@ -21,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 import torch.nn.functional as F
+
+from appliance.models.moe import ExpertParallel, SparseMoe
 
 if TYPE_CHECKING:  # the config and the backend are handed in; the model never picks one
     from appliance.config.schema import ModelConfig
@@ -44,9 +48,18 @@ class ModelArch:
     qkv_bias: bool = False
     qk_norm: bool = False
     rope_scaling: Optional[dict] = None
+    # Mixture of experts: the layers in ``sparse_layers`` route each token to
+    # ``num_experts_per_tok`` of ``num_experts`` experts (see models/moe.py).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    sparse_layers: tuple[int, ...] = ()
 
     @staticmethod
     def from_model_config(m: ModelConfig) -> "ModelArch":
+        from appliance.config.sizes import sparse_layers
+
         rs = m.rope_scaling
         rs_type = rs.type
         scaling = None
@@ -74,6 +87,11 @@ class ModelArch:
             qkv_bias=m.qkv_bias,
             qk_norm=m.qk_norm,
             rope_scaling=scaling,
+            num_experts=m.num_experts,
+            num_experts_per_tok=m.num_experts_per_tok,
+            moe_intermediate_size=m.moe_intermediate_size,
+            norm_topk_prob=m.norm_topk_prob,
+            sparse_layers=tuple(sparse_layers(m)),
         )
 
 
@@ -110,6 +128,23 @@ def fused_parts(arch: "ModelArch", names: Iterable[str]) -> dict[str, list[str]]
         target, start = (packed[0], packed[1]) if packed else (name, 0)
         groups.setdefault(target, []).append((start, name))
     return {target: [n for _, n in sorted(g)] for target, g in groups.items()}
+
+
+# Mixtral's names for its sparse block and experts -> the names used here (Qwen3-MoE's)
+_MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                  (".w2.", ".down_proj."))
+
+
+def canonical_name(name: str) -> str:
+    """A checkpoint tensor's name as this model names it: Mixtral's
+    ``block_sparse_moe.experts.E.w1`` (gate), ``w3`` (up) and ``w2`` (down)
+    become ``mlp.experts.E.gate_proj`` / ``up_proj`` / ``down_proj``, its
+    router ``mlp.gate``; other names are unchanged."""
+    if ".block_sparse_moe." not in name:
+        return name
+    for old, new in _MIXTRAL_NAMES:
+        name = name.replace(old, new)
+    return name
 
 
 def replace_linear(model: nn.Module, weight_name: str, make: Callable[[nn.Module], nn.Module]) -> None:
@@ -171,11 +206,14 @@ def padded_vocab(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // unit) * unit
 
 
-def shard_arch(arch: ModelArch, tp_size: int) -> ModelArch:
-    """The dimensions one rank holds: its heads, KV heads, MLP rows and vocabulary rows."""
+def shard_arch(arch: ModelArch, tp_size: int, expert_parallel: bool = False) -> ModelArch:
+    """The dimensions one rank holds: its heads, KV heads, MLP rows and
+    vocabulary rows, and its slice of every expert's rows (whole experts
+    under expert parallelism, ``models/moe.py``)."""
     kv = arch.num_kv_heads // tp_size if arch.num_kv_heads % tp_size == 0 else 1
+    moe_inter = arch.moe_intermediate_size if expert_parallel else arch.moe_intermediate_size // tp_size
     return dataclasses.replace(arch, num_heads=arch.num_heads // tp_size, num_kv_heads=kv,
-                               intermediate_size=arch.intermediate_size // tp_size,
+                               intermediate_size=arch.intermediate_size // tp_size, moe_intermediate_size=moe_inter,
                                vocab_size=padded_vocab(arch.vocab_size, tp_size) // tp_size)
 
 
@@ -196,6 +234,8 @@ def tensor_shard(arch: ModelArch, rank: int, tp_size: int, name: str) -> Optiona
     module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
     if name.startswith(("model.embed_tokens.", "lm_head.")):
         return 0, rank * local.vocab_size, (rank + 1) * local.vocab_size
+    if ".mlp.experts." in name:  # every rank's slice of each expert's intermediate rows (no expert parallelism)
+        spans["inter"] = (rank * local.moe_intermediate_size, local.moe_intermediate_size)
     if module in _COLUMN:
         start, n = spans[_COLUMN[module]]
         return 0, start, start + n
@@ -210,6 +250,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 }
 
 
@@ -320,12 +362,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None):
+    """Layer ``index`` of the whole model: attention, then a dense MLP or,
+    in a sparse layer, the router and experts (``SparseMoe``)."""
+
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
+                 index: int = 0, ep: Optional[ExpertParallel] = None):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, backend, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch, tp)
+        self.sparse = index in arch.sparse_layers
+        if self.sparse:
+            self.mlp = SparseMoe(arch, ep.comm if ep is not None else (tp.comm if tp is not None else None), ep)
+        else:
+            self.mlp = MLP(arch, tp)
 
     def forward(self, x, cos, sin, kv_cache, attn_metadata):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_metadata)
@@ -337,12 +387,13 @@ class Backbone(nn.Module):
     embedding and the final norm where the stage needs them."""
 
     def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
-                 num_layers: Optional[int] = None, embed: bool = True, norm: bool = True):
+                 layers: Optional[range] = None, embed: bool = True, norm: bool = True,
+                 ep: Optional[ExpertParallel] = None):
         super().__init__()
         if embed:
             self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        n = arch.num_layers if num_layers is None else num_layers
-        self.layers = nn.ModuleList(DecoderLayer(arch, backend, tp) for _ in range(n))
+        held = range(arch.num_layers) if layers is None else layers
+        self.layers = nn.ModuleList(DecoderLayer(arch, backend, tp, i, ep) for i in held)
         if norm:
             self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -358,10 +409,11 @@ class LayerWeights:
     k_norm: Optional[torch.Tensor]
     qkv_proj: nn.Module  # rows q | k | v
     o_proj: nn.Module
-    gate_up_proj: nn.Module  # rows gate | up
-    down_proj: nn.Module
+    gate_up_proj: Optional[nn.Module]  # rows gate | up; None in a sparse layer
+    down_proj: Optional[nn.Module]
     k_scale: float = 1.0  # an fp8 KV cache holds k / k_scale (and v / v_scale)
     v_scale: float = 1.0
+    moe: Optional[SparseMoe] = None  # a sparse layer's router and experts
 
 
 @dataclass(frozen=True)
@@ -387,22 +439,22 @@ class LlamaForCausalLM(nn.Module):
     maps a checkpoint's names)."""
 
     def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
-                 pp: Optional[PipelineParallel] = None):
+                 pp: Optional[PipelineParallel] = None, ep: Optional[ExpertParallel] = None):
         super().__init__()
         if arch.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch.architecture}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        self.tp, self.pp = tp, pp
+        self.tp, self.pp, self.ep = tp, pp, ep
         self.vocab_size = arch.vocab_size  # the logits' width
         if tp is not None:
-            arch = shard_arch(arch, tp.size)
+            arch = shard_arch(arch, tp.size, expert_parallel=ep is not None)
         self.arch = arch
         first, last = pp is None or pp.first, pp is None or pp.last
         self.holds_embedding = first or (last and arch.tie_word_embeddings)
         self.holds_head = last
-        self.model = Backbone(arch, backend, tp, None if pp is None else pp.end - pp.start,
-                              embed=self.holds_embedding, norm=last)
+        self.model = Backbone(arch, backend, tp, None if pp is None else range(pp.start, pp.end),
+                              embed=self.holds_embedding, norm=last, ep=ep)
         if not arch.tie_word_embeddings and last:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         # (cos, sin) [positions, head_dim] in the model dtype, set by rope_cache(); a
@@ -427,6 +479,23 @@ class LlamaForCausalLM(nn.Module):
             return name if self.holds_head else None
         return name
 
+    def expert_target(self, name: str) -> Optional[tuple[str, int, int, int]]:
+        """For a checkpoint's expert tensor (``canonical_name``, local layer
+        index): (stacked parameter, local expert, first row, rows) it fills,
+        or None when another rank holds that expert."""
+        head, _, rest = name.partition(".mlp.experts.")
+        index, _, tail = rest.partition(".")
+        experts = self.get_submodule(head + ".mlp.experts")
+        e = int(index) - experts.first
+        if not 0 <= e < experts.num_local:
+            return None
+        part = tail.partition(".")[0]
+        if part == "down_proj":
+            return f"{head}.mlp.experts.w2", e, 0, experts.hidden
+        if part not in ("gate_proj", "up_proj"):
+            raise ValueError(f"{name}: not an expert projection (gate_proj, up_proj or down_proj)")
+        return f"{head}.mlp.experts.w13", e, 0 if part == "gate_proj" else experts.inter, experts.inter
+
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
 
@@ -444,13 +513,15 @@ class LlamaForCausalLM(nn.Module):
         layers = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            dense = not layer.sparse
             layers.append(LayerWeights(
                 input_norm=layer.input_layernorm.weight.data,
                 post_attention_norm=layer.post_attention_layernorm.weight.data,
                 q_norm=attn.q_norm.weight.data if self.arch.qk_norm else None,
                 k_norm=attn.k_norm.weight.data if self.arch.qk_norm else None,
-                qkv_proj=attn.qkv_proj, o_proj=attn.o_proj, gate_up_proj=mlp.gate_up_proj, down_proj=mlp.down_proj,
-                k_scale=attn.backend.k_scale, v_scale=attn.backend.v_scale,
+                qkv_proj=attn.qkv_proj, o_proj=attn.o_proj, gate_up_proj=mlp.gate_up_proj if dense else None,
+                down_proj=mlp.down_proj if dense else None, k_scale=attn.backend.k_scale,
+                v_scale=attn.backend.v_scale, moe=None if dense else mlp,
             ))
         if self.lm_head_q is not None:
             lm_head = self.lm_head_q

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from appliance.config.checkpoint import checkpoint_quant_method, hf_facts, quantization_facts, same, shown
+from appliance.config.checkpoint import MOE_KEYS, checkpoint_quant_method, hf_facts, quantization_facts, same, shown
 from appliance.config.schema import ModelConfig
 from appliance.errors import ConfigError
 
@@ -53,6 +53,9 @@ def _facts_hash(m: ModelConfig) -> str:
                                         "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings",
                                         "rope_theta", "rms_norm_eps", "tie_word_embeddings", "qkv_bias", "qk_norm",
                                         "seed")}
+    if m.num_experts:  # a dense model's hash stays what it was
+        facts.update({k: getattr(m, k) for k in MOE_KEYS})
+        facts["mlp_only_layers"] = list(m.mlp_only_layers)
     rs = m.rope_scaling
     if rs.type != "none":
         facts["rope_scaling"] = [rs.type, rs.factor, rs.low_freq_factor, rs.high_freq_factor,
@@ -264,14 +267,45 @@ def _read_shard(sf: Any, name: str, shard: tuple[int, int, int] | None) -> torch
     return t
 
 
+def _load_expert(model: Any, sf: Any, stored: str, name: str, full_arch: Any, tp: Any, ep: Any,
+                 expected: dict, dtype: Any, device: Any, filled: dict[str, int]) -> bool:
+    """Copy one expert projection into its layer's stacked weight (this
+    rank's slice of it under tensor parallelism; nothing for an expert
+    another rank holds); True once that stacked weight is complete."""
+    import torch
+    from accelerate.utils import set_module_tensor_to_device
+
+    from appliance.models.llama import tensor_shard
+
+    where = model.expert_target(name)
+    if where is None:
+        return False
+    target, e, start, rows = where
+    shard = tensor_shard(full_arch, tp.rank, tp.size, name) if tp is not None and ep is None else None
+    t = _read_shard(sf, stored, shard)
+    full = expected[target].shape
+    want = (rows, full[2]) if target.endswith(".w13") else tuple(full[1:])
+    if tuple(t.shape) != want:
+        raise ModelLoadError(f"tensor {stored} has shape {tuple(t.shape)}, the model expects {want}")
+    if target not in filled:
+        set_module_tensor_to_device(model, target, device, dtype=dtype, value=torch.empty(full, dtype=dtype))
+        filled[target] = 0
+    with torch.no_grad():
+        model.get_parameter(target)[e, start:start + rows].copy_(t.to(dtype))
+    filled[target] += rows
+    return filled[target] == full[0] * full[1]
+
+
 def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: Any = "cpu",
-               quantization: str = "none", tp: Any = None, pp: Any = None):
+               quantization: str = "none", tp: Any = None, pp: Any = None, ep: Any = None):
     """(model, tokenizer, folder) for the model config ``m``; ``quantization``
     is the configured method, which must agree with a checkpoint's own
     quantization_config (AWQ/GPTQ projections load as int4 linears). With
     ``tp`` (``llama.TensorParallel``) the model is that rank's part, and only
     its rows and columns of each tensor are read; with ``pp``
-    (``llama.PipelineParallel``) only its stage's tensors."""
+    (``llama.PipelineParallel``) only its stage's tensors; with ``ep``
+    (``moe.ExpertParallel``) only its experts, whole. Expert tensors fill
+    the stacked ``w13`` / ``w2`` of their layer; routers load in fp32."""
     import torch
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
@@ -279,14 +313,14 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
 
     from appliance.models.fp8 import CHECKPOINT_TENSORS as FP8_TENSORS
     from appliance.models.int4_checkpoints import UNPACK
-    from appliance.models.llama import LlamaForCausalLM, ModelArch, packed_target, tensor_shard
+    from appliance.models.llama import LlamaForCausalLM, ModelArch, canonical_name, packed_target, tensor_shard
 
     folder = resolve_model_folder(m)
     hf = read_hf_config(folder)
     check_checkpoint(m, hf, folder)
     full_arch = ModelArch.from_model_config(m)
     with init_empty_weights():
-        model = LlamaForCausalLM(full_arch, backend, tp, pp)
+        model = LlamaForCausalLM(full_arch, backend, tp, pp, ep)
     arch = model.arch  # the dimensions this model holds (one rank's, with tp)
     expected = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -303,7 +337,7 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     for f in _safetensors_files(folder):
         with safe_open(str(f), framework="pt") as sf:
             for stored in sf.keys():
-                name = model.local_name(stored)
+                name = model.local_name(canonical_name(stored))
                 if name is None or (name == "lm_head.weight" and arch.tie_word_embeddings):
                     continue  # another pipeline stage's, or tied to the embedding
                 kv_scale = _kv_scale_target(name)
@@ -319,6 +353,10 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
                 if checkpoint_method == "fp8" and suffix in FP8_TENSORS and (
                         suffix != "weight" or sf.get_slice(stored).get_dtype() == "F8_E4M3"):
                     fp8_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(stored)
+                    continue
+                if ".mlp.experts." in name:
+                    if _load_expert(model, sf, stored, name, full_arch, tp, ep, expected, dtype, device, packed_rows):
+                        loaded.add(model.expert_target(name)[0])
                     continue
                 packed = packed_target(arch, name)
                 target = packed[0] if packed else name
@@ -345,7 +383,8 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
                     if packed_rows[target] == expected[target].shape[0]:
                         loaded.add(target)
                     continue
-                set_module_tensor_to_device(model, name, device, value=t, dtype=dtype)
+                router = name.endswith(".mlp.gate.weight")  # routers stay fp32
+                set_module_tensor_to_device(model, name, device, value=t, dtype=torch.float32 if router else dtype)
                 loaded.add(name)
     if int4_parts:
         qc = hf.get("quantization_config") or {}

@@ -207,10 +207,13 @@ PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "ml
 
 
 def replace_projections(model: nn.Module, make) -> None:
-    """Every decoder projection replaced by ``make(weight, bias or None)``."""
+    """Every decoder projection replaced by ``make(weight, bias or None)``
+    (a sparse layer's experts are quantized by ``quantize_experts``)."""
     for layer in model.model.layers:
         for path in PROJECTIONS:
             parent_name, name = path.split(".")
+            if parent_name == "mlp" and getattr(layer, "sparse", False):
+                continue
             parent = getattr(layer, parent_name)
             lin = getattr(parent, name)
             setattr(parent, name, make(lin.weight.data, lin.bias.data if lin.bias is not None else None))
@@ -225,9 +228,20 @@ def _int8_lm_head(model: nn.Module) -> None:
         del model.lm_head
 
 
+def quantize_experts(model: nn.Module, method: str, group: int = 32) -> None:
+    """Every sparse layer's experts to ``method`` (``int8_wo`` or ``int4_wo``);
+    routers stay fp32."""
+    make = {"int8_wo": lambda w: Int8WeightOnlyLinear(w, None),
+            "int4_wo": lambda w: Int4WeightOnlyLinear(w, None, group)}[method]
+    for layer in model.model.layers:
+        if getattr(layer, "sparse", False):
+            layer.mlp.experts.quantize(method, make)
+
+
 def quantize_int8_weight_only(model: nn.Module) -> nn.Module:
-    """Replace every decoder projection and the LM head in place."""
+    """Replace every decoder projection, the experts and the LM head in place."""
     replace_projections(model, Int8WeightOnlyLinear)
+    quantize_experts(model, "int8_wo")
     _int8_lm_head(model)
     return model
 
@@ -293,7 +307,8 @@ def keep_gguf_blocks(model: nn.Module, blocks: dict[str, tuple], others: dict[st
 
 
 def quantize_int4_weight_only(model: nn.Module, group: int = 32) -> nn.Module:
-    """Every decoder projection to int4 groups of ``group``, the LM head to int8, in place."""
+    """Every decoder projection and expert to int4 groups of ``group``, the LM head to int8, in place."""
     replace_projections(model, lambda w, b: Int4WeightOnlyLinear(w, b, group))
+    quantize_experts(model, "int4_wo", group)
     _int8_lm_head(model)
     return model

@@ -1,7 +1,9 @@
 """A small random Llama-family model with its own trained BPE tokenizer,
 generated deterministically from the model config (tests and benchmarks of
 the machinery). The architecture flags pick the Hugging Face class, so
-Qwen2-style (qkv bias) and Qwen3-style (q/k norm) variants come out too."""
+Qwen2-style (qkv bias) and Qwen3-style (q/k norm) variants come out too,
+and the mixture-of-experts architectures (Qwen3-MoE, Mixtral) from their
+``num_experts`` keys."""
 
 from __future__ import annotations
 
@@ -70,6 +72,13 @@ def hf_config_dict(m: ModelConfig, vocab_size: int) -> dict:
         "attention_bias": m.qkv_bias,
         "torch_dtype": "float32",
     }
+    if m.architecture == "MixtralForCausalLM":  # every layer sparse; its experts' size is intermediate_size
+        cfg.update(num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+                   intermediate_size=m.moe_intermediate_size)
+    elif m.architecture == "Qwen3MoeForCausalLM":
+        cfg.update(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+                   moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob,
+                   decoder_sparse_step=m.decoder_sparse_step, mlp_only_layers=list(m.mlp_only_layers))
     rs = m.rope_scaling
     rs_type = rs.type
     if rs_type != "none":
@@ -87,11 +96,12 @@ def generate_tiny(m: ModelConfig, out_dir: Path) -> Path:
     if len(tok) != m.vocab_size:
         raise ValueError(f"tokenizer came out with {len(tok)} tokens, the config says {m.vocab_size}")
     model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                  "Qwen3ForCausalLM": "qwen3"}[m.architecture]
+                  "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                  "MixtralForCausalLM": "mixtral"}[m.architecture]
     raw = hf_config_dict(m, m.vocab_size)
     raw.pop("architectures")
-    if model_type == "qwen2":
-        raw.pop("attention_bias")  # Qwen2 always has qkv bias
+    if model_type in ("qwen2", "mixtral"):
+        raw.pop("attention_bias")  # Qwen2 always has qkv bias, Mixtral none
     config = AutoConfig.for_model(model_type, **raw)
     config.bos_token_id = tok.bos_token_id
     config.eos_token_id = tok.eos_token_id

@@ -113,7 +113,7 @@ class ModelRunner:
         # sees the weights as they are then (quantized, or edited after construction).
         # (not for a tensor- or pipeline-parallel rank's part: its layers exchange between the native phases)
         self.uses_native_forward = (backend.native_forward and getattr(model, "tp", None) is None
-                                    and getattr(model, "pp", None) is None)
+                                    and getattr(model, "pp", None) is None and getattr(model, "ep", None) is None)
         self._native: Any = None
         self._native_rope: Any = None  # the model's rope tables the native forward was built with
 

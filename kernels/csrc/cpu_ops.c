@@ -53,12 +53,29 @@ typedef struct {
     int32_t qparams_f32, _pad;  /* int4: qparams are fp32 (else fp16) */
 } Linear;
 
+/* A sparse (mixture-of-experts) layer's MLP: the router, then experts
+ * first .. first + n_local - 1 of n_experts, each a SiLU-gated MLP. */
+typedef struct {
+    int32_t n_experts, top_k, inter, first, n_local, _pad;
+    Linear router;      /* [n_experts, hidden] fp32 */
+    const Linear *w13;  /* [n_local]: gate | up rows (n = 2 inter) */
+    const Linear *w2;   /* [n_local]: down (n = hidden) */
+} Moe;
+
 typedef struct {
     const float *ln1, *ln2, *q_norm, *k_norm; /* q_norm/k_norm NULL unless qk_norm */
-    Linear qkv, o, gate_up, down;
+    Linear qkv, o, gate_up, down;             /* gate_up/down unused in a sparse layer */
     void *k_cache, *v_cache; /* [num_slots, kv_heads, head_dim], fp32, bf16 or fp8 */
     float k_scale, v_scale;  /* an fp8 cache holds k / k_scale and v / v_scale; ignored for wider caches */
+    const Moe *moe;          /* a sparse layer's, else NULL */
 } Layer;
+
+/* Routing: from router logits [T, n_experts] write each token's top_k
+ * expert ids and weights ([T, top_k] each). The caller supplies it
+ * (kernels/cpu_native.py runs torch.topk there, so ties fall as in the
+ * reference models). */
+typedef void (*RouteFn)(const float *logits, int64_t T, int32_t n_experts, int32_t top_k, int32_t *ids,
+                        float *weights);
 
 typedef struct {
     int32_t n_layers, hidden, inter, n_heads, n_kv_heads, head_dim, vocab, max_pos;
@@ -70,6 +87,9 @@ typedef struct {
     const float *rope_cos, *rope_sin; /* [max_pos, head_dim] */
     Linear lm_head;
     Layer *layers;
+    RouteFn route;                             /* sparse layers' routing, NULL for a dense model */
+    int32_t moe_experts, moe_top_k, moe_inter; /* the sparse layers' sizes (scratch), 0 for a dense model */
+    int32_t _pad2;
 } Model;
 
 typedef struct {
@@ -1152,7 +1172,7 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
 
 /* Seconds spent per phase of appl_forward since the last reset (read by
  * `appliance bench latency` to say where a step's time goes). */
-enum { PH_NORM, PH_QKV, PH_ROPE_KV, PH_ATTN, PH_O, PH_GATE_UP, PH_ACT, PH_DOWN, PH_LM_HEAD, PH_N };
+enum { PH_NORM, PH_QKV, PH_ROPE_KV, PH_ATTN, PH_O, PH_GATE_UP, PH_ACT, PH_DOWN, PH_LM_HEAD, PH_ROUTER, PH_N };
 static double g_phase[PH_N];
 
 static inline double now_s(void) {
@@ -1178,7 +1198,90 @@ int appl_phase_times(double *out, int reset) {
 
 int64_t appl_scratch_floats(const Model *M, int64_t n_tokens) {
     const int64_t qkv = (int64_t)(M->n_heads + 2 * M->n_kv_heads) * M->head_dim;
-    return n_tokens * (2 * (int64_t)M->hidden + qkv + (int64_t)M->n_heads * M->head_dim + 3 * (int64_t)M->inter) + 64;
+    const int64_t pairs = n_tokens * M->moe_top_k; /* (token, expert) pairs of a sparse layer */
+    const int64_t moe = n_tokens * M->moe_experts + 2 * pairs + pairs * (2 * (int64_t)M->hidden + 3 * M->moe_inter);
+    return n_tokens * (2 * (int64_t)M->hidden + qkv + (int64_t)M->n_heads * M->head_dim + 3 * (int64_t)M->inter) +
+           moe + 64;
+}
+
+/* A sparse layer: x[t] += sum over t's routed experts held here, in expert
+ * order, of weight x expert(h[t]). The (token, expert) pairs are sorted by
+ * expert (stable: each expert's tokens in token order), gathered into
+ * contiguous rows, and each active expert runs its two GEMMs over its rows. */
+static void moe_forward(const Model *M, const Moe *E, const float *h, float *x, int64_t T, float *scr) {
+    const int64_t hid = M->hidden, inter = E->inter, k = E->top_k, ne = E->n_experts, P = T * k;
+    float *logits = scr;                    /* [T, ne] */
+    float *w = logits + T * ne;             /* [T, k] */
+    int32_t *ids = (int32_t *)(w + P);      /* [T, k] */
+    float *rows = (float *)(ids + P);       /* [P, hid]: inputs in expert order */
+    float *gu = rows + P * hid;             /* [P, 2 inter] */
+    float *act = gu + P * 2 * inter;        /* [P, inter] */
+    float *y = act + P * inter;             /* [P, hid]: expert outputs in expert order */
+    PHASE(PH_ROUTER, appl_linear(&E->router, h, hid, logits, ne, T, 0));
+    PHASE(PH_ROUTER, M->route(logits, T, (int32_t)ne, (int32_t)k, ids, w));
+    const double t0 = now_s();
+    int64_t *count = (int64_t *)calloc((size_t)E->n_local + 1, sizeof(int64_t));
+    int64_t *slot = (int64_t *)malloc(sizeof(int64_t) * (size_t)(P > 0 ? P : 1)); /* pair -> sorted row, or -1 */
+    int64_t *src = (int64_t *)malloc(sizeof(int64_t) * (size_t)(P > 0 ? P : 1));  /* sorted row -> token */
+    if (!count || !slot || !src) abort();
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t e = (int64_t)ids[p] - E->first;
+        if (e >= 0 && e < E->n_local) count[e + 1]++;
+    }
+    for (int64_t e = 0; e < E->n_local; e++) count[e + 1] += count[e]; /* count[e]: expert e's first row */
+    int64_t *fill = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E->n_local > 0 ? E->n_local : 1));
+    if (!fill) abort();
+    memcpy(fill, count, sizeof(int64_t) * (size_t)E->n_local);
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t e = (int64_t)ids[p] - E->first;
+        if (e >= 0 && e < E->n_local) {
+            slot[p] = fill[e]++;
+            src[slot[p]] = p / k;
+        } else {
+            slot[p] = -1;
+        }
+    }
+    free(fill);
+    const int64_t n_rows = count[E->n_local];
+#pragma omp parallel for schedule(static) if (n_rows * hid >= 65536)
+    for (int64_t r = 0; r < n_rows; r++) memcpy(rows + r * hid, h + src[r] * hid, sizeof(float) * hid);
+    g_phase[PH_ROUTER] += now_s() - t0;
+    for (int64_t e = 0; e < E->n_local; e++) {
+        const int64_t r0 = count[e], n = count[e + 1] - r0;
+        if (!n) continue;
+        PHASE(PH_GATE_UP, appl_linear(&E->w13[e], rows + r0 * hid, hid, gu + r0 * 2 * inter, 2 * inter, n, 0));
+        const double t_act = now_s();
+#pragma omp parallel for schedule(static) if (n >= 8)
+        for (int64_t r = r0; r < r0 + n; r++) silu_mul_row(gu + r * 2 * inter, act + r * inter, (int)inter);
+        g_phase[PH_ACT] += now_s() - t_act;
+        PHASE(PH_DOWN, appl_linear(&E->w2[e], act + r0 * inter, inter, y + r0 * hid, hid, n, 0));
+    }
+    const double t1 = now_s();
+#pragma omp parallel for schedule(static) if (T * hid >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        int64_t order[64]; /* t's pairs held here, by expert id (insertion sort; top_k is small) */
+        int n = 0;
+        for (int64_t j = 0; j < k && n < 64; j++) {
+            const int64_t p = t * k + j;
+            if (slot[p] < 0) continue;
+            int i = n++;
+            while (i > 0 && ids[order[i - 1]] > ids[p]) {
+                order[i] = order[i - 1];
+                i--;
+            }
+            order[i] = p;
+        }
+        float *xt = x + t * hid;
+        for (int64_t c = 0; c < hid; c++) {
+            float acc = 0.0f;
+            for (int i = 0; i < n; i++) acc += y[slot[order[i]] * hid + c] * w[order[i]];
+            xt[c] += acc;
+        }
+    }
+    g_phase[PH_ROUTER] += now_s() - t1;
+    free(count);
+    free(slot);
+    free(src);
 }
 
 void appl_forward(const Model *M, const Step *S) {
@@ -1232,6 +1335,10 @@ void appl_forward(const Model *M, const Step *S) {
                                       M->attn_scale, M->kv_type, L->k_scale, L->v_scale));
         PHASE(PH_O, appl_linear(&L->o, att, attn_w, x, hid, T, 1));
         PHASE(PH_NORM, appl_rmsnorm(x, hid, L->ln2, h, hid, T, (int)hid, M->eps));
+        if (L->moe) {
+            moe_forward(M, L->moe, h, x, T, act + T * inter);
+            continue;
+        }
         PHASE(PH_GATE_UP, appl_linear(&L->gate_up, h, hid, gu, 2 * inter, T, 0));
         const double t_act = now_s();
 #pragma omp parallel for schedule(static) if (T >= 8)

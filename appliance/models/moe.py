@@ -1,0 +1,187 @@
+"""Mixture-of-experts layers: Qwen3-MoE and Mixtral.
+
+A sparse layer's router (``gate``, an fp32 linear over the hidden state)
+scores every expert; each token goes to the ``num_experts_per_tok`` experts
+of highest softmax probability (``torch.topk`` on the probabilities, as
+Hugging Face's models pick, ties included), weighted by those
+probabilities, renormalized over the chosen ones where the model says so.
+An expert is a SiLU-gated MLP; a layer's experts are stored stacked
+(``FusedExperts``: ``w13`` = gate | up rows per expert, ``w2`` = down), and
+run grouped: the (token, expert) pairs sorted by expert, one GEMM pair per
+active expert over its contiguous rows, the weighted rows added back to
+their tokens in expert order.
+
+With tensor parallelism (no expert parallelism) every rank holds every
+expert's slice of the intermediate dimension, as vLLM splits them; with
+expert parallelism (``ExpertParallel``) each rank holds whole experts, a
+contiguous run of them. Either way each rank's sum is partial and the
+ranks' sums are all-reduced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """This rank's experts under expert parallelism: rank ``rank`` of
+    ``size`` holds experts ``expert_range(num_experts, rank, size)`` whole;
+    ``comm.all_reduce`` sums the ranks' partial outputs."""
+
+    rank: int
+    size: int
+    comm: Any
+
+
+def expert_range(num_experts: int, rank: int, size: int) -> tuple[int, int]:
+    """The global ids [start, end) rank ``rank`` of ``size`` holds (an even split; validation checks it divides)."""
+    per = num_experts // size
+    return rank * per, (rank + 1) * per
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, k], expert ids int64 [T, k]) of each token's top-k
+    experts by softmax probability (``torch.topk``, so ties fall as in
+    Hugging Face's models), renormalized to sum to one with ``renormalize``."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def dispatch_order(ids: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The (token, slot) pairs routed to experts ``first .. first + count - 1``,
+    sorted by expert (a stable sort, so each expert's tokens stay in order):
+    (token index per pair, flat [T * k] position per pair, pairs per local
+    expert)."""
+    flat = ids.reshape(-1)
+    local = flat - first
+    mine = (local >= 0) & (local < count)
+    positions = torch.nonzero(mine).squeeze(1)
+    order = torch.argsort(local[positions], stable=True)
+    positions = positions[order]
+    counts = torch.bincount(local[positions], minlength=count).tolist()
+    return positions // ids.shape[1], positions, counts
+
+
+class FusedExperts(nn.Module):
+    """Experts ``first .. first + num_local - 1`` of a sparse layer, stacked:
+    ``w13`` [experts, 2 x inter, hidden] (gate rows, then up rows) and
+    ``w2`` [experts, hidden, inter]. ``quantize`` turns them into int8
+    (a scale per output channel) or int4 (groups) weight-only, as the
+    dense projections are; the torch path then dequantizes an expert's
+    weights when a step routes tokens to it."""
+
+    def __init__(self, num_local: int, hidden: int, inter: int, first: int = 0):
+        super().__init__()
+        self.num_local, self.hidden, self.inter, self.first = num_local, hidden, inter, first
+        self.w13 = nn.Parameter(torch.empty(num_local, 2 * inter, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden, inter), requires_grad=False)
+        self.quantized: Optional[str] = None  # None, "int8_wo" or "int4_wo"
+        self._q: list[tuple[nn.Module, nn.Module]] = []  # per expert (w13, w2) as quantized linears
+
+    def quantize(self, method: str, make: Any) -> None:
+        """Every expert's w13 and w2 as ``make(weight)``, the weight-only
+        linears of ``method`` (``models/quant.py``); the float weights are
+        freed."""
+        self._q = [(make(self.w13.data[e]), make(self.w2.data[e])) for e in range(self.num_local)]
+        self._experts_q = nn.ModuleList(nn.ModuleList(pair) for pair in self._q)  # so .to() moves them
+        self.quantized = method
+        self.release_float()
+
+    def release_float(self) -> None:
+        """Free the stacked float weights (the native forward holds packed copies)."""
+        self.w13 = nn.Parameter(torch.empty(0, dtype=self.w13.dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, dtype=self.w2.dtype), requires_grad=False)
+
+    def projections(self, e: int) -> tuple[Any, Any]:
+        """Local expert ``e``'s (gate|up, down) as linear-like objects the
+        native backend packs: the quantized linears, or views of the stacked
+        float weights."""
+        if self._q:
+            return self._q[e]
+        views = []
+        for w in (self.w13.data[e], self.w2.data[e]):
+            views.append(SimpleNamespace(weight=SimpleNamespace(data=w), bias=None, out_features=w.shape[0],
+                                         in_features=w.shape[1]))
+        return views[0], views[1]
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert ``e`` on rows ``x``: down(silu(gate x) * up x)."""
+        if self._q:
+            gu = self._q[e][0](x)
+        else:
+            gu = F.linear(x, self.w13[e])
+        gate, up = gu.split(self.inter, dim=-1)
+        h = F.silu(gate) * up
+        return self._q[e][1](h) if self._q else F.linear(h, self.w2[e])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's routed experts held here of weight x
+        expert(token), grouped by expert: on GPUs by the Triton fused
+        kernel (``kernels/triton_moe.py``), else one torch GEMM pair per
+        active expert."""
+        if x.device.type != "cpu" and not self._q:
+            from appliance.kernels.triton_moe import fused_experts
+
+            return fused_experts(x, self.w13, self.w2, weights, ids, self.first)
+        out = torch.zeros_like(x)
+        tokens, positions, counts = dispatch_order(ids, self.first, self.num_local)
+        pair_weights = weights.reshape(-1)[positions]
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = tokens[start:start + n]
+                y = self.expert(e, x[rows]) * pair_weights[start:start + n, None].to(x.dtype)
+                out.index_add_(0, rows, y)
+            start += n
+        return out
+
+    def forward_per_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The same sum one token and expert at a time (the naive loop a
+        benchmark compares the grouped execution with)."""
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for j in range(ids.shape[1]):
+                e = int(ids[t, j]) - self.first
+                if 0 <= e < self.num_local:
+                    out[t] += self.expert(e, x[t:t + 1])[0] * weights[t, j].to(x.dtype)
+        return out
+
+
+class SparseMoe(nn.Module):
+    """A sparse layer's MLP: the fp32 router, then this rank's experts;
+    ``comm`` (tensor or expert parallelism) all-reduces the partial sums."""
+
+    def __init__(self, arch: Any, comm: Any = None, ep: Optional[ExpertParallel] = None):
+        super().__init__()
+        self.top_k, self.renormalize = arch.num_experts_per_tok, arch.norm_topk_prob
+        self.num_experts = arch.num_experts
+        first, end = (0, arch.num_experts) if ep is None else expert_range(arch.num_experts, ep.rank, ep.size)
+        self.gate = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)
+        self.experts = FusedExperts(end - first, arch.hidden_size, arch.moe_intermediate_size, first)
+        self.comm = comm
+        self.per_token = False  # the naive loop instead of grouped execution (benchmarks)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.gate.weight.float())
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids) [T, top_k] of each token (``route``)."""
+        return route(router_logits, self.top_k, self.renormalize)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(self.router_logits(x))
+        run = self.experts.forward_per_token if self.per_token else self.experts
+        out = run(x, weights, ids)
+        if self.comm is not None:
+            self.comm.all_reduce(out)
+        return out
