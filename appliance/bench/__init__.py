@@ -14,6 +14,7 @@ KINDS = {
     "spec": "appliance.bench.spec",
     "structured": "appliance.bench.structured",
     "parallel": "appliance.bench.parallel",
+    "moe": "appliance.bench.moe",
 }
 
 

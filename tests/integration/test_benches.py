@@ -141,3 +141,18 @@ def test_parallel(out, cli):
     assert set(res["all_reduce_latency_us"]) == {"shm/2", "gloo/2"}
     assert all(v > 0 for v in res["all_reduce_latency_us"].values())
     assert res["host"]["cpu"] and (out / "parallel.png").stat().st_size > 0
+
+
+def test_moe(out, cli):
+    r = cli("bench", "moe", "model.hidden_size=64", "model.moe_intermediate_size=32", "model.intermediate_size=32",
+            "model.head_dim=16", "model.num_layers=2", "--num-prompts", "2", "--input-len", "8", "--output-len", "3",
+            "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    res = load(out, "moe")
+    runs = res["runs"]
+    assert set(runs) == {"native forward (grouped)", "torch path (grouped)", "torch path (per-token loop)"}
+    assert all(run["output_tok_s"] > 0 and run["achieved_gflop_s"] > 0 for run in runs.values())
+    assert runs["native forward (grouped)"]["native_forward"] and runs["native forward (grouped)"]["native_phase_s"]
+    assert runs["torch path (per-token loop)"]["vs_per_token_loop"] == 1.0
+    assert res["same_tokens_every_way"] and res["experts"]["num_experts"] == 8 and res["peak_gflop_s"] > 0
+    assert (out / "moe.png").stat().st_size > 0
