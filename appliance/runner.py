@@ -174,6 +174,8 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
         tokenizer = load_tokenizer(cfg.model)
         runner: Any = Executor(deployment, build_rank_runner, deployment.layout.ranks_per_engine,
                                cfg.parallel.step_timeout_s)
+    elif deployment.layout.experts_across_cores:
+        runner, tokenizer, lockstep = _lockstep_runner(deployment)
     else:
         runner, tokenizer = _model_runner(deployment)
     num_blocks, mml = deployment.num_kv_blocks, deployment.max_model_len
@@ -199,7 +201,30 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
     )
     eos = tokenizer.eos_token_id
     return EngineCore(scheduler, runner, tokenizer, eos, vocab_size=cfg.model.vocab_size, token_budget=budget,
-                      grammars=_grammars(cfg, tokenizer, eos)), tokenizer
+                      grammars=_grammars(cfg, tokenizer, eos),
+                      lockstep=lockstep if deployment.layout.experts_across_cores else None), tokenizer
+
+
+def _lockstep_runner(deployment: Deployment) -> tuple[Any, Any, Any]:
+    """Data-parallel core ``deployment.data_parallel_rank``'s model with its
+    share of the experts, exchanging rows with the other cores over the
+    front end's segment (``deployment.expert_group``); the runner and the
+    lock-step its loop follows (``worker/lockstep.py``)."""
+    from appliance.kernels.shm_comm import ShmComm
+    from appliance.models.moe import ExpertParallel
+    from appliance.worker.lockstep import ExpertGroup, Lockstep, LockstepRunner
+
+    layout = deployment.layout
+    if deployment.expert_group is None:
+        raise ConfigError("expert parallelism across data-parallel engine cores needs the segment the front end "
+                          "makes for them (Deployment.expert_group)")
+    rank = deployment.data_parallel_rank
+    group = ExpertGroup(ShmComm(deployment.expert_group, rank, layout.data_parallel_size,
+                                deployment.cfg.parallel.step_timeout_s))
+    runner, tokenizer = _model_runner(deployment, ep=ExpertParallel(rank, layout.data_parallel_size, group,
+                                                                     replicated=False))
+    runner = LockstepRunner(runner)
+    return runner, tokenizer, Lockstep(group, runner)
 
 
 def place_data_parallel_rank(deployment: Deployment) -> None:
@@ -378,4 +403,11 @@ def serve(resolved: ResolvedConfig) -> int:
     print(f"deployment         {deployment.fingerprint}")
     from appliance.server.launch import serve_forever
 
-    return serve_forever(deployment, build_engine)
+    return serve_forever(deployment, build_engine, make_expert_segment)
+
+
+def make_expert_segment(world_size: int) -> str:
+    """A shared-memory segment for ``world_size`` lock-step engine cores (the front end makes one per generation)."""
+    from appliance.kernels.shm_comm import create_segment
+
+    return create_segment(world_size)

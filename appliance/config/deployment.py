@@ -10,6 +10,7 @@ engine-core process receives it whole).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Optional
 
 from appliance.config.compose import ResolvedConfig
 from appliance.config.execution import Execution
@@ -34,6 +35,11 @@ class ExecutorLayout:
     executor: str = "uni"
 
     @property
+    def experts_across_cores(self) -> bool:
+        """Whether the data-parallel engine cores split the experts (and so step in lock-step)."""
+        return self.expert_parallel_size > 1 and self.data_parallel_size > 1
+
+    @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
@@ -54,6 +60,10 @@ class Deployment:
     max_prompt_chars: int  # prompts longer than this are refused before tokenizing
     layout: ExecutorLayout
     data_parallel_rank: int = 0  # which engine core of ``layout.data_parallel_size`` this one builds
+    # Expert parallelism across the data-parallel engine cores: the shared-memory
+    # segment they exchange their sparse layers' tokens over, made by the front
+    # end for each generation of cores (None otherwise).
+    expert_group: Optional[str] = None
 
     @property
     def cfg(self) -> ApplianceConfig:

@@ -22,10 +22,12 @@ def not_built(cfg: ApplianceConfig) -> list[str]:
     par, cache, q = cfg.parallel, cfg.cache, cfg.quantization
     layout = (f"tp x pp x dp = {par.tensor_parallel_size} x {par.pipeline_parallel_size} x {par.data_parallel_size}"
               f"{', expert parallel' if par.enable_expert_parallel else ''}")
-    if par.enable_expert_parallel and par.data_parallel_size > 1:
-        out.append(f"parallel execution ({layout}): expert parallelism across data-parallel engine cores is not "
-                   f"built yet (within one core's tensor-parallel ranks it is); serve with "
-                   f"parallel=tp2 parallel.enable_expert_parallel=true, or without expert parallelism")
+    if par.enable_expert_parallel and par.data_parallel_size > 1 and (
+            par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1 or cfg.hardware.device_kind != "cpu"
+            or par.executor == "ray"):
+        out.append(f"parallel execution ({layout}): expert parallelism across data-parallel engine cores is built "
+                   f"for CPU cores of one rank each (parallel=dp2_ep), exchanging over shared memory; with "
+                   f"tensor or pipeline parallelism inside the cores, on GPUs or on Ray it is not built yet")
     if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
         if q.method not in TENSOR_PARALLEL_QUANTIZATION:
             out.append(f"quantization={q.method} with tensor or pipeline parallelism is not built yet (its weights "

@@ -124,6 +124,19 @@ class EngineDeadError(RuntimeError):
     starts a new core)."""
 
 
+class Lockstep(Protocol):
+    """Engine cores that must run their forwards together (expert
+    parallelism across data-parallel cores, ``worker.lockstep``): the host's
+    loop asks ``agree`` before each step and runs ``idle_step`` when others
+    have work and this core has none."""
+
+    idle_poll_ms: int  # how long an idle core waits for input between agreements
+
+    def agree(self, has_work: bool, stopping: bool) -> tuple[bool, bool]: ...  # (any has work, all stopping)
+
+    def idle_step(self) -> None: ...
+
+
 class StepRunner(Protocol):
     """The model side of a step (``worker.model_runner.ModelRunner``)."""
 
@@ -147,7 +160,7 @@ class EngineCore:
 
     def __init__(self, scheduler: Scheduler, runner: StepRunner, tokenizer: PreTrainedTokenizerBase,
                  eos_token_id: Optional[int], vocab_size: int = 0, token_budget: Optional[TokenBudget] = None,
-                 grammars: Optional[GrammarSource] = None):
+                 grammars: Optional[GrammarSource] = None, lockstep: Optional[Lockstep] = None):
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
@@ -163,6 +176,7 @@ class EngineCore:
         self._spec_per_pos: list[int] = []
         self.grammars = grammars  # None: requests with structured_outputs are refused
         self._compiling: dict[str, Request] = {}  # requests waiting for their grammar
+        self.lockstep = lockstep  # None: this core steps on its own
 
     def add_request(
         self,

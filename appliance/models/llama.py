@@ -571,6 +571,17 @@ class LlamaForCausalLM(nn.Module):
         pp.comm.broadcast(logits, pp.leaders[-1])
         return logits
 
+    def idle_forward(self) -> None:
+        """An engine core with nothing to run, while its data-parallel peers
+        step: each sparse layer's exchange with no rows of its own, in layer
+        order, so the peers' collectives line up (expert parallelism across
+        engine cores)."""
+        assert self.rope is not None, "call rope_cache() once before idle_forward"
+        empty = torch.empty((0, self.arch.hidden_size), dtype=self.rope[0].dtype, device=self.rope[0].device)
+        for layer in self.model.layers:
+            if layer.sparse:
+                layer.mlp.exchange(empty)
+
     def _logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         x = self.model.norm(x[logits_indices])
         if self.lm_head_q is not None:

@@ -32,12 +32,18 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class ExpertParallel:
     """This rank's experts under expert parallelism: rank ``rank`` of
-    ``size`` holds experts ``expert_range(num_experts, rank, size)`` whole;
-    ``comm.all_reduce`` sums the ranks' partial outputs."""
+    ``size`` holds experts ``expert_range(num_experts, rank, size)`` whole.
+    ``replicated``: every rank holds the same tokens (the tensor-parallel
+    ranks of one engine core), so ``comm.all_reduce`` of the partial sums is
+    the whole exchange; else each rank has its own tokens (data-parallel
+    engine cores in lock-step): a sparse layer all-gathers every rank's
+    rows, runs its experts on all of them, and all-reduces the partial sums,
+    keeping its own rows (``SparseMoe.exchange``)."""
 
     rank: int
     size: int
     comm: Any
+    replicated: bool = True
 
 
 def expert_range(num_experts: int, rank: int, size: int) -> tuple[int, int]:
@@ -163,6 +169,7 @@ class SparseMoe(nn.Module):
 
     def __init__(self, arch: Any, comm: Any = None, ep: Optional[ExpertParallel] = None):
         super().__init__()
+        self.ep = ep
         self.top_k, self.renormalize = arch.num_experts_per_tok, arch.norm_topk_prob
         self.num_experts = arch.num_experts
         first, end = (0, arch.num_experts) if ep is None else expert_range(arch.num_experts, ep.rank, ep.size)
@@ -178,10 +185,42 @@ class SparseMoe(nn.Module):
         """(weights, expert ids) [T, top_k] of each token (``route``)."""
         return route(router_logits, self.top_k, self.renormalize)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the layer for rows ``x``: route, then its experts."""
         weights, ids = self.route(self.router_logits(x))
         run = self.experts.forward_per_token if self.per_token else self.experts
-        out = run(x, weights, ids)
+        return run(x, weights, ids)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ep is not None and not self.ep.replicated:
+            return self.exchange(x)
+        out = self._experts(x)
         if self.comm is not None:
             self.comm.all_reduce(out)
         return out
+
+    def exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism over ranks with their own tokens: every rank's
+        rows gathered (padded to the longest), this rank's experts run on all
+        of them, the partial sums all-reduced (in rank order, the same bits
+        on every rank); this rank's rows returned. A rank with no tokens
+        (``x`` of no rows: an idle engine core) takes part all the same, so
+        the ranks' collectives line up."""
+        comm = self.ep.comm
+        counts = [int(c) for c in comm.all_gather(torch.tensor([x.shape[0]], dtype=torch.int64))]
+        most = max(counts)
+        if most == 0:
+            return x
+        padded = x.new_zeros(most, x.shape[1])
+        padded[:x.shape[0]] = x
+        gathered = comm.all_gather(padded)
+        rows = torch.cat([g[:n] for g, n in zip(gathered, counts)])
+        partial = self._experts(rows)
+        out = x.new_zeros(len(counts) * most, x.shape[1])
+        start = 0
+        for r, n in enumerate(counts):
+            out[r * most:r * most + n] = partial[start:start + n]
+            start += n
+        comm.all_reduce(out)
+        me = self.ep.rank
+        return out[me * most:me * most + x.shape[0]]

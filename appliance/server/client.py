@@ -83,6 +83,12 @@ class EngineClient:
                  rank: Optional[int] = None):
         """``rank``: the data-parallel rank this core is, named in its logs (None: the only core)."""
         self.deployment = deployment
+        # Hooks of a data-parallel group whose cores restart together (expert parallelism across them):
+        # ``prepare()`` gives the deployment each new core builds, ``on_lost()`` hears that this core is gone
+        # (or a replacement did not come up), ``on_ready()`` that a new core is up.
+        self.prepare: Optional[Callable[[], Deployment]] = None
+        self.on_lost: Optional[Callable[[], None]] = None
+        self.on_ready: Optional[Callable[[], None]] = None
         self.core_name = "engine core" if rank is None else f"engine core {rank}"
         self.build_engine = build_engine  # run in the core process (a module-level function: it is pickled)
         self.on_stats = on_stats
@@ -126,6 +132,8 @@ class EngineClient:
         """Spawn a core on fresh sockets and wait for its ready message."""
         import zmq
 
+        if self.prepare is not None:
+            self.deployment = self.prepare()
         tag = uuid.uuid4().hex[:8]
         in_addr = f"ipc://{self._dir}/in-{tag}"
         out_addr = f"ipc://{self._dir}/out-{tag}"
@@ -159,6 +167,8 @@ class EngineClient:
         self.start_s = loop.time() - t0
         self.stats = StepStats()  # a new core counts from zero
         self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watchdog(self.proc))]
+        if self.on_ready is not None:
+            self.on_ready()
 
     def _stop_core(self) -> None:
         """Kill the current core if it still runs (it ignores SIGTERM) and drop its sockets."""
@@ -219,6 +229,8 @@ class EngineClient:
             return
         log.error("%s died: %s", self.core_name, reason)
         self._stop_core()
+        if self.on_lost is not None:
+            self.on_lost()
         old, self.stats = self.stats, StepStats()
         if self.on_stats:
             self.on_stats(old, self.stats)
@@ -263,6 +275,8 @@ class EngineClient:
             except EngineDeadError as e:
                 log.error("the replacement %s did not come up: %s", self.core_name, e)
                 self.down_reason = str(e)
+                if self.on_lost is not None:
+                    self.on_lost()
                 continue
             self.restarting, self.down_reason = False, ""
             log.info("%s restarted (pid %s, ready after %.1f s)", self.core_name, self.ready_info.pid, self.start_s)

@@ -87,10 +87,22 @@ def run_core(deployment: Deployment, build_engine: BuildEngine, in_addr: str, ou
 
 
 def _warm_up(engine: EngineCore, tokenizer: PreTrainedTokenizerBase) -> None:
-    """One real generation before /ready; then a clean cache and counters from zero."""
+    """One real generation before /ready (with lock-step peers, every core's
+    at once, the steps taken together); then a clean cache and counters from zero."""
     ids = tokenizer.encode(WARMUP_PROMPT)
     engine.add_request("__warmup__", ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-    while engine.has_unfinished_requests():
+    lockstep = engine.lockstep
+    while True:
+        local = engine.has_unfinished_requests()
+        if lockstep is not None:
+            any_work, _ = lockstep.agree(local, False)
+            if not any_work:
+                break
+            if not local:
+                lockstep.idle_step()
+                continue
+        elif not local:
+            break
         if any(d.finish_reason == "error" for d in engine.step()):  # the engine logged why
             raise RuntimeError("the warm-up generation failed")
     engine.reset_prefix_cache()
@@ -102,10 +114,12 @@ def _loop(engine: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
 
     shutting_down = False
     parent = os.getppid()
+    lockstep = engine.lockstep
+    idle_ms = 50 if lockstep is None else lockstep.idle_poll_ms  # lock-step peers agree between polls
     while True:
         if os.getppid() != parent:
             return  # the front end died without a word: nobody to serve
-        timeout = 0 if engine.has_unfinished_requests() else 50
+        timeout = 0 if engine.has_unfinished_requests() else idle_ms
         changed = False
         while pull.poll(timeout, zmq.POLLIN):
             timeout = 0
@@ -132,10 +146,18 @@ def _loop(engine: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
                 push.send(encode(ResetPrefixCacheResult(engine.reset_prefix_cache())))
             elif isinstance(msg, Shutdown):
                 shutting_down = True
-        if shutting_down and not engine.has_unfinished_requests():
+        local = engine.has_unfinished_requests()
+        if lockstep is not None:  # step when any peer has work; stop when all stop with none left
+            any_work, all_stopping = lockstep.agree(local, shutting_down and not local)
+            if not any_work and all_stopping:
+                push.send(encode(Outputs([], engine.stats(0))))
+                return
+            if any_work and not local:
+                lockstep.idle_step()
+        elif shutting_down and not local:
             push.send(encode(Outputs([], engine.stats(0))))
             return
-        if engine.has_unfinished_requests():
+        if local:
             deltas = engine.step()
             push.send(encode(Outputs(deltas, engine.last_stats)))
         elif changed:

@@ -14,6 +14,12 @@ its last outputs; ``waiting`` is every request the front end has sent that
 rank and not seen finish, less the running ones, so a burst is spread
 before any core has answered.
 
+With expert parallelism across the cores (``parallel=dp2_ep``) the cores
+run their forwards in lock-step and exchange rows over a shared-memory
+segment this object makes (``ExpertGroupSegments``): a core that dies
+leaves the others waiting in an exchange, so every core is restarted with
+it, onto a fresh segment.
+
 One rank is the same object with one client: the server always speaks to
 this one.
 """
@@ -21,6 +27,9 @@ this one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
+import os
 from typing import AsyncIterator, Callable, Optional
 
 from appliance.config.deployment import Deployment
@@ -29,6 +38,8 @@ from appliance.sampling_params import SamplingParams
 from appliance.server.client import EngineClient, EngineDeadError
 from appliance.server.core_proc import BuildEngine
 from appliance.server.messages import Ready
+
+log = logging.getLogger("appliance.server")
 
 WAITING_WEIGHT = 4  # a waiting request counts four times a running one when picking a rank
 
@@ -42,9 +53,12 @@ def balance_score(pending: int, running: int) -> int:
 class DataParallelClient:
     def __init__(self, deployment: Deployment, build_engine: BuildEngine,
                  on_stats: Optional[Callable[[int, StepStats, StepStats], None]] = None,
-                 on_restart: Optional[Callable[[int], None]] = None, on_fatal: Optional[Callable[[str], None]] = None):
+                 on_restart: Optional[Callable[[int], None]] = None, on_fatal: Optional[Callable[[str], None]] = None,
+                 make_segment: Optional[Callable[[int], str]] = None):
         """``on_stats(rank, old, new)`` and ``on_restart(rank)`` name the rank;
-        ``on_fatal(reason)``: a rank's restarts are exhausted."""
+        ``on_fatal(reason)``: a rank's restarts are exhausted;
+        ``make_segment(n)``: a new shared-memory segment for ``n`` lock-step
+        cores (expert parallelism across them)."""
         self.deployment = deployment
         self.clients = [
             EngineClient(deployment.for_data_parallel_rank(r), build_engine,
@@ -53,6 +67,11 @@ class DataParallelClient:
                          on_fatal=on_fatal, rank=r if deployment.layout.data_parallel_size > 1 else None)
             for r in range(deployment.layout.data_parallel_size)
         ]
+        self.segments = None
+        if deployment.layout.experts_across_cores:
+            if make_segment is None:
+                raise ValueError("engine cores that split the experts need make_segment")
+            self.segments = ExpertGroupSegments(self.clients, make_segment)
 
     @property
     def size(self) -> int:
@@ -69,6 +88,8 @@ class DataParallelClient:
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         await asyncio.gather(*(c.shutdown(timeout_s) for c in self.clients))
+        if self.segments is not None:
+            self.segments.close()
 
     # -- state the handlers read -------------------------------------------------
     @property
@@ -125,3 +146,58 @@ class DataParallelClient:
             c.check_up()
         return all(await asyncio.gather(*(c.reset_prefix_cache() for c in self.clients)))
 
+
+
+class ExpertGroupSegments:
+    """The shared-memory segment the lock-step cores exchange over, one per
+    generation of cores: each core is built on the current one; when any
+    core is lost (or a replacement fails to come up) a new generation
+    starts and the cores of the old one are killed, so their supervisors
+    start them all again on the new segment. A segment's file is unlinked
+    once every core of its generation is up (their mappings outlive it)."""
+
+    def __init__(self, clients: list[EngineClient], make_segment: Callable[[int], str]):
+        self._create = make_segment
+        self.clients = clients
+        self.generation = 0
+        self.path: Optional[str] = make_segment(len(clients))
+        self.built_on = [-1] * len(clients)  # the generation each client's current core was built on
+        for r, c in enumerate(clients):
+            c.prepare = lambda r=r: self._prepare(r)
+            c.on_lost = lambda r=r: self._lost(r)
+            c.on_ready = self._ready
+
+    def _prepare(self, rank: int):
+        if self.path is None:  # unlinked: every core of this generation came up, and now one starts again
+            self._new_generation(f"engine core {rank} starts after its peers came up")
+        self.built_on[rank] = self.generation
+        return dataclasses.replace(self.clients[rank].deployment, expert_group=self.path)
+
+    def _lost(self, rank: int) -> None:
+        if self.built_on[rank] == self.generation:  # the first loss of this generation
+            self._new_generation(f"engine core {rank} is gone")
+
+    def _new_generation(self, why: str) -> None:
+        log.warning("%s: restarting every engine core (they split the experts and step together)", why)
+        self._unlink()
+        self.generation += 1
+        self.path = self._create(len(self.clients))
+        for c in self.clients:  # their supervisors see the exit and start them on the new segment
+            if c.proc is not None and c.proc.is_alive():
+                c.proc.kill()
+
+    def _ready(self) -> None:
+        if all(g == self.generation for g in self.built_on) and all(c.ready_info is not None for c in self.clients):
+            if all(c.proc is not None and c.proc.is_alive() for c in self.clients):
+                self._unlink()
+
+    def _unlink(self) -> None:
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+
+    def close(self) -> None:
+        self._unlink()

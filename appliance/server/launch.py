@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from appliance.config.deployment import Deployment
 
@@ -79,11 +79,14 @@ class Drain:
         return now - self.cut_at >= CUT_GRACE_S
 
 
-def serve_forever(deployment: Deployment, build_engine: BuildEngine) -> int:
+def serve_forever(deployment: Deployment, build_engine: BuildEngine,
+                  make_segment: Optional[Callable[[int], str]] = None) -> int:
     """Serve ``deployment``; ``build_engine(deployment)`` builds the engine in
-    the engine-core process (the composition root's function)."""
+    the engine-core process, ``make_segment(n)`` makes the shared-memory
+    segment ``n`` lock-step engine cores exchange over (both the composition
+    root's functions)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    return asyncio.run(_serve(deployment, build_engine))
+    return asyncio.run(_serve(deployment, build_engine, make_segment))
 
 
 def _lower_priority() -> None:
@@ -95,7 +98,8 @@ def _lower_priority() -> None:
         pass
 
 
-async def _serve(deployment: Deployment, build_engine: BuildEngine) -> int:
+async def _serve(deployment: Deployment, build_engine: BuildEngine,
+                 make_segment: Optional[Callable[[int], str]]) -> int:
     import uvicorn
     from transformers import AutoTokenizer
 
@@ -122,7 +126,7 @@ async def _serve(deployment: Deployment, build_engine: BuildEngine) -> int:
 
     client = DataParallelClient(deployment, build_engine,
                                 on_stats=lambda rank, old, new: metrics.on_core_stats(old, new, engine=rank),
-                                on_restart=metrics.engine_restarted, on_fatal=on_fatal)
+                                on_restart=metrics.engine_restarted, on_fatal=on_fatal, make_segment=make_segment)
     try:
         await client.start()
     except EngineDeadError as e:

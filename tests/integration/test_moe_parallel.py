@@ -27,3 +27,51 @@ def test_moe_ranks_give_the_tokens_of_one_rank(variant, tp, ep, pp):
                           f"parallel.enable_expert_parallel={str(ep).lower()}"], PROMPTS, 16)
     assert len(llm.engine.runner.pids) == tp * pp
     assert_same(outs, reference)
+
+
+def test_two_engine_cores_split_the_experts():
+    """parallel=dp2_ep: each core has its own requests and half the experts;
+    the cores step together (an idle one joins the exchanges), answers equal
+    one core's, and a killed core brings both back on a fresh segment."""
+    import os
+    import signal
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from appliance import LLM, SamplingParams
+    from tests.integration.server_helpers import ServerProcess, metric
+    from tests.integration.test_data_parallel import complete
+
+    one = LLM(overrides=TINY_MOE)
+    ref = [o.outputs[0].text for o in one.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0,
+                                                                          ignore_eos=True), use_tqdm=False)]
+    del one
+    s = ServerProcess(*TINY_MOE[1:], "parallel=dp2_ep", "server.core_restart_backoff_s=0.5")
+    try:
+        # one request pinned to each core alone: the other core is idle and joins the exchanges
+        for rank in (0, 1):
+            r = complete(s.url, PROMPTS[1], headers={"X-Data-Parallel-Rank": str(rank)})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref[1]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(lambda p: complete(s.url, p), PROMPTS))
+        assert [r.json()["choices"][0]["text"] for r in answers] == ref
+        text = httpx.get(f"{s.url}/metrics").text
+        assert all(metric(text, "appliance:time_to_first_token_seconds_count", engine=str(e)) > 0 for e in (0, 1))
+
+        pids = s.core_pids()
+        os.kill(pids[0], signal.SIGKILL)  # the other core cannot go on alone: both restart
+        deadline = time.time() + 120
+        while True:
+            r = complete(s.url, PROMPTS[2])
+            if r.status_code == 200 and set(s.core_pids()).isdisjoint(pids):
+                break
+            assert time.time() < deadline, "the engine cores did not come back"
+            time.sleep(0.5)
+        assert r.json()["choices"][0]["text"] == ref[2]
+        assert "restarting every engine core" in s.output()
+        text = httpx.get(f"{s.url}/metrics").text
+        assert all(metric(text, "appliance:engine_restarts_total", engine=str(e)) == 1 for e in (0, 1))
+    finally:
+        s.stop()

@@ -75,3 +75,57 @@ def test_the_header_or_the_field_pins_a_rank():
         with pytest.raises(OpenAIError) as e:
             data_parallel_rank(body, header, 2)
         assert e.value.status == 400
+
+
+def test_lock_step_cores_restart_together_on_a_fresh_segment():
+    """ExpertGroupSegments (parallel=dp2_ep): every core is built on the
+    current segment; the first loss starts a new generation and kills the
+    other cores; a segment is unlinked once every core of its generation is up."""
+    import dataclasses
+    import os
+
+    from appliance.server.data_parallel import ExpertGroupSegments
+
+    @dataclasses.dataclass(frozen=True)
+    class Dep:
+        expert_group: object = None
+
+    class Proc:
+        def __init__(self):
+            self.alive = True
+
+        def is_alive(self):
+            return self.alive
+
+        def kill(self):
+            self.alive = False
+
+    class Client:
+        def __init__(self):
+            self.deployment, self.proc, self.ready_info = Dep(), None, None
+
+        def launch(self):  # what EngineClient._launch does with the hooks
+            self.deployment = self.prepare()
+            self.proc, self.ready_info = Proc(), "ready"
+            self.on_ready()
+
+    clients = [Client(), Client()]
+    from appliance.kernels.shm_comm import create_segment
+
+    seg = ExpertGroupSegments(clients, create_segment)
+    first = seg.path
+    clients[0].launch()
+    assert os.path.exists(first)  # the other core has not mapped it yet
+    clients[1].launch()
+    assert {c.deployment.expert_group for c in clients} == {first} and not os.path.exists(first)
+
+    clients[1].proc.kill()
+    clients[1].on_lost()  # core 1 died: a new generation, core 0 killed with it
+    second = seg.path
+    assert second != first and os.path.exists(second) and not clients[0].proc.is_alive()
+    clients[0].on_lost()  # its supervisor hears of it: the same generation goes on
+    assert seg.path == second and seg.generation == 1
+    clients[0].launch()
+    clients[1].launch()
+    assert {c.deployment.expert_group for c in clients} == {second} and not os.path.exists(second)
+    seg.close()

@@ -1,0 +1,95 @@
+"""Data-parallel engine cores that split a mixture-of-experts model's experts
+(``parallel.enable_expert_parallel`` with ``data_parallel_size > 1``).
+
+Each core schedules its own requests and runs attention on them alone, but
+every sparse layer exchanges rows with the other cores (``SparseMoe.exchange``
+over ``ExpertGroup``), so the cores must run their forwards together. Before
+each step of its loop a core calls ``Lockstep.agree(has_work, stopping)``, an
+all-reduce of two flags over the cores: when any core has work, every core
+steps, and one with nothing scheduled runs ``idle_step`` (the model's
+exchanges with no rows of its own; ``LockstepRunner`` does the same for a
+step the scheduler leaves empty). When all are idle they only agree, every
+few milliseconds, until a request arrives somewhere.
+
+A collective that fails (a core died or hung past ``parallel.step_timeout_s``)
+and any failure inside a forward are fatal (``EngineDeadError``): the cores'
+collectives can no longer line up, so the front end restarts them together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from appliance.engine.core import EngineDeadError
+
+IDLE_POLL_MS = 5  # how long an idle core waits for input between agreements
+
+
+class ExpertGroup:
+    """The cores' collectives (a ``ShmComm`` over the front end's segment),
+    with a failure made fatal."""
+
+    def __init__(self, comm: Any):
+        self.comm, self.rank, self.world_size = comm, comm.rank, comm.world_size
+
+    def _run(self, what: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except RuntimeError as e:
+            raise EngineDeadError(f"the data-parallel engine cores' expert exchange failed ({what}): {e}") from e
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        self._run("all-reduce", self.comm.all_reduce, t)
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return self._run("all-gather", self.comm.all_gather, t)
+
+
+class LockstepRunner:
+    """A model runner whose every step is a forward the peers join: a step
+    with nothing scheduled still runs the idle forward, and a failed step
+    is fatal (``EngineDeadError``) rather than retried request by request."""
+
+    def __init__(self, runner: Any):
+        self.runner = runner
+
+    def __getattr__(self, name: str) -> Any:  # the model runner's other attributes (model, backend, ...)
+        return getattr(self.runner, name)
+
+    def execute(self, so: Any) -> Any:
+        try:
+            out = self.runner.execute(so)
+            if not so.num_scheduled_tokens:
+                self.runner.model.idle_forward()
+            return out
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            raise EngineDeadError(f"a lock-step forward failed ({type(e).__name__}: {e}); the data-parallel "
+                                  f"engine cores restart together") from e
+
+
+class Lockstep:
+    """What an engine core's loop asks before each step (see the module docstring)."""
+
+    idle_poll_ms = IDLE_POLL_MS
+
+    def __init__(self, group: ExpertGroup, runner: LockstepRunner):
+        self.group, self.runner = group, runner
+
+    def agree(self, has_work: bool, stopping: bool) -> tuple[bool, bool]:
+        """(whether any core has work, whether every core is stopping)."""
+        flags = torch.tensor([float(has_work), float(stopping)])
+        self.group.all_reduce(flags)
+        return bool(flags[0] > 0), int(flags[1]) == self.group.world_size
+
+    def idle_step(self) -> None:
+        """This core's part of a step it has no requests for."""
+        try:
+            self.runner.runner.model.idle_forward()
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            raise EngineDeadError(f"an idle lock-step forward failed ({type(e).__name__}: {e})") from e
