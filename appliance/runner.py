@@ -293,7 +293,11 @@ def _model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
         local = shard_arch(ModelArch.from_model_config(m), tp.size, expert_parallel=ep is not None)
         heads, kv_heads = local.num_heads, local.num_kv_heads
     backend = load_backend(ex.backend)(heads, kv_heads, m.head_dim, m.head_dim ** -0.5, ex.kv_cache_dtype)
-    model, tokenizer, _ = load_model(m, backend, dtype, device, cfg.quantization.method, tp, pp, ep)
+    eplb = cfg.parallel.eplb
+    model, tokenizer, _ = load_model(m, backend, dtype, device, cfg.quantization.method, tp, pp, ep,
+                                     eplb.num_redundant_experts if eplb.enabled else 0)
+    if eplb.enabled:
+        model.enable_eplb(ep.comm, eplb.window_size, eplb.step_interval)
     if cfg.quantization.method == "int8_wo":
         from appliance.models.quant import quantize_int8_weight_only
 

@@ -71,6 +71,12 @@ class StepStats(msgspec.Struct):
     spec_accepted_tokens: int = 0  # how many of those were accepted,
     spec_accepted_per_pos: list[int] = []  # and accepted at each draft position (0 = first)
     grammar_compile_seconds: list[float] = []  # grammars compiled since the previous stats (each reported once)
+    # expert-parallel load balancing (parallel.eplb; balancedness 0: none)
+    eplb_balancedness: float = 0.0  # mean over max of the ranks' expert loads in the window
+    eplb_rebalances: int = 0
+    eplb_rebalance_seconds: float = 0.0  # spent placing experts and moving their weights, all rebalances
+    expert_load: list[int] = []  # tokens each logical expert took in the window, all sparse layers
+    eplb_slot_load_ratios: list[float] = []  # each rebalance's slot loads over their mean (each reported once)
 
 
 class SampledLogprob(Protocol):
@@ -177,6 +183,8 @@ class EngineCore:
         self.grammars = grammars  # None: requests with structured_outputs are refused
         self._compiling: dict[str, Request] = {}  # requests waiting for their grammar
         self.lockstep = lockstep  # None: this core steps on its own
+        self._experts: Optional[dict] = None  # the runner's last expert load balancing figures
+        self._slot_ratios: list[float] = []
 
     def add_request(
         self,
@@ -239,10 +247,17 @@ class EngineCore:
         """Gauges now; counters since the engine was built or ``reset_stats``."""
         s, kv = self.scheduler, self.scheduler.kv
         p0, q0, h0 = self._counted_from
-        return StepStats(len(s.running), len(s.waiting), kv.usage(), s.num_preemptions - p0, kv.stats.queries - q0,
-                         kv.stats.hits - h0, iteration_tokens, s.max_num_batched_tokens, *self._spec,
-                         list(self._spec_per_pos),
-                         self.grammars.take_compile_seconds() if self.grammars is not None else [])
+        stats = StepStats(len(s.running), len(s.waiting), kv.usage(), s.num_preemptions - p0,
+                          kv.stats.queries - q0, kv.stats.hits - h0, iteration_tokens, s.max_num_batched_tokens,
+                          *self._spec, list(self._spec_per_pos),
+                          self.grammars.take_compile_seconds() if self.grammars is not None else [])
+        if self._experts is not None:
+            stats.eplb_balancedness = self._experts["balancedness"]
+            stats.eplb_rebalances = self._experts["rebalances"]
+            stats.eplb_rebalance_seconds = self._experts["rebalance_seconds"]
+            stats.expert_load = list(self._experts["expert_load"])
+            stats.eplb_slot_load_ratios, self._slot_ratios = self._slot_ratios, []
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         """Drop every prefix-cache entry; False (nothing dropped) while requests hold blocks."""
@@ -287,6 +302,10 @@ class EngineCore:
             return deltas
         if self.token_budget is not None and alone is None:
             self._observe_step(sched_out, time.perf_counter() - t0)
+        experts = getattr(runner_out, "expert_stats", None)
+        if experts is not None:
+            self._experts = experts
+            self._slot_ratios += experts["slot_load_ratios"]
         if alone is not None and (alone in runner_out.sampled_token_ids or alone not in sched_out.num_scheduled_tokens):
             self._suspects.remove(alone)  # it ran on its own to a sample: cleared
         stopped: dict[str, tuple[int, Union[str, int, None]]] = {}

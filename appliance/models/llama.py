@@ -55,6 +55,7 @@ class ModelArch:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     sparse_layers: tuple[int, ...] = ()
+    num_physical_experts: int = 0  # expert slots per sparse layer with redundant ones (0: num_experts)
 
     @staticmethod
     def from_model_config(m: ModelConfig) -> "ModelArch":
@@ -461,6 +462,7 @@ class LlamaForCausalLM(nn.Module):
         # new tuple on every call, so a holder of derived tables can tell they changed.
         self.rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.lm_head_q: Optional[nn.Module] = None  # set by quantize_int8_weight_only
+        self.eplb: Any = None  # set by enable_eplb
 
     def local_name(self, name: str) -> Optional[str]:
         """The parameter a checkpoint tensor fills here, or None when another
@@ -479,22 +481,35 @@ class LlamaForCausalLM(nn.Module):
             return name if self.holds_head else None
         return name
 
-    def expert_target(self, name: str) -> Optional[tuple[str, int, int, int]]:
+    def expert_targets(self, name: str) -> list[tuple[str, int, int, int]]:
         """For a checkpoint's expert tensor (``canonical_name``, local layer
-        index): (stacked parameter, local expert, first row, rows) it fills,
-        or None when another rank holds that expert."""
+        index): (stacked parameter, local slot, first row, rows) of every
+        slot here holding that expert (none when other ranks hold it)."""
         head, _, rest = name.partition(".mlp.experts.")
         index, _, tail = rest.partition(".")
         experts = self.get_submodule(head + ".mlp.experts")
-        e = int(index) - experts.first
-        if not 0 <= e < experts.num_local:
-            return None
         part = tail.partition(".")[0]
-        if part == "down_proj":
-            return f"{head}.mlp.experts.w2", e, 0, experts.hidden
-        if part not in ("gate_proj", "up_proj"):
+        if part not in ("gate_proj", "up_proj", "down_proj"):
             raise ValueError(f"{name}: not an expert projection (gate_proj, up_proj or down_proj)")
-        return f"{head}.mlp.experts.w13", e, 0 if part == "gate_proj" else experts.inter, experts.inter
+        out = []
+        for slot, e in enumerate(experts.slot_experts):
+            if e != int(index):
+                continue
+            if part == "down_proj":
+                out.append((f"{head}.mlp.experts.w2", slot, 0, experts.hidden))
+            else:
+                out.append((f"{head}.mlp.experts.w13", slot, 0 if part == "gate_proj" else experts.inter,
+                            experts.inter))
+        return out
+
+    def enable_eplb(self, comm: Any, window_size: int, step_interval: int) -> None:
+        """Balance the experts over the expert-parallel ranks (``models/eplb.py``)."""
+        from appliance.models.eplb import Eplb
+
+        arch, ep = self.arch, self.ep
+        sparse = [layer.mlp for layer in self.model.layers if layer.sparse]
+        self.eplb = Eplb(sparse, arch.num_experts, arch.num_physical_experts or arch.num_experts, ep.rank, ep.size,
+                         comm, window_size, step_interval)
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
@@ -550,7 +565,10 @@ class LlamaForCausalLM(nn.Module):
 
         pp = self.pp
         if pp is None:
-            return self._logits(layers(self._embed(input_ids)), logits_indices)
+            logits = self._logits(layers(self._embed(input_ids)), logits_indices)
+            if self.eplb is not None:
+                self.eplb.after_forward()
+            return logits
         # one stage after the other: stage k runs its layers, then its leader hands the rows to stage k + 1
         x = self._embed(input_ids) if pp.first else None
         for k in range(pp.size - 1):
@@ -581,6 +599,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             if layer.sparse:
                 layer.mlp.exchange(empty)
+        if self.eplb is not None:
+            self.eplb.after_forward()
 
     def _logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         x = self.model.norm(x[logits_indices])

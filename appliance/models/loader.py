@@ -15,6 +15,7 @@ the checkpoint in the target dtype, so a large model never exists twice.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -268,36 +269,41 @@ def _read_shard(sf: Any, name: str, shard: tuple[int, int, int] | None) -> torch
 
 
 def _load_expert(model: Any, sf: Any, stored: str, name: str, full_arch: Any, tp: Any, ep: Any,
-                 expected: dict, dtype: Any, device: Any, filled: dict[str, int]) -> bool:
-    """Copy one expert projection into its layer's stacked weight (this
-    rank's slice of it under tensor parallelism; nothing for an expert
-    another rank holds); True once that stacked weight is complete."""
+                 expected: dict, dtype: Any, device: Any, filled: dict[str, int]) -> set[str]:
+    """Copy one expert projection into every slot of its layer's stacked
+    weight that holds the expert (this rank's slice of it under tensor
+    parallelism; nothing for an expert other ranks hold); the stacked
+    weights this completed."""
     import torch
     from accelerate.utils import set_module_tensor_to_device
 
     from appliance.models.llama import tensor_shard
 
-    where = model.expert_target(name)
-    if where is None:
-        return False
-    target, e, start, rows = where
+    targets = model.expert_targets(name)
+    if not targets:
+        return set()
     shard = tensor_shard(full_arch, tp.rank, tp.size, name) if tp is not None and ep is None else None
     t = _read_shard(sf, stored, shard)
-    full = expected[target].shape
-    want = (rows, full[2]) if target.endswith(".w13") else tuple(full[1:])
-    if tuple(t.shape) != want:
-        raise ModelLoadError(f"tensor {stored} has shape {tuple(t.shape)}, the model expects {want}")
-    if target not in filled:
-        set_module_tensor_to_device(model, target, device, dtype=dtype, value=torch.empty(full, dtype=dtype))
-        filled[target] = 0
-    with torch.no_grad():
-        model.get_parameter(target)[e, start:start + rows].copy_(t.to(dtype))
-    filled[target] += rows
-    return filled[target] == full[0] * full[1]
+    done = set()
+    for target, slot, start, rows in targets:
+        full = expected[target].shape
+        want = (rows, full[2]) if target.endswith(".w13") else tuple(full[1:])
+        if tuple(t.shape) != want:
+            raise ModelLoadError(f"tensor {stored} has shape {tuple(t.shape)}, the model expects {want}")
+        if target not in filled:
+            set_module_tensor_to_device(model, target, device, dtype=dtype, value=torch.empty(full, dtype=dtype))
+            filled[target] = 0
+        with torch.no_grad():
+            model.get_parameter(target)[slot, start:start + rows].copy_(t.to(dtype))
+        filled[target] += rows
+        if filled[target] == full[0] * full[1]:
+            done.add(target)
+    return done
 
 
 def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: Any = "cpu",
-               quantization: str = "none", tp: Any = None, pp: Any = None, ep: Any = None):
+               quantization: str = "none", tp: Any = None, pp: Any = None, ep: Any = None,
+               redundant_experts: int = 0):
     """(model, tokenizer, folder) for the model config ``m``; ``quantization``
     is the configured method, which must agree with a checkpoint's own
     quantization_config (AWQ/GPTQ projections load as int4 linears). With
@@ -305,7 +311,9 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     its rows and columns of each tensor are read; with ``pp``
     (``llama.PipelineParallel``) only its stage's tensors; with ``ep``
     (``moe.ExpertParallel``) only its experts, whole. Expert tensors fill
-    the stacked ``w13`` / ``w2`` of their layer; routers load in fp32."""
+    the stacked ``w13`` / ``w2`` of their layer (with ``redundant_experts``
+    extra slots for load balancing, filled as ``eplb.initial_placement``
+    places them); routers load in fp32."""
     import torch
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
@@ -319,6 +327,8 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     hf = read_hf_config(folder)
     check_checkpoint(m, hf, folder)
     full_arch = ModelArch.from_model_config(m)
+    if redundant_experts:
+        full_arch = dataclasses.replace(full_arch, num_physical_experts=m.num_experts + redundant_experts)
     with init_empty_weights():
         model = LlamaForCausalLM(full_arch, backend, tp, pp, ep)
     arch = model.arch  # the dimensions this model holds (one rank's, with tp)
@@ -355,8 +365,8 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
                     fp8_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(stored)
                     continue
                 if ".mlp.experts." in name:
-                    if _load_expert(model, sf, stored, name, full_arch, tp, ep, expected, dtype, device, packed_rows):
-                        loaded.add(model.expert_target(name)[0])
+                    loaded |= _load_expert(model, sf, stored, name, full_arch, tp, ep, expected, dtype, device,
+                                           packed_rows)
                     continue
                 packed = packed_target(arch, name)
                 target = packed[0] if packed else name

@@ -79,16 +79,21 @@ def dispatch_order(ids: torch.Tensor, first: int, count: int) -> tuple[torch.Ten
 
 
 class FusedExperts(nn.Module):
-    """Experts ``first .. first + num_local - 1`` of a sparse layer, stacked:
-    ``w13`` [experts, 2 x inter, hidden] (gate rows, then up rows) and
-    ``w2`` [experts, hidden, inter]. ``quantize`` turns them into int8
+    """Expert slots ``first .. first + num_local - 1`` of a sparse layer
+    (slot ``first + s`` holds logical expert ``slot_experts[s]``: its own id,
+    a redundant slot id mod num_experts, until load balancing places experts
+    anew, ``models/eplb.py``), stacked: ``w13`` [slots, 2 x inter, hidden]
+    (gate rows, then up rows) and ``w2`` [slots, hidden, inter]; routed ids
+    are slot ids. ``quantize`` turns them into int8
     (a scale per output channel) or int4 (groups) weight-only, as the
     dense projections are; the torch path then dequantizes an expert's
     weights when a step routes tokens to it."""
 
-    def __init__(self, num_local: int, hidden: int, inter: int, first: int = 0):
+    def __init__(self, num_local: int, hidden: int, inter: int, first: int = 0,
+                 slot_experts: Optional[list[int]] = None):
         super().__init__()
         self.num_local, self.hidden, self.inter, self.first = num_local, hidden, inter, first
+        self.slot_experts = list(range(first, first + num_local)) if slot_experts is None else list(slot_experts)
         self.w13 = nn.Parameter(torch.empty(num_local, 2 * inter, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, inter), requires_grad=False)
         self.quantized: Optional[str] = None  # None, "int8_wo" or "int4_wo"
@@ -172,11 +177,38 @@ class SparseMoe(nn.Module):
         self.ep = ep
         self.top_k, self.renormalize = arch.num_experts_per_tok, arch.norm_topk_prob
         self.num_experts = arch.num_experts
-        first, end = (0, arch.num_experts) if ep is None else expert_range(arch.num_experts, ep.rank, ep.size)
+        slots = arch.num_physical_experts or arch.num_experts  # redundant slots for load balancing
+        first, end = (0, slots) if ep is None else expert_range(slots, ep.rank, ep.size)
         self.gate = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)
-        self.experts = FusedExperts(end - first, arch.hidden_size, arch.moe_intermediate_size, first)
+        self.experts = FusedExperts(end - first, arch.hidden_size, arch.moe_intermediate_size, first,
+                                    [p % arch.num_experts for p in range(first, end)])  # eplb.initial_placement
         self.comm = comm
         self.per_token = False  # the naive loop instead of grouped execution (benchmarks)
+        self.eplb: Any = None  # the load balancer (models/eplb.py), with its placement of this layer's slots
+        self.eplb_index = 0
+        self.placement: Any = None
+
+    def attach_eplb(self, eplb: Any, index: int, placement: Any) -> None:
+        if placement.phys_to_log[self.experts.first:self.experts.first + self.experts.num_local].tolist() \
+                != self.experts.slot_experts:
+            raise ValueError("the load balancer's placement differs from the slots this layer loaded")
+        self.eplb, self.eplb_index, self.placement = eplb, index, placement
+
+    def move_experts(self, old: Any, new: Any, comm: Any) -> None:
+        """Take up placement ``new``: every rank's slots gathered (in rank
+        order, so physical order), each of this rank's new slots copied from
+        a slot that held its expert."""
+        ex = self.experts
+        if ex.quantized is not None:
+            raise ValueError("moving quantized experts is not built")
+        w13 = torch.cat(comm.all_gather(ex.w13.data.contiguous()))
+        w2 = torch.cat(comm.all_gather(ex.w2.data.contiguous()))
+        mine = new.phys_to_log[ex.first:ex.first + ex.num_local].tolist()
+        source = old.replica_slots[mine, 0]
+        ex.w13.data = w13[source].clone()
+        ex.w2.data = w2[source].clone()
+        ex.slot_experts = mine
+        self.placement = new
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.gate.weight.float())
@@ -186,8 +218,13 @@ class SparseMoe(nn.Module):
         return route(router_logits, self.top_k, self.renormalize)
 
     def _experts(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the layer for rows ``x``: route, then its experts."""
+        """This rank's part of the layer for rows ``x``: route, then its
+        experts (with load balancing, each pair to a slot of its expert, the
+        slots' loads recorded)."""
         weights, ids = self.route(self.router_logits(x))
+        if self.placement is not None:
+            ids = self.placement.to_slots(ids)
+            self.eplb.record(self.eplb_index, ids)
         run = self.experts.forward_per_token if self.per_token else self.experts
         return run(x, weights, ids)
 

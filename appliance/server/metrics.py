@@ -20,6 +20,7 @@ from appliance.engine.core import StepStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
+EPLB_RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 LOG_INTERVAL_S = 10.0
 
@@ -93,6 +94,16 @@ class Metrics:
                                          per_engine + ["position"], registry=r)
         self.grammar_compile_seconds = hist("grammar_compile_seconds", "Time to compile an output constraint's "
                                             "grammar (a compile-cache miss)", LATENCY_BUCKETS, True)
+        # expert-parallel load balancing (parallel.eplb)
+        self.eplb_balancedness = gauge("eplb_balancedness", "Mean over max of the expert-parallel ranks' expert "
+                                                            "loads in the load balancer's window (1: even)")
+        self.eplb_rebalances = counter("eplb_rebalances", "Expert placements recomputed and weights moved")
+        self.eplb_rebalance_seconds = counter("eplb_rebalance_seconds", "Time spent placing experts and moving "
+                                                                        "their weights between ranks")
+        self._expert_load = Gauge("appliance:expert_load", "Tokens routed to each logical expert in the load "
+                                  "balancer's window, over all sparse layers", per_engine + ["expert"], registry=r)
+        self.eplb_slot_load_ratio = hist("eplb_slot_load_ratio", "Each expert slot's load over the mean slot load "
+                                         "of its layer, when a rebalance reads the window", EPLB_RATIO_BUCKETS, True)
         # what the front end measures of each request, by the engine core that served it
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed", by_engine=False)
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
@@ -153,6 +164,14 @@ class Metrics:
                 max(0, accepted - before))
         for seconds in new.grammar_compile_seconds:
             e(self.grammar_compile_seconds).observe(seconds)
+        if new.expert_load:
+            e(self.eplb_balancedness).set(new.eplb_balancedness)
+            e(self.eplb_rebalances).inc(max(0, new.eplb_rebalances - old.eplb_rebalances))
+            e(self.eplb_rebalance_seconds).inc(max(0.0, new.eplb_rebalance_seconds - old.eplb_rebalance_seconds))
+            for expert, tokens in enumerate(new.expert_load):
+                self._expert_load.labels(**self.label_values, engine=str(engine), expert=str(expert)).set(tokens)
+            for ratio in new.eplb_slot_load_ratios:
+                e(self.eplb_slot_load_ratio).observe(ratio)
         now = time.monotonic()
         logged, at = self._logged.get(engine) or (StepStats(), now)
         if new.prefix_queries < logged.prefix_queries or new.spec_drafts < logged.spec_drafts:

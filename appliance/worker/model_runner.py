@@ -69,6 +69,7 @@ class RunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Optional[TokenLogprobs]]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts for the next step
+    expert_stats: Optional[dict] = None  # expert load balancing's figures (models/eplb.py Eplb.stats)
 
 
 class ModelRunner:
@@ -228,6 +229,9 @@ class ModelRunner:
         )
         for i, s in enumerate(states):
             s.num_computed_tokens = int(seq_lens[i])
+        eplb = getattr(self.model, "eplb", None)
+        if eplb is not None:
+            out.expert_stats = eplb.stats()
         if sampling:
             self._sample(logits.cpu(), [states[i] for i in sampling], num_drafts, out, so.grammar_bitmask)
         if self.proposer is not None:

@@ -30,9 +30,10 @@ def test_moe_ranks_give_the_tokens_of_one_rank(variant, tp, ep, pp):
 
 
 def test_two_engine_cores_split_the_experts():
-    """parallel=dp2_ep: each core has its own requests and half the experts;
-    the cores step together (an idle one joins the exchanges), answers equal
-    one core's, and a killed core brings both back on a fresh segment."""
+    """parallel=dp2_ep: each core has its own requests and half the experts
+    (with load balancing moving them between the cores); the cores step
+    together (an idle one joins the exchanges), answers equal one core's,
+    and a killed core brings both back on a fresh segment."""
     import os
     import signal
     import time
@@ -48,7 +49,10 @@ def test_two_engine_cores_split_the_experts():
     ref = [o.outputs[0].text for o in one.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0,
                                                                           ignore_eos=True), use_tqdm=False)]
     del one
-    s = ServerProcess(*TINY_MOE[1:], "parallel=dp2_ep", "server.core_restart_backoff_s=0.5")
+    # with load balancing every 5 forwards: the weights move between the cores as they serve
+    s = ServerProcess(*TINY_MOE[1:], "parallel=dp2_ep", "server.core_restart_backoff_s=0.5",
+                      "parallel.eplb.enabled=true", "parallel.eplb.num_redundant_experts=2",
+                      "parallel.eplb.step_interval=5", "parallel.eplb.window_size=5")
     try:
         # one request pinned to each core alone: the other core is idle and joins the exchanges
         for rank in (0, 1):
@@ -59,6 +63,8 @@ def test_two_engine_cores_split_the_experts():
         assert [r.json()["choices"][0]["text"] for r in answers] == ref
         text = httpx.get(f"{s.url}/metrics").text
         assert all(metric(text, "appliance:time_to_first_token_seconds_count", engine=str(e)) > 0 for e in (0, 1))
+        assert all(metric(text, "appliance:eplb_rebalances_total", engine=str(e)) > 0 for e in (0, 1))
+        assert 0 < metric(text, "appliance:eplb_balancedness", engine="0") <= 1
 
         pids = s.core_pids()
         os.kill(pids[0], signal.SIGKILL)  # the other core cannot go on alone: both restart
@@ -75,3 +81,51 @@ def test_two_engine_cores_split_the_experts():
         assert all(metric(text, "appliance:engine_restarts_total", engine=str(e)) == 1 for e in (0, 1))
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def skewed_router_folder(tmp_path_factory):
+    """The tiny Qwen3-MoE whose routers favour experts 0 and 1 (the other rows
+    zero: their ties fall to experts 5 and 6), so at ep4 rank 0 holds the two
+    hottest experts and rank 1 none of the four that take tokens."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from appliance.config.compose import resolve
+    from appliance.models.loader import resolve_model_folder
+
+    src = resolve_model_folder(resolve(TINY_MOE).cfg.model)
+    out = tmp_path_factory.mktemp("skewed") / "model"
+    shutil.copytree(src, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    for name, t in tensors.items():
+        if name.endswith(".mlp.gate.weight"):
+            skewed = torch.zeros_like(t)
+            skewed[:2] = 3.0 * t[:2]
+            tensors[name] = skewed
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_eplb_evens_the_load_and_keeps_the_tokens(skewed_router_folder):
+    """ep4 with 4 redundant slots: without a rebalance the ranks' loads are
+    uneven; rebalancing every 10 forwards replicates the hot experts and
+    spreads them, moving their weights between the ranks, and the tokens
+    and logprobs stay those of the unbalanced model."""
+    base = [*TINY_MOE, f"model.path={skewed_router_folder}", "parallel.tensor_parallel_size=4",
+            "parallel.enable_expert_parallel=true"]
+    eplb = ["parallel.eplb.enabled=true", "parallel.eplb.num_redundant_experts=4"]
+    plain, _ = generate(base, PROMPTS, 24)
+    runs = {}
+    for interval in (1000, 10):
+        outs, llm = generate([*base, *eplb, f"parallel.eplb.step_interval={interval}",
+                              f"parallel.eplb.window_size={interval}"], PROMPTS, 24)
+        assert_same(outs, plain)
+        runs[interval] = llm.engine.last_stats
+    unbalanced, balanced = runs[1000], runs[10]
+    assert unbalanced.eplb_rebalances == 0 and balanced.eplb_rebalances == 2
+    assert sum(unbalanced.expert_load[i] for i in (0, 1, 5, 6)) == sum(unbalanced.expert_load)  # the skew holds
+    assert unbalanced.eplb_balancedness < 0.75 < 0.9 < balanced.eplb_balancedness
+    assert balanced.eplb_slot_load_ratios == [] or max(balanced.eplb_slot_load_ratios) > 1.5  # reported once
