@@ -214,15 +214,28 @@ def _lockstep_runner(deployment: Deployment) -> tuple[Any, Any, Any]:
     from appliance.models.moe import ExpertParallel
     from appliance.worker.lockstep import ExpertGroup, Lockstep, LockstepRunner
 
+
     layout = deployment.layout
     if deployment.expert_group is None:
         raise ConfigError("expert parallelism across data-parallel engine cores needs the segment the front end "
                           "makes for them (Deployment.expert_group)")
-    rank = deployment.data_parallel_rank
-    group = ExpertGroup(ShmComm(deployment.expert_group, rank, layout.data_parallel_size,
-                                deployment.cfg.parallel.step_timeout_s))
-    runner, tokenizer = _model_runner(deployment, ep=ExpertParallel(rank, layout.data_parallel_size, group,
-                                                                     replicated=False))
+    rank, world = deployment.data_parallel_rank, layout.data_parallel_size
+    timeout_s = deployment.cfg.parallel.step_timeout_s
+    address = deployment.expert_group
+    if address.startswith("tcp://"):  # gloo between CPU cores, NCCL between GPU ones (each sees one device)
+        import datetime
+
+        import torch.distributed as dist
+
+        from appliance.worker.executor import TorchDistributedComm
+
+        device = "cpu" if deployment.device == "cpu" else "cuda"
+        dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=address, rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        group = ExpertGroup(TorchDistributedComm(world), rank, world, device)
+    else:
+        group = ExpertGroup(ShmComm(address, rank, world, timeout_s), rank, world)
+    runner, tokenizer = _model_runner(deployment, ep=ExpertParallel(rank, world, group, replicated=False))
     runner = LockstepRunner(runner)
     return runner, tokenizer, Lockstep(group, runner)
 
@@ -407,11 +420,18 @@ def serve(resolved: ResolvedConfig) -> int:
     print(f"deployment         {deployment.fingerprint}")
     from appliance.server.launch import serve_forever
 
-    return serve_forever(deployment, build_engine, make_expert_segment)
+    return serve_forever(deployment, build_engine, lambda n: expert_group_address(deployment, n))
 
 
-def make_expert_segment(world_size: int) -> str:
-    """A shared-memory segment for ``world_size`` lock-step engine cores (the front end makes one per generation)."""
-    from appliance.kernels.shm_comm import create_segment
+def expert_group_address(deployment: Deployment, world_size: int) -> str:
+    """Where ``world_size`` lock-step engine cores meet (the front end picks
+    one per generation of cores): a new shared-memory segment for CPU cores
+    with ``parallel.cpu_collectives=shm``, else a torch.distributed address
+    on this host (gloo, or NCCL between GPU cores)."""
+    from appliance.worker.executor import collectives, free_port
 
-    return create_segment(world_size)
+    if collectives(deployment, world_size) == "shm":
+        from appliance.kernels.shm_comm import create_segment
+
+        return create_segment(world_size)
+    return f"tcp://127.0.0.1:{free_port()}"

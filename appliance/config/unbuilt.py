@@ -23,11 +23,10 @@ def not_built(cfg: ApplianceConfig) -> list[str]:
     layout = (f"tp x pp x dp = {par.tensor_parallel_size} x {par.pipeline_parallel_size} x {par.data_parallel_size}"
               f"{', expert parallel' if par.enable_expert_parallel else ''}")
     if par.enable_expert_parallel and par.data_parallel_size > 1 and (
-            par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1 or cfg.hardware.device_kind != "cpu"
-            or par.executor == "ray"):
+            par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1 or par.executor == "ray"):
         out.append(f"parallel execution ({layout}): expert parallelism across data-parallel engine cores is built "
-                   f"for CPU cores of one rank each (parallel=dp2_ep), exchanging over shared memory; with "
-                   f"tensor or pipeline parallelism inside the cores, on GPUs or on Ray it is not built yet")
+                   f"for cores of one rank each (e.g. parallel=dp2_ep, dp8_ep); with tensor or pipeline "
+                   f"parallelism inside the cores, or on Ray, it is not built yet")
     if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
         if q.method not in TENSOR_PARALLEL_QUANTIZATION:
             out.append(f"quantization={q.method} with tensor or pipeline parallelism is not built yet (its weights "

@@ -14,8 +14,11 @@ their tokens in expert order.
 With tensor parallelism (no expert parallelism) every rank holds every
 expert's slice of the intermediate dimension, as vLLM splits them; with
 expert parallelism (``ExpertParallel``) each rank holds whole experts, a
-contiguous run of them. Either way each rank's sum is partial and the
-ranks' sums are all-reduced.
+contiguous run of expert slots (which expert a slot holds may change under
+load balancing, ``models/eplb.py``). Either way each rank's sum is partial
+and the ranks' sums are all-reduced; ranks that hold different tokens
+(data-parallel engine cores) first gather each other's rows
+(``SparseMoe.exchange``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class ExpertParallel:
     """This rank's experts under expert parallelism: rank ``rank`` of
-    ``size`` holds experts ``expert_range(num_experts, rank, size)`` whole.
+    ``size`` holds expert slots ``expert_range(slots, rank, size)``, each a
+    whole expert.
     ``replicated``: every rank holds the same tokens (the tensor-parallel
     ranks of one engine core), so ``comm.all_reduce`` of the partial sums is
     the whole exchange; else each rank has its own tokens (data-parallel
@@ -46,9 +50,9 @@ class ExpertParallel:
     replicated: bool = True
 
 
-def expert_range(num_experts: int, rank: int, size: int) -> tuple[int, int]:
-    """The global ids [start, end) rank ``rank`` of ``size`` holds (an even split; validation checks it divides)."""
-    per = num_experts // size
+def expert_range(slots: int, rank: int, size: int) -> tuple[int, int]:
+    """The slots [start, end) rank ``rank`` of ``size`` holds (an even split; validation checks it divides)."""
+    per = slots // size
     return rank * per, (rank + 1) * per
 
 
@@ -244,7 +248,7 @@ class SparseMoe(nn.Module):
         (``x`` of no rows: an idle engine core) takes part all the same, so
         the ranks' collectives line up."""
         comm = self.ep.comm
-        counts = [int(c) for c in comm.all_gather(torch.tensor([x.shape[0]], dtype=torch.int64))]
+        counts = [int(c) for c in comm.all_gather(torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device))]
         most = max(counts)
         if most == 0:
             return x

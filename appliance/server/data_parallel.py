@@ -149,8 +149,9 @@ class DataParallelClient:
 
 
 class ExpertGroupSegments:
-    """The shared-memory segment the lock-step cores exchange over, one per
-    generation of cores: each core is built on the current one; when any
+    """Where the lock-step cores exchange, one per generation of cores (a
+    shared-memory segment, or a torch.distributed address: what
+    ``make_segment`` gives): each core is built on the current one; when any
     core is lost (or a replacement fails to come up) a new generation
     starts and the cores of the old one are killed, so their supervisors
     start them all again on the new segment. A segment's file is unlinked
@@ -192,12 +193,12 @@ class ExpertGroupSegments:
                 self._unlink()
 
     def _unlink(self) -> None:
-        if self.path is not None:
+        if self.path is not None and os.path.isabs(self.path):  # a segment file, not a tcp:// address
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
-            self.path = None
+        self.path = None
 
     def close(self) -> None:
         self._unlink()

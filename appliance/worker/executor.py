@@ -120,7 +120,7 @@ def unlink_segments(segments: Optional[dict[str, str]]) -> None:
             pass
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -234,7 +234,7 @@ class MultiprocExecutor:
     """A step runner over ``world_size`` worker processes; see the module docstring."""
 
     def __init__(self, deployment: Any, build_rank: BuildRank, world_size: int, timeout_s: float):
-        port = _free_port()
+        port = free_port()
         self.collectives = collectives(deployment, world_size)
         layout = deployment.layout
         segments = (create_segments(layout.tensor_parallel_size, layout.pipeline_parallel_size)

@@ -28,11 +28,13 @@ IDLE_POLL_MS = 5  # how long an idle core waits for input between agreements
 
 
 class ExpertGroup:
-    """The cores' collectives (a ``ShmComm`` over the front end's segment),
-    with a failure made fatal."""
+    """The cores' collectives, with a failure made fatal: a ``ShmComm`` over
+    the front end's segment, or a torch.distributed group (gloo on CPUs,
+    NCCL on GPUs) at the address it picked; small tensors (the agreement's
+    flags) live on ``device``."""
 
-    def __init__(self, comm: Any):
-        self.comm, self.rank, self.world_size = comm, comm.rank, comm.world_size
+    def __init__(self, comm: Any, rank: int, world_size: int, device: Any = "cpu"):
+        self.comm, self.rank, self.world_size, self.device = comm, rank, world_size, device
 
     def _run(self, what: str, fn: Any, *args: Any) -> Any:
         try:
@@ -81,7 +83,7 @@ class Lockstep:
 
     def agree(self, has_work: bool, stopping: bool) -> tuple[bool, bool]:
         """(whether any core has work, whether every core is stopping)."""
-        flags = torch.tensor([float(has_work), float(stopping)])
+        flags = torch.tensor([float(has_work), float(stopping)], device=self.group.device)
         self.group.all_reduce(flags)
         return bool(flags[0] > 0), int(flags[1]) == self.group.world_size
 

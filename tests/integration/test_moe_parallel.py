@@ -129,3 +129,27 @@ def test_eplb_evens_the_load_and_keeps_the_tokens(skewed_router_folder):
     assert sum(unbalanced.expert_load[i] for i in (0, 1, 5, 6)) == sum(unbalanced.expert_load)  # the skew holds
     assert unbalanced.eplb_balancedness < 0.75 < 0.9 < balanced.eplb_balancedness
     assert balanced.eplb_slot_load_ratios == [] or max(balanced.eplb_slot_load_ratios) > 1.5  # reported once
+
+
+def test_engine_cores_split_the_experts_over_gloo():
+    """parallel=dp2_ep with parallel.cpu_collectives=gloo: the cores meet over
+    torch.distributed (as GPU cores do over NCCL) instead of shared memory."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from appliance import LLM, SamplingParams
+    from tests.integration.server_helpers import ServerProcess
+    from tests.integration.test_data_parallel import complete
+
+    one = LLM(overrides=TINY_MOE)
+    ref = [o.outputs[0].text for o in one.generate(PROMPTS[:4], SamplingParams(max_tokens=16, temperature=0,
+                                                                              ignore_eos=True), use_tqdm=False)]
+    del one
+    s = ServerProcess(*TINY_MOE[1:], "parallel=dp2_ep", "parallel.cpu_collectives=gloo")
+    try:
+        r = complete(s.url, PROMPTS[0], headers={"X-Data-Parallel-Rank": "1"})  # core 0 idle, joining in
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref[0]
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda p: complete(s.url, p), PROMPTS[:4]))
+        assert [a.json()["choices"][0]["text"] for a in answers] == ref
+    finally:
+        s.stop()
