@@ -180,7 +180,7 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
         runner, tokenizer = _model_runner(deployment)
     num_blocks, mml = deployment.num_kv_blocks, deployment.max_model_len
     kv = KVCacheManager(num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
-                        cfg.cache.prefix_caching_hash_algo)
+                        cfg.cache.prefix_caching_hash_algo, enable_events=cfg.kv_events.enabled)
     s = cfg.scheduler
     plan = deployment.plan
     budget = None
@@ -202,7 +202,23 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
     eos = tokenizer.eos_token_id
     return EngineCore(scheduler, runner, tokenizer, eos, vocab_size=cfg.model.vocab_size, token_budget=budget,
                       grammars=_grammars(cfg, tokenizer, eos),
-                      lockstep=lockstep if deployment.layout.experts_across_cores else None), tokenizer
+                      lockstep=lockstep if deployment.layout.experts_across_cores else None,
+                      kv_events=_kv_event_publisher(deployment)), tokenizer
+
+
+def _kv_event_publisher(deployment: Deployment) -> Any:
+    """The KV cache events' publisher of this engine core (``kv_events``), or None."""
+    ev = deployment.cfg.kv_events
+    if not ev.enabled:
+        return None
+    from appliance.server.kv_events import KVEventPublisher
+
+    try:
+        return KVEventPublisher(ev.endpoint, ev.replay_endpoint, ev.topic, ev.buffer_steps, ev.hwm,
+                                ev.max_queue_size, deployment.data_parallel_rank,
+                                "CPU" if deployment.device == "cpu" else "GPU")
+    except OSError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _lockstep_runner(deployment: Deployment) -> tuple[Any, Any, Any]:

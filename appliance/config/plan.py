@@ -200,6 +200,7 @@ class Plan:
     experts: Optional[dict[str, Any]] = None  # a mixture-of-experts model's experts per rank (experts_plan)
     speculative: str = "off"  # what drafts and how many, in words
     structured_output: str = ""  # how output constraints compile, in words
+    kv_events: str = "off"  # where the KV cache's block events are published, in words
     execution: dict[str, Any] = field(default_factory=dict)
     summary: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -331,6 +332,7 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         **comm,
         speculative=describe_speculative(cfg),
         structured_output=describe_structured_output(cfg),
+        kv_events=describe_kv_events(cfg),
         execution=ex.to_dict(),
         summary=ex.summary(),
         notes=notes,
@@ -377,6 +379,17 @@ def communication(cfg: ApplianceConfig, dtype: str, weight_bytes_per_device: int
         share = round(comm_s / (comm_s + compute_s), 3)
     return {"collectives_per_step": calls, "collective_bytes_per_token": per_token,
             "collective_bytes_per_sampled_token": per_sampled, "decode_comm_share": share}
+
+
+def describe_kv_events(cfg: ApplianceConfig) -> str:
+    ev = cfg.kv_events
+    if not ev.enabled:
+        return "off"
+    dp = cfg.parallel.data_parallel_size
+    where = f"{ev.endpoint}" + (f" (engine core r: port + r, {dp} cores)" if dp > 1 else "")
+    replay = (f"the last {ev.buffer_steps} steps replayable at {ev.replay_endpoint}" if ev.replay_endpoint
+              else "no replay")
+    return f"block events in vLLM's format on {where}, topic {ev.topic!r}; {replay}"
 
 
 def describe_structured_output(cfg: ApplianceConfig) -> str:
@@ -476,6 +489,7 @@ def format_plan(p: Plan) -> str:
         f"token budget       {p.token_budget} tokens per step ({p.token_budget_reason})",
         f"speculative        {p.speculative}",
         f"structured output  {p.structured_output}",
+        f"kv events          {p.kv_events}",
         *([f"kv swap space      {p.swap_kv_blocks} blocks in host memory (cache.swap_space_gib)"] if p.swap_kv_blocks else []),
     ]
     lines += [f"note: {n}" for n in p.notes]

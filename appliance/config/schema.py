@@ -332,6 +332,21 @@ class AttentionConfig:
 
 
 @dataclass
+class KVEventsConfig:
+    # Publish the KV cache's block events over ZeroMQ in vLLM's format (for
+    # KV-aware routers): a PUB socket at endpoint, the last buffer_steps
+    # batches replayable from replay_endpoint (null: no replay); engine core
+    # r of a data-parallel deployment binds port + r.
+    enabled: bool = False
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: Optional[str] = None
+    topic: str = ""
+    buffer_steps: int = 10_000
+    hwm: int = 100_000  # the PUB socket's send high-water mark (messages)
+    max_queue_size: int = 100_000  # steps queued for the publishing thread before events are dropped
+
+
+@dataclass
 class ApplianceConfig:
     profile: str = "none"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -344,6 +359,7 @@ class ApplianceConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
 
 def register() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from appliance.config.execution import choose_dtype
 from appliance.config.plan import GIB, activation_bytes, kv_bytes_per_token, max_model_len, weight_bytes
 from appliance.config.checkpoint import MOE_KEYS
-from appliance.config.schema import ApplianceConfig, EplbConfig, ModelConfig
+from appliance.config.schema import ApplianceConfig, EplbConfig, KVEventsConfig, ModelConfig
 from appliance.kernels.registry import BACKENDS
 
 FP8_HARDWARE = "h100, h200, b200 or mi300x"
@@ -142,6 +142,36 @@ def _moe_problems(cfg: ApplianceConfig) -> list[str]:
             problems.append(f"parallel.eplb.{key}={getattr(eplb, key)} must be at least 1")
     if eplb.num_redundant_experts < 0:
         problems.append(f"parallel.eplb.num_redundant_experts={eplb.num_redundant_experts} must not be negative")
+    return problems
+
+
+def _kv_events_problems(cfg: ApplianceConfig) -> list[str]:
+    ev = cfg.kv_events
+    problems = []
+    if not ev.enabled:
+        defaults = KVEventsConfig()
+        for key in ("endpoint", "replay_endpoint", "topic", "buffer_steps", "hwm", "max_queue_size"):
+            if getattr(ev, key) != getattr(defaults, key):
+                problems.append(f"kv_events.{key}={getattr(ev, key)} has no effect with kv_events.enabled=false")
+        return problems
+    for key in ("endpoint", "replay_endpoint"):
+        value = getattr(ev, key)
+        if value is None:
+            continue
+        scheme, sep, rest = value.partition("://")
+        if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+            problems.append(f"kv_events.{key}={value} must be a ZeroMQ endpoint (tcp://host:port, ipc://path "
+                            f"or inproc://name)")
+        elif scheme == "tcp" and not rest.rpartition(":")[2].isdigit():
+            problems.append(f"kv_events.{key}={value} needs a port (tcp://host:port)")
+    if ev.replay_endpoint is not None and ev.replay_endpoint == ev.endpoint:
+        problems.append("kv_events.replay_endpoint must differ from kv_events.endpoint")
+    for key, low in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1)):
+        if getattr(ev, key) < low:
+            problems.append(f"kv_events.{key}={getattr(ev, key)} must be at least {low}")
+    if not cfg.cache.enable_prefix_caching:
+        problems.append("kv_events.enabled=true publishes the prefix cache's blocks; it needs "
+                        "cache.enable_prefix_caching=true")
     return problems
 
 
@@ -302,6 +332,7 @@ def validate(cfg: ApplianceConfig) -> list[str]:
         problems.append(f"parallel.cpu_collectives={par.cpu_collectives} has no effect on hardware={hw.name} "
                         f"({hw.device_kind} ranks use {'RCCL' if hw.device_kind == 'rocm' else 'NCCL'}); leave it shm")
     problems += _moe_problems(cfg)
+    problems += _kv_events_problems(cfg)
     parts = par.pp_layer_partition
     if parts is not None:
         if len(parts) != par.pipeline_parallel_size or sum(parts) != m.num_layers or min(parts, default=0) < 1:

@@ -143,6 +143,14 @@ class Lockstep(Protocol):
     def idle_step(self) -> None: ...
 
 
+class EventSink(Protocol):
+    """Where the block pool's events go after each step (``server.kv_events.KVEventPublisher``)."""
+
+    def publish(self, events: list) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class StepRunner(Protocol):
     """The model side of a step (``worker.model_runner.ModelRunner``)."""
 
@@ -166,7 +174,8 @@ class EngineCore:
 
     def __init__(self, scheduler: Scheduler, runner: StepRunner, tokenizer: PreTrainedTokenizerBase,
                  eos_token_id: Optional[int], vocab_size: int = 0, token_budget: Optional[TokenBudget] = None,
-                 grammars: Optional[GrammarSource] = None, lockstep: Optional[Lockstep] = None):
+                 grammars: Optional[GrammarSource] = None, lockstep: Optional[Lockstep] = None,
+                 kv_events: Optional[EventSink] = None):
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
@@ -183,6 +192,7 @@ class EngineCore:
         self.grammars = grammars  # None: requests with structured_outputs are refused
         self._compiling: dict[str, Request] = {}  # requests waiting for their grammar
         self.lockstep = lockstep  # None: this core steps on its own
+        self.kv_events = kv_events  # None: the block pool's events are not published
         self._experts: Optional[dict] = None  # the runner's last expert load balancing figures
         self._slot_ratios: list[float] = []
 
@@ -261,7 +271,13 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every prefix-cache entry; False (nothing dropped) while requests hold blocks."""
-        return self.scheduler.kv.reset_prefix_cache()
+        done = self.scheduler.kv.reset_prefix_cache()
+        self._publish_events()
+        return done
+
+    def _publish_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.kv.pool.take_events())
 
     def reset_stats(self) -> None:
         """Count from zero again (after a warm-up: its work is not traffic)."""
@@ -280,6 +296,8 @@ class EngineCore:
             deltas = self._fail(list(self.scheduler.requests.values()))
             self.last_stats = self.stats()
             return deltas
+        finally:
+            self._publish_events()  # one batch per step, whatever the step did
 
     def _step(self) -> list[RequestOutputDelta]:
         failed_compiles = self._compiled() if self._compiling else []

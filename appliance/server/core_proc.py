@@ -76,6 +76,8 @@ def run_core(deployment: Deployment, build_engine: BuildEngine, in_addr: str, ou
         push.send(encode(Ready(num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size,
                                backend=deployment.execution.backend, pid=os.getpid())))
         _loop(engine, pull, push)
+        if engine.kv_events is not None:
+            engine.kv_events.close()  # what is queued goes out before the core exits
     except Exception as e:
         traceback.print_exc(file=sys.stderr)
         push.send(encode(Fatal(f"{type(e).__name__}: {e}")))

@@ -1,0 +1,210 @@
+"""KV-cache events over ZeroMQ (``kv_events``), in vLLM's wire format, so a
+subscriber written for vLLM (a KV-aware router) decodes them unchanged.
+
+After every engine step the core hands the block pool's events to
+``KVEventPublisher.publish``, which only queues them: a background thread
+converts and encodes each step's events as one ``KVEventBatch`` and sends
+it on a PUB socket as three frames, ``[topic, sequence number (8 bytes,
+big-endian, from 0), msgpack payload]``, so a step never waits on the
+network. The payload is msgspec's array-like encoding of
+``KVEventBatch(ts, events, data_parallel_rank)``, each event tagged by its
+class name: ``BlockStored(block_hashes, parent_block_hash, token_ids,
+block_size, lora_id, medium)``, ``BlockRemoved(block_hashes, medium)``,
+``AllBlocksCleared()``. Block hashes are 64-bit unsigned integers: the last
+8 bytes (big-endian) of a SHA-256 block hash, as vLLM converts them, or a
+builtin hash as unsigned.
+
+The last ``buffer_steps`` batches are kept for replay: a ROUTER socket at
+``replay_endpoint`` takes a request of one frame, the 8-byte sequence
+number to start from, and answers each kept batch from there as ``[seq,
+payload]``, then ``[-1 (8 bytes, signed), b""]`` to end. With data
+parallelism, engine core ``r`` binds each endpoint's port + ``r``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any, Optional, Union
+from urllib.parse import urlsplit
+
+import msgspec
+
+log = logging.getLogger("appliance.engine")
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: Optional[int] = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """An event about the KV cache's blocks (tagged by class name on the wire)."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: Optional[int]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: Optional[str]
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_STOP = object()
+
+
+def external_hash(block_hash: Any) -> int:
+    """A block hash as the 64-bit unsigned integer subscribers see."""
+    if isinstance(block_hash, (bytes, bytearray)):
+        return int.from_bytes(block_hash[-8:], "big")
+    return int(block_hash) & (1 << 64) - 1
+
+
+def to_wire(events: list[Any], medium: str) -> list[KVCacheEvent]:
+    """The block pool's events (``engine.kv_cache.block_pool.KVCacheEvent``) as the wire's."""
+    out: list[KVCacheEvent] = []
+    for e in events:
+        if e.kind == "BlockStored":
+            parent = None if e.parent_block_hash is None else external_hash(e.parent_block_hash)
+            out.append(BlockStored([external_hash(h) for h in e.block_hashes], parent, list(e.token_ids),
+                                   e.block_size, None, medium))
+        elif e.kind == "BlockRemoved":
+            out.append(BlockRemoved([external_hash(h) for h in e.block_hashes], medium))
+        elif e.kind == "AllBlocksCleared":
+            out.append(AllBlocksCleared())
+        else:
+            raise ValueError(f"unknown KV cache event {e.kind!r}")
+    return out
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """Engine core ``rank``'s endpoint: a tcp port plus ``rank``; an ipc or
+    inproc name with ``-dp<rank>`` appended (rank 0 keeps the endpoint)."""
+    if rank == 0:
+        return endpoint
+    parts = urlsplit(endpoint)
+    if parts.scheme == "tcp":
+        host, _, port = parts.netloc.rpartition(":")
+        return f"tcp://{host}:{int(port) + rank}"
+    return f"{endpoint}-dp{rank}"
+
+
+class KVEventPublisher:
+    """Publishes each step's events from a background thread (see the module
+    docstring). Binding happens in the constructor's thread of work, and a
+    failure to bind (a port in use) raises here. A full queue
+    (``max_queue_size`` steps not yet sent) drops the step's events and
+    counts them (``dropped``): a subscriber sees the gap in the sequence."""
+
+    def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, topic: str = "",
+                 buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000,
+                 data_parallel_rank: int = 0, medium: str = "GPU"):
+        self.endpoint = offset_endpoint(endpoint, data_parallel_rank)
+        self.replay_endpoint = None if replay_endpoint is None else offset_endpoint(replay_endpoint,
+                                                                                    data_parallel_rank)
+        self.topic = topic.encode()
+        self.rank, self.medium = data_parallel_rank, medium
+        self.hwm, self.buffer_steps = hwm, buffer_steps
+        self.dropped = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue_size)
+        self._ready = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise OSError(f"kv_events: cannot bind {self.endpoint} or {self.replay_endpoint}: {self._error}")
+
+    def publish(self, events: list[Any]) -> None:
+        """Queue one step's block pool events (nothing for a step without any)."""
+        if not events:
+            return
+        try:
+            self._queue.put_nowait((time.time(), events))
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.warning("kv_events: the publisher's queue is full; %d steps' events dropped", self.dropped)
+
+    def close(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        import zmq
+
+        ctx = zmq.Context()
+        pub = ctx.socket(zmq.PUB)
+        replay = None
+        try:
+            pub.setsockopt(zmq.SNDHWM, self.hwm)
+            pub.bind(self.endpoint)
+            if self.replay_endpoint is not None:
+                replay = ctx.socket(zmq.ROUTER)
+                replay.bind(self.replay_endpoint)
+        except zmq.ZMQError as e:
+            self._error = e
+            self._ready.set()
+            pub.close(linger=0)
+            if replay is not None:
+                replay.close(linger=0)
+            ctx.term()
+            return
+        self._ready.set()
+        encoder = msgspec.msgpack.Encoder()
+        kept: deque[tuple[int, bytes]] = deque(maxlen=self.buffer_steps)
+        seq = 0
+        try:
+            while True:
+                if replay is not None:
+                    while replay.poll(0):
+                        self._answer_replay(replay, kept)
+                try:
+                    item = self._queue.get(timeout=0.005)
+                except queue.Empty:
+                    continue
+                if item is _STOP:
+                    return
+                ts, events = item
+                payload = encoder.encode(KVEventBatch(ts, to_wire(events, self.medium), self.rank))
+                pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+                kept.append((seq, payload))
+                seq += 1
+        finally:
+            pub.close(linger=100)
+            if replay is not None:
+                replay.close(linger=100)
+            ctx.term()
+
+    @staticmethod
+    def _answer_replay(replay: Any, kept: deque) -> None:
+        frames = replay.recv_multipart()
+        client, start = frames[0], frames[-1]  # a REQ client's empty delimiter frame sits between them
+        delimiter = [b""] if len(frames) > 2 else []
+        if len(start) != 8:
+            replay.send_multipart([client, *delimiter, END_SEQ, b""])
+            return
+        first = int.from_bytes(start, "big")
+        for seq, payload in kept:
+            if seq >= first:
+                replay.send_multipart([client, *delimiter, seq.to_bytes(8, "big"), payload])
+        replay.send_multipart([client, *delimiter, END_SEQ, b""])
