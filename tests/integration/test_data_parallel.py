@@ -115,3 +115,44 @@ def _as_list(cores: str) -> str:
 def test_the_offline_llm_refuses_data_parallelism():
     with pytest.raises(ConfigError, match="behind one server"):
         LLM(overrides=["+profile=cpu", *TINY, "parallel=dp2"])
+
+
+def test_each_engine_core_publishes_kv_events_on_its_own_port():
+    """kv_events with dp2: core r binds the endpoint's port + r, and its
+    batches say its rank; a request pinned to a core shows up on its port."""
+    import socket
+
+    import zmq
+
+    from appliance.server.local import free_port
+    from tests.unit.test_kv_events import DECODER, BlockStored
+
+    port = free_port()
+    while True:  # the next port must be free too
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+                break
+            except OSError:
+                port = free_port()
+    s = ServerProcess(*TINY, "parallel=dp2", "kv_events=zmq", f"kv_events.endpoint=tcp://127.0.0.1:{port}",
+                      "kv_events.replay_endpoint=null")
+    subs = []
+    try:
+        for rank in (0, 1):
+            sub = zmq.Context.instance().socket(zmq.SUB)
+            sub.connect(f"tcp://127.0.0.1:{port + rank}")
+            sub.setsockopt_string(zmq.SUBSCRIBE, "")
+            subs.append(sub)
+        time.sleep(0.3)
+        for rank in (0, 1):
+            prompt = f"{PROMPTS[3]} {PROMPTS[7]} rank {rank}"  # several full blocks
+            assert complete(s.url, prompt, headers={"X-Data-Parallel-Rank": str(rank)}).status_code == 200
+            assert subs[rank].poll(10_000), f"no events from engine core {rank}"
+            batch = DECODER.decode(subs[rank].recv_multipart()[2])
+            assert batch.data_parallel_rank == rank
+            assert any(isinstance(e, BlockStored) for e in batch.events)
+    finally:
+        for sub in subs:
+            sub.close(linger=0)
+        s.stop()
