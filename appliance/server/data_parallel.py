@@ -163,10 +163,11 @@ class ExpertGroupSegments:
         self.generation = 0
         self.path: Optional[str] = make_segment(len(clients))
         self.built_on = [-1] * len(clients)  # the generation each client's current core was built on
+        self.ready_on = [-1] * len(clients)  # the generation of each client's core that last came up
         for r, c in enumerate(clients):
             c.prepare = lambda r=r: self._prepare(r)
             c.on_lost = lambda r=r: self._lost(r)
-            c.on_ready = self._ready
+            c.on_ready = lambda r=r: self._ready(r)
 
     def _prepare(self, rank: int):
         if self.path is None:  # unlinked: every core of this generation came up, and now one starts again
@@ -187,10 +188,10 @@ class ExpertGroupSegments:
             if c.proc is not None and c.proc.is_alive():
                 c.proc.kill()
 
-    def _ready(self) -> None:
-        if all(g == self.generation for g in self.built_on) and all(c.ready_info is not None for c in self.clients):
-            if all(c.proc is not None and c.proc.is_alive() for c in self.clients):
-                self._unlink()
+    def _ready(self, rank: int) -> None:
+        self.ready_on[rank] = self.built_on[rank]
+        if all(g == self.generation for g in self.ready_on):  # every core of this generation has mapped it
+            self._unlink()
 
     def _unlink(self) -> None:
         if self.path is not None and os.path.isabs(self.path):  # a segment file, not a tcp:// address

@@ -102,12 +102,18 @@ def test_lock_step_cores_restart_together_on_a_fresh_segment():
 
     class Client:
         def __init__(self):
-            self.deployment, self.proc, self.ready_info = Dep(), None, None
+            self.deployment, self.proc = Dep(), None
 
-        def launch(self):  # what EngineClient._launch does with the hooks
+        def start(self):  # what EngineClient._launch does with the hooks: prepare, spawn ...
             self.deployment = self.prepare()
-            self.proc, self.ready_info = Proc(), "ready"
+            self.proc = Proc()
+
+        def ready(self):  # ... and hear the core's Ready
             self.on_ready()
+
+        def launch(self):
+            self.start()
+            self.ready()
 
     clients = [Client(), Client()]
     from appliance.kernels.shm_comm import create_segment
@@ -125,7 +131,9 @@ def test_lock_step_cores_restart_together_on_a_fresh_segment():
     assert second != first and os.path.exists(second) and not clients[0].proc.is_alive()
     clients[0].on_lost()  # its supervisor hears of it: the same generation goes on
     assert seg.path == second and seg.generation == 1
-    clients[0].launch()
+    clients[0].start()
     clients[1].launch()
+    assert os.path.exists(second)  # core 0 of this generation is not up yet: it may not have mapped it
+    clients[0].ready()
     assert {c.deployment.expert_group for c in clients} == {second} and not os.path.exists(second)
     seg.close()
