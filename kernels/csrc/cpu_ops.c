@@ -1,5 +1,6 @@
 /*
- * Native CPU kernels for the Llama-family forward (AVX2 + FMA, OpenMP).
+ * Native CPU kernels for the Llama-family forward (AVX2 + FMA, OpenMP), dense or
+ * mixture of experts (moe_forward: the routing is a callback, the experts grouped).
  *
  * One call runs a whole forward step over the flattened token batch:
  * embedding, every decoder layer (RMSNorm, packed QKV GEMM, q/k norm, rope,
