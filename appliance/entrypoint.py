@@ -46,6 +46,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: each prompt token's log-probability given those before it (the first None)
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
 
 PromptType = Union[str, list[int]]
@@ -107,7 +109,8 @@ class LLM:
         self._run([parent for parent, _, _ in parents], use_tqdm)
         return [RequestOutput(parent.request_id, text, ids,
                               [CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs)
-                               for c in parent.children], parent.num_cached_tokens)
+                               for c in parent.children], parent.num_cached_tokens,
+                              parent.children[0].prompt_logprobs)
                 for parent, text, ids in parents]
 
     def chat(

@@ -96,6 +96,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: Optional[int] = None  # number of top logprobs besides the sampled one
+    # the log-probability of each prompt token given those before it (the first: None), with this many top
+    # candidates besides it; such a request computes its whole prompt (no prefix-cache hits), as vLLM's does
+    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
 
@@ -144,6 +147,8 @@ class SamplingParams:
             bad(f"repetition_penalty must be positive, got {self.repetition_penalty}", "repetition_penalty")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}", "prompt_logprobs")
         if any(not s for s in self.stop):
             bad("stop strings must not be empty", "stop")
         if any(t < 0 for t in self.stop_token_ids):

@@ -49,6 +49,8 @@ class RequestOutputDelta(msgspec.Struct):
     finish_reason: Optional[str] = None
     stop_reason: Union[str, int, None] = None  # "stop_string", the stop token id, or None (EOS, length)
     logprobs: list[Optional[TokenLogprob]] = []
+    # with the request's first delta, when it asked for them: one per prompt token (the first None)
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -94,6 +96,8 @@ class StepOutput(Protocol):
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[Optional[SampledLogprob]]]
     spec_token_ids: dict[str, list[int]]  # drafts proposed for the next step (speculative decoding)
+    # (the prompt index of the first token scored, logprobs from it on) for requests asking for prompt logprobs
+    prompt_logprobs: dict[str, tuple[int, list[SampledLogprob]]]
 
 
 class RequestGrammar(Protocol):
@@ -194,6 +198,8 @@ class EngineCore:
         self.lockstep = lockstep  # None: this core steps on its own
         self.kv_events = kv_events  # None: the block pool's events are not published
         self._experts: Optional[dict] = None  # the runner's last expert load balancing figures
+        # prompt logprobs gathered so far, until the request's first delta carries them
+        self._prompt_lps: dict[str, list[Optional[TokenLogprob]]] = {}
         self._slot_ratios: list[float] = []
 
     def add_request(
@@ -219,6 +225,8 @@ class EngineCore:
                       arrival_time=arrival_time, priority=priority, cache_salt=cache_salt, grammar=grammar)
         self.scheduler.add_request(req)
         self.detok[request_id] = detok
+        if params.prompt_logprobs is not None:
+            self._prompt_lps[request_id] = [None]  # the first prompt token has nothing before it
         if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
             self._compiling[request_id] = req
 
@@ -238,6 +246,7 @@ class EngineCore:
     def abort(self, request_ids: list[str]) -> None:
         for req in self.scheduler.abort(request_ids):
             self.detok.pop(req.request_id, None)
+            self._prompt_lps.pop(req.request_id, None)
             self._strikes.pop(req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -326,6 +335,8 @@ class EngineCore:
             self._slot_ratios += experts["slot_load_ratios"]
         if alone is not None and (alone in runner_out.sampled_token_ids or alone not in sched_out.num_scheduled_tokens):
             self._suspects.remove(alone)  # it ran on its own to a sample: cleared
+        if self._prompt_lps:
+            self._gather_prompt_logprobs(getattr(runner_out, "prompt_logprobs", None) or {})
         stopped: dict[str, tuple[int, Union[str, int, None]]] = {}
         failed: dict[str, Request] = {}
         for rid, toks in runner_out.sampled_token_ids.items():
@@ -378,6 +389,7 @@ class EngineCore:
                 finish_reason=req.finish_reason if u.finished else None,
                 stop_reason=req.stop_reason if u.finished else None,
                 logprobs=_token_logprobs(runner_out.logprobs.get(req.request_id, ())[: len(u.new_token_ids)]),
+                prompt_logprobs=self._take_prompt_logprobs(req) if self._prompt_lps else None,
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_output_tokens=req.num_output_tokens,
                 num_cached_tokens=max(0, req.num_cached_tokens),
@@ -389,6 +401,21 @@ class EngineCore:
             deltas += self._fail([r for r in failed.values() if r is not None])
         self.last_stats = self.stats(sched_out.total_num_scheduled_tokens)
         return failed_compiles + deltas
+
+    def _gather_prompt_logprobs(self, scored: dict[str, tuple[int, Sequence[SampledLogprob]]]) -> None:
+        """Append what this step scored of each prompt; positions scored before
+        (the prompt runs again after a preemption or a failed step) are skipped."""
+        for rid, (first, lps) in scored.items():
+            got = self._prompt_lps.get(rid)
+            if got is not None and first <= len(got) < first + len(lps):
+                got += _token_logprobs(lps[len(got) - first:])
+
+    def _take_prompt_logprobs(self, req: Request) -> Optional[list[Optional[TokenLogprob]]]:
+        """A request's prompt logprobs, once all are in (for its first delta with tokens)."""
+        got = self._prompt_lps.get(req.request_id)
+        if got is None or len(got) < req.num_prompt_tokens:
+            return None
+        return self._prompt_lps.pop(req.request_id)
 
     # -- structured outputs ----------------------------------------------------
     def _compiled(self) -> list[RequestOutputDelta]:
@@ -531,6 +558,7 @@ class EngineCore:
         deltas = []
         for req in reqs:
             self.detok.pop(req.request_id, None)
+            self._prompt_lps.pop(req.request_id, None)
             self._strikes.pop(req.request_id, None)
             if req.request_id in self._suspects:
                 self._suspects.remove(req.request_id)

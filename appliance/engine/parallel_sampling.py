@@ -37,6 +37,7 @@ class Child:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: Optional[list[Optional[TokenLogprob]]] = None  # a list when the request asks for logprobs
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # one per prompt token, when asked for
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Union[str, int, None] = None
@@ -53,6 +54,8 @@ class Child:
         self.token_ids.extend(d.new_token_ids)
         if self.logprobs is not None:
             self.logprobs.extend(d.logprobs)
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.num_prompt_tokens = d.num_prompt_tokens
         self.num_output_tokens = d.num_output_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)

@@ -168,7 +168,7 @@ async def completions(request: Request) -> Response:
     for ids in prompts:
         check_length(st, len(ids), params, "prompt")
     g = GenerationRequest(prompts, texts, params, stream, include_usage, priority, salt, echo, lp_mode,
-                          _pinned_rank(request, st, body))
+                          body.get("prompt_logprobs") is not None, _pinned_rank(request, st, body))
     gen = Generation(st, g, new_id("cmpl"), "n" if len(prompts) == 1 else "prompt")
     created = now()
     echo_text = [(texts[i] if texts[i] is not None else st.tokenizer.decode(prompts[i])) if echo else ""
@@ -191,7 +191,7 @@ async def chat_completions(request: Request) -> Response:
     ids, text = await tokenize(st, chat_prompt, body, True, tools.tools if tools is not None else None)
     check_length(st, len(ids), params, "messages")
     g = GenerationRequest([ids], [text], params, stream, include_usage, priority, salt, False, lp_mode,
-                          _pinned_rank(request, st, body))
+                          body.get("prompt_logprobs") is not None, _pinned_rank(request, st, body))
     gen = Generation(st, g, new_id("chatcmpl"))
     created = now()
     calls = tool_output(tools, st.cfg.server.tool_parser)

@@ -219,7 +219,6 @@ NOT_BUILT = {
     "structural_tag": "structural tags",
     "allowed_token_ids": "allowed_token_ids",
     "bad_words": "bad_words",
-    "prompt_logprobs": "prompt logprobs",
     "truncate_prompt_tokens": "prompt truncation",
     "chat_template": "custom chat templates",
     "chat_template_kwargs": "chat template arguments",
@@ -267,6 +266,7 @@ class GenerationRequest:
     cache_salt: Optional[str]
     echo: bool = False
     logprobs_mode: Optional[str] = None  # "completion" | "chat" | None
+    prompt_logprobs: bool = False  # the body asked for them: the response carries 'prompt_logprobs'
     data_parallel_rank: Optional[int] = None  # the engine core the client pinned (None: the least loaded)
 
 
@@ -312,6 +312,11 @@ def sampling_from_body(body: dict, *, chat: bool, vocab_size: int) -> tuple[Samp
     else:
         n_lp = _int(body, "logprobs", lo=0, hi=20)
         logprobs_mode = "completion" if n_lp is not None else None
+    n_prompt_lp = _int(body, "prompt_logprobs", lo=0, hi=20)
+    if n_prompt_lp is not None and typed(body, "stream", (bool,), False):
+        raise OpenAIError(400, "'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
+    if not chat and n_lp is not None and n_prompt_lp is None and typed(body, "echo", (bool,), False):
+        n_prompt_lp = n_lp  # the echoed prompt's tokens get logprobs too, as the output's
     n = _int(body, "n", 1, lo=1, hi=MAX_N)
     if _int(body, "best_of", 1) not in (1, n):
         raise OpenAIError(400, "'best_of' is not supported; use 'n'", param="best_of")
@@ -334,6 +339,7 @@ def sampling_from_body(body: dict, *, chat: bool, vocab_size: int) -> tuple[Samp
             repetition_penalty=_float(body, "repetition_penalty", 1.0),
             logit_bias=logit_bias,
             logprobs=n_lp,
+            prompt_logprobs=n_prompt_lp,
             skip_special_tokens=typed(body, "skip_special_tokens", (bool,), True),
         )
     except SamplingParamsError as e:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence, Union
 from appliance.engine.core import TokenLogprob
 from appliance.engine.parallel_sampling import Child
 from appliance.server.generation import Generation, map_engine_error
-from appliance.server.protocol import usage
+from appliance.server.protocol import GenerationRequest, usage
 from appliance.server.state import ServerState
 from appliance.server.tools import ContentDelta, ToolCallStream, ToolRequest, extract_tool_calls
 
@@ -57,21 +57,79 @@ def format_logprobs(tokenizer: PreTrainedTokenizerBase, mode: str, lps: Optional
     return out
 
 
+def format_prompt_logprobs(tokenizer: PreTrainedTokenizerBase,
+                           lps: Optional[Sequence[Optional[TokenLogprob]]]) -> Optional[list[Optional[dict]]]:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first None) a map of
+    token id to its logprob, rank and text: the prompt token and the top candidates."""
+    if lps is None:
+        return None
+    out: list[Optional[dict]] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(i): {"logprob": v, "rank": r, "decoded_token": tokenizer.decode([i])}
+                 for r, (i, v) in enumerate(lp.top, 1)}
+        entry.setdefault(str(lp.token_id), {"logprob": lp.logprob, "rank": lp.rank,
+                                            "decoded_token": tokenizer.decode([lp.token_id])})
+        out.append(entry)
+    return out
+
+
+def echo_logprobs(tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int],
+                  prompt_lps: Optional[Sequence[Optional[TokenLogprob]]], output: dict) -> dict:
+    """The completions API's logprobs of an echoed prompt (the first token's
+    None, as OpenAI's), then ``output``'s (``format_logprobs``, offsets after the prompt)."""
+    lps = list(prompt_lps or ())
+    lps += [None] * (len(prompt_ids) - len(lps))
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for tok_id, lp in zip(prompt_ids, lps):
+        tok = tokenizer.decode([tok_id])
+        out["tokens"].append(tok)
+        out["token_logprobs"].append(None if lp is None else lp.logprob)
+        top = None
+        if lp is not None:
+            top = {tokenizer.decode([i]): v for i, v in lp.top}
+            top.setdefault(tok, lp.logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(tok)
+    for key, values in output.items():
+        out[key] += values
+    return out
+
+
 def _head(st: ServerState, gen: Generation, obj: str, created: int) -> dict[str, Union[str, int]]:
     return {"id": gen.request_id, "object": obj, "created": created, "model": st.model_name}
 
 
 # -- /v1/completions -------------------------------------------------------------
+def _completion_logprobs(st: ServerState, g: GenerationRequest, prompt_index: int, lps, prompt_lps,
+                         offset: int, echoed: bool) -> Optional[dict]:
+    """A choice's (or chunk's) ``logprobs``: with the echoed prompt's first when ``echoed``."""
+    if not g.logprobs_mode:
+        return None
+    out = format_logprobs(st.tokenizer, "completion", lps, offset)
+    return echo_logprobs(st.tokenizer, g.prompts[prompt_index], prompt_lps, out) if echoed else out
+
+
 def completion_body(st: ServerState, gen: Generation, created: int, children: list[Child],
                     echo_text: list[str]) -> dict:
-    lp_mode = gen.request.logprobs_mode
-    prompt_tokens = sum(len(p) for p in gen.request.prompts)
+    g = gen.request
+    prompt_tokens = sum(len(p) for p in g.prompts)
+    choices = []
+    for c in children:
+        choice = {"index": c.index, "text": echo_text[c.prompt_index] + c.text,
+                  "logprobs": _completion_logprobs(st, g, c.prompt_index, c.logprobs, c.prompt_logprobs,
+                                                   len(echo_text[c.prompt_index]), g.echo),
+                  "finish_reason": c.finish_reason}
+        if g.prompt_logprobs:
+            choice["prompt_logprobs"] = format_prompt_logprobs(st.tokenizer, c.prompt_logprobs)
+        choices.append(choice)
     return {
         **_head(st, gen, "text_completion", created),
-        "choices": [{"index": c.index, "text": echo_text[c.prompt_index] + c.text,
-                     "logprobs": format_logprobs(st.tokenizer, "completion", c.logprobs,
-                                                 len(echo_text[c.prompt_index])) if lp_mode else None,
-                     "finish_reason": c.finish_reason} for c in children],
+        "choices": choices,
         "usage": usage(prompt_tokens, sum(c.num_output_tokens for c in children),
                        sum(c.num_cached_tokens for c in children)),
     }
@@ -87,10 +145,14 @@ async def completion_events(st: ServerState, gen: Generation, created: int, echo
     try:
         async for child, d in gen.deltas():
             text = d.new_text
-            if g.echo and child.index not in sent_echo:
+            off = offsets.get(child.index, 0)
+            # the prompt is echoed with the first delta that has its logprobs (when the request wants them)
+            echoed = g.echo and child.index not in sent_echo and (
+                not g.logprobs_mode or d.prompt_logprobs is not None or d.finished)
+            if echoed:
                 text = echo_text[child.prompt_index] + text
                 sent_echo.add(child.index)
-            off = offsets.get(child.index, 0)
+                off = 0
             offsets[child.index] = off + len(text)
             if d.finished:
                 completion_tokens += d.num_output_tokens
@@ -98,7 +160,8 @@ async def completion_events(st: ServerState, gen: Generation, created: int, echo
                 continue
             yield sse({**head, "choices": [{
                 "index": child.index, "text": text,
-                "logprobs": format_logprobs(st.tokenizer, "completion", d.logprobs, off) if g.logprobs_mode else None,
+                "logprobs": _completion_logprobs(st, g, child.prompt_index, d.logprobs, d.prompt_logprobs,
+                                                 off + len(echo_text[child.prompt_index]) if echoed else off, echoed),
                 "finish_reason": d.finish_reason if d.finished else None}]})
         if g.include_usage:
             yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
@@ -151,12 +214,15 @@ def chat_body(st: ServerState, gen: Generation, created: int, children: list[Chi
         choices.append({"index": c.index, "message": msg,
                         "logprobs": format_logprobs(st.tokenizer, "chat", c.logprobs, 0) if lp_mode else None,
                         "finish_reason": calls.finish_reason(c.finish_reason, called) if calls else c.finish_reason})
-    return {
+    body = {
         **_head(st, gen, "chat.completion", created),
         "choices": choices,
         "usage": usage(len(gen.request.prompts[0]), sum(c.num_output_tokens for c in children),
                        max((c.num_cached_tokens for c in children), default=0)),
     }
+    if gen.request.prompt_logprobs:  # the children share the prompt
+        body["prompt_logprobs"] = format_prompt_logprobs(st.tokenizer, children[0].prompt_logprobs)
+    return body
 
 
 def _chat_deltas(text: str, finished: bool, stream: Optional[ToolCallStream]) -> list[dict]:

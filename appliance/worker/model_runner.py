@@ -21,6 +21,12 @@ each position's randomness from a generator seeded by (seed, position),
 so its text is the same alone, in any batch, after preemption and after a
 retried step, with or without n-gram drafts (see ``sampler``).
 
+A request that asks for prompt logprobs gets a row of logits at each
+prompt position its chunk computes (but the last, which samples): row q
+scores prompt token q + 1, so every prompt token but the first is scored
+once as its prefill goes by (``prompt_logprobs``, rows after the sampling
+rows).
+
 The runner, not the model, chooses how a step runs: a backend that says
 ``native_forward`` (cpu_native) runs the whole step in one native call,
 built by ``backend.build_native_forward(model)`` from the model's public
@@ -39,7 +45,8 @@ import torch
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
 from appliance.sampling_params import SamplingParams
-from appliance.worker.sampler import SampleRequest, TokenLogprobs, position_generator, sample, verify_drafts
+from appliance.worker.sampler import (SampleRequest, TokenLogprobs, position_generator, prompt_logprobs, sample,
+                                      verify_drafts)
 
 
 @dataclass
@@ -69,6 +76,8 @@ class RunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Optional[TokenLogprobs]]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts for the next step
+    # requests that asked for prompt logprobs: (the prompt index of the first token scored, its logprobs on)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     expert_stats: Optional[dict] = None  # expert load balancing's figures (models/eplb.py Eplb.stats)
 
 
@@ -216,8 +225,12 @@ class ModelRunner:
         sampling = [i for i, s in enumerate(states) if seq_lens[i] >= len(s.token_ids)]
         # a request verifying drafts gets a row at each draft position and one past them
         num_drafts = [len(states[i].spec) for i in sampling]
-        logits_indices = np.concatenate([np.arange(qsl[i + 1] - 1 - nd, qsl[i + 1]) for i, nd in zip(sampling, num_drafts)]
-                                        ) if sampling else np.zeros(0, dtype=np.int64)
+        # then, for prompt logprobs, a row at each prompt position of the chunk that does not sample
+        scored = [(i, int(computed[i]), min(int(seq_lens[i]), s.num_prompt_tokens - 1)) for i, s in enumerate(states)
+                  if s.params.prompt_logprobs is not None and computed[i] < s.num_prompt_tokens - 1]
+        logits_indices = np.concatenate(
+            [np.arange(qsl[i + 1] - 1 - nd, qsl[i + 1]) for i, nd in zip(sampling, num_drafts)]
+            + [np.arange(qsl[i], qsl[i] + end - c) for i, c, end in scored] + [np.zeros(0, dtype=np.int64)])
         dev = self.device
         metadata = self.backend.build_metadata(common)
         logits = self.step_forward()(
@@ -232,8 +245,13 @@ class ModelRunner:
         eplb = getattr(self.model, "eplb", None)
         if eplb is not None:
             out.expert_stats = eplb.stats()
+        logits = logits.cpu()
+        num_sample_rows = len(sampling) + sum(num_drafts)
+        if scored:
+            self._score_prompts(logits[num_sample_rows:], [(states[i], c, end) for i, c, end in scored], out)
         if sampling:
-            self._sample(logits.cpu(), [states[i] for i in sampling], num_drafts, out, so.grammar_bitmask)
+            self._sample(logits[:num_sample_rows], [states[i] for i in sampling], num_drafts, out,
+                         so.grammar_bitmask)
         if self.proposer is not None:
             # the real tokens each request now has K/V for (and, for one that sampled, its new last token)
             ends = [len(s.token_ids) if s.req_id in out.sampled_token_ids else int(seq_lens[i])
@@ -245,6 +263,17 @@ class ModelRunner:
                     out.spec_token_ids[rid] = tokens
                     self.requests[rid].draft_q = q
         return out
+
+    @staticmethod
+    def _score_prompts(logits: torch.Tensor, spans: list[tuple[CachedRequestState, int, int]],
+                       out: RunnerOutput) -> None:
+        """Rows for positions ``start..end - 1`` of each request in turn score its prompt tokens ``start + 1..end``."""
+        row = 0
+        for s, start, end in spans:
+            n = end - start
+            out.prompt_logprobs[s.req_id] = (start + 1, prompt_logprobs(
+                logits[row : row + n], s.token_ids[start + 1 : end + 1], s.params.prompt_logprobs))
+            row += n
 
     def _row(self, s: CachedRequestState, drafted: list[int]) -> SampleRequest:
         """``s`` as of the position after its tokens and ``drafted``."""

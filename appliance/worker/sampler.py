@@ -188,6 +188,22 @@ def _token_logprobs(lp: torch.Tensor, tok: int, k: int) -> TokenLogprobs:
                          if top is not None else [])
 
 
+def prompt_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:
+    """Row j of ``logits`` (raw, as ``sample`` takes its logprobs) scores
+    ``token_ids[j]``: its log-probability, rank, and the ``k`` top candidates."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(token_ids, dtype=torch.long)
+    chosen = lp.gather(1, ids.unsqueeze(1))
+    ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
+    values = chosen.squeeze(1).tolist()
+    if k:
+        top = torch.topk(lp, min(k, lp.shape[1]), dim=1)
+        tops = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    else:
+        tops = [[] for _ in token_ids]
+    return [TokenLogprobs(t, v, r, c) for t, v, r, c in zip(token_ids, values, ranks, tops)]
+
+
 def verify_drafts(logits: torch.Tensor, rows: list[SampleRequest], drafts: list[int],
                   default_generator: torch.Generator, draft_probs: Optional[torch.Tensor] = None):
     """One request's drafts against its ``len(drafts) + 1`` rows of logits

@@ -198,7 +198,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
     ({"structural_tag": {"type": "structural_tag"}}, "structural_tag"),
     ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"bad_words": ["x"]}, "bad_words"),
     ({"use_beam_search": True}, "use_beam_search"),
 ])
 def test_unbuilt_features_are_400_naming_the_field(server, extra, param):
@@ -458,6 +458,35 @@ def test_core_retries_a_failed_batch_one_request_at_a_time(llm, monkeypatch):
     assert not llm.engine._suspects and not llm.engine._strikes and llm.engine.scheduler.kv.usage() == 0
     llm.engine.scheduler.kv.check_integrity()
     assert [o.outputs[0].text for o in _run(llm, prompts, greedy)] == ref
+
+
+def test_prompt_logprobs_survive_a_failed_step_mid_prompt(llm, monkeypatch):
+    """Two prompts in chunks of at most 64 tokens; the first step that runs
+    both (one of them past its first chunk) fails, so both are recomputed
+    from their start: each prompt token is still scored once, as in a run
+    without the fault."""
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1)
+    prompts = ["Hello there " * 40, "The quick brown fox " * 30]
+    ref = _run(llm, prompts, params)
+    runner, requests = llm.engine.runner, llm.engine.scheduler.requests
+    real, scored_before = runner.execute, []
+
+    def fails_once(sched_out):
+        if not scored_before and len(sched_out.num_scheduled_tokens) == 2:
+            scored_before.append(max(requests[r].num_computed_tokens - n
+                                     for r, n in sched_out.num_scheduled_tokens.items()))
+            raise RuntimeError("injected fault mid-prompt")
+        return real(sched_out)
+
+    monkeypatch.setattr(runner, "execute", fails_once)
+    outs = _run(llm, prompts, params)
+    assert scored_before and scored_before[0] > 0  # positions already scored before the fault
+    for a, b in zip(ref, outs):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids) > 64
+        assert [lp and (lp.token_id, lp.logprob) for lp in b.prompt_logprobs] == \
+               [lp and (lp.token_id, lp.logprob) for lp in a.prompt_logprobs]
+    assert not llm.engine._prompt_lps
 
 
 def test_core_refuses_token_ids_outside_the_vocabulary(llm):

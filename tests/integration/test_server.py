@@ -151,6 +151,57 @@ def test_extension_fields(client, model):
     assert r.usage.completion_tokens == 4
 
 
+def _sse_json(text):
+    import json
+    return [json.loads(ln[6:]) for ln in text.split("\n\n") if ln.startswith("data: {")]
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(server):
+    """vLLM's prompt_logprobs (per prompt token a map of id to logprob, rank
+    and text, the first None) on both APIs; the completions API's echo with
+    logprobs scores the echoed prompt too, streamed or not."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    r = raw(server, "POST", "/v1/completions", json={**body, "prompt_logprobs": 2}).json()
+    n_prompt = r["usage"]["prompt_tokens"]
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert len(plp) == n_prompt > 5 and plp[0] is None
+    for entry in plp[1:]:
+        assert 2 <= len(entry) <= 3 and all(v["logprob"] <= 0 and v["rank"] >= 1 for v in entry.values())
+        assert sorted(v["rank"] for v in entry.values())[:2] == [1, 2]
+    scored = [max(e.items(), key=lambda kv: kv[1]["rank"]) if len(e) == 3 else None for e in plp[1:]]
+
+    echo = raw(server, "POST", "/v1/completions", json={**body, "echo": True, "logprobs": 1}).json()["choices"][0]
+    lp = echo["logprobs"]
+    assert echo["text"].startswith(prompt) and len(echo["text"]) > len(prompt)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == n_prompt + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and "prompt_logprobs" not in echo
+    for j, s in enumerate(scored, 1):  # the same scores as prompt_logprobs gave (where the token was not top-2)
+        if s is not None:
+            assert lp["token_logprobs"][j] == pytest.approx(s[1]["logprob"], abs=1e-6)
+            assert lp["tokens"][j] == s[1]["decoded_token"]
+
+    chunks = _sse_json(raw(server, "POST", "/v1/completions",
+                           json={**body, "echo": True, "logprobs": 1, "stream": True}).text)
+    streamed = {k: [] for k in lp}
+    for c in chunks:
+        for ch in c["choices"]:
+            for k in lp:
+                streamed[k] += ch["logprobs"][k]
+    assert streamed["tokens"] == lp["tokens"] and streamed["text_offset"] == lp["text_offset"]
+    assert streamed["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-6)
+    assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == echo["text"]
+
+    chat = raw(server, "POST", "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": 2, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    plain = raw(server, "POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}],
+                                                               "max_tokens": 2}).json()
+    assert "prompt_logprobs" not in plain
+
+
 @pytest.mark.parametrize(
     "path,body,status,param,needle",
     [
@@ -165,6 +216,10 @@ def test_extension_fields(client, model):
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "role"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
          "top_logprobs", "needs 'logprobs': true"),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 0, "stream": True}, 400, "prompt_logprobs",
+         "not available when 'stream' is true"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 21}, 400,
+         "prompt_logprobs", "between 0 and 20"),
     ],
 )
 def test_client_errors_are_openai_shaped(server, path, body, status, param, needle):

@@ -159,3 +159,33 @@ def test_chat_uses_template(tiny):
     out = tiny.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0]
     assert out.prompt.endswith("<|im_start|>assistant\n")
     assert out.prompt_token_ids[0] == tiny.tokenizer.convert_tokens_to_ids("<|im_start|>")
+
+
+@pytest.mark.parametrize("backend", ["cpu_native", "torch_sdpa"])
+@pytest.mark.parametrize("scenario", ["default", "chunked_prefill", "preemption"])
+def test_prompt_logprobs_match_hf_log_softmax(backend, scenario):
+    """Each prompt token scored from the positions before it, as HF's full forward
+    scores it, however the prompt is chunked; the prefix cache is bypassed
+    (a warm cache would skip the positions to score), and the output stays
+    what it is without prompt logprobs."""
+    llm = LLM(overrides=BASE + ["model.dtype=float32", "cache.block_size=4", f"attention.backend={backend}"]
+              + SCENARIOS[scenario])
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    plain = llm.generate(ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    scored = llm.generate(ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=3),
+                          use_tqdm=False)
+    for p_ids, a, b in zip(ids, plain, scored):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert a.prompt_logprobs is None and b.num_cached_tokens == 0
+        lps = b.prompt_logprobs
+        assert len(lps) == len(p_ids) and lps[0] is None
+        ref = hf_logprobs(llm, p_ids)
+        for j in range(1, len(p_ids)):
+            row, lp = ref[j - 1], lps[j]
+            assert lp.token_id == p_ids[j]
+            assert lp.logprob == pytest.approx(float(row[p_ids[j]]), abs=1e-4)
+            assert lp.rank == int((row > row[p_ids[j]]).sum()) + 1
+            top = torch.topk(row, 3)
+            assert [t for t, _ in lp.top] == top.indices.tolist()
+            for (_, v), ref_v in zip(lp.top, top.values.tolist()):
+                assert v == pytest.approx(ref_v, abs=1e-4)

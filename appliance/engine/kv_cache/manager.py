@@ -58,9 +58,10 @@ class KVCacheManager:
         """Longest cached prefix of ``request`` as (blocks, num_tokens).
 
         Capped at num_tokens - 1: the last token is always recomputed so the
-        step produces its logits.
+        step produces its logits. None for a request that asks for prompt
+        logprobs: every prompt position must run to score the next token.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hashes = update_block_hashes(request, self.block_size, self.hash_fn)
         max_blocks = (request.num_tokens - 1) // self.block_size
