@@ -171,7 +171,7 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
             from appliance.worker.executor import MultiprocExecutor as Executor
         else:
             from appliance.worker.ray_executor import RayExecutor as Executor
-        tokenizer = load_tokenizer(cfg.model)
+        tokenizer = load_tokenizer(cfg.model, cfg.quantization.method)
         runner: Any = Executor(deployment, build_rank_runner, deployment.layout.ranks_per_engine,
                                cfg.parallel.step_timeout_s)
     elif deployment.layout.experts_across_cores:
@@ -340,15 +340,6 @@ def _model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
 
         if not isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear):  # an fp8 checkpoint loads as fp8
             quantize_fp8(model, cfg.quantization.activations)
-    elif cfg.quantization.method == "gguf":
-        from appliance.models.gguf import read_block_tensors
-        from appliance.models.loader import gguf_source
-        from appliance.models.quant import keep_gguf_blocks
-
-        try:
-            keep_gguf_blocks(model, *read_block_tensors(gguf_source(m)))
-        except ValueError as e:
-            raise ConfigError(f"model.path={m.path}: {e}") from None
     if device.type != "cpu":  # int4 weights travel packed two to a byte, as the GPU GEMM reads them
         from appliance.models.quant import Int4WeightOnlyLinear
 

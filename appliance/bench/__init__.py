@@ -15,6 +15,7 @@ KINDS = {
     "structured": "appliance.bench.structured",
     "parallel": "appliance.bench.parallel",
     "moe": "appliance.bench.moe",
+    "perplexity": "appliance.bench.perplexity",
 }
 
 

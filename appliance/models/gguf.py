@@ -291,6 +291,14 @@ def gguf_config(reader) -> dict:
     }
 
 
+def kept_at_width(name: str, kind: str) -> bool:
+    """Whether ``quantization=gguf`` keeps this tensor (Hugging Face name, GGUF
+    type) as blocks: a projection (or untied LM head) of a kept block type;
+    a quantized embedding is dequantized for lookups."""
+    projection = name == "lm_head.weight" or (".layers." in name and name.endswith("_proj.weight"))
+    return projection and kind in KEPT_TYPES
+
+
 def read_block_tensors(gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str]]:
     """The file's projections (and untied LM head) of a kept block type as
     (q, d, m) numpy arrays by Hugging Face name (``int4_blocks`` or
@@ -305,8 +313,7 @@ def read_block_tensors(gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str
     blocks, others = {}, {}
     for t in reader.tensors:
         name, kind = hf_name(t.name), t.tensor_type.name
-        projection = name == "lm_head.weight" or (".layers." in name and name.endswith("_proj.weight"))
-        if kind not in KEPT_TYPES or not projection:  # a quantized embedding is dequantized for lookups
+        if not kept_at_width(name, kind):
             others[name] = kind
             continue
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
@@ -318,8 +325,11 @@ def read_block_tensors(gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str
     return blocks, others
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, progress: Optional[Callable[[int, int], None]] = None) -> Path:
-    """Write ``out_dir`` with config.json, model.safetensors and the tokenizer."""
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: Optional[Callable[[int, int], None]] = None,
+                 without_kept: bool = False) -> Path:
+    """Write ``out_dir`` with config.json, model.safetensors (every tensor
+    dequantized to fp32; ``without_kept``: all but those ``quantization=gguf``
+    keeps as blocks, which it reads from the file itself) and the tokenizer."""
     import gguf
     import torch
     from safetensors.torch import save_file
@@ -329,9 +339,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Optional[Callable[[in
     tensors = {}
     total = len(reader.tensors)
     for i, t in enumerate(reader.tensors):
+        name = hf_name(t.name)
+        if without_kept and kept_at_width(name, t.tensor_type.name):
+            continue
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # ggml lists the fastest dim first
         w = dequantize(t.data, t.tensor_type.name, shape)
-        name = hf_name(t.name)
         if name.endswith("self_attn.q_proj.weight"):
             w = unpermute(w, config["num_attention_heads"])
         elif name.endswith("self_attn.k_proj.weight"):

@@ -27,6 +27,11 @@ tools can make such checkpoints.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+from pathlib import Path
+
 import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds channel AWQ_ORDER[i] of its eight
@@ -163,3 +168,50 @@ def checkpoint_blocks(method: str, parts: dict[str, torch.Tensor], bits: int = 4
             raise ValueError(f"AWQ with {bits}-bit weights is not supported (4-bit only)")
         return fn(*(parts.get(n) for n in names))
     return fn(*(parts.get(n) for n in names), bits=bits)
+
+
+CHECKPOINT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_checkpoint(source: str | os.PathLike, dest: str | os.PathLike, method: str, bits: int = 4,
+                     group: int = 32) -> None:
+    """A Hugging Face folder's dense projections quantized round-to-nearest
+    (``quantize_zero_point``) and written in ``method``'s layout (AWQ at 4
+    bits, GPTQ at 4 or 8 without act-order) with its quantization_config;
+    the other tensors and files as they are. Not an activation-aware
+    quantizer: the layout is the formats', the rounding is plain."""
+    if method not in UNPACK or bits not in ((4,) if method == "awq" else GPTQ_BITS):
+        raise ValueError(f"{method} at {bits} bits is not a layout this writes (awq: 4; gptq: 4 or 8)")
+    src, dst = Path(source), Path(dest)
+    if (src / "model.safetensors.index.json").exists():
+        raise ValueError("sharded checkpoints with an index are not written by this tool; merge the shards first")
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    try:
+        _write_quantized(src, dst, method, bits, group)
+    except BaseException:
+        shutil.rmtree(dst, ignore_errors=True)  # nothing half-written is left
+        raise
+
+
+def _write_quantized(src: Path, dst: Path, method: str, bits: int, group: int) -> None:
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        out = {}
+        for name, t in tensors.items():
+            parts = name.rsplit(".", 2)
+            if len(parts) == 3 and parts[1] in CHECKPOINT_PROJECTIONS and parts[2] == "weight" and t.dim() == 2:
+                if t.shape[1] % group:
+                    raise ValueError(f"{name}: {t.shape[1]} inputs do not split into groups of {group}")
+                q, z, s = quantize_zero_point(t, group, bits)
+                packed = pack_awq(q, z, s) if method == "awq" else pack_gptq(q, z, s, bits)
+                out.update({f"{parts[0]}.{parts[1]}.{k}": v for k, v in packed.items()})
+            else:
+                out[name] = t
+        save_file(out, str(dst / shard.name), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": bits, "group_size": group,
+                                     **({"version": "gemm", "zero_point": True} if method == "awq" else
+                                        {"desc_act": False, "sym": False})}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))

@@ -93,15 +93,18 @@ def find_wheel_gguf() -> Path:
     return path
 
 
-def _converted(gguf_path: Path) -> Path:
+def _converted(gguf_path: Path, without_kept: bool = False) -> Path:
+    """The file as a folder, once: every tensor in fp32, or (``without_kept``,
+    for quantization=gguf) only those it does not keep as blocks."""
     st = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
-    out = cache_dir() / f"gguf-{gguf_path.stem}-{key}"
+    out = cache_dir() / f"gguf-{gguf_path.stem}-{key}{'-rest' if without_kept else ''}"
     if not out.exists():
         from appliance.models.gguf import convert_gguf
 
-        print(f"converting {gguf_path.name} into {out} (once)", file=sys.stderr)
-        convert_gguf(gguf_path, out, _progress("dequantize GGUF"))
+        what = "the tensors not kept as blocks of" if without_kept else ""
+        print(f"converting {what}{' ' if what else ''}{gguf_path.name} into {out} (once)", file=sys.stderr)
+        convert_gguf(gguf_path, out, _progress("dequantize GGUF"), without_kept)
     return out
 
 
@@ -114,11 +117,15 @@ def gguf_source(m: ModelConfig) -> Path | None:
     return p if p.suffix == ".gguf" else None
 
 
-def resolve_model_folder(m: ModelConfig) -> Path:
-    """A local folder with config.json, safetensors and tokenizer files."""
+def resolve_model_folder(m: ModelConfig, quantization: str = "none") -> Path:
+    """A local folder with config.json, safetensors and tokenizer files. A
+    GGUF file loaded with ``quantization=gguf`` becomes a folder of the
+    tensors it does not keep as blocks (those are read from the file itself),
+    never a full fp32 copy."""
     path = m.path
+    without_kept = quantization == "gguf"
     if path == "smollm2_gguf":
-        return _converted(find_wheel_gguf())
+        return _converted(find_wheel_gguf(), without_kept)
     if path == "tiny_random":
         out = cache_dir() / f"tiny-random-{_facts_hash(m)}"
         if not out.exists():
@@ -131,7 +138,7 @@ def resolve_model_folder(m: ModelConfig) -> Path:
     if p.suffix == ".gguf":
         if not p.is_file():
             raise ModelLoadError(f"model.path={path}: no such GGUF file")
-        return _converted(p)
+        return _converted(p, without_kept)
     if p.is_dir():
         if not (p / "config.json").exists():
             raise ModelLoadError(f"model.path={path}: folder has no config.json")
@@ -323,9 +330,17 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     from appliance.models.int4_checkpoints import UNPACK
     from appliance.models.llama import LlamaForCausalLM, ModelArch, canonical_name, packed_target, tensor_shard
 
-    folder = resolve_model_folder(m)
+    folder = resolve_model_folder(m, quantization)
     hf = read_hf_config(folder)
     check_checkpoint(m, hf, folder)
+    gguf_blocks = None  # quantization=gguf: the file's projections as blocks, read from the file
+    if quantization == "gguf":
+        from appliance.models.gguf import read_block_tensors
+
+        source = gguf_source(m)
+        if source is None:
+            raise ModelLoadError(f"model.path={m.path}: quantization=gguf needs a .gguf file")
+        gguf_blocks = read_block_tensors(source)
     full_arch = ModelArch.from_model_config(m)
     if redundant_experts:
         full_arch = dataclasses.replace(full_arch, num_physical_experts=m.num_experts + redundant_experts)
@@ -396,6 +411,13 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
                 router = name.endswith(".mlp.gate.weight")  # routers stay fp32
                 set_module_tensor_to_device(model, name, device, value=t, dtype=torch.float32 if router else dtype)
                 loaded.add(name)
+    if gguf_blocks is not None:
+        from appliance.models.quant import keep_gguf_blocks
+
+        try:
+            loaded |= keep_gguf_blocks(model, *gguf_blocks)
+        except ValueError as e:
+            raise ModelLoadError(f"model.path={m.path}: {e}") from None
     if int4_parts:
         qc = hf.get("quantization_config") or {}
         bits = qc.get("bits", qc.get("w_bit", 4))
@@ -420,8 +442,9 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     return model, tokenizer, folder
 
 
-def load_tokenizer(m: ModelConfig):
-    """The tokenizer of ``m`` alone (an engine whose ranks load the weights)."""
+def load_tokenizer(m: ModelConfig, quantization: str = "none"):
+    """The tokenizer of ``m`` alone (an engine whose ranks load the weights),
+    from the folder ``load_model`` reads at ``quantization``."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(resolve_model_folder(m)))
+    return AutoTokenizer.from_pretrained(str(resolve_model_folder(m, quantization)))

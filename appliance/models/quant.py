@@ -287,11 +287,11 @@ def install_int4(model: nn.Module, blocks: dict[str, tuple]) -> set[str]:
     return set(parts)
 
 
-def keep_gguf_blocks(model: nn.Module, blocks: dict[str, tuple], others: dict[str, str]) -> None:
+def keep_gguf_blocks(model: nn.Module, blocks: dict[str, tuple], others: dict[str, str]) -> set[str]:
     """``install_int4`` for a GGUF file's block tensors
-    (``appliance.models.gguf.read_block_tensors``); raises ValueError naming
-    the projections of another type (they would run dequantized, at a width
-    the plan does not count)."""
+    (``appliance.models.gguf.read_block_tensors``), returning the module
+    weights they fill; raises ValueError naming the projections of another
+    type (they would run dequantized, at a width the plan does not count)."""
     from appliance.models.gguf import KEPT_TYPES
 
     arch = model.arch
@@ -303,7 +303,7 @@ def keep_gguf_blocks(model: nn.Module, blocks: dict[str, tuple], others: dict[st
         raise ValueError(f"quantization=gguf keeps block-quantized projections ({', '.join(KEPT_TYPES)}); this file's "
                          f"{', '.join(wide[:4])}{' ...' if len(wide) > 4 else ''} are not built at their width yet: "
                          f"serve it with quantization=none (dequantized at load)")
-    install_int4(model, blocks)
+    return install_int4(model, blocks)
 
 
 def quantize_int4_weight_only(model: nn.Module, group: int = 32) -> nn.Module:

@@ -113,7 +113,8 @@ async def _serve(deployment: Deployment, build_engine: BuildEngine,
     from appliance.server.transport import ConnectionLimits, guarded_protocol
 
     cfg, ex = deployment.cfg, deployment.execution
-    folder = resolve_model_folder(cfg.model)  # prepare (convert/generate) once, before the core starts
+    # prepare (convert/generate) once, before the core starts
+    folder = resolve_model_folder(cfg.model, cfg.quantization.method)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     api_keys = load_api_keys(cfg.server)  # before the core starts: an unreadable key file stops nothing half-started
     dp = deployment.layout.data_parallel_size

@@ -2,6 +2,7 @@
 Never timings: only that the numbers exist, are positive and are consistent."""
 
 import json
+import math
 
 import pytest
 
@@ -160,3 +161,21 @@ def test_moe(out, cli):
     assert runs["torch path (per-token loop)"]["vs_per_token_loop"] == 1.0
     assert res["experts"]["num_experts"] == 8 and res["peak_gflop_s"] > 0
     assert (out / "moe.png").stat().st_size > 0
+
+
+def test_perplexity(out, cli, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("The lamp was trimmed and the glass was cleaned. " * 12)
+    r = cli("bench", "perplexity", "--text", str(text), "--window", "40", "--out", str(out),
+            "--also", "cache.kv_cache_dtype=bfloat16", *TINY, "model.dtype=float32")
+    assert r.returncode == 0, r.stderr
+    res = load(out, "perplexity")
+    ref, bf16 = res["reference"], res["also"]["cache.kv_cache_dtype=bfloat16"]
+    from appliance.bench.perplexity import windows
+
+    cut = windows(list(range(ref["text_tokens"])), 40)
+    assert ref["tokens_scored"] == bf16["tokens_scored"] == sum(len(w) - 1 for w in cut)
+    assert ref["perplexity"] > 1 and ref["mean_nll"] == pytest.approx(math.log(ref["perplexity"]))
+    assert ref["kv_cache_dtype"] == "float32" and bf16["kv_cache_dtype"] == "bfloat16"
+    assert bf16["delta_perplexity_pct"] == pytest.approx(100 * (bf16["perplexity"] / ref["perplexity"] - 1))
+    assert (out / "perplexity.png").stat().st_size > 0

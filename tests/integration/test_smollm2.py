@@ -117,6 +117,40 @@ def test_a_gguf_path_runs_at_its_own_width():
                                SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text
 
 
+def test_quantization_gguf_reads_the_blocks_from_the_file_never_an_fp32_copy(tmp_path, monkeypatch):
+    """On a fresh model cache, serving the GGUF at its own width converts only
+    the tensors it does not keep (embedding, norms) into a folder; the
+    projections come from the file's blocks, with no fp32 copy written."""
+    from safetensors import safe_open
+
+    import appliance.models.loader as loader
+
+    cache = tmp_path / "models"
+    cache.mkdir()
+    monkeypatch.setattr(loader, "cache_dir", lambda: cache)
+    llm = LLM(overrides=BASE + ["quantization=gguf"])
+    folders = [f.name for f in cache.iterdir()]
+    assert len(folders) == 1 and folders[0].endswith("-rest"), folders
+    with safe_open(str(cache / folders[0] / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names and not any(n.endswith("_proj.weight") for n in names)
+    assert "Paris" in llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                               SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text
+
+
+def test_the_q4_1_blocks_keep_perplexity_within_2_percent_of_fp32():
+    """The default model served at its own 4 bits (quantization=gguf, what a
+    .gguf model.path runs as) against the same checkpoint dequantized to fp32:
+    the perplexity of the packaged prose (`appliance bench perplexity`'s text)."""
+    from appliance.bench.perplexity import default_text, score, windows
+
+    ref, q = LLM(overrides=BASE), LLM(overrides=BASE + ["quantization=gguf"])
+    cut = windows(ref.tokenizer.encode(default_text(), add_special_tokens=False), 512)
+    a, b = score(ref, cut), score(q, cut)
+    assert a["tokens_scored"] == b["tokens_scored"] > 800 and 5 < a["perplexity"] < 100
+    assert abs(b["perplexity"] / a["perplexity"] - 1) < 0.02
+
+
 def test_smollm2_drafting_for_itself_accepts_its_own_tokens():
     """SmolLM2 as its own draft model (fp32): the target's greedy tokens, and
     the draft's K/V bookkeeping right, so (nearly) every draft is accepted

@@ -16,7 +16,7 @@ from appliance import LLM, SamplingParams
 from appliance.config.compose import ConfigError, resolve
 from appliance.kernels.cpu_native import bf16_dot
 from appliance.models.int4_checkpoints import (AWQ_ORDER, checkpoint_blocks, pack_awq, pack_gptq,
-                                               quantize_zero_point)
+                                               quantize_zero_point, write_checkpoint)
 from appliance.models.quant import PROJECTIONS, GroupedInt8Linear, Int4WeightOnlyLinear, dequantize_int4
 from appliance.models.tiny import generate_tiny
 from tests.model_helpers import PROMPTS
@@ -270,3 +270,42 @@ def test_act_order_linears_gather_their_inputs_on_the_native_path(bits):
             torch.testing.assert_close(NativeLinear(kind)(x), ref, rtol=1e-4, atol=1e-4)
     finally:
         bf16_dot(before)
+
+
+@pytest.mark.parametrize("method,bits", [("awq", 4), ("gptq", 4), ("gptq", 8)])
+def test_write_checkpoint_writes_each_projection_in_the_layout(tmp_path, method, bits):
+    """A folder written by ``write_checkpoint`` holds every projection as the
+    format's tensors of round-to-nearest groups, the rest as it was, and
+    loads as that method from its quantization_config."""
+    spec = resolve(BASE + ["model=tiny_random"], check=False).cfg.model
+    plain = generate_tiny(spec, tmp_path / "plain")
+    write_checkpoint(plain, tmp_path / "q", method, bits, 32)
+    dense, written = load_file(str(plain / "model.safetensors")), load_file(str(tmp_path / "q" / "model.safetensors"))
+    n = 0
+    for name, w in dense.items():
+        prefix, source, _ = name.rsplit(".", 2)
+        if source not in SOURCES:
+            assert torch.equal(written[name], w)
+            continue
+        n += 1
+        parts = {k[len(prefix) + len(source) + 2:]: v for k, v in written.items() if k.startswith(f"{prefix}.{source}.")}
+        assert "weight" not in parts
+        q, z, sc = quantize_zero_point(w, 32, bits)
+        assert torch.equal(_dequantized(checkpoint_blocks(method, parts, bits)), _reference(q, z, sc))
+    assert n == 7 * spec.num_layers
+    config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert (config["quant_method"], config["bits"], config["group_size"]) == (method, bits, 32)
+    llm = LLM(overrides=BASE + [f"model.path={tmp_path / 'q'}"])
+    assert llm.resolved.cfg.quantization.method == method
+    assert len(llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+def test_write_checkpoint_refuses_groups_that_do_not_divide_and_leaves_nothing(tmp_path):
+    spec = resolve(BASE + ["model=tiny_random"], check=False).cfg.model
+    plain = generate_tiny(spec, tmp_path / "plain")
+    with pytest.raises(ValueError, match="do not split into groups of 48"):
+        write_checkpoint(plain, tmp_path / "q", "gptq", 4, 48)
+    assert not (tmp_path / "q").exists()
+    with pytest.raises(ValueError, match="awq at 8 bits"):
+        write_checkpoint(plain, tmp_path / "q", "awq", 8, 32)
