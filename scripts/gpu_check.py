@@ -1,7 +1,7 @@
 """GPU check: every attention backend that imports against torch_sdpa on
 realistic shapes, plus a short end-to-end generation on each, the fp8
 W8A8 GEMM (torch._scaled_mm) against its reference path, and the Triton
-int4 GEMM against the dequantized bf16 GEMM.
+int4 and grouped int8 GEMMs against the dequantized bf16 GEMM.
 
 Writes gpu_check.json (and prints a summary) into $OUT (or ./gpu-results).
 Needs only torch (+ triton, flashinfer, FA3 where installed); the end-to-end
@@ -128,11 +128,30 @@ def int4_gemm_case(m: int, n: int = 4096, k: int = 4096, group: int = 128) -> di
             "ms": time_ms(lambda: int4_gemm(x, rows, d, mn)), "bf16_ms": time_ms(lambda: x @ w.t())}
 
 
+def int8_gemm_case(m: int, n: int = 4096, k: int = 4096, group: int = 16) -> dict:
+    """The Triton grouped int8 GEMM (GGUF Q8_0/Q5_K/Q6_K, GPTQ 8-bit; groups of 16 as Q6_K's) against the
+    dequantized bf16 GEMM."""
+    from appliance.kernels.triton_int4 import int8_gemm
+    from appliance.models.quant import dequantize_int4
+
+    g = torch.Generator().manual_seed(m)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    d = torch.rand(n, k // group, generator=g) / (64 * k ** 0.5)
+    mn = torch.randn(n, k // group, generator=g) / (64 * k ** 0.5)
+    w = dequantize_int4(q, d, mn).to("cuda", torch.bfloat16)
+    q, d, mn = q.cuda(), d.cuda(), mn.cuda()
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    got, ref = int8_gemm(x, q, d, mn), x @ w.t()
+    err = (got.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+    return {"gemm": "int8 grouped", "m": m, "n": n, "k": k, "group": group, "max_rel_err": err, "ok": err < 2e-2,
+            "ms": time_ms(lambda: int8_gemm(x, q, d, mn)), "bf16_ms": time_ms(lambda: x @ w.t())}
+
+
 def main() -> int:
     os.makedirs(OUT, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "kernels": [], "e2e": [],
               "gemms": [], "not_importable": {}}
-    for case, name in ((fp8_gemm_case, "fp8 W8A8"), (int4_gemm_case, "int4")):
+    for case, name in ((fp8_gemm_case, "fp8 W8A8"), (int4_gemm_case, "int4"), (int8_gemm_case, "int8 grouped")):
         for m in (1, 16, 100, 2048):
             try:
                 report["gemms"].append(case(m))

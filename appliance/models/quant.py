@@ -165,8 +165,10 @@ class Int4WeightOnlyLinear(_GroupedLinear):
 
 class GroupedInt8Linear(_GroupedLinear):
     """int8 weights with fp32 group scales and mins: GGUF's Q8_0, Q5_K and
-    Q6_K kept at their width, and int4 parts fused beside them. The native
-    CPU backend runs it as it is; elsewhere the torch path."""
+    Q6_K kept at their width, GPTQ 8-bit, and int4 parts fused beside them.
+    The native CPU backend runs it as it is; CUDA/ROCm the Triton grouped
+    int8 GEMM (groups of a multiple of 16; others dequantize per call);
+    elsewhere the torch path."""
 
     weight_attr = "weight_q8"
 
@@ -178,6 +180,18 @@ class GroupedInt8Linear(_GroupedLinear):
             raise ValueError(f"grouped int8 blocks are int8 q with fp32 scales and mins of one shape; got {q.dtype} "
                              f"q, {d.dtype} {tuple(d.shape)} scales, {m.dtype} {tuple(m.shape)} mins")
         self._hold(q, d, m, bias, in_perm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from appliance.kernels.triton_int4 import int8_block_k, int8_gemm
+
+            if int8_block_k(self.group) is not None:
+                rows = x.reshape(-1, x.shape[-1])
+                if self.in_perm is not None:
+                    rows = rows.index_select(1, self.in_perm)
+                out = int8_gemm(rows, self.weight_q8, self.q_scale, self.q_min, self.bias)
+                return out.reshape(*x.shape[:-1], self.out_features)
+        return super().forward(x)
 
 
 def _input_order(target: str, parts: list[tuple]) -> torch.Tensor | None:

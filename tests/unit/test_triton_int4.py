@@ -11,7 +11,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from appliance.kernels.registry import triton_interpreter_on  # noqa: E402
-from appliance.kernels.triton_int4 import int4_gemm, pack_int4_rows  # noqa: E402
+from appliance.kernels.triton_int4 import int4_gemm, int8_block_k, int8_gemm, pack_int4_rows  # noqa: E402
 from appliance.models.int4_checkpoints import checkpoint_blocks, pack_awq, quantize_zero_point  # noqa: E402
 from appliance.models.quant import dequantize_int4, quantize_groups_int4  # noqa: E402
 
@@ -63,3 +63,33 @@ def test_a_linear_packs_its_rows_once_for_the_gpu():
     assert torch.equal(lin.weight_rows, pack_int4_rows(q)) and lin.weight_q4.numel() == 0
     lin.pack_rows()  # idempotent
     assert torch.equal(lin.weight_rows, pack_int4_rows(q))
+
+
+def _grouped_int8(n, k, group, seed):
+    """Grouped int8 blocks as GGUF's K-quants and GPTQ 8-bit give them: int8 q, fp32 d and m per group."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    d = torch.rand(n, k // group, generator=g) * 0.01 + 1e-3
+    m = torch.randn(n, k // group, generator=g) * 0.01
+    return q, d, m
+
+
+@pytest.mark.parametrize("m", [1, 7, 33])
+@pytest.mark.parametrize("n,k,group", [(48, 128, 16), (100, 256, 32), (70, 256, 128), (20, 96, 48)])
+def test_int8_gemm_is_the_dequantized_one(m, n, k, group):
+    """Groups of 16 (Q6_K), 32 (Q8_0, Q5_K) and GPTQ 8-bit's larger ones, and 48 (stepped by 16)."""
+    q, d, mn = _grouped_int8(n, k, group, m * n)
+    x, b = torch.randn(m, k, generator=torch.Generator().manual_seed(m)), torch.randn(n)
+    w = dequantize_int4(q, d, mn)
+    got = int8_gemm(x, q, d, mn, b)
+    terms = x.abs() @ w.abs().T + b.abs()
+    assert got.shape == (m, n) and ((got - F.linear(x, w, b)).abs() <= 1e-5 * terms).all()
+
+
+def test_int8_groups_the_kernel_cannot_step_are_refused():
+    q, d, mn = _grouped_int8(8, 96, 8, 0)
+    assert int8_block_k(8) is None and int8_block_k(16) == 16 and int8_block_k(64) == 32
+    with pytest.raises(ValueError, match="groups of a multiple of 16"):
+        int8_gemm(torch.randn(2, 96), q, d, mn)
+    with pytest.raises(ValueError, match="int8 weights"):
+        int8_gemm(torch.randn(2, 96), q.to(torch.uint8), d[:, :2], mn[:, :2])
