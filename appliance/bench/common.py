@@ -86,7 +86,7 @@ def plot_bars(out_dir: str, name: str, title: str, values: dict[str, float], yla
     ax.bar(list(values), list(values.values()))
     ax.set_title(title)
     ax.set_ylabel(ylabel)
-    ax.tick_params(axis="x", rotation=45)
+    plt.setp(ax.get_xticklabels(), rotation=45, ha="right", rotation_mode="anchor")
     ax.grid(True, axis="y", alpha=0.3)
     path = Path(out_dir) / f"{name}.png"
     fig.tight_layout()
