@@ -198,9 +198,9 @@ class EngineCore:
         self.lockstep = lockstep  # None: this core steps on its own
         self.kv_events = kv_events  # None: the block pool's events are not published
         self._experts: Optional[dict] = None  # the runner's last expert load balancing figures
+        self._slot_ratios: list[float] = []
         # prompt logprobs gathered so far, until the request's first delta carries them
         self._prompt_lps: dict[str, list[Optional[TokenLogprob]]] = {}
-        self._slot_ratios: list[float] = []
 
     def add_request(
         self,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, AsyncIterator, Iterable, Optional, Sequence, Union
 
 from appliance.engine.core import TokenLogprob
 from appliance.engine.parallel_sampling import Child
@@ -44,13 +44,22 @@ def format_logprobs(tokenizer: PreTrainedTokenizerBase, mode: str, lps: Optional
                                  for i, v in lp.top],
             })
         return {"content": content}
+    return _legacy_logprobs(tokenizer, ((lp.token_id, lp) for lp in lps), text_offset)
+
+
+def _legacy_logprobs(tokenizer: PreTrainedTokenizerBase, entries: Iterable[tuple[int, Optional[TokenLogprob]]],
+                     text_offset: int) -> dict:
+    """The completions API's tokens / token_logprobs / top_logprobs /
+    text_offset lists of (token id, its logprob or None) entries."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for lp in lps:
-        tok = token_str(lp.token_id)
+    for tok_id, lp in entries:
+        tok = tokenizer.decode([tok_id])
         out["tokens"].append(tok)
-        out["token_logprobs"].append(lp.logprob)
-        top = {token_str(i): v for i, v in lp.top}
-        top.setdefault(tok, lp.logprob)
+        out["token_logprobs"].append(None if lp is None else lp.logprob)
+        top = None
+        if lp is not None:
+            top = {tokenizer.decode([i]): v for i, v in lp.top}
+            top.setdefault(tok, lp.logprob)
         out["top_logprobs"].append(top)
         out["text_offset"].append(text_offset)
         text_offset += len(tok)
@@ -82,19 +91,7 @@ def echo_logprobs(tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int],
     None, as OpenAI's), then ``output``'s (``format_logprobs``, offsets after the prompt)."""
     lps = list(prompt_lps or ())
     lps += [None] * (len(prompt_ids) - len(lps))
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    offset = 0
-    for tok_id, lp in zip(prompt_ids, lps):
-        tok = tokenizer.decode([tok_id])
-        out["tokens"].append(tok)
-        out["token_logprobs"].append(None if lp is None else lp.logprob)
-        top = None
-        if lp is not None:
-            top = {tokenizer.decode([i]): v for i, v in lp.top}
-            top.setdefault(tok, lp.logprob)
-        out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
-        offset += len(tok)
+    out = _legacy_logprobs(tokenizer, zip(prompt_ids, lps), 0)
     for key, values in output.items():
         out[key] += values
     return out
@@ -105,8 +102,10 @@ def _head(st: ServerState, gen: Generation, obj: str, created: int) -> dict[str,
 
 
 # -- /v1/completions -------------------------------------------------------------
-def _completion_logprobs(st: ServerState, g: GenerationRequest, prompt_index: int, lps, prompt_lps,
-                         offset: int, echoed: bool) -> Optional[dict]:
+def _completion_logprobs(st: ServerState, g: GenerationRequest, prompt_index: int,
+                         lps: Optional[Sequence[Optional[TokenLogprob]]],
+                         prompt_lps: Optional[Sequence[Optional[TokenLogprob]]], offset: int,
+                         echoed: bool) -> Optional[dict]:
     """A choice's (or chunk's) ``logprobs``: with the echoed prompt's first when ``echoed``."""
     if not g.logprobs_mode:
         return None

@@ -93,12 +93,13 @@ def test_serve_starts_its_own_server(out, cli):
 
 
 def test_spec(out, cli):
-    r = cli("bench", "spec", *TINY, "--output-len", "12", "--concurrency", "1,2", "--out", str(out))
+    r = cli("bench", "spec", *TINY, "--output-len", "12", "--concurrency", "1,2", "--repeat", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr
     res = load(out, "spec")
     assert set(res["runs"]) == {f"{w} c={c}" for w in ("extractive", "free_form") for c in (1, 2)}
     for both in res["runs"].values():
         assert both["plain"]["output_tokens"] == both["spec"]["output_tokens"] > 0  # greedy: the same tokens
+        assert len(both["plain"]["repeats_output_tok_s"]) == len(both["spec"]["repeats_output_tok_s"]) == 2
         assert both["speedup"] > 0 and "drafts" not in both["plain"]
     assert (out / "spec.png").stat().st_size > 0
 
