@@ -11,7 +11,8 @@ from __future__ import annotations
 from appliance.config.schema import ApplianceConfig
 
 RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo", "int4_wo", "awq", "gptq", "fp8")  # methods whose weights run
-TENSOR_PARALLEL_QUANTIZATION = ("none", "int8_wo", "int4_wo")  # quantized after the shards (or stages) load
+# quantized after the shards (or stages) load, or (awq, gptq, gguf) a checkpoint's blocks cut per rank
+TENSOR_PARALLEL_QUANTIZATION = ("none", "int8_wo", "int4_wo", "awq", "gptq", "gguf")
 MOE_QUANTIZATION = ("none", "int8_wo", "int4_wo")  # methods the stacked expert weights are quantized by
 
 

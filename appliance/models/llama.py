@@ -246,6 +246,42 @@ def tensor_shard(arch: ModelArch, rank: int, tp_size: int, name: str) -> Optiona
     return None
 
 
+def shard_blocks(arch: ModelArch, rank: int, tp_size: int, blocks: dict[str, tuple]) -> dict[str, tuple]:
+    """Rank ``rank``'s part of quantized projections given whole as blocks
+    ((q, d, m) or (q, d, m, perm) by checkpoint weight name, weight d * q + m
+    per group of inputs; ``arch`` the full model's), as ``tensor_shard`` cuts
+    their dense weights: column-parallel ones by output rows (an LM head's
+    rows past the vocabulary padded with zero weights), row-parallel ones by
+    inputs, which must fall on whole groups. Act-order blocks (perm: inputs
+    stored out of order) of a row-parallel projection cannot be cut that
+    way: ValueError, as for groups that straddle the ranks."""
+    out = {}
+    for name, b in blocks.items():
+        span = tensor_shard(arch, rank, tp_size, name)
+        if span is None:
+            out[name] = b
+            continue
+        dim, start, stop = span
+        q, d, m = (torch.as_tensor(x) for x in b[:3])
+        perm = b[3] if len(b) > 3 else None
+        if dim == 0:
+            q, d, m = q[start:stop], d[start:stop], m[start:stop]
+            pad = stop - start - q.shape[0]
+            if pad > 0:  # vocabulary padding: zero weights, logits trimmed away after the gather
+                q, d, m = (torch.cat([x, x.new_zeros((pad, x.shape[1]))]) for x in (q, d, m))
+        else:
+            if perm is not None:
+                raise ValueError(f"{name}: its inputs are stored in act-order (GPTQ desc_act), so a row-parallel "
+                                 f"split of them is not built; serve it with parallel.tensor_parallel_size=1")
+            group = q.shape[1] // d.shape[1]
+            if start % group or stop % group:
+                raise ValueError(f"{name}: rank {rank} of {tp_size} holds inputs {start}..{stop}, which cut its "
+                                 f"groups of {group}; use a tensor-parallel size that splits whole groups")
+            q, d, m = q[:, start:stop], d[:, start // group : stop // group], m[:, start // group : stop // group]
+        out[name] = (q.contiguous(), d.contiguous(), m.contiguous()) + ((perm,) if perm is not None else ())
+    return out
+
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM",
     "MistralForCausalLM",

@@ -244,16 +244,25 @@ def _set_kv_scales(model: Any, scales: dict[int, dict[str, torch.Tensor]], folde
             raise ModelLoadError(f"{folder}: layer {index}: {e}") from None
 
 
-def _install_int4_checkpoint(model: Any, method: str, parts: dict[str, dict], folder: Path, bits: int) -> set[str]:
-    """The AWQ/GPTQ projections as int4 (or, 8-bit, grouped int8) linears; the module weights they fill."""
+def _install_int4_checkpoint(model: Any, method: str, parts: dict[str, dict], folder: Path, bits: int,
+                             full_arch: Any, tp: Any) -> set[str]:
+    """The AWQ/GPTQ projections as int4 (or, 8-bit, grouped int8) linears
+    (with ``tp``, this rank's part of each); the module weights they fill."""
     from appliance.models.int4_checkpoints import checkpoint_blocks
     from appliance.models.quant import install_int4
 
     try:
         blocks = {name: checkpoint_blocks(method, p, bits) for name, p in parts.items()}
-        return install_int4(model, blocks)
+        return install_int4(model, _rank_blocks(blocks, full_arch, tp))
     except ValueError as e:
         raise ModelLoadError(f"{folder}: {e}") from None
+
+
+def _rank_blocks(blocks: dict[str, tuple], full_arch: Any, tp: Any) -> dict[str, tuple]:
+    """Whole projections' blocks cut to a tensor-parallel rank's part (as is without ``tp``)."""
+    from appliance.models.llama import shard_blocks
+
+    return blocks if tp is None else shard_blocks(full_arch, tp.rank, tp.size, blocks)
 
 
 def _read_shard(sf: Any, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
@@ -414,14 +423,17 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     if gguf_blocks is not None:
         from appliance.models.quant import keep_gguf_blocks
 
+        # a pipeline stage's tensors by its own names; a tensor-parallel rank's part of each
+        blocks, others = ({local: v for name, v in d.items() if (local := model.local_name(name)) is not None}
+                          for d in gguf_blocks)
         try:
-            loaded |= keep_gguf_blocks(model, *gguf_blocks)
+            loaded |= keep_gguf_blocks(model, _rank_blocks(blocks, full_arch, tp), others)
         except ValueError as e:
             raise ModelLoadError(f"model.path={m.path}: {e}") from None
     if int4_parts:
         qc = hf.get("quantization_config") or {}
         bits = qc.get("bits", qc.get("w_bit", 4))
-        loaded |= _install_int4_checkpoint(model, checkpoint_method, int4_parts, folder, bits)
+        loaded |= _install_int4_checkpoint(model, checkpoint_method, int4_parts, folder, bits, full_arch, tp)
     if fp8_parts:
         from appliance.models.fp8 import install_fp8
 

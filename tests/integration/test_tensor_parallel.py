@@ -94,6 +94,47 @@ def test_smollm2_tokens_equal_one_rank(smollm2_reference, layout):
     assert_same(outs, smollm2_reference)
 
 
+@pytest.fixture(scope="module")
+def tiny_int4_checkpoints(tmp_path_factory):
+    """The tiny model written as AWQ, GPTQ and 8-bit GPTQ checkpoints (groups of 32)."""
+    from appliance.config.compose import resolve
+    from appliance.models.int4_checkpoints import write_checkpoint
+    from appliance.models.loader import resolve_model_folder
+
+    root = tmp_path_factory.mktemp("tp-int4")
+    plain = resolve_model_folder(resolve(TINY, check=False).cfg.model)
+    folders = {}
+    for method, bits in (("awq", 4), ("gptq", 4), ("gptq", 8)):
+        folders[f"{method}{bits}"] = root / f"{method}{bits}"
+        write_checkpoint(plain, folders[f"{method}{bits}"], method, bits, 32)
+    return folders
+
+
+@pytest.mark.parametrize("variant,layout", [
+    ("awq4", ["parallel=tp2"]), ("gptq4", ["parallel=tp2"]), ("gptq8", ["parallel=tp2"]),
+    ("awq4", ["parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=2"]),
+])
+def test_quantized_checkpoints_split_over_ranks_equal_one_rank(tiny_int4_checkpoints, variant, layout):
+    """An AWQ or GPTQ checkpoint's blocks cut per rank (q heads and MLP rows by
+    output, o_proj and down_proj by whole groups of inputs) and per stage:
+    the tokens and logprobs of the same checkpoint on one rank's torch layer
+    path, which the ranks run (one rank's native forward may take batched
+    int4 rows through bf16 dot products, which round the activations)."""
+    model = [*TINY, f"model.path={tiny_int4_checkpoints[variant]}"]
+    ref, _ = generate([*model, "attention.backend=torch_sdpa"], PROMPTS[:4], 16)
+    outs, llm = generate([*model, *layout], PROMPTS[:4], 16)
+    assert llm.resolved.cfg.quantization.method == variant[:-1]
+    assert_same(outs, ref)
+
+
+def test_smollm2_gguf_blocks_split_over_three_ranks_equal_one_rank():
+    """The Q4_1 file's own blocks (quantization=gguf) cut over tp3, against one rank's torch layer path."""
+    gguf = [*SMOL, "quantization=gguf"]
+    ref, _ = generate([*gguf, "attention.backend=torch_sdpa"], PROMPTS[:2], 8)
+    outs, _ = generate([*gguf, "parallel=tp3"], PROMPTS[:2], 8)
+    assert_same(outs, ref)
+
+
 def test_one_rank_in_a_worker_process(tiny_reference):
     outs, llm = generate([*TINY, "parallel.executor=mp"], PROMPTS[:2], 24)
     assert len(llm.engine.runner.pids) == 1
@@ -179,6 +220,46 @@ def test_each_rank_reads_its_rows_and_columns():
     assert tensor_shard(arch, 0, 2, layer + "mlp.down_proj.weight") == (1, 0, 64)
     assert tensor_shard(arch, 1, 2, "model.embed_tokens.weight") == (0, 256, 512)  # past 500: zero rows
     assert tensor_shard(arch, 1, 2, layer + "input_layernorm.weight") is None
+
+
+def test_quantized_blocks_are_cut_as_their_dense_weights():
+    """shard_blocks: each rank's blocks dequantize to its tensor_shard of the
+    whole dequantized weight; an LM head's rows past the vocabulary are zero;
+    act-order row-parallel blocks and groups cut by a rank are refused."""
+    from appliance.models.int4_checkpoints import quantize_zero_point
+    from appliance.models.llama import shard_blocks
+    from appliance.models.quant import dequantize_int4
+
+    def quantize_groups_int4(w, group):  # blocks (q, d, m) of a zero-point grid, any group size
+        q, z, sc = quantize_zero_point(w, group)
+        return q, sc.float(), -(sc.float() * z.float())
+
+    arch = ModelArch("LlamaForCausalLM", 2, 64, 128, 4, 2, 16, 500, 1024, 1e4, 1e-5, False)
+    g = torch.Generator().manual_seed(0)
+    layer = "model.layers.0."
+    shapes = {layer + "self_attn.q_proj.weight": (64, 64), layer + "self_attn.k_proj.weight": (32, 64),
+              layer + "self_attn.o_proj.weight": (64, 64), layer + "mlp.down_proj.weight": (64, 128),
+              "lm_head.weight": (500, 64)}
+    blocks = {n: quantize_groups_int4(torch.randn(*shape, generator=g), 16) for n, shape in shapes.items()}
+    for tp in (2, 4):
+        for rank in range(tp):
+            ours = shard_blocks(arch, rank, tp, blocks)
+            for name, b in blocks.items():
+                dim, start, stop = tensor_shard(arch, rank, tp, name)
+                whole = dequantize_int4(*b)
+                if name == "lm_head.weight":
+                    whole = torch.cat([whole, torch.zeros(padded_vocab(500, tp) - 500, 64)])
+                want = whole[start:stop] if dim == 0 else whole[:, start:stop]
+                assert torch.equal(dequantize_int4(*ours[name][:3]), want), (name, tp, rank)
+    perm = torch.randperm(64, generator=g)
+    act_order = {layer + "self_attn.o_proj.weight": (*blocks[layer + "self_attn.o_proj.weight"], perm)}
+    with pytest.raises(ValueError, match="act-order"):
+        shard_blocks(arch, 0, 2, act_order)
+    coarse = {layer + "mlp.down_proj.weight": quantize_groups_int4(torch.randn(64, 128, generator=g), 128)}
+    with pytest.raises(ValueError, match="cut its groups of 128"):
+        shard_blocks(arch, 0, 2, coarse)
+    q_act = {layer + "self_attn.q_proj.weight": (*blocks[layer + "self_attn.q_proj.weight"], perm)}
+    assert torch.equal(shard_blocks(arch, 1, 2, q_act)[layer + "self_attn.q_proj.weight"][3], perm)  # inputs whole
 
 
 def test_stages_split_the_layers_and_read_their_own_tensors():
