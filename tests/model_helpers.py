@@ -107,3 +107,44 @@ def greedy_top_logprobs(llm: LLM, prompt_ids, max_new_tokens, k):
     outs = llm.generate(prompt_ids, SamplingParams(max_tokens=max_new_tokens, temperature=0, logprobs=k),
                         use_tqdm=False)
     return [(o.outputs[0].token_ids, [dict(lp.top) for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+def write_fp8_checkpoint(plain, folder, block: int = 0) -> dict:
+    """The model in folder ``plain`` as an fp8 checkpoint in ``folder``: e4m3
+    projections with per-tensor weight scales and static input scales, as
+    llm-compressor / vLLM's fp8 format stores them; with ``block``, scales
+    per [block, block] block (``weight_scale_inv``) and dynamic activations,
+    as DeepSeek-V3 / Qwen3 FP8 store them. Returns the stored tensors."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from appliance.models.fp8 import FP8, FP8_MAX
+    from appliance.models.int4_checkpoints import CHECKPOINT_PROJECTIONS
+
+    tensors = load_file(str(plain / "model.safetensors"))
+    shutil.copytree(plain, folder)
+    out = dict(tensors)
+    for i, name in enumerate(sorted(tensors)):
+        if name.rsplit(".", 2)[-2] not in CHECKPOINT_PROJECTIONS:
+            continue
+        w = tensors[name].float()
+        if block:
+            n, k = w.shape
+            blocks = w.reshape(n // block, block, k // block, block)
+            scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+            out[name] = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(n, k)
+            out[name + "_scale_inv"] = scale
+            continue
+        scale = w.abs().max() / 448
+        out[name] = (w / scale).clamp(-448, 448).to(FP8)
+        out[name[: -len("weight")] + "weight_scale"] = scale.reshape(())
+        out[name[: -len("weight")] + "input_scale"] = torch.tensor(0.01 * (1 + i % 3))
+    save_file(out, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = ({"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [block, block]} if block else
+                                     {"quant_method": "fp8", "activation_scheme": "static"})
+    (folder / "config.json").write_text(json.dumps(config))
+    return out

@@ -11,8 +11,6 @@ from __future__ import annotations
 from appliance.config.schema import ApplianceConfig
 
 RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo", "int4_wo", "awq", "gptq", "fp8")  # methods whose weights run
-# quantized after the shards (or stages) load, or (awq, gptq, gguf) a checkpoint's blocks cut per rank
-TENSOR_PARALLEL_QUANTIZATION = ("none", "int8_wo", "int4_wo", "awq", "gptq", "gguf")
 MOE_QUANTIZATION = ("none", "int8_wo", "int4_wo")  # methods the stacked expert weights are quantized by
 
 
@@ -28,13 +26,9 @@ def not_built(cfg: ApplianceConfig) -> list[str]:
         out.append(f"parallel execution ({layout}): expert parallelism across data-parallel engine cores is built "
                    f"for cores of one rank each (e.g. parallel=dp2_ep, dp8_ep); with tensor or pipeline "
                    f"parallelism inside the cores, or on Ray, it is not built yet")
-    if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
-        if q.method not in TENSOR_PARALLEL_QUANTIZATION:
-            out.append(f"quantization={q.method} with tensor or pipeline parallelism is not built yet (its weights "
-                       f"are not sharded); use one of {', '.join(TENSOR_PARALLEL_QUANTIZATION)}, or parallel=single")
-        if cfg.speculative.method == "draft_model":
-            out.append("speculative=draft_model with tensor or pipeline parallelism is not built yet; use "
-                       "speculative=ngram or parallel=single")
+    if (par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1) and cfg.speculative.method == "draft_model":
+        out.append("speculative=draft_model with tensor or pipeline parallelism is not built yet; use "
+                   "speculative=ngram or parallel=single")
     if cfg.model.num_experts > 0 and q.method not in MOE_QUANTIZATION:
         out.append(f"quantization={q.method} on a mixture-of-experts model is not built yet (its expert weights "
                    f"would not load); use one of {', '.join(MOE_QUANTIZATION)}")

@@ -21,6 +21,8 @@ per call and an ordinary GEMM in the activation dtype; correct, not fast.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -168,14 +170,17 @@ def _row_scales(p: dict[str, torch.Tensor], block: list[int] | None) -> torch.Te
 
 
 def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], activations: bool,
-                block: list[int] | None = None) -> set[str]:
+                block: list[int] | None = None, full_arch: Any = None, tp: Any = None) -> set[str]:
     """An fp8 checkpoint's projections (by checkpoint weight name: its
     ``weight``, ``weight_scale`` and optional ``input_scale``; with
     ``block`` = weight_block_size, ``weight_scale_inv`` per block) as
     Fp8Linear modules; a fused projection stacks its parts with each part's
     scales on its rows and the largest static input scale (as vLLM takes).
-    Returns the module weight names replaced."""
-    from appliance.models.llama import fused_parts, replace_linear
+    With ``tp`` (a ``llama.TensorParallel``; ``full_arch`` the whole
+    model's), each part is cut to the rank's rows or inputs as
+    ``llama.tensor_shard`` cuts a dense weight, its scales with it (block
+    scales by whole blocks of inputs). Returns the module weight names replaced."""
+    from appliance.models.llama import fused_parts, replace_linear, tensor_shard
 
     if "lm_head.weight" in parts:
         raise ValueError("an fp8 LM head is not built yet (fp8 projections only; keep lm_head in the model dtype)")
@@ -186,10 +191,31 @@ def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], act
             raise ValueError(f"fp8 projection {name} lacks {', '.join(missing)}")
     groups = fused_parts(model.arch, parts)
 
+    def rank_part(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight, scales on its rows) of this rank."""
+        weight, scale = parts[name]["weight"], _row_scales(parts[name], block)
+        span = None if tp is None else tensor_shard(full_arch, tp.rank, tp.size, name)
+        if span is None:
+            return weight, scale
+        dim, start, stop = span
+        if dim == 0:
+            return weight[start:stop], scale[start:stop]
+        if block is None:
+            return weight[:, start:stop], scale
+        bk = block[1]
+        if start % bk or stop % bk:
+            raise ValueError(f"{name}: rank {tp.rank} of {tp.size} holds inputs {start}..{stop}, which cut its "
+                             f"fp8 scale blocks of {bk}; use a tensor-parallel size that splits whole blocks")
+        return weight[:, start:stop], scale[:, start // bk : stop // bk]
+
     def make(names: list[str]):
         def build(lin: nn.Module) -> nn.Module:
-            weight = torch.cat([parts[n]["weight"] for n in names])
-            scale = torch.cat([_row_scales(parts[n], block) for n in names])
+            cut = [rank_part(n) for n in names]
+            weight = torch.cat([w for w, _ in cut])
+            scale = torch.cat([sc for _, sc in cut])
+            if tuple(weight.shape) != (lin.out_features, lin.in_features):
+                raise ValueError(f"fp8 weights of shape {tuple(weight.shape)} for a projection of "
+                                 f"{(lin.out_features, lin.in_features)}")
             static = [parts[n]["input_scale"] for n in names if "input_scale" in parts[n]]
             input_scale = torch.stack([s.float().reshape(()) for s in static]).max() if static else None
             return Fp8Linear(weight, scale, None if lin.bias is None else lin.bias.data, activations, input_scale,

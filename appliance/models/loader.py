@@ -440,7 +440,7 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
         activations = _checkpoint_activations(hf)
         block = (hf.get("quantization_config") or {}).get("weight_block_size")
         try:
-            loaded |= install_fp8(model, fp8_parts, activations, block)
+            loaded |= install_fp8(model, fp8_parts, activations, block, full_arch, tp)
         except ValueError as e:
             raise ModelLoadError(f"{folder}: {e}") from None
     _set_kv_scales(model, kv_scales, folder)

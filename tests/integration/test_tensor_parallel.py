@@ -19,7 +19,7 @@ from appliance.engine.core import EngineDeadError
 from appliance.models.llama import ModelArch, padded_vocab, shard_arch, tensor_shard
 from appliance.worker.placement import cpu_share, numa_nodes, parse_cpulist
 from tests.integration.server_helpers import ServerProcess
-from tests.model_helpers import check_logprobs_close, greedy_top_logprobs
+from tests.model_helpers import check_logprobs_close, greedy_top_logprobs, write_fp8_checkpoint
 
 TINY = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "model.dtype=float32"]
 PROMPTS = ["Hello there", "The capital of France is", "1 2 3 4 5", "Once upon a time, in a land far away",
@@ -95,35 +95,42 @@ def test_smollm2_tokens_equal_one_rank(smollm2_reference, layout):
 
 
 @pytest.fixture(scope="module")
-def tiny_int4_checkpoints(tmp_path_factory):
-    """The tiny model written as AWQ, GPTQ and 8-bit GPTQ checkpoints (groups of 32)."""
+def tiny_quantized_checkpoints(tmp_path_factory):
+    """The tiny model written as AWQ, GPTQ and 8-bit GPTQ checkpoints (groups of 32), and as fp8 ones
+    (per-tensor scales, and per 32 x 32 block)."""
     from appliance.config.compose import resolve
     from appliance.models.int4_checkpoints import write_checkpoint
     from appliance.models.loader import resolve_model_folder
 
     root = tmp_path_factory.mktemp("tp-int4")
     plain = resolve_model_folder(resolve(TINY, check=False).cfg.model)
-    folders = {}
+    folders = {}  # variant -> (folder, method)
     for method, bits in (("awq", 4), ("gptq", 4), ("gptq", 8)):
-        folders[f"{method}{bits}"] = root / f"{method}{bits}"
-        write_checkpoint(plain, folders[f"{method}{bits}"], method, bits, 32)
+        folders[f"{method}{bits}"] = root / f"{method}{bits}", method
+        write_checkpoint(plain, root / f"{method}{bits}", method, bits, 32)
+    folders["fp8"] = root / "fp8", "fp8"
+    write_fp8_checkpoint(plain, root / "fp8")
+    folders["fp8-block"] = root / "fp8-block", "fp8"
+    write_fp8_checkpoint(plain, root / "fp8-block", block=32)
     return folders
 
 
 @pytest.mark.parametrize("variant,layout", [
-    ("awq4", ["parallel=tp2"]), ("gptq4", ["parallel=tp2"]), ("gptq8", ["parallel=tp2"]),
+    ("awq4", ["parallel=tp2"]), ("gptq4", ["parallel=tp2"]), ("gptq8", ["parallel=tp2"]), ("fp8", ["parallel=tp2"]),
+    ("fp8-block", ["parallel=tp2"]),
     ("awq4", ["parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=2"]),
 ])
-def test_quantized_checkpoints_split_over_ranks_equal_one_rank(tiny_int4_checkpoints, variant, layout):
-    """An AWQ or GPTQ checkpoint's blocks cut per rank (q heads and MLP rows by
-    output, o_proj and down_proj by whole groups of inputs) and per stage:
+def test_quantized_checkpoints_split_over_ranks_equal_one_rank(tiny_quantized_checkpoints, variant, layout):
+    """An AWQ, GPTQ or fp8 checkpoint's weights cut per rank (q heads and MLP
+    rows by output, o_proj and down_proj by inputs, in whole groups) and per stage:
     the tokens and logprobs of the same checkpoint on one rank's torch layer
     path, which the ranks run (one rank's native forward may take batched
     int4 rows through bf16 dot products, which round the activations)."""
-    model = [*TINY, f"model.path={tiny_int4_checkpoints[variant]}"]
+    folder, method = tiny_quantized_checkpoints[variant]
+    model = [*TINY, f"model.path={folder}"]
     ref, _ = generate([*model, "attention.backend=torch_sdpa"], PROMPTS[:4], 16)
     outs, llm = generate([*model, *layout], PROMPTS[:4], 16)
-    assert llm.resolved.cfg.quantization.method == variant[:-1]
+    assert llm.resolved.cfg.quantization.method == method
     assert_same(outs, ref)
 
 

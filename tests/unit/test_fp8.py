@@ -16,6 +16,7 @@ from appliance.config.compose import ConfigError, resolve
 from appliance.models.fp8 import (FP8, FP8_MAX, Fp8Linear, quantize_per_channel_fp8, quantize_per_token_fp8)
 from appliance.models.quant import PROJECTIONS
 from appliance.models.tiny import generate_tiny
+from tests.model_helpers import write_fp8_checkpoint
 
 BASE = ["+profile=cpu", "cache.kv_cache_memory_gib=0.05"]
 SOURCES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -81,20 +82,8 @@ def fp8_checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
     spec = resolve(BASE + ["model=tiny_random"], check=False).cfg.model
     plain = generate_tiny(spec, root / "plain")
-    tensors = load_file(str(plain / "model.safetensors"))
-    folder = shutil.copytree(plain, root / "fp8")
-    out = dict(tensors)
-    for i, name in enumerate(sorted(tensors)):
-        if name.rsplit(".", 2)[-2] in SOURCES:
-            w = tensors[name].float()
-            scale = w.abs().max() / 448
-            out[name] = (w / scale).clamp(-448, 448).to(FP8)
-            out[name[: -len("weight")] + "weight_scale"] = scale.reshape(())
-            out[name[: -len("weight")] + "input_scale"] = torch.tensor(0.01 * (1 + i % 3))
-    save_file(out, str(folder / "model.safetensors"))
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
-    (folder / "config.json").write_text(json.dumps(config))
+    folder = root / "fp8"
+    out = write_fp8_checkpoint(plain, folder)
     return folder, out
 
 
