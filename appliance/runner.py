@@ -172,6 +172,7 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
         else:
             from appliance.worker.ray_executor import RayExecutor as Executor
         tokenizer = load_tokenizer(cfg.model, cfg.quantization.method)
+        _prepare_draft(cfg)  # once, here: the ranks each load it
         runner: Any = Executor(deployment, build_rank_runner, deployment.layout.ranks_per_engine,
                                cfg.parallel.step_timeout_s)
     elif deployment.layout.experts_across_cores:
@@ -383,6 +384,20 @@ def _grammars(cfg: Any, tokenizer: Any, eos: Optional[int]):
     return Grammars(tokenizer, cfg.model.vocab_size, [] if eos is None else [eos], so.num_threads,
                     so.cache_size_mib << 20, any_whitespace=not so.disable_any_whitespace,
                     max_whitespace=so.max_json_whitespace)
+
+
+def _prepare_draft(cfg: Any) -> None:
+    """The draft model's folder made (converted or generated) before the ranks
+    start, which each hold the whole draft and would race to make it."""
+    if cfg.speculative.method != "draft_model":
+        return
+    from appliance.config.draft import draft_model_config
+    from appliance.models.loader import resolve_model_folder
+
+    d, problems = draft_model_config(cfg)
+    if d is None or problems:
+        raise ConfigError("; ".join(problems))
+    resolve_model_folder(d)
 
 
 def _draft_proposer(cfg: Any, ex: Any, tokenizer: Any, num_blocks: int, dtype: Any, kv_dtype: Any, device: Any,

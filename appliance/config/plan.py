@@ -42,9 +42,13 @@ def weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
     stay in the compute dtype, as vLLM keeps them. A draft model's weights
     (unquantized, in the compute dtype) are added.
     """
+    return _target_weight_bytes(cfg, dtype) + draft_weight_bytes(cfg, dtype)
+
+
+def draft_weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
+    """A draft model's weights (0 without one): every rank holds the whole draft."""
     draft = draft_model(cfg)
-    extra = parameter_counts(draft)["total"] * DTYPE_BYTES[draft_dtype(cfg, dtype)] if draft is not None else 0
-    return _target_weight_bytes(cfg, dtype) + extra
+    return parameter_counts(draft)["total"] * DTYPE_BYTES[draft_dtype(cfg, dtype)] if draft is not None else 0
 
 
 def _target_weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
@@ -126,10 +130,10 @@ def draft_model(cfg: ApplianceConfig) -> Optional[ModelConfig]:
 
 def kv_bytes_per_token(cfg: ApplianceConfig, dtype: str) -> int:
     """K and V of every layer for one token, per device (a draft model's too:
-    its cache shares the target's blocks)."""
+    its cache shares the target's blocks; every rank holds all its KV heads)."""
     draft = draft_model(cfg)
-    return _kv_bytes(cfg, cfg.model, dtype) + (_kv_bytes(cfg, draft, draft_dtype(cfg, dtype)) if draft is not None
-                                               else 0)
+    return _kv_bytes(cfg, cfg.model, dtype) + (_kv_bytes(cfg, draft, draft_dtype(cfg, dtype), whole=True)
+                                               if draft is not None else 0)
 
 
 def draft_dtype(cfg: ApplianceConfig, dtype: str) -> str:
@@ -137,11 +141,13 @@ def draft_dtype(cfg: ApplianceConfig, dtype: str) -> str:
     return dtype if cfg.speculative.draft_dtype == "auto" else str(cfg.speculative.draft_dtype)
 
 
-def _kv_bytes(cfg: ApplianceConfig, m: ModelConfig, dtype: str) -> int:
-    tp = cfg.parallel.tensor_parallel_size
-    pp = cfg.parallel.pipeline_parallel_size
+def _kv_bytes(cfg: ApplianceConfig, m: ModelConfig, dtype: str, whole: bool = False) -> int:
+    """``m``'s K and V per token on one device: its share of the KV heads and
+    its stage's layers, or (``whole``: a draft model each rank holds) all of them."""
+    tp = 1 if whole else cfg.parallel.tensor_parallel_size
+    pp = 1 if whole else cfg.parallel.pipeline_parallel_size
     kv_heads = max(1, m.num_kv_heads // tp)  # kv heads replicate when tp > num_kv_heads
-    partition = cfg.parallel.pp_layer_partition if m is cfg.model else None  # a draft model's are its own
+    partition = None if whole else cfg.parallel.pp_layer_partition
     layers = max(pipeline_partition(m.num_layers, pp, partition))  # the stage holding the most
     elem = KV_DTYPE_BYTES.get(kv_dtype(cfg, dtype), DTYPE_BYTES.get(kv_dtype(cfg, dtype), 2))
     return 2 * layers * kv_heads * m.head_dim * elem
@@ -236,9 +242,11 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
     # cache.cpu_offload_gib of each device's weights live in host memory (vLLM's --cpu-offload-gb).
     offload = min(int(cfg.cache.cpu_offload_gib * GIB), total_w // shards)
     experts = experts_plan(cfg, dtype)
-    w_dev = total_w // shards - offload
+    draft_w = draft_weight_bytes(cfg, dtype)  # not split: each rank holds the whole draft
+    w_dev = (total_w - draft_w) // shards + draft_w - offload
     if experts is not None and experts["expert_parallel_size"] > 1:  # whole experts split over tp x dp ranks
-        w_dev = (total_w - expert_bytes(cfg, dtype)) // shards + experts["expert_bytes_per_rank"] - offload
+        w_dev = (total_w - draft_w - expert_bytes(cfg, dtype)) // shards + experts["expert_bytes_per_rank"] \
+            + draft_w - offload
     act = activation_bytes(cfg, dtype)
     if cfg.cache.kv_cache_memory_gib is not None:
         kv_bytes = int(cfg.cache.kv_cache_memory_gib * GIB)

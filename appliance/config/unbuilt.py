@@ -26,9 +26,6 @@ def not_built(cfg: ApplianceConfig) -> list[str]:
         out.append(f"parallel execution ({layout}): expert parallelism across data-parallel engine cores is built "
                    f"for cores of one rank each (e.g. parallel=dp2_ep, dp8_ep); with tensor or pipeline "
                    f"parallelism inside the cores, or on Ray, it is not built yet")
-    if (par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1) and cfg.speculative.method == "draft_model":
-        out.append("speculative=draft_model with tensor or pipeline parallelism is not built yet; use "
-                   "speculative=ngram or parallel=single")
     if cfg.model.num_experts > 0 and q.method not in MOE_QUANTIZATION:
         out.append(f"quantization={q.method} on a mixture-of-experts model is not built yet (its expert weights "
                    f"would not load); use one of {', '.join(MOE_QUANTIZATION)}")

@@ -134,6 +134,16 @@ def test_quantized_checkpoints_split_over_ranks_equal_one_rank(tiny_quantized_ch
     assert_same(outs, ref)
 
 
+def test_a_draft_model_on_every_rank_keeps_the_targets_tokens(tiny_reference):
+    """speculative=draft_model at tp2: each rank holds the whole draft and
+    drafts alike; greedy output stays the target's."""
+    draft = ["speculative=draft_model", "speculative.draft_model=tiny_random_draft",
+             "speculative.num_speculative_tokens=3", "speculative.disable_by_batch_size=null"]
+    outs, llm = generate([*TINY, *draft, "parallel=tp2"], PROMPTS[:4], 24)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in tiny_reference[:4]]
+    assert llm.engine.stats().spec_drafts > 0
+
+
 def test_smollm2_gguf_blocks_split_over_three_ranks_equal_one_rank():
     """The Q4_1 file's own blocks (quantization=gguf) cut over tp3, against one rank's torch layer path."""
     gguf = [*SMOL, "quantization=gguf"]

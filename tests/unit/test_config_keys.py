@@ -214,8 +214,6 @@ def test_run_time_keys_are_schema_leaves():
     ("parallel=dp2 parallel.executor=ray", "needs parallel.ray_address"),
     ("parallel.ray_address=auto", "has no effect with parallel.executor=auto"),
     ("hardware=h100 parallel.cpu_collectives=gloo", "parallel.cpu_collectives=gloo has no effect on hardware=h100"),
-    ("parallel=tp3 speculative=draft_model speculative.draft_model=smollm2_135m",
-     "speculative=draft_model with tensor or pipeline parallelism is not built yet"),
     ("cache.swap_space_gib=1", "not built yet"),
     ("cache.cpu_offload_gib=1", "not built yet"),
     ("speculative.num_speculative_tokens=3", "has no effect with speculative=off"),

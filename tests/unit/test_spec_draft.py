@@ -47,6 +47,21 @@ def test_the_plan_counts_the_draft():
     assert "draft_model tiny_random_draft" in spec.speculative
 
 
+def test_the_plan_puts_the_whole_draft_on_every_tensor_parallel_rank():
+    """Each rank holds the target's share and the whole draft, weights and K/V."""
+    from appliance.config.plan import draft_weight_bytes, kv_bytes_per_token, make_plan
+
+    one = resolve(BASE + OTHER + ["hardware.num_devices=2"]).cfg
+    two = resolve(BASE + OTHER + ["hardware.num_devices=2", "parallel=tp2"]).cfg
+    draft_w = draft_weight_bytes(two, "float32")
+    assert draft_w > 0
+    p1, p2 = make_plan(one), make_plan(two)
+    assert p2.weight_bytes_per_device == (p1.weight_bytes_total - draft_w) // 2 + draft_w
+    target_kv = kv_bytes_per_token(resolve(BASE + ["parallel=tp2"]).cfg, "float32")
+    draft_kv = kv_bytes_per_token(one, "float32") - kv_bytes_per_token(resolve(BASE).cfg, "float32")
+    assert kv_bytes_per_token(two, "float32") == target_kv + draft_kv
+
+
 @pytest.fixture(scope="module")
 def plain():
     return LLM(overrides=BASE)
