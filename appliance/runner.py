@@ -391,13 +391,19 @@ def _prepare_draft(cfg: Any) -> None:
     start, which each hold the whole draft and would race to make it."""
     if cfg.speculative.method != "draft_model":
         return
-    from appliance.config.draft import draft_model_config
     from appliance.models.loader import resolve_model_folder
+
+    resolve_model_folder(_draft_config(cfg))
+
+
+def _draft_config(cfg: Any) -> Any:
+    """The draft model's config, or ConfigError with why it cannot be had."""
+    from appliance.config.draft import draft_model_config
 
     d, problems = draft_model_config(cfg)
     if d is None or problems:
         raise ConfigError("; ".join(problems))
-    resolve_model_folder(d)
+    return d
 
 
 def _draft_proposer(cfg: Any, ex: Any, tokenizer: Any, num_blocks: int, dtype: Any, kv_dtype: Any, device: Any,
@@ -406,15 +412,12 @@ def _draft_proposer(cfg: Any, ex: Any, tokenizer: Any, num_blocks: int, dtype: A
     blocks), checked to read the target's tokens."""
     import torch
 
-    from appliance.config.draft import draft_model_config
     from appliance.kernels.registry import load_backend
     from appliance.models.loader import load_model
     from appliance.worker.draft_proposer import DraftModelProposer
 
     spec = cfg.speculative
-    d, problems = draft_model_config(cfg)
-    if d is None or problems:
-        raise ConfigError("; ".join(problems))
+    d = _draft_config(cfg)
     # K/V of the draft's own dtype, unless the cache is set to another element type (fp8, bf16)
     kv_name = "auto" if cfg.cache.kv_cache_dtype == "auto" else ex.kv_cache_dtype
     backend = load_backend(ex.backend)(d.num_heads, d.num_kv_heads, d.head_dim, d.head_dim ** -0.5, kv_name)
