@@ -119,6 +119,14 @@ class _GroupedLinear(nn.Module):
         w = self.dequantized().to(x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
+    def _through(self, x: torch.Tensor, gemm) -> torch.Tensor:
+        """``gemm(rows)`` over x's rows, inputs in the stored order (gathered
+        for act-order), shaped back to x's leading dimensions."""
+        rows = x.reshape(-1, x.shape[-1])
+        if self.in_perm is not None:
+            rows = rows.index_select(1, self.in_perm)
+        return gemm(rows).reshape(*x.shape[:-1], self.out_features)
+
 
 class Int4WeightOnlyLinear(_GroupedLinear):
     """4-bit weights with group scales and mins (fp16, or fp32), from a float
@@ -156,11 +164,7 @@ class Int4WeightOnlyLinear(_GroupedLinear):
         from appliance.kernels.triton_int4 import int4_gemm
 
         self.pack_rows()
-        rows = x.reshape(-1, x.shape[-1])
-        if self.in_perm is not None:
-            rows = rows.index_select(1, self.in_perm)
-        out = int4_gemm(rows, self.weight_rows, self.q_scale, self.q_min, self.bias)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return self._through(x, lambda rows: int4_gemm(rows, self.weight_rows, self.q_scale, self.q_min, self.bias))
 
 
 class GroupedInt8Linear(_GroupedLinear):
@@ -183,15 +187,17 @@ class GroupedInt8Linear(_GroupedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from appliance.kernels.triton_int4 import int8_block_k, int8_gemm
+            from appliance.kernels.triton_int4 import int8_block_k
 
             if int8_block_k(self.group) is not None:
-                rows = x.reshape(-1, x.shape[-1])
-                if self.in_perm is not None:
-                    rows = rows.index_select(1, self.in_perm)
-                out = int8_gemm(rows, self.weight_q8, self.q_scale, self.q_min, self.bias)
-                return out.reshape(*x.shape[:-1], self.out_features)
+                return self._triton(x)
         return super().forward(x)
+
+    def _triton(self, x: torch.Tensor) -> torch.Tensor:
+        """CUDA/ROCm: the Triton grouped int8 GEMM (kernels/triton_int4.py)."""
+        from appliance.kernels.triton_int4 import int8_gemm
+
+        return self._through(x, lambda rows: int8_gemm(rows, self.weight_q8, self.q_scale, self.q_min, self.bias))
 
 
 def _input_order(target: str, parts: list[tuple]) -> torch.Tensor | None:

@@ -93,3 +93,18 @@ def test_int8_groups_the_kernel_cannot_step_are_refused():
         int8_gemm(torch.randn(2, 96), q, d, mn)
     with pytest.raises(ValueError, match="int8 weights"):
         int8_gemm(torch.randn(2, 96), q.to(torch.uint8), d[:, :2], mn[:, :2])
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int8_linear_gathers_its_inputs_for_the_gemm(act_order):
+    """GroupedInt8Linear's GPU path (run here under the interpreter): the
+    leading dimensions kept, act-order inputs gathered, equal to its torch path."""
+    from appliance.models.quant import GroupedInt8Linear
+
+    q, d, mn = _grouped_int8(24, 64, 16, 7)
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(1)) if act_order else None
+    lin = GroupedInt8Linear((q, d, mn), torch.randn(24), perm)
+    x = torch.randn(2, 3, 64)
+    got, want = lin._triton(x), lin(x)  # lin(x) on CPU tensors: the dequantized torch path
+    assert got.shape == (2, 3, 24)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
