@@ -328,10 +328,10 @@ def _model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
                                      eplb.num_redundant_experts if eplb.enabled else 0)
     if eplb.enabled:
         model.enable_eplb(ep.comm, eplb.window_size, eplb.step_interval)
-    if cfg.quantization.method == "int8_wo":
+    if cfg.quantization.method in ("int8_wo", "w8a8_int8"):
         from appliance.models.quant import quantize_int8_weight_only
 
-        quantize_int8_weight_only(model)
+        quantize_int8_weight_only(model, activations=cfg.quantization.method == "w8a8_int8")
     elif cfg.quantization.method == "int4_wo":
         from appliance.models.quant import quantize_int4_weight_only
 

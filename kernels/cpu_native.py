@@ -3,7 +3,8 @@
 ``csrc/cpu_ops.c`` holds AVX2/FMA kernels: fp32-, bf16-, int8- or int4-weight
 GEMMs with the widening in registers and fp32 activations (batched bf16 GEMMs
 take bf16-rounded rows on AVX512-BF16 where the CPU has it, see
-``bf16_dot``), paged attention that reads K/V blocks in
+``bf16_dot``), W8A8 int8 GEMMs with int32 sums (AVX512-VNNI where the CPU
+has it, see ``vnni``), paged attention that reads K/V blocks in
 place (no gather), fused RMSNorm/rope/KV-write/SiLU, and ``appl_forward``,
 which runs a whole Llama-family step in one call so a decode step pays no
 per-op Python or dispatcher cost. The library is compiled with the
@@ -35,7 +36,7 @@ from appliance.kernels.cpu_build import build_library
 # Load after torch so the library's libgomp.so.1 resolves to the one torch loaded.
 _LIB = ctypes.CDLL(str(build_library()))
 
-WTYPE_F32, WTYPE_I8, WTYPE_BF16, WTYPE_Q4, WTYPE_Q8G = 0, 1, 2, 3, 4
+WTYPE_F32, WTYPE_I8, WTYPE_BF16, WTYPE_Q4, WTYPE_Q8G, WTYPE_I8A8 = 0, 1, 2, 3, 4, 5
 _p = ctypes.c_void_p
 _i32, _i64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
@@ -91,6 +92,8 @@ _LIB.appl_bf16_dot.argtypes = [ctypes.c_int]
 _LIB.appl_bf16_dot.restype = ctypes.c_int
 _LIB.appl_avx512.argtypes = [ctypes.c_int]
 _LIB.appl_avx512.restype = ctypes.c_int
+_LIB.appl_vnni.argtypes = [ctypes.c_int]
+_LIB.appl_vnni.restype = ctypes.c_int
 _LIB.appl_apply_token_bitmask.argtypes = [_p, _i64, _p, _i64, _p, ctypes.c_int, _i64]
 _LIB.appl_apply_token_bitmask.restype = None
 
@@ -128,6 +131,16 @@ def avx512(enabled: Optional[bool] = None) -> bool:
     return bool(_LIB.appl_avx512(-1 if enabled is None else int(enabled)))
 
 
+def vnni(enabled: Optional[bool] = None) -> bool:
+    """Whether W8A8 int8 GEMMs (``quantization=w8a8_int8``) sum on
+    AVX512-VNNI (vpdpbusd: 16 channels by four inputs an instruction) rather
+    than on AVX2 (vpmaddwd); on by default where the CPU has it, unless
+    ``APPLIANCE_CPU_VNNI=0``. Both sum the same int8 products exactly in
+    int32: the results are equal bit for bit. ``enabled`` switches it; on is
+    refused, returning False, where the CPU lacks it."""
+    return bool(_LIB.appl_vnni(-1 if enabled is None else int(enabled)))
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[tuple[int, int]],
                         vocab_size: int) -> None:
     """Structured outputs' mask, in place: for each (logits row, bitmask
@@ -158,6 +171,8 @@ if os.environ.get("APPLIANCE_CPU_BF16_DOT") == "0":
     bf16_dot(False)
 if os.environ.get("APPLIANCE_CPU_AVX512") == "0":
     avx512(False)
+if os.environ.get("APPLIANCE_CPU_VNNI") == "0":
+    vnni(False)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -190,6 +205,19 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
+def pack_vnni_panels(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weights [n, k] -> (int8 [ceil(n / 16), ceil(k / 4), 16, 4]: the
+    channels of a panel as k quads, the operand layout of vpdpbusd; k and n
+    zero-padded; int32 [ceil(n / 16) * 16] each channel's sum of weights,
+    which the kernel subtracts 128 times for its unsigned rows)."""
+    n, k = q.shape
+    panels, quads = -(-n // PANEL), -(-k // 4)
+    padded = torch.zeros(panels * PANEL, quads * 4, dtype=torch.int8)
+    padded[:n, :k] = q
+    packed = padded.view(panels, PANEL, quads, 4).transpose(1, 2).contiguous()
+    return packed, padded.to(torch.int32).sum(dim=1, dtype=torch.int32)
+
+
 def pack_q4_panels(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int4 values q (uint8 [n, k], 0..15) with group scales d and mins m
     ([n, k / group], both fp16 or both fp32) -> (bytes [ceil(n / 16), k / 2,
@@ -216,9 +244,10 @@ def pack_group_params(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 class NativeLinear:
-    """A ctypes view of an fp32 or bf16 nn.Linear or an int8 or int4
-    weight-only linear, its weight packed in panels (in its own dtype).
-    Keeps references to the tensors it points at.
+    """A ctypes view of an fp32 or bf16 nn.Linear, an int8 or int4
+    weight-only linear, or a W8A8 int8 one (``act_int8``: the rows quantized
+    per call), its weight packed in panels (in its own dtype). Keeps
+    references to the tensors it points at.
 
     With ``release`` the packed weight is stored on the module
     (``weight_packed``, and ``qparams_packed`` for int4) and the row-major
@@ -240,10 +269,15 @@ class NativeLinear:
                 qparams = module.qparams_packed
             scale, wtype, group = None, WTYPE_Q4 if q4 else WTYPE_Q8G, module.group
         elif hasattr(module, "weight_int8"):
+            wtype = WTYPE_I8A8 if getattr(module, "act_int8", False) else WTYPE_I8
             if packed is None:
-                packed = pack_panels(module.weight_int8)
+                if wtype == WTYPE_I8A8:
+                    packed, qparams = pack_vnni_panels(module.weight_int8)
+                else:
+                    packed = pack_panels(module.weight_int8)
+            elif wtype == WTYPE_I8A8:
+                qparams = module.qparams_packed
             scale = _f32_contig(module.scale, "an int8 scale")
-            wtype = WTYPE_I8
         else:
             w = packed if packed is not None else module.weight.data
             if w.dtype not in WEIGHT_DTYPES or w.device.type != "cpu":
@@ -261,8 +295,10 @@ class NativeLinear:
                 else:
                     module.weight_q8 = torch.empty(0, dtype=torch.int8)
                 module.q_scale = module.q_min = torch.empty(0, dtype=qparams.dtype)
-            elif wtype == WTYPE_I8:
+            elif wtype in (WTYPE_I8, WTYPE_I8A8):
                 module.weight_int8 = torch.empty(0, dtype=torch.int8)
+                if wtype == WTYPE_I8A8:
+                    module.qparams_packed = qparams
             else:
                 module.weight.data = torch.empty(0, dtype=packed.dtype)
         bias = getattr(module, "bias", None)

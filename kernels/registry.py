@@ -128,7 +128,7 @@ BACKENDS: dict[str, BackendCapabilities] = {
         kv_dtypes=("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"),
         head_sizes=tuple(range(8, 513, 8)),
         block_size_multiple=1,
-        quantizations=("none", "gguf", "int8_wo", "int4_wo", "awq", "gptq"),  # fp8: the torch reference path
+        quantizations=("none", "gguf", "int8_wo", "w8a8_int8", "int4_wo", "awq", "gptq"),  # fp8: the torch reference path
     ),
     "triton": BackendCapabilities(
         name="triton",

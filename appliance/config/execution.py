@@ -49,7 +49,7 @@ def cpu_dtype_preference(backend: str, cpu: CpuInfo, quantization: str = "none")
     100x slower than fp32 elsewhere). The Triton interpreter computes in fp32
     whatever the dtype."""
     if backend == "cpu_native":
-        return ("float32", "bfloat16") if quantization in ("int8_wo", "int4_wo") else ("bfloat16", "float32")
+        return ("float32", "bfloat16") if quantization in ("int8_wo", "w8a8_int8", "int4_wo") else ("bfloat16", "float32")
     if backend == "triton" or not cpu.fast_bf16:
         return ("float32", "bfloat16", "float16")
     return ("bfloat16", "float32", "float16")

@@ -64,9 +64,9 @@ def _target_weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
         per_group = {"fp8": 16, "awq": 64, "gptq": 64}.get(method, 32)
         bits += per_group / q.group_size
     linear = int(counts["linear"] * bits / 8)
-    if method in ("fp8", "int8_wo"):  # per-output-channel fp32 scales
+    if method in ("fp8", "int8_wo", "w8a8_int8"):  # per-output-channel fp32 scales
         linear += 4 * output_channels(cfg.model)
-    if method in ("int8_wo", "int4_wo"):  # the LM head is int8 too (a tied model keeps its embedding for lookups)
+    if method in ("int8_wo", "w8a8_int8", "int4_wo"):  # the LM head is int8 too (a tied model keeps its embedding for lookups)
         lm_rows = cfg.model.vocab_size
         return linear + lm_rows * (cfg.model.hidden_size + 4) + (counts["embedding"] + counts["other"]) * full
     return linear + (counts["embedding"] + counts["lm_head"] + counts["other"]) * full
@@ -292,6 +292,10 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
     if cfg.quantization.method == "fp8" and not fp8_gemm:
         notes.append("fp8 weights without fp8 activations, or on hardware without fp8, run the reference path "
                      "(dequantized per GEMM): correct, not fast; the decode roofline above assumes fp8 bytes")
+    if cfg.quantization.method == "w8a8_int8":
+        notes.append("w8a8_int8: each projection quantizes its rows to int8 per token (dynamic) and sums the "
+                     "products in int32, on AVX512-VNNI (vpdpbusd) where the CPU has it, else on AVX2 "
+                     "(vpmaddwd), with the same results; the LM head keeps fp32 activations")
     swap_blocks = int(cfg.cache.swap_space_gib * GIB) // (bs * per_tok) if per_tok else 0
     comm = communication(cfg, dtype, w_dev)
     if comm["collectives_per_step"] and comm["decode_comm_share"] is None:

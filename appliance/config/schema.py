@@ -30,6 +30,7 @@ class QuantMethod(StrEnum):
     awq = "awq"
     gptq = "gptq"
     int8_wo = "int8_wo"
+    w8a8_int8 = "w8a8_int8"
     int4_wo = "int4_wo"
 
 
@@ -151,7 +152,7 @@ class QuantizationConfig:
     method: QuantMethod = QuantMethod.none
     # Bits per weight of the quantized linear layers (plan's weight bytes).
     weight_bits: float = 16.0
-    # Quantize activations as well (W8A8); fp8 only.
+    # Quantize activations as well (W8A8): fp8 optionally, w8a8_int8 always.
     activations: bool = False
     group_size: int = -1
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from appliance.config.schema import ApplianceConfig
 
-RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo", "int4_wo", "awq", "gptq", "fp8")  # methods whose weights run
-MOE_QUANTIZATION = ("none", "int8_wo", "int4_wo")  # methods the stacked expert weights are quantized by
+RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo", "w8a8_int8", "int4_wo", "awq", "gptq", "fp8")  # methods whose weights run
+MOE_QUANTIZATION = ("none", "int8_wo", "w8a8_int8", "int4_wo")  # methods the stacked expert weights are quantized by
 
 
 def not_built(cfg: ApplianceConfig) -> list[str]:

@@ -21,14 +21,14 @@ INT4_GROUP_SIZES = (32, 64, 128)  # the native int4 kernels' groups along k
 
 
 def _quantization_problems(cfg: ApplianceConfig) -> list[str]:
-    """int8_wo is per output channel at 8 bits; int4_wo is 4 bits in groups
+    """int8_wo and w8a8_int8 are per output channel at 8 bits; int4_wo is 4 bits in groups
     that tile every projection's input; gguf keeps a GGUF file's blocks
     (weight_bits: their loaded bits per weight, read from the file); awq and
     gptq checkpoints are 4-bit (gptq also 8-bit) in even groups that tile
     the inputs (their quantization_config sets these keys)."""
     q, m = cfg.quantization, cfg.model
     out = []
-    bits = {"int8_wo": 8.0, "int4_wo": 4.0, "awq": 4.0, "fp8": 8.0}.get(q.method)
+    bits = {"int8_wo": 8.0, "w8a8_int8": 8.0, "int4_wo": 4.0, "awq": 4.0, "fp8": 8.0}.get(q.method)
     if q.method == "gptq":
         bits = q.weight_bits if q.weight_bits in (4.0, 8.0) else 4.0
     if q.method == "gguf":
@@ -57,7 +57,7 @@ def _quantization_problems(cfg: ApplianceConfig) -> list[str]:
         out.append(f"quantization.weight_bits={q.weight_bits:g} does not match quantization.method={q.method}, which "
                    f"stores {bits:g}-bit weights; set quantization.weight_bits={bits:g} (the option "
                    f"quantization={q.method} sets both)")
-    if q.method in ("int8_wo", "fp8") and q.group_size != -1:
+    if q.method in ("int8_wo", "w8a8_int8", "fp8") and q.group_size != -1:
         out.append(f"quantization.group_size={q.group_size}: {q.method} has one scale per output channel; "
                    f"set quantization.group_size=-1 (or use quantization=int4_wo for groups)")
     if q.method == "int4_wo":
@@ -224,9 +224,12 @@ def validate(cfg: ApplianceConfig) -> list[str]:
         if not s.enable_chunked_prefill:
             problems.append("scheduler.target_itl_ms needs scheduler.enable_chunked_prefill=true (a prompt must be "
                             "able to prefill in chunks of any budget)")
-    if q.activations and q.method != "fp8":
-        problems.append(f"quantization.activations=true (W8A8) is the fp8 method's; quantization={q.method} "
-                        f"quantizes weights only")
+    if q.activations and q.method not in ("fp8", "w8a8_int8"):
+        problems.append(f"quantization.activations=true (W8A8) is built for quantization=fp8 and w8a8_int8; "
+                        f"quantization={q.method} quantizes weights only")
+    if q.method == "w8a8_int8" and not q.activations:
+        problems.append("quantization=w8a8_int8 quantizes the activations (quantization.activations=true); for "
+                        "int8 weights with unquantized activations use quantization=int8_wo")
     if not 0 < cfg.server.port < 65536:
         problems.append(f"server.port={cfg.server.port} must be in 1..65535")
     for key in ("request_timeout_s", "shutdown_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s",
@@ -249,9 +252,9 @@ def validate(cfg: ApplianceConfig) -> list[str]:
             f"quantization=fp8 (W8A8) needs native fp8 and hardware={hw.name} has none; "
             f"use quantization=none, or a profile on {FP8_HARDWARE}"
         )
-    if q.method in ("int8_wo", "int4_wo") and hw.device_kind != "cpu":
+    if q.method in ("int8_wo", "w8a8_int8", "int4_wo") and hw.device_kind != "cpu":
         problems.append(
-            f"quantization={q.method} is a CPU weight-only path; on hardware={hw.name} use quantization=fp8, awq or gptq"
+            f"quantization={q.method} is a CPU path; on hardware={hw.name} use quantization=fp8, awq or gptq"
         )
     problems += _quantization_problems(cfg)
     kv = cache.kv_cache_dtype

@@ -100,7 +100,7 @@ class FusedExperts(nn.Module):
         self.slot_experts = list(range(first, first + num_local)) if slot_experts is None else list(slot_experts)
         self.w13 = nn.Parameter(torch.empty(num_local, 2 * inter, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, inter), requires_grad=False)
-        self.quantized: Optional[str] = None  # None, "int8_wo" or "int4_wo"
+        self.quantized: Optional[str] = None  # None, "int8_wo", "w8a8_int8" or "int4_wo"
         self._q: list[tuple[nn.Module, nn.Module]] = []  # per expert (w13, w2) as quantized linears
 
     def quantize(self, method: str, make: Any) -> None:

@@ -3,7 +3,10 @@
 
 int8: each packed projection and the LM head keep int8 weights with one
 fp32 scale per output channel (symmetric, round to nearest): a quarter of
-the fp32 bytes to stream per decode step.
+the fp32 bytes to stream per decode step. ``quantization=w8a8_int8`` keeps
+the same weights and quantizes the projections' rows to int8 per call (one
+scale per token): the products sum in int32, on AVX512-VNNI where the CPU
+has it.
 
 int4: each packed projection keeps 4-bit weights w = d * q + m, q in 0..15,
 with a scale d and min m per output channel per group of ``group_size``
@@ -41,9 +44,26 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8's dynamic activations: (int8 rows, fp32 scale per row) with
+    q = round-half-even(x * (127 / max |x|)) and s = max |x| / 127, each in
+    fp32 as the native kernel computes them (a zero row: q = 0, s = 0)."""
+    x = x.float()
+    amax = x.abs().amax(dim=1)
+    inv = torch.where(amax > 0, torch.div(torch.full_like(amax, 127.0), amax), 0.0)  # division, not reciprocal * 127
+    return torch.round(x * inv[:, None]).to(torch.int8), amax / 127.0
+
+
 class Int8WeightOnlyLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    """int8 weights with one fp32 scale per output channel. Weight-only, or
+    with ``activations`` (``quantization=w8a8_int8``) W8A8: each call
+    quantizes its rows to int8 (``quantize_rows_int8``), sums the products
+    exactly in int32 and scales the sums, ((float)sum * row scale) * channel
+    scale + bias, the native kernel's result bit for bit on every CPU."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activations: bool = False):
         super().__init__()
+        self.act_int8 = activations
         q, scale = quantize_per_channel(weight)
         self.register_buffer("weight_int8", q)
         self.register_buffer("scale", scale)
@@ -52,11 +72,22 @@ class Int8WeightOnlyLinear(nn.Module):
         self.out_features, self.in_features = q.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_int8:
+            return self._w8a8(x)
         if x.shape[0] <= INT8_KERNEL_MAX_ROWS and x.device.type == "cpu":
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight_int8, self.scale_bf16).to(x.dtype)
             return y + self.bias if self.bias is not None else y
         w = self.weight_int8.to(x.dtype) * self.scale.to(x.dtype)[:, None]
         return F.linear(x, w, self.bias)
+
+    def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        q, s = quantize_rows_int8(rows)
+        sums = torch._int_mm(q, self.weight_int8.t()) if q.shape[0] else q.new_zeros(0, self.out_features, dtype=torch.int32)
+        y = sums.float() * s[:, None] * self.scale[None, :]
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
 def quantize_groups_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -249,19 +280,24 @@ def _int8_lm_head(model: nn.Module) -> None:
 
 
 def quantize_experts(model: nn.Module, method: str, group: int = 32) -> None:
-    """Every sparse layer's experts to ``method`` (``int8_wo`` or ``int4_wo``);
-    routers stay fp32."""
+    """Every sparse layer's experts to ``method`` (``int8_wo``, ``w8a8_int8``
+    or ``int4_wo``); routers stay fp32."""
     make = {"int8_wo": lambda w: Int8WeightOnlyLinear(w, None),
+            "w8a8_int8": lambda w: Int8WeightOnlyLinear(w, None, activations=True),
             "int4_wo": lambda w: Int4WeightOnlyLinear(w, None, group)}[method]
     for layer in model.model.layers:
         if getattr(layer, "sparse", False):
             layer.mlp.experts.quantize(method, make)
 
 
-def quantize_int8_weight_only(model: nn.Module) -> nn.Module:
-    """Replace every decoder projection, the experts and the LM head in place."""
-    replace_projections(model, Int8WeightOnlyLinear)
-    quantize_experts(model, "int8_wo")
+def quantize_int8_weight_only(model: nn.Module, activations: bool = False) -> nn.Module:
+    """Replace every decoder projection, the experts and the LM head in place;
+    with ``activations`` (W8A8) the projections and experts quantize their
+    rows per call, while the LM head stays weight-only (logits keep fp32
+    activations; it runs on one row per sequence, where reading its weights
+    is the cost)."""
+    replace_projections(model, lambda w, b: Int8WeightOnlyLinear(w, b, activations))
+    quantize_experts(model, "w8a8_int8" if activations else "int8_wo")
     _int8_lm_head(model)
     return model
 

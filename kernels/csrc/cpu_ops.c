@@ -11,14 +11,16 @@
  * output channel, 4-bit with an fp16 or fp32 scale and min per group of k
  * (see "int4 panels"), or int8 with an fp32 scale and min per group (see
  * "grouped int8"), packed in panels of 16 output channels
- * (kernels/cpu_native.py packs them); the embedding table is fp32 or bf16.
- * Activations and accumulation are fp32 whatever the weights (except where
- * batched bf16 GEMMs run on AVX512-BF16, see below); the KV cache is fp32,
+ * (kernels/cpu_native.py packs them), or int8 per output channel with the
+ * rows quantized to int8 per call (see "W8A8 int8"); the embedding table is
+ * fp32 or bf16. Activations and accumulation are fp32 whatever the weights
+ * (except W8A8's int32 sums, and where batched bf16 GEMMs run on
+ * AVX512-BF16, see below); the KV cache is fp32,
  * bf16 or fp8 (e4m3 or e5m2, holding k / k_scale and v / v_scale with a
  * scale per layer, 1 unless the checkpoint gives one).
  *
  * Built at first use by kernels/cpu_native.py (gcc -O3 -mavx2 -mfma -mf16c -ffp-contract=off
- * -fopenmp; the AVX512-BF16 functions by target attribute, chosen at run
+ * -fopenmp; the AVX-512 functions (F/BW, BF16, VNNI) by target attribute, chosen at run
  * time); OpenMP resolves to the libgomp torch has already loaded, so the
  * kernels share torch's thread count.
  */
@@ -41,6 +43,7 @@
 #define WTYPE_BF16 2
 #define WTYPE_Q4 3
 #define WTYPE_Q8G 4 /* int8 [ceil(n / 16), k, 16] with a group scale and min (fp32 qparams, as int4's) */
+#define WTYPE_I8A8 5 /* int8 [ceil(n / 16), ceil(k / 4), 16, 4], rows quantized per call (see "W8A8 int8") */
 #define Q4_ROWS_MAX 6 /* int4 GEMMs up to this many rows read the 4-bit panels directly */
 
 typedef struct {
@@ -48,7 +51,8 @@ typedef struct {
     /* grouped weights (int4, grouped int8) carry qparams and group; int8 per channel carries scale */
     const float *scale; /* [n] per output channel (int8), else NULL */
     const float *bias;  /* [n] or NULL */
-    const void *qparams; /* int4: [ceil(n / 16), k / group, 2, 16] fp16 or fp32, each group's scales then mins */
+    const void *qparams; /* int4: [ceil(n / 16), k / group, 2, 16] fp16 or fp32, each group's scales then mins;
+                          * W8A8: int32 [ceil(n / 16) * 16], each channel's sum of weights */
     const int32_t *perm; /* [k] or NULL: stored input j is x[perm[j]] (a GPTQ act-order checkpoint) */
     int32_t n, k, wtype, group; /* group: int4 weights per scale along k (even, divides k), else 0 */
     int32_t qparams_f32, _pad;  /* int4: qparams are fp32 (else fp16) */
@@ -688,6 +692,203 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
     }
 }
 
+/* ------------------------------------------------- W8A8 int8 (AVX512-VNNI) */
+/*
+ * quantization=w8a8_int8: int8 weights with one fp32 scale per output channel
+ * and the rows quantized per call, one symmetric scale per row (dynamic, per
+ * token): amax = max |x|, q = rint(x * (127 / amax)) in -127..127, s = amax /
+ * 127 (a zero row: q = 0, s = 0). The products sum exactly in int32 and
+ * out = ((float)sum * s) * scale[n] + bias, so every path gives the same bits
+ * at every batch size (a row's scale depends on that row alone). Panels hold
+ * 16 channels as k quads ([kq / 4][16][4] bytes, kq = k rounded up to 4, the
+ * tail zero), the operand order of vpdpbusd: one instruction sums 16 channels
+ * by four k, unsigned by signed bytes into int32, so the rows enter as q + 128
+ * and each channel's 128 * sum_k w (qparams: int32, one per channel of every
+ * panel) is subtracted. Where the CPU lacks AVX512-VNNI, AVX2 sums the same
+ * products with vpmaddwd (signed 16-bit pairs). A GEMV reads a quarter of the
+ * fp32 bytes; a GEMM multiplies 64 pairs per instruction (vpdpbusd) against
+ * the fp32 tiles' 8 (vfmadd ymm).
+ */
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define A8_ROWS 6 /* rows per VNNI tile (by four panels: 24 zmm accumulators) */
+
+static int g_has_vnni, g_vnni;
+
+/* The vpdpbusd path: set < 0 asks, 0 turns it off, 1 on (where the CPU has it). Returns the state. */
+int appl_vnni(int set) {
+    if (set >= 0) g_vnni = set && g_has_vnni;
+    return g_vnni;
+}
+
+/* AVX512-VNNI (CPUID 7.0 ECX bit 11) on top of AVX512F/BW with the OS saving the zmm state. */
+static void __attribute__((constructor)) probe_vnni(void) {
+    unsigned a, b, c, d;
+    g_has_vnni = g_vnni = cpu_avx512_level() >= 1 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c & (1u << 11));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* Rows [0, m) of x quantized into q ([m][kq], the tail past k zero) with their scales s; offset: store q + 128
+ * (as unsigned bytes, for vpdpbusd) rather than q. */
+static void a8_quantize(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t kq, int8_t *q, float *s,
+                        int offset) {
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), flip = _mm256_set1_epi8((char)(offset ? 0x80 : 0));
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+#pragma omp parallel for schedule(static) if (m * k >= 65536)
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * ldx;
+        int8_t *qr = q + r * kq;
+        __m256 mx = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= k; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(xr + i), absmask));
+        float amax = hmax8(mx);
+        for (; i < k; i++) amax = fmaxf(amax, fabsf(xr[i]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        s[r] = amax / 127.0f;
+        const __m256 vi = _mm256_set1_ps(inv);
+        for (i = 0; i + 32 <= k; i += 32) { /* 32 floats -> 32 bytes: packs interleave the 128-bit lanes, the permute restores the order */
+            const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + i), vi));
+            const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + i + 8), vi));
+            const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + i + 16), vi));
+            const __m256i d = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + i + 24), vi));
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+            _mm256_storeu_si256((__m256i *)(qr + i), _mm256_xor_si256(_mm256_permutevar8x32_epi32(bytes, order), flip));
+        }
+        for (; i < k; i++) qr[i] = (int8_t)((int)lrintf(xr[i] * inv) ^ (offset ? 0x80 : 0));
+        for (; i < kq; i++) qr[i] = (int8_t)(offset ? 0x80 : 0);
+    }
+}
+
+/* R rows (q + 128, row stride kq) by NP VNNI panels from p: int32 sums minus 128 * the channels' weight sums. */
+VNNI_TARGET static inline __attribute__((always_inline)) void a8_tile_vnni(const int8_t *xq, int64_t kq,
+                                                                          const int8_t *p, const int32_t *wsum,
+                                                                          const int R, const int NP,
+                                                                          int32_t c[A8_ROWS][4 * PW]) {
+    const int64_t pstride = kq * PW;
+    __m512i a[A8_ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < NP; q++) a[r][q] = _mm512_setzero_si512();
+    const char *next = (const char *)(p + NP * pstride); /* the next panels follow these */
+    for (int64_t j = 0; j < kq / 4; j++) {
+        __m512i w[4];
+        for (int q = 0; q < NP; q++) {
+            _mm_prefetch(next + q * pstride + j * 4 * PW, _MM_HINT_T0);
+            w[q] = _mm512_loadu_si512(p + q * pstride + j * 4 * PW);
+        }
+        for (int r = 0; r < R; r++) {
+            int32_t quad;
+            memcpy(&quad, xq + r * kq + 4 * j, sizeof(quad));
+            const __m512i xb = _mm512_set1_epi32(quad);
+            for (int q = 0; q < NP; q++) a[r][q] = _mm512_dpbusd_epi32(a[r][q], xb, w[q]);
+        }
+    }
+    for (int q = 0; q < NP; q++) {
+        const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(wsum + q * PW), 7);
+        for (int r = 0; r < R; r++) _mm512_storeu_si512(&c[r][q * PW], _mm512_sub_epi32(a[r][q], off));
+    }
+}
+
+#define A8_VNNI_CASE(R)                                                              \
+    case R:                                                                          \
+        if (np == 4)                                                                 \
+            a8_tile_vnni(xr, kq, p, wsum, R, 4, c);                                  \
+        else                                                                         \
+            for (int q = 0; q < np; q++) a8_tile_vnni(xr, kq, p + q * kq * PW, wsum + q * PW, R, 1, (int32_t(*)[4 * PW])&c[0][q * PW]); \
+        break;
+
+VNNI_TARGET static void a8_rows_vnni(const int8_t *xq, int64_t kq, const int8_t *p, const int32_t *wsum, int mr,
+                                     int np, int32_t c[A8_ROWS][4 * PW]) {
+    const int8_t *xr = xq;
+    switch (mr) {
+        A8_VNNI_CASE(6) A8_VNNI_CASE(5) A8_VNNI_CASE(4) A8_VNNI_CASE(3) A8_VNNI_CASE(2) default: A8_VNNI_CASE(1)
+    }
+}
+
+/* R rows (q, row stride kq) by one VNNI panel on AVX2: vpmaddwd sums the products in signed 16-bit pairs. */
+static inline __attribute__((always_inline)) void a8_tile_avx2(const int8_t *xq, int64_t kq, const int8_t *p,
+                                                               const int R, int32_t c[A8_ROWS][4 * PW]) {
+    __m256i a[4][4]; /* [row][channels 4h .. 4h + 3], each channel's two pair sums */
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 4; h++) a[r][h] = _mm256_setzero_si256();
+    for (int64_t j = 0; j < kq / 4; j++) {
+        __m256i w[4];
+        for (int h = 0; h < 4; h++) w[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + j * 4 * PW + 16 * h)));
+        for (int r = 0; r < R; r++) {
+            int32_t quad;
+            memcpy(&quad, xq + r * kq + 4 * j, sizeof(quad));
+            const __m256i xb = _mm256_broadcastq_epi64(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(quad)));
+            for (int h = 0; h < 4; h++) a[r][h] = _mm256_add_epi32(a[r][h], _mm256_madd_epi16(xb, w[h]));
+        }
+    }
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_si256((__m256i *)&c[r][0], _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a[r][0], a[r][1]), order));
+        _mm256_storeu_si256((__m256i *)&c[r][8], _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a[r][2], a[r][3]), order));
+    }
+}
+
+static void a8_rows_avx2(const int8_t *xq, int64_t kq, const int8_t *p, int mr, int32_t c[A8_ROWS][4 * PW]) {
+    switch (mr) {
+    case 4: a8_tile_avx2(xq, kq, p, 4, c); break;
+    case 3: a8_tile_avx2(xq, kq, p, 3, c); break;
+    case 2: a8_tile_avx2(xq, kq, p, 2, c); break;
+    default: a8_tile_avx2(xq, kq, p, 1, c); break;
+    }
+}
+
+/* appl_linear for W8A8 weights: the rows quantized once, threads split the panels, each panel group's
+ * sums over a block of rows at a time (rows kept in L2 while the panels pass). */
+static void a8_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m,
+                      int accumulate) {
+    const int64_t k = L->k, n = L->n, kq = (k + 3) & ~(int64_t)3, panels = (n + PW - 1) / PW;
+    if (m <= 0) return;
+    const int vnni = g_vnni, tile_rows = vnni ? A8_ROWS : 4, step = vnni ? 4 : 1;
+    int8_t *xq = (int8_t *)malloc((size_t)(m * kq));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)m);
+    if (!xq || !xs) abort();
+    a8_quantize(x, ldx, m, k, kq, xq, xs, vnni);
+    int64_t mc = (256 * 1024) / kq;
+    mc = mc < tile_rows ? tile_rows : (mc / tile_rows) * tile_rows;
+    const int8_t *w = (const int8_t *)L->w;
+    const int32_t *wsum = (const int32_t *)L->qparams;
+#pragma omp parallel
+    {
+        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t per = (panels + nt - 1) / nt;
+        const int64_t p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
+        int32_t c[A8_ROWS][4 * PW];
+        float f[4 * PW];
+        for (int64_t m0 = 0; m0 < m; m0 += mc) {
+            const int64_t m1 = m0 + mc < m ? m0 + mc : m;
+            for (int64_t pn = p0; pn < p1; pn += step) {
+                const int64_t n0 = pn * PW;
+                const int np = (int)(p1 - pn < step ? p1 - pn : step);
+                const int nv = (int)(n - n0 < np * PW ? n - n0 : np * PW);
+                for (int64_t r = m0, mr; r < m1; r += mr) {
+                    mr = m1 - r < tile_rows ? (int)(m1 - r) : tile_rows;
+                    if (vnni)
+                        a8_rows_vnni(xq + r * kq, kq, w + pn * kq * PW, wsum + n0, (int)mr, np, c);
+                    else
+                        a8_rows_avx2(xq + r * kq, kq, w + pn * kq * PW, (int)mr, c);
+                    for (int i = 0; i < (int)mr; i++) {
+                        const __m256 sr = _mm256_set1_ps(xs[r + i]);
+                        for (int j = 0; j < np * PW; j += 8)
+                            _mm256_storeu_ps(f + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)&c[i][j])), sr));
+                        store_out(L, out + (r + i) * ldo + n0, n0, f, nv, accumulate);
+                    }
+                }
+            }
+        }
+    }
+    free(xq);
+    free(xs);
+}
+
 /* ------------------------------------------------------ AVX-512 int4 rows */
 /*
  * Up to four rows by four int4 panels in zmm registers: a pair row's 16
@@ -820,6 +1021,10 @@ static void packed_gemv(const Linear *L, const float *x, const float *xs, float 
  * w packed in panels (see PW); threads split the panels. Rows are blocked so
  * a block of activations stays in L2 while the panels pass over it. */
 void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m, int accumulate) {
+    if (L->wtype == WTYPE_I8A8) {
+        a8_linear(L, x, ldx, out, ldo, m, accumulate);
+        return;
+    }
     if (L->perm) { /* gather the inputs into the stored order, then the plain product, PERM_ROWS rows at a time */
         enum { PERM_ROWS = 256 };
         const int64_t k = L->k, rows = m < PERM_ROWS ? m : PERM_ROWS;

@@ -18,7 +18,7 @@ MODELS = ["llama3_1_8b", "mistral_7b", "mixtral_8x7b", "qwen2_5_0_5b", "qwen3_30
 def test_catalog_is_complete():
     assert list_profiles() == PROFILES
     assert list_options("model") == MODELS
-    assert list_options("quantization") == ["awq", "fp8", "gguf", "gptq", "int4_wo", "int8_wo", "none"]
+    assert list_options("quantization") == ["awq", "fp8", "gguf", "gptq", "int4_wo", "int8_wo", "none", "w8a8_int8"]
     assert list_options("parallel") == ["dp2", "dp2_ep", "dp8_ep", "pp2", "single", "tp2", "tp3", "tp8", "tp8_pp2"]
     assert list_options("scheduler") == ["default", "latency", "throughput"]
     assert list_options("hardware") == ["b200", "cpu", "h100", "h200", "mi300x"]
@@ -126,8 +126,17 @@ def _problems(*overrides):
         (["+profile=cpu", "attention.backend=magic"], "attention.backend=magic is unknown"),
         (["+profile=cpu", "cache.memory_utilization=1.5"], "cache.memory_utilization=1.5 must be in (0, 1]"),
         (["+profile=cpu", "cache.swap_space_gib=-1"], "cache.swap_space_gib=-1.0 must not be negative"),
-        (["+profile=h100_bf16", "quantization=int8_wo"], "quantization=int8_wo is a CPU weight-only path"),
-        (["+profile=h100_bf16", "quantization=int4_wo"], "quantization=int4_wo is a CPU weight-only path"),
+        (["+profile=h100_bf16", "quantization=int8_wo"], "quantization=int8_wo is a CPU path"),
+        (["+profile=h100_bf16", "quantization=int4_wo"], "quantization=int4_wo is a CPU path"),
+        (["+profile=h100_bf16", "quantization=w8a8_int8"], "quantization=w8a8_int8 is a CPU path"),
+        (["+profile=cpu", "quantization=w8a8_int8", "quantization.activations=false"],
+         "quantization=w8a8_int8 quantizes the activations (quantization.activations=true); for int8 weights with "
+         "unquantized activations use quantization=int8_wo"),
+        (["+profile=cpu", "quantization=w8a8_int8", "quantization.group_size=32"],
+         "quantization.group_size=32: w8a8_int8 has one scale per output channel"),
+        (["+profile=cpu_int8", "quantization.activations=true"],
+         "quantization.activations=true (W8A8) is built for quantization=fp8 and w8a8_int8; quantization=int8_wo "
+         "quantizes weights only"),
         (["+profile=cpu_int4", "quantization.group_size=48"],
          "quantization.group_size=48 is not built for int4_wo; supported: [32, 64, 128]"),
         (["+profile=cpu_int4", "quantization.group_size=128"],
@@ -330,6 +339,16 @@ def test_int8_wo_plan_bytes():
     scales = 4 * 30 * (576 + 2 * 192 + 576 + 2 * 1536 + 576)  # a scale per output channel of each projection
     assert q.weight_bytes_total == counts["linear"] + scales + 49152 * (576 + 4) + (counts["embedding"] + counts["other"]) * 4
     assert q.weight_bytes_total < fp32.weight_bytes_total / 2
+
+
+def test_w8a8_int8_plan_bytes_and_note():
+    """The weights of int8_wo; the plan says the activations are quantized and where the sums run."""
+    int8 = make_plan(resolve(["+profile=cpu", "quantization=int8_wo"]).cfg)
+    w8a8 = make_plan(resolve(["+profile=cpu", "quantization=w8a8_int8"]).cfg)
+    assert w8a8.weight_bytes_total == int8.weight_bytes_total and w8a8.dtype == int8.dtype == "float32"
+    assert any("w8a8_int8: each projection quantizes its rows to int8 per token" in n and "AVX512-VNNI" in n
+               for n in w8a8.notes)
+    assert not any("w8a8_int8" in n for n in int8.notes)
 
 
 def test_gguf_plan_bytes():

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from appliance import LLM, SamplingParams
-from appliance.kernels.cpu_native import CpuNativeBackend, NativeLinear, avx512, bf16_dot, pack_q4_panels
+from appliance.kernels.cpu_native import CpuNativeBackend, NativeLinear, avx512, bf16_dot, pack_q4_panels, vnni
 from appliance.kernels.registry import Selection
 from appliance.models.quant import (GroupedInt8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4,
-                                    quantize_int8_weight_only)
+                                    quantize_int8_weight_only, quantize_rows_int8)
 from tests.kernel_helpers import make_problem, reference
 from tests.model_helpers import PROMPTS, TINY_VARIANTS
 
@@ -31,6 +31,11 @@ needs_bf16_dot = pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU lacks AVX
 HAS_AVX512 = avx512()
 needs_avx512 = pytest.mark.skipif(not HAS_AVX512, reason="this CPU lacks AVX512F/BW: int4 GEMMs of one to six rows "
                                                           "run the AVX2 GEMV or widen to fp32 here")
+
+
+HAS_VNNI = vnni()
+needs_vnni = pytest.mark.skipif(not HAS_VNNI, reason="this CPU lacks AVX512-VNNI: W8A8 int8 GEMMs sum on AVX2 "
+                                                      "(vpmaddwd) here")
 
 
 @contextlib.contextmanager
@@ -50,10 +55,11 @@ def _bf16_dot(enabled):
 
 
 def _avx2_only():
-    """The kernels an AVX2-only CPU runs: no vdpbf16ps, no AVX-512 int4 rows."""
+    """The kernels an AVX2-only CPU runs: no vdpbf16ps, no AVX-512 int4 rows, no vpdpbusd."""
     stack = contextlib.ExitStack()
     stack.enter_context(_pinned(bf16_dot, False))
     stack.enter_context(_pinned(avx512, False))
+    stack.enter_context(_pinned(vnni, False))
     return stack
 
 
@@ -91,6 +97,67 @@ def test_linear_matches_torch_over_every_remainder(kind, m, n, k):
             f32 = torch.nn.Linear(k, n, bias=b is not None)
             f32.weight.data, f32.bias = w_ref, (None if b is None else torch.nn.Parameter(b))
             assert torch.equal(got, NativeLinear(f32)(x))
+
+
+def _w8a8(n, k, m, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    mod = Int8WeightOnlyLinear(torch.randn(n, k, generator=g), torch.randn(n, generator=g) if bias else None,
+                               activations=True)
+    x = torch.randn(m, k, generator=g) * 4
+    if m > 2:
+        x[1] = 0  # a zero row: scale 0, output the bias
+    return mod, x
+
+
+def _assert_w8a8_exact(mod, x):
+    """The native W8A8 linear equals the torch reference bit for bit, plain
+    and accumulating into an output."""
+    ref = mod(x)
+    assert torch.equal(NativeLinear(mod)(x), ref)
+    base = torch.randn(x.shape[0], mod.out_features)
+    out = base.clone()
+    NativeLinear(mod)(x, out=out, accumulate=True)
+    assert torch.equal(out, base + ref)
+
+
+W8A8_SHAPES = [(7, 13), (12, 16), (50, 40), (33, 200), (9, 1000), (20, 1), (100, 576), (70, 7)]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 40])
+@pytest.mark.parametrize("n,k", W8A8_SHAPES)
+def test_w8a8_linear_on_avx2_matches_the_reference_bit_for_bit(m, n, k):
+    """Integer sums are exact, so the AVX2 (vpmaddwd) path equals the torch
+    reference (torch._int_mm) exactly: every row tile and panel remainder,
+    k not a multiple of 4, a zero row, bias, accumulate."""
+    mod, x = _w8a8(n, k, m, bias=n % 2 == 1, seed=m * 1000 + n + k)
+    with _pinned(vnni, False):
+        _assert_w8a8_exact(mod, x)
+
+
+@needs_vnni
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 40])
+@pytest.mark.parametrize("n,k", W8A8_SHAPES)
+def test_w8a8_linear_on_vnni_matches_the_reference_bit_for_bit(m, n, k):
+    """vpdpbusd (unsigned rows offset by 128, the weight sums subtracted):
+    the same bits as the reference; six-row tiles by four panels and their
+    remainders."""
+    mod, x = _w8a8(n, k, m, bias=n % 2 == 1, seed=m * 1000 + n + k)
+    with _pinned(vnni, True):
+        _assert_w8a8_exact(mod, x)
+
+
+def test_w8a8_rows_quantize_per_token_round_half_even():
+    x = torch.tensor([[127.0, 0.5, -0.5, 1.5, -63.5], [0.0, 0.0, 0.0, 0.0, 0.0], [-2.0, 1.0, 0.0, 0.0, 0.0]])
+    q, s = quantize_rows_int8(x)
+    assert q.tolist() == [[127, 0, 0, 2, -64], [0, 0, 0, 0, 0], [-127, 64, 0, 0, 0]]  # 63.5 -> 64, 0.5 -> 0
+    assert s.tolist() == [1.0, 0.0, pytest.approx(2 / 127)]
+    mod, rows = _w8a8(9, 40, 6, bias=True, seed=3)
+    alone = torch.cat([mod(rows[i:i + 1]) for i in range(6)])
+    assert torch.equal(mod(rows), alone)  # a row's result does not depend on the batch
+    assert torch.equal(NativeLinear(mod)(rows), alone)
+    # close to the float product of the int8 weights: one int8 step per row, relative
+    w = mod.weight_int8.float() * mod.scale[:, None]
+    torch.testing.assert_close(mod(rows), F.linear(rows, w, mod.bias), rtol=0.05, atol=0.1 * rows.abs().max().item())
 
 
 @needs_bf16_dot
@@ -394,6 +461,28 @@ def test_whole_step_forward_matches_torch_path(variant, extra):
             assert [t for t, _ in lb.top] == [t for t, _ in la.top]
 
 
+@pytest.mark.parametrize("variant", list(TINY_VARIANTS))
+def test_w8a8_forward_stays_close_to_torch_path(variant):
+    """quantization=w8a8_int8: the native projections equal the torch
+    reference bit for bit (see test_w8a8_linear_*), but the attention's fp32
+    summation order differs, and a row value that moves by an ulp can round
+    to the next int8 step: close, not equal."""
+    overrides = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05",
+                 "quantization=w8a8_int8"] + TINY_VARIANTS[variant]
+    p = SamplingParams(max_tokens=16, temperature=0, logprobs=3)
+    ref = LLM(overrides=overrides, selection=Selection(chosen="torch_sdpa")).generate(PROMPTS, p, use_tqdm=False)
+    nat_llm = LLM(overrides=overrides)
+    assert nat_llm.engine.runner.backend.name == "cpu_native"
+    assert nat_llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.act_int8
+    nat = nat_llm.generate(PROMPTS, p, use_tqdm=False)
+    _assert_greedy_close(ref, nat)
+    for a, b in zip(ref, nat):
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            if la.token_id != lb.token_id:
+                break
+            assert lb.logprob == pytest.approx(la.logprob, abs=0.05)
+
+
 def _bf16_rounded_fp32(overrides, int8, selection=None):
     """An fp32 deployment of the weights a bf16 load holds: every parameter
     rounded to bf16, then (int8) quantized from those values as a bf16 load
@@ -496,12 +585,13 @@ def test_bf16_dot_smollm2_stays_close_to_fp32_on_the_rounded_weights(smollm2_bf1
                                SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text
 
 
-@needs_bf16_dot
-def test_environment_switches_the_bf16_dot_path_off():
-    code = "import appliance.kernels.cpu_native as m; print(m.bf16_dot())"
+@pytest.mark.parametrize("switch,variable", [pytest.param("bf16_dot", "APPLIANCE_CPU_BF16_DOT", marks=needs_bf16_dot),
+                                             pytest.param("vnni", "APPLIANCE_CPU_VNNI", marks=needs_vnni)])
+def test_environment_switches_a_cpu_feature_path_off(switch, variable):
+    code = f"import appliance.kernels.cpu_native as m; print(m.{switch}())"
     for value, want in (("0", "False"), ("1", "True")):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={**os.environ, "APPLIANCE_CPU_BF16_DOT": value})
+                           env={**os.environ, variable: value})
         assert r.returncode == 0 and r.stdout.strip() == want, r.stderr
 
 

@@ -83,7 +83,7 @@ def test_router_ties_fall_as_in_hf(tied_router_folder, backend):
         assert g == hf_greedy(llm, p_ids, MAX_NEW)
 
 
-@pytest.mark.parametrize("method", ["int8_wo", "int4_wo"])
+@pytest.mark.parametrize("method", ["int8_wo", "w8a8_int8", "int4_wo"])
 def test_quantized_experts_native_matches_torch_path(method):
     group = ["quantization.group_size=32"] if method == "int4_wo" else []
     runs = {}
