@@ -66,12 +66,17 @@ class Model(ctypes.Structure):
                 ("head_dim", _i32), ("vocab", _i32), ("max_pos", _i32), ("eps", _f32), ("attn_scale", _f32),
                 ("kv_type", _i32), ("embed_bf16", _i32), ("embed", _p), ("final_norm", _p), ("rope_cos", _p), ("rope_sin", _p),
                 ("lm_head", Linear), ("layers", ctypes.POINTER(Layer)), ("route", RouteFn),
-                ("moe_experts", _i32), ("moe_top_k", _i32), ("moe_inter", _i32), ("_pad2", _i32)]
+                ("moe_experts", _i32), ("moe_top_k", _i32), ("moe_inter", _i32), ("_pad2", _i32),
+                ("reduce", _p), ("reduce_ctx", _p), ("vocab_start", _i64)]
+
+
+# a tensor-parallel rank's fp32 all-reduce in place: (context, data, n) -> 0, or nonzero on failure
+ReduceFn = ctypes.CFUNCTYPE(ctypes.c_int, _p, _p, _i64)
 
 
 class Step(ctypes.Structure):
     _fields_ = [("n_tokens", _i32), ("n_reqs", _i32), ("n_logits", _i32), ("block_size", _i32),
-                ("bt_stride", _i32), ("_pad", _i32),
+                ("bt_stride", _i32), ("failed", _i32),
                 ("input_ids", _p), ("positions", _p), ("slot_mapping", _p), ("logits_indices", _p),
                 ("qsl", _p), ("seq_lens", _p), ("block_table", _p), ("scratch", _p), ("logits", _p)]
 
@@ -98,7 +103,7 @@ _LIB.appl_apply_token_bitmask.argtypes = [_p, _i64, _p, _i64, _p, ctypes.c_int, 
 _LIB.appl_apply_token_bitmask.restype = None
 
 PHASES = ("norm", "qkv", "rope_kv_write", "attention", "o_proj", "gate_up", "silu_mul", "down", "lm_head",
-          "moe_route_and_combine")
+          "moe_route_and_combine", "tp_all_reduce")
 
 
 def phase_times(reset: bool = False) -> dict[str, float]:
@@ -421,9 +426,33 @@ class _Router:
             raise RuntimeError(f"routing a sparse layer failed: {type(e).__name__}: {e}") from e
 
 
+class _Reducer:
+    """A tensor-parallel rank's all-reduce for the native forward, through
+    collectives without a native entry (``torch.distributed``): a callback
+    into ``comm.all_reduce``. An exception cannot cross the C frames; it is
+    kept, the call reports failure and the step stops there."""
+
+    def __init__(self, comm: Any):
+        self.comm, self.error = comm, None
+        self.fn = ReduceFn(self)
+
+    def __call__(self, _ctx: int, data: int, n: int) -> int:
+        try:
+            self.comm.all_reduce(_view(data, n, ctypes.c_float, torch.float32))
+            return 0
+        except BaseException as e:  # noqa: BLE001 (kept for the caller; C cannot unwind it)
+            self.error = e
+            return 1
+
+
 class NativeForward:
     """The whole forward of a LlamaForCausalLM in one native call per step,
-    built from the model's ``weights_view()`` (``ModelWeights``)."""
+    built from the model's ``weights_view()`` (``ModelWeights``). A
+    tensor-parallel rank's part (dense models) runs the same call: its
+    embedding rows, o_proj's and down's partial sums are all-reduced inside
+    it, through the shared-memory segment's C entry where the ranks have
+    one (``ShmComm.native_reduce``), else a callback into the rank's
+    collectives; its logits columns are gathered after it."""
 
     def __init__(self, weights: Any):
         arch = weights.arch
@@ -474,6 +503,22 @@ class NativeForward:
             self.struct.moe_experts, self.struct.moe_top_k = arch.num_experts, arch.num_experts_per_tok
             self.struct.moe_inter = arch.moe_intermediate_size
         self._scratch = torch.empty(0, dtype=torch.float32)
+        self.vocab_size, self.tp = weights.vocab_size, weights.tp
+        self._reduce_keep: Any = None
+        if self.tp is not None:
+            self._bind_reduce(self.tp)
+
+    def _bind_reduce(self, tp: Any) -> None:
+        if self._router is not None:
+            raise ValueError("the native forward runs a tensor-parallel rank of a dense model only")
+        self.struct.vocab_start = tp.rank * self.arch.vocab_size  # arch: this rank's rows
+        native = getattr(tp.comm, "native_reduce", None)
+        if native is not None:
+            fn, ctx, self._reduce_keep = native()
+            self.struct.reduce, self.struct.reduce_ctx = fn, ctx
+        else:
+            self._reduce_keep = _Reducer(tp.comm)
+            self.struct.reduce = ctypes.cast(self._reduce_keep.fn, ctypes.c_void_p).value
 
     def _sparse(self, moe: Any) -> "Moe":
         """A sparse layer's router and experts, packed (the float experts freed)."""
@@ -527,9 +572,9 @@ class NativeForward:
         pos = positions.to(torch.int64).contiguous()
         if t:  # the native side indexes tables with these: check them here, not with a crash there
             lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.arch.vocab_size:
+            if lo < 0 or hi >= self.vocab_size:
                 bad = lo if lo < 0 else hi
-                raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.arch.vocab_size - 1})")
+                raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
             if int(pos.max()) >= self.struct.max_pos:
                 raise ValueError(f"position {int(pos.max())} beyond the rope table ({self.struct.max_pos})")
         slots = c.slot_mapping.to(torch.int64).contiguous()
@@ -542,4 +587,12 @@ class NativeForward:
         _LIB.appl_forward(ctypes.byref(self.struct), ctypes.byref(step))
         if self._router is not None:
             self._router.raise_error()
+        if step.failed:
+            error = getattr(self._reduce_keep, "error", None)
+            if error is not None:
+                self._reduce_keep.error = None
+            raise RuntimeError(f"the tensor-parallel all-reduce inside the native forward failed on rank "
+                               f"{self.tp.rank}: {error or 'the other ranks did not arrive in time'}") from error
+        if self.tp is not None:
+            logits = torch.cat(self.tp.comm.all_gather(logits), dim=-1)[:, : self.vocab_size]
         return logits

@@ -38,6 +38,15 @@ _LIB.appl_shm_broadcast.argtypes = [_p, ctypes.c_int, ctypes.c_int, _i64, ctypes
                                     ctypes.c_int, _i64]
 _LIB.appl_shm_broadcast.restype = ctypes.c_int
 
+
+
+class ShmReduceCtx(ctypes.Structure):
+    """``ShmReduceCtx`` in csrc/shm_comm.c."""
+
+    _fields_ = [("segment", _p), ("rank", ctypes.c_int32), ("world", ctypes.c_int32), ("cap", _i64),
+                ("timeout_ns", _i64), ("seq", ctypes.POINTER(ctypes.c_uint64))]
+
+
 LINE = 64
 SLOT_BYTES = 4 << 20  # per rank and parity; longer inputs go through in chunks
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -93,6 +102,16 @@ class ShmComm:
         self._check(rc, "all-reduce")
         if buf is not t:
             t.copy_(buf)
+
+    def native_reduce(self) -> tuple[int, int, "ShmReduceCtx"]:
+        """(address of the C fp32 all-reduce, address of its context, the
+        context) for native code that reduces through this rank's segment
+        in line with its Python collectives; keep the context alive while
+        the addresses are in use."""
+        ctx = ShmReduceCtx(self._base, self.rank, self.world_size, self.slot_bytes, self.timeout_ns,
+                           ctypes.pointer(self._seq))
+        fn = ctypes.cast(_LIB.appl_shm_reduce_f32, _p).value
+        return fn, ctypes.addressof(ctx), ctx
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``t`` (same shape and dtype on each), in rank order."""

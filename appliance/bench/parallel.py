@@ -5,7 +5,8 @@ Offline (``LLM.generate``, greedy, ``--num-prompts`` prompts of
 ``--input-len`` random tokens, ``--output-len`` tokens each, all submitted
 together): one rank on its default path (the whole-step native forward on
 CPUs), one rank on the torch layer-by-layer path (``attention.backend=
-torch_sdpa``: the path a tensor- or pipeline-parallel rank runs), then each
+torch_sdpa``: the path a pipeline stage runs; a tensor-parallel rank of a
+dense model runs the native forward), then each
 of ``--layouts`` (e.g. ``tp3``, ``pp2``, ``tp3 with gloo``). Served (the
 offline ``LLM`` runs one engine core): one core against ``dp2``, the same
 prompts sent at once to ``appliance run``.

@@ -457,7 +457,10 @@ class LayerWeights:
 class ModelWeights:
     """What ``LlamaForCausalLM.weights_view`` hands an executor that runs the
     whole step itself: the architecture, the tensors and projection modules
-    (not copies), and fp32 rope tables over the cached positions."""
+    (not copies), and fp32 rope tables over the cached positions. A
+    tensor-parallel rank's (``tp``) are its part: ``arch`` the dimensions it
+    holds (its vocabulary rows among them), ``vocab_size`` the whole
+    vocabulary, the logits' width."""
 
     arch: ModelArch
     embed: torch.Tensor  # [vocab, hidden], looked up one row per token
@@ -466,6 +469,8 @@ class ModelWeights:
     lm_head: Optional[nn.Module]  # the LM head's own projection (untied or quantized); None: tied to ``embed``
     rope_cos: torch.Tensor  # [positions, head_dim] fp32
     rope_sin: torch.Tensor
+    vocab_size: int
+    tp: Optional[TensorParallel] = None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -580,7 +585,7 @@ class LlamaForCausalLM(nn.Module):
             lm_head = None if self.arch.tie_word_embeddings else self.lm_head
         return ModelWeights(arch=self.arch, embed=self.model.embed_tokens.weight.data,
                             final_norm=self.model.norm.weight.data, layers=tuple(layers), lm_head=lm_head,
-                            rope_cos=cos, rope_sin=sin)
+                            rope_cos=cos, rope_sin=sin, vocab_size=self.vocab_size, tp=self.tp)
 
     def forward(
         self,

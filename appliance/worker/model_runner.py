@@ -49,6 +49,19 @@ from appliance.worker.sampler import (SampleRequest, TokenLogprobs, position_gen
                                       verify_drafts)
 
 
+def runs_native_forward(backend: Any, model: Any) -> bool:
+    """Whether steps of ``model`` run the backend's whole-step native
+    forward: where the backend has one, for the whole model or a
+    tensor-parallel rank of a dense one (its all-reduces run inside the
+    native call); not for a pipeline stage, an expert-parallel rank or a
+    tensor-parallel rank of a sparse model (their exchanges between layers
+    are not built into it)."""
+    if not backend.native_forward or getattr(model, "pp", None) is not None or getattr(model, "ep", None) is not None:
+        return False
+    layers = getattr(getattr(model, "model", None), "layers", ())
+    return getattr(model, "tp", None) is None or not any(getattr(layer, "sparse", False) for layer in layers)
+
+
 @dataclass
 class CachedRequestState:
     req_id: str
@@ -121,9 +134,7 @@ class ModelRunner:
         model.rope_cache(max_model_len, dtype, device)
         # Decided here; the native forward itself is built at the first step, so it
         # sees the weights as they are then (quantized, or edited after construction).
-        # (not for a tensor- or pipeline-parallel rank's part: its layers exchange between the native phases)
-        self.uses_native_forward = (backend.native_forward and getattr(model, "tp", None) is None
-                                    and getattr(model, "pp", None) is None and getattr(model, "ep", None) is None)
+        self.uses_native_forward = runs_native_forward(backend, model)
         self._native: Any = None
         self._native_rope: Any = None  # the model's rope tables the native forward was built with
 

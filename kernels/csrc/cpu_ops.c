@@ -82,6 +82,10 @@ typedef struct {
 typedef void (*RouteFn)(const float *logits, int64_t T, int32_t n_experts, int32_t top_k, int32_t *ids,
                         float *weights);
 
+/* Tensor parallelism: sum data[0 .. n) over the ranks, in place, the same bits on every rank; nonzero on
+ * failure (a rank that did not arrive). kernels/shm_comm.c's appl_shm_reduce_f32, or a callback into torch. */
+typedef int (*ReduceFn)(void *ctx, float *data, int64_t n);
+
 typedef struct {
     int32_t n_layers, hidden, inter, n_heads, n_kv_heads, head_dim, vocab, max_pos;
     float eps, attn_scale;
@@ -95,10 +99,17 @@ typedef struct {
     RouteFn route;                             /* sparse layers' routing, NULL for a dense model */
     int32_t moe_experts, moe_top_k, moe_inter; /* the sparse layers' sizes (scratch), 0 for a dense model */
     int32_t _pad2;
+    /* A tensor-parallel rank's part (dense models; reduce NULL: one rank): its heads, MLP rows and vocabulary
+     * rows vocab_start .. vocab_start + vocab - 1 of the embedding and LM head; the embedding's rows (zero for
+     * ids held elsewhere), o_proj's and down's partial sums are reduced; the logits are this rank's columns. */
+    ReduceFn reduce;
+    void *reduce_ctx;
+    int64_t vocab_start;
 } Model;
 
 typedef struct {
-    int32_t n_tokens, n_reqs, n_logits, block_size, bt_stride, _pad;
+    int32_t n_tokens, n_reqs, n_logits, block_size, bt_stride;
+    int32_t failed; /* out: a reduce failed, the step stopped there (its outputs are not valid) */
     const int64_t *input_ids, *positions, *slot_mapping, *logits_indices;
     const int32_t *qsl, *seq_lens, *block_table; /* block_table [n_reqs, bt_stride] */
     float *scratch; /* see scratch_floats() */
@@ -1378,7 +1389,7 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
 
 /* Seconds spent per phase of appl_forward since the last reset (read by
  * `appliance bench latency` to say where a step's time goes). */
-enum { PH_NORM, PH_QKV, PH_ROPE_KV, PH_ATTN, PH_O, PH_GATE_UP, PH_ACT, PH_DOWN, PH_LM_HEAD, PH_ROUTER, PH_N };
+enum { PH_NORM, PH_QKV, PH_ROPE_KV, PH_ATTN, PH_O, PH_GATE_UP, PH_ACT, PH_DOWN, PH_LM_HEAD, PH_ROUTER, PH_REDUCE, PH_N };
 static double g_phase[PH_N];
 
 static inline double now_s(void) {
@@ -1490,7 +1501,26 @@ static void moe_forward(const Model *M, const Moe *E, const float *h, float *x, 
     free(src);
 }
 
-void appl_forward(const Model *M, const Step *S) {
+/* x[T, hid] += P in (T rows of stride ld_in), phase `phase`. A tensor-parallel rank's P is row-parallel:
+ * its partial sums go to tmp, are reduced over the ranks, then added, x + (sum over ranks), as the torch
+ * path adds its all-reduced output. Nonzero when the reduce failed. */
+static int residual_linear(const Model *M, const Linear *P, const float *in, int64_t ld_in, float *tmp, float *x,
+                           int64_t T, int phase) {
+    const int64_t hid = M->hidden, n = T * hid;
+    if (!M->reduce) {
+        PHASE(phase, appl_linear(P, in, ld_in, x, hid, T, 1));
+        return 0;
+    }
+    int rc;
+    PHASE(phase, appl_linear(P, in, ld_in, tmp, hid, T, 0));
+    PHASE(PH_REDUCE, rc = M->reduce(M->reduce_ctx, tmp, n));
+    if (rc) return -1;
+#pragma omp parallel for schedule(static) if (n >= 65536)
+    for (int64_t i = 0; i < n; i++) x[i] += tmp[i];
+    return 0;
+}
+
+void appl_forward(const Model *M, Step *S) {
     const int64_t T = S->n_tokens, hid = M->hidden, d = M->head_dim;
     const int H = M->n_heads, KVH = M->n_kv_heads;
     const int64_t qkv_w = (int64_t)(H + 2 * KVH) * d, attn_w = (int64_t)H * d, inter = M->inter;
@@ -1501,9 +1531,13 @@ void appl_forward(const Model *M, const Step *S) {
     float *gu = att + T * attn_w;    /* [T, 2 inter] */
     float *act = gu + T * 2 * inter; /* [T, inter] */
 
+    S->failed = 0;
     for (int64_t t = 0; t < T; t++) {
-        if (M->embed_bf16) {
-            const uint16_t *e = (const uint16_t *)M->embed + S->input_ids[t] * hid;
+        const int64_t row = S->input_ids[t] - M->vocab_start; /* this rank's row (a tensor-parallel rank's shard) */
+        if (row < 0 || row >= M->vocab) {
+            memset(x + t * hid, 0, sizeof(float) * hid);
+        } else if (M->embed_bf16) {
+            const uint16_t *e = (const uint16_t *)M->embed + row * hid;
             float *xt = x + t * hid;
             int64_t i = 0;
             for (; i + 8 <= hid; i += 8) _mm256_storeu_ps(xt + i, load_bf16(e + i));
@@ -1512,7 +1546,15 @@ void appl_forward(const Model *M, const Step *S) {
                 memcpy(xt + i, &u, 4);
             }
         } else {
-            memcpy(x + t * hid, (const float *)M->embed + S->input_ids[t] * hid, sizeof(float) * hid);
+            memcpy(x + t * hid, (const float *)M->embed + row * hid, sizeof(float) * hid);
+        }
+    }
+    if (M->reduce) {
+        int rc;
+        PHASE(PH_REDUCE, rc = M->reduce(M->reduce_ctx, x, T * hid));
+        if (rc) {
+            S->failed = 1;
+            return;
         }
     }
 
@@ -1539,7 +1581,10 @@ void appl_forward(const Model *M, const Step *S) {
         PHASE(PH_ATTN, appl_attention(qkv, qkv_w, att, attn_w, L->k_cache, L->v_cache, (int)T, S->n_reqs, S->qsl,
                                       S->seq_lens, S->block_table, S->bt_stride, S->block_size, H, KVH, (int)d,
                                       M->attn_scale, M->kv_type, L->k_scale, L->v_scale));
-        PHASE(PH_O, appl_linear(&L->o, att, attn_w, x, hid, T, 1));
+        if (residual_linear(M, &L->o, att, attn_w, h, x, T, PH_O)) { /* h: scratch here, normed again below */
+            S->failed = 1;
+            return;
+        }
         PHASE(PH_NORM, appl_rmsnorm(x, hid, L->ln2, h, hid, T, (int)hid, M->eps));
         if (L->moe) {
             moe_forward(M, L->moe, h, x, T, act + T * inter);
@@ -1550,7 +1595,10 @@ void appl_forward(const Model *M, const Step *S) {
 #pragma omp parallel for schedule(static) if (T >= 8)
         for (int64_t t = 0; t < T; t++) silu_mul_row(gu + t * 2 * inter, act + t * inter, (int)inter);
         g_phase[PH_ACT] += now_s() - t_act;
-        PHASE(PH_DOWN, appl_linear(&L->down, act, inter, x, hid, T, 1));
+        if (residual_linear(M, &L->down, act, inter, h, x, T, PH_DOWN)) {
+            S->failed = 1;
+            return;
+        }
     }
     const double t_lm = now_s();
     for (int i = 0; i < S->n_logits; i++)

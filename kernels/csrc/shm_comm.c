@@ -142,3 +142,18 @@ int appl_shm_broadcast(void *segment, int rank, int world, int64_t cap, uint64_t
     }
     return 0;
 }
+
+/* One rank's collectives as a context, for a caller in C (the native forward of a tensor-parallel rank): the
+ * same segment and operation counter as the rank's Python collectives, so both kinds run in one order. */
+typedef struct {
+    void *segment;
+    int32_t rank, world;
+    int64_t cap, timeout_ns;
+    uint64_t *seq;
+} ShmReduceCtx;
+
+/* An fp32 all-reduce through a ShmReduceCtx (cpu_ops.c's ReduceFn). */
+int appl_shm_reduce_f32(void *ctx, float *data, int64_t n) {
+    const ShmReduceCtx *c = (const ShmReduceCtx *)ctx;
+    return appl_shm_all_reduce(c->segment, c->rank, c->world, c->cap, c->seq, data, n, DT_F32, c->timeout_ns);
+}

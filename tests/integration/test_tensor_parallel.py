@@ -50,7 +50,7 @@ def tiny_reference():
 
 
 @pytest.mark.parametrize("tp,pp,collectives", [
-    (2, 1, "shm"), (4, 1, "shm"),  # 4 ranks over 2 KV heads: each KV head on two ranks
+    (2, 1, "shm"), (4, 1, "shm"), (2, 1, "gloo"),  # 4 ranks over 2 KV heads: each KV head on two ranks
     (1, 2, "shm"), (2, 2, "shm"), (2, 2, "gloo"),  # two stages of one layer, alone or each over two ranks
 ])
 def test_tiny_model_tokens_equal_one_rank(tiny_reference, tp, pp, collectives):
