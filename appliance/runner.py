@@ -13,6 +13,7 @@ imports it.
 from __future__ import annotations
 
 import importlib.util
+import dataclasses
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -182,6 +183,7 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
     num_blocks, mml = deployment.num_kv_blocks, deployment.max_model_len
     kv = KVCacheManager(num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
                         cfg.cache.prefix_caching_hash_algo, enable_events=cfg.kv_events.enabled)
+    connector = _kv_connector(deployment, runner)
     s = cfg.scheduler
     plan = deployment.plan
     budget = None
@@ -199,12 +201,40 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
         max_long_partial_prefills=s.max_long_partial_prefills,
         # a draft model writes its K/V at the positions of its drafts, past the step
         num_lookahead_tokens=cfg.speculative.num_speculative_tokens if cfg.speculative.method == "draft_model" else 0,
+        connector=connector[0] if connector is not None else None,
     )
+    if connector is not None:
+        runner.kv_connector = connector[1]
     eos = tokenizer.eos_token_id
     return EngineCore(scheduler, runner, tokenizer, eos, vocab_size=cfg.model.vocab_size, token_budget=budget,
                       grammars=_grammars(cfg, tokenizer, eos),
                       lockstep=lockstep if deployment.layout.experts_across_cores else None,
                       kv_events=_kv_event_publisher(deployment)), tokenizer
+
+
+def _kv_connector(deployment: Deployment, runner: Any) -> Optional[tuple[Any, Any]]:
+    """The KV connector's (scheduler side, worker side) (``kv_transfer``), or
+    None: an offload tier in a folder of its own per model and KV layout
+    (validation keeps it to one rank in this process, so ``runner`` is the
+    ModelRunner whose caches it fills)."""
+    kt, cfg = deployment.cfg.kv_transfer, deployment.cfg
+    if kt.connector is None:
+        return None
+    from appliance.engine.kv_connector import OffloadConnector, tier_folder
+    from appliance.models.loader import cache_dir
+    from appliance.worker.kv_offload import OffloadWorker
+
+    caches = runner.kv_caches
+    layout = {"model": dataclasses.asdict(cfg.model), "quantization": dataclasses.asdict(cfg.quantization),
+              "dtype": deployment.execution.dtype, "kv_dtype": str(caches[0].dtype),
+              "block": list(caches[0][:, 0].shape), "layers": len(caches),
+              "hash": cfg.cache.prefix_caching_hash_algo}
+    folder = tier_folder(kt.offload.path or str(cache_dir().parent / "kv_offload"), layout)
+    try:
+        worker = OffloadWorker(folder, int(kt.offload.max_gib * (1 << 30)))
+    except OSError as e:
+        raise ConfigError(f"kv_transfer.offload.path: the tier's folder {folder} cannot be used: {e}") from None
+    return OffloadConnector(folder, cfg.cache.block_size), worker
 
 
 def _kv_event_publisher(deployment: Deployment) -> Any:

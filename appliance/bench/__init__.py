@@ -16,6 +16,7 @@ KINDS = {
     "parallel": "appliance.bench.parallel",
     "moe": "appliance.bench.moe",
     "perplexity": "appliance.bench.perplexity",
+    "offload": "appliance.bench.offload",
 }
 
 

@@ -207,6 +207,7 @@ class Plan:
     speculative: str = "off"  # what drafts and how many, in words
     structured_output: str = ""  # how output constraints compile, in words
     kv_events: str = "off"  # where the KV cache's block events are published, in words
+    kv_transfer: str = "off"  # the KV connector, in words
     execution: dict[str, Any] = field(default_factory=dict)
     summary: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -345,6 +346,7 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         speculative=describe_speculative(cfg),
         structured_output=describe_structured_output(cfg),
         kv_events=describe_kv_events(cfg),
+        kv_transfer=describe_kv_transfer(cfg),
         execution=ex.to_dict(),
         summary=ex.summary(),
         notes=notes,
@@ -402,6 +404,16 @@ def describe_kv_events(cfg: ApplianceConfig) -> str:
     replay = (f"the last {ev.buffer_steps} steps replayable at {ev.replay_endpoint}" if ev.replay_endpoint
               else "no replay")
     return f"block events in vLLM's format on {where}, topic {ev.topic!r}; {replay}"
+
+
+def describe_kv_transfer(cfg: ApplianceConfig) -> str:
+    kt = cfg.kv_transfer
+    if kt.connector is None:
+        return "off"
+    where = kt.offload.path or "kv_offload in the appliance's cache folder"
+    return (f"offload: full blocks saved to {where} as they fill (a subfolder per model and KV layout), at most "
+            f"{kt.offload.max_gib:g} GiB, least recently used dropped first; a prefix found there loads instead "
+            f"of being recomputed, after a restart too")
 
 
 def describe_structured_output(cfg: ApplianceConfig) -> str:
@@ -502,6 +514,7 @@ def format_plan(p: Plan) -> str:
         f"speculative        {p.speculative}",
         f"structured output  {p.structured_output}",
         f"kv events          {p.kv_events}",
+        f"kv transfer        {p.kv_transfer}",
         *([f"kv swap space      {p.swap_kv_blocks} blocks in host memory (cache.swap_space_gib)"] if p.swap_kv_blocks else []),
     ]
     lines += [f"note: {n}" for n in p.notes]

@@ -348,6 +348,25 @@ class KVEventsConfig:
 
 
 @dataclass
+class KVOffloadConfig:
+    # The offload connector's tier: a folder on local disk (null: kv_offload under the appliance's cache
+    # folder, $APPLIANCE_CACHE_DIR or ~/.cache/appliance), at most max_gib of blocks (least recently used
+    # dropped first). One subfolder per model and KV layout, so a restart finds its blocks again.
+    path: Optional[str] = None
+    max_gib: float = 16.0
+
+
+@dataclass
+class KVTransferConfig:
+    # A KV connector (vLLM V1's two-sided interface): null for none, or "offload" (full blocks saved to a
+    # second tier keyed by block hash as they fill; a prefix found there loads instead of recomputing).
+    # role: producer | consumer | both (disaggregated prefill's roles; an offload tier is both).
+    connector: Optional[str] = None
+    role: str = "both"
+    offload: KVOffloadConfig = field(default_factory=KVOffloadConfig)
+
+
+@dataclass
 class ApplianceConfig:
     profile: str = "none"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -361,6 +380,7 @@ class ApplianceConfig:
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
 
 def register() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from appliance.config.execution import choose_dtype
 from appliance.config.plan import GIB, activation_bytes, kv_bytes_per_token, max_model_len, weight_bytes
 from appliance.config.checkpoint import MOE_KEYS
-from appliance.config.schema import ApplianceConfig, EplbConfig, KVEventsConfig, ModelConfig
+from appliance.config.schema import ApplianceConfig, EplbConfig, KVEventsConfig, KVTransferConfig, ModelConfig
 from appliance.kernels.registry import BACKENDS
 
 FP8_HARDWARE = "h100, h200, b200 or mi300x"
@@ -175,6 +175,49 @@ def _kv_events_problems(cfg: ApplianceConfig) -> list[str]:
     return problems
 
 
+KV_CONNECTORS = ("offload",)  # built
+KV_CONNECTORS_UNBUILT = ("p2p", "nixl")  # disaggregated prefill's transports
+
+
+def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
+    kt, par = cfg.kv_transfer, cfg.parallel
+    problems = []
+    if kt.connector is None:
+        defaults = KVTransferConfig()
+        if kt.role != defaults.role:
+            problems.append(f"kv_transfer.role={kt.role} has no effect without a connector (kv_transfer.connector)")
+        for key in ("path", "max_gib"):
+            if getattr(kt.offload, key) != getattr(defaults.offload, key):
+                problems.append(f"kv_transfer.offload.{key}={getattr(kt.offload, key)} has no effect without "
+                                f"kv_transfer.connector=offload")
+        return problems
+    if kt.connector in KV_CONNECTORS_UNBUILT:
+        problems.append(f"kv_transfer.connector={kt.connector} (disaggregated prefill) is not built yet; "
+                        f"built: {', '.join(KV_CONNECTORS)}")
+        return problems
+    if kt.connector not in KV_CONNECTORS:
+        problems.append(f"kv_transfer.connector={kt.connector} is unknown; built: {', '.join(KV_CONNECTORS)}")
+        return problems
+    if kt.role not in ("producer", "consumer", "both"):
+        problems.append(f"kv_transfer.role={kt.role} must be producer, consumer or both")
+    elif kt.role != "both":
+        problems.append(f"kv_transfer.role={kt.role}: an offload tier saves and loads (role both); the producer "
+                        f"and consumer roles of disaggregated prefill are not built yet")
+    if not kt.offload.max_gib > 0:
+        problems.append(f"kv_transfer.offload.max_gib={kt.offload.max_gib} must be positive")
+    if not cfg.cache.enable_prefix_caching:
+        problems.append("kv_transfer.connector=offload keys blocks by their prefix hashes; it needs "
+                        "cache.enable_prefix_caching=true")
+    if cfg.cache.prefix_caching_hash_algo == "builtin":
+        problems.append("kv_transfer.connector=offload needs hashes that stay the same across processes "
+                        "(cache.prefix_caching_hash_algo=sha256 or sha256_cbor); builtin hashes change per process")
+    ranks = par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
+    if ranks > 1 or par.executor in ("mp", "ray"):
+        problems.append(f"kv_transfer.connector=offload with {ranks} rank(s) on executor {par.executor} is not "
+                        f"built yet; it runs on one rank in the engine's process (parallel.executor=auto or uni)")
+    return problems
+
+
 def validate(cfg: ApplianceConfig) -> list[str]:
     problems: list[str] = []
     m, hw, q, cache, s, par, spec = (
@@ -336,6 +379,7 @@ def validate(cfg: ApplianceConfig) -> list[str]:
                         f"({hw.device_kind} ranks use {'RCCL' if hw.device_kind == 'rocm' else 'NCCL'}); leave it shm")
     problems += _moe_problems(cfg)
     problems += _kv_events_problems(cfg)
+    problems += _kv_transfer_problems(cfg)
     parts = par.pp_layer_partition
     if parts is not None:
         if len(parts) != par.pipeline_parallel_size or sum(parts) != m.num_layers or min(parts, default=0) < 1:

@@ -323,12 +323,15 @@ class EngineCore:
             runner_out = self.runner.execute(sched_out)
         except EngineDeadError:
             raise
-        except Exception:
-            deltas = self._step_failed(sched_out, alone)
+        except Exception as e:
+            # an error that says the step's inputs were fine (a KV tier block that could not be read) retries them all
+            deltas = self._step_failed(sched_out, alone, retry_all=getattr(e, "retry_requests", False))
             self.last_stats = self.stats()
             return deltas
         if self.token_budget is not None and alone is None:
             self._observe_step(sched_out, time.perf_counter() - t0)
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.update_connector_output(getattr(runner_out, "kv_connector_output", None))
         experts = getattr(runner_out, "expert_stats", None)
         if experts is not None:
             self._experts = experts
@@ -520,7 +523,8 @@ class EngineCore:
                 waiting.prepend(r)
             s.waiting = waiting
 
-    def _step_failed(self, sched_out: SchedulerOutput, alone: Optional[str]) -> list[RequestOutputDelta]:
+    def _step_failed(self, sched_out: SchedulerOutput, alone: Optional[str],
+                     retry_all: bool = False) -> list[RequestOutputDelta]:
         s = self.scheduler
         batch = [s.requests[rid] for rid in sched_out.num_scheduled_tokens if rid in s.requests]
         log.exception("engine step over %d request(s) failed: %s", len(batch), [r.request_id for r in batch])
@@ -528,18 +532,25 @@ class EngineCore:
         s.finished_req_ids |= sched_out.finished_req_ids
         # KV this step registered in the prefix cache may never have been written.
         kv = s.kv
+        loaded = s.connector.first_loaded_block if s.connector is not None else {}
         for req in batch:
             first = (req.num_computed_tokens - sched_out.num_scheduled_tokens[req.request_id]) // kv.block_size
-            kv.uncache_blocks(req.request_id, first)
+            # blocks a KV connector loaded this step may be unreadable too
+            kv.uncache_blocks(req.request_id, min(first, loaded.get(req.request_id, first)))
+        if s.connector is not None:
+            s.connector.step_failed(sched_out.kv_connector_metadata)
         if alone is not None and not batch:
             self._suspects.remove(alone)
-        if alone is not None or len(batch) == 1:
-            return self._fail(batch)
         ended, retry = [], []
-        for req in batch:
-            strikes = self._strikes.get(req.request_id, 0) + 1
-            self._strikes[req.request_id] = strikes
-            (ended if strikes >= self.MAX_STRIKES else retry).append(req)
+        if retry_all:  # no request is to blame: every one runs again, without a strike
+            retry = batch
+        elif alone is not None or len(batch) == 1:
+            return self._fail(batch)
+        else:
+            for req in batch:
+                strikes = self._strikes.get(req.request_id, 0) + 1
+                self._strikes[req.request_id] = strikes
+                (ended if strikes >= self.MAX_STRIKES else retry).append(req)
         for req in reversed(retry):  # back to the front of the queue, recomputed from scratch when run
             if req in s.running:
                 s.running.remove(req)

@@ -61,6 +61,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
     grammar_bitmask: Any = None  # the structured-output masks of the step (``structured_output.StepBitmask``)
+    kv_connector_metadata: Any = None  # the KV connector's instructions for the worker side (``engine/kv_connector.py``)
 
 
 @dataclass
@@ -119,7 +120,7 @@ class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True,
                  long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1,
-                 max_long_partial_prefills: int = 1, num_lookahead_tokens: int = 0):
+                 max_long_partial_prefills: int = 1, num_lookahead_tokens: int = 0, connector: Any = None):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.kv = kv_cache_manager
@@ -132,6 +133,7 @@ class Scheduler:
         self.max_num_partial_prefills = max_num_partial_prefills
         self.max_long_partial_prefills = max_long_partial_prefills
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.connector = connector  # a KV connector's scheduler side (engine/kv_connector.py), or None
         self.requests: dict[str, Request] = {}
         self.waiting: FCFSQueue | PriorityQueue = PriorityQueue() if policy == "priority" else FCFSQueue()
         self.running: list[Request] = []
@@ -189,6 +191,9 @@ class Scheduler:
         # Advance computed tokens now, as if the step already ran (vLLM V1).
         for rid, n in budget.num_scheduled.items():
             self.requests[rid].num_computed_tokens += n
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(budget.num_scheduled, self.requests,
+                                                                            self.kv.get_block_ids)
         return out
 
     def _schedule_running(self, budget: _Budget) -> None:
@@ -233,6 +238,11 @@ class Scheduler:
             if not self._has_seat() and not self._preempt_lower_priority(req, budget, self._has_seat):
                 break
             hits, num_hit_tokens = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            num_external = 0  # tokens past the pool's hits that the KV connector supplies
+            if self.connector is not None and req.num_computed_tokens == 0 and self.kv.enable_caching \
+                    and req.sampling_params.prompt_logprobs is None:
+                num_external, _ = self.connector.get_num_new_matched_tokens(req, num_hit_tokens)
+            num_local_hits, num_hit_tokens = num_hit_tokens, num_hit_tokens + num_external
             num_new = req.num_tokens - req.num_computed_tokens - num_hit_tokens
             if not self.enable_chunked_prefill and num_new > budget.tokens:
                 break
@@ -245,6 +255,9 @@ class Scheduler:
             if not fits() and not self._preempt_lower_priority(req, budget, fits):
                 break
             self.kv.allocate_slots(*args)
+            if num_external:
+                self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), num_local_hits,
+                                                        num_external)
             self.waiting.pop()
             resumed = req.status == RequestStatus.PREEMPTED
             req.status = RequestStatus.RUNNING
@@ -367,6 +380,8 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        if self.connector is not None:
+            self.connector.request_finished(req)  # an offload tier never delays the free
         self.kv.free(req)
         self.finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]

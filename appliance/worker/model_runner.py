@@ -92,6 +92,7 @@ class RunnerOutput:
     # requests that asked for prompt logprobs: (the prompt index of the first token scored, its logprobs on)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     expert_stats: Optional[dict] = None  # expert load balancing's figures (models/eplb.py Eplb.stats)
+    kv_connector_output: Any = None  # what the KV connector's worker side finished (engine/kv_connector.py)
 
 
 class ModelRunner:
@@ -135,6 +136,7 @@ class ModelRunner:
         # Decided here; the native forward itself is built at the first step, so it
         # sees the weights as they are then (quantized, or edited after construction).
         self.uses_native_forward = runs_native_forward(backend, model)
+        self.kv_connector: Any = None  # a KV connector's worker side (worker/kv_offload.py), set by the runner
         self._native: Any = None
         self._native_rope: Any = None  # the model's rope tables the native forward was built with
 
@@ -222,8 +224,13 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         self._update_states(so)
         out = RunnerOutput()
+        connector = self.kv_connector
         if not so.num_scheduled_tokens:
+            if connector is not None:
+                out.kv_connector_output = connector.get_finished()
             return out
+        if connector is not None:  # blocks the scheduler gave to a connector's tokens, filled before any layer runs
+            connector.start_load_kv(so.kv_connector_metadata, self.kv_caches)
         rids = list(so.num_scheduled_tokens)
         n_reqs = len(rids)
         states = [self.requests[r] for r in rids]
@@ -253,6 +260,9 @@ class ModelRunner:
         )
         for i, s in enumerate(states):
             s.num_computed_tokens = int(seq_lens[i])
+        if connector is not None:
+            connector.save(so.kv_connector_metadata, self.kv_caches)
+            out.kv_connector_output = connector.get_finished()
         eplb = getattr(self.model, "eplb", None)
         if eplb is not None:
             out.expert_stats = eplb.stats()

@@ -83,6 +83,17 @@ def test_prefix(out, cli):
     assert s["off"]["hit_rate"] == 0
 
 
+def test_offload(out, cli):
+    r = cli("bench", "offload", "--prefix-len", "64", "--question-len", "4", "--out", str(out), *TINY)
+    assert r.returncode == 0, r.stderr
+    runs = load(out, "offload")["runs"]
+    assert runs["cold"]["cached_tokens"] == 0
+    # 64 shared tokens = 4 full blocks of 16, from the pool, the tier, and the tier after a restart
+    for name in ("block pool hit", "tier, pool cleared", "tier, after a restart"):
+        assert runs[name]["cached_tokens"] == 64, name
+    assert (out / "offload.png").stat().st_size > 0
+
+
 def test_serve_starts_its_own_server(out, cli):
     r = cli("bench", "serve", "--max-concurrency", "1,3", "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
             "--out", str(out), *TINY)

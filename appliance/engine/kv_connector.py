@@ -1,0 +1,167 @@
+"""KV connectors, scheduler side (torch-free): vLLM V1's two-sided interface.
+
+A connector moves KV blocks between the engine's block pool and somewhere
+else. Its scheduler side decides, as requests are scheduled, which tokens
+it can supply (``get_num_new_matched_tokens``), records the blocks they
+were given (``update_state_after_alloc``), writes each step's instructions
+for the worker side into the scheduler output (``build_connector_meta``),
+learns what the worker side finished (``update_connector_output``) and
+says, as a request ends, whether its blocks must outlive it and what a
+peer needs to fetch them (``request_finished``). The worker side
+(``worker/kv_offload.py``) carries the instructions out around the
+forward: loads before it, saves after it, and reports back.
+
+``OffloadConnector`` (``kv_transfer.connector=offload``) is a second tier
+on local disk keyed by block hash: one file per full block (every layer's
+K and V), in a folder per model and KV layout (``tier_folder``), so
+cached prefixes outlive the block pool and restarts. Full blocks are saved
+as they fill (written by a background thread; a block counts as in the
+tier once the worker reports it written); a waiting request's prefix that
+continues past the pool's hits into the tier is loaded into fresh blocks
+before the step's forward instead of being recomputed (the request's last
+token always runs). Loads are synchronous with the step; the worker
+evicts least recently used files past the size limit and reports them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from appliance.engine.request import Request
+
+BLOCK_SUFFIX = ".kv"
+
+
+@dataclass
+class OffloadMetadata:
+    """One step's instructions: (block id, block hash) pairs to load into
+    the pool before the forward, and to save after it."""
+
+    loads: list[tuple[int, bytes]] = field(default_factory=list)
+    saves: list[tuple[int, bytes]] = field(default_factory=list)
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker side finished since it last reported: block hashes
+    now in the tier, and hashes it dropped (evicted, or unreadable)."""
+
+    saved: list[bytes] = field(default_factory=list)
+    dropped: list[bytes] = field(default_factory=list)
+
+
+def tier_folder(root: str, layout: dict[str, Any]) -> Path:
+    """The tier's folder for one model and KV layout (``layout``: the model's
+    identity, its KV shape per block, the cache dtype, the hash algorithm):
+    blocks of another layout never load into this one."""
+    key = hashlib.sha256(json.dumps(layout, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return Path(root).expanduser() / key
+
+
+def stored_hashes(folder: Path) -> list[bytes]:
+    """The block hashes whose files are in ``folder``, least recently used first."""
+    if not folder.is_dir():
+        return []
+    files = []
+    for p in folder.iterdir():
+        if p.suffix == BLOCK_SUFFIX:
+            try:
+                files.append((p.stat().st_mtime_ns, bytes.fromhex(p.stem)))
+            except (OSError, ValueError):
+                continue
+    return [h for _, h in sorted(files)]
+
+
+class OffloadConnector:
+    """The offload tier's scheduler side (see the module docstring)."""
+
+    def __init__(self, folder: Path, block_size: int):
+        self.folder, self.block_size = folder, block_size
+        self.available: set[bytes] = set(stored_hashes(folder))
+        self.pending: set[bytes] = set()  # sent to the worker to save, not yet reported written
+        self._saved_upto: dict[str, int] = {}  # per request: blocks already considered for saving
+        self._loads: list[tuple[int, bytes]] = []  # this step's, until build_connector_meta
+        self.first_loaded_block: dict[str, int] = {}  # this step's loads: each request's first loaded block
+        self.hit_tokens = 0  # tokens loaded from the tier instead of computed
+
+    # -- scheduling ---------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """(tokens past ``num_computed_tokens`` the tier holds, whole blocks
+        only and never the request's last token; loaded asynchronously):
+        loads here are synchronous with the step (False)."""
+        hashes = request.block_hashes
+        start = num_computed_tokens // self.block_size
+        end = min(len(hashes), (request.num_tokens - 1) // self.block_size)
+        n = 0
+        while start + n < end and hashes[start + n] in self.available:
+            n += 1
+        return n * self.block_size, False
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_tokens: int,
+                                 num_external_tokens: int) -> None:
+        """The blocks after the pool's hits (``block_ids``: the request's
+        table) load the tier's copies this step."""
+        if num_external_tokens <= 0:
+            return
+        first = num_local_tokens // self.block_size
+        last = first + num_external_tokens // self.block_size
+        self._loads += [(block_ids[i], request.block_hashes[i]) for i in range(first, last)]
+        self.first_loaded_block[request.request_id] = first
+        self._saved_upto[request.request_id] = max(self._saved_upto.get(request.request_id, 0), last)
+        self.hit_tokens += num_external_tokens
+
+    def build_connector_meta(self, scheduled: dict[str, int], requests: dict[str, Request],
+                             block_ids: Any) -> OffloadMetadata:
+        """This step's loads, and its saves: each scheduled request's full
+        blocks whose K/V the step completes (of its known tokens: not draft
+        positions) and that the tier does not hold. ``block_ids(rid)``: a
+        request's block table."""
+        saves = []
+        for rid in scheduled:
+            req = requests[rid]
+            full = min(min(req.num_computed_tokens, req.num_tokens) // self.block_size, len(req.block_hashes))
+            start = self._saved_upto.get(rid, 0)
+            if full <= start:
+                continue
+            ids = block_ids(rid)
+            for i in range(start, full):
+                h = req.block_hashes[i]
+                if h not in self.available and h not in self.pending:
+                    saves.append((ids[i], h))
+                    self.pending.add(h)
+            self._saved_upto[rid] = full
+        meta, self._loads = OffloadMetadata(self._loads, saves), []
+        return meta
+
+    def update_connector_output(self, output: Optional[KVConnectorOutput]) -> None:
+        self.first_loaded_block.clear()
+        if output is None:
+            return
+        for h in output.saved:
+            self.pending.discard(h)
+            self.available.add(h)
+        for h in output.dropped:
+            self.available.discard(h)
+            self.pending.discard(h)
+
+    def step_failed(self, meta: Optional[OffloadMetadata]) -> None:
+        """A step that failed may have loaded unreadable blocks and saved
+        nothing: its loads leave the tier's index (recomputed, saved again),
+        its saves are forgotten."""
+        if meta is not None:
+            for _, h in meta.loads:
+                self.available.discard(h)
+            for _, h in meta.saves:
+                self.pending.discard(h)
+        self.first_loaded_block.clear()
+
+    def request_finished(self, request: Request) -> tuple[bool, Optional[dict]]:
+        """(whether the request's blocks must outlive it, what a peer needs
+        to fetch them): an offload tier copies them out as they fill, so
+        neither."""
+        self._saved_upto.pop(request.request_id, None)
+        return False, None

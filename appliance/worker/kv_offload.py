@@ -1,0 +1,161 @@
+"""The offload tier's worker side (``kv_transfer.connector=offload``; the
+scheduler side and the file layout: ``engine/kv_connector.py``).
+
+Around a step's forward the model runner calls ``start_load_kv`` (the
+step's loads, read from their files into the blocks the scheduler gave
+them, before any layer runs) and ``save`` (the step's saves, copied out of
+the KV caches after the forward and written by a background thread: each
+to a temporary name, then renamed, so a file is whole or absent), then
+``get_finished`` for the step's ``KVConnectorOutput``: the writes that
+completed, and the files dropped to keep the tier under its size limit
+(least recently used first; a load refreshes a file's use) or found
+unreadable. A file holds one block of every layer: a small JSON header
+(the payload's shape and dtype, checked on load) then the layers' K and V,
+``[layers, 2, block_size, kv_heads, head_dim]`` in the cache dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from appliance.engine.kv_connector import BLOCK_SUFFIX, KVConnectorOutput, OffloadMetadata, stored_hashes
+
+log = logging.getLogger("appliance.kv_offload")
+
+MAGIC = b"APKV1\0"
+
+
+class KVLoadError(RuntimeError):
+    """A tier file could not be read into the pool (missing, truncated, another
+    layout). It left the tier; the step's requests are not to blame and run
+    again (``retry_requests``), recomputing what the file held."""
+
+    retry_requests = True
+
+
+class OffloadWorker:
+    def __init__(self, folder: Path, max_bytes: int):
+        self.folder, self.max_bytes = Path(folder), max_bytes
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._lru: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, least recently used first
+        for h in stored_hashes(self.folder):
+            try:
+                self._lru[h] = self._path(h).stat().st_size
+            except OSError:
+                continue
+        self._bytes = sum(self._lru.values())
+        self._queue: queue.Queue = queue.Queue()
+        self._done: list[tuple[bytes, int]] = []  # written since the last report
+        self._dropped: list[bytes] = []
+        self._lock = threading.Lock()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-offload-writer", daemon=True)
+        self._writer.start()
+
+    def _path(self, h: bytes) -> Path:
+        return self.folder / (h.hex() + BLOCK_SUFFIX)
+
+    @staticmethod
+    def _header(block: torch.Tensor) -> bytes:
+        meta = json.dumps({"shape": list(block.shape), "dtype": str(block.dtype).removeprefix("torch.")}).encode()
+        return MAGIC + struct.pack("<I", len(meta)) + meta
+
+    # -- before the forward ------------------------------------------------------
+    def start_load_kv(self, meta: Optional[OffloadMetadata], kv_caches: list[torch.Tensor]) -> None:
+        """The step's loads into their blocks of every layer's cache; a file
+        that cannot be read raises KVLoadError (the step fails, its requests
+        are recomputed) and leaves the tier."""
+        if meta is None or not meta.loads:
+            return
+        like = torch.stack([c[:, 0] for c in kv_caches])  # one block's shape and dtype
+        expected = self._header(like)
+        nbytes = like.numel() * like.element_size()
+        for block_id, h in meta.loads:
+            path = self._path(h)
+            try:
+                raw = path.read_bytes()
+            except OSError as e:
+                self._drop(h)
+                raise KVLoadError(f"KV tier block {h.hex()[:16]} cannot be read: {e}") from e
+            if raw[: len(expected)] != expected or len(raw) != len(expected) + nbytes:
+                self._drop(h)
+                raise KVLoadError(f"KV tier block {h.hex()[:16]} is not a whole block of this layout "
+                                  f"({len(raw)} bytes)")
+            block = torch.frombuffer(bytearray(raw[len(expected):]), dtype=like.dtype).view(like.shape)
+            for layer, cache in enumerate(kv_caches):
+                cache[:, block_id].copy_(block[layer])
+            try:
+                os.utime(path)  # recently used: survives eviction longest, across restarts too
+            except OSError:
+                pass
+            with self._lock:
+                if h in self._lru:
+                    self._lru.move_to_end(h)
+
+    # -- after the forward ---------------------------------------------------------
+    def save(self, meta: Optional[OffloadMetadata], kv_caches: list[torch.Tensor]) -> None:
+        """The step's saves copied out of the caches now, written in the background."""
+        if meta is None:
+            return
+        for block_id, h in meta.saves:
+            block = torch.stack([c[:, block_id] for c in kv_caches]).cpu().contiguous()
+            self._queue.put((h, block))
+
+    def get_finished(self) -> KVConnectorOutput:
+        """The writes completed since the last call, and the files dropped:
+        past the size limit (least recently used first) or unreadable."""
+        with self._lock:
+            done, self._done = self._done, []
+            dropped, self._dropped = self._dropped, []
+        saved = []
+        for h, size in done:
+            self._bytes += size - self._lru.pop(h, 0)
+            self._lru[h] = size
+            saved.append(h)
+        while self._bytes > self.max_bytes and self._lru:
+            h, size = self._lru.popitem(last=False)
+            self._bytes -= size
+            try:
+                self._path(h).unlink()
+            except FileNotFoundError:
+                pass
+            dropped.append(h)
+        return KVConnectorOutput(saved=[h for h in saved if h in self._lru], dropped=dropped)
+
+    def _drop(self, h: bytes) -> None:
+        with self._lock:
+            self._bytes -= self._lru.pop(h, 0)
+            self._dropped.append(h)
+        try:
+            self._path(h).unlink()
+        except FileNotFoundError:
+            pass
+
+    def flush(self) -> None:
+        """Wait until every queued block is written (tests, shutdown)."""
+        self._queue.join()
+
+    def _write_loop(self) -> None:
+        while True:
+            h, block = self._queue.get()
+            try:
+                path = self._path(h)
+                tmp = path.with_name(path.name + f".tmp{threading.get_ident()}")
+                data = self._header(block) + block.view(torch.uint8).numpy().tobytes()
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
+                with self._lock:
+                    self._done.append((h, len(data)))
+            except Exception:  # a full disk loses this block from the tier, nothing else
+                log.exception("writing KV block %s to the offload tier failed", h.hex()[:16])
+            finally:
+                self._queue.task_done()

@@ -1,0 +1,129 @@
+"""The offload KV connector (kv_transfer=offload): full blocks saved to a
+disk tier as they fill; a prefix that left the block pool, or the process,
+loads from the tier instead of being recomputed, with the same tokens and
+logprobs; the tier stays under its size limit, least recently used first;
+an unreadable file is dropped and its request recomputed; other layouts
+never share a folder; the config refuses what is not built."""
+
+import pytest
+
+from appliance import LLM, SamplingParams
+from appliance.config.compose import resolve
+from appliance.config.plan import make_plan
+from appliance.errors import ConfigError
+
+PROMPT = " ".join(str(i) for i in range(200))
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+
+
+def _overrides(path, *extra):
+    return ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "model.dtype=float32",
+            "kv_transfer=offload", f"kv_transfer.offload.path={path}", *extra]
+
+
+def _settle(llm):
+    """Every queued write done and reported (the worker reports at each step)."""
+    llm.engine.runner.kv_connector.flush()
+    llm.generate(["x"], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def _same(a, b):
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert [lp.top for lp in a.outputs[0].logprobs] == [lp.top for lp in b.outputs[0].logprobs]
+
+
+def test_a_prefix_that_left_the_pool_loads_from_the_tier(tmp_path):
+    llm = LLM(overrides=_overrides(tmp_path))
+    connector, worker = llm.engine.scheduler.connector, llm.engine.runner.kv_connector
+    cold = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    _settle(llm)
+    n_prompt = len(cold.prompt_token_ids)
+    bs = llm.engine.block_size
+    assert len(connector.available) >= (n_prompt - 1) // bs and not connector.pending
+    assert llm.engine.reset_prefix_cache()  # the pool forgets; the tier does not
+    warm = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    expected = (n_prompt - 1) // bs * bs  # whole blocks, never the last token
+    assert connector.hit_tokens == expected and warm.num_cached_tokens == expected
+    _same(cold, warm)  # K/V stored exactly: the same bits as computing them
+    assert worker.get_finished().dropped == []
+
+
+def test_the_tier_outlives_the_process(tmp_path):
+    first = LLM(overrides=_overrides(tmp_path))
+    cold = first.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    _settle(first)
+    again = LLM(overrides=_overrides(tmp_path))  # a restart: a new pool, the same folder
+    connector = again.engine.scheduler.connector
+    assert connector.available == first.engine.scheduler.connector.available
+    warm = again.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    assert connector.hit_tokens > 0 and warm.num_cached_tokens == connector.hit_tokens
+    _same(cold, warm)
+
+
+def test_another_layout_never_reads_the_tier(tmp_path):
+    first = LLM(overrides=_overrides(tmp_path))
+    first.generate([PROMPT], GREEDY, use_tqdm=False)
+    _settle(first)
+    other = LLM(overrides=_overrides(tmp_path, "cache.kv_cache_dtype=bfloat16"))
+    assert other.engine.scheduler.connector.folder != first.engine.scheduler.connector.folder
+    assert not other.engine.scheduler.connector.available
+    other.generate([PROMPT], GREEDY, use_tqdm=False)
+    assert other.engine.scheduler.connector.hit_tokens == 0
+
+
+def test_the_tier_keeps_under_its_limit_least_recently_used_first(tmp_path):
+    probe = LLM(overrides=_overrides(tmp_path / "probe"))
+    probe.generate([PROMPT], GREEDY, use_tqdm=False)
+    _settle(probe)
+    block_bytes = max(p.stat().st_size for p in probe.engine.scheduler.connector.folder.iterdir())
+    limit = 5 * block_bytes
+    llm = LLM(overrides=_overrides(tmp_path / "small", f"kv_transfer.offload.max_gib={limit / (1 << 30)!r}"))
+    connector, worker = llm.engine.scheduler.connector, llm.engine.runner.kv_connector
+    llm.generate([PROMPT], GREEDY, use_tqdm=False)
+    _settle(llm)
+    files = list(connector.folder.iterdir())
+    assert len(files) == 5 and sum(p.stat().st_size for p in files) <= limit
+    assert len(connector.available) == 5
+    # the prompt's first blocks were written first, so they left first: no prefix from the start remains
+    assert llm.engine.reset_prefix_cache()
+    llm.generate([PROMPT], GREEDY, use_tqdm=False)
+    assert connector.hit_tokens == 0
+    assert worker._bytes <= limit
+
+
+def test_an_unreadable_block_is_dropped_and_its_request_recomputed(tmp_path):
+    llm = LLM(overrides=_overrides(tmp_path))
+    connector = llm.engine.scheduler.connector
+    cold = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    _settle(llm)
+    victim = sorted(connector.folder.iterdir())[0]
+    victim.write_bytes(victim.read_bytes()[:100])  # truncated
+    assert llm.engine.reset_prefix_cache()
+    again = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].finish_reason == "length"  # not an error: recomputed
+    _same(cold, again)
+    assert not victim.exists() and bytes.fromhex(victim.stem) not in connector.available
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["kv_transfer.connector=nixl"], "kv_transfer.connector=nixl (disaggregated prefill) is not built yet"),
+    (["kv_transfer=offload", "kv_transfer.role=producer"],
+     "the producer and consumer roles of disaggregated prefill are not built yet"),
+    (["kv_transfer=offload", "kv_transfer.offload.max_gib=0"], "kv_transfer.offload.max_gib=0.0 must be positive"),
+    (["kv_transfer=offload", "cache.prefix_caching_hash_algo=builtin"], "builtin hashes change per process"),
+    (["kv_transfer=offload", "cache.enable_prefix_caching=false"], "it needs cache.enable_prefix_caching=true"),
+    (["kv_transfer=offload", "parallel=tp3"], "is not built yet; it runs on one rank"),
+    (["kv_transfer.offload.max_gib=2"], "kv_transfer.offload.max_gib=2.0 has no effect without"),
+    (["kv_transfer.role=consumer"], "kv_transfer.role=consumer has no effect without a connector"),
+])
+def test_config_refuses_what_is_not_built(extra, message):
+    with pytest.raises(ConfigError) as e:
+        resolve(["+profile=cpu", *extra])
+    assert message in str(e.value)
+
+
+def test_plan_describes_the_tier(tmp_path):
+    plan = make_plan(resolve(["+profile=cpu", "kv_transfer=offload", f"kv_transfer.offload.path={tmp_path}",
+                              "kv_transfer.offload.max_gib=2"]).cfg)
+    assert plan.kv_transfer.startswith(f"offload: full blocks saved to {tmp_path}") and "at most 2 GiB" in plan.kv_transfer
+    assert make_plan(resolve(["+profile=cpu"]).cfg).kv_transfer == "off"
