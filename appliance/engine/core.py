@@ -478,7 +478,9 @@ class EngineCore:
     def _next_budget(self) -> int:
         """The token budget for the next step (``scheduler.target_itl_ms``): the
         running decodes (with their drafts) first, the rest for a prefill chunk
-        from where the first unfinished prompt stands."""
+        from where the first unfinished prompt stands; with no stream decoding
+        nobody waits for a next token, so prompts prefill at the cap
+        (``scheduler.max_num_batched_tokens``)."""
         decodes, pairs, chunk_context = 0, 0, 0
         for req in self.scheduler.running:
             if req.num_computed_tokens >= req.num_tokens - 1:
@@ -487,6 +489,8 @@ class EngineCore:
                 pairs += attention_pairs(n, req.num_computed_tokens + n)
             elif not chunk_context:
                 chunk_context = req.num_computed_tokens
+        if not decodes:
+            return self.token_budget.cap
         return self.token_budget.next_budget(decodes, pairs, chunk_context)
 
     def _observe_step(self, sched_out: SchedulerOutput, seconds: float) -> None:

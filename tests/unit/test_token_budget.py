@@ -104,6 +104,28 @@ def test_impossible_objectives_are_refused(override, message):
         resolve(BASE + ["scheduler.target_itl_ms=50", "model.max_model_len=2048", override])
 
 
+def test_with_no_stream_decoding_a_prompt_prefills_at_the_cap():
+    """The objective is the running streams' inter-token gap: a prompt alone
+    (or prompts with no stream decoding) takes the whole cap per step."""
+    from appliance import LLM, SamplingParams
+
+    llm = LLM(overrides=BASE + ["model=tiny_random", "scheduler.target_itl_ms=1",
+                                "scheduler.max_num_batched_tokens=256"])
+    engine = llm.engine
+    engine.add_request("long", [5 + i % 400 for i in range(600)], SamplingParams(max_tokens=2, ignore_eos=True))
+    scheduled = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        scheduled.append(engine.scheduler.max_num_batched_tokens)
+    assert scheduled[:2] == [256, 256]  # the prompt's chunks, nothing decoding beside them
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # "a" prefills alone, then decodes
+    engine.add_request("b", [5 + i % 400 for i in range(600)], SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.step()
+    # "a" decodes: the objective's budget holds "b"'s chunks back
+    assert engine.scheduler.max_num_batched_tokens == engine.token_budget.budget < 256
+
+
 def test_the_engine_steers_its_scheduler_by_measured_steps():
     from appliance import LLM, SamplingParams
 
