@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="same as APPLIANCE_API_KEY=... (visible in ps: prefer the variable or server.api_key_file)")
 
+    p = sub.add_parser("route", help="an OpenAI-compatible router over appliance instances (router.*)")
+    _add_overrides(p)
+
     p = sub.add_parser("plan", help="explain what would run, and why, without a GPU")
     _add_overrides(p)
     p.add_argument("--json", action="store_true", help="machine-readable plan")
@@ -153,6 +156,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     return serve(resolve(list(args.overrides)))
 
 
+def cmd_route(args: argparse.Namespace) -> int:
+    from appliance.server.router import route_forever
+
+    cfg = resolve(list(args.overrides)).cfg
+    if not cfg.router.instances:
+        raise ConfigError("appliance route needs router.instances=[http://host:port,...]: the instances to route to")
+    return route_forever(cfg)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from appliance.entrypoint import generate_cli
 
@@ -167,6 +179,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 VERBS = {
     "run": cmd_run,
+    "route": cmd_route,
     "plan": cmd_plan,
     "config": cmd_config,
     "diff": cmd_diff,

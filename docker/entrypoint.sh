@@ -3,6 +3,7 @@
 #
 #   docker run IMAGE +profile=h100_fp8 model=llama3_1_8b server.port=8000   (VERB defaults to run)
 #   docker run IMAGE plan +profile=h100_fp8
+#   docker run IMAGE route router.instances=[http://a:8000,http://b:8000]   (a router over instances)
 #   docker run IMAGE profiles
 #
 # Orchestrators that only set environment variables:
@@ -15,7 +16,7 @@
 set -euo pipefail
 
 APPLIANCE=${APPLIANCE_BIN:-appliance}
-VERBS="run plan config profiles diff generate bench"
+VERBS="run route plan config profiles diff generate bench"
 
 usage() {
   cat >&2 <<USAGE
@@ -45,13 +46,16 @@ if [[ "$verb" != profiles && "$verb" != diff && "$verb" != bench ]]; then
   has_host=0
   for a in "$@"; do
     [[ "$a" == +profile=* || "$a" == profile=* ]] && has_profile=1
-    [[ "$a" == server.host=* ]] && has_host=1
+    [[ "$a" == server.host=* || "$a" == router.host=* ]] && has_host=1
   done
   if [[ $has_profile == 0 && -n "${APPLIANCE_PROFILE:-}" ]]; then
     args+=("+profile=${APPLIANCE_PROFILE}")
   fi
   if [[ "$verb" == run && $has_host == 0 ]]; then
     args+=("server.host=0.0.0.0")
+  fi
+  if [[ "$verb" == route && $has_host == 0 ]]; then
+    args+=("router.host=0.0.0.0")
   fi
   if [[ -n "${APPLIANCE_OVERRIDES:-}" ]]; then
     read -r -a env_overrides <<< "${APPLIANCE_OVERRIDES}"

@@ -367,6 +367,23 @@ class KVTransferConfig:
 
 
 @dataclass
+class RouterConfig:
+    # `appliance route`: an OpenAI-compatible front over appliance instances (base URLs). policy:
+    # round_robin | least_load (their /metrics) | kv_aware (their KV events, kv_events: one ZeroMQ endpoint
+    # per instance, in order; where an instance holds kv_match_threshold of a prompt, a cached prefix of
+    # kv_load_weight tokens outweighs one request in flight; below it, new prefixes go where least is cached).
+    policy: str = "round_robin"
+    instances: list[str] = field(default_factory=list)
+    kv_events: list[str] = field(default_factory=list)
+    kv_load_weight: float = 256.0
+    kv_match_threshold: float = 0.5
+    host: str = "127.0.0.1"
+    port: int = 8080
+    health_interval_s: float = 2.0
+    request_timeout_s: float = 600.0
+
+
+@dataclass
 class ApplianceConfig:
     profile: str = "none"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -381,6 +398,7 @@ class ApplianceConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
 
 def register() -> None:

@@ -218,6 +218,37 @@ def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
     return problems
 
 
+ROUTER_POLICIES = ("round_robin", "least_load", "kv_aware")  # built
+
+
+def _router_problems(cfg: ApplianceConfig) -> list[str]:
+    r = cfg.router
+    problems = []
+    if r.policy == "pd":
+        problems.append("router.policy=pd (disaggregated prefill through the router) is not built yet; built: "
+                        + ", ".join(ROUTER_POLICIES))
+    elif r.policy not in ROUTER_POLICIES:
+        problems.append(f"router.policy={r.policy} is unknown; built: {', '.join(ROUTER_POLICIES)}")
+    for u in r.instances:
+        if not str(u).startswith(("http://", "https://")):
+            problems.append(f"router.instances: {u} is not an http:// or https:// base URL")
+    if r.policy == "kv_aware" and r.instances and len(r.kv_events) != len(r.instances):
+        problems.append(f"router.policy=kv_aware needs one KV events endpoint per instance (router.kv_events, in the "
+                        f"order of router.instances): {len(r.kv_events)} for {len(r.instances)}")
+    if r.policy != "kv_aware" and r.kv_events:
+        problems.append(f"router.kv_events has no effect with router.policy={r.policy}")
+    if not 0 < r.port < 65536:
+        problems.append(f"router.port={r.port} must be in 1..65535")
+    for key in ("health_interval_s", "request_timeout_s"):
+        if not getattr(r, key) > 0:
+            problems.append(f"router.{key}={getattr(r, key)} must be positive")
+    if r.kv_load_weight < 0:
+        problems.append(f"router.kv_load_weight={r.kv_load_weight} must not be negative")
+    if not 0 <= r.kv_match_threshold <= 1:
+        problems.append(f"router.kv_match_threshold={r.kv_match_threshold} must be in [0, 1]")
+    return problems
+
+
 def validate(cfg: ApplianceConfig) -> list[str]:
     problems: list[str] = []
     m, hw, q, cache, s, par, spec = (
@@ -380,6 +411,7 @@ def validate(cfg: ApplianceConfig) -> list[str]:
     problems += _moe_problems(cfg)
     problems += _kv_events_problems(cfg)
     problems += _kv_transfer_problems(cfg)
+    problems += _router_problems(cfg)
     parts = par.pp_layer_partition
     if parts is not None:
         if len(parts) != par.pipeline_parallel_size or sum(parts) != m.num_layers or min(parts, default=0) < 1:

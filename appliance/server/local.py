@@ -21,23 +21,26 @@ def free_port() -> int:
 
 
 class LocalServer:
-    """Starts the server in its own process group and waits until ``ready_path`` answers 200."""
+    """Starts the server (``appliance run``, or with ``verb="route"`` the router) in its own
+    process group and waits until ``ready_path`` answers 200."""
 
     def __init__(self, overrides: list[str], ready_path: str = "/health", timeout_s: float = 600,
-                 log_path: Optional[str] = None, cwd: Optional[str] = None, env: Optional[dict] = None):
+                 log_path: Optional[str] = None, cwd: Optional[str] = None, env: Optional[dict] = None,
+                 verb: str = "run"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path or os.path.join(tempfile.gettempdir(), f"appliance-server-{self.port}.log")
         self.log = open(self.log_path, "w")
+        group = "router" if verb == "route" else "server"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "appliance.cli", "run", *overrides, "server.host=127.0.0.1", f"server.port={self.port}"],
+            [sys.executable, "-m", "appliance.cli", verb, *overrides, f"{group}.host=127.0.0.1", f"{group}.port={self.port}"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
             env={**os.environ, **env} if env else None,
         )
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"appliance run exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+                raise RuntimeError(f"appliance {verb} exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
             try:
                 if httpx.get(f"{self.url}{ready_path}", timeout=1).status_code == 200:
                     return
@@ -45,7 +48,7 @@ class LocalServer:
                 pass
             time.sleep(0.3)
         self.stop()
-        raise RuntimeError(f"appliance run was not ready after {timeout_s:.0f} s:\n{self.output()[-4000:]}")
+        raise RuntimeError(f"appliance {verb} was not ready after {timeout_s:.0f} s:\n{self.output()[-4000:]}")
 
     def output(self) -> str:
         self.log.flush()

@@ -64,10 +64,15 @@ RUN_TIME_KEYS = {
         "max_body_bytes", "request_timeout_s", "shutdown_timeout_s", "header_timeout_s", "body_timeout_s",
         "keep_alive_timeout_s", "max_connections", "tokenizer_threads", "max_core_restarts", "core_restart_window_s",
         "core_restart_backoff_s", "core_start_timeout_s", "cors_origins", "dev_mode")),
+    # read by `appliance route` (server/router.py), not by the deployment it runs beside
+    *(f"router.{k}" for k in ("policy", "instances", "kv_load_weight", "kv_match_threshold", "host", "port",
+                              "health_interval_s", "request_timeout_s")),
 }
 
 # Where the generic change (below) is not a valid value for the base deployment.
 ALTERNATIVES = {
+    "router.policy": "least_load",
+    "router.instances": ["http://127.0.0.1:8001"],
     "parallel.executor": "mp",  # one rank in a worker process
     "parallel.pp_layer_partition": [13, 17],
     "model.path": "tiny_random",

@@ -67,6 +67,9 @@ def test_entrypoint_env_form_and_hash():
 
 
 def test_entrypoint_verbs():
+    r = entry("route", "router.instances=[http://a:8000]", env={"APPLIANCE_DRY_RUN": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-3:] == ["route", "router.host=0.0.0.0", "router.instances=[http://a:8000]"]
     r = entry("plan", "+profile=b200_fp8")
     assert r.returncode == 0 and "attention backend  flashinfer" in r.stdout
     r = entry("profiles")
@@ -85,7 +88,9 @@ def test_compose_file_is_consistent():
     base = REPO / "docker"
     compose = yaml.safe_load((base / "compose.yaml").read_text())
     services = compose["services"]
-    assert set(services) == {"appliance", "prometheus", "grafana"}
+    assert set(services) == {"appliance", "prometheus", "grafana", "instance-a", "instance-b", "router"}
+    fleet = {n for n, svc in services.items() if svc.get("profiles") == ["fleet"]}
+    assert fleet == {"instance-a", "instance-b", "router"}  # optional: `--profile fleet`
     app = services["appliance"]
     assert (base / app["build"]["context"] / app["build"]["dockerfile"]).exists()
     target = app["build"]["target"].split(":-")[-1].rstrip("}")
@@ -103,6 +108,15 @@ def test_compose_file_is_consistent():
                 assert (base / src).exists(), f"{name}: {src} missing"
             else:
                 assert src in compose["volumes"], f"{name}: named volume {src} undeclared"
+    # the router's command is a valid config: its instances and their KV events are the fleet's services
+    router = services["router"]
+    assert router["command"][0] == "route"
+    cfg = resolve(["+profile=cpu", *router["command"][1:]]).cfg
+    assert cfg.router.policy == "kv_aware" and len(cfg.router.instances) == len(cfg.router.kv_events) == 2
+    for url, endpoint in zip(cfg.router.instances, cfg.router.kv_events):
+        name = url.split("//")[1].split(":")[0]
+        assert name in services and endpoint.startswith(f"tcp://{name}:")
+        assert "kv_events=zmq" in services[name]["environment"]["APPLIANCE_OVERRIDES"]
     prom = yaml.safe_load((base / "prometheus.yml").read_text())
     assert prom["scrape_configs"][0]["static_configs"][0]["targets"] == ["appliance:8000"]
 

@@ -1,0 +1,387 @@
+"""`appliance route`: an OpenAI-compatible front over N appliance instances.
+
+Requests to ``/v1/completions`` and ``/v1/chat/completions`` go to one
+instance, chosen by ``router.policy``, and the instance's answer (streamed
+or whole) comes back unchanged:
+
+- ``round_robin``: the healthy instances in turn;
+- ``least_load``: the fewest requests running plus waiting, read from each
+  instance's ``/metrics`` every ``health_interval_s``, plus what this
+  router has in flight to it;
+- ``kv_aware``: the instance holding the longest cached prefix of the
+  request's tokens, weighed against load. The router subscribes to every
+  instance's KV events (``kv_events=zmq``; ``router.kv_events`` in
+  instance order) and keeps, per instance, which blocks it holds, keyed as
+  the instance's hash chain is: (parent block hash, the block's tokens) ->
+  block hash. A request's tokens (its prompt under the model's tokenizer
+  and chat template, as the instances build them) walk that chain. When
+  some instance holds at least ``kv_match_threshold`` of the prompt, the
+  score is the matched tokens minus ``kv_load_weight`` tokens per request
+  in flight there; otherwise (a new conversation, or one only a common
+  system prompt matches) the request goes where the fewest blocks are
+  cached, so new prefixes spread over the instances. Nothing needs the
+  instances' hash function or cache salts: a tenant-salted chain simply
+  does not match.
+
+Every instance's ``/health`` is polled every ``health_interval_s``; one
+that fails it, or refuses a connection, gets no requests until it answers
+again (a request that could not connect is sent to another instance). The
+router's own ``/health`` answers 200 while any instance is healthy, and
+``/metrics`` counts requests per instance and policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, AsyncIterator, Optional
+
+import httpx
+from litestar import Litestar, Request, Response, get, post
+from litestar.response import Stream
+
+log = logging.getLogger("appliance.router")
+
+POLICIES = ("round_robin", "least_load", "kv_aware")
+FORWARDED_HEADERS = ("authorization", "x-request-id", "x-data-parallel-rank")
+
+
+class PrefixIndex:
+    """The blocks one instance holds, from its KV events: (parent hash,
+    block tokens) -> hash, and back, so removals find their key."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple, int] = {}
+        self._key_of: dict[int, tuple] = {}
+        self.block_size = 0
+        self._lock = threading.Lock()
+
+    def apply(self, events: list[Any]) -> None:
+        with self._lock:
+            for ev in events:
+                kind = type(ev).__name__
+                if kind == "BlockStored":
+                    bs = ev.block_size
+                    self.block_size = bs
+                    parent = ev.parent_block_hash
+                    for i, h in enumerate(ev.block_hashes):
+                        key = (parent, tuple(ev.token_ids[i * bs:(i + 1) * bs]))
+                        self._by_key[key] = h
+                        self._key_of[h] = key
+                        parent = h
+                elif kind == "BlockRemoved":
+                    for h in ev.block_hashes:
+                        key = self._key_of.pop(h, None)
+                        if key is not None and self._by_key.get(key) == h:
+                            del self._by_key[key]
+                elif kind == "AllBlocksCleared":
+                    self._by_key.clear()
+                    self._key_of.clear()
+
+    def __len__(self) -> int:
+        return len(self._key_of)
+
+    def match(self, tokens: list[int]) -> int:
+        """Tokens of the longest prefix of ``tokens`` this instance holds (whole blocks)."""
+        bs = self.block_size
+        if not bs:
+            return 0
+        parent, n = None, 0
+        with self._lock:
+            for i in range(len(tokens) // bs):
+                h = self._by_key.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+                if h is None:
+                    break
+                parent, n = h, n + 1
+        return n * bs
+
+
+class EventSubscriber(threading.Thread):
+    """Reads one instance's KV event batches (ZeroMQ SUB) into its index."""
+
+    def __init__(self, endpoint: str, index: PrefixIndex, topic: str = ""):
+        super().__init__(name=f"kv-events {endpoint}", daemon=True)
+        self.endpoint, self.index, self.topic = endpoint, index, topic
+        self.batches = 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        import msgspec
+        import zmq
+
+        from appliance.server.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        sock.setsockopt_string(zmq.SUBSCRIBE, self.topic)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop_event.is_set():
+                if not poller.poll(200):
+                    continue
+                frames = sock.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                try:
+                    batch = decoder.decode(frames[2])
+                except msgspec.DecodeError:
+                    log.warning("undecodable KV event batch from %s", self.endpoint)
+                    continue
+                self.index.apply(batch.events)
+                self.batches += 1
+        finally:
+            sock.close()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+@dataclass
+class Instance:
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+    load: float = 0.0  # running + waiting, from its /metrics (least_load)
+    requests: int = 0
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+
+
+def parse_load(metrics_text: str) -> float:
+    """Requests running plus waiting in an instance's Prometheus text (summed over its engine cores)."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith(("appliance:num_requests_running", "appliance:num_requests_waiting")):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
+    return total
+
+
+class Router:
+    """The instances, the policy's choice, and the proxying (no HTTP server: see ``build_app``)."""
+
+    def __init__(self, instances: list[str], policy: str, tokenizer: Any = None, kv_events: Optional[list[str]] = None,
+                 kv_load_weight: float = 256.0, health_interval_s: float = 2.0, request_timeout_s: float = 600.0,
+                 kv_events_topic: str = "", kv_match_threshold: float = 0.5):
+        if policy not in POLICIES:
+            raise ValueError(f"router.policy={policy} is not built; built: {', '.join(POLICIES)}")
+        if not instances:
+            raise ValueError("router.instances is empty: give the instances' base URLs")
+        self.instances = [Instance(u.rstrip("/")) for u in instances]
+        self.policy, self.tokenizer, self.kv_load_weight = policy, tokenizer, kv_load_weight
+        self.kv_match_threshold = kv_match_threshold
+        self.health_interval_s, self.request_timeout_s = health_interval_s, request_timeout_s
+        self._rr = itertools.count()
+        self.subscribers: list[EventSubscriber] = []
+        if policy == "kv_aware":
+            if not kv_events or len(kv_events) != len(instances):
+                raise ValueError("router.policy=kv_aware needs router.kv_events: each instance's KV events endpoint, "
+                                 "in the order of router.instances")
+            self.subscribers = [EventSubscriber(e, inst.index, kv_events_topic)
+                                for e, inst in zip(kv_events, self.instances)]
+        self.client: Optional[httpx.AsyncClient] = None
+        self._poller: Optional[asyncio.Task] = None
+
+    # -- lifecycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout_s, connect=5.0))
+        for s in self.subscribers:
+            s.start()
+        await self.poll_once()
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        for s in self.subscribers:
+            s.stop()
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            await self.poll_once()
+
+    async def poll_once(self) -> None:
+        """Every instance's health (and load, for least_load), concurrently."""
+        async def one(inst: Instance) -> None:
+            try:
+                r = await self.client.get(f"{inst.url}/health", timeout=5.0)
+                healthy = r.status_code == 200
+                if healthy and self.policy == "least_load":
+                    m = await self.client.get(f"{inst.url}/metrics", timeout=5.0)
+                    inst.load = parse_load(m.text)
+            except httpx.HTTPError:
+                healthy = False
+            if healthy != inst.healthy:
+                log.warning("instance %s is %s", inst.url, "healthy again" if healthy else "unhealthy")
+            inst.healthy = healthy
+
+        await asyncio.gather(*(one(i) for i in self.instances))
+
+    # -- choosing -------------------------------------------------------------------
+    def prompt_tokens(self, path: str, body: dict) -> list[int]:
+        """The request's prompt tokens as an instance builds them (kv_aware)."""
+        from appliance.server.prompts import chat_prompt
+
+        if path.endswith("chat/completions"):
+            return chat_prompt(SimpleNamespace(tokenizer=self.tokenizer), body)[0]
+        p = body.get("prompt")
+        if isinstance(p, list) and p and isinstance(p[0], list):
+            p = p[0]
+        elif isinstance(p, list) and p and isinstance(p[0], str):
+            p = p[0]
+        if isinstance(p, str):
+            return self.tokenizer.encode(p)
+        return [int(t) for t in p] if isinstance(p, list) else []
+
+    def choose(self, tokens: Optional[list[int]] = None, exclude: frozenset = frozenset()) -> Optional[Instance]:
+        live = [i for i in self.instances if i.healthy and i.url not in exclude]
+        if not live:
+            return None
+        if self.policy == "least_load":
+            return min(live, key=lambda i: (i.load + i.in_flight, i.requests))
+        if self.policy == "kv_aware" and tokens:
+            matched = {i.url: i.index.match(tokens) for i in live}
+            if max(matched.values()) >= self.kv_match_threshold * len(tokens):
+                return max(live, key=lambda i: (matched[i.url] - self.kv_load_weight * i.in_flight, -i.in_flight))
+            return min(live, key=lambda i: (len(i.index), i.in_flight, i.requests))
+        return live[next(self._rr) % len(live)]
+
+    # -- proxying -----------------------------------------------------------------
+    async def forward(self, path: str, body: dict, headers: dict) -> tuple[int, dict, Any]:
+        """(status, headers, content): bytes, or an async iterator of bytes for a stream."""
+        tokens = None
+        if self.policy == "kv_aware":
+            try:
+                tokens = await asyncio.to_thread(self.prompt_tokens, path, body)
+            except Exception as e:  # a bad request: the instance answers it with the right error
+                log.debug("no prompt tokens for routing: %s", e)
+        tried: set[str] = set()
+        while True:
+            inst = self.choose(tokens, frozenset(tried))
+            if inst is None:
+                return 503, {"content-type": "application/json"}, \
+                    b'{"error": {"message": "no healthy instance", "type": "ServiceUnavailable", "code": 503}}'
+            tried.add(inst.url)
+            fwd = {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
+            req = self.client.build_request("POST", f"{inst.url}{path}", json=body, headers=fwd)
+            inst.in_flight += 1
+            try:
+                resp = await self.client.send(req, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                inst.in_flight -= 1
+                inst.healthy = False
+                log.warning("instance %s refused a request (%s); trying another", inst.url, e)
+                continue
+            except BaseException:
+                inst.in_flight -= 1
+                raise
+            inst.requests += 1
+            out_headers = {"content-type": resp.headers.get("content-type", "application/json")}
+            if resp.headers.get("content-type", "").startswith("text/event-stream"):
+                return resp.status_code, out_headers, self._relay(inst, resp)
+            try:
+                content = await resp.aread()
+            finally:
+                await resp.aclose()
+                inst.in_flight -= 1
+            return resp.status_code, out_headers, content
+
+    @staticmethod
+    async def _relay(inst: Instance, resp: httpx.Response) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        finally:
+            await resp.aclose()
+            inst.in_flight -= 1
+
+    def metrics_text(self) -> str:
+        lines = ["# TYPE appliance_router_requests counter"]
+        for i in self.instances:
+            lines.append(f'appliance_router_requests_total{{instance="{i.url}",policy="{self.policy}"}} {i.requests}')
+        lines.append("# TYPE appliance_router_instance_healthy gauge")
+        for i in self.instances:
+            lines.append(f'appliance_router_instance_healthy{{instance="{i.url}"}} {int(i.healthy)}')
+        lines.append("# TYPE appliance_router_in_flight gauge")
+        for i in self.instances:
+            lines.append(f'appliance_router_in_flight{{instance="{i.url}"}} {i.in_flight}')
+        return "\n".join(lines) + "\n"
+
+
+def build_app(router: Router) -> Any:
+    """The router's HTTP app (litestar)."""
+
+    async def proxy(request: Request, path: str) -> Response:
+        try:
+            body = await request.json()
+        except Exception:
+            return Response(content={"error": {"message": "the body must be a JSON object", "type": "BadRequestError",
+                                               "code": 400}}, status_code=400)
+        if not isinstance(body, dict):
+            return Response(content={"error": {"message": "the body must be a JSON object", "type": "BadRequestError",
+                                               "code": 400}}, status_code=400)
+        status, headers, content = await router.forward(path, body, dict(request.headers))
+        if isinstance(content, (bytes, bytearray)):
+            return Response(content=bytes(content), status_code=status, media_type=headers["content-type"])
+        return Stream(content, status_code=status, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @post("/v1/completions", status_code=200)
+    async def completions(request: Request) -> Response:
+        return await proxy(request, "/v1/completions")
+
+    @post("/v1/chat/completions", status_code=200)
+    async def chat(request: Request) -> Response:
+        return await proxy(request, "/v1/chat/completions")
+
+    @get("/v1/models")
+    async def models() -> Response:
+        for inst in router.instances:
+            if inst.healthy:
+                try:
+                    r = await router.client.get(f"{inst.url}/v1/models", timeout=10.0)
+                    return Response(content=r.content, status_code=r.status_code, media_type="application/json")
+                except httpx.HTTPError:
+                    continue
+        return Response(content={"error": {"message": "no healthy instance", "code": 503}}, status_code=503)
+
+    @get("/health")
+    async def health() -> Response:
+        ok = any(i.healthy for i in router.instances)
+        return Response(content={"healthy": [i.url for i in router.instances if i.healthy]},
+                        status_code=200 if ok else 503)
+
+    @get("/metrics")
+    async def metrics() -> Response:
+        return Response(content=router.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    return Litestar(route_handlers=[completions, chat, models, health, metrics],
+                    on_startup=[router.start], on_shutdown=[router.stop])
+
+
+def route_forever(cfg: Any) -> int:
+    """``appliance route``: the router of ``cfg.router`` on its host and port, the model's tokenizer for kv_aware."""
+    import uvicorn
+
+    r = cfg.router
+    tokenizer = None
+    if r.policy == "kv_aware":
+        from appliance.models.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model, cfg.quantization.method)
+    router = Router(list(r.instances), r.policy, tokenizer, list(r.kv_events), r.kv_load_weight,
+                    r.health_interval_s, r.request_timeout_s, cfg.kv_events.topic, r.kv_match_threshold)
+    print(f"routing {len(router.instances)} instance(s) by {r.policy} on http://{r.host}:{r.port}")
+    uvicorn.run(build_app(router), host=r.host, port=r.port, log_level="warning")
+    return 0

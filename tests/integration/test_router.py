@@ -1,0 +1,123 @@
+"""`appliance route` over two appliance instances on loopback: a multi-turn
+chat workload's prefix-cache hit rate under kv_aware against one instance
+serving everything and against round_robin, answers unchanged through the
+router (whole and streamed), and an instance that dies taken out of the
+rotation."""
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from appliance.server.local import LocalServer, free_port
+from tests.integration.server_helpers import REPO, ServerProcess, metric
+
+TINY = ["model=tiny_random", "cache.kv_cache_memory_gib=0.05"]
+DEV = ["server.dev_mode=true"]  # /reset_prefix_cache between the workloads
+CONVERSATIONS, TURNS = 5, 4  # an odd count: round robin moves each conversation to the other instance every turn
+
+
+class RouterProcess(LocalServer):
+    def __init__(self, *overrides):
+        super().__init__(["+profile=cpu", *TINY, *overrides, "router.health_interval_s=0.5"], timeout_s=120,
+                         cwd=REPO, verb="route")
+
+
+@pytest.fixture(scope="module")
+def instances():
+    ports = [free_port(), free_port()]
+    servers = [ServerProcess(*TINY, *DEV, "kv_events=zmq", f"kv_events.endpoint=tcp://127.0.0.1:{p}",
+                             "kv_events.replay_endpoint=null") for p in ports]
+    yield servers, [f"tcp://127.0.0.1:{p}" for p in ports]
+    for s in servers:
+        s.stop()
+
+
+def _hits(servers):
+    """(prefix-cache hit tokens, query tokens) summed over the instances."""
+    h = q = 0.0
+    for s in servers:
+        text = httpx.get(f"{s.url}/metrics").text
+        h += metric(text, "appliance:prefix_cache_hits_total")
+        q += metric(text, "appliance:prefix_cache_queries_total")
+    return h, q
+
+
+def _chat_workload(url, servers):
+    """Multi-turn conversations, their turns interleaved; the hit rate they got."""
+    for s in servers:
+        assert httpx.post(f"{s.url}/reset_prefix_cache").status_code == 200
+    h0, q0 = _hits(servers)
+    convs = [[{"role": "system", "content": f"Conversation {c}. " + " ".join(f"fact {c}-{i}" for i in range(40))}]
+             for c in range(CONVERSATIONS)]
+    with httpx.Client(timeout=120) as client:
+        for turn in range(TURNS):
+            for c, msgs in enumerate(convs):
+                msgs.append({"role": "user", "content": f"Question {turn} about conversation {c}?"})
+                r = client.post(f"{url}/v1/chat/completions",
+                                json={"model": "tiny-random-llama", "messages": msgs, "max_tokens": 6, "temperature": 0})
+                assert r.status_code == 200, r.text
+                msgs.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+        time.sleep(0.3)
+    h1, q1 = _hits(servers)
+    return (h1 - h0) / (q1 - q0)
+
+
+def test_kv_aware_keeps_conversations_where_their_prefix_is(instances):
+    servers, endpoints = instances
+    urls = [s.url for s in servers]
+    rates = {}
+    for name, overrides, used in (
+            ("one instance", [f"router.instances=[{urls[0]}]"], servers[:1]),
+            ("kv_aware", ["router.policy=kv_aware", f"router.instances=[{','.join(urls)}]",
+                          f"router.kv_events=[{','.join(endpoints)}]"], servers),
+            ("round_robin", [f"router.instances=[{','.join(urls)}]"], servers)):
+        router = RouterProcess(*overrides)
+        try:
+            rates[name] = _chat_workload(router.url, used)
+            counts = httpx.get(f"{router.url}/metrics").text
+        finally:
+            router.stop()
+        if name != "one instance":
+            per = [metric(counts, "appliance_router_requests_total", instance=u) for u in urls]
+            assert sum(per) == CONVERSATIONS * TURNS and min(per) > 0, (name, per)
+    print("prefix-cache hit rates:", {k: round(v, 3) for k, v in rates.items()})
+    assert rates["kv_aware"] >= 0.9 * rates["one instance"]
+    assert rates["round_robin"] < rates["kv_aware"]
+
+
+def test_answers_pass_through_and_a_dead_instance_leaves_the_rotation(instances):
+    servers, _ = instances
+    extra = ServerProcess(*TINY)
+    urls = [servers[0].url, extra.url]
+    router = RouterProcess(f"router.instances=[{','.join(urls)}]")
+    try:
+        body = {"model": "tiny-random-llama", "prompt": "Hello there", "max_tokens": 5, "temperature": 0}
+        direct = httpx.post(f"{servers[0].url}/v1/completions", json=body, timeout=60).json()
+        routed = [httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).json() for _ in range(2)]
+        assert all(r["choices"][0]["text"] == direct["choices"][0]["text"] for r in routed)
+        with httpx.stream("POST", f"{router.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) > 2
+        extra.stop()  # dies: connections refused, then /health fails
+        for _ in range(4):
+            r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == direct["choices"][0]["text"]
+        time.sleep(1.2)
+        health = httpx.get(f"{router.url}/health").json()
+        assert health["healthy"] == [servers[0].url]
+        assert metric(httpx.get(f"{router.url}/metrics").text, "appliance_router_instance_healthy",
+                      instance=extra.url) == 0
+    finally:
+        router.stop()
+        extra.stop()
+
+
+def test_route_needs_instances():
+    r = subprocess.run([sys.executable, "-m", "appliance.cli", "route", "+profile=cpu"], cwd=REPO,
+                       capture_output=True, text=True, env={**os.environ})
+    assert r.returncode != 0 and "needs router.instances" in r.stderr
