@@ -29,11 +29,15 @@ class RouterProcess(LocalServer):
 @pytest.fixture(scope="module")
 def instances():
     ports = [free_port(), free_port()]
-    servers = [ServerProcess(*TINY, *DEV, "kv_events=zmq", f"kv_events.endpoint=tcp://127.0.0.1:{p}",
-                             "kv_events.replay_endpoint=null") for p in ports]
-    yield servers, [f"tcp://127.0.0.1:{p}" for p in ports]
-    for s in servers:
-        s.stop()
+    servers = []
+    try:
+        for p in ports:
+            servers.append(ServerProcess(*TINY, *DEV, "kv_events=zmq", f"kv_events.endpoint=tcp://127.0.0.1:{p}",
+                                         "kv_events.replay_endpoint=null"))
+        yield servers, [f"tcp://127.0.0.1:{p}" for p in ports]
+    finally:
+        for s in servers:
+            s.stop()
 
 
 def _hits(servers):
@@ -92,9 +96,10 @@ def test_kv_aware_keeps_conversations_where_their_prefix_is(instances):
 def test_answers_pass_through_and_a_dead_instance_leaves_the_rotation(instances):
     servers, _ = instances
     extra = ServerProcess(*TINY)
-    urls = [servers[0].url, extra.url]
-    router = RouterProcess(f"router.instances=[{','.join(urls)}]")
+    router = None
     try:
+        urls = [servers[0].url, extra.url]
+        router = RouterProcess(f"router.instances=[{','.join(urls)}]")
         body = {"model": "tiny-random-llama", "prompt": "Hello there", "max_tokens": 5, "temperature": 0}
         direct = httpx.post(f"{servers[0].url}/v1/completions", json=body, timeout=60).json()
         routed = [httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).json() for _ in range(2)]
@@ -113,7 +118,8 @@ def test_answers_pass_through_and_a_dead_instance_leaves_the_rotation(instances)
         assert metric(httpx.get(f"{router.url}/metrics").text, "appliance_router_instance_healthy",
                       instance=extra.url) == 0
     finally:
-        router.stop()
+        if router is not None:
+            router.stop()
         extra.stop()
 
 
