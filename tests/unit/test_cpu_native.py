@@ -461,13 +461,14 @@ def test_whole_step_forward_matches_torch_path(variant, extra):
             assert [t for t, _ in lb.top] == [t for t, _ in la.top]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("variant", list(TINY_VARIANTS))
-def test_w8a8_forward_stays_close_to_torch_path(variant):
+def test_w8a8_forward_stays_close_to_torch_path(variant, dtype):
     """quantization=w8a8_int8: the native projections equal the torch
     reference bit for bit (see test_w8a8_linear_*), but the attention's fp32
     summation order differs, and a row value that moves by an ulp can round
     to the next int8 step: close, not equal."""
-    overrides = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05",
+    overrides = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", f"model.dtype={dtype}",
                  "quantization=w8a8_int8"] + TINY_VARIANTS[variant]
     p = SamplingParams(max_tokens=16, temperature=0, logprobs=3)
     ref = LLM(overrides=overrides, selection=Selection(chosen="torch_sdpa")).generate(PROMPTS, p, use_tqdm=False)
@@ -480,7 +481,8 @@ def test_w8a8_forward_stays_close_to_torch_path(variant):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             if la.token_id != lb.token_id:
                 break
-            assert lb.logprob == pytest.approx(la.logprob, abs=0.05)
+            # bf16: the torch path keeps bf16 activations between layers, the native one fp32
+            assert lb.logprob == pytest.approx(la.logprob, abs=0.05 if dtype == "float32" else 0.2)
 
 
 def _bf16_rounded_fp32(overrides, int8, selection=None):
