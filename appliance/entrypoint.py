@@ -48,6 +48,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # SamplingParams.prompt_logprobs: each prompt token's log-probability given those before it (the first None)
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    # SamplingParams.kv_transfer_params with do_remote_decode: what a consumer needs to fetch the prompt's KV
+    kv_transfer_params: Optional[dict] = None
 
 
 PromptType = Union[str, list[int]]
@@ -99,6 +101,8 @@ class LLM:
         params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        if any(p.kv_transfer_params is not None and p.n != 1 for p in params_list):
+            raise ValueError("kv_transfer_params take one sequence per request (n=1)")
         parents: list[tuple[ParentRequest, Optional[str], list[int]]] = []
         for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             text, ids = self._encode(prompt)
@@ -110,7 +114,7 @@ class LLM:
         return [RequestOutput(parent.request_id, text, ids,
                               [CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs)
                                for c in parent.children], parent.num_cached_tokens,
-                              parent.children[0].prompt_logprobs)
+                              parent.children[0].prompt_logprobs, parent.children[0].kv_transfer_params)
                 for parent, text, ids in parents]
 
     def chat(

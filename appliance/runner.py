@@ -12,8 +12,9 @@ imports it.
 
 from __future__ import annotations
 
-import importlib.util
 import dataclasses
+import importlib.util
+import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -214,27 +215,51 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
 
 def _kv_connector(deployment: Deployment, runner: Any) -> Optional[tuple[Any, Any]]:
     """The KV connector's (scheduler side, worker side) (``kv_transfer``), or
-    None: an offload tier in a folder of its own per model and KV layout
-    (validation keeps it to one rank in this process, so ``runner`` is the
-    ModelRunner whose caches it fills)."""
+    None: an offload tier in a folder of its own per model and KV layout, or
+    disaggregated prefill's ZeroMQ/TCP transfers between engines of one KV
+    layout (validation keeps both to one rank in this process, so ``runner``
+    is the ModelRunner whose caches they fill)."""
     kt, cfg = deployment.cfg.kv_transfer, deployment.cfg
     if kt.connector is None:
         return None
+    layout = _kv_layout(deployment, runner.kv_caches)
+    if kt.connector == "p2p":
+        from appliance.engine.kv_connector import layout_key
+        from appliance.engine.kv_p2p import P2PConnector
+        from appliance.worker.kv_p2p import P2PWorker
+
+        p, engine_id = kt.p2p, uuid.uuid4().hex
+        try:
+            worker = P2PWorker(kt.role, engine_id, layout_key(layout), p.bind_host, p.port, p.timeout_s)
+        except OSError as e:
+            raise ConfigError(str(e)) from None
+        return P2PConnector(kt.role, engine_id, p.host or p.bind_host, p.port, cfg.cache.block_size,
+                            p.timeout_s), worker
     from appliance.engine.kv_connector import OffloadConnector, tier_folder
     from appliance.models.loader import cache_dir
     from appliance.worker.kv_offload import OffloadWorker
 
-    caches = runner.kv_caches
-    layout = {"model": dataclasses.asdict(cfg.model), "quantization": dataclasses.asdict(cfg.quantization),
-              "dtype": deployment.execution.dtype, "kv_dtype": str(caches[0].dtype),
-              "block": list(caches[0][:, 0].shape), "layers": len(caches),
-              "hash": cfg.cache.prefix_caching_hash_algo}
-    folder = tier_folder(kt.offload.path or str(cache_dir().parent / "kv_offload"), layout)
+    folder = tier_folder(kt.offload.path or str(cache_dir().parent / "kv_offload"),
+                         {**layout, "hash": cfg.cache.prefix_caching_hash_algo})
     try:
         worker = OffloadWorker(folder, int(kt.offload.max_gib * (1 << 30)))
     except OSError as e:
         raise ConfigError(f"kv_transfer.offload.path: the tier's folder {folder} cannot be used: {e}") from None
     return OffloadConnector(folder, cfg.cache.block_size), worker
+
+
+# Model keys that change neither K/V values nor their layout: engines that differ only in these share KV.
+_KV_NEUTRAL_MODEL_KEYS = ("name", "param_count_b", "max_model_len")
+
+
+def _kv_layout(deployment: Deployment, caches: list) -> dict[str, Any]:
+    """What a block's K/V depend on: the model and its weights' precision,
+    the activations' dtype, and the block's shape and dtype in the cache."""
+    cfg = deployment.cfg
+    model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in _KV_NEUTRAL_MODEL_KEYS}
+    return {"model": model, "quantization": dataclasses.asdict(cfg.quantization),
+            "dtype": deployment.execution.dtype, "kv_dtype": str(caches[0].dtype),
+            "block": list(caches[0][:, 0].shape), "layers": len(caches)}
 
 
 def _kv_event_publisher(deployment: Deployment) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json as _json
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 # What torch.Generator.manual_seed takes.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -101,6 +101,9 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # vLLM's kv_transfer_params, for a KV connector (engine/kv_p2p.py): {"do_remote_decode": true} asks a
+    # producer to hold the prefill's KV for a consumer; what the producer returned asks a consumer to fetch it
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

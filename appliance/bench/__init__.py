@@ -17,6 +17,7 @@ KINDS = {
     "moe": "appliance.bench.moe",
     "perplexity": "appliance.bench.perplexity",
     "offload": "appliance.bench.offload",
+    "pd": "appliance.bench.pd",
 }
 
 

@@ -357,13 +357,26 @@ class KVOffloadConfig:
 
 
 @dataclass
+class KVP2PConfig:
+    # Disaggregated prefill over ZeroMQ/TCP (connector p2p). A producer listens on bind_host:port and tells
+    # consumers to fetch from host:port (null: bind_host); it holds a finished prefill's blocks for timeout_s
+    # (freed once fetched), and a consumer gives up on a fetch after timeout_s (and computes the prompt).
+    host: Optional[str] = None
+    bind_host: str = "127.0.0.1"
+    port: int = 14579
+    timeout_s: float = 120.0
+
+
+@dataclass
 class KVTransferConfig:
-    # A KV connector (vLLM V1's two-sided interface): null for none, or "offload" (full blocks saved to a
-    # second tier keyed by block hash as they fill; a prefix found there loads instead of recomputing).
+    # A KV connector (vLLM V1's two-sided interface): null for none; "offload" (full blocks saved to a
+    # second tier keyed by block hash as they fill; a prefix found there loads instead of recomputing); or
+    # "p2p" (disaggregated prefill: a producer's finished prefill is fetched by a consumer, which decodes).
     # role: producer | consumer | both (disaggregated prefill's roles; an offload tier is both).
     connector: Optional[str] = None
     role: str = "both"
     offload: KVOffloadConfig = field(default_factory=KVOffloadConfig)
+    p2p: KVP2PConfig = field(default_factory=KVP2PConfig)
 
 
 @dataclass
@@ -372,8 +385,11 @@ class RouterConfig:
     # round_robin | least_load (their /metrics) | kv_aware (their KV events, kv_events: one ZeroMQ endpoint
     # per instance, in order; where an instance holds kv_match_threshold of a prompt, a cached prefix of
     # kv_load_weight tokens outweighs one request in flight; below it, new prefixes go where least is cached).
+    # pd: disaggregated prefill, each prompt prefilled on one of prefill_instances (kv_transfer=p2p producers),
+    # then decoded by one of instances (consumers) that fetches its KV.
     policy: str = "round_robin"
     instances: list[str] = field(default_factory=list)
+    prefill_instances: list[str] = field(default_factory=list)
     kv_events: list[str] = field(default_factory=list)
     kv_load_weight: float = 256.0
     kv_match_threshold: float = 0.5

@@ -7,6 +7,8 @@ compose time, through the typed schema.
 
 from __future__ import annotations
 
+import dataclasses
+
 from appliance.config.execution import choose_dtype
 from appliance.config.plan import GIB, activation_bytes, kv_bytes_per_token, max_model_len, weight_bytes
 from appliance.config.checkpoint import MOE_KEYS
@@ -175,8 +177,8 @@ def _kv_events_problems(cfg: ApplianceConfig) -> list[str]:
     return problems
 
 
-KV_CONNECTORS = ("offload",)  # built
-KV_CONNECTORS_UNBUILT = ("p2p", "nixl")  # disaggregated prefill's transports
+KV_CONNECTORS = ("offload", "p2p")  # built
+KV_CONNECTORS_UNBUILT = ("nixl",)  # disaggregated prefill over NIXL (GPU memory)
 
 
 def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
@@ -186,10 +188,7 @@ def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
         defaults = KVTransferConfig()
         if kt.role != defaults.role:
             problems.append(f"kv_transfer.role={kt.role} has no effect without a connector (kv_transfer.connector)")
-        for key in ("path", "max_gib"):
-            if getattr(kt.offload, key) != getattr(defaults.offload, key):
-                problems.append(f"kv_transfer.offload.{key}={getattr(kt.offload, key)} has no effect without "
-                                f"kv_transfer.connector=offload")
+        problems += _unused_keys(kt, defaults, ("offload", "p2p"))
         return problems
     if kt.connector in KV_CONNECTORS_UNBUILT:
         problems.append(f"kv_transfer.connector={kt.connector} (disaggregated prefill) is not built yet; "
@@ -200,38 +199,72 @@ def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
         return problems
     if kt.role not in ("producer", "consumer", "both"):
         problems.append(f"kv_transfer.role={kt.role} must be producer, consumer or both")
-    elif kt.role != "both":
-        problems.append(f"kv_transfer.role={kt.role}: an offload tier saves and loads (role both); the producer "
-                        f"and consumer roles of disaggregated prefill are not built yet")
-    if not kt.offload.max_gib > 0:
-        problems.append(f"kv_transfer.offload.max_gib={kt.offload.max_gib} must be positive")
-    if not cfg.cache.enable_prefix_caching:
-        problems.append("kv_transfer.connector=offload keys blocks by their prefix hashes; it needs "
-                        "cache.enable_prefix_caching=true")
-    if cfg.cache.prefix_caching_hash_algo == "builtin":
-        problems.append("kv_transfer.connector=offload needs hashes that stay the same across processes "
-                        "(cache.prefix_caching_hash_algo=sha256 or sha256_cbor); builtin hashes change per process")
+    defaults = KVTransferConfig()
+    problems += _unused_keys(kt, defaults, tuple(c for c in ("offload", "p2p") if c != kt.connector))
+    if kt.connector == "offload":
+        if kt.role != "both":
+            problems.append(f"kv_transfer.role={kt.role}: an offload tier saves and loads (role both); producer and "
+                            f"consumer are disaggregated prefill's roles (kv_transfer.connector=p2p)")
+        if not kt.offload.max_gib > 0:
+            problems.append(f"kv_transfer.offload.max_gib={kt.offload.max_gib} must be positive")
+        if not cfg.cache.enable_prefix_caching:
+            problems.append("kv_transfer.connector=offload keys blocks by their prefix hashes; it needs "
+                            "cache.enable_prefix_caching=true")
+        if cfg.cache.prefix_caching_hash_algo == "builtin":
+            problems.append("kv_transfer.connector=offload needs hashes that stay the same across processes "
+                            "(cache.prefix_caching_hash_algo=sha256 or sha256_cbor); builtin hashes change per "
+                            "process")
+    else:
+        p2p = kt.p2p
+        if not 0 < p2p.port < 65536:
+            problems.append(f"kv_transfer.p2p.port={p2p.port} must be a TCP port (1..65535)")
+        if not p2p.timeout_s > 0:
+            problems.append(f"kv_transfer.p2p.timeout_s={p2p.timeout_s} must be positive")
+        for key in ("host", "bind_host"):
+            v = getattr(p2p, key)
+            if v is not None and (not v or any(c in v for c in "/ ")):
+                problems.append(f"kv_transfer.p2p.{key}={v!r} must be a host name or address")
+        if kt.role == "consumer":  # a consumer only connects
+            for key in ("host", "bind_host", "port"):
+                if getattr(p2p, key) != getattr(defaults.p2p, key):
+                    problems.append(f"kv_transfer.p2p.{key}={getattr(p2p, key)} has no effect with "
+                                    f"kv_transfer.role=consumer (it fetches from the producers it is told of)")
     ranks = par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
     if ranks > 1 or par.executor in ("mp", "ray"):
-        problems.append(f"kv_transfer.connector=offload with {ranks} rank(s) on executor {par.executor} is not "
-                        f"built yet; it runs on one rank in the engine's process (parallel.executor=auto or uni)")
+        problems.append(f"kv_transfer.connector={kt.connector} with {ranks} rank(s) on executor {par.executor} is "
+                        f"not built yet; it runs on one rank in the engine's process (parallel.executor=auto or uni)")
     return problems
 
 
-ROUTER_POLICIES = ("round_robin", "least_load", "kv_aware")  # built
+def _unused_keys(kt: KVTransferConfig, defaults: KVTransferConfig, groups: tuple[str, ...]) -> list[str]:
+    """Keys of connectors other than the configured one, set away from their defaults."""
+    problems = []
+    for group in groups:
+        ours, default = getattr(kt, group), getattr(defaults, group)
+        for key in dataclasses.asdict(default):
+            if getattr(ours, key) != getattr(default, key):
+                problems.append(f"kv_transfer.{group}.{key}={getattr(ours, key)} has no effect without "
+                                f"kv_transfer.connector={group}")
+    return problems
+
+
+ROUTER_POLICIES = ("round_robin", "least_load", "kv_aware", "pd")  # built
 
 
 def _router_problems(cfg: ApplianceConfig) -> list[str]:
     r = cfg.router
     problems = []
-    if r.policy == "pd":
-        problems.append("router.policy=pd (disaggregated prefill through the router) is not built yet; built: "
-                        + ", ".join(ROUTER_POLICIES))
-    elif r.policy not in ROUTER_POLICIES:
+    if r.policy not in ROUTER_POLICIES:
         problems.append(f"router.policy={r.policy} is unknown; built: {', '.join(ROUTER_POLICIES)}")
-    for u in r.instances:
-        if not str(u).startswith(("http://", "https://")):
-            problems.append(f"router.instances: {u} is not an http:// or https:// base URL")
+    for key in ("instances", "prefill_instances"):
+        for u in getattr(r, key):
+            if not str(u).startswith(("http://", "https://")):
+                problems.append(f"router.{key}: {u} is not an http:// or https:// base URL")
+    if r.policy == "pd" and r.instances and not r.prefill_instances:
+        problems.append("router.policy=pd needs router.prefill_instances: the producers' base URLs (instances with "
+                        "kv_transfer=p2p kv_transfer.role=producer); router.instances are the consumers")
+    if r.policy != "pd" and r.prefill_instances:
+        problems.append(f"router.prefill_instances has no effect with router.policy={r.policy}")
     if r.policy == "kv_aware" and r.instances and len(r.kv_events) != len(r.instances):
         problems.append(f"router.policy=kv_aware needs one KV events endpoint per instance (router.kv_events, in the "
                         f"order of router.instances): {len(r.kv_events)} for {len(r.instances)}")

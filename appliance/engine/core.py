@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union
 
 import msgspec
 
 from appliance.engine.detokenizer import IncrementalDetokenizer
+from appliance.engine.kv_p2p import kv_transfer_problem
 from appliance.engine.request import Request, RequestStatus
 from appliance.engine.scheduler import Scheduler, SchedulerOutput
 from appliance.engine.token_budget import TokenBudget, attention_pairs
@@ -55,6 +56,8 @@ class RequestOutputDelta(msgspec.Struct):
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     queue_time: Optional[float] = None  # on the first delta with tokens: seconds waiting before first scheduled
+    # on the last delta, when a KV connector holds the request's KV for a peer: what the peer needs to fetch it
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 class StepStats(msgspec.Struct):
@@ -213,6 +216,11 @@ class EngineCore:
     ) -> None:
         """Raises ValueError for a request the engine cannot run; nothing of it is kept."""
         self._check_token_ids(prompt_token_ids, params)
+        c = self.scheduler.connector
+        problem = kv_transfer_problem(params, c.name if c is not None else None, c.role if c is not None else "",
+                                      self.block_size)
+        if problem is not None:
+            raise ValueError(f"kv_transfer_params {problem}")
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
         )
@@ -250,7 +258,15 @@ class EngineCore:
             self._strikes.pop(req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or a KV connector's instructions that the next step hands over."""
+        c = self.scheduler.connector
+        return self.scheduler.has_unfinished_requests() or (c is not None and c.has_pending_meta)
+
+    def has_kv_transfers(self) -> bool:
+        """KV a connector is moving (loads in flight, blocks held for a peer):
+        an idle engine still steps now and then to learn when they end."""
+        c = self.scheduler.connector
+        return c is not None and c.has_transfers
 
     # -- what a host of the engine (the server's core process) reads and resets --
     @property
@@ -331,7 +347,9 @@ class EngineCore:
         if self.token_budget is not None and alone is None:
             self._observe_step(sched_out, time.perf_counter() - t0)
         if self.scheduler.connector is not None:
-            self.scheduler.connector.update_connector_output(getattr(runner_out, "kv_connector_output", None))
+            self.scheduler.update_from_connector_output(getattr(runner_out, "kv_connector_output", None))
+            if not sched_out.num_scheduled_tokens and self.scheduler.connector.has_transfers:
+                time.sleep(0.002)  # nothing runs until remote KV arrives: do not spin
         experts = getattr(runner_out, "expert_stats", None)
         if experts is not None:
             self._experts = experts
@@ -399,6 +417,7 @@ class EngineCore:
                 queue_time=(req.first_scheduled_time - req.arrival_time)
                 if u.new_token_ids and req.num_output_tokens == len(u.new_token_ids) and req.first_scheduled_time
                 else None,
+                kv_transfer_params=req.kv_transfer_params if u.finished else None,
             ))
         if failed:
             deltas += self._fail([r for r in failed.values() if r is not None])

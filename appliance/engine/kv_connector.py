@@ -47,19 +47,32 @@ class OffloadMetadata:
 
 @dataclass
 class KVConnectorOutput:
-    """What the worker side finished since it last reported: block hashes
-    now in the tier, and hashes it dropped (evicted, or unreadable)."""
+    """What the worker side finished since it last reported. An offload
+    tier: block hashes now in the tier, and hashes it dropped (evicted, or
+    unreadable). Disaggregated prefill: requests whose remote KV is now in
+    their blocks, requests whose remote KV could not be fetched (they
+    compute it themselves), and finished requests whose blocks a consumer
+    has fetched or stopped waiting for (their blocks may be freed)."""
 
     saved: list[bytes] = field(default_factory=list)
     dropped: list[bytes] = field(default_factory=list)
+    finished_recving: list[str] = field(default_factory=list)
+    failed_recving: list[str] = field(default_factory=list)
+    finished_sending: list[str] = field(default_factory=list)
+
+
+def layout_key(layout: dict[str, Any]) -> str:
+    """A short digest of a KV layout (the model's identity, its KV shape per
+    block, the cache dtype, ...): two engines exchange KV blocks only when
+    their keys are equal."""
+    return hashlib.sha256(json.dumps(layout, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def tier_folder(root: str, layout: dict[str, Any]) -> Path:
-    """The tier's folder for one model and KV layout (``layout``: the model's
-    identity, its KV shape per block, the cache dtype, the hash algorithm):
-    blocks of another layout never load into this one."""
-    key = hashlib.sha256(json.dumps(layout, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return Path(root).expanduser() / key
+    """The tier's folder for one model and KV layout (``layout_key``; with
+    the hash algorithm in ``layout``): blocks of another layout never load
+    into this one."""
+    return Path(root).expanduser() / layout_key(layout)
 
 
 def stored_hashes(folder: Path) -> list[bytes]:
@@ -78,6 +91,10 @@ def stored_hashes(folder: Path) -> list[bytes]:
 
 class OffloadConnector:
     """The offload tier's scheduler side (see the module docstring)."""
+
+    name, role = "offload", "both"
+    has_pending_meta = False  # its instructions go with the steps that need them
+    has_transfers = False  # nothing an idle engine must step for
 
     def __init__(self, folder: Path, block_size: int):
         self.folder, self.block_size = folder, block_size
@@ -159,7 +176,7 @@ class OffloadConnector:
                 self.pending.discard(h)
         self.first_loaded_block.clear()
 
-    def request_finished(self, request: Request) -> tuple[bool, Optional[dict]]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         """(whether the request's blocks must outlive it, what a peer needs
         to fetch them): an offload tier copies them out as they fill, so
         neither."""

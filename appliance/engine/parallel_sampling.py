@@ -44,6 +44,7 @@ class Child:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    kv_transfer_params: Optional[dict] = None  # from a KV connector, with the last delta
 
     def __post_init__(self) -> None:
         if self.logprobs is None and self.params.logprobs is not None:
@@ -62,6 +63,7 @@ class Child:
         if d.finished:
             self.finished = True
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+            self.kv_transfer_params = d.kv_transfer_params
 
 
 class ParentRequest:

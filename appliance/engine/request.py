@@ -12,12 +12,13 @@ from appliance.sampling_params import SamplingParams
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     WAITING_FOR_GRAMMAR = 1  # queued, but its output constraint is still compiling
-    RUNNING = 2
-    PREEMPTED = 3
+    WAITING_FOR_REMOTE_KVS = 2  # queued, holding blocks a KV connector is filling (engine/kv_p2p.py)
+    RUNNING = 3
+    PREEMPTED = 4
     # Everything after PREEMPTED is finished.
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH = 5
-    FINISHED_ABORTED = 6
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -77,6 +78,7 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: Any = None
         self.block_hashes: list[Any] = []  # one per full block, chained
+        self.kv_transfer_params: Optional[dict] = None  # what a KV connector returned as it finished (for a peer)
         self.first_scheduled_time: Optional[float] = None
         # the output constraint's state (``core.RequestGrammar``), None when unconstrained
         self.grammar = grammar

@@ -139,6 +139,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self._held: dict[str, Request] = {}  # finished requests whose blocks a KV connector still needs
 
     # ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -230,6 +231,9 @@ class Scheduler:
             req = self.waiting.peek()
             if req.request_id in barred:
                 break
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(self.waiting.pop())
+                continue
             if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 if not req.grammar.ready():
                     skipped.append(self.waiting.pop())
@@ -238,10 +242,15 @@ class Scheduler:
             if not self._has_seat() and not self._preempt_lower_priority(req, budget, self._has_seat):
                 break
             hits, num_hit_tokens = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
-            num_external = 0  # tokens past the pool's hits that the KV connector supplies
-            if self.connector is not None and req.num_computed_tokens == 0 and self.kv.enable_caching \
+            num_external, load_async = 0, False  # tokens past the pool's hits that the KV connector supplies
+            if self.connector is not None and req.num_computed_tokens == 0 \
                     and req.sampling_params.prompt_logprobs is None:
-                num_external, _ = self.connector.get_num_new_matched_tokens(req, num_hit_tokens)
+                num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_hit_tokens)
+            if load_async:
+                if not self._start_remote_load(req, hits, num_hit_tokens, num_external):
+                    break
+                skipped.append(self.waiting.pop())
+                continue
             num_local_hits, num_hit_tokens = num_hit_tokens, num_hit_tokens + num_external
             num_new = req.num_tokens - req.num_computed_tokens - num_hit_tokens
             if not self.enable_chunked_prefill and num_new > budget.tokens:
@@ -274,6 +283,54 @@ class Scheduler:
             barred.update(r.request_id for r in budget.preempted)
         for req in reversed(skipped):
             self.waiting.prepend(req)
+
+    def _start_remote_load(self, req: Request, hits: list, num_hit_tokens: int, num_external: int) -> bool:
+        """Blocks for the pool's hits and ``num_external`` tokens a KV
+        connector fills in the background: the request waits for them in
+        WAITING_FOR_REMOTE_KVS, taking nothing from this step's budget.
+        Their prefix-cache entries wait for the KV too. False when the pool
+        cannot fit them now."""
+        args = (req, num_external, num_hit_tokens, hits)
+        if not self.kv.can_allocate(*args):
+            return False
+        self.kv.allocate_slots(*args, delay_cache_blocks=True)
+        self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), num_hit_tokens,
+                                                num_external)
+        req.num_computed_tokens = num_hit_tokens
+        req.num_cached_tokens = num_hit_tokens + num_external
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        return True
+
+    def update_from_connector_output(self, output: Any) -> None:
+        """What the KV connector's worker side finished: a request whose
+        remote KV arrived is waiting to run its last prompt token; one whose
+        load failed gives its blocks back and computes its prompt; a
+        finished request's blocks a connector held are freed."""
+        if self.connector is None:
+            return
+        if output is not None:
+            for rid in getattr(output, "finished_recving", ()):
+                req = self.requests.get(rid)
+                if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    req.num_computed_tokens = self.connector.recving[rid]
+                    req.status = RequestStatus.WAITING
+                self._release(rid)
+            for rid in getattr(output, "failed_recving", ()):
+                req = self.requests.get(rid)
+                if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    self.kv.free(req)
+                    req.num_computed_tokens, req.num_cached_tokens = 0, -1
+                    req.status = RequestStatus.WAITING
+                self._release(rid)
+            for rid in getattr(output, "finished_sending", ()):
+                self._release(rid)
+        self.connector.update_connector_output(output)
+
+    def _release(self, rid: str) -> None:
+        """Free a finished request's blocks that a KV connector held."""
+        req = self._held.pop(rid, None)
+        if req is not None:
+            self.kv.free(req)
 
     def _lookahead(self, req: Request, num_new: int) -> int:
         """Slots reserved past this step's tokens (for a draft model's KV), never past max_model_len."""
@@ -380,8 +437,12 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        held = False
         if self.connector is not None:
-            self.connector.request_finished(req)  # an offload tier never delays the free
-        self.kv.free(req)
+            held, req.kv_transfer_params = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
+        if held:
+            self._held[req.request_id] = req
+        else:
+            self.kv.free(req)
         self.finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]

@@ -17,7 +17,7 @@ from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
-from appliance.sampling_params import StructuredOutputsParams
+from appliance.sampling_params import SamplingParams, StructuredOutputsParams
 from appliance.version import __version__
 from appliance.server.auth import match_key, tenant_salt
 from appliance.server.client import EngineDeadError
@@ -27,6 +27,7 @@ from appliance.server.protocol import (
     DATA_PARALLEL_RANK_HEADER,
     GenerationRequest,
     OpenAIError,
+    check_kv_transfer,
     typed,
     common_extensions,
     data_parallel_rank,
@@ -151,6 +152,11 @@ def _sse_stream(events: AsyncIterator[str]) -> Stream:
     return Stream(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+def _check_kv_transfer(st: ServerState, params: SamplingParams, stream: bool, num_prompts: int) -> None:
+    kt = st.cfg.kv_transfer
+    check_kv_transfer(params, stream, num_prompts, kt.connector, kt.role, st.cfg.cache.block_size)
+
+
 # -- endpoints ---------------------------------------------------------------------
 @post("/v1/completions", status_code=200)
 async def completions(request: Request) -> Response:
@@ -167,6 +173,7 @@ async def completions(request: Request) -> Response:
     prompts, texts = await tokenize(st, completion_prompts, body, chat=False)
     for ids in prompts:
         check_length(st, len(ids), params, "prompt")
+    _check_kv_transfer(st, params, stream, len(prompts))
     g = GenerationRequest(prompts, texts, params, stream, include_usage, priority, salt, echo, lp_mode,
                           body.get("prompt_logprobs") is not None, _pinned_rank(request, st, body))
     gen = Generation(st, g, new_id("cmpl"), "n" if len(prompts) == 1 else "prompt")
@@ -190,6 +197,7 @@ async def chat_completions(request: Request) -> Response:
     priority, salt = common_extensions(body)
     ids, text = await tokenize(st, chat_prompt, body, True, tools.tools if tools is not None else None)
     check_length(st, len(ids), params, "messages")
+    _check_kv_transfer(st, params, stream, 1)
     g = GenerationRequest([ids], [text], params, stream, include_usage, priority, salt, False, lp_mode,
                           body.get("prompt_logprobs") is not None, _pinned_rank(request, st, body))
     gen = Generation(st, g, new_id("chatcmpl"))

@@ -162,5 +162,9 @@ def _loop(engine: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
         if local:
             deltas = engine.step()
             push.send(encode(Outputs(deltas, engine.last_stats)))
+        elif engine.has_kv_transfers():  # learn when KV a connector moves arrives or is released (every idle_ms)
+            engine.step()
+            if changed:
+                push.send(encode(Outputs([], engine.stats(0))))
         elif changed:
             push.send(encode(Outputs([], engine.stats(0))))

@@ -24,6 +24,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
+from appliance.engine.kv_p2p import kv_transfer_problem
 from appliance.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -341,10 +342,29 @@ def sampling_from_body(body: dict, *, chat: bool, vocab_size: int) -> tuple[Samp
             logprobs=n_lp,
             prompt_logprobs=n_prompt_lp,
             skip_special_tokens=typed(body, "skip_special_tokens", (bool,), True),
+            kv_transfer_params=typed(body, "kv_transfer_params", (dict,)) or None,
         )
     except SamplingParamsError as e:
         raise OpenAIError(400, str(e), param=e.param) from None
     return params, logprobs_mode
+
+
+def check_kv_transfer(params: SamplingParams, stream: bool, num_prompts: int, connector: Optional[str], role: str,
+                      block_size: int) -> None:
+    """400 for ``kv_transfer_params`` this server cannot act on (see
+    ``engine/kv_p2p.py``): no or another KV connector, the other role, a
+    malformed producer answer, more than one sequence; a producer's answer
+    comes in a whole response, not a stream."""
+    p = params.kv_transfer_params
+    if p is None:
+        return
+    problem = kv_transfer_problem(params, connector, role, block_size)
+    if problem is None and num_prompts != 1:
+        problem = "takes one prompt per request"
+    if problem is None and stream and p.get("do_remote_decode"):
+        problem = "do_remote_decode: the KV's whereabouts come with the whole response ('stream': false)"
+    if problem is not None:
+        raise OpenAIError(400, f"'kv_transfer_params' {problem}", param="kv_transfer_params")
 
 
 def stream_options(body: dict) -> tuple[bool, bool]:

@@ -97,6 +97,13 @@ def echo_logprobs(tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int],
     return out
 
 
+def _kv_transfer(g: GenerationRequest, children: list[Child]) -> dict:
+    """vLLM's top-level ``kv_transfer_params`` of a response to a request
+    that carried them: a producer's says where the prompt's KV is (null when
+    it holds none, e.g. the request was cut)."""
+    return {"kv_transfer_params": children[0].kv_transfer_params} if g.params.kv_transfer_params is not None else {}
+
+
 def _head(st: ServerState, gen: Generation, obj: str, created: int) -> dict[str, Union[str, int]]:
     return {"id": gen.request_id, "object": obj, "created": created, "model": st.model_name}
 
@@ -131,6 +138,7 @@ def completion_body(st: ServerState, gen: Generation, created: int, children: li
         "choices": choices,
         "usage": usage(prompt_tokens, sum(c.num_output_tokens for c in children),
                        sum(c.num_cached_tokens for c in children)),
+        **_kv_transfer(g, children),
     }
 
 
@@ -221,7 +229,7 @@ def chat_body(st: ServerState, gen: Generation, created: int, children: list[Chi
     }
     if gen.request.prompt_logprobs:  # the children share the prompt
         body["prompt_logprobs"] = format_prompt_logprobs(st.tokenizer, children[0].prompt_logprobs)
-    return body
+    return {**body, **_kv_transfer(gen.request, children)}
 
 
 def _chat_deltas(text: str, finished: bool, stream: Optional[ToolCallStream]) -> list[dict]:

@@ -21,7 +21,17 @@ or whole) comes back unchanged:
   system prompt matches) the request goes where the fewest blocks are
   cached, so new prefixes spread over the instances. Nothing needs the
   instances' hash function or cache salts: a tenant-salted chain simply
-  does not match.
+  does not match;
+- ``pd`` (disaggregated prefill, 1P1D and beyond): the prompt is first
+  prefilled on one of ``router.prefill_instances`` (producers,
+  ``kv_transfer=p2p``) with ``max_tokens=1`` and ``kv_transfer_params:
+  {"do_remote_decode": true}``, not streamed; the request then goes, with
+  the ``kv_transfer_params`` the producer answered, to one of
+  ``router.instances`` (consumers), which fetches the prompt's KV, runs its
+  last token and decodes, streamed or whole as the client asked. Both sides
+  are taken in turn. A request that cannot be split (several prompts or
+  sequences, prompt logprobs, its own ``kv_transfer_params``) or whose
+  prefill fails goes to a consumer whole, which computes the prompt itself.
 
 Every instance's ``/health`` is polled every ``health_interval_s``; one
 that fails it, or refuses a connection, gets no requests until it answers
@@ -46,7 +56,7 @@ from litestar.response import Stream
 
 log = logging.getLogger("appliance.router")
 
-POLICIES = ("round_robin", "least_load", "kv_aware")
+POLICIES = ("round_robin", "least_load", "kv_aware", "pd")
 FORWARDED_HEADERS = ("authorization", "x-request-id", "x-data-parallel-rank")
 
 
@@ -171,12 +181,17 @@ class Router:
 
     def __init__(self, instances: list[str], policy: str, tokenizer: Any = None, kv_events: Optional[list[str]] = None,
                  kv_load_weight: float = 256.0, health_interval_s: float = 2.0, request_timeout_s: float = 600.0,
-                 kv_events_topic: str = "", kv_match_threshold: float = 0.5):
+                 kv_events_topic: str = "", kv_match_threshold: float = 0.5,
+                 prefill_instances: Optional[list[str]] = None):
         if policy not in POLICIES:
             raise ValueError(f"router.policy={policy} is not built; built: {', '.join(POLICIES)}")
         if not instances:
             raise ValueError("router.instances is empty: give the instances' base URLs")
         self.instances = [Instance(u.rstrip("/")) for u in instances]
+        self.prefill = [Instance(u.rstrip("/")) for u in prefill_instances or ()]
+        if (policy == "pd") != bool(self.prefill):
+            raise ValueError("router.prefill_instances: the producers' base URLs, with router.policy=pd only")
+        self._rr_prefill = itertools.count()
         self.policy, self.tokenizer, self.kv_load_weight = policy, tokenizer, kv_load_weight
         self.kv_match_threshold = kv_match_threshold
         self.health_interval_s, self.request_timeout_s = health_interval_s, request_timeout_s
@@ -227,7 +242,7 @@ class Router:
                 log.warning("instance %s is %s", inst.url, "healthy again" if healthy else "unhealthy")
             inst.healthy = healthy
 
-        await asyncio.gather(*(one(i) for i in self.instances))
+        await asyncio.gather(*(one(i) for i in self.instances + self.prefill))
 
     # -- choosing -------------------------------------------------------------------
     def prompt_tokens(self, path: str, body: dict) -> list[int]:
@@ -261,6 +276,8 @@ class Router:
     # -- proxying -----------------------------------------------------------------
     async def forward(self, path: str, body: dict, headers: dict) -> tuple[int, dict, Any]:
         """(status, headers, content): bytes, or an async iterator of bytes for a stream."""
+        if self.policy == "pd":
+            body = await self._prefill_first(path, body, headers)
         tokens = None
         if self.policy == "kv_aware":
             try:
@@ -298,6 +315,54 @@ class Router:
                 inst.in_flight -= 1
             return resp.status_code, out_headers, content
 
+    async def _prefill_first(self, path: str, body: dict, headers: dict) -> dict:
+        """``pd``: the prompt's prefill on a producer; the body for a consumer
+        (with the producer's ``kv_transfer_params``, or unchanged when the
+        request cannot be split or no producer did the prefill)."""
+        prompt = body.get("prompt")
+        several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list)) and len(prompt) > 1
+        if several or body.get("n") not in (None, 1) or body.get("prompt_logprobs") is not None \
+                or "kv_transfer_params" in body:
+            return body
+        pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
+        pre.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        if "max_completion_tokens" in pre:
+            pre["max_completion_tokens"] = 1
+        fwd = {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
+        tried: set[str] = set()
+        while True:
+            live = [i for i in self.prefill if i.healthy and i.url not in tried]
+            if not live:
+                log.warning("no producer could prefill; a consumer computes the prompt")
+                return body
+            start = next(self._rr_prefill) % len(live)
+            inst = min(live[start:] + live[:start], key=lambda i: i.in_flight)  # in turn among the least busy
+            tried.add(inst.url)
+            inst.in_flight += 1
+            try:
+                resp = await self.client.post(f"{inst.url}{path}", json=pre, headers=fwd)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                inst.healthy = False
+                log.warning("producer %s refused a prefill (%s); trying another", inst.url, e)
+                continue
+            except httpx.HTTPError as e:
+                log.warning("producer %s failed a prefill (%s); a consumer computes the prompt", inst.url, e)
+                return body
+            finally:
+                inst.in_flight -= 1
+            inst.requests += 1
+            params = None
+            if resp.status_code == 200:
+                try:
+                    params = resp.json().get("kv_transfer_params")
+                except ValueError:
+                    pass
+            if isinstance(params, dict):
+                return {**body, "kv_transfer_params": params}
+            # a bad request is refused again, with the right error, by the consumer
+            log.info("producer %s answered %d without KV; a consumer computes the prompt", inst.url, resp.status_code)
+            return body
+
     @staticmethod
     async def _relay(inst: Instance, resp: httpx.Response) -> AsyncIterator[bytes]:
         try:
@@ -309,13 +374,14 @@ class Router:
 
     def metrics_text(self) -> str:
         lines = ["# TYPE appliance_router_requests counter"]
-        for i in self.instances:
+        every = self.instances + self.prefill
+        for i in every:
             lines.append(f'appliance_router_requests_total{{instance="{i.url}",policy="{self.policy}"}} {i.requests}')
         lines.append("# TYPE appliance_router_instance_healthy gauge")
-        for i in self.instances:
+        for i in every:
             lines.append(f'appliance_router_instance_healthy{{instance="{i.url}"}} {int(i.healthy)}')
         lines.append("# TYPE appliance_router_in_flight gauge")
-        for i in self.instances:
+        for i in every:
             lines.append(f'appliance_router_in_flight{{instance="{i.url}"}} {i.in_flight}')
         return "\n".join(lines) + "\n"
 
@@ -381,7 +447,8 @@ def route_forever(cfg: Any) -> int:
 
         tokenizer = load_tokenizer(cfg.model, cfg.quantization.method)
     router = Router(list(r.instances), r.policy, tokenizer, list(r.kv_events), r.kv_load_weight,
-                    r.health_interval_s, r.request_timeout_s, cfg.kv_events.topic, r.kv_match_threshold)
+                    r.health_interval_s, r.request_timeout_s, cfg.kv_events.topic, r.kv_match_threshold,
+                    list(r.prefill_instances))
     print(f"routing {len(router.instances)} instance(s) by {r.policy} on http://{r.host}:{r.port}")
     uvicorn.run(build_app(router), host=r.host, port=r.port, log_level="warning")
     return 0

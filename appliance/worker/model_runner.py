@@ -136,7 +136,7 @@ class ModelRunner:
         # Decided here; the native forward itself is built at the first step, so it
         # sees the weights as they are then (quantized, or edited after construction).
         self.uses_native_forward = runs_native_forward(backend, model)
-        self.kv_connector: Any = None  # a KV connector's worker side (worker/kv_offload.py), set by the runner
+        self.kv_connector: Any = None  # a KV connector's worker side (worker/kv_offload.py, kv_p2p.py), set by the runner
         self._native: Any = None
         self._native_rope: Any = None  # the model's rope tables the native forward was built with
 
@@ -225,12 +225,12 @@ class ModelRunner:
         self._update_states(so)
         out = RunnerOutput()
         connector = self.kv_connector
+        if connector is not None:  # blocks the scheduler gave to a connector's tokens, filled before any layer runs
+            connector.start_load_kv(so.kv_connector_metadata, self.kv_caches)
         if not so.num_scheduled_tokens:
             if connector is not None:
                 out.kv_connector_output = connector.get_finished()
             return out
-        if connector is not None:  # blocks the scheduler gave to a connector's tokens, filled before any layer runs
-            connector.start_load_kv(so.kv_connector_metadata, self.kv_caches)
         rids = list(so.num_scheduled_tokens)
         n_reqs = len(rids)
         states = [self.requests[r] for r in rids]

@@ -94,6 +94,15 @@ def test_offload(out, cli):
     assert (out / "offload.png").stat().st_size > 0
 
 
+def test_pd(out, cli):
+    r = cli("bench", "pd", "--prompt-len", "40", "--repeat", "1", "--out", str(out), *TINY)
+    assert r.returncode == 0, r.stderr
+    res = load(out, "pd")
+    assert res["fetched_tokens"] == 39  # all of the prompt but its last token
+    assert set(res["median_ms"]) == {"colocated", "producer", "consumer"}
+    assert (out / "pd.png").stat().st_size > 0
+
+
 def test_serve_starts_its_own_server(out, cli):
     r = cli("bench", "serve", "--max-concurrency", "1,3", "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
             "--out", str(out), *TINY)

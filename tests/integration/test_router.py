@@ -1,9 +1,10 @@
 """`appliance route` over two appliance instances on loopback: a multi-turn
 chat workload's prefix-cache hit rate under kv_aware against one instance
 serving everything and against round_robin, answers unchanged through the
-router (whole and streamed), and an instance that dies taken out of the
-rotation."""
+router (whole and streamed), an instance that dies taken out of the
+rotation, and disaggregated prefill (pd) between a producer and a consumer."""
 
+import json
 import os
 import subprocess
 import sys
@@ -121,6 +122,46 @@ def test_answers_pass_through_and_a_dead_instance_leaves_the_rotation(instances)
         if router is not None:
             router.stop()
         extra.stop()
+
+
+def test_pd_prefills_on_the_producer_and_decodes_on_the_consumer(instances):
+    """1P1D through the router: the consumer fetches the producer's KV (all
+    of the prompt but its last token counts as cached there) and answers as
+    an instance that did everything, whole and streamed."""
+    plain = instances[0][0]
+    producer = ServerProcess(*TINY, "kv_transfer=p2p", "kv_transfer.role=producer",
+                             f"kv_transfer.p2p.port={free_port()}")
+    consumer = router = None
+    try:
+        consumer = ServerProcess(*TINY, "kv_transfer=p2p", "kv_transfer.role=consumer")
+        router = RouterProcess("router.policy=pd", f"router.instances=[{consumer.url}]",
+                               f"router.prefill_instances=[{producer.url}]")
+        body = {"model": "tiny-random-llama", "prompt": " ".join(f"w{i}" for i in range(150)), "max_tokens": 6,
+                "temperature": 0, "ignore_eos": True}
+        direct = httpx.post(f"{plain.url}/v1/completions", json=body, timeout=60).json()
+        routed = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).json()
+        assert routed["choices"][0]["text"] == direct["choices"][0]["text"]
+        usage = routed["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+        assert routed["kv_transfer_params"] is None  # the consumer holds nothing for anyone
+        with httpx.stream("POST", f"{router.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == direct["choices"][0]["text"]
+        counts = httpx.get(f"{router.url}/metrics").text
+        assert metric(counts, "appliance_router_requests_total", instance=producer.url) == 2
+        # the producer's own answer carries the KV's whereabouts; a consumer's refusal of a bad one is a 400
+        own = httpx.post(f"{producer.url}/v1/completions",
+                         json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
+        assert own["kv_transfer_params"]["remote_num_tokens"] == usage["prompt_tokens"]
+        bad = httpx.post(f"{consumer.url}/v1/completions",
+                         json={**body, "kv_transfer_params": {"do_remote_prefill": True, "remote_port": "x"}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_transfer_params"
+        assert httpx.post(f"{plain.url}/v1/completions",
+                          json={**body, "kv_transfer_params": {"do_remote_decode": True}}).status_code == 400
+    finally:
+        for s in (router, consumer, producer):
+            if s is not None:
+                s.stop()
 
 
 def test_route_needs_instances():

@@ -88,9 +88,12 @@ def test_compose_file_is_consistent():
     base = REPO / "docker"
     compose = yaml.safe_load((base / "compose.yaml").read_text())
     services = compose["services"]
-    assert set(services) == {"appliance", "prometheus", "grafana", "instance-a", "instance-b", "router"}
+    assert set(services) == {"appliance", "prometheus", "grafana", "instance-a", "instance-b", "router", "prefill",
+                             "decode", "pd-router"}
     fleet = {n for n, svc in services.items() if svc.get("profiles") == ["fleet"]}
     assert fleet == {"instance-a", "instance-b", "router"}  # optional: `--profile fleet`
+    pd = {n for n, svc in services.items() if svc.get("profiles") == ["pd"]}
+    assert pd == {"prefill", "decode", "pd-router"}  # optional: `--profile pd`
     app = services["appliance"]
     assert (base / app["build"]["context"] / app["build"]["dockerfile"]).exists()
     target = app["build"]["target"].split(":-")[-1].rstrip("}")
@@ -117,6 +120,13 @@ def test_compose_file_is_consistent():
         name = url.split("//")[1].split(":")[0]
         assert name in services and endpoint.startswith(f"tcp://{name}:")
         assert "kv_events=zmq" in services[name]["environment"]["APPLIANCE_OVERRIDES"]
+    # the pd router's producers and consumers are the pd services, each resolving with its role
+    cfg = resolve(["+profile=cpu", *services["pd-router"]["command"][1:]]).cfg
+    assert cfg.router.policy == "pd"
+    for urls, role in ((cfg.router.prefill_instances, "producer"), (cfg.router.instances, "consumer")):
+        (name,) = [u.split("//")[1].split(":")[0] for u in urls]
+        overrides = services[name]["environment"]["APPLIANCE_OVERRIDES"].split(" $")[0].split()
+        assert resolve(["+profile=cpu", *overrides]).cfg.kv_transfer.role == role
     prom = yaml.safe_load((base / "prometheus.yml").read_text())
     assert prom["scrape_configs"][0]["static_configs"][0]["targets"] == ["appliance:8000"]
 

@@ -108,7 +108,9 @@ def test_an_unreadable_block_is_dropped_and_its_request_recomputed(tmp_path):
 @pytest.mark.parametrize("extra,message", [
     (["kv_transfer.connector=nixl"], "kv_transfer.connector=nixl (disaggregated prefill) is not built yet"),
     (["kv_transfer=offload", "kv_transfer.role=producer"],
-     "the producer and consumer roles of disaggregated prefill are not built yet"),
+     "an offload tier saves and loads (role both); producer and consumer are disaggregated prefill's roles"),
+    (["kv_transfer=offload", "kv_transfer.p2p.port=9000"], "kv_transfer.p2p.port=9000 has no effect without "
+                                                           "kv_transfer.connector=p2p"),
     (["kv_transfer=offload", "kv_transfer.offload.max_gib=0"], "kv_transfer.offload.max_gib=0.0 must be positive"),
     (["kv_transfer=offload", "cache.prefix_caching_hash_algo=builtin"], "builtin hashes change per process"),
     (["kv_transfer=offload", "cache.enable_prefix_caching=false"], "it needs cache.enable_prefix_caching=true"),

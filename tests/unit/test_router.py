@@ -2,6 +2,10 @@
 KV events, the load read from /metrics, each policy's choice, and the
 config's refusals. Instances on loopback: tests/integration/test_router.py."""
 
+import asyncio
+import json
+
+import httpx
 import pytest
 
 from appliance.config.compose import resolve
@@ -69,13 +73,20 @@ def test_a_router_needs_instances_and_a_built_policy():
     with pytest.raises(ValueError, match="router.instances is empty"):
         Router([], "round_robin")
     with pytest.raises(ValueError, match="is not built"):
+        Router(["http://a"], "random")
+    with pytest.raises(ValueError, match="router.prefill_instances: the producers' base URLs"):
         Router(["http://a"], "pd")
+    with pytest.raises(ValueError, match="with router.policy=pd only"):
+        Router(["http://a"], "round_robin", prefill_instances=["http://p"])
     with pytest.raises(ValueError, match="needs router.kv_events"):
         Router(["http://a", "http://b"], "kv_aware", kv_events=["tcp://127.0.0.1:1"])
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["router.policy=pd"], "router.policy=pd (disaggregated prefill through the router) is not built yet"),
+    (["router.policy=pd", "router.instances=[http://a:1]"], "router.policy=pd needs router.prefill_instances"),
+    (["router.prefill_instances=[http://p:1]"], "router.prefill_instances has no effect with router.policy=round_robin"),
+    (["router.policy=pd", "router.instances=[http://a:1]", "router.prefill_instances=[p:1]"],
+     "router.prefill_instances: p:1 is not an http:// or https:// base URL"),
     (["router.policy=random"], "router.policy=random is unknown"),
     (["router.instances=[localhost:8000]"], "is not an http:// or https:// base URL"),
     (["router.policy=kv_aware", "router.instances=[http://a:1,http://b:2]", "router.kv_events=[tcp://a:3]"],
@@ -88,3 +99,62 @@ def test_config_refuses_impossible_routers(extra, message):
     with pytest.raises(ConfigError) as e:
         resolve(["+profile=cpu", *extra])
     assert message in str(e.value)
+
+
+def _pd_router(answer):
+    """A pd router whose producers answer with ``answer(request)`` (no network); the requests they got."""
+    seen = []
+
+    def handler(request):
+        seen.append(request)
+        return answer(request)
+
+    router = Router(["http://consumer"], "pd", prefill_instances=["http://p0", "http://p1"])
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return router, seen
+
+
+PRODUCED = {"do_remote_prefill": True, "remote_request_id": "t"}
+
+
+def test_pd_prefills_on_a_producer_then_hands_its_kv_to_a_consumer():
+    router, seen = _pd_router(lambda r: httpx.Response(200, json={"kv_transfer_params": PRODUCED}))
+    body = {"prompt": "hello", "max_tokens": 20, "min_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    out = asyncio.run(router._prefill_first("/v1/completions", body, {"authorization": "Bearer k", "cookie": "c"}))
+    assert out == {**body, "kv_transfer_params": PRODUCED}
+    sent = json.loads(seen[0].content)
+    assert sent == {"prompt": "hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    assert seen[0].headers["authorization"] == "Bearer k" and "cookie" not in seen[0].headers
+    chat = {"messages": [], "max_completion_tokens": 9}
+    asyncio.run(router._prefill_first("/v1/chat/completions", chat, {}))
+    assert json.loads(seen[1].content)["max_completion_tokens"] == 1
+    assert {seen[0].url.host, seen[1].url.host} == {"p0", "p1"}  # the producers in turn
+
+
+@pytest.mark.parametrize("body", [{"prompt": ["a", "b"]}, {"prompt": "a", "n": 2}, {"prompt": "a", "prompt_logprobs": 1},
+                                  {"prompt": "a", "kv_transfer_params": {"do_remote_decode": True}}])
+def test_pd_leaves_whole_what_cannot_be_split(body):
+    router, seen = _pd_router(lambda r: httpx.Response(200, json={"kv_transfer_params": PRODUCED}))
+    assert asyncio.run(router._prefill_first("/v1/completions", body, {})) == body
+    assert not seen
+
+
+@pytest.mark.parametrize("answer", [lambda r: httpx.Response(503, json={}), lambda r: httpx.Response(200, json={}),
+                                    lambda r: httpx.Response(200, content=b"not json")])
+def test_a_failed_prefill_leaves_the_prompt_to_the_consumer(answer):
+    router, seen = _pd_router(answer)
+    body = {"prompt": "a"}
+    assert asyncio.run(router._prefill_first("/v1/completions", body, {})) == body
+    assert len(seen) == 1
+
+
+def test_a_refused_prefill_tries_the_other_producer():
+    def answer(request):
+        if request.url.host == "p0":
+            raise httpx.ConnectError("refused")
+        return httpx.Response(200, json={"kv_transfer_params": PRODUCED})
+
+    router, seen = _pd_router(answer)
+    assert asyncio.run(router._prefill_first("/v1/completions", {"prompt": "a"}, {}))["kv_transfer_params"] == PRODUCED
+    assert not router.prefill[0].healthy or seen[0].url.host == "p1"

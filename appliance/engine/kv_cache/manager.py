@@ -129,8 +129,12 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: Optional[list[KVCacheBlock]] = None,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> Optional[list[KVCacheBlock]]:
-        """New blocks for the step, or None when the pool cannot fit them."""
+        """New blocks for the step, or None when the pool cannot fit them.
+        ``delay_cache_blocks``: the new full blocks enter the prefix cache
+        later, with the allocation that runs past them (a KV connector fills
+        them in the background; nobody may hit them before)."""
         if num_new_tokens <= 0 and num_lookahead_tokens <= 0:
             raise ValueError("num_new_tokens must be positive")
         new_computed_blocks = new_computed_blocks or []
@@ -145,7 +149,7 @@ class KVCacheManager:
             self.num_cached_block[request.request_id] = len(req_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             num_computed = request.num_computed_tokens + num_new_computed_tokens
             self._cache_full_blocks(request, (num_computed + num_new_tokens) // self.block_size)
         return new_blocks
