@@ -391,6 +391,9 @@ class RouterConfig:
     instances: list[str] = field(default_factory=list)
     prefill_instances: list[str] = field(default_factory=list)
     kv_events: list[str] = field(default_factory=list)
+    # kv_aware: each instance's KV events replay endpoint, in order (empty: none); batches the router missed
+    # (before it joined, or dropped) are asked for again there
+    kv_events_replay: list[str] = field(default_factory=list)
     kv_load_weight: float = 256.0
     kv_match_threshold: float = 0.5
     host: str = "127.0.0.1"

@@ -270,6 +270,10 @@ def _router_problems(cfg: ApplianceConfig) -> list[str]:
                         f"order of router.instances): {len(r.kv_events)} for {len(r.instances)}")
     if r.policy != "kv_aware" and r.kv_events:
         problems.append(f"router.kv_events has no effect with router.policy={r.policy}")
+    if r.kv_events_replay and (r.policy != "kv_aware" or len(r.kv_events_replay) != len(r.kv_events)):
+        problems.append(f"router.kv_events_replay: one replay endpoint per entry of router.kv_events, with "
+                        f"router.policy=kv_aware ({len(r.kv_events_replay)} for {len(r.kv_events)}, policy "
+                        f"{r.policy})")
     if not 0 < r.port < 65536:
         problems.append(f"router.port={r.port} must be in 1..65535")
     for key in ("health_interval_s", "request_timeout_s"):

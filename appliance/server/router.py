@@ -58,6 +58,7 @@ log = logging.getLogger("appliance.router")
 
 POLICIES = ("round_robin", "least_load", "kv_aware", "pd")
 FORWARDED_HEADERS = ("authorization", "x-request-id", "x-data-parallel-rank")
+REPLAY_TIMEOUT_MS = 2000
 
 
 class PrefixIndex:
@@ -92,6 +93,11 @@ class PrefixIndex:
                     self._by_key.clear()
                     self._key_of.clear()
 
+    def clear(self) -> None:
+        with self._lock:
+            self._by_key.clear()
+            self._key_of.clear()
+
     def __len__(self) -> int:
         return len(self._key_of)
 
@@ -111,12 +117,24 @@ class PrefixIndex:
 
 
 class EventSubscriber(threading.Thread):
-    """Reads one instance's KV event batches (ZeroMQ SUB) into its index."""
+    """Reads one instance's KV event batches (ZeroMQ SUB) into its index.
 
-    def __init__(self, endpoint: str, index: PrefixIndex, topic: str = ""):
+    Batches carry consecutive sequence numbers. With the instance's replay
+    endpoint (``router.kv_events_replay``), batches the subscription missed
+    (a gap, or those sent before it joined) are asked for again and applied
+    in order first; without it, or past what the instance still keeps, they
+    are counted in ``missed`` and the index may be stale until the blocks
+    change again. A sequence that starts over is a restarted instance, whose
+    pool is empty: the index is cleared."""
+
+    def __init__(self, endpoint: str, index: PrefixIndex, topic: str = "", replay_endpoint: Optional[str] = None):
         super().__init__(name=f"kv-events {endpoint}", daemon=True)
-        self.endpoint, self.index, self.topic = endpoint, index, topic
+        self.endpoint, self.index, self.topic, self.replay_endpoint = endpoint, index, topic, replay_endpoint
         self.batches = 0
+        self.replayed = 0  # batches applied from the replay endpoint
+        self.missed = 0  # batches never seen
+        self.restarts = 0
+        self._next: Optional[int] = None  # the sequence number expected next
         self._stop_event = threading.Event()
 
     def run(self) -> None:
@@ -138,17 +156,59 @@ class EventSubscriber(threading.Thread):
                 if not poller.poll(200):
                     continue
                 frames = sock.recv_multipart()
-                if len(frames) != 3:
+                if len(frames) != 3 or len(frames[1]) != 8:
                     continue
                 try:
                     batch = decoder.decode(frames[2])
                 except msgspec.DecodeError:
                     log.warning("undecodable KV event batch from %s", self.endpoint)
                     continue
-                self.index.apply(batch.events)
-                self.batches += 1
+                self._receive(int.from_bytes(frames[1], "big"), batch, decoder)
         finally:
             sock.close()
+
+    def _receive(self, seq: int, batch: Any, decoder: Any) -> None:
+        expected = self._next if self._next is not None else 0
+        if self._next is not None and seq < self._next:  # the instance restarted: its pool is empty
+            self.index.clear()
+            self.restarts += 1
+            expected = 0
+        if seq > expected:
+            got = self._replay(expected, seq, decoder) if self.replay_endpoint else 0
+            self.replayed += got
+            if got < seq - expected:
+                self.missed += seq - expected - got
+                log.warning("missed %d KV event batch(es) of %s; its prefix index may be stale",
+                            seq - expected - got, self.endpoint)
+        self.index.apply(batch.events)
+        self.batches += 1
+        self._next = seq + 1
+
+    def _replay(self, first: int, end: int, decoder: Any) -> int:
+        """Apply batches ``first``..``end - 1`` from the replay endpoint, in
+        order, as far as they come without a gap; how many were applied."""
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        applied = 0
+        try:
+            sock.connect(self.replay_endpoint)
+            sock.send_multipart([b"", first.to_bytes(8, "big")])
+            while sock.poll(REPLAY_TIMEOUT_MS):
+                frames = sock.recv_multipart()
+                seq = int.from_bytes(frames[-2], "big", signed=True) if len(frames) >= 2 else -1
+                if seq < 0:
+                    break
+                if seq != first + applied or seq >= end:
+                    continue  # past the gap, or after a gap of its own
+                self.index.apply(decoder.decode(frames[-1]).events)
+                applied += 1
+        except Exception as e:  # an instance that cannot replay leaves the gap counted
+            log.warning("replaying KV events from %s failed: %s", self.replay_endpoint, e)
+        finally:
+            sock.close()
+        return applied
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -182,7 +242,7 @@ class Router:
     def __init__(self, instances: list[str], policy: str, tokenizer: Any = None, kv_events: Optional[list[str]] = None,
                  kv_load_weight: float = 256.0, health_interval_s: float = 2.0, request_timeout_s: float = 600.0,
                  kv_events_topic: str = "", kv_match_threshold: float = 0.5,
-                 prefill_instances: Optional[list[str]] = None):
+                 prefill_instances: Optional[list[str]] = None, kv_events_replay: Optional[list[str]] = None):
         if policy not in POLICIES:
             raise ValueError(f"router.policy={policy} is not built; built: {', '.join(POLICIES)}")
         if not instances:
@@ -201,8 +261,12 @@ class Router:
             if not kv_events or len(kv_events) != len(instances):
                 raise ValueError("router.policy=kv_aware needs router.kv_events: each instance's KV events endpoint, "
                                  "in the order of router.instances")
-            self.subscribers = [EventSubscriber(e, inst.index, kv_events_topic)
-                                for e, inst in zip(kv_events, self.instances)]
+            replays = list(kv_events_replay or [None] * len(kv_events))
+            if len(replays) != len(kv_events):
+                raise ValueError("router.kv_events_replay: one replay endpoint per instance, in the order of "
+                                 "router.instances")
+            self.subscribers = [EventSubscriber(e, inst.index, kv_events_topic, r)
+                                for e, inst, r in zip(kv_events, self.instances, replays)]
         self.client: Optional[httpx.AsyncClient] = None
         self._poller: Optional[asyncio.Task] = None
 
@@ -448,7 +512,7 @@ def route_forever(cfg: Any) -> int:
         tokenizer = load_tokenizer(cfg.model, cfg.quantization.method)
     router = Router(list(r.instances), r.policy, tokenizer, list(r.kv_events), r.kv_load_weight,
                     r.health_interval_s, r.request_timeout_s, cfg.kv_events.topic, r.kv_match_threshold,
-                    list(r.prefill_instances))
+                    list(r.prefill_instances), list(r.kv_events_replay))
     print(f"routing {len(router.instances)} instance(s) by {r.policy} on http://{r.host}:{r.port}")
     uvicorn.run(build_app(router), host=r.host, port=r.port, log_level="warning")
     return 0

@@ -115,11 +115,15 @@ def test_compose_file_is_consistent():
     router = services["router"]
     assert router["command"][0] == "route"
     cfg = resolve(["+profile=cpu", *router["command"][1:]]).cfg
-    assert cfg.router.policy == "kv_aware" and len(cfg.router.instances) == len(cfg.router.kv_events) == 2
-    for url, endpoint in zip(cfg.router.instances, cfg.router.kv_events):
+    r = cfg.router
+    assert r.policy == "kv_aware" and len(r.instances) == len(r.kv_events) == len(r.kv_events_replay) == 2
+    for url, endpoint, replay in zip(r.instances, r.kv_events, r.kv_events_replay):
         name = url.split("//")[1].split(":")[0]
         assert name in services and endpoint.startswith(f"tcp://{name}:")
-        assert "kv_events=zmq" in services[name]["environment"]["APPLIANCE_OVERRIDES"]
+        overrides = services[name]["environment"]["APPLIANCE_OVERRIDES"].split(" $")[0].split()
+        events = resolve(["+profile=cpu", *overrides]).cfg.kv_events  # the instance publishes where the router looks
+        assert events.enabled and endpoint.endswith(events.endpoint.rsplit(":", 1)[1])
+        assert replay == f"tcp://{name}:{events.replay_endpoint.rsplit(':', 1)[1]}"
     # the pd router's producers and consumers are the pd services, each resolving with its role
     cfg = resolve(["+profile=cpu", *services["pd-router"]["command"][1:]]).cfg
     assert cfg.router.policy == "pd"

@@ -4,14 +4,17 @@ config's refusals. Instances on loopback: tests/integration/test_router.py."""
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
 
 from appliance.config.compose import resolve
 from appliance.errors import ConfigError
-from appliance.server.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from appliance.server.router import PrefixIndex, Router, parse_load
+from appliance.engine.kv_cache.block_pool import KVCacheEvent as PoolEvent
+from appliance.server.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
+from appliance.server.local import free_port
+from appliance.server.router import EventSubscriber, PrefixIndex, Router, parse_load
 
 
 def _stored(hashes, parent, tokens, bs=4):
@@ -92,6 +95,8 @@ def test_a_router_needs_instances_and_a_built_policy():
     (["router.policy=kv_aware", "router.instances=[http://a:1,http://b:2]", "router.kv_events=[tcp://a:3]"],
      "needs one KV events endpoint per instance"),
     (["router.kv_events=[tcp://a:3]"], "router.kv_events has no effect with router.policy=round_robin"),
+    (["router.policy=kv_aware", "router.instances=[http://a:1]", "router.kv_events=[tcp://a:3]",
+      "router.kv_events_replay=[tcp://a:4,tcp://a:5]"], "router.kv_events_replay: one replay endpoint per entry"),
     (["router.port=0"], "router.port=0 must be in 1..65535"),
     (["router.health_interval_s=0"], "router.health_interval_s=0.0 must be positive"),
 ])
@@ -158,3 +163,44 @@ def test_a_refused_prefill_tries_the_other_producer():
     router, seen = _pd_router(answer)
     assert asyncio.run(router._prefill_first("/v1/completions", {"prompt": "a"}, {}))["kv_transfer_params"] == PRODUCED
     assert not router.prefill[0].healthy or seen[0].url.host == "p1"
+
+
+def _until(check, timeout_s=10.0, poke=None):
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        if poke is not None:
+            poke()
+        time.sleep(0.05)
+
+
+def test_the_router_replays_what_its_subscription_missed():
+    """Batches published before the router subscribed come from the replay
+    endpoint; an instance whose sequence starts over restarted: its index is
+    cleared; without a replay endpoint the missed batches are counted."""
+    port, replay_port = free_port(), free_port()
+    endpoint, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}"
+    h = [bytes([i]) * 32 for i in range(1, 5)]
+    pub = KVEventPublisher(endpoint, replay, buffer_steps=100)
+    pub.publish([PoolEvent("BlockStored", (h[0],), None, (1, 2, 3, 4), 4)])
+    pub.publish([PoolEvent("BlockStored", (h[1],), h[0], (5, 6, 7, 8), 4)])
+    _until(pub._queue.empty)
+    time.sleep(0.2)  # both sent, to nobody
+    index, plain = PrefixIndex(), PrefixIndex()
+    subs = [EventSubscriber(endpoint, index, replay_endpoint=replay), EventSubscriber(endpoint, plain)]
+    for s in subs:
+        s.start()
+    try:
+        third = [PoolEvent("BlockStored", (h[2],), h[1], (9, 10, 11, 12), 4)]
+        _until(lambda: min(s.batches for s in subs) > 0, poke=lambda: pub.publish(third))
+        assert index.match(list(range(1, 13))) == 12 and subs[0].replayed >= 2 and subs[0].missed == 0
+        assert plain.match(list(range(1, 13))) == 0 and subs[1].missed >= 2  # it never saw the first two
+        pub.close()
+        pub = KVEventPublisher(endpoint, replay, buffer_steps=100)  # the instance restarted
+        fresh = [PoolEvent("BlockStored", (h[3],), None, (13, 14, 15, 16), 4)]
+        _until(lambda: subs[0].restarts == 1 and index.match([13, 14, 15, 16]) == 4, poke=lambda: pub.publish(fresh))
+        assert index.match(list(range(1, 13))) == 0
+    finally:
+        for s in subs:
+            s.stop()
+        pub.close()
