@@ -233,8 +233,9 @@ def _kv_connector(deployment: Deployment, runner: Any) -> Optional[tuple[Any, An
             worker = P2PWorker(kt.role, engine_id, layout_key(layout), p.bind_host, p.port, p.timeout_s)
         except OSError as e:
             raise ConfigError(str(e)) from None
+        # at most half the pool waits for consumers: a flood of unfetched prefills cannot take it all
         return P2PConnector(kt.role, engine_id, p.host or p.bind_host, p.port, cfg.cache.block_size,
-                            p.timeout_s), worker
+                            p.timeout_s, deployment.num_kv_blocks // 2), worker
     from appliance.engine.kv_connector import OffloadConnector, tier_folder
     from appliance.models.loader import cache_dir
     from appliance.worker.kv_offload import OffloadWorker

@@ -332,8 +332,14 @@ class EngineCore:
         sched_out = self._schedule_alone(alone) if alone is not None else self.scheduler.schedule()
         if not sched_out.num_scheduled_tokens and self._compiling:
             self.grammars.wait(0.005)  # nothing to run but grammars to wait for: do not spin
+        connector = self.scheduler.connector
         if self.grammars is not None:
-            self._mask(sched_out)
+            try:
+                self._mask(sched_out)
+            except Exception:
+                if connector is not None:  # its instructions go with the next step
+                    connector.step_failed(sched_out.kv_connector_metadata)
+                raise
         t0 = time.perf_counter()
         try:
             runner_out = self.runner.execute(sched_out)
@@ -342,13 +348,16 @@ class EngineCore:
         except Exception as e:
             # an error that says the step's inputs were fine (a KV tier block that could not be read) retries them all
             deltas = self._step_failed(sched_out, alone, retry_all=getattr(e, "retry_requests", False))
+            report = getattr(e, "kv_connector_output", None)
+            if report is not None:  # what the connector finished before the step failed is not lost with it
+                self.scheduler.update_from_connector_output(report)
             self.last_stats = self.stats()
             return deltas
         if self.token_budget is not None and alone is None:
             self._observe_step(sched_out, time.perf_counter() - t0)
-        if self.scheduler.connector is not None:
+        if connector is not None:
             self.scheduler.update_from_connector_output(getattr(runner_out, "kv_connector_output", None))
-            if not sched_out.num_scheduled_tokens and self.scheduler.connector.has_transfers:
+            if not sched_out.num_scheduled_tokens and connector.has_transfers:
                 time.sleep(0.002)  # nothing runs until remote KV arrives: do not spin
         experts = getattr(runner_out, "expert_stats", None)
         if experts is not None:

@@ -165,6 +165,9 @@ class OffloadConnector:
             self.available.discard(h)
             self.pending.discard(h)
 
+    def overdue(self) -> None:
+        """Nothing: the tier's writes report themselves, and loads run in the step."""
+
     def step_failed(self, meta: Optional[OffloadMetadata]) -> None:
         """A step that failed may have loaded unreadable blocks and saved
         nothing: its loads leave the tier's index (recomputed, saved again),

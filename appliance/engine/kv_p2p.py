@@ -29,12 +29,17 @@ releases them, or after ``timeout_s``.
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
+import time
 from array import array
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from appliance.engine.kv_connector import KVConnectorOutput
 from appliance.engine.request import Request, RequestStatus
+
+log = logging.getLogger("appliance.kv_p2p")
 
 ROLES = ("producer", "consumer", "both")
 REMOTE_PREFILL_KEYS = {"remote_engine_id": str, "remote_host": str, "remote_port": int, "remote_request_id": str,
@@ -47,12 +52,16 @@ def token_digest(token_ids: list[int]) -> str:
     return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()
 
 
+KV_TRANSFER_KEYS = ("do_remote_decode", "do_remote_prefill", *REMOTE_PREFILL_KEYS, "tp_size")
+
+
 def kv_transfer_problem(params: Any, connector: Optional[str], role: str, block_size: int) -> Optional[str]:
     """Why a request's ``kv_transfer_params`` (in ``params``, its sampling
     parameters) cannot run on an engine with this KV connector and role, or
     None. They are either ``do_remote_decode: true`` (a prefill for a
-    consumer) or ``do_remote_prefill: true`` with every ``remote_*`` field a
-    producer returned; other keys (a router's bookkeeping) are let through."""
+    consumer; ``remote_*`` fields may be present as null, as vLLM's proxies
+    send them) or ``do_remote_prefill: true`` with every ``remote_*`` field
+    a producer returned. Other keys are refused, not ignored."""
     p = params.kv_transfer_params
     if p is None:
         return None
@@ -61,17 +70,23 @@ def kv_transfer_problem(params: Any, connector: Optional[str], role: str, block_
     if connector != "p2p":
         return (f"asks for disaggregated prefill; this server's KV connector is {connector or 'none'} "
                 f"(kv_transfer.connector=p2p does it)")
+    unknown = [k for k in p if k not in KV_TRANSFER_KEYS]
+    if unknown:
+        return f"has unknown key(s) {', '.join(map(repr, unknown[:4]))[:200]}; known: {', '.join(KV_TRANSFER_KEYS)}"
     decode, prefill = p.get("do_remote_decode", False), p.get("do_remote_prefill", False)
     if not isinstance(decode, bool) or not isinstance(prefill, bool):
         return "do_remote_decode and do_remote_prefill must be booleans"
     if decode and prefill:
         return "do_remote_decode and do_remote_prefill cannot both be true"
-    if (decode or prefill) and params.n != 1:
+    if not decode and not prefill:
+        return "asks for nothing: do_remote_decode (a prefill for a consumer) or do_remote_prefill (fetch it)"
+    if params.n != 1:
         return "takes one sequence per request (n=1)"
-    if decode and role == "consumer":
-        return "do_remote_decode asks for a prefill; this server is a consumer (kv_transfer.role=consumer)"
-    if not prefill:
-        return None
+    if decode:
+        if role == "consumer":
+            return "do_remote_decode asks for a prefill; this server is a consumer (kv_transfer.role=consumer)"
+        given = [k for k in REMOTE_PREFILL_KEYS if p.get(k) is not None]
+        return f"do_remote_decode with {', '.join(given)} set: those come from a producer" if given else None
     if role == "producer":
         return "do_remote_prefill asks to fetch KV; this server is a producer (kv_transfer.role=producer)"
     if params.prompt_logprobs is not None:
@@ -96,12 +111,13 @@ def kv_transfer_problem(params: Any, connector: Optional[str], role: str, block_
 
 @dataclass
 class RecvSpec:
-    """Fill ``block_ids`` with the producer's ``remote_block_ids``: they hold
-    the KV of the request's first ``num_tokens`` tokens (``token_digest``)."""
+    """Fill ``block_ids`` with the producer's blocks ``first_block`` on, in
+    the producer's own order: they hold the KV of the request's first
+    ``num_tokens`` tokens (``token_digest``)."""
 
     request_id: str
     block_ids: list[int]
-    remote_block_ids: list[int]
+    first_block: int
     num_tokens: int
     token_digest: str
     host: str
@@ -128,6 +144,9 @@ class P2PMetadata:
 
     recvs: list[RecvSpec] = field(default_factory=list)
     sends: list[SendSpec] = field(default_factory=list)
+    # (host, port, transfer id) of producers' transfers a consumer will not fetch (its pool held the prompt,
+    # or the request ended first): released at once instead of held until their timeout
+    releases: list[tuple[str, int, str]] = field(default_factory=list)
 
 
 def _remote_prefill(request: Request) -> Optional[dict]:
@@ -136,20 +155,26 @@ def _remote_prefill(request: Request) -> Optional[dict]:
 
 
 class P2PConnector:
-    """Disaggregated prefill's scheduler side (see the module docstring)."""
+    """Disaggregated prefill's scheduler side (see the module docstring).
+    Whatever a lost worker report would leave open is closed after
+    ``timeout_s`` + ``GRACE_S`` (``overdue``): a load counts as failed, a
+    transfer as ended (the worker side ends both within ``timeout_s``)."""
 
     name = "p2p"
+    GRACE_S = 30.0
 
-    def __init__(self, role: str, engine_id: str, host: str, port: int, block_size: int, timeout_s: float):
+    def __init__(self, role: str, engine_id: str, host: str, port: int, block_size: int, timeout_s: float,
+                 max_held_blocks: int):
         self.role = role
         self.produces, self.consumes = role in ("producer", "both"), role in ("consumer", "both")
         self.engine_id, self.host, self.port = engine_id, host, port
-        self.block_size, self.timeout_s = block_size, timeout_s
+        self.block_size, self.timeout_s, self.max_held_blocks = block_size, timeout_s, max_held_blocks
         self._meta = P2PMetadata()  # until build_connector_meta
         self.recving: dict[str, int] = {}  # request id -> tokens computed once its load is in, while in flight
         self._fetching: dict[str, int] = {}  # request id -> tokens its load brings (past its pool's hits)
-        self.sending: set[str] = set()  # finished requests whose blocks wait for their consumer
-        self._tried: set[str] = set()  # requests that asked for their remote KV once (a preempted one computes)
+        self.sending: dict[str, int] = {}  # finished requests whose blocks wait for their consumer -> blocks
+        self._deadlines: dict[str, float] = {}  # recving and sending: when to stop waiting for the worker side
+        self._tried: set[str] = set()  # live requests that asked for their remote KV (a preempted one computes)
         self.loaded_tokens = 0  # tokens whose KV came from producers
         self.failed_loads = 0
         self.first_loaded_block: dict[str, int] = {}  # a step's loads (none here: they run between steps)
@@ -157,7 +182,8 @@ class P2PConnector:
     @property
     def has_pending_meta(self) -> bool:
         """Instructions not handed to the worker side yet (one more step is due)."""
-        return bool(self._meta.recvs or self._meta.sends)
+        m = self._meta
+        return bool(m.recvs or m.sends or m.releases)
 
     @property
     def has_transfers(self) -> bool:
@@ -168,12 +194,17 @@ class P2PConnector:
     # -- consumer -----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """(tokens past ``num_computed_tokens`` a producer holds for this
-        request, up to but not including its last token; loaded asynchronously)."""
+        request, up to but not including its last token; loaded
+        asynchronously). A producer's transfer this request does not need
+        (its pool holds them) is released."""
         p = _remote_prefill(request) if self.consumes else None
         if p is None or request.request_id in self._tried:
             return 0, False
         end = min(request.num_tokens - 1, p["remote_num_tokens"])
-        return (end - num_computed_tokens, True) if end > num_computed_tokens else (0, False)
+        if end > num_computed_tokens:
+            return end - num_computed_tokens, True
+        self._release(request)
+        return 0, False
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_tokens: int,
                                  num_external_tokens: int) -> None:
@@ -185,11 +216,16 @@ class P2PConnector:
         first, end = num_local_tokens // bs, num_local_tokens + num_external_tokens
         last = -(-end // bs)
         self._meta.recvs.append(RecvSpec(
-            rid, block_ids[first:last], p["remote_block_ids"][first:last], end,
-            token_digest(request.all_token_ids[:end]), p["remote_host"], p["remote_port"], p["remote_engine_id"],
-            p["remote_request_id"]))
+            rid, block_ids[first:last], first, end, token_digest(request.all_token_ids[:end]), p["remote_host"],
+            p["remote_port"], p["remote_engine_id"], p["remote_request_id"]))
         self.recving[rid], self._fetching[rid] = end, num_external_tokens
+        self._deadlines[rid] = time.monotonic() + self.timeout_s + self.GRACE_S
         self._tried.add(rid)
+
+    def _release(self, request: Request) -> None:
+        p = request.sampling_params.kv_transfer_params
+        self._tried.add(request.request_id)
+        self._meta.releases.append((p["remote_host"], p["remote_port"], p["remote_request_id"]))
 
     # -- both -----------------------------------------------------------------------
     def build_connector_meta(self, scheduled: dict[str, int], requests: dict[str, Request],
@@ -202,37 +238,63 @@ class P2PConnector:
             return
         for rid in output.finished_recving:
             self.recving.pop(rid, None)
+            self._deadlines.pop(rid, None)
             self.loaded_tokens += self._fetching.pop(rid, 0)
         for rid in output.failed_recving:
             self.recving.pop(rid, None)
+            self._deadlines.pop(rid, None)
             self._fetching.pop(rid, None)
             self.failed_loads += 1
-        self.sending.difference_update(output.finished_sending)
+        for rid in output.finished_sending:
+            self.sending.pop(rid, None)
+            self._deadlines.pop(rid, None)
+
+    def overdue(self) -> Any:
+        """A report of the loads and transfers the worker side should have
+        ended by now (as failed loads and ended transfers), or None."""
+        now = time.monotonic()
+        late = [rid for rid, t in self._deadlines.items() if t <= now]
+        if not late:
+            return None
+        log.error("KV transfers of %d request(s) had no word from the worker side past their timeout; ended", len(late))
+        return KVConnectorOutput(failed_recving=[r for r in late if r in self.recving],
+                                 finished_sending=[r for r in late if r in self.sending])
 
     def step_failed(self, meta: Optional[P2PMetadata]) -> None:
         """A failed step may not have handed its instructions over: they go
-        again with the next (the worker side ignores what it already has)."""
+        again with the next (the worker side ignores what it already had)."""
         if meta is not None:
-            self._meta.recvs[:0], self._meta.sends[:0] = meta.recvs, meta.sends
+            m = self._meta
+            m.recvs[:0], m.sends[:0], m.releases[:0] = meta.recvs, meta.sends, meta.releases
 
     # -- producer -------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         """(whether the request's blocks must outlive it, what a consumer
         needs to fetch them). A load in flight writes into the blocks: they
         wait for it to end. A producer's finished prefill keeps them for its
-        consumer."""
+        consumer, while what it holds for consumers stays under
+        ``max_held_blocks``."""
         rid = request.request_id
         if rid in self.recving:
+            self._tried.discard(rid)
             return True, None
+        if _remote_prefill(request) is not None and self.consumes and rid not in self._tried:
+            self._release(request)  # ended before it fetched: the producer need not wait
+        self._tried.discard(rid)
         p = request.sampling_params.kv_transfer_params
         computed = min(request.num_computed_tokens, request.num_tokens)
         if (not self.produces or p is None or not p.get("do_remote_decode") or computed <= 0
                 or request.status == RequestStatus.FINISHED_ABORTED):
             return False, None
+        if sum(self.sending.values()) + len(block_ids) > self.max_held_blocks:
+            log.warning("request %s: the blocks held for consumers would pass %d; its KV is not kept (the consumer "
+                        "computes the prompt)", rid, self.max_held_blocks)
+            return False, None
         transfer_id = secrets.token_hex(16)
         self._meta.sends.append(SendSpec(transfer_id, rid, list(block_ids), request.all_token_ids[:computed],
                                          self.timeout_s))
-        self.sending.add(rid)
+        self.sending[rid] = len(block_ids)
+        self._deadlines[rid] = time.monotonic() + self.timeout_s + self.GRACE_S
         return True, {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
                       "remote_host": self.host, "remote_port": self.port, "remote_request_id": transfer_id,
                       "remote_block_ids": list(block_ids), "remote_num_tokens": computed}

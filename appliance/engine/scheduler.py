@@ -140,6 +140,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self._held: dict[str, Request] = {}  # finished requests whose blocks a KV connector still needs
+        self._fetched: dict[str, None] = {}  # waiting requests whose remote KV arrived: first in the queue
 
     # ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -227,6 +228,7 @@ class Scheduler:
         # Preempted this step: not readmitted. Refreshed on admission only, so a
         # victim of a seat made for a request that is then skipped may be.
         barred = {r.request_id for r in budget.preempted}
+        self._fetched_first()
         while len(self.waiting) and budget.tokens > 0:
             req = self.waiting.peek()
             if req.request_id in barred:
@@ -290,7 +292,7 @@ class Scheduler:
         WAITING_FOR_REMOTE_KVS, taking nothing from this step's budget.
         Their prefix-cache entries wait for the KV too. False when the pool
         cannot fit them now."""
-        args = (req, num_external, num_hit_tokens, hits)
+        args = (req, num_external + 1, num_hit_tokens, hits)  # the last token's slot too: then it always fits
         if not self.kv.can_allocate(*args):
             return False
         self.kv.allocate_slots(*args, delay_cache_blocks=True)
@@ -301,6 +303,18 @@ class Scheduler:
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         return True
 
+    def _fetched_first(self) -> None:
+        """Requests whose remote KV arrived go to the front of the queue:
+        they hold every block they need, and a request ahead of them that
+        cannot fit must not keep them (and their blocks) waiting."""
+        for rid in reversed(list(self._fetched)):
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.WAITING:
+                del self._fetched[rid]
+                continue
+            self.waiting.remove(req)
+            self.waiting.prepend(req)
+
     def update_from_connector_output(self, output: Any) -> None:
         """What the KV connector's worker side finished: a request whose
         remote KV arrived is waiting to run its last prompt token; one whose
@@ -308,22 +322,28 @@ class Scheduler:
         finished request's blocks a connector held are freed."""
         if self.connector is None:
             return
-        if output is not None:
-            for rid in getattr(output, "finished_recving", ()):
-                req = self.requests.get(rid)
-                if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                    req.num_computed_tokens = self.connector.recving[rid]
-                    req.status = RequestStatus.WAITING
-                self._release(rid)
-            for rid in getattr(output, "failed_recving", ()):
-                req = self.requests.get(rid)
-                if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                    self.kv.free(req)
-                    req.num_computed_tokens, req.num_cached_tokens = 0, -1
-                    req.status = RequestStatus.WAITING
-                self._release(rid)
-            for rid in getattr(output, "finished_sending", ()):
-                self._release(rid)
+        self._apply_connector_report(output)
+        late = self.connector.overdue()
+        if late is not None:
+            self._apply_connector_report(late)
+
+    def _apply_connector_report(self, output: Any) -> None:
+        for rid in getattr(output, "finished_recving", ()):
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                req.num_computed_tokens = self.connector.recving[rid]
+                req.status = RequestStatus.WAITING
+                self._fetched[rid] = None
+            self._release(rid)
+        for rid in getattr(output, "failed_recving", ()):
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.kv.free(req)
+                req.num_computed_tokens, req.num_cached_tokens = 0, -1
+                req.status = RequestStatus.WAITING
+            self._release(rid)
+        for rid in getattr(output, "finished_sending", ()):
+            self._release(rid)
         self.connector.update_connector_output(output)
 
     def _release(self, rid: str) -> None:

@@ -124,8 +124,10 @@ class EventSubscriber(threading.Thread):
     (a gap, or those sent before it joined) are asked for again and applied
     in order first; without it, or past what the instance still keeps, they
     are counted in ``missed`` and the index may be stale until the blocks
-    change again. A sequence that starts over is a restarted instance, whose
-    pool is empty: the index is cleared."""
+    change again. A sequence that starts below the last one seen is a
+    restarted instance, whose pool is empty: the index is cleared (a restart
+    the router notices only after the new sequence passed the old one reads
+    as a gap)."""
 
     def __init__(self, endpoint: str, index: PrefixIndex, topic: str = "", replay_endpoint: Optional[str] = None):
         super().__init__(name=f"kv-events {endpoint}", daemon=True)
@@ -385,7 +387,8 @@ class Router:
         request cannot be split or no producer did the prefill)."""
         prompt = body.get("prompt")
         several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list)) and len(prompt) > 1
-        if several or body.get("n") not in (None, 1) or body.get("prompt_logprobs") is not None \
+        echo_logprobs = body.get("echo") and body.get("logprobs") is not None  # the echoed prompt is scored
+        if several or body.get("n") not in (None, 1) or body.get("prompt_logprobs") is not None or echo_logprobs \
                 or "kv_transfer_params" in body:
             return body
         pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}

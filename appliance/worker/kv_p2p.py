@@ -6,10 +6,11 @@ scheduler side registered as requests finished (``SendSpec``: blocks, the
 tokens whose KV they hold, a deadline). A consumer's puller thread sends, on
 a DEALER socket per load:
 
-    [b"pull", msgpack {transfer, engine, layout, blocks, tokens}]
+    [b"pull", msgpack {transfer, engine, layout, first, count, tokens}]
 
-``blocks`` are remote block ids of that transfer, and ``tokens`` is how many
-of its tokens the consumer takes. The server answers
+``first`` and ``count`` say which of the transfer's blocks, in the
+producer's own order, and ``tokens`` how many of its tokens the consumer
+takes. The server answers
 
     [b"ok", msgpack {digest, shape, dtype}, payload]
 
@@ -21,15 +22,20 @@ kv_heads, head_dim]`` in the cache dtype. Otherwise it answers
 The consumer checks the digest against its own tokens and the shape against
 its cache. It writes the blocks, then sends ``[b"done", msgpack {transfer}]``
 (after a failed load too), and the producer frees the transfer's blocks.
-Without a ``done``, they are freed at the deadline.
+Without a ``done``, they are freed at the deadline. A consumer that will
+not fetch a transfer (its pool held the prompt, or the request ended) sends
+the ``done`` alone.
 
 A pull for a transfer that is not registered yet (its response can reach
 the consumer before the producer's next step hands the registration over)
-waits for it, up to the consumer's timeout. An unknown or expired transfer,
+waits for it, up to the consumer's timeout (at most ``MAX_WAITING`` pulls
+wait). An ended transfer (remembered, and never registered again),
 another engine id (the producer restarted), another KV layout, or blocks
-outside the transfer are refused. Both threads keep going whatever one
-message does; a consumer's failed load is reported (``failed_recving``)
-and the request computes its prompt.
+outside the transfer are refused at once. Messages to the server past
+``MAX_MESSAGE`` bytes are dropped by ZeroMQ, and an answer no larger than
+the blocks a consumer asked for is all it accepts. Both threads keep going
+whatever one message does; a consumer's failed load is reported
+(``failed_recving``) and the request computes its prompt.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import queue
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -51,6 +58,9 @@ from appliance.engine.kv_p2p import P2PMetadata, RecvSpec, SendSpec, token_diges
 log = logging.getLogger("appliance.kv_p2p")
 
 POLL_MS = 20
+MAX_WAITING = 1024  # pulls waiting for their transfer's registration
+MAX_ENDED = 100_000  # ended transfer ids remembered
+MAX_MESSAGE = 1 << 16  # bytes of a message to the server
 
 
 @dataclass
@@ -79,6 +89,7 @@ class P2PWorker:
         self._lock = threading.Lock()
         self._caches: Optional[list[torch.Tensor]] = None
         self._sends: dict[str, _Send] = {}  # transfer id -> what it holds (producer)
+        self._ended: OrderedDict[str, None] = OrderedDict()  # transfer ids fetched or expired (producer)
         self._known: set[str] = set()  # requests whose instructions arrived (a failed step hands them over again)
         self._finished_sending: list[str] = []
         self._finished_recving: list[str] = []
@@ -89,6 +100,8 @@ class P2PWorker:
         if role in ("producer", "both"):
             self._server = self._ctx.socket(zmq.ROUTER)
             self._server.setsockopt(zmq.LINGER, 0)
+            self._server.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+            self._server.setsockopt(zmq.IPV6, 1)
             try:
                 self._server.bind(f"tcp://{bind_host}:{port}")
             except zmq.ZMQError as e:
@@ -109,13 +122,15 @@ class P2PWorker:
         if meta is None:
             return
         with self._lock:
-            for spec in meta.sends:
-                if spec.transfer_id not in self._sends:
+            for spec in meta.sends:  # a failed step hands them over again: once is enough
+                if spec.transfer_id not in self._sends and spec.transfer_id not in self._ended:
                     self._sends[spec.transfer_id] = _Send(spec, time.monotonic() + spec.timeout_s)
         for spec in meta.recvs:
             if spec.request_id not in self._known:
                 self._known.add(spec.request_id)
                 self._recvs.put(spec)
+        for host, port, transfer in meta.releases:
+            self._recvs.put((host, port, transfer))
 
     def save(self, meta: Optional[P2PMetadata], kv_caches: list[torch.Tensor]) -> None:
         """Nothing: a producer's blocks are read when their consumer asks."""
@@ -139,68 +154,91 @@ class P2PWorker:
         import zmq
 
         sock = self._server
-        waiting: list[tuple[float, list]] = []  # (give up at, frames) of pulls for transfers not registered yet
+        waiting: dict[tuple, tuple[float, list]] = {}  # (client, transfer) -> (give up at, frames), not registered yet
         while not self._stop.is_set():
             try:
                 if sock.poll(POLL_MS, zmq.POLLIN):
                     frames = sock.recv_multipart(copy=True)
-                    if not self._answer(sock, frames):
-                        waiting.append((time.monotonic() + self.timeout_s, frames))
+                    key = self._answer(sock, frames)
+                    if key is not None:
+                        if len(waiting) < MAX_WAITING:
+                            waiting[key] = (time.monotonic() + self.timeout_s, frames)
+                        else:
+                            self._reply(sock, frames[0], [b"error", b"too many pulls waiting"])
                 if waiting:
                     now = time.monotonic()
-                    still = []
-                    for give_up, frames in waiting:
-                        if self._answer(sock, frames, final=now >= give_up) is False:
-                            still.append((give_up, frames))
-                    waiting = still
+                    for key, (give_up, frames) in list(waiting.items()):
+                        if self._answer(sock, frames, final=now >= give_up) is None:
+                            del waiting[key]
                 self._expire()
             except Exception:  # one bad message never stops the server
-                log.exception("the KV transfer server failed on a message")
+                log.exception("the KV transfer server failed")
 
-    def _answer(self, sock: Any, frames: list, final: bool = False) -> Optional[bool]:
-        """Answer one message: True when answered, False for a pull whose
-        transfer is not registered yet (unless ``final``)."""
-        if len(frames) != 3 or frames[1] not in (b"pull", b"done"):
-            if len(frames) >= 1:
-                sock.send_multipart([frames[0], b"error", b"malformed message"])
-            return True
-        ident, kind, body = frames
+    @staticmethod
+    def _reply(sock: Any, ident: bytes, frames: list) -> None:
+        import zmq
+
         try:
-            msg = msgspec.msgpack.decode(body)
+            sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the client is gone, or not reading: its pull times out there
+
+    def _answer(self, sock: Any, frames: list, final: bool = False) -> Optional[tuple]:
+        """Answer one message; for a pull whose transfer is not registered
+        yet (unless ``final``), its waiting key instead."""
+        ident = frames[0]
+        try:
+            if len(frames) != 3 or frames[1] not in (b"pull", b"done"):
+                raise ValueError("not a pull or a done")
+            msg = msgspec.msgpack.decode(frames[2])
             transfer = msg["transfer"]
             if not isinstance(transfer, str):
                 raise TypeError("transfer must be a string")
         except Exception as e:
-            sock.send_multipart([ident, b"error", f"malformed message: {e}".encode()])
-            return True
+            self._reply(sock, ident, [b"error", f"malformed message: {e}"[:200].encode()])
+            return None
         with self._lock:
             send = self._sends.get(transfer)
-            if kind == b"done":
+            if frames[1] == b"done":
                 if send is not None:
                     del self._sends[transfer]
-                    self._finished_sending.append(send.spec.request_id)
-                return True
+                    self._close_transfer(transfer, send.spec.request_id)
+                return None
+            ended = transfer in self._ended
         if send is None:
-            if not final and msg.get("engine") == self.engine_id:
-                return False
-            sock.send_multipart([ident, b"error", b"unknown or expired transfer (or another engine)"])
-            return True
-        sock.send_multipart([ident, *self._blocks_of(send.spec, msg)])
-        return True
+            if not final and not ended and msg.get("engine") == self.engine_id:
+                return ident, transfer
+            self._reply(sock, ident, [b"error", b"unknown or ended transfer (or another engine)"])
+            return None
+        try:
+            reply = self._blocks_of(send.spec, msg)
+        except Exception as e:  # never leave a consumer waiting for its timeout
+            log.exception("answering a pull of transfer %s failed", transfer)
+            reply = [b"error", f"{type(e).__name__}: {e}"[:200].encode()]
+        self._reply(sock, ident, reply)
+        return None
+
+    def _close_transfer(self, transfer: str, request_id: str) -> None:
+        """(under the lock) A transfer's blocks may be freed; it is never served again."""
+        self._finished_sending.append(request_id)
+        self._ended[transfer] = None
+        while len(self._ended) > MAX_ENDED:
+            self._ended.popitem(last=False)
 
     def _blocks_of(self, spec: SendSpec, msg: dict) -> list:
         """The reply to a pull: the blocks it names, or why not."""
-        blocks, tokens = msg.get("blocks"), msg.get("tokens")
+        first, count, tokens = msg.get("first"), msg.get("count"), msg.get("tokens")
         if msg.get("engine") != self.engine_id:
             return [b"error", b"another engine (the producer restarted)"]
         if msg.get("layout") != self.layout:
             return [b"error", b"another KV layout (model, dtype or block shape differ)"]
-        if (not isinstance(blocks, list) or not blocks or not set(blocks) <= set(spec.block_ids)
-                or not isinstance(tokens, int) or not 0 < tokens <= len(spec.token_ids)):
+        n = len(spec.block_ids)
+        if (not all(isinstance(v, int) and not isinstance(v, bool) for v in (first, count, tokens))
+                or not 0 <= first < first + count <= n or not 0 < tokens <= len(spec.token_ids)):
             return [b"error", b"blocks or tokens outside the transfer"]
         caches = self._caches
-        ids = torch.tensor(blocks, dtype=torch.long)
-        data = torch.stack([c.index_select(1, ids) for c in caches]).contiguous()
+        ids = torch.tensor(spec.block_ids[first:first + count], dtype=torch.long, device=caches[0].device)
+        data = torch.stack([c.index_select(1, ids) for c in caches]).cpu().contiguous()
         header = msgspec.msgpack.encode({"digest": token_digest(spec.token_ids[:tokens]), "shape": list(data.shape),
                                          "dtype": _dtype_name(data.dtype)})
         return [b"ok", header, data.view(torch.uint8).numpy().tobytes()]
@@ -210,7 +248,7 @@ class P2PWorker:
         with self._lock:
             for tid in [t for t, s in self._sends.items() if s.deadline <= now]:
                 send = self._sends.pop(tid)
-                self._finished_sending.append(send.spec.request_id)
+                self._close_transfer(tid, send.spec.request_id)
                 log.warning("no consumer fetched the KV of request %s within %g s; its blocks are freed",
                             send.spec.request_id, send.spec.timeout_s)
 
@@ -231,6 +269,9 @@ class P2PWorker:
                 while not self._recvs.empty():
                     specs.append(self._recvs.get_nowait())
                 for spec in specs:
+                    if isinstance(spec, tuple):
+                        self._release(*spec)
+                        continue
                     try:
                         load = self._start(spec)
                     except Exception as e:  # an address ZeroMQ cannot use
@@ -256,16 +297,45 @@ class P2PWorker:
             except Exception:
                 log.exception("the KV transfer puller failed")
 
-    def _start(self, spec: RecvSpec) -> _Load:
+    def _socket(self, host: str, port: int, max_message: int) -> Any:
         import zmq
 
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
-        host = f"[{spec.host}]" if ":" in spec.host else spec.host
-        sock.connect(f"tcp://{host}:{spec.port}")
+        sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message)
+        try:
+            sock.connect(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
+        except Exception:
+            sock.close()
+            raise
+        return sock
+
+    def _release(self, host: str, port: int, transfer: str) -> None:
+        """Tell a producer its transfer will not be fetched (best effort)."""
+        import zmq
+
+        try:
+            sock = self._socket(host, port, MAX_MESSAGE)
+        except Exception as e:
+            log.warning("cannot release a KV transfer at %s:%d: %s", host, port, e)
+            return
+        try:
+            sock.send_multipart([b"done", msgspec.msgpack.encode({"transfer": transfer})], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        finally:
+            sock.close()
+
+    def _start(self, spec: RecvSpec) -> _Load:
+        import zmq
+
+        like = self._caches[0]
+        payload = len(self._caches) * like[:, 0].numel() * like.element_size() * len(spec.block_ids)
+        sock = self._socket(spec.host, spec.port, payload + MAX_MESSAGE)
         sock.send_multipart(flags=zmq.NOBLOCK, msg_parts=[b"pull", msgspec.msgpack.encode({
             "transfer": spec.transfer_id, "engine": spec.engine_id, "layout": self.layout,
-            "blocks": spec.remote_block_ids, "tokens": spec.num_tokens})])
+            "first": spec.first_block, "count": len(spec.block_ids), "tokens": spec.num_tokens})])
         return _Load(spec, sock, time.monotonic() + self.timeout_s)
 
     def _receive(self, load: _Load) -> Optional[str]:
@@ -289,9 +359,9 @@ class P2PWorker:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only bytes: only read
             data = torch.frombuffer(payload, dtype=torch.uint8).view(like.dtype).view(shape)
-        ids = torch.tensor(spec.block_ids, dtype=torch.long)
+        ids = torch.tensor(spec.block_ids, dtype=torch.long, device=like.device)
         for layer, cache in enumerate(caches):
-            cache.index_copy_(1, ids, data[layer])
+            cache.index_copy_(1, ids, data[layer].to(like.device))
         return None
 
     def _end(self, load: _Load, error: Optional[str]) -> None:

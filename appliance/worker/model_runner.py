@@ -220,10 +220,18 @@ class ModelRunner:
         )
         return input_ids, positions, common, qsl
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        self._update_states(so)
         out = RunnerOutput()
+        try:
+            return self._execute(so, out)
+        except Exception as e:
+            # what a KV connector reported finished is not lost with the step (the engine core applies it)
+            e.kv_connector_output = out.kv_connector_output
+            raise
+
+    @torch.inference_mode()
+    def _execute(self, so: SchedulerOutput, out: RunnerOutput) -> RunnerOutput:
+        self._update_states(so)
         connector = self.kv_connector
         if connector is not None:  # blocks the scheduler gave to a connector's tokens, filled before any layer runs
             connector.start_load_kv(so.kv_connector_metadata, self.kv_caches)

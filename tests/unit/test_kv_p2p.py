@@ -148,7 +148,7 @@ def test_a_fetch_that_fails_computes_the_prompt(pair, reference, spoil):
     elif spoil == "tokens":  # the KV of another prompt
         prompt = PROMPT.replace("17", "71")
     else:  # nobody listens there
-        params["remote_port"] = free_port()
+        port, params["remote_port"] = params["remote_port"], free_port()
     failed = consumer.engine.scheduler.connector.failed_loads
     out = _decode(consumer, params, prompt)
     assert consumer.engine.scheduler.connector.failed_loads == failed + 1
@@ -157,8 +157,12 @@ def test_a_fetch_that_fails_computes_the_prompt(pair, reference, spoil):
     else:
         assert out.outputs[0].finish_reason == "length"
     consumer.engine.scheduler.kv.check_integrity()
-    if spoil != "port":  # released by the failed fetch too (unfetched, it would wait for its timeout)
-        _settle(producer, lambda: not producer.engine.has_kv_transfers())
+    if spoil == "port":  # the producer never heard of it: release it as a consumer would
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send_multipart([b"done", msgspec.msgpack.encode({"transfer": params["remote_request_id"]})])
+        sock.close(linger=1000)
+    _settle(producer, lambda: not producer.engine.has_kv_transfers())  # released by the failed fetch too
 
 
 def test_an_aborted_fetch_frees_its_blocks_when_it_ends():
@@ -173,7 +177,7 @@ def test_an_aborted_fetch_frees_its_blocks_when_it_ends():
     core.step()
     assert core.scheduler.requests["r"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     held = free - kv.num_free_blocks
-    assert held == -(-599 // kv.block_size)
+    assert held == -(-600 // kv.block_size)  # the fetched 599 tokens and the last one's slot
     core.abort(["r"])
     assert kv.num_free_blocks == free - held  # the fetch may still write into them
     _settle(consumer, lambda: kv.num_free_blocks == free)
@@ -206,16 +210,127 @@ def test_hostile_messages_do_not_stop_the_producer(pair, reference):
         return sock.recv_multipart()
 
     pull = {"transfer": params["remote_request_id"], "engine": params["remote_engine_id"], "layout": "?",
-            "blocks": params["remote_block_ids"], "tokens": 10}
+            "first": 0, "count": 2, "tokens": 10}
     assert ask(b"garbage")[0] == b"error"
     assert ask(b"pull", b"\xc1not msgpack")[0] == b"error"
     assert ask(b"pull", msgspec.msgpack.encode({"transfer": 5}))[0] == b"error"
     assert ask(b"pull", msgspec.msgpack.encode(pull)) == [b"error", b"another KV layout (model, dtype or block shape differ)"]
     layout = producer.engine.runner.kv_connector.layout
-    outside = {**pull, "layout": layout, "blocks": [max(params["remote_block_ids"]) + 1]}
-    assert ask(b"pull", msgspec.msgpack.encode(outside)) == [b"error", b"blocks or tokens outside the transfer"]
+    n = len(params["remote_block_ids"])
+    for outside in ({"first": n - 1, "count": 2}, {"first": -1, "count": 1}, {"count": [1]}, {"tokens": 10**6}):
+        msg = msgspec.msgpack.encode({**pull, "layout": layout, **outside})
+        assert ask(b"pull", msg) == [b"error", b"blocks or tokens outside the transfer"], outside
+    ended = {**pull, "transfer": "0" * 32}  # never registered (or long ended): refused at once, not waited for
+    sock.send_multipart([b"pull", msgspec.msgpack.encode({**ended, "engine": "other"})])
+    assert sock.poll(5000) and sock.recv_multipart()[0] == b"error"
     sock.close()
     _same(_decode(consumer, params), reference)  # the transfer still serves its consumer
+
+
+def test_a_transfer_is_served_until_released_and_never_again(pair, reference):
+    """A failed step hands its registrations over again: a transfer already
+    fetched stays ended (its blocks may be another request's by then)."""
+    producer, consumer = pair
+    params = _prefill(producer)
+    worker = producer.engine.runner.kv_connector
+    spec = worker._sends[params["remote_request_id"]].spec
+    _same(_decode(consumer, params), reference)
+    _settle(producer, lambda: not producer.engine.has_kv_transfers())
+    from appliance.engine.kv_p2p import P2PMetadata
+    worker.start_load_kv(P2PMetadata(sends=[spec]), producer.engine.runner.kv_caches)
+    assert params["remote_request_id"] not in worker._sends
+    failed = consumer.engine.scheduler.connector.failed_loads
+    _decode(consumer, params)
+    assert consumer.engine.scheduler.connector.failed_loads == failed + 1
+
+
+def test_a_consumer_releases_what_it_will_not_fetch(pair, reference):
+    """Its pool holds the whole prompt (a prompt of whole blocks plus one
+    token): the producer is told at once instead of holding for timeout_s."""
+    producer, consumer = pair
+    bs = consumer.engine.block_size
+    prompt = reference.prompt_token_ids[: 3 * bs + 1]
+    assert consumer.engine.reset_prefix_cache()
+    consumer.generate([prompt], GREEDY, use_tqdm=False)
+    params = _prefill(producer, prompt)
+    loaded = consumer.engine.scheduler.connector.loaded_tokens
+    consumer.generate([prompt], dataclasses.replace(GREEDY, kv_transfer_params=params), use_tqdm=False)
+    assert consumer.engine.scheduler.connector.loaded_tokens == loaded
+    _settle(consumer, lambda: not consumer.engine.has_kv_transfers())
+    _settle(producer, lambda: not producer.engine.has_kv_transfers(), timeout_s=5)  # far below timeout_s (120)
+
+
+def test_fetched_requests_are_not_kept_waiting_behind_one_that_cannot_fit():
+    """A decoding request preempted for blocks goes back to the front of the
+    queue; requests whose remote KV arrived hold blocks behind it. They hold
+    all they need (their last token's slot too) and run first."""
+    from appliance.engine.kv_cache.manager import KVCacheManager
+    from appliance.engine.kv_connector import KVConnectorOutput
+    from appliance.engine.kv_p2p import P2PConnector
+    from appliance.engine.request import Request
+    from appliance.engine.scheduler import Scheduler
+
+    bs = 4
+    kv = KVCacheManager(13, bs, True, "sha256")  # 12 usable blocks
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64,
+                      connector=P2PConnector("consumer", "e", "h", 1, bs, 60.0, 6))
+    remote = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_host": "127.0.0.1", "remote_port": 9,
+              "remote_request_id": "t", "remote_block_ids": list(range(5)), "remote_num_tokens": 17}
+    for rid in ("L1", "L2"):
+        sched.add_request(Request(rid, list(range(1, 18)), SamplingParams(max_tokens=4, kv_transfer_params=remote)))
+    out = sched.schedule()  # both start their fetches: 5 blocks each (16 tokens and the last one's slot)
+    assert not out.num_scheduled_tokens and len(out.kv_connector_metadata.recvs) == 2
+    big = Request("R", list(range(100, 108)), SamplingParams(max_tokens=20, ignore_eos=True))
+    sched.add_request(big)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"R": 8}
+    sched.update_from_output(out, {"R": [7]})
+    while big.status == RequestStatus.RUNNING:  # R decodes until the pool is out: it preempts itself
+        out = sched.schedule()
+        if out.num_scheduled_tokens:
+            sched.update_from_output(out, {"R": [7]})
+    sched.update_from_connector_output(KVConnectorOutput(finished_recving=["L1", "L2"]))
+    out = sched.schedule()
+    assert set(out.num_scheduled_tokens) == {"L1", "L2"} and out.num_scheduled_tokens["L1"] == 1
+    kv.check_integrity()
+
+
+def test_a_report_that_arrives_with_a_failed_step_is_not_lost(pair):
+    """The worker side reported a transfer fetched, then the step failed:
+    the core still frees the blocks it held."""
+    producer, _ = pair
+    _prefill(producer)
+    core, kv = producer.engine, producer.engine.scheduler.kv
+    (rid,) = core.scheduler.connector.sending
+    held = kv.num_free_blocks
+    runner = core.runner
+    real = runner._execute
+
+    def fail_after_the_report(so, out):
+        real(so, out)
+        out.kv_connector_output.finished_sending.append(rid)
+        raise RuntimeError("the step failed after the connector's report")
+
+    runner._execute = fail_after_the_report
+    try:
+        core.step()
+    finally:
+        runner._execute = real
+    assert rid not in core.scheduler.connector.sending and kv.num_free_blocks > held
+    kv.check_integrity()
+
+
+def test_the_blocks_held_for_consumers_stay_under_half_the_pool():
+    producer = _producer()
+    kv, connector = producer.engine.scheduler.kv, producer.engine.scheduler.connector
+    prompt = [3 + i % 500 for i in range(16 * kv.block_size)]
+    held = 0
+    while held + 16 <= connector.max_held_blocks:
+        assert _prefill(producer, prompt) is not None
+        held += 16
+        prompt = [t + 1 if t < 500 else 3 for t in prompt]
+    assert _prefill(producer, prompt) is None  # answered, without KV to fetch: a consumer computes the prompt
+    assert sum(connector.sending.values()) == held
 
 
 @pytest.mark.parametrize("kv_params,role,message", [
@@ -223,6 +338,9 @@ def test_hostile_messages_do_not_stop_the_producer(pair, reference):
     ({"do_remote_prefill": True}, "producer", "this server is a producer"),
     ({"do_remote_decode": "yes"}, "both", "must be booleans"),
     ({"do_remote_decode": True, "do_remote_prefill": True}, "both", "cannot both be true"),
+    ({"do_remote_decode": False}, "both", "asks for nothing"),
+    ({"do_remote_decode": True, "do_remote_prefil": True}, "both", "unknown key(s) 'do_remote_prefil'"),
+    ({"do_remote_decode": True, "remote_port": 5}, "both", "do_remote_decode with remote_port set"),
     ({"do_remote_prefill": True, "remote_engine_id": "e"}, "both", "remote_host must be a string"),
     ({"do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "h", "remote_port": 70000,
       "remote_request_id": "t", "remote_block_ids": [0], "remote_num_tokens": 4}, "both", "remote_port must be in"),
@@ -237,7 +355,7 @@ def test_kv_transfer_params_are_checked(kv_params, role, message):
 
 
 def test_kv_transfer_params_need_the_p2p_connector():
-    params = SamplingParams(kv_transfer_params={"do_remote_decode": True})
+    params = SamplingParams(kv_transfer_params={"do_remote_decode": True, "remote_host": None})  # vLLM proxies' nulls
     assert "this server's KV connector is none" in kv_transfer_problem(params, None, "", 16)
     assert "is offload" in kv_transfer_problem(params, "offload", "both", 16)
     assert "n=1" in kv_transfer_problem(dataclasses.replace(params, n=2), "p2p", "both", 16)
@@ -257,6 +375,8 @@ def test_kv_transfer_params_need_the_p2p_connector():
     (["kv_transfer=p2p", "kv_transfer.offload.max_gib=2"], "kv_transfer.offload.max_gib=2.0 has no effect without "
                                                            "kv_transfer.connector=offload"),
     (["kv_transfer=p2p", "parallel=tp3"], "kv_transfer.connector=p2p with 3 rank(s)"),
+    (["kv_transfer=p2p", "kv_transfer.p2p.bind_host=0.0.0.0"], "consumers need an address to reach this producer"),
+    (["kv_transfer=p2p", "speculative=draft_model"], "speculative=draft_model would draft from stale KV"),
     (["kv_transfer.p2p.timeout_s=5"], "kv_transfer.p2p.timeout_s=5.0 has no effect without kv_transfer.connector=p2p"),
 ])
 def test_config_refuses_what_cannot_run(extra, message):
