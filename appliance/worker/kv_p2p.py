@@ -101,7 +101,7 @@ class P2PWorker:
             self._server = self._ctx.socket(zmq.ROUTER)
             self._server.setsockopt(zmq.LINGER, 0)
             self._server.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
-            self._server.setsockopt(zmq.IPV6, 1)
+            self._server.setsockopt(zmq.IPV6, int(":" in bind_host))  # "::" or an IPv6 address
             try:
                 self._server.bind(f"tcp://{bind_host}:{port}")
             except zmq.ZMQError as e:
@@ -178,8 +178,8 @@ class P2PWorker:
     def _reply(sock: Any, ident: bytes, frames: list) -> None:
         import zmq
 
-        try:
-            sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK)
+        try:  # the blocks' buffer goes out as it is (ZeroMQ keeps it alive until sent)
+            sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:
             pass  # the client is gone, or not reading: its pull times out there
 
@@ -237,11 +237,17 @@ class P2PWorker:
                 or not 0 <= first < first + count <= n or not 0 < tokens <= len(spec.token_ids)):
             return [b"error", b"blocks or tokens outside the transfer"]
         caches = self._caches
-        ids = torch.tensor(spec.block_ids[first:first + count], dtype=torch.long, device=caches[0].device)
-        data = torch.stack([c.index_select(1, ids) for c in caches]).cpu().contiguous()
+        like = caches[0]
+        ids = torch.tensor(spec.block_ids[first:first + count], dtype=torch.long, device=like.device)
+        data = torch.empty((len(caches), like.shape[0], count, *like.shape[2:]), dtype=like.dtype)
+        for layer, c in enumerate(caches):  # one copy into the message's buffer (host memory)
+            if c.device.type == "cpu":
+                torch.index_select(c, 1, ids, out=data[layer])
+            else:
+                data[layer].copy_(c.index_select(1, ids))
         header = msgspec.msgpack.encode({"digest": token_digest(spec.token_ids[:tokens]), "shape": list(data.shape),
                                          "dtype": _dtype_name(data.dtype)})
-        return [b"ok", header, data.view(torch.uint8).numpy().tobytes()]
+        return [b"ok", header, memoryview(data.view(torch.uint8).numpy())]
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -302,7 +308,7 @@ class P2PWorker:
 
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
-        sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.IPV6, int(":" in host))  # IPv6 for IPv6 addresses only: "localhost" stays IPv4
         sock.setsockopt(zmq.MAXMSGSIZE, max_message)
         try:
             sock.connect(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
@@ -340,12 +346,13 @@ class P2PWorker:
 
     def _receive(self, load: _Load) -> Optional[str]:
         """Write a pull's answer into the blocks; why it could not be, or None."""
-        frames = load.socket.recv_multipart(copy=True)
-        if frames[0] == b"error" and len(frames) == 2:
-            return frames[1].decode(errors="replace")
-        if frames[0] != b"ok" or len(frames) != 3:
+        frames = load.socket.recv_multipart(copy=False)  # the payload is read where ZeroMQ received it
+        kind = frames[0].bytes
+        if kind == b"error" and len(frames) == 2:
+            return frames[1].bytes.decode(errors="replace")
+        if kind != b"ok" or len(frames) != 3:
             return "a malformed answer"
-        header = msgspec.msgpack.decode(frames[1])
+        header = msgspec.msgpack.decode(frames[1].bytes)
         spec, caches = load.spec, self._caches
         if header.get("digest") != spec.token_digest:
             return "the producer's blocks hold other tokens"
@@ -353,8 +360,8 @@ class P2PWorker:
         shape = [len(caches), like.shape[0], len(spec.block_ids), *like.shape[2:]]
         if header.get("shape") != shape or header.get("dtype") != _dtype_name(like.dtype):
             return f"blocks of shape {header.get('shape')} {header.get('dtype')}, not {shape} {_dtype_name(like.dtype)}"
-        payload = frames[2]
-        if len(payload) != like.element_size() * int(torch.Size(shape).numel()):
+        payload = frames[2].buffer
+        if payload.nbytes != like.element_size() * int(torch.Size(shape).numel()):
             return "a truncated payload"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only bytes: only read

@@ -396,6 +396,16 @@ def test_plan_describes_the_roles():
     assert "produces" in words() and "consumes" in words()
 
 
+def test_an_ipv6_producer(pair, reference):
+    producer = _producer("kv_transfer.p2p.bind_host='::1'")
+    params = _prefill(producer)
+    assert params["remote_host"] == "::1"
+    consumer = pair[1]
+    out = _decode(consumer, params)
+    _same(out, reference)
+    assert out.num_cached_tokens == len(reference.prompt_token_ids) - 1
+
+
 def test_a_port_in_use_is_a_clear_error():
     port = free_port()
     _producer_on = [*BASE, "kv_transfer=p2p", f"kv_transfer.p2p.port={port}"]
