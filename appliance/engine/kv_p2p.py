@@ -13,9 +13,9 @@ back as ``kv_transfer_params``:
     remote_block_ids, remote_num_tokens (tokens whose KV the blocks hold)
 
 A **consumer** is given the same prompt with those parameters. It allocates
-blocks for the prompt except its last token (past any prefix-cache hits of
-its own). It waits for them in WAITING_FOR_REMOTE_KVS while other requests
-keep running. The worker side (``worker/kv_p2p.py``) pulls them over
+blocks for the whole prompt past any prefix-cache hits of its own, to be
+filled with the KV of all but its last token, and waits for them in
+WAITING_FOR_REMOTE_KVS while other requests keep running. The worker side (``worker/kv_p2p.py``) pulls them over
 ZeroMQ/TCP, checks they hold the same tokens (a digest of the token ids),
 writes them, and releases the producer's copy. Then only the last prompt
 token runs and the request decodes.
