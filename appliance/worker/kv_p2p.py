@@ -239,15 +239,17 @@ class P2PWorker:
         caches = self._caches
         like = caches[0]
         ids = torch.tensor(spec.block_ids[first:first + count], dtype=torch.long, device=like.device)
-        data = torch.empty((len(caches), like.shape[0], count, *like.shape[2:]), dtype=like.dtype)
-        for layer, c in enumerate(caches):  # one copy into the message's buffer (host memory)
+        shape = [len(caches), like.shape[0], count, *like.shape[2:]]
+        data = torch.empty((*shape[:-1], shape[-1] * like.element_size()), dtype=torch.uint8)
+        for layer, c in enumerate(caches):  # one copy into the message's buffer (host memory), as bytes
+            raw = c.view(torch.uint8)  # any cache dtype (CPU kernels lack fp8 indexing)
             if c.device.type == "cpu":
-                torch.index_select(c, 1, ids, out=data[layer])
+                torch.index_select(raw, 1, ids, out=data[layer])
             else:
-                data[layer].copy_(c.index_select(1, ids))
-        header = msgspec.msgpack.encode({"digest": token_digest(spec.token_ids[:tokens]), "shape": list(data.shape),
-                                         "dtype": _dtype_name(data.dtype)})
-        return [b"ok", header, memoryview(data.view(torch.uint8).numpy())]
+                data[layer].copy_(raw.index_select(1, ids))
+        header = msgspec.msgpack.encode({"digest": token_digest(spec.token_ids[:tokens]), "shape": shape,
+                                         "dtype": _dtype_name(like.dtype)})
+        return [b"ok", header, memoryview(data.numpy())]
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -365,10 +367,10 @@ class P2PWorker:
             return "a truncated payload"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only bytes: only read
-            data = torch.frombuffer(payload, dtype=torch.uint8).view(like.dtype).view(shape)
+            data = torch.frombuffer(payload, dtype=torch.uint8).view(*shape[:-1], shape[-1] * like.element_size())
         ids = torch.tensor(spec.block_ids, dtype=torch.long, device=like.device)
-        for layer, cache in enumerate(caches):
-            cache.index_copy_(1, ids, data[layer].to(like.device))
+        for layer, cache in enumerate(caches):  # as bytes: any cache dtype
+            cache.view(torch.uint8).index_copy_(1, ids, data[layer].to(like.device))
         return None
 
     def _end(self, load: _Load, error: Optional[str]) -> None:

@@ -396,6 +396,23 @@ def test_plan_describes_the_roles():
     assert "produces" in words() and "consumes" in words()
 
 
+@pytest.mark.parametrize("extra", [["model.dtype=bfloat16"], ["cache.kv_cache_dtype=fp8_e4m3"]])
+def test_other_dtypes_move_as_they_are(extra):
+    """bf16 activations and KV, and an fp8 KV cache: the blocks move in the
+    cache's own dtype and the consumer answers as one engine does."""
+    base = [*BASE, *extra]
+    plain = LLM(overrides=base).generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    producer = LLM(overrides=[*base, "kv_transfer=p2p", "kv_transfer.role=producer",
+                              f"kv_transfer.p2p.port={free_port()}"])
+    consumer = LLM(overrides=[*base, "kv_transfer=p2p", "kv_transfer.role=consumer"])
+    assert producer.engine.runner.kv_caches[0].dtype == consumer.engine.runner.kv_caches[0].dtype
+    out = _decode(consumer, _prefill(producer))
+    assert out.num_cached_tokens == len(plain.prompt_token_ids) - 1
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    for a, b in zip(out.outputs[0].logprobs, plain.outputs[0].logprobs):
+        assert abs(a.logprob - b.logprob) < 0.05
+
+
 def test_an_ipv6_producer(pair, reference):
     producer = _producer("kv_transfer.p2p.bind_host='::1'")
     params = _prefill(producer)
