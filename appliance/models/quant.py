@@ -83,11 +83,23 @@ class Int8WeightOnlyLinear(nn.Module):
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         q, s = quantize_rows_int8(rows)
-        sums = torch._int_mm(q, self.weight_int8.t()) if q.shape[0] else q.new_zeros(0, self.out_features, dtype=torch.int32)
+        sums = int8_matmul(q, self.weight_int8)
         y = sums.float() * s[:, None] * self.scale[None, :]
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def int8_matmul(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Exact int32 sums of int8 rows [m, k] times int8 weights [n, k]:
+    ``torch._int_mm``, except for k == 1, where its oneDNN path returns wrong
+    sums on CPUs with AVX512-VNNI/AMX (the outer product is taken in int32
+    there), and for no rows."""
+    if not q.shape[0]:
+        return q.new_zeros(0, w.shape[0], dtype=torch.int32)
+    if q.shape[1] == 1:
+        return q.to(torch.int32) * w.to(torch.int32).t()
+    return torch._int_mm(q, w.t())
 
 
 def quantize_groups_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

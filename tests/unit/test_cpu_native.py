@@ -18,7 +18,7 @@ from appliance import LLM, SamplingParams
 from appliance.kernels.cpu_native import CpuNativeBackend, NativeLinear, avx512, bf16_dot, pack_q4_panels, vnni
 from appliance.kernels.registry import Selection
 from appliance.models.quant import (GroupedInt8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4,
-                                    quantize_int8_weight_only, quantize_rows_int8)
+                                    int8_matmul, quantize_int8_weight_only, quantize_rows_int8)
 from tests.kernel_helpers import make_problem, reference
 from tests.model_helpers import PROMPTS, TINY_VARIANTS
 
@@ -144,6 +144,18 @@ def test_w8a8_linear_on_vnni_matches_the_reference_bit_for_bit(m, n, k):
     mod, x = _w8a8(n, k, m, bias=n % 2 == 1, seed=m * 1000 + n + k)
     with _pinned(vnni, True):
         _assert_w8a8_exact(mod, x)
+
+
+@pytest.mark.parametrize("m", [0, 1, 3, 17])
+@pytest.mark.parametrize("n,k", [(1, 1), (20, 1), (7, 2), (64, 13), (9, 576)])
+def test_int8_matmul_sums_exactly_on_every_cpu(m, n, k):
+    """The reference's int32 sums equal an int64 product, k == 1 included
+    (torch._int_mm returns wrong sums there on VNNI/AMX CPUs)."""
+    g = torch.Generator().manual_seed(m * 100 + n + k)
+    q = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    got = int8_matmul(q, w)
+    assert got.dtype == torch.int32 and torch.equal(got, (q.long() @ w.long().t()).int())
 
 
 def test_w8a8_rows_quantize_per_token_round_half_even():
