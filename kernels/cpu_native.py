@@ -4,7 +4,7 @@
 GEMMs with the widening in registers and fp32 activations (batched bf16 GEMMs
 take bf16-rounded rows on AVX512-BF16 where the CPU has it, see
 ``bf16_dot``), W8A8 int8 GEMMs with int32 sums (AVX512-VNNI where the CPU
-has it, see ``vnni``), paged attention that reads K/V blocks in
+has it, see ``vnni``), AMX tiles for both from 16 rows (``amx``), paged attention that reads K/V blocks in
 place (no gather), fused RMSNorm/rope/KV-write/SiLU, and ``appl_forward``,
 which runs a whole Llama-family step in one call so a decode step pays no
 per-op Python or dispatcher cost. The library is compiled with the
@@ -99,6 +99,8 @@ _LIB.appl_avx512.argtypes = [ctypes.c_int]
 _LIB.appl_avx512.restype = ctypes.c_int
 _LIB.appl_vnni.argtypes = [ctypes.c_int]
 _LIB.appl_vnni.restype = ctypes.c_int
+_LIB.appl_amx.argtypes = [ctypes.c_int]
+_LIB.appl_amx.restype = ctypes.c_int
 _LIB.appl_apply_token_bitmask.argtypes = [_p, _i64, _p, _i64, _p, ctypes.c_int, _i64]
 _LIB.appl_apply_token_bitmask.restype = None
 
@@ -146,6 +148,17 @@ def vnni(enabled: Optional[bool] = None) -> bool:
     return bool(_LIB.appl_vnni(-1 if enabled is None else int(enabled)))
 
 
+def amx(enabled: Optional[bool] = None) -> bool:
+    """Whether GEMMs of 16 rows or more run on AMX tiles where the CPU has
+    them (Sapphire Rapids and later): bf16 and int4 weights on AMX-BF16
+    (tdpbf16ps; only while ``bf16_dot`` is on, whose rounding of the rows it
+    shares), W8A8 int8 on AMX-INT8 (tdpbssd, the same bits as every W8A8
+    path); on by default where the CPU and the OS grant them, unless
+    ``APPLIANCE_CPU_AMX=0``. ``enabled`` switches them; on is refused,
+    returning False, where the CPU lacks AMX."""
+    return bool(_LIB.appl_amx(-1 if enabled is None else int(enabled)))
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[tuple[int, int]],
                         vocab_size: int) -> None:
     """Structured outputs' mask, in place: for each (logits row, bitmask
@@ -178,6 +191,8 @@ if os.environ.get("APPLIANCE_CPU_AVX512") == "0":
     avx512(False)
 if os.environ.get("APPLIANCE_CPU_VNNI") == "0":
     vnni(False)
+if os.environ.get("APPLIANCE_CPU_AMX") == "0":
+    amx(False)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:

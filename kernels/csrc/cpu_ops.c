@@ -15,13 +15,13 @@
  * rows quantized to int8 per call (see "W8A8 int8"); the embedding table is
  * fp32 or bf16. Activations and accumulation are fp32 whatever the weights
  * (except W8A8's int32 sums, and where batched bf16 GEMMs run on
- * AVX512-BF16, see below); the KV cache is fp32,
+ * AVX512-BF16 or AMX, see below); the KV cache is fp32,
  * bf16 or fp8 (e4m3 or e5m2, holding k / k_scale and v / v_scale with a
  * scale per layer, 1 unless the checkpoint gives one).
  *
  * Built at first use by kernels/cpu_native.py (gcc -O3 -mavx2 -mfma -mf16c -ffp-contract=off
- * -fopenmp; the AVX-512 functions (F/BW, BF16, VNNI) by target attribute, chosen at run
- * time); OpenMP resolves to the libgomp torch has already loaded, so the
+ * -fopenmp; the AVX-512 functions (F/BW, BF16, VNNI) and the AMX ones by target attribute, chosen
+ * at run time); OpenMP resolves to the libgomp torch has already loaded, so the
  * kernels share torch's thread count.
  */
 #include <cpuid.h>
@@ -31,7 +31,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #define KV_F32 0
 #define KV_BF16 1
@@ -627,16 +629,18 @@ int appl_avx512(int set) {
     return g_avx512;
 }
 
-/* One row to bf16, zero-padded to kp (k rounded up to even, vdpbf16ps takes k in pairs). */
+/* One row to bf16, zero-padded to kp >= k (vdpbf16ps takes k in pairs, AMX in blocks of 32). */
 DOT_TARGET static void row_to_bf16(const float *x, uint16_t *o, int64_t k, int64_t kp) {
     int64_t i = 0;
     for (; i + 16 <= k; i += 16) _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
-    if (i < kp) {
+    if (i < k) {
         uint16_t tail[16];
         const __mmask16 mask = (__mmask16)((1u << (k - i)) - 1);
         _mm256_storeu_si256((__m256i *)tail, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, x + i)));
-        memcpy(o + i, tail, sizeof(uint16_t) * (size_t)(kp - i));
+        memcpy(o + i, tail, sizeof(uint16_t) * (size_t)(kp - i < 16 ? kp - i : 16));
+        i += 16;
     }
+    if (i < kp) memset(o + i, 0, sizeof(uint16_t) * (size_t)(kp - i));
 }
 
 /* mr rows (bf16, row stride kp) by one re-laid panel ([kp / 2][PW][2]: channel c of k pair j at j * 2PW + 2c). */
@@ -658,13 +662,29 @@ DOT_TARGET static inline __attribute__((always_inline)) void dtile(const uint16_
 
 #define DTILE_CASE(R) case R: dtile(xr, kp, pbuf, R, c); break;
 
-/* A grouped panel widened to fp32 ([k][PW], k even), rounded to bf16 (nearest even) in k pairs as dtile reads them. */
-DOT_TARGET static void grouped_pairs(const Linear *L, int64_t pn, float *wf, uint16_t *pbuf, __m512i pairs) {
-    grouped_widen(L, pn, wf);
-    for (int64_t j = 0; j < L->k / 2; j++) {
-        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(wf + (2 * j + 1) * PW), _mm512_loadu_ps(wf + 2 * j * PW));
-        _mm512_storeu_si512(pbuf + j * 2 * PW, _mm512_permutexvar_epi16(pairs, (__m512i)v));
+/* Panel pn re-laid as k pairs ([kp / 2][PW][2] bf16: channel c of pair j at j * 2PW + 2c, the operand
+ * order of vdpbf16ps and of an AMX B tile), zero past k up to kp (even): a bf16 panel as it is; a grouped
+ * (int4 or grouped int8) one widened to fp32 in wf ([k][PW], k even) and rounded to bf16 (nearest even). */
+DOT_TARGET static void panel_pairs(const Linear *L, int64_t pn, int64_t kp, uint16_t *pbuf, float *wf) {
+    const int64_t k = L->k;
+    /* [k even | k odd] x 16 channels -> channel-major pairs */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    int64_t j = 0;
+    if (L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G) {
+        grouped_widen(L, pn, wf);
+        for (; j < k / 2; j++) {
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(wf + (2 * j + 1) * PW), _mm512_loadu_ps(wf + 2 * j * PW));
+            _mm512_storeu_si512(pbuf + j * 2 * PW, _mm512_permutexvar_epi16(pairs, (__m512i)v));
+        }
+    } else {
+        const uint16_t *pb = (const uint16_t *)L->w + pn * k * PW;
+        for (; 2 * j < k; j++) {
+            const __mmask32 rows = 2 * j + 1 < k ? 0xffffffffu : 0xffffu; /* an odd k pairs its last row with zeros */
+            _mm512_storeu_si512(pbuf + j * 2 * PW, _mm512_permutexvar_epi16(pairs, _mm512_maskz_loadu_epi16(rows, pb + j * 2 * PW)));
+        }
     }
+    if (2 * j < kp) memset(pbuf + j * 2 * PW, 0, sizeof(uint16_t) * (size_t)(kp - 2 * j) * PW);
 }
 
 /* Rows [m0, m1) of xb (bf16, row stride kp) against bf16 (or int4) panels [p0, p1); pbuf
@@ -673,23 +693,12 @@ DOT_TARGET static void grouped_pairs(const Linear *L, int64_t pn, float *wf, uin
 DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int64_t kp, float *out, int64_t ldo,
                                        int64_t m0, int64_t m1, int64_t p0, int64_t p1, int accumulate, uint16_t *pbuf,
                                        float *wf) {
-    const int64_t k = L->k, n = L->n, pstride = k * PW;
-    /* [k even | k odd] x 16 channels -> channel-major pairs */
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const int64_t n = L->n;
     float c[DR][PW];
     for (int64_t pn = p0; pn < p1; pn++) {
         const int64_t n0 = pn * PW;
         const int nv = (int)(n - n0 < PW ? n - n0 : PW);
-        if (L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G) {
-            grouped_pairs(L, pn, wf, pbuf, pairs);
-        } else {
-            const uint16_t *pb = (const uint16_t *)L->w + pn * pstride;
-            for (int64_t j = 0; j < kp / 2; j++) {
-                const __mmask32 rows = 2 * j + 1 < k ? 0xffffffffu : 0xffffu; /* an odd k pairs its last row with zeros */
-                _mm512_storeu_si512(pbuf + j * 2 * PW, _mm512_permutexvar_epi16(pairs, _mm512_maskz_loadu_epi16(rows, pb + j * 2 * PW)));
-            }
-        }
+        panel_pairs(L, pn, kp, pbuf, wf);
         for (int64_t m = m0, mr; m < m1; m += mr) {
             const int64_t left = m1 - m; /* twelve-row tiles; a short remainder shares the last 24 rows evenly */
             mr = left >= 2 * DR || left <= DR ? (left < DR ? (int)left : DR) : (int)((left + 1) / 2);
@@ -699,6 +708,131 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
                 DTILE_CASE(6) DTILE_CASE(5) DTILE_CASE(4) DTILE_CASE(3) DTILE_CASE(2) default: dtile(xr, kp, pbuf, 1, c);
             }
             for (int i = 0; i < (int)mr; i++) store_out(L, out + (m + i) * ldo + n0, n0, c[i], nv, accumulate);
+        }
+    }
+}
+
+/* ------------------------------------------------------------- AMX tiles */
+/*
+ * Where the CPU has AMX (Sapphire Rapids and later), GEMMs of at least AMX_MIN_ROWS rows run on its tile
+ * registers, eight of 16 rows by 64 bytes. One tdpbf16ps multiplies 16 rows by 32 k in bf16 (a row tile)
+ * into 16 by 16 fp32 sums against a weight tile of 16 k pairs by 16 channels, laid out as panel_pairs
+ * lays a panel (the vdpbf16ps operand order): 512 times one vdpbf16ps' work. One tdpbssd does the same
+ * for 64 k of int8 rows and a W8A8 panel's 16 quads as they are stored, summing in int32. A block is 32
+ * rows by two panels: sums in tiles 0-3, rows in 4 and 5, weights in 6 and 7. The rows are padded with
+ * zero rows to a multiple of 16 and with zero columns to the tiles' k (32 bf16, 64 int8); bf16 weights
+ * with zero pairs (panel_pairs), int8 ones through a zero-padded copy of the last quads, so the padding
+ * adds exact zeros. Sums: fp32 from products of the rounded rows (the vdpbf16ps path's, up to summation
+ * order; on only where it is, see appl_bf16_dot), exact int32 (the same bits as every W8A8 path).
+ * Linux hands out the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM, asked once at load); each
+ * thread loads the tile configuration for a call and releases it after.
+ */
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512bf16")))
+#define AMX_MIN_ROWS 16
+
+static int g_has_amx_bf16, g_has_amx_int8, g_amx;
+
+/* AMX-TILE (CPUID 7.0 EDX bit 24) with AMX-BF16 (bit 22) and/or AMX-INT8 (bit 25), the OS saving the tile
+ * state (XCR0 bits 17 and 18), and Linux granting this process the tile data. */
+static void __attribute__((constructor)) probe_amx(void) {
+    unsigned a, b, c, d;
+    if (cpu_avx512_level() < 2 || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return;
+    unsigned xlo, xhi;
+    __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+    if ((xlo & (3u << 17)) != (3u << 17)) return;
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return;
+    g_has_amx_bf16 = (d >> 22) & 1;
+    g_has_amx_int8 = (d >> 25) & 1;
+    g_amx = g_has_amx_bf16 || g_has_amx_int8;
+}
+
+/* The AMX paths: set < 0 asks, 0 turns them off, 1 on (where the CPU has them). Returns the state. */
+int appl_amx(int set) {
+    if (set >= 0) g_amx = set && (g_has_amx_bf16 || g_has_amx_int8);
+    return g_amx;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Every tile 16 rows by 64 bytes (palette 1). */
+AMX_TARGET static void amx_begin(void) {
+    TileConfig t;
+    memset(&t, 0, sizeof(t));
+    t.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        t.rows[i] = 16;
+        t.colsb[i] = 64;
+    }
+    /* gcc's _tile_loadconfig names only a pointer's worth of the configuration as its operand, so the stores
+     * filling the rest could be dropped as dead: the whole struct is the operand here */
+    __asm__ volatile("ldtilecfg %0" ::"m"(t));
+}
+
+AMX_TARGET static void amx_end(void) { _tile_release(); }
+
+/* 16 nr rows (nr 1 or 2; row stride lda bytes) by np panels (1 or 2): nblocks k-blocks, block j's rows at
+ * xa + 64 j and its weight tiles (16 rows of 64 bytes) at w0 + 1024 j and w1 + 1024 j, except the last
+ * block's at t0, t1 where given; the sums (fp32 or int32) into c, rows ldc bytes apart. */
+#define DEFINE_AMX_BLOCK(NAME, DP)                                                                          \
+    AMX_TARGET static void NAME(const char *xa, int64_t lda, const char *w0, const char *w1, int64_t nblocks,  \
+                                const char *t0, const char *t1, const int nr, const int np, void *c,        \
+                                int64_t ldc) {                                                             \
+        __asm__ volatile("" ::: "memory"); /* the tile loads read what C code wrote: no asm says so */     \
+        _tile_zero(0);                                                                                     \
+        _tile_zero(1);                                                                                     \
+        _tile_zero(2);                                                                                     \
+        _tile_zero(3);                                                                                     \
+        for (int64_t j = 0; j < nblocks; j++) {                                                            \
+            const int last = j == nblocks - 1;                                                             \
+            const char *b0 = last && t0 ? t0 : w0 + 1024 * j, *b1 = last && t1 ? t1 : w1 + 1024 * j;       \
+            _tile_loadd(4, xa + 64 * j, lda);                                                              \
+            _tile_loadd(6, b0, 64);                                                                        \
+            DP(0, 4, 6);                                                                                   \
+            if (np > 1) {                                                                                  \
+                _tile_loadd(7, b1, 64);                                                                    \
+                DP(1, 4, 7);                                                                               \
+            }                                                                                              \
+            if (nr > 1) {                                                                                  \
+                _tile_loadd(5, xa + 16 * lda + 64 * j, lda);                                               \
+                DP(2, 5, 6);                                                                               \
+                if (np > 1) DP(3, 5, 7);                                                                   \
+            }                                                                                              \
+        }                                                                                                  \
+        char *cc = (char *)c; /* rows of four-byte sums, ldc bytes apart */                                 \
+        _tile_stored(0, cc, ldc);                                                                          \
+        if (np > 1) _tile_stored(1, cc + 64, ldc);                                                         \
+        if (nr > 1) {                                                                                      \
+            _tile_stored(2, cc + 16 * ldc, ldc);                                                           \
+            if (np > 1) _tile_stored(3, cc + 16 * ldc + 64, ldc);                                          \
+        }                                                                                                  \
+        __asm__ volatile("" ::: "memory"); /* and C code reads what the tile stores wrote */               \
+    }
+
+DEFINE_AMX_BLOCK(amx_block_bf16, _tile_dpbf16ps)
+DEFINE_AMX_BLOCK(amx_block_int8, _tile_dpbssd)
+
+/* Rows [m0, m1) of xb (bf16, row stride kpa: k padded to a multiple of 32; zero rows up to a multiple of 16
+ * past the last) against bf16 or grouped panels [p0, p1), two at a time, re-laid into pbuf (2 PW kpa
+ * halves; wf: PW k floats for a grouped panel's widening). m0 is a multiple of 32. */
+AMX_TARGET static void packed_rows_amx(const Linear *L, const uint16_t *xb, int64_t kpa, float *out, int64_t ldo,
+                                       int64_t m0, int64_t m1, int64_t p0, int64_t p1, int accumulate, uint16_t *pbuf,
+                                       float *wf) {
+    const int64_t n = L->n;
+    float c[32][2 * PW];
+    for (int64_t pn = p0; pn < p1; pn += 2) {
+        const int np = p1 - pn < 2 ? 1 : 2;
+        const int64_t n0 = pn * PW;
+        const int nv = (int)(n - n0 < np * PW ? n - n0 : np * PW);
+        for (int q = 0; q < np; q++) panel_pairs(L, pn + q, kpa, pbuf + q * PW * kpa, wf);
+        for (int64_t m = m0; m < m1; m += 32) {
+            const int mr = (int)(m1 - m < 32 ? m1 - m : 32);
+            amx_block_bf16((const char *)(xb + m * kpa), 2 * kpa, (const char *)pbuf, (const char *)(pbuf + PW * kpa),
+                           kpa / 32, NULL, NULL, mr > 16 ? 2 : 1, np, c, sizeof(c[0]));
+            for (int i = 0; i < mr; i++) store_out(L, out + (m + i) * ldo + n0, n0, c[i], nv, accumulate);
         }
     }
 }
@@ -858,12 +992,16 @@ static void a8_linear(const Linear *L, const float *x, int64_t ldx, float *out, 
                       int accumulate) {
     const int64_t k = L->k, n = L->n, kq = (k + 3) & ~(int64_t)3, panels = (n + PW - 1) / PW;
     if (m <= 0) return;
-    const int vnni = g_vnni, tile_rows = vnni ? A8_ROWS : 4, step = vnni ? 4 : 1;
-    int8_t *xq = (int8_t *)malloc((size_t)(m * kq));
+    const int amx = g_amx && g_has_amx_int8 && m >= AMX_MIN_ROWS;
+    const int vnni = g_vnni && !amx, tile_rows = amx ? 32 : vnni ? A8_ROWS : 4, step = amx ? 2 : vnni ? 4 : 1;
+    /* the quantized rows, row stride kx; on AMX, k padded to its tiles' 64 and zero rows up to a multiple of 16 */
+    const int64_t kx = amx ? (k + 63) & ~(int64_t)63 : kq, mx = amx ? (m + 15) & ~(int64_t)15 : m;
+    int8_t *xq = (int8_t *)malloc((size_t)(mx * kx));
     float *xs = (float *)malloc(sizeof(float) * (size_t)m);
     if (!xq || !xs) abort();
-    a8_quantize(x, ldx, m, k, kq, xq, xs, vnni);
-    int64_t mc = (256 * 1024) / kq;
+    a8_quantize(x, ldx, m, k, kx, xq, xs, vnni);
+    memset(xq + m * kx, 0, (size_t)((mx - m) * kx));
+    int64_t mc = (256 * 1024) / kx;
     mc = mc < tile_rows ? tile_rows : (mc / tile_rows) * tile_rows;
     const int8_t *w = (const int8_t *)L->w;
     const int32_t *wsum = (const int32_t *)L->qparams;
@@ -872,20 +1010,33 @@ static void a8_linear(const Linear *L, const float *x, int64_t ldx, float *out, 
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t per = (panels + nt - 1) / nt;
         const int64_t p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
-        int32_t c[A8_ROWS][4 * PW];
+        int32_t c[32][4 * PW]; /* A8_ROWS by four panels, or 32 rows by two (AMX) */
         float f[4 * PW];
+        /* AMX: each panel's last quads (past the whole 64-k blocks) copied into zero-padded tiles */
+        const int64_t full = kq / 64, tail = (kq / 4) % 16;
+        int8_t tails[2][1024];
+        if (amx && p0 < p1) {
+            memset(tails, 0, sizeof(tails));
+            amx_begin();
+        }
         for (int64_t m0 = 0; m0 < m; m0 += mc) {
             const int64_t m1 = m0 + mc < m ? m0 + mc : m;
             for (int64_t pn = p0; pn < p1; pn += step) {
                 const int64_t n0 = pn * PW;
                 const int np = (int)(p1 - pn < step ? p1 - pn : step);
                 const int nv = (int)(n - n0 < np * PW ? n - n0 : np * PW);
+                if (amx && tail)
+                    for (int q = 0; q < np; q++) memcpy(tails[q], w + (pn + q) * kq * PW + full * 1024, (size_t)(tail * 64));
                 for (int64_t r = m0, mr; r < m1; r += mr) {
                     mr = m1 - r < tile_rows ? (int)(m1 - r) : tile_rows;
-                    if (vnni)
-                        a8_rows_vnni(xq + r * kq, kq, w + pn * kq * PW, wsum + n0, (int)mr, np, c);
+                    if (amx)
+                        amx_block_int8((const char *)(xq + r * kx), kx, (const char *)(w + pn * kq * PW),
+                                       (const char *)(w + (pn + 1) * kq * PW), kx / 64, tail ? (const char *)tails[0] : NULL,
+                                       tail ? (const char *)tails[1] : NULL, mr > 16 ? 2 : 1, np, c, sizeof(c[0]));
+                    else if (vnni)
+                        a8_rows_vnni(xq + r * kx, kx, w + pn * kq * PW, wsum + n0, (int)mr, np, c);
                     else
-                        a8_rows_avx2(xq + r * kq, kq, w + pn * kq * PW, (int)mr, c);
+                        a8_rows_avx2(xq + r * kx, kx, w + pn * kq * PW, (int)mr, c);
                     for (int i = 0; i < (int)mr; i++) {
                         const __m256 sr = _mm256_set1_ps(xs[r + i]);
                         for (int j = 0; j < np * PW; j += 8)
@@ -895,6 +1046,7 @@ static void a8_linear(const Linear *L, const float *x, int64_t ldx, float *out, 
                 }
             }
         }
+        if (amx && p0 < p1) amx_end();
     }
     free(xq);
     free(xs);
@@ -1058,7 +1210,15 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
     mc = mc < 6 ? 6 : (mc / 6) * 6;
     const int q4 = L->wtype == WTYPE_Q4, grouped = q4 || L->wtype == WTYPE_Q8G;
     const int dot = (L->wtype == WTYPE_BF16 || grouped) && m > 6 && g_bf16_dot;
-    uint16_t *xb = dot ? (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(m * kp)) : NULL; /* the rows in bf16 */
+    const int amx = dot && g_amx && g_has_amx_bf16 && m >= AMX_MIN_ROWS;
+    /* the rows in bf16, row stride kx; on AMX, k padded to its tiles' 32 and zero rows up to a multiple of 16 */
+    const int64_t kx = amx ? (L->k + 31) & ~(int64_t)31 : kp, mx = amx ? (m + 15) & ~(int64_t)15 : m;
+    uint16_t *xb = dot ? (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(mx * kx)) : NULL;
+    if (amx) {
+        memset(xb + m * kx, 0, sizeof(uint16_t) * (size_t)((mx - m) * kx));
+        mc = (256 * 1024 / 2) / kx;
+        mc = mc < 32 ? 32 : (mc / 32) * 32;
+    }
     const int q4_rows_here = q4 && m <= Q4_ROWS_MAX; /* else more rows: widened panels */
     float *xs = NULL; /* the rows' group sums */
     if (q4_rows_here || (grouped && m == 1)) {
@@ -1080,21 +1240,27 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
         } else {
             if (dot) {
 #pragma omp for schedule(static)
-                for (int64_t r = 0; r < m; r++) row_to_bf16(x + r * ldx, xb + r * kp, L->k, kp);
+                for (int64_t r = 0; r < m; r++) row_to_bf16(x + r * ldx, xb + r * kx, L->k, kx);
             }
-            /* a widened panel (PW * k floats), or a re-laid bf16 one (PW * kp halves); a grouped one
-             * on the vdpbf16ps path takes both */
+            /* a widened panel (PW * k floats), or a re-laid bf16 one (PW * kx halves; two on AMX); a
+             * grouped one on the vdpbf16ps or AMX path takes both */
             const int widen = grouped || (L->wtype != WTYPE_F32 && m > 6);
-            float *wbuf = widen ? (float *)malloc(sizeof(float) * PW * (size_t)kp * (grouped && dot ? 2 : 1)) : NULL;
+            const int64_t relaid = amx ? PW * kx : PW * kx / 2; /* floats */
+            float *wbuf = widen ? (float *)malloc(sizeof(float) * (size_t)(grouped && dot ? relaid + PW * kx : (dot ? relaid : PW * kx))) : NULL;
+            if (amx && p0 < p1) amx_begin();
             for (int64_t m0 = 0; m0 < m; m0 += mc) {
                 const int64_t m1 = m0 + mc < m ? m0 + mc : m;
                 if (p0 >= p1) continue;
-                if (dot) /* every row of the call, so all are rounded alike */
-                    packed_rows_dot(L, xb, kp, out, ldo, m0, m1, p0, p1, accumulate, (uint16_t *)wbuf,
-                                    grouped ? wbuf + PW * kp : NULL);
+                if (amx)
+                    packed_rows_amx(L, xb, kx, out, ldo, m0, m1, p0, p1, accumulate, (uint16_t *)wbuf,
+                                    grouped ? wbuf + relaid : NULL);
+                else if (dot) /* every row of the call, so all are rounded alike */
+                    packed_rows_dot(L, xb, kx, out, ldo, m0, m1, p0, p1, accumulate, (uint16_t *)wbuf,
+                                    grouped ? wbuf + relaid : NULL);
                 else
                     packed_rows(L, x, ldx, out, ldo, m0, m1, p0, p1, accumulate, wbuf);
             }
+            if (amx && p0 < p1) amx_end();
             free(wbuf);
         }
     }

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from appliance import LLM, SamplingParams
-from appliance.kernels.cpu_native import CpuNativeBackend, NativeLinear, avx512, bf16_dot, pack_q4_panels, vnni
+from appliance.kernels.cpu_native import CpuNativeBackend, NativeLinear, amx, avx512, bf16_dot, pack_q4_panels, vnni
 from appliance.kernels.registry import Selection
 from appliance.models.quant import (GroupedInt8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4,
                                     int8_matmul, quantize_int8_weight_only, quantize_rows_int8)
@@ -38,9 +38,14 @@ needs_vnni = pytest.mark.skipif(not HAS_VNNI, reason="this CPU lacks AVX512-VNNI
                                                       "(vpmaddwd) here")
 
 
+HAS_AMX = amx()  # on where the CPU has AMX-BF16 and AMX-INT8 and the OS grants the tile state
+needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU (or its OS) has no AMX tiles: GEMMs of 16 rows or "
+                                                    "more run on vdpbf16ps or vpdpbusd here, where the CPU has them")
+
+
 @contextlib.contextmanager
 def _pinned(switch, enabled):
-    """Pin a run-time kernel choice (bf16_dot or avx512) for a block."""
+    """Pin a run-time kernel choice (bf16_dot, avx512, vnni or amx) for a block."""
     before = switch()
     switch(enabled)
     try:
@@ -55,11 +60,12 @@ def _bf16_dot(enabled):
 
 
 def _avx2_only():
-    """The kernels an AVX2-only CPU runs: no vdpbf16ps, no AVX-512 int4 rows, no vpdpbusd."""
+    """The kernels an AVX2-only CPU runs: no vdpbf16ps, no AVX-512 int4 rows, no vpdpbusd, no AMX."""
     stack = contextlib.ExitStack()
     stack.enter_context(_pinned(bf16_dot, False))
     stack.enter_context(_pinned(avx512, False))
     stack.enter_context(_pinned(vnni, False))
+    stack.enter_context(_pinned(amx, False))
     return stack
 
 
@@ -130,7 +136,7 @@ def test_w8a8_linear_on_avx2_matches_the_reference_bit_for_bit(m, n, k):
     reference (torch._int_mm) exactly: every row tile and panel remainder,
     k not a multiple of 4, a zero row, bias, accumulate."""
     mod, x = _w8a8(n, k, m, bias=n % 2 == 1, seed=m * 1000 + n + k)
-    with _pinned(vnni, False):
+    with _pinned(vnni, False), _pinned(amx, False):
         _assert_w8a8_exact(mod, x)
 
 
@@ -142,7 +148,20 @@ def test_w8a8_linear_on_vnni_matches_the_reference_bit_for_bit(m, n, k):
     the same bits as the reference; six-row tiles by four panels and their
     remainders."""
     mod, x = _w8a8(n, k, m, bias=n % 2 == 1, seed=m * 1000 + n + k)
-    with _pinned(vnni, True):
+    with _pinned(vnni, True), _pinned(amx, False):
+        _assert_w8a8_exact(mod, x)
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [16, 17, 31, 32, 33, 40, 100])
+@pytest.mark.parametrize("n,k", [*W8A8_SHAPES, (40, 64), (17, 128), (48, 130)])
+def test_w8a8_linear_on_amx_matches_the_reference_bit_for_bit(m, n, k):
+    """tdpbssd over 32-row by two-panel blocks: the same bits as the
+    reference; one or two row tiles, one or two panels, k padded to the
+    tiles' 64 (a last block of fewer quads read from a zero-padded copy),
+    rows padded to 16."""
+    mod, x = _w8a8(n, k, m, bias=n % 2 == 1, seed=m * 1000 + n + k)
+    with _pinned(amx, True):
         _assert_w8a8_exact(mod, x)
 
 
@@ -173,17 +192,20 @@ def test_w8a8_rows_quantize_per_token_round_half_even():
 
 
 @needs_bf16_dot
-@pytest.mark.parametrize("m", [7, 8, 12, 13, 23, 24, 25, 100])
-@pytest.mark.parametrize("n,k", [(7, 13), (12, 16), (50, 40), (33, 200), (9, 1000), (20, 1)])
-def test_bf16_dot_gemm_matches_the_widen_path_on_rounded_rows(m, n, k):
-    """vdpbf16ps rounds the rows to bf16 and sums exact products in fp32: the
-    widen path's result on the rounded rows, up to summation order. Row tiles
-    of 12 and their remainders, odd k (paired with zeros), accumulate."""
+@pytest.mark.parametrize("tiles", [False, pytest.param(True, marks=needs_amx)], ids=["vdpbf16ps", "amx"])
+@pytest.mark.parametrize("m", [7, 8, 12, 13, 16, 23, 24, 25, 33, 100])
+@pytest.mark.parametrize("n,k", [(7, 13), (12, 16), (50, 40), (33, 200), (9, 1000), (20, 1), (40, 96)])
+def test_bf16_dot_gemm_matches_the_widen_path_on_rounded_rows(tiles, m, n, k):
+    """vdpbf16ps (or from 16 rows AMX's tdpbf16ps) rounds the rows to bf16
+    and sums exact products in fp32: the widen path's result on the rounded
+    rows, up to summation order. Row tiles of 12 and their remainders, odd k
+    (paired with zeros); on AMX one or two row tiles of 16 by one or two
+    panels, k padded to 32; accumulate."""
     mod, w_ref, b = _module("bf16", n, k, bias=(n % 2 == 1), seed=m * 1000 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     xr = x.to(torch.bfloat16).float()
     base = torch.randn(m, n)
-    with _bf16_dot(True):
+    with _bf16_dot(True), _pinned(amx, tiles):
         got = NativeLinear(mod)(x)
         acc = base.clone()
         NativeLinear(mod)(x, out=acc, accumulate=True)
@@ -278,15 +300,17 @@ def test_int4_avx512_rows_match_the_avx2_path(params, group, m, n):
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize("tiles", [False, pytest.param(True, marks=needs_amx)], ids=["vdpbf16ps", "amx"])
 @pytest.mark.parametrize("params", ["fp16", "fp32"])
 @pytest.mark.parametrize("m", [7, 13, 40])
-def test_int4_bf16_dot_gemm_runs_the_rounded_weights_and_rows(params, m):
-    """Over six rows on AVX512-BF16 an int4 panel is widened and rounded to
-    bf16 like the rows: the fp32 GEMM of the rounded values, up to order."""
+def test_int4_bf16_dot_gemm_runs_the_rounded_weights_and_rows(tiles, params, m):
+    """Over six rows on AVX512-BF16 (from 16 on AMX) an int4 panel is widened
+    and rounded to bf16 like the rows: the fp32 GEMM of the rounded values,
+    up to order."""
     mod, w, b = _int4(50, 384, 32, seed=m, params=params)
     x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m))
     xr, wr = x.to(torch.bfloat16).float(), w.to(torch.bfloat16).float()
-    with _bf16_dot(True):
+    with _bf16_dot(True), _pinned(amx, tiles):
         got = NativeLinear(mod)(x)
     _assert_sums_close(got, F.linear(xr, wr, b), xr, wr, b)
 
@@ -309,12 +333,13 @@ def test_grouped_int8_linear_matches_its_dequantized_weights(group, m, n):
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize("tiles", [False, pytest.param(True, marks=needs_amx)], ids=["vdpbf16ps", "amx"])
 @pytest.mark.parametrize("m", [7, 40])
-def test_grouped_int8_bf16_dot_gemm_runs_the_rounded_weights_and_rows(m):
+def test_grouped_int8_bf16_dot_gemm_runs_the_rounded_weights_and_rows(tiles, m):
     mod, w, b = _q8g(50, 256, 16, seed=m)
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
     xr, wr = x.to(torch.bfloat16).float(), w.to(torch.bfloat16).float()
-    with _bf16_dot(True):
+    with _bf16_dot(True), _pinned(amx, tiles):
         got = NativeLinear(mod)(x)
     _assert_sums_close(got, F.linear(xr, wr, b), xr, wr, b)
 
@@ -600,7 +625,8 @@ def test_bf16_dot_smollm2_stays_close_to_fp32_on_the_rounded_weights(smollm2_bf1
 
 
 @pytest.mark.parametrize("switch,variable", [pytest.param("bf16_dot", "APPLIANCE_CPU_BF16_DOT", marks=needs_bf16_dot),
-                                             pytest.param("vnni", "APPLIANCE_CPU_VNNI", marks=needs_vnni)])
+                                             pytest.param("vnni", "APPLIANCE_CPU_VNNI", marks=needs_vnni),
+                                             pytest.param("amx", "APPLIANCE_CPU_AMX", marks=needs_amx)])
 def test_environment_switches_a_cpu_feature_path_off(switch, variable):
     code = f"import appliance.kernels.cpu_native as m; print(m.{switch}())"
     for value, want in (("0", "False"), ("1", "True")):
