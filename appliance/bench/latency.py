@@ -33,16 +33,25 @@ def prefill_ms(engine, prompt: list[int], repeat: int) -> float:
 def decode_ms(engine, prompts: list[list[int]], steps: int) -> float:
     from appliance import SamplingParams
 
-    for i, p in enumerate(prompts):
-        engine.add_request(f"decode-{len(prompts)}-{i}", p, SamplingParams(max_tokens=steps + 2, ignore_eos=True))
+    ids = [f"decode-{len(prompts)}-{i}" for i in range(len(prompts))]
+    # no request may finish before the timed steps end: with a per-step token budget (a latency objective)
+    # the first prompts decode while the last ones prefill, so a fixed max_tokens would run out early and
+    # time smaller batches; they are aborted after
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, SamplingParams(max_tokens=1 << 30, ignore_eos=True))
     while any(r.num_output_tokens == 0 for r in list(engine.scheduler.running) + list(engine.scheduler.waiting)):
         engine.step()  # prefill everything first
     t = time.perf_counter()
     for _ in range(steps):
         engine.step()
     elapsed = time.perf_counter() - t
+    running = len(engine.scheduler.running)
+    engine.abort(ids)
     _drain(engine)
     engine.reset_prefix_cache()
+    if running != len(prompts):
+        raise RuntimeError(f"decode batch {len(prompts)}: only {running} requests ran to the end of the timed steps "
+                           f"(the KV pool or scheduler.max_num_seqs is too small for this batch)")
     return elapsed / steps * 1e3
 
 
