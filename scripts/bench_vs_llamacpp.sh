@@ -35,6 +35,9 @@ LONG_STREAMS=${LONG_STREAMS:-4}
 TARGET_ITL_MS=${TARGET_ITL_MS-null}
 # each slot holds a stream of the mixed-load case (INPUT_LEN + 2048 tokens) or the long prompt
 SLOT_CTX=${SLOT_CTX:-$((LONG_PROMPT > 0 ? LONG_PROMPT + INPUT_LEN + 2048 + 64 : 512))}
+# extra llama-server arguments, e.g. LLAMA_ARGS=--no-repack where its AMX repacked weights crash (seen with
+# this llama.cpp on a Sapphire Rapids host: a SIGSEGV in ggml_backend_amx_mul_mat at the first request)
+LLAMA_ARGS=${LLAMA_ARGS:-}
 SERVER="$LLAMACPP_DIR/build/bin/llama-server"
 
 if [ ! -x "$SERVER" ]; then
@@ -56,8 +59,9 @@ mkdir -p "$OUT"
 COMMON=(--max-concurrency "$LEVELS" --num-prompts "$NUM_PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN"
         --vocab "$VOCAB" --long-prompt "$LONG_PROMPT" --long-streams "$LONG_STREAMS" --out "$OUT")
 
+# shellcheck disable=SC2086  # LLAMA_ARGS splits into arguments
 "$SERVER" -m "$GGUF" -t "$THREADS" -tb "$THREADS" -np "$SLOTS" -c $((SLOTS * SLOT_CTX)) --host 127.0.0.1 \
-  --port "$PORT" >"$OUT/llama-server.log" 2>&1 &
+  --port "$PORT" $LLAMA_ARGS >"$OUT/llama-server.log" 2>&1 &
 LLAMA=$!
 trap 'kill $LLAMA 2>/dev/null || true' EXIT
 for _ in $(seq 600); do

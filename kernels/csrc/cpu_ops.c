@@ -1438,6 +1438,176 @@ DEFINE_ATTEND(bf16, uint16_t, load_bf16)
 DEFINE_ATTEND(e4m3, uint8_t, load_e4m3)
 DEFINE_ATTEND(e5m2, uint8_t, load_e5m2)
 
+/*
+ * Prefill tiles: a run of ATT_QT consecutive query tokens of one request, with the grp query heads that share
+ * one kv head, attend together, so each key and value feeds up to ATT_QT * grp query rows per read. A
+ * request's K and V for one kv head are widened to fp32 once per call, for all its tiles (att_widen: K as
+ * chunks of 16 positions transposed, [chunk][d][16]; V as rows, [pos][d]). Per chunk of keys: S = Q K^T over
+ * register tiles of four rows by 16 keys; an online softmax per row (running max and sum, the output rescaled
+ * when the max grows); O += P V over four rows by 16 (or 8) lanes of d. Row i is token t0 + i / grp, head
+ * i % grp; token t sees the positions below its n_vis (the causal mask within the run). The sums run in
+ * another order than attend_item's, so the two agree to rounding, not bit for bit.
+ */
+#define ATT_QT 16       /* query tokens per tile */
+#define ATT_KC 16       /* key positions per chunk */
+#define ATT_MIN_QUERY 8 /* a request's tokens in a step from which its queries go by tiles */
+
+/* S[i][0..16) = q_i . k_j over d for rows i < nr (<= 4); kt [d][16]. */
+static inline __attribute__((always_inline)) void att_scores4(const float *qs, int d, const float *kt, float *s,
+                                                              const int nr) {
+    __m256 a0[4], a1[4];
+    for (int i = 0; i < 4; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+    for (int c = 0; c < d; c++) {
+        const __m256 k0 = _mm256_loadu_ps(kt + c * ATT_KC), k1 = _mm256_loadu_ps(kt + c * ATT_KC + 8);
+        for (int i = 0; i < 4; i++)
+            if (i < nr) {
+                const __m256 qb = _mm256_broadcast_ss(qs + i * d + c);
+                a0[i] = _mm256_fmadd_ps(qb, k0, a0[i]);
+                a1[i] = _mm256_fmadd_ps(qb, k1, a1[i]);
+            }
+    }
+    for (int i = 0; i < nr; i++) {
+        _mm256_storeu_ps(s + i * ATT_KC, a0[i]);
+        _mm256_storeu_ps(s + i * ATT_KC + 8, a1[i]);
+    }
+}
+
+/* O[i][c0 .. c0 + 8 w) += sum_j P[i][j] V[j][c0 ..] for rows i < nr (<= 4), w 1 or 2 vectors; o rows d apart. */
+static inline __attribute__((always_inline)) void att_pv4(const float *p, const float *vb, int d, int c0, float *o,
+                                                          const int w, int cnt, const int nr) {
+    __m256 a0[4], a1[4];
+    for (int i = 0; i < nr; i++) {
+        a0[i] = _mm256_loadu_ps(o + i * d + c0);
+        a1[i] = w > 1 ? _mm256_loadu_ps(o + i * d + c0 + 8) : _mm256_setzero_ps();
+    }
+    for (int j = 0; j < cnt; j++) {
+        const __m256 v0 = _mm256_loadu_ps(vb + j * d + c0), v1 = w > 1 ? _mm256_loadu_ps(vb + j * d + c0 + 8) : v0;
+        for (int i = 0; i < 4; i++)
+            if (i < nr) {
+                const __m256 pb = _mm256_broadcast_ss(p + i * ATT_KC + j);
+                a0[i] = _mm256_fmadd_ps(pb, v0, a0[i]);
+                if (w > 1) a1[i] = _mm256_fmadd_ps(pb, v1, a1[i]);
+            }
+    }
+    for (int i = 0; i < nr; i++) {
+        _mm256_storeu_ps(o + i * d + c0, a0[i]);
+        if (w > 1) _mm256_storeu_ps(o + i * d + c0 + 8, a1[i]);
+    }
+}
+
+#define ATT_ROWS_CASE(F, ...)                 \
+    switch (nr) {                             \
+    case 4: F(__VA_ARGS__, 4); break;         \
+    case 3: F(__VA_ARGS__, 3); break;         \
+    case 2: F(__VA_ARGS__, 2); break;         \
+    default: F(__VA_ARGS__, 1); break;        \
+    }
+
+/* Positions [0, n) of one kv head (k_base, v_base at that head; rows kv_stride apart, slots through bt) widened to
+ * fp32: kt [ceil(n / 16)][d][16] (zero past n), vb [n][d]. Threads split the chunks. */
+#define DEFINE_ATT_WIDEN(SUFFIX, KT, LOADKV)                                                                          \
+static void att_widen_##SUFFIX(const KT *k_base, const KT *v_base, const int32_t *bt, int bs, int64_t kv_stride,     \
+                               int n, int d, float *kt, float *vb) {                                                  \
+    const int chunks = (n + ATT_KC - 1) / ATT_KC;                                                                     \
+    _Pragma("omp for schedule(static)")                                                                               \
+    for (int ch = 0; ch < chunks; ch++) {                                                                             \
+        float *kc = kt + (int64_t)ch * d * ATT_KC;                                                                    \
+        for (int j = 0; j < ATT_KC; j++) {                                                                            \
+            const int pos = ch * ATT_KC + j;                                                                          \
+            if (pos >= n) {                                                                                           \
+                for (int c = 0; c < d; c++) kc[c * ATT_KC + j] = 0.0f;                                                \
+                continue;                                                                                             \
+            }                                                                                                         \
+            const int64_t slot = (int64_t)bt[pos / bs] * bs + pos % bs;                                               \
+            const KT *kr = k_base + slot * kv_stride, *vr = v_base + slot * kv_stride;                                \
+            for (int c = 0; c < d; c += 8) {                                                                          \
+                float tmp[8];                                                                                         \
+                _mm256_storeu_ps(tmp, LOADKV(kr + c));                                                                \
+                for (int l = 0; l < 8; l++) kc[(c + l) * ATT_KC + j] = tmp[l];                                        \
+                _mm256_storeu_ps(vb + (int64_t)pos * d + c, LOADKV(vr + c));                                          \
+            }                                                                                                         \
+        }                                                                                                             \
+    }                                                                                                                 \
+}
+
+DEFINE_ATT_WIDEN(f32, float, load_kv_f32)
+DEFINE_ATT_WIDEN(bf16, uint16_t, load_bf16)
+DEFINE_ATT_WIDEN(e4m3, uint8_t, load_e4m3)
+DEFINE_ATT_WIDEN(e5m2, uint8_t, load_e5m2)
+
+/* Scratch floats for a tile of `rows` query rows of head size d. */
+static inline int64_t att_tile_floats(int rows, int d) { return (int64_t)rows * (2 * d + ATT_KC + 3); }
+
+/* One tile: ntok tokens (q, out rows ldq / ldo apart, at the group's first head) of a request whose first token
+ * here sees n_vis0 positions; kt, vb: that kv head's widened K and V. */
+static void attend_tile(const float *q, int64_t ldq, float *out, int64_t ldo, const float *kt, const float *vb,
+                        int ntok, int n_vis0, int grp, int d, float scale, float v_scale, float *scr) {
+    const int rows = ntok * grp;
+    float *qs = scr, *o = qs + rows * d, *sc = o + rows * d, *mx = sc + rows * ATT_KC, *sum = mx + rows;
+    int *vis = (int *)(sum + rows);
+    for (int i = 0; i < rows; i++) {
+        memcpy(qs + i * d, q + (int64_t)(i / grp) * ldq + (i % grp) * d, sizeof(float) * (size_t)d);
+        mx[i] = -INFINITY;
+        sum[i] = 0.0f;
+        vis[i] = n_vis0 + i / grp;
+    }
+    memset(o, 0, sizeof(float) * (size_t)(rows * d));
+    const __m256 lane0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), lane1 = _mm256_add_ps(lane0, _mm256_set1_ps(8.0f));
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), sv = _mm256_set1_ps(scale);
+    const int n_max = n_vis0 + ntok - 1;
+    for (int j0 = 0; j0 < n_max; j0 += ATT_KC) {
+        const int cnt = n_max - j0 < ATT_KC ? n_max - j0 : ATT_KC;
+        const float *kc = kt + (int64_t)(j0 / ATT_KC) * d * ATT_KC, *vc = vb + (int64_t)j0 * d;
+        for (int i0 = 0; i0 < rows; i0 += 4) {
+            const int nr = rows - i0 < 4 ? rows - i0 : 4;
+            ATT_ROWS_CASE(att_scores4, qs + i0 * d, d, kc, sc + i0 * ATT_KC)
+        }
+        for (int i = 0; i < rows; i++) { /* scale, mask, online softmax */
+            float *si = sc + i * ATT_KC;
+            const int lim = vis[i] - j0 < cnt ? vis[i] - j0 : cnt; /* keys of this chunk row i sees */
+            if (lim <= 0) { /* none: weights 0 */
+                memset(si, 0, sizeof(float) * ATT_KC);
+                continue;
+            }
+            const __m256 lv = _mm256_set1_ps((float)lim);
+            const __m256 m0 = _mm256_cmp_ps(lane0, lv, _CMP_LT_OQ), m1 = _mm256_cmp_ps(lane1, lv, _CMP_LT_OQ);
+            const __m256 s0 = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(si), sv), m0);
+            const __m256 s1 = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(si + 8), sv), m1);
+            const float bm = hmax8(_mm256_max_ps(s0, s1));
+            if (bm > mx[i]) {
+                if (mx[i] != -INFINITY) {
+                    const float corr = expf(mx[i] - bm);
+                    sum[i] *= corr;
+                    const __m256 cv = _mm256_set1_ps(corr);
+                    for (int c = 0; c < d; c += 8) _mm256_storeu_ps(o + i * d + c, _mm256_mul_ps(_mm256_loadu_ps(o + i * d + c), cv));
+                }
+                mx[i] = bm;
+            }
+            const __m256 mv = _mm256_set1_ps(mx[i]);
+            /* exp8 clamps its argument, so masked keys are zeroed after it */
+            const __m256 e0 = _mm256_and_ps(exp8(_mm256_sub_ps(s0, mv)), m0), e1 = _mm256_and_ps(exp8(_mm256_sub_ps(s1, mv)), m1);
+            _mm256_storeu_ps(si, e0);
+            _mm256_storeu_ps(si + 8, e1);
+            sum[i] += hsum8(_mm256_add_ps(e0, e1));
+        }
+        for (int i0 = 0; i0 < rows; i0 += 4) {
+            const int nr = rows - i0 < 4 ? rows - i0 : 4;
+            for (int c0 = 0; c0 < d; c0 += 16) {
+                if (d - c0 >= 16) {
+                    ATT_ROWS_CASE(att_pv4, sc + i0 * ATT_KC, vc, d, c0, o + i0 * d, 2, cnt)
+                } else {
+                    ATT_ROWS_CASE(att_pv4, sc + i0 * ATT_KC, vc, d, c0, o + i0 * d, 1, cnt)
+                }
+            }
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        const __m256 fv = _mm256_set1_ps(v_scale / sum[i]);
+        float *oi = out + (int64_t)(i / grp) * ldo + (i % grp) * d;
+        for (int c = 0; c < d; c += 8) _mm256_storeu_ps(oi + c, _mm256_mul_ps(_mm256_loadu_ps(o + i * d + c), fv));
+    }
+}
+
 /* fp32 -> fp8 with `ebits` exponent and `mbits` mantissa bits, round to nearest even, saturating at the
  * largest finite code (max_code); NaN stays NaN. */
 static uint8_t f32_to_fp8(float f, int ebits, int mbits, int max_code) {
@@ -1509,7 +1679,59 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
     for (int r = 0; r < n_reqs; r++)
         if (seq_lens[r] > max_len) max_len = seq_lens[r];
     const int ld = (max_len + 7) & ~7;
-    const int per_token = n_tokens >= 2 * omp_get_max_threads();
+    /* prefill runs (a request with ATT_MIN_QUERY tokens or more here) by tiles of ATT_QT tokens and one kv
+     * head (see "Prefill tiles"); the other tokens one by one below */
+    int64_t n_tiles = 0, tiled_tokens = 0;
+    for (int r = 0; r < n_reqs; r++)
+        if (qsl[r + 1] - qsl[r] >= ATT_MIN_QUERY) {
+            n_tiles++;
+            tiled_tokens += qsl[r + 1] - qsl[r];
+        }
+    if (n_tiles) {
+        int max_keys = 0; /* a request's last token sees all its positions */
+        for (int r = 0; r < n_reqs; r++)
+            if (qsl[r + 1] - qsl[r] >= ATT_MIN_QUERY && seq_lens[r] > max_keys) max_keys = seq_lens[r];
+        const int64_t kv_stride = (int64_t)n_kv_heads * d, key_chunks = (max_keys + ATT_KC - 1) / ATT_KC;
+        float *kt = (float *)malloc(sizeof(float) * (size_t)(key_chunks * ATT_KC * d));
+        float *vb = (float *)malloc(sizeof(float) * (size_t)((int64_t)max_keys * d));
+        if (!kt || !vb) abort();
+#pragma omp parallel
+        {
+            float *scr = (float *)malloc(sizeof(float) * (size_t)att_tile_floats(ATT_QT * grp, d));
+            for (int r = 0; r < n_reqs; r++) {
+                const int qlen = qsl[r + 1] - qsl[r];
+                if (qlen < ATT_MIN_QUERY) continue;
+                const int32_t *bt = block_table + (int64_t)r * bt_stride;
+                for (int g = 0; g < n_kv_heads; g++) { /* widen this kv head's K and V, then run its tiles */
+                    const int64_t off = (int64_t)g * d;
+                    if (kv_type == KV_BF16)
+                        att_widen_bf16((const uint16_t *)k_cache + off, (const uint16_t *)v_cache + off, bt, bs,
+                                       kv_stride, seq_lens[r], d, kt, vb);
+                    else if (kv_type == KV_FP8_E4M3)
+                        att_widen_e4m3((const uint8_t *)k_cache + off, (const uint8_t *)v_cache + off, bt, bs,
+                                       kv_stride, seq_lens[r], d, kt, vb);
+                    else if (kv_type == KV_FP8_E5M2)
+                        att_widen_e5m2((const uint8_t *)k_cache + off, (const uint8_t *)v_cache + off, bt, bs,
+                                       kv_stride, seq_lens[r], d, kt, vb);
+                    else
+                        att_widen_f32((const float *)k_cache + off, (const float *)v_cache + off, bt, bs, kv_stride,
+                                      seq_lens[r], d, kt, vb);
+#pragma omp for schedule(dynamic, 1)
+                    for (int ti = (qlen + ATT_QT - 1) / ATT_QT - 1; ti >= 0; ti--) { /* the longest first */
+                        const int t0 = qsl[r] + ti * ATT_QT, ntok = qsl[r + 1] - t0 < ATT_QT ? qsl[r + 1] - t0 : ATT_QT;
+                        const int n_vis0 = seq_lens[r] - (qsl[r + 1] - 1 - t0);
+                        attend_tile(q + (int64_t)t0 * ldq + off * grp, ldq, out + (int64_t)t0 * ldo + off * grp, ldo,
+                                    kt, vb, ntok, n_vis0, grp, d, qk_scale, out_scale, scr);
+                    }
+                }
+            }
+            free(scr);
+        }
+        free(kt);
+        free(vb);
+        if (tiled_tokens == n_tokens) return;
+    }
+    const int per_token = n_tokens - tiled_tokens >= 2 * omp_get_max_threads();
     const int splits = per_token ? 1 : n_kv_heads, nh = per_token ? n_heads : grp;
     const int64_t items = (int64_t)n_tokens * splits, kv_stride = (int64_t)n_kv_heads * d;
 #pragma omp parallel if (items > 1)
@@ -1527,6 +1749,7 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
                 }
                 r = lo;
             }
+            if (n_tiles && qsl[r + 1] - qsl[r] >= ATT_MIN_QUERY) continue; /* went by tiles */
             const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t);
             const int64_t h0 = (int64_t)g * nh; /* first query head of the item */
             const float *qi = q + (int64_t)t * ldq + h0 * d;

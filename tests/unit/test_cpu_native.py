@@ -354,6 +354,10 @@ def test_linear_reads_strided_rows():
 # (num_computed, query_len): fresh prefill, chunk after a prefix ending mid-block,
 # decodes at a block boundary and inside a block, a chunk crossing several blocks, a 1-token prompt.
 MIXED = [(0, 5), (7, 3), (16, 1), (21, 1), (3, 18), (0, 1)]
+# Prefill runs of 8 tokens or more go by tiles of 16 tokens and one kv head (widened K/V, online softmax):
+# one whole tile, a partial one, several, chunks after a cached prefix that ends mid-block, a long
+# context, beside decodes and a run just under the threshold.
+PREFILL = [(0, 8), (5, 9), (0, 37), (100, 16), (33, 70), (17, 1), (0, 7), (230, 50), (0, 1)]
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 1), (6, 2), (9, 3)])
@@ -368,9 +372,23 @@ def test_paged_attention_matches_sdpa(num_heads, num_kv_heads, head_dim, block_s
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (9, 3), (8, 2), (16, 2)])
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_prefill_tiles_match_sdpa(num_heads, num_kv_heads, head_dim, block_size):
+    """Query groups of one to eight heads per kv head (tiles of 16 to 128 rows), head sizes that are not a
+    multiple of 16, keys gathered across shuffled blocks of every size."""
+    common, q, k, v, cache = make_problem(PREFILL, block_size, num_heads, num_kv_heads, head_dim, seed=block_size)
+    ref_out, _ = reference(common, q, k, v, cache, num_heads, num_kv_heads, head_dim)
+    b = CpuNativeBackend(num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
+    out = b.forward(q, k, v, cache, b.build_metadata(common))
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (9, 3)])
-def test_bf16_kv_cache_matches_sdpa_on_the_rounded_values(num_heads, num_kv_heads):
-    common, q, k, v, cache = make_problem(MIXED, 16, num_heads, num_kv_heads, 64, seed=7)
+@pytest.mark.parametrize("specs", [MIXED, PREFILL], ids=["mixed", "prefill"])
+def test_bf16_kv_cache_matches_sdpa_on_the_rounded_values(num_heads, num_kv_heads, specs):
+    common, q, k, v, cache = make_problem(specs, 16, num_heads, num_kv_heads, 64, seed=7)
     bf_cache = cache.to(torch.bfloat16)
     b = CpuNativeBackend(num_heads, num_kv_heads, 64, 0.125, kv_cache_dtype="bfloat16")
     out = b.forward(q, k, v, bf_cache, b.build_metadata(common))
@@ -431,12 +449,13 @@ def test_native_fp8_kv_write_rounds_like_torch(kind):
 @pytest.mark.parametrize("kind", list(FP8))
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (9, 3)])
 @pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.05, 3.0)])
-def test_fp8_kv_cache_matches_sdpa_on_the_rounded_values(kind, num_heads, num_kv_heads, k_scale, v_scale):
+@pytest.mark.parametrize("specs", [MIXED, PREFILL], ids=["mixed", "prefill"])
+def test_fp8_kv_cache_matches_sdpa_on_the_rounded_values(kind, num_heads, num_kv_heads, k_scale, v_scale, specs):
     """The cache holds k / k_scale and v / v_scale; attention reads them
     scaled back (the scale folded into the scores and the output)."""
     from appliance.kernels.base import to_fp8
 
-    common, q, k, v, cache = make_problem(MIXED, 16, num_heads, num_kv_heads, 64, seed=7)
+    common, q, k, v, cache = make_problem(specs, 16, num_heads, num_kv_heads, 64, seed=7)
     fp8_cache = cache.to(FP8[kind])
     b = CpuNativeBackend(num_heads, num_kv_heads, 64, 0.125, kv_cache_dtype=kind, k_scale=k_scale, v_scale=v_scale)
     scales = torch.tensor([k_scale, v_scale]).view(2, 1, 1, 1, 1)
