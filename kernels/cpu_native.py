@@ -131,10 +131,11 @@ def avx512(enabled: Optional[bool] = None) -> bool:
     """Whether int4-weight GEMMs over one to six rows run on AVX-512F (16
     channels a register, every widened panel feeding up to four rows)
     rather than on AVX2 (the GEMV at one row, one panel by up to four rows
-    beyond); on
-    by default where the CPU has AVX512F/BW, unless ``APPLIANCE_CPU_AVX512=0``.
-    Both sum in fp32; only the order differs. ``enabled`` switches it; on is
-    refused, returning False, where the CPU lacks it."""
+    beyond), and prefill attention tiles on AVX-512F (16 keys a register);
+    on by default where the CPU has AVX512F/BW, unless
+    ``APPLIANCE_CPU_AVX512=0``. Both sum in fp32; only the order differs.
+    ``enabled`` switches it; on is refused, returning False, where the CPU
+    lacks it."""
     return bool(_LIB.appl_avx512(-1 if enabled is None else int(enabled)))
 
 

@@ -623,7 +623,7 @@ int appl_bf16_dot(int set) {
     return g_bf16_dot;
 }
 
-/* The AVX-512F int4 GEMV (see "AVX-512 int4 rows"), the same way. */
+/* The AVX-512F int4 GEMV (see "AVX-512 int4 rows") and prefill attention tiles, the same way. */
 int appl_avx512(int set) {
     if (set >= 0) g_avx512 = set && g_has_avx512;
     return g_avx512;
@@ -1608,6 +1608,150 @@ static void attend_tile(const float *q, int64_t ldq, float *out, int64_t ldo, co
     }
 }
 
+/*
+ * The same tile on AVX-512F, where the CPU has it (appl_avx512): a chunk's 16 keys are one zmm, so S takes
+ * eight rows a pass (one K load feeds eight FMAs), the softmax a row a register (masked, exp16: exp8's steps
+ * on 16 lanes, the same bits), and P V four rows by up to 64 lanes of d (an 8-lane tail masked).
+ */
+AVX512_TARGET static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365447504f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 z = _mm512_mul_ps(x, x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, z, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+AVX512_TARGET static inline __attribute__((always_inline)) void att_scores8_512(const float *qs, int d, const float *kt,
+                                                                               float *s, const int nr) {
+    __m512 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
+    for (int c = 0; c < d; c++) {
+        const __m512 k = _mm512_loadu_ps(kt + c * ATT_KC);
+        for (int i = 0; i < 8; i++)
+            if (i < nr) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i * d + c]), k, a[i]);
+    }
+    for (int i = 0; i < nr; i++) _mm512_storeu_ps(s + i * ATT_KC, a[i]);
+}
+
+/* O[i][c0 .. c0 + 16 nv) += sum_j P[i][j] V[j][c0 ..] for rows i < nr (<= 4); the last vector's lanes by tail. */
+AVX512_TARGET static inline __attribute__((always_inline)) void att_pv4_512(const float *p, const float *vb, int d,
+                                                                           int c0, float *o, int cnt,
+                                                                           __mmask16 tail, const int nv,
+                                                                           const int nr) {
+    __m512 a[4][4];
+    for (int i = 0; i < nr; i++)
+        for (int v = 0; v < nv; v++)
+            a[i][v] = _mm512_maskz_loadu_ps(v == nv - 1 ? tail : 0xffff, o + i * d + c0 + 16 * v);
+    for (int j = 0; j < cnt; j++) {
+        __m512 vv[4];
+        for (int v = 0; v < nv; v++) vv[v] = _mm512_maskz_loadu_ps(v == nv - 1 ? tail : 0xffff, vb + j * d + c0 + 16 * v);
+        for (int i = 0; i < 4; i++)
+            if (i < nr) {
+                const __m512 pb = _mm512_set1_ps(p[i * ATT_KC + j]);
+                for (int v = 0; v < nv; v++) a[i][v] = _mm512_fmadd_ps(pb, vv[v], a[i][v]);
+            }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int v = 0; v < nv; v++) _mm512_mask_storeu_ps(o + i * d + c0 + 16 * v, v == nv - 1 ? tail : 0xffff, a[i][v]);
+}
+
+#define ATT_PV512_ROWS(NV)                                                                          \
+    switch (nr) {                                                                                   \
+    case 4: att_pv4_512(sc + i0 * ATT_KC, vc, d, c0, o + i0 * d, cnt, tail, NV, 4); break;          \
+    case 3: att_pv4_512(sc + i0 * ATT_KC, vc, d, c0, o + i0 * d, cnt, tail, NV, 3); break;          \
+    case 2: att_pv4_512(sc + i0 * ATT_KC, vc, d, c0, o + i0 * d, cnt, tail, NV, 2); break;          \
+    default: att_pv4_512(sc + i0 * ATT_KC, vc, d, c0, o + i0 * d, cnt, tail, NV, 1); break;         \
+    }
+
+AVX512_TARGET static void attend_tile512(const float *q, int64_t ldq, float *out, int64_t ldo, const float *kt,
+                                         const float *vb, int ntok, int n_vis0, int grp, int d, float scale,
+                                         float v_scale, float *scr) {
+    const int rows = ntok * grp;
+    float *qs = scr, *o = qs + rows * d, *sc = o + rows * d, *mx = sc + rows * ATT_KC, *sum = mx + rows;
+    int *vis = (int *)(sum + rows);
+    for (int i = 0; i < rows; i++) {
+        memcpy(qs + i * d, q + (int64_t)(i / grp) * ldq + (i % grp) * d, sizeof(float) * (size_t)d);
+        mx[i] = -INFINITY;
+        sum[i] = 0.0f;
+        vis[i] = n_vis0 + i / grp;
+    }
+    memset(o, 0, sizeof(float) * (size_t)(rows * d));
+    const __m512 lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), sv = _mm512_set1_ps(scale);
+    const int n_max = n_vis0 + ntok - 1;
+    for (int j0 = 0; j0 < n_max; j0 += ATT_KC) {
+        const int cnt = n_max - j0 < ATT_KC ? n_max - j0 : ATT_KC;
+        const float *kc = kt + (int64_t)(j0 / ATT_KC) * d * ATT_KC, *vc = vb + (int64_t)j0 * d;
+        for (int i0 = 0; i0 < rows; i0 += 8) {
+            const int nr = rows - i0 < 8 ? rows - i0 : 8;
+            switch (nr) {
+            case 8: att_scores8_512(qs + i0 * d, d, kc, sc + i0 * ATT_KC, 8); break;
+            case 7: att_scores8_512(qs + i0 * d, d, kc, sc + i0 * ATT_KC, 7); break;
+            case 6: att_scores8_512(qs + i0 * d, d, kc, sc + i0 * ATT_KC, 6); break;
+            case 5: att_scores8_512(qs + i0 * d, d, kc, sc + i0 * ATT_KC, 5); break;
+            case 4: att_scores8_512(qs + i0 * d, d, kc, sc + i0 * ATT_KC, 4); break;
+            case 3: att_scores8_512(qs + i0 * d, d, kc, sc + i0 * ATT_KC, 3); break;
+            case 2: att_scores8_512(qs + i0 * d, d, kc, sc + i0 * ATT_KC, 2); break;
+            default: att_scores8_512(qs + i0 * d, d, kc, sc + i0 * ATT_KC, 1); break;
+            }
+        }
+        for (int i = 0; i < rows; i++) { /* scale, mask, online softmax */
+            float *si = sc + i * ATT_KC;
+            const int lim = vis[i] - j0 < cnt ? vis[i] - j0 : cnt;
+            if (lim <= 0) {
+                _mm512_storeu_ps(si, _mm512_setzero_ps());
+                continue;
+            }
+            const __mmask16 m = _mm512_cmp_ps_mask(lanes, _mm512_set1_ps((float)lim), _CMP_LT_OQ);
+            const __m512 sm = _mm512_mask_blend_ps(m, ninf, _mm512_mul_ps(_mm512_loadu_ps(si), sv));
+            const float bm = _mm512_reduce_max_ps(sm);
+            if (bm > mx[i]) {
+                if (mx[i] != -INFINITY) {
+                    const float corr = expf(mx[i] - bm);
+                    sum[i] *= corr;
+                    const __m512 cv = _mm512_set1_ps(corr);
+                    int c = 0;
+                    for (; c + 16 <= d; c += 16) _mm512_storeu_ps(o + i * d + c, _mm512_mul_ps(_mm512_loadu_ps(o + i * d + c), cv));
+                    if (c < d) _mm256_storeu_ps(o + i * d + c, _mm256_mul_ps(_mm256_loadu_ps(o + i * d + c), _mm256_set1_ps(corr)));
+                }
+                mx[i] = bm;
+            }
+            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(sm, _mm512_set1_ps(mx[i]))));
+            _mm512_storeu_ps(si, e);
+            sum[i] += _mm512_reduce_add_ps(e);
+        }
+        for (int i0 = 0; i0 < rows; i0 += 4) {
+            const int nr = rows - i0 < 4 ? rows - i0 : 4;
+            for (int c0 = 0; c0 < d; c0 += 64) {
+                const int left = d - c0, nv = left >= 64 ? 4 : (left + 15) / 16;
+                const __mmask16 tail = left >= 64 || left % 16 == 0 ? 0xffff : 0x00ff; /* d is a multiple of 8 */
+                switch (nv) {
+                case 4: ATT_PV512_ROWS(4) break;
+                case 3: ATT_PV512_ROWS(3) break;
+                case 2: ATT_PV512_ROWS(2) break;
+                default: ATT_PV512_ROWS(1) break;
+                }
+            }
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        const __m256 fv = _mm256_set1_ps(v_scale / sum[i]);
+        float *oi = out + (int64_t)(i / grp) * ldo + (i % grp) * d;
+        for (int c = 0; c < d; c += 8) _mm256_storeu_ps(oi + c, _mm256_mul_ps(_mm256_loadu_ps(o + i * d + c), fv));
+    }
+}
+
 /* fp32 -> fp8 with `ebits` exponent and `mbits` mantissa bits, round to nearest even, saturating at the
  * largest finite code (max_code); NaN stays NaN. */
 static uint8_t f32_to_fp8(float f, int ebits, int mbits, int max_code) {
@@ -1720,8 +1864,9 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
                     for (int ti = (qlen + ATT_QT - 1) / ATT_QT - 1; ti >= 0; ti--) { /* the longest first */
                         const int t0 = qsl[r] + ti * ATT_QT, ntok = qsl[r + 1] - t0 < ATT_QT ? qsl[r + 1] - t0 : ATT_QT;
                         const int n_vis0 = seq_lens[r] - (qsl[r + 1] - 1 - t0);
-                        attend_tile(q + (int64_t)t0 * ldq + off * grp, ldq, out + (int64_t)t0 * ldo + off * grp, ldo,
-                                    kt, vb, ntok, n_vis0, grp, d, qk_scale, out_scale, scr);
+                        (g_avx512 ? attend_tile512 : attend_tile)(q + (int64_t)t0 * ldq + off * grp, ldq,
+                                                                  out + (int64_t)t0 * ldo + off * grp, ldo, kt, vb,
+                                                                  ntok, n_vis0, grp, d, qk_scale, out_scale, scr);
                     }
                 }
             }

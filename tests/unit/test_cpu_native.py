@@ -30,7 +30,8 @@ needs_bf16_dot = pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU lacks AVX
 
 HAS_AVX512 = avx512()
 needs_avx512 = pytest.mark.skipif(not HAS_AVX512, reason="this CPU lacks AVX512F/BW: int4 GEMMs of one to six rows "
-                                                          "run the AVX2 GEMV or widen to fp32 here")
+                                                          "run the AVX2 GEMV or widen to fp32 here, prefill "
+                                                          "attention tiles the AVX2 kernel")
 
 
 HAS_VNNI = vnni()
@@ -372,16 +373,19 @@ def test_paged_attention_matches_sdpa(num_heads, num_kv_heads, head_dim, block_s
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("wide", [False, pytest.param(True, marks=needs_avx512)], ids=["avx2", "avx512"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (9, 3), (8, 2), (16, 2)])
 @pytest.mark.parametrize("head_dim", [40, 64, 128])
 @pytest.mark.parametrize("block_size", [4, 16, 32])
-def test_prefill_tiles_match_sdpa(num_heads, num_kv_heads, head_dim, block_size):
+def test_prefill_tiles_match_sdpa(wide, num_heads, num_kv_heads, head_dim, block_size):
     """Query groups of one to eight heads per kv head (tiles of 16 to 128 rows), head sizes that are not a
-    multiple of 16, keys gathered across shuffled blocks of every size."""
+    multiple of 16, keys gathered across shuffled blocks of every size; the AVX2 tile and, where the CPU
+    has it, the AVX-512F one (eight score rows a pass, 64 lanes of P V, a masked 8-lane tail)."""
     common, q, k, v, cache = make_problem(PREFILL, block_size, num_heads, num_kv_heads, head_dim, seed=block_size)
     ref_out, _ = reference(common, q, k, v, cache, num_heads, num_kv_heads, head_dim)
     b = CpuNativeBackend(num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
-    out = b.forward(q, k, v, cache, b.build_metadata(common))
+    with _pinned(avx512, wide):
+        out = b.forward(q, k, v, cache, b.build_metadata(common))
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
 
 
