@@ -128,24 +128,31 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-/* exp for float lanes (Cephes polynomial, about 1 ulp on the clamped range). */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 z = _mm256_mul_ps(x, x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+/* exp for float lanes (Cephes polynomial, about 1 ulp on the clamped range): exp8 on AVX2, exp16 (the same
+ * steps, so the same bits per lane) on AVX-512F. P: the intrinsics' prefix; FLOOR, CAST: the width's floor
+ * and integer-to-float bit cast. */
+#define DEFINE_EXP(NAME, ATTR, V, VI, P, FLOOR, CAST)                                                      \
+    ATTR static inline V NAME(V x) {                                                                       \
+        x = P##_min_ps(x, P##_set1_ps(88.3762626647949f));                                                 \
+        x = P##_max_ps(x, P##_set1_ps(-87.3365447504f));                                                   \
+        V fx = FLOOR(P##_fmadd_ps(x, P##_set1_ps(1.44269504088896341f), P##_set1_ps(0.5f)));               \
+        x = P##_fnmadd_ps(fx, P##_set1_ps(0.693359375f), x);                                               \
+        x = P##_fnmadd_ps(fx, P##_set1_ps(-2.12194440e-4f), x);                                            \
+        V z = P##_mul_ps(x, x);                                                                            \
+        V y = P##_set1_ps(1.9875691500e-4f);                                                               \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(1.3981999507e-3f));                                             \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(8.3334519073e-3f));                                             \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(4.1665795894e-2f));                                             \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(1.6666665459e-1f));                                             \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(5.0000001201e-1f));                                             \
+        y = P##_fmadd_ps(y, z, P##_add_ps(x, P##_set1_ps(1.0f)));                                          \
+        VI e = P##_slli_epi32(P##_add_epi32(P##_cvttps_epi32(fx), P##_set1_epi32(127)), 23);               \
+        return P##_mul_ps(y, CAST(e));                                                                     \
+    }
+#define FLOOR512(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+
+DEFINE_EXP(exp8, , __m256, __m256i, _mm256, _mm256_floor_ps, _mm256_castsi256_ps)
+DEFINE_EXP(exp16, __attribute__((target("avx512f,avx512bw"))), __m512, __m512i, _mm512, FLOOR512, _mm512_castsi512_ps)
 
 static inline __m256 load_w_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
@@ -1610,28 +1617,9 @@ static void attend_tile(const float *q, int64_t ldq, float *out, int64_t ldo, co
 
 /*
  * The same tile on AVX-512F, where the CPU has it (appl_avx512): a chunk's 16 keys are one zmm, so S takes
- * eight rows a pass (one K load feeds eight FMAs), the softmax a row a register (masked, exp16: exp8's steps
- * on 16 lanes, the same bits), and P V four rows by up to 64 lanes of d (an 8-lane tail masked).
+ * eight rows a pass (one K load feeds eight FMAs), the softmax a row a register (masked, exp16), and P V four
+ * rows by up to 64 lanes of d (an 8-lane tail masked).
  */
-AVX512_TARGET static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365447504f));
-    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 z = _mm512_mul_ps(x, x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, z, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-
 AVX512_TARGET static inline __attribute__((always_inline)) void att_scores8_512(const float *qs, int d, const float *kt,
                                                                                float *s, const int nr) {
     __m512 a[8];
