@@ -46,7 +46,10 @@
 #define WTYPE_Q4 3
 #define WTYPE_Q8G 4 /* int8 [ceil(n / 16), k, 16] with a group scale and min (fp32 qparams, as int4's) */
 #define WTYPE_I8A8 5 /* int8 [ceil(n / 16), ceil(k / 4), 16, 4], rows quantized per call (see "W8A8 int8") */
-#define Q4_ROWS_MAX 6 /* int4 GEMMs up to this many rows read the 4-bit panels directly */
+#define Q4_ROWS_MAX 6 /* rows of one pass of the int4 row kernels */
+/* int4 GEMMs up to this many rows read the 4-bit panels directly, in passes (AVX-512F, AVX2); more widen them */
+#define Q4_DIRECT_MAX 15
+#define Q4_DIRECT_MAX_AVX2 12
 
 typedef struct {
     const void *w;      /* [ceil(n / 16), k, 16] panels, fp32, int8 or bf16 (uint16); int4: [ceil(n / 16), k / 2, 16] bytes */
@@ -327,13 +330,14 @@ DISPATCH_PTILE(bf16, uint16_t)
  * integer zero point or sub-block scale, as AWQ, GPTQ and Q4_K make them). This is
  * llama.cpp's Q4_1 (and, with m = -8d, Q4_0) at 5 bits a weight.
  *
- * Up to Q4_ROWS_MAX rows read the 4-bit panels directly: the nibbles widen
+ * Up to Q4_DIRECT_MAX rows (AVX2: Q4_DIRECT_MAX_AVX2) read the 4-bit panels directly: the nibbles widen
  * in registers, x * q sums per group, and the group's scale and min apply
  * once: sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k, each row's
  * group sums (xs) computed once per call. AVX2 runs one row over four
  * panels, or up to four rows over one; AVX-512F, where the CPU has it, up
  * to four rows over four panels, or five or six over two (see "AVX-512 int4
- * rows"). More rows widen
+ * rows"); more rows go in passes of those, each unpacking the panels again,
+ * which up to these counts costs less than widening them. More rows widen
  * each panel once, to fp32 (exactly d * q + m) for the fp32 tiles or to bf16
  * pairs for the AVX512-BF16 tiles.
  */
@@ -457,7 +461,8 @@ static inline __attribute__((always_inline)) void q4_rows_avx2_tile(const Linear
     }
 }
 
-/* Rows [0, m) (m <= Q4_ROWS_MAX) against int4 panels [p0, p1) on AVX2, up to four rows a pass. */
+/* Rows [0, m) (m <= Q4_DIRECT_MAX_AVX2) against int4 panels [p0, p1) on AVX2, in passes of up to four rows as even
+ * as they go (5: 3 + 2, 6: 3 + 3, 7: 4 + 3, 9: 3 + 3 + 3). */
 static void q4_rows_avx2(const Linear *L, const float *x, int64_t ldx, const float *xs, float *out, int64_t ldo,
                          int64_t m, int64_t p0, int64_t p1, int accumulate) {
     const int64_t n = L->n, groups = L->k / L->group;
@@ -466,7 +471,8 @@ static void q4_rows_avx2(const Linear *L, const float *x, int64_t ldx, const flo
         const int64_t n0 = pn * PW;
         const int nv = (int)(n - n0 < PW ? n - n0 : PW);
         for (int64_t r0 = 0, R; r0 < m; r0 += R) {
-            R = m <= 4 ? m : (m + 1) / 2 < m - r0 ? (m + 1) / 2 : m - r0; /* 5 rows: 3 + 2, 6: 3 + 3 */
+            const int64_t left = m - r0, passes = (left + 3) / 4;
+            R = (left + passes - 1) / passes;
             const float *xr = x + r0 * ldx, *sr = xs + r0 * groups;
             if (R == 4) q4_rows_avx2_tile(L, xr, ldx, sr, pn, 4, c);
             else if (R == 3) q4_rows_avx2_tile(L, xr, ldx, sr, pn, 3, c);
@@ -1146,7 +1152,8 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q4_rows512(const
             q4_rows512(L, xr, ldx, sr, pn, 1, R, c);                                         \
         break;
 
-/* Rows [0, m) (m <= Q4_ROWS_MAX) against int4 panels [p0, p1); xs: each row's group sums. */
+/* Rows [0, m) (m <= Q4_ROWS_MAX) against int4 panels [p0, p1); xs: each row's group sums. Up to
+ * Q4_DIRECT_MAX rows go through q4_rows_passes. */
 AVX512_TARGET static void q4_rows(const Linear *L, const float *x, int64_t ldx, const float *xs, float *out,
                                   int64_t ldo, int64_t m, int64_t p0, int64_t p1, int accumulate) {
     const int64_t n = L->n;
@@ -1161,6 +1168,22 @@ AVX512_TARGET static void q4_rows(const Linear *L, const float *x, int64_t ldx, 
             Q4_ROWS_CASE2(6) Q4_ROWS_CASE2(5) Q4_ROWS_CASE(4) Q4_ROWS_CASE(3) Q4_ROWS_CASE(2) Q4_ROWS_CASE(1)
         }
         for (int r = 0; r < (int)m; r++) store_out(L, out + r * ldo + n0, n0, c + r * 4 * PW, nv, accumulate);
+    }
+}
+
+/* Seven to Q4_DIRECT_MAX rows on AVX-512F: passes of up to Q4_ROWS_MAX rows, as even as they go (7: 4 + 3,
+ * 12: 6 + 6, 13: 5 + 4 + 4); each pass unpacks the panels again, which costs less than widening them. */
+AVX512_TARGET static void q4_rows_passes(const Linear *L, const float *x, int64_t ldx, const float *xs, float *out,
+                                         int64_t ldo, int64_t m, int64_t p0, int64_t p1, int accumulate) {
+    if (m <= Q4_ROWS_MAX) {
+        q4_rows(L, x, ldx, xs, out, ldo, m, p0, p1, accumulate);
+        return;
+    }
+    const int64_t groups = L->k / L->group;
+    for (int64_t r0 = 0, R; r0 < m; r0 += R) {
+        const int64_t left = m - r0, passes = (left + Q4_ROWS_MAX - 1) / Q4_ROWS_MAX;
+        R = (left + passes - 1) / passes;
+        q4_rows(L, x + r0 * ldx, ldx, xs + r0 * groups, out + r0 * ldo, ldo, R, p0, p1, accumulate);
     }
 }
 
@@ -1216,7 +1239,8 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
     int64_t mc = (192 * 1024 / 4) / (L->k > 0 ? L->k : 1);
     mc = mc < 6 ? 6 : (mc / 6) * 6;
     const int q4 = L->wtype == WTYPE_Q4, grouped = q4 || L->wtype == WTYPE_Q8G;
-    const int dot = (L->wtype == WTYPE_BF16 || grouped) && m > 6 && g_bf16_dot;
+    const int q4_rows_here = q4 && m <= (g_avx512 ? Q4_DIRECT_MAX : Q4_DIRECT_MAX_AVX2); /* else widened panels */
+    const int dot = (L->wtype == WTYPE_BF16 || grouped) && m > 6 && !q4_rows_here && g_bf16_dot;
     const int amx = dot && g_amx && g_has_amx_bf16 && m >= AMX_MIN_ROWS;
     /* the rows in bf16, row stride kx; on AMX, k padded to its tiles' 32 and zero rows up to a multiple of 16 */
     const int64_t kx = amx ? (L->k + 31) & ~(int64_t)31 : kp, mx = amx ? (m + 15) & ~(int64_t)15 : m;
@@ -1226,7 +1250,6 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
         mc = (256 * 1024 / 2) / kx;
         mc = mc < 32 ? 32 : (mc / 32) * 32;
     }
-    const int q4_rows_here = q4 && m <= Q4_ROWS_MAX; /* else more rows: widened panels */
     float *xs = NULL; /* the rows' group sums */
     if (q4_rows_here || (grouped && m == 1)) {
         const int64_t groups = L->k / L->group;
@@ -1239,7 +1262,7 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
         const int64_t per = (panels + nt - 1) / nt;
         const int64_t p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
         if (q4_rows_here && g_avx512) {
-            if (p0 < p1) q4_rows(L, x, ldx, xs, out, ldo, m, p0, p1, accumulate);
+            if (p0 < p1) q4_rows_passes(L, x, ldx, xs, out, ldo, m, p0, p1, accumulate);
         } else if (q4_rows_here && m > 1) {
             if (p0 < p1) q4_rows_avx2(L, x, ldx, xs, out, ldo, m, p0, p1, accumulate);
         } else if (m == 1) {

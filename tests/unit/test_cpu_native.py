@@ -255,12 +255,12 @@ def test_int4_panels_hold_each_pair_of_k_in_one_byte():
 
 @pytest.mark.parametrize("params", ["fp16", "fp32"])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 9, 12, 13])
 @pytest.mark.parametrize("n", [7, 50, 100])  # 1, 4 and 7 panels: remainders of the four-panel groups per thread
 def test_int4_linear_matches_its_dequantized_weights(params, group, m, n):
-    """The AVX2 paths (the GEMV at one row, one to four rows a pass up to six,
-    fp32 tiles on the widened panels beyond): d * q + m exactly, summed in
-    fp32; accumulate adds."""
+    """The AVX2 paths (the GEMV at one row, passes of one to four rows up to
+    twelve, fp32 tiles on the widened panels beyond): d * q + m exactly,
+    summed in fp32; accumulate adds."""
     _check_on_avx2(*_int4(n, 384, group, seed=m * 100 + n, params=params), m)
 
 
@@ -280,12 +280,14 @@ def _check_on_avx2(mod, w, b, m):
 @needs_avx512
 @pytest.mark.parametrize("params", ["fp16", "fp32"])
 @pytest.mark.parametrize("group", [32, 128])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 9, 12, 13, 15])
 @pytest.mark.parametrize("n", [7, 50, 100])
 def test_int4_avx512_rows_match_the_avx2_path(params, group, m, n):
-    """One to six rows on AVX-512F (up to four rows over four panels a pass,
-    the remainder of panels one at a time; five or six rows over two panels,
-    then one): the AVX2 path's sums up to their order."""
+    """One to fifteen rows on AVX-512F (up to four rows over four panels a
+    pass, the remainder of panels one at a time; five or six rows over two
+    panels, then one; more in even passes of those): the AVX2 path's sums
+    (passes of up to four rows, the widened fp32 panels beyond twelve) up to
+    their order."""
     mod, w, b = _int4(n, 384, group, seed=m * 100 + n, params=params)
     x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m))
     base = torch.randn(m, n)
@@ -303,9 +305,9 @@ def test_int4_avx512_rows_match_the_avx2_path(params, group, m, n):
 @needs_bf16_dot
 @pytest.mark.parametrize("tiles", [False, pytest.param(True, marks=needs_amx)], ids=["vdpbf16ps", "amx"])
 @pytest.mark.parametrize("params", ["fp16", "fp32"])
-@pytest.mark.parametrize("m", [7, 13, 40])
+@pytest.mark.parametrize("m", [16, 23, 40])
 def test_int4_bf16_dot_gemm_runs_the_rounded_weights_and_rows(tiles, params, m):
-    """Over six rows on AVX512-BF16 (from 16 on AMX) an int4 panel is widened
+    """Over fifteen rows on AVX512-BF16 (and on AMX) an int4 panel is widened
     and rounded to bf16 like the rows: the fp32 GEMM of the rounded values,
     up to order."""
     mod, w, b = _int4(50, 384, 32, seed=m, params=params)
