@@ -12,10 +12,14 @@ largest that fits the objective given the running decodes and the context
 the next prefill chunk starts from, between the running decodes plus one
 prefill token (every stream advances, and so does the prompt) and ``cap``
 (``scheduler.max_num_batched_tokens``).
-Until the steps say more it keeps the plan's first estimate (never below
-the running decodes plus one); when every recent step was exactly as large
-as the budget, which a budget of 1 after a stalled step makes of every
-step, the steps cannot say more, so it doubles the budget to learn.
+While the last steps do not pin a cost down (a stretch of decode-only
+steps of one size) it keeps the last fit they did give. Before any fit it
+keeps the plan's first estimate (never below the running decodes plus
+one), which rests on the prefill roofline and so errs large: the server's
+warm-up runs a prompt of that size first (``calibration_prompt_len``), so a
+fit exists before the first request. When every recent step was exactly as
+large as the budget, which a budget of 1 after a stalled step makes of
+every step, the steps cannot say more, so it doubles the budget to learn.
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ class TokenBudget:
         self.cap = cap
         self.budget = self._clamp(initial, 1)
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)  # (tokens, pairs, seconds)
+        self.model: Optional[tuple[float, float, float]] = None  # (a, b, c): the last fit the steps gave
+
+    def calibration_prompt_len(self) -> int:
+        """The prompt a warm-up prefills alone to give the first fit: the
+        first estimate's size (its step, then its decodes, fit the line)."""
+        return max(1, self.budget)
 
     def _clamp(self, tokens: float, floor: int) -> int:
         return max(min(floor, self.cap), min(self.cap, int(tokens + 1e-6)))  # 79.99999... is 80
@@ -73,12 +83,13 @@ class TokenBudget:
         """Record a step of ``tokens`` new tokens and ``pairs`` attention pairs."""
         if tokens > 0 and seconds > 0:
             self.samples.append((tokens, pairs, seconds))
+            self.model = self.fit() or self.model
 
     def next_budget(self, decodes: int, decode_pairs: int, chunk_context: int) -> int:
         """The budget for a step that decodes ``decodes`` streams (``decode_pairs``
         attention pairs) and gives the rest to a prefill chunk starting after
         ``chunk_context`` tokens of its prompt."""
-        fitted = self.fit()
+        fitted = self.model
         if fitted is None:
             if len(self.samples) >= self.MIN_SAMPLES and all(t == self.budget for t, _, _ in self.samples):
                 # every recent step was as large as the budget allowed and no larger: without steps of

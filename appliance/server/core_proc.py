@@ -27,6 +27,7 @@ import msgspec
 
 from appliance.config.deployment import Deployment
 from appliance.engine.core import EngineCore, RequestOutputDelta
+from appliance.engine.token_budget import TokenBudget
 from appliance.sampling_params import SamplingParams
 from appliance.server.messages import (
     AbortRequests,
@@ -90,9 +91,28 @@ def run_core(deployment: Deployment, build_engine: BuildEngine, in_addr: str, ou
 
 def _warm_up(engine: EngineCore, tokenizer: PreTrainedTokenizerBase) -> None:
     """One real generation before /ready (with lock-step peers, every core's
-    at once, the steps taken together); then a clean cache and counters from zero."""
+    at once, the steps taken together); under a latency objective
+    (``scheduler.target_itl_ms``) then a prompt of the token budget's first
+    estimate, whose step times give the budget its first fit; then a clean
+    cache and counters from zero."""
     ids = tokenizer.encode(WARMUP_PROMPT)
-    engine.add_request("__warmup__", ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    _run_alone(engine, "__warmup__", ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    budget = engine.token_budget
+    if budget is not None:
+        budget.samples.clear()  # the first steps ran cold
+        sched = engine.scheduler
+        room = min(sched.max_model_len, sched.kv.num_free_blocks * engine.block_size) - TokenBudget.MIN_SAMPLES - 1
+        n = max(1, min(budget.calibration_prompt_len(), room))
+        prompt = (ids * (n // max(1, len(ids)) + 1))[:n]
+        _run_alone(engine, "__calibrate__", prompt,
+                   SamplingParams(max_tokens=TokenBudget.MIN_SAMPLES, temperature=0, ignore_eos=True))
+    engine.reset_prefix_cache()
+    engine.reset_stats()
+
+
+def _run_alone(engine: EngineCore, request_id: str, ids: list[int], params: SamplingParams) -> None:
+    """Step ``engine`` until its only request (and, in lock step, every peer's) is done."""
+    engine.add_request(request_id, ids, params)
     lockstep = engine.lockstep
     while True:
         local = engine.has_unfinished_requests()
@@ -106,9 +126,7 @@ def _warm_up(engine: EngineCore, tokenizer: PreTrainedTokenizerBase) -> None:
         elif not local:
             break
         if any(d.finish_reason == "error" for d in engine.step()):  # the engine logged why
-            raise RuntimeError("the warm-up generation failed")
-    engine.reset_prefix_cache()
-    engine.reset_stats()
+            raise RuntimeError(f"the warm-up generation {request_id} failed")
 
 
 def _loop(engine: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:

@@ -55,6 +55,20 @@ def test_until_the_steps_pin_a_cost_down_the_first_estimate_holds():
     assert tb.fit() is None and tb.next_budget(4, 40, 0) == 300
 
 
+def test_a_stretch_of_decodes_alone_keeps_the_last_fit():
+    """Streams decoding with no prompt in sight fill the window with steps of
+    one size, which pin no cost down; the budget a prompt then gets comes from
+    the last fit, not from the first estimate again."""
+    tb = TokenBudget(target_itl_ms=50, initial=2048, cap=2048)
+    for tokens in (1, 200, 1, 1):
+        tb.observe(tokens, 0, 0.010 + 0.0005 * tokens)
+    fitted = tb.next_budget(decodes=4, decode_pairs=0, chunk_context=0)
+    assert fitted == 80 and tb.model == tb.fit()
+    for _ in range(tb.samples.maxlen):
+        tb.observe(4, 400, 0.012)
+    assert tb.fit() is None and tb.next_budget(decodes=4, decode_pairs=0, chunk_context=0) == fitted
+
+
 def test_the_budget_never_drops_below_the_running_decodes_plus_one():
     tb = TokenBudget(target_itl_ms=50, initial=300, cap=2048)
     tb.budget = 1  # as a stalled step with nothing but a prompt may leave it
@@ -139,3 +153,23 @@ def test_the_engine_steers_its_scheduler_by_measured_steps():
     assert len(tb.samples) > tb.MIN_SAMPLES and tb.fit() is not None  # prefill chunks and decodes were timed
     assert engine.scheduler.max_num_batched_tokens == tb.budget and 1 <= tb.budget <= 2048
     assert engine.stats().token_budget == tb.budget
+
+
+def test_the_servers_warm_up_gives_the_budget_its_first_fit():
+    """The first estimate rests on the prefill roofline (it errs large, and
+    the first prompt beside running streams would take it): the warm-up
+    prefills a prompt of that size alone and decodes it, so the budget has a
+    fit from measured steps before the first request; nothing stays cached."""
+    from appliance import LLM
+    from appliance.server.core_proc import _warm_up
+
+    llm = LLM(overrides=BASE + ["model=tiny_random", "scheduler.target_itl_ms=50"])
+    engine, tb = llm.engine, llm.engine.token_budget
+    first, free = tb.budget, engine.scheduler.kv.num_free_blocks
+    assert tb.model is None and first == llm.deployment.plan.token_budget
+    _warm_up(engine, llm.tokenizer)
+    assert tb.model is not None and tb.model[1] > 0
+    # the calibration prompt in one step (here the model's length caps it, with room for its decodes), then its decodes
+    assert first > engine.scheduler.max_model_len
+    assert [t for t, _, _ in tb.samples][:2] == [engine.scheduler.max_model_len - tb.MIN_SAMPLES - 1, 1]
+    assert not engine.has_unfinished_requests() and engine.scheduler.kv.num_free_blocks == free
