@@ -598,7 +598,8 @@ static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out
 /* ------------------------------------------------ AVX512-BF16 batched GEMM */
 /*
  * Where the CPU has AVX512-BF16, a bf16-weight GEMM over more than six rows
- * runs on vdpbf16ps: one instruction multiplies 16 channels by two k (four
+ * (an int8 weight-only, int4 or grouped-int8 one too, its panels converted
+ * to bf16 per call) runs on vdpbf16ps: one instruction multiplies 16 channels by two k (four
  * times the multiply-adds of an AVX2 FMA); 2.5-3x the widen path at 8-32
  * rows on an AVX512-BF16 EPYC. vdpbf16ps takes bf16 on both sides, so the
  * rows are rounded to bf16 (nearest even) once per call: products are exact
@@ -676,8 +677,10 @@ DOT_TARGET static inline __attribute__((always_inline)) void dtile(const uint16_
 #define DTILE_CASE(R) case R: dtile(xr, kp, pbuf, R, c); break;
 
 /* Panel pn re-laid as k pairs ([kp / 2][PW][2] bf16: channel c of pair j at j * 2PW + 2c, the operand
- * order of vdpbf16ps and of an AMX B tile), zero past k up to kp (even): a bf16 panel as it is; a grouped
- * (int4 or grouped int8) one widened to fp32 in wf ([k][PW], k even) and rounded to bf16 (nearest even). */
+ * order of vdpbf16ps and of an AMX B tile), zero past k up to kp (even): a bf16 panel as it is; an int8 one
+ * (weight-only, its scale applied to the sums) converted, exactly (|q| <= 128 has 8 significant bits); a
+ * grouped (int4 or grouped int8) one widened to fp32 in wf ([k][PW], k even) and rounded to bf16 (nearest
+ * even). */
 DOT_TARGET static void panel_pairs(const Linear *L, int64_t pn, int64_t kp, uint16_t *pbuf, float *wf) {
     const int64_t k = L->k;
     /* [k even | k odd] x 16 channels -> channel-major pairs */
@@ -690,6 +693,15 @@ DOT_TARGET static void panel_pairs(const Linear *L, int64_t pn, int64_t kp, uint
             const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(wf + (2 * j + 1) * PW), _mm512_loadu_ps(wf + 2 * j * PW));
             _mm512_storeu_si512(pbuf + j * 2 * PW, _mm512_permutexvar_epi16(pairs, (__m512i)v));
         }
+    } else if (L->wtype == WTYPE_I8) {
+        const int8_t *pq = (const int8_t *)L->w + pn * k * PW;
+        for (; 2 * j < k; j++) {
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(pq + 2 * j * PW))));
+            const __m512 hi = 2 * j + 1 < k /* an odd k pairs its last row with zeros */
+                                  ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(pq + (2 * j + 1) * PW))))
+                                  : _mm512_setzero_ps();
+            _mm512_storeu_si512(pbuf + j * 2 * PW, _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
+        }
     } else {
         const uint16_t *pb = (const uint16_t *)L->w + pn * k * PW;
         for (; 2 * j < k; j++) {
@@ -700,7 +712,7 @@ DOT_TARGET static void panel_pairs(const Linear *L, int64_t pn, int64_t kp, uint
     if (2 * j < kp) memset(pbuf + j * 2 * PW, 0, sizeof(uint16_t) * (size_t)(kp - 2 * j) * PW);
 }
 
-/* Rows [m0, m1) of xb (bf16, row stride kp) against bf16 (or int4) panels [p0, p1); pbuf
+/* Rows [m0, m1) of xb (bf16, row stride kp) against bf16, int8 or grouped panels [p0, p1); pbuf
  * (PW * kp bf16) takes each panel re-laid as k pairs, once for all row tiles; wf (PW * k
  * floats) an int4 panel widened on the way. */
 DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int64_t kp, float *out, int64_t ldo,
@@ -1240,7 +1252,7 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
     mc = mc < 6 ? 6 : (mc / 6) * 6;
     const int q4 = L->wtype == WTYPE_Q4, grouped = q4 || L->wtype == WTYPE_Q8G;
     const int q4_rows_here = q4 && m <= (g_avx512 ? Q4_DIRECT_MAX : Q4_DIRECT_MAX_AVX2); /* else widened panels */
-    const int dot = (L->wtype == WTYPE_BF16 || grouped) && m > 6 && !q4_rows_here && g_bf16_dot;
+    const int dot = (L->wtype == WTYPE_BF16 || L->wtype == WTYPE_I8 || grouped) && m > 6 && !q4_rows_here && g_bf16_dot;
     const int amx = dot && g_amx && g_has_amx_bf16 && m >= AMX_MIN_ROWS;
     /* the rows in bf16, row stride kx; on AMX, k padded to its tiles' 32 and zero rows up to a multiple of 16 */
     const int64_t kx = amx ? (L->k + 31) & ~(int64_t)31 : kp, mx = amx ? (m + 15) & ~(int64_t)15 : m;

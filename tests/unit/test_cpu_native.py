@@ -194,15 +194,17 @@ def test_w8a8_rows_quantize_per_token_round_half_even():
 
 @needs_bf16_dot
 @pytest.mark.parametrize("tiles", [False, pytest.param(True, marks=needs_amx)], ids=["vdpbf16ps", "amx"])
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
 @pytest.mark.parametrize("m", [7, 8, 12, 13, 16, 23, 24, 25, 33, 100])
 @pytest.mark.parametrize("n,k", [(7, 13), (12, 16), (50, 40), (33, 200), (9, 1000), (20, 1), (40, 96)])
-def test_bf16_dot_gemm_matches_the_widen_path_on_rounded_rows(tiles, m, n, k):
+def test_bf16_dot_gemm_matches_the_widen_path_on_rounded_rows(tiles, kind, m, n, k):
     """vdpbf16ps (or from 16 rows AMX's tdpbf16ps) rounds the rows to bf16
-    and sums exact products in fp32: the widen path's result on the rounded
-    rows, up to summation order. Row tiles of 12 and their remainders, odd k
-    (paired with zeros); on AMX one or two row tiles of 16 by one or two
-    panels, k padded to 32; accumulate."""
-    mod, w_ref, b = _module("bf16", n, k, bias=(n % 2 == 1), seed=m * 1000 + n)
+    and sums exact products in fp32 (bf16 weights, or int8 ones converted
+    exactly, their scale applied to the sums): the widen path's result on
+    the rounded rows, up to summation order. Row tiles of 12 and their
+    remainders, odd k (paired with zeros); on AMX one or two row tiles of
+    16 by one or two panels, k padded to 32; accumulate."""
+    mod, w_ref, b = _module(kind, n, k, bias=(n % 2 == 1), seed=m * 1000 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     xr = x.to(torch.bfloat16).float()
     base = torch.randn(m, n)
@@ -585,9 +587,9 @@ def test_bf16_model_matches_fp32_on_the_rounded_weights(variant, int8):
     nat_llm = LLM(overrides=overrides + ["model.dtype=bfloat16"] + (["quantization=int8_wo"] if int8 else []))
     assert nat_llm.engine.runner.backend.name == "cpu_native"
     assert nat_llm.engine.runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
-    with _bf16_dot(False):
+    with _bf16_dot(False):  # int8 GEMMs take vdpbf16ps too where the CPU has it, whatever the model's dtype
         nat = nat_llm.generate(PROMPTS, p, use_tqdm=False)
-    fp32 = _bf16_rounded_fp32(overrides, int8).generate(PROMPTS, p, use_tqdm=False)
+        fp32 = _bf16_rounded_fp32(overrides, int8).generate(PROMPTS, p, use_tqdm=False)
     ref = _bf16_rounded_fp32(overrides, int8, Selection(chosen="torch_sdpa")).generate(PROMPTS, p, use_tqdm=False)
     for a, b, c in zip(ref, nat, fp32):
         assert b.outputs[0].token_ids == c.outputs[0].token_ids == a.outputs[0].token_ids
