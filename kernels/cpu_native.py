@@ -78,7 +78,8 @@ class Step(ctypes.Structure):
     _fields_ = [("n_tokens", _i32), ("n_reqs", _i32), ("n_logits", _i32), ("block_size", _i32),
                 ("bt_stride", _i32), ("failed", _i32),
                 ("input_ids", _p), ("positions", _p), ("slot_mapping", _p), ("logits_indices", _p),
-                ("qsl", _p), ("seq_lens", _p), ("block_table", _p), ("scratch", _p), ("logits", _p)]
+                ("qsl", _p), ("seq_lens", _p), ("block_table", _p), ("scratch", _p), ("logits", _p),
+                ("hidden_in", _p), ("hidden_out", _p)]
 
 
 _LIB.appl_forward.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Step)]
@@ -468,14 +469,17 @@ class NativeForward:
     embedding rows, o_proj's and down's partial sums are all-reduced inside
     it, through the shared-memory segment's C entry where the ranks have
     one (``ShmComm.native_reduce``), else a callback into the rank's
-    collectives; its logits columns are gathered after it."""
+    collectives; its logits columns are gathered after it. A pipeline
+    stage's (``weights.pp``) runs its layers in one call, from the ids
+    (first stage) or the rows the stage before handed on, to its rows
+    (handed on, fp32) or, on the last stage, the logits."""
 
     def __init__(self, weights: Any):
         arch = weights.arch
         self.arch = arch
         self._lin: list[NativeLinear] = []
         self._held: list[torch.Tensor] = []  # every tensor a pointer below refers to
-        self._layers = (Layer * arch.num_layers)()
+        self._layers = (Layer * len(weights.layers))()
         self._kv_ptrs: list[int] = []
         self._moes: list[Moe] = []
         route = None
@@ -495,22 +499,28 @@ class NativeForward:
                 L.moe = ctypes.pointer(self._sparse(lw.moe))
                 route = route or lw.moe
             L.k_scale, L.v_scale = lw.k_scale, lw.v_scale
-        if weights.lm_head is not None:
+        self.pp = weights.pp
+        first, last = self.pp is None or self.pp.first, self.pp is None or self.pp.last
+        if not last:  # its rows go on to the next stage: no head
+            self._lm_head = None
+        elif weights.lm_head is not None:
             self._lm_head = NativeLinear(weights.lm_head, release=True)
         else:  # tied: the embedding stays row-major for lookups, so pack a copy
             self._lm_head = NativeLinear.from_weight(weights.embed)
         cos, sin = weights.rope_cos, weights.rope_sin  # fp32, like the activations
         # The embedding is read one row per token, widened in the kernel: a bf16 table stays bf16.
-        embed = weights.embed
-        if embed.dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"cpu_native needs an fp32 or bf16 embedding; it is {embed.dtype}")
-        embed = embed.contiguous()
-        self._held.append(embed)
+        embed = weights.embed if first else None  # a later stage starts from the rows handed on
+        if embed is not None:
+            if embed.dtype not in WEIGHT_DTYPES:
+                raise ValueError(f"cpu_native needs an fp32 or bf16 embedding; it is {embed.dtype}")
+            embed = embed.contiguous()
+            self._held.append(embed)
         self.struct = Model(
-            arch.num_layers, arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads,
+            len(weights.layers), arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads,
             arch.head_dim, arch.vocab_size, cos.shape[0], arch.rms_norm_eps, arch.head_dim ** -0.5, 0,
-            int(embed.dtype == torch.bfloat16), embed.data_ptr(), self._hold(weights.final_norm),
-            self._hold(cos), self._hold(sin), self._lm_head.struct, ctypes.cast(self._layers, ctypes.POINTER(Layer)),
+            int(embed is not None and embed.dtype == torch.bfloat16), _ptr(embed),
+            self._hold(weights.final_norm) if last else None, self._hold(cos), self._hold(sin),
+            self._lm_head.struct if last else Linear(), ctypes.cast(self._layers, ctypes.POINTER(Layer)),
         )
         self._router = None
         if route is not None:
@@ -595,20 +605,31 @@ class NativeForward:
                 raise ValueError(f"position {int(pos.max())} beyond the rope table ({self.struct.max_pos})")
         slots = c.slot_mapping.to(torch.int64).contiguous()
         li = logits_indices.to(torch.int64).contiguous()
-        logits = torch.empty(li.shape[0], self.arch.vocab_size, dtype=torch.float32)
-        step = Step(t, c.num_reqs, li.shape[0], c.block_size, md.block_table.stride(0), 0,
-                    ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), li.data_ptr(),
-                    md.qsl.data_ptr(), md.seq_lens.data_ptr(), md.block_table.data_ptr(),
-                    self._scratch.data_ptr(), logits.data_ptr())
-        _LIB.appl_forward(ctypes.byref(self.struct), ctypes.byref(step))
-        if self._router is not None:
-            self._router.raise_error()
-        if step.failed:
-            error = getattr(self._reduce_keep, "error", None)
-            if error is not None:
-                self._reduce_keep.error = None
-            raise RuntimeError(f"the tensor-parallel all-reduce inside the native forward failed on rank "
-                               f"{self.tp.rank}: {error or 'the other ranks did not arrive in time'}") from error
-        if self.tp is not None:
-            logits = torch.cat(self.tp.comm.all_gather(logits), dim=-1)[:, : self.vocab_size]
-        return logits
+
+        def stage(rows: Optional[torch.Tensor], last: bool) -> torch.Tensor:
+            """This rank's layers on ``rows`` (None: the ids' embedding); the logits, or (before the last
+            pipeline stage) the rows after them."""
+            out = torch.empty((li.shape[0], self.arch.vocab_size) if last else (t, self.arch.hidden_size),
+                              dtype=torch.float32)
+            step = Step(t, c.num_reqs, li.shape[0] if last else 0, c.block_size, md.block_table.stride(0), 0,
+                        ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), li.data_ptr(),
+                        md.qsl.data_ptr(), md.seq_lens.data_ptr(), md.block_table.data_ptr(),
+                        self._scratch.data_ptr(), out.data_ptr() if last else None, _ptr(rows),
+                        None if last else out.data_ptr())
+            _LIB.appl_forward(ctypes.byref(self.struct), ctypes.byref(step))
+            if self._router is not None:
+                self._router.raise_error()
+            if step.failed:
+                error = getattr(self._reduce_keep, "error", None)
+                if error is not None:
+                    self._reduce_keep.error = None
+                raise RuntimeError(f"the tensor-parallel all-reduce inside the native forward failed on rank "
+                                   f"{self.tp.rank}: {error or 'the other ranks did not arrive in time'}") from error
+            if last and self.tp is not None:
+                out = torch.cat(self.tp.comm.all_gather(out), dim=-1)[:, : self.vocab_size]
+            return out
+
+        if self.pp is None:
+            return stage(None, True)
+        return self.pp.run(stage, (t, self.arch.hidden_size), torch.float32, (li.shape[0], self.vocab_size),
+                           torch.device("cpu"))

@@ -1,4 +1,5 @@
-"""Random paged-attention problems and faked backend packages shared by backend tests."""
+"""Random paged-attention problems, faked backend packages and a captured
+native step, shared by backend tests."""
 
 import numpy as np
 import torch
@@ -75,3 +76,22 @@ def reference(common, q, k, v, kv_cache, num_heads, num_kv_heads, head_dim):
     cache = kv_cache.clone().float()
     out = b.forward(q.float(), k.float(), v.float(), cache, b.build_metadata(common))
     return out, cache
+
+
+def captured_native_step(llm, prompts, params):
+    """The runner's native forward and its arguments at the last step of
+    ``llm.generate(prompts, params)`` (the forward stays the runner's)."""
+    runner = llm.engine.runner
+    plain = runner.step_forward()
+    calls = {}
+
+    def capture(*args):
+        calls["args"] = args
+        return plain(*args)
+
+    runner._native = capture
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        runner._native = plain
+    return plain, calls["args"]

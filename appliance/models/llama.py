@@ -201,6 +201,27 @@ class PipelineParallel:
     def last(self) -> bool:
         return self.stage == self.size - 1
 
+    def run(self, stage: Callable[[Optional[torch.Tensor], bool], torch.Tensor], rows: tuple[int, int],
+            rows_dtype: torch.dtype, logits: tuple[int, int], device: torch.device) -> torch.Tensor:
+        """One forward through the pipeline, on every rank: ``stage(x, last)``
+        runs this stage's layers on ``x`` (None on the first stage: it embeds
+        the ids) and returns its output rows (``rows`` [tokens, hidden] of
+        ``rows_dtype``), or on the last stage (``last``) its logits
+        (``logits`` [rows, vocab], fp32). Returns the logits, on every rank."""
+        x = None
+        for k in range(self.size - 1):
+            if k == self.stage:
+                x = stage(x, False).contiguous()
+                self.comm.broadcast(x, self.leaders[k])
+            else:
+                received = torch.empty(rows, dtype=rows_dtype, device=device)
+                self.comm.broadcast(received, self.leaders[k])
+                if k == self.stage - 1:
+                    x = received
+        out = stage(x, True).contiguous() if self.last else torch.empty(logits, dtype=torch.float32, device=device)
+        self.comm.broadcast(out, self.leaders[-1])
+        return out
+
 
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
     unit = 64 * tp_size
@@ -463,14 +484,16 @@ class ModelWeights:
     vocabulary, the logits' width."""
 
     arch: ModelArch
-    embed: torch.Tensor  # [vocab, hidden], looked up one row per token
-    final_norm: torch.Tensor
+    embed: Optional[torch.Tensor]  # [vocab, hidden], looked up one row per token; None on a middle pipeline stage
+    final_norm: Optional[torch.Tensor]  # None on a pipeline stage before the last
     layers: tuple[LayerWeights, ...]
     lm_head: Optional[nn.Module]  # the LM head's own projection (untied or quantized); None: tied to ``embed``
+    # (or, on a pipeline stage before the last, no head)
     rope_cos: torch.Tensor  # [positions, head_dim] fp32
     rope_sin: torch.Tensor
     vocab_size: int
     tp: Optional[TensorParallel] = None
+    pp: Optional[PipelineParallel] = None  # a pipeline stage's: ``layers`` are its own
 
 
 class LlamaForCausalLM(nn.Module):
@@ -579,13 +602,16 @@ class LlamaForCausalLM(nn.Module):
                 down_proj=mlp.down_proj if dense else None, k_scale=attn.backend.k_scale,
                 v_scale=attn.backend.v_scale, moe=None if dense else mlp,
             ))
-        if self.lm_head_q is not None:
+        if not self.holds_head:
+            lm_head = None
+        elif self.lm_head_q is not None:
             lm_head = self.lm_head_q
         else:
             lm_head = None if self.arch.tie_word_embeddings else self.lm_head
-        return ModelWeights(arch=self.arch, embed=self.model.embed_tokens.weight.data,
-                            final_norm=self.model.norm.weight.data, layers=tuple(layers), lm_head=lm_head,
-                            rope_cos=cos, rope_sin=sin, vocab_size=self.vocab_size, tp=self.tp)
+        return ModelWeights(arch=self.arch, embed=self.model.embed_tokens.weight.data if self.holds_embedding else None,
+                            final_norm=self.model.norm.weight.data if self.holds_head else None, layers=tuple(layers),
+                            lm_head=lm_head, rope_cos=cos, rope_sin=sin, vocab_size=self.vocab_size, tp=self.tp,
+                            pp=self.pp)
 
     def forward(
         self,
@@ -610,25 +636,13 @@ class LlamaForCausalLM(nn.Module):
             if self.eplb is not None:
                 self.eplb.after_forward()
             return logits
-        # one stage after the other: stage k runs its layers, then its leader hands the rows to stage k + 1
-        x = self._embed(input_ids) if pp.first else None
-        for k in range(pp.size - 1):
-            if k == pp.stage:
-                x = layers(x).contiguous()
-                pp.comm.broadcast(x, pp.leaders[k])
-            else:
-                rows = torch.empty((input_ids.shape[0], self.arch.hidden_size), dtype=self.rope[0].dtype,
-                                   device=input_ids.device)
-                pp.comm.broadcast(rows, pp.leaders[k])
-                if k == pp.stage - 1:
-                    x = rows
-        if pp.last:
-            logits = self._logits(layers(x), logits_indices).contiguous()
-        else:
-            logits = torch.empty((logits_indices.shape[0], self.vocab_size), dtype=torch.float32,
-                                 device=input_ids.device)
-        pp.comm.broadcast(logits, pp.leaders[-1])
-        return logits
+
+        def stage(x: Optional[torch.Tensor], last: bool) -> torch.Tensor:
+            x = layers(self._embed(input_ids) if x is None else x)
+            return self._logits(x, logits_indices) if last else x
+
+        return pp.run(stage, (input_ids.shape[0], self.arch.hidden_size), self.rope[0].dtype,
+                      (logits_indices.shape[0], self.vocab_size), input_ids.device)
 
     def idle_forward(self) -> None:
         """An engine core with nothing to run, while its data-parallel peers

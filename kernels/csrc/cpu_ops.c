@@ -119,6 +119,11 @@ typedef struct {
     const int32_t *qsl, *seq_lens, *block_table; /* block_table [n_reqs, bt_stride] */
     float *scratch; /* see scratch_floats() */
     float *logits;  /* [n_logits, vocab] */
+    /* A pipeline stage's: hidden_in, its rows from the stage before ([n_tokens, hidden]; NULL: embed the ids, as
+     * the first stage does); hidden_out, where its rows go after its layers ([n_tokens, hidden]; NULL: the final
+     * norm and LM head make the logits, as the last stage does). */
+    const float *hidden_in;
+    float *hidden_out;
 } Step;
 
 /* ---------------------------------------------------------------- helpers */
@@ -2089,7 +2094,9 @@ void appl_forward(const Model *M, Step *S) {
     float *act = gu + T * 2 * inter; /* [T, inter] */
 
     S->failed = 0;
-    for (int64_t t = 0; t < T; t++) {
+    if (S->hidden_in) /* a later pipeline stage: the rows its stage before made, whole on every rank */
+        memcpy(x, S->hidden_in, sizeof(float) * (size_t)(T * hid));
+    for (int64_t t = 0; t < T && !S->hidden_in; t++) {
         const int64_t row = S->input_ids[t] - M->vocab_start; /* this rank's row (a tensor-parallel rank's shard) */
         if (row < 0 || row >= M->vocab) {
             memset(x + t * hid, 0, sizeof(float) * hid);
@@ -2106,7 +2113,7 @@ void appl_forward(const Model *M, Step *S) {
             memcpy(x + t * hid, (const float *)M->embed + row * hid, sizeof(float) * hid);
         }
     }
-    if (M->reduce) {
+    if (M->reduce && !S->hidden_in) {
         int rc;
         PHASE(PH_REDUCE, rc = M->reduce(M->reduce_ctx, x, T * hid));
         if (rc) {
@@ -2156,6 +2163,10 @@ void appl_forward(const Model *M, Step *S) {
             S->failed = 1;
             return;
         }
+    }
+    if (S->hidden_out) { /* a pipeline stage before the last: its rows go on */
+        memcpy(S->hidden_out, x, sizeof(float) * (size_t)(T * hid));
+        return;
     }
     const double t_lm = now_s();
     for (int i = 0; i < S->n_logits; i++)

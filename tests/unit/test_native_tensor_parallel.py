@@ -13,6 +13,7 @@ import torch
 
 from appliance import LLM, SamplingParams
 from appliance.models.llama import TensorParallel
+from tests.kernel_helpers import captured_native_step
 
 cpu_native = pytest.importorskip("appliance.kernels.cpu_native")
 
@@ -86,18 +87,10 @@ def test_a_failing_all_reduce_stops_the_step_and_names_the_rank():
     llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)  # built and warm
     model = runner.model
     native = cpu_native.NativeForward(dataclasses.replace(model.weights_view(), tp=TensorParallel(0, 1, FailingComm())))
-    plain = runner.step_forward()
-    calls = {}
-
-    def capture(*args):
-        calls["args"] = args
-        return plain(*args)
-
-    runner._native = capture
     llm.engine.scheduler.kv.reset_prefix_cache()
-    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1), use_tqdm=False)
+    _, args = captured_native_step(llm, PROMPTS[:1], SamplingParams(max_tokens=1))
     with pytest.raises(RuntimeError, match="all-reduce inside the native forward failed on rank 0: peer gone"):
-        native(*calls["args"])
+        native(*args)
 
 
 def test_a_tensor_parallel_rank_of_a_sparse_model_keeps_the_torch_path():
