@@ -508,8 +508,6 @@ def validate(cfg: ApplianceConfig) -> list[str]:
         if spec.disable_by_batch_size is not None and spec.disable_by_batch_size < 1:
             problems.append(f"speculative.disable_by_batch_size={spec.disable_by_batch_size} must be at least 1 "
                             f"(or null: speculate at every batch size)")
-        if par.pipeline_parallel_size > 1:
-            problems.append("speculative decoding is not supported with pipeline_parallel_size > 1; use speculative=off")
 
     # Memory: weights must fit, and the pool must hold one full-length request.
     if dtype in ("float32", "bfloat16", "float16") and not problems:

@@ -149,6 +149,22 @@ def test_a_draft_model_on_every_rank_keeps_the_targets_tokens(tiny_reference):
     assert llm.engine.stats().spec_drafts > 0
 
 
+@pytest.mark.parametrize("spec", [
+    ["speculative=ngram"],
+    ["speculative=draft_model", "speculative.draft_model=tiny_random_draft", "speculative.num_speculative_tokens=3"],
+], ids=["ngram", "draft_model"])
+def test_speculation_over_pipeline_stages_keeps_the_targets_tokens(tiny_reference, spec):
+    """Speculative decoding at tp2 x pp2: every rank proposes the same drafts
+    (the n-gram lookup over the same tokens, or a whole draft model on each
+    rank), the stages verify them in one pipelined forward, and greedy output
+    stays the target's."""
+    outs, llm = generate([*TINY, *spec, "speculative.disable_by_batch_size=null", "parallel.tensor_parallel_size=2",
+                          "parallel.pipeline_parallel_size=2"], PROMPTS[:4], 24)
+    assert len(llm.engine.runner.pids) == 4
+    assert [o.token_ids for o in outs] == [o.token_ids for o in tiny_reference[:4]]
+    assert llm.engine.stats().spec_drafts > 0
+
+
 def test_smollm2_gguf_blocks_split_over_three_ranks_equal_one_rank(monkeypatch):
     """The Q4_1 file's own blocks (quantization=gguf) cut over tp3, against one rank's torch layer path;
     fp32 rows in the ranks' int4 GEMMs on every CPU (see the quantized checkpoints' test)."""

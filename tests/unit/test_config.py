@@ -109,8 +109,6 @@ def _problems(*overrides):
         (["+profile=cpu", "speculative=ngram", "speculative.prompt_lookup_min=6"], "speculative.prompt_lookup_min=6 must be between 1"),
         (["+profile=cpu", "speculative=ngram", "speculative.disable_by_batch_size=0"],
          "speculative.disable_by_batch_size=0 must be at least 1"),
-        (["+profile=h100_bf16", "parallel=tp8_pp2", "hardware.num_devices=16", "speculative=ngram", "model=llama3_1_8b"],
-         "speculative decoding is not supported with pipeline_parallel_size > 1"),
         (["+profile=cpu", "model.dtype=float16"], "model.dtype=float16 is not supported by hardware=cpu"),
         (["+profile=cpu", "parallel=tp2", "hardware.num_devices=2"], "model.num_heads=9 is not divisible by parallel.tensor_parallel_size=2"),
         (["+profile=cpu", "model=tiny_random", "parallel=tp2", "parallel.executor=uni"],
