@@ -465,8 +465,9 @@ class _Reducer:
 class NativeForward:
     """The whole forward of a LlamaForCausalLM in one native call per step,
     built from the model's ``weights_view()`` (``ModelWeights``). A
-    tensor-parallel rank's part (dense models) runs the same call: its
-    embedding rows, o_proj's and down's partial sums are all-reduced inside
+    tensor-parallel rank's part runs the same call: its embedding rows,
+    o_proj's and down's partial sums (a sparse layer's: its rows of every
+    expert, combined by the routing weights) are all-reduced inside
     it, through the shared-memory segment's C entry where the ranks have
     one (``ShmComm.native_reduce``), else a callback into the rank's
     collectives; its logits columns are gathered after it. A pipeline
@@ -535,8 +536,6 @@ class NativeForward:
             self._bind_reduce(self.tp)
 
     def _bind_reduce(self, tp: Any) -> None:
-        if self._router is not None:
-            raise ValueError("the native forward runs a tensor-parallel rank of a dense model only")
         self.struct.vocab_start = tp.rank * self.arch.vocab_size  # arch: this rank's rows
         native = getattr(tp.comm, "native_reduce", None)
         if native is not None:

@@ -52,15 +52,11 @@ from appliance.worker.sampler import (SampleRequest, TokenLogprobs, position_gen
 def runs_native_forward(backend: Any, model: Any) -> bool:
     """Whether steps of ``model`` run the backend's whole-step native
     forward: where the backend has one, for the whole model, a
-    tensor-parallel rank of a dense one (its all-reduces run inside the
-    native call) or a pipeline stage (its layers in one call, the rows
-    handed on between calls); not for an expert-parallel rank or a
-    tensor-parallel rank of a sparse model (their exchanges between layers
-    are not built into it)."""
-    if not backend.native_forward or getattr(model, "ep", None) is not None:
-        return False
-    layers = getattr(getattr(model, "model", None), "layers", ())
-    return getattr(model, "tp", None) is None or not any(getattr(layer, "sparse", False) for layer in layers)
+    tensor-parallel rank (its all-reduces run inside the native call) or a
+    pipeline stage (its layers in one call, the rows handed on between
+    calls); not for an expert-parallel rank (its exchange of tokens between
+    ranks is not built into it)."""
+    return bool(backend.native_forward) and getattr(model, "ep", None) is None
 
 
 @dataclass

@@ -104,7 +104,7 @@ typedef struct {
     RouteFn route;                             /* sparse layers' routing, NULL for a dense model */
     int32_t moe_experts, moe_top_k, moe_inter; /* the sparse layers' sizes (scratch), 0 for a dense model */
     int32_t _pad2;
-    /* A tensor-parallel rank's part (dense models; reduce NULL: one rank): its heads, MLP rows and vocabulary
+    /* A tensor-parallel rank's part (reduce NULL: one rank): its heads, MLP rows (each expert's) and vocabulary
      * rows vocab_start .. vocab_start + vocab - 1 of the embedding and LM head; the embedding's rows (zero for
      * ids held elsewhere), o_proj's and down's partial sums are reduced; the logits are this rank's columns. */
     ReduceFn reduce;
@@ -1978,7 +1978,10 @@ int appl_phase_times(double *out, int reset) {
 int64_t appl_scratch_floats(const Model *M, int64_t n_tokens) {
     const int64_t qkv = (int64_t)(M->n_heads + 2 * M->n_kv_heads) * M->head_dim;
     const int64_t pairs = n_tokens * M->moe_top_k; /* (token, expert) pairs of a sparse layer */
-    const int64_t moe = n_tokens * M->moe_experts + 2 * pairs + pairs * (2 * (int64_t)M->hidden + 3 * M->moe_inter);
+    /* a sparse layer's partial sums [T, hid], then its routing, rows and outputs */
+    const int64_t moe = M->moe_experts ? n_tokens * (int64_t)M->hidden + n_tokens * M->moe_experts + 2 * pairs +
+                                             pairs * (2 * (int64_t)M->hidden + 3 * M->moe_inter)
+                                       : 0;
     return n_tokens * (2 * (int64_t)M->hidden + qkv + (int64_t)M->n_heads * M->head_dim + 3 * (int64_t)M->inter) +
            moe + 64;
 }
@@ -2151,7 +2154,21 @@ void appl_forward(const Model *M, Step *S) {
         }
         PHASE(PH_NORM, appl_rmsnorm(x, hid, L->ln2, h, hid, T, (int)hid, M->eps));
         if (L->moe) {
-            moe_forward(M, L->moe, h, x, T, act + T * inter);
+            float *part = act + T * inter; /* [T, hid]: a tensor-parallel rank's share, reduced before the add */
+            if (!M->reduce) {
+                moe_forward(M, L->moe, h, x, T, part + T * hid);
+                continue;
+            }
+            memset(part, 0, sizeof(float) * (size_t)(T * hid));
+            moe_forward(M, L->moe, h, part, T, part + T * hid); /* this rank's rows of every expert */
+            int rc;
+            PHASE(PH_REDUCE, rc = M->reduce(M->reduce_ctx, part, T * hid));
+            if (rc) {
+                S->failed = 1;
+                return;
+            }
+#pragma omp parallel for schedule(static) if (T * hid >= 65536)
+            for (int64_t i = 0; i < T * hid; i++) x[i] += part[i];
             continue;
         }
         PHASE(PH_GATE_UP, appl_linear(&L->gate_up, h, hid, gu, 2 * inter, T, 0));

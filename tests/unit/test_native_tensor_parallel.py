@@ -62,20 +62,26 @@ def _shm_one_rank():
         os.unlink(path)  # mapped: the name can go
 
 
+@pytest.mark.parametrize("model", ["tiny_random", "tiny_random_moe"])
 @pytest.mark.parametrize("kind", ["callback", "shm"])
-def test_one_rank_through_the_reduce_path_equals_the_plain_native_forward(kind):
-    llm = LLM(overrides=BASE)
+def test_one_rank_through_the_reduce_path_equals_the_plain_native_forward(kind, model):
+    """Dense and sparse layers (a sparse layer's rank sums its rows of every
+    expert into a buffer, reduced, then added to the residual). The rank is
+    another engine of the same weights: a native forward frees the float
+    experts it packs."""
+    overrides = [*BASE, f"model={model}"]
+    llm = LLM(overrides=overrides)
     runner = llm.engine.runner
     assert runner.uses_native_forward
     plain = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert isinstance(runner.step_forward(), cpu_native.NativeForward) and runner.step_forward().tp is None
     comm = CountingOneRank() if kind == "callback" else _shm_one_rank()
     cpu_native.phase_times(reset=True)
-    through = _run_with(llm, comm)
+    through = _run_with(LLM(overrides=overrides), comm)
     for a, b in zip(plain, through):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [lp.top for lp in a.outputs[0].logprobs] == [lp.top for lp in b.outputs[0].logprobs]  # same bits
-    if kind == "callback":  # the embedding, then o_proj and down of every layer, in every step
+    if kind == "callback":  # the embedding, then o_proj and down (or the experts) of every layer, in every step
         layers = runner.model.arch.num_layers
         assert comm.reduces > 0 and comm.reduces % (1 + 2 * layers) == 0
     assert cpu_native.phase_times()["tp_all_reduce"] > 0
@@ -93,21 +99,25 @@ def test_a_failing_all_reduce_stops_the_step_and_names_the_rank():
         native(*args)
 
 
-def test_a_tensor_parallel_rank_of_a_sparse_model_keeps_the_torch_path():
-    """Expert layers' exchanges are not built into the native call: a
-    tensor-parallel mixture-of-experts rank runs the torch forward, and the
-    native forward refuses one."""
+def test_which_ranks_run_the_native_forward():
+    """A tensor-parallel rank of a dense or a sparse model runs the native
+    forward; an expert-parallel rank (its tokens exchanged between ranks
+    inside a sparse layer) keeps the torch forward."""
+    from appliance.models.moe import ExpertParallel
     from appliance.worker.model_runner import runs_native_forward
 
     dense = LLM(overrides=BASE).engine.runner
     moe = LLM(overrides=["+profile=cpu", "model=tiny_random_moe", "cache.kv_cache_memory_gib=0.01"]).engine.runner
-    assert dense.uses_native_forward and moe.uses_native_forward  # one rank each: native
-    for runner, native in ((dense, True), (moe, False)):
+    for runner in (dense, moe):
         model = runner.model
+        assert runner.uses_native_forward  # one rank
         model.tp = TensorParallel(0, 1, CountingOneRank())
         try:
-            assert runs_native_forward(runner.backend, model) is native
+            assert runs_native_forward(runner.backend, model)
         finally:
             model.tp = None
-    with pytest.raises(ValueError, match="dense model only"):
-        cpu_native.NativeForward(dataclasses.replace(moe.model.weights_view(), tp=TensorParallel(0, 1, CountingOneRank())))
+    moe.model.ep = ExpertParallel(0, 1, None)
+    try:
+        assert not runs_native_forward(moe.backend, moe.model)
+    finally:
+        moe.model.ep = None
