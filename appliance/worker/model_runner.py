@@ -52,11 +52,17 @@ from appliance.worker.sampler import (SampleRequest, TokenLogprobs, position_gen
 def runs_native_forward(backend: Any, model: Any) -> bool:
     """Whether steps of ``model`` run the backend's whole-step native
     forward: where the backend has one, for the whole model, a
-    tensor-parallel rank (its all-reduces run inside the native call) or a
-    pipeline stage (its layers in one call, the rows handed on between
-    calls); not for an expert-parallel rank (its exchange of tokens between
-    ranks is not built into it)."""
-    return bool(backend.native_forward) and getattr(model, "ep", None) is None
+    tensor-parallel rank (its all-reduces run inside the native call; with
+    expert parallelism over those ranks, their whole experts' partial sums
+    reduced as a sliced expert's are) or a pipeline stage (its layers in one
+    call, the rows handed on between calls); not for expert parallelism
+    across engine cores (its exchange of tokens is not built into the call)
+    or under the load balancer (its slots are not)."""
+    if not backend.native_forward:
+        return False
+    ep = getattr(model, "ep", None)
+    return ep is None or (ep.replicated and getattr(model, "tp", None) is not None
+                          and getattr(model, "eplb", None) is None)
 
 
 @dataclass

@@ -101,23 +101,27 @@ def test_a_failing_all_reduce_stops_the_step_and_names_the_rank():
 
 def test_which_ranks_run_the_native_forward():
     """A tensor-parallel rank of a dense or a sparse model runs the native
-    forward; an expert-parallel rank (its tokens exchanged between ranks
-    inside a sparse layer) keeps the torch forward."""
+    forward, and so does one with expert parallelism over the tensor-parallel
+    ranks (whole experts, the same tokens on every rank: the partial sums'
+    all-reduce is the whole exchange); expert parallelism across engine
+    cores (tokens exchanged inside a sparse layer) or under the load
+    balancer (pairs moved to slots) keeps the torch forward."""
     from appliance.models.moe import ExpertParallel
     from appliance.worker.model_runner import runs_native_forward
 
     dense = LLM(overrides=BASE).engine.runner
     moe = LLM(overrides=["+profile=cpu", "model=tiny_random_moe", "cache.kv_cache_memory_gib=0.01"]).engine.runner
+    assert dense.uses_native_forward and moe.uses_native_forward  # one rank
+    tp = TensorParallel(0, 1, CountingOneRank())
     for runner in (dense, moe):
-        model = runner.model
-        assert runner.uses_native_forward  # one rank
-        model.tp = TensorParallel(0, 1, CountingOneRank())
-        try:
-            assert runs_native_forward(runner.backend, model)
-        finally:
-            model.tp = None
-    moe.model.ep = ExpertParallel(0, 1, None)
+        runner.model.tp = tp
+        assert runs_native_forward(runner.backend, runner.model)
+    model = moe.model
+    cases = [(ExpertParallel(0, 1, tp.comm), None, True), (ExpertParallel(0, 1, tp.comm, replicated=False), None, False),
+             (ExpertParallel(0, 1, tp.comm), object(), False)]
     try:
-        assert not runs_native_forward(moe.backend, moe.model)
+        for ep, eplb, native in cases:
+            model.ep, model.eplb = ep, eplb
+            assert runs_native_forward(moe.backend, model) is native, (ep, eplb)
     finally:
-        moe.model.ep = None
+        dense.model.tp = model.tp = model.ep = model.eplb = None
