@@ -9,7 +9,6 @@ Several ranks against one: tests/integration/test_tensor_parallel.py."""
 import dataclasses
 
 import pytest
-import torch
 
 from appliance import LLM, SamplingParams
 from appliance.models.llama import TensorParallel
