@@ -49,7 +49,7 @@ class TokenBudget:
     def calibration_prompt_len(self) -> int:
         """The prompt a warm-up prefills alone to give the first fit: the
         first estimate's size (its step, then its decodes, fit the line)."""
-        return max(1, self.budget)
+        return self.budget
 
     def _clamp(self, tokens: float, floor: int) -> int:
         return max(min(floor, self.cap), min(self.cap, int(tokens + 1e-6)))  # 79.99999... is 80

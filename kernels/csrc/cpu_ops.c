@@ -466,6 +466,12 @@ static inline __attribute__((always_inline)) void q4_rows_avx2_tile(const Linear
     }
 }
 
+/* Rows for the next of the passes of at most `most` rows that cover `left` rows as evenly as they go. */
+static inline int64_t even_pass(int64_t left, int64_t most) {
+    const int64_t passes = (left + most - 1) / most;
+    return (left + passes - 1) / passes;
+}
+
 /* Rows [0, m) (m <= Q4_DIRECT_MAX_AVX2) against int4 panels [p0, p1) on AVX2, in passes of up to four rows as even
  * as they go (5: 3 + 2, 6: 3 + 3, 7: 4 + 3, 9: 3 + 3 + 3). */
 static void q4_rows_avx2(const Linear *L, const float *x, int64_t ldx, const float *xs, float *out, int64_t ldo,
@@ -476,8 +482,7 @@ static void q4_rows_avx2(const Linear *L, const float *x, int64_t ldx, const flo
         const int64_t n0 = pn * PW;
         const int nv = (int)(n - n0 < PW ? n - n0 : PW);
         for (int64_t r0 = 0, R; r0 < m; r0 += R) {
-            const int64_t left = m - r0, passes = (left + 3) / 4;
-            R = (left + passes - 1) / passes;
+            R = even_pass(m - r0, 4);
             const float *xr = x + r0 * ldx, *sr = xs + r0 * groups;
             if (R == 4) q4_rows_avx2_tile(L, xr, ldx, sr, pn, 4, c);
             else if (R == 3) q4_rows_avx2_tile(L, xr, ldx, sr, pn, 3, c);
@@ -1188,18 +1193,13 @@ AVX512_TARGET static void q4_rows(const Linear *L, const float *x, int64_t ldx, 
     }
 }
 
-/* Seven to Q4_DIRECT_MAX rows on AVX-512F: passes of up to Q4_ROWS_MAX rows, as even as they go (7: 4 + 3,
+/* Up to Q4_DIRECT_MAX rows on AVX-512F: passes of up to Q4_ROWS_MAX rows, as even as they go (7: 4 + 3,
  * 12: 6 + 6, 13: 5 + 4 + 4); each pass unpacks the panels again, which costs less than widening them. */
 AVX512_TARGET static void q4_rows_passes(const Linear *L, const float *x, int64_t ldx, const float *xs, float *out,
                                          int64_t ldo, int64_t m, int64_t p0, int64_t p1, int accumulate) {
-    if (m <= Q4_ROWS_MAX) {
-        q4_rows(L, x, ldx, xs, out, ldo, m, p0, p1, accumulate);
-        return;
-    }
     const int64_t groups = L->k / L->group;
     for (int64_t r0 = 0, R; r0 < m; r0 += R) {
-        const int64_t left = m - r0, passes = (left + Q4_ROWS_MAX - 1) / Q4_ROWS_MAX;
-        R = (left + passes - 1) / passes;
+        R = even_pass(m - r0, Q4_ROWS_MAX);
         q4_rows(L, x + r0 * ldx, ldx, xs + r0 * groups, out + r0 * ldo, ldo, R, p0, p1, accumulate);
     }
 }
@@ -2069,20 +2069,25 @@ static void moe_forward(const Model *M, const Moe *E, const float *h, float *x, 
 /* x[T, hid] += P in (T rows of stride ld_in), phase `phase`. A tensor-parallel rank's P is row-parallel:
  * its partial sums go to tmp, are reduced over the ranks, then added, x + (sum over ranks), as the torch
  * path adds its all-reduced output. Nonzero when the reduce failed. */
+/* A tensor-parallel rank's partial sums part[n] all-reduced, then added to x; -1 if the reduce failed. */
+static int reduce_add(const Model *M, float *part, float *x, int64_t n) {
+    int rc;
+    PHASE(PH_REDUCE, rc = M->reduce(M->reduce_ctx, part, n));
+    if (rc) return -1;
+#pragma omp parallel for schedule(static) if (n >= 65536)
+    for (int64_t i = 0; i < n; i++) x[i] += part[i];
+    return 0;
+}
+
 static int residual_linear(const Model *M, const Linear *P, const float *in, int64_t ld_in, float *tmp, float *x,
                            int64_t T, int phase) {
-    const int64_t hid = M->hidden, n = T * hid;
+    const int64_t hid = M->hidden;
     if (!M->reduce) {
         PHASE(phase, appl_linear(P, in, ld_in, x, hid, T, 1));
         return 0;
     }
-    int rc;
     PHASE(phase, appl_linear(P, in, ld_in, tmp, hid, T, 0));
-    PHASE(PH_REDUCE, rc = M->reduce(M->reduce_ctx, tmp, n));
-    if (rc) return -1;
-#pragma omp parallel for schedule(static) if (n >= 65536)
-    for (int64_t i = 0; i < n; i++) x[i] += tmp[i];
-    return 0;
+    return reduce_add(M, tmp, x, T * hid);
 }
 
 void appl_forward(const Model *M, Step *S) {
@@ -2161,14 +2166,10 @@ void appl_forward(const Model *M, Step *S) {
             }
             memset(part, 0, sizeof(float) * (size_t)(T * hid));
             moe_forward(M, L->moe, h, part, T, part + T * hid); /* this rank's rows of every expert */
-            int rc;
-            PHASE(PH_REDUCE, rc = M->reduce(M->reduce_ctx, part, T * hid));
-            if (rc) {
+            if (reduce_add(M, part, x, T * hid)) {
                 S->failed = 1;
                 return;
             }
-#pragma omp parallel for schedule(static) if (T * hid >= 65536)
-            for (int64_t i = 0; i < T * hid; i++) x[i] += part[i];
             continue;
         }
         PHASE(PH_GATE_UP, appl_linear(&L->gate_up, h, hid, gu, 2 * inter, T, 0));
