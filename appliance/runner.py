@@ -337,7 +337,7 @@ def build_rank_runner(deployment: Deployment, rank: int, comms: Any) -> Any:
     runs the exchanges) and the cache of its layers' KV heads; one rank
     alone, the whole model. Runs in that rank's worker process."""
     from appliance.config.sizes import pipeline_partition
-    from appliance.models.llama import PipelineParallel, TensorParallel
+    from appliance.models.llama import PipelineParallel, StageLink, TensorParallel
     from appliance.models.moe import ExpertParallel
     from appliance.worker.executor import rank_position
 
@@ -351,8 +351,9 @@ def build_rank_runner(deployment: Deployment, rank: int, comms: Any) -> Any:
     if pp_size > 1:
         parts = pipeline_partition(cfg.model.num_layers, pp_size, cfg.parallel.pp_layer_partition)
         start = sum(parts[:stage])
-        pp = PipelineParallel(stage, pp_size, start, start + parts[stage], comms.world,
-                              tuple(s * tp_size for s in range(pp_size)))
+        pp = PipelineParallel(stage, pp_size, start, start + parts[stage],
+                              receive=StageLink(*comms.receive) if comms.receive is not None else None,
+                              send=StageLink(*comms.send) if comms.send is not None else None)
     return _model_runner(deployment, tp, pp, ep)[0]
 
 
@@ -408,7 +409,9 @@ def _model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
     kv_dtype = backend.cache_dtype(ex.kv_cache_dtype, dtype)
     spec = cfg.speculative
     proposer = None
-    if spec.method == "ngram":
+    if pp is not None and not pp.last:  # it samples nothing, so it drafts nothing
+        pass
+    elif spec.method == "ngram":
         from appliance.worker.spec_decode import NgramProposer
 
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, mml)

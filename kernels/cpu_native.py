@@ -586,7 +586,8 @@ class NativeForward:
         self._kv_ptrs = ptrs
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 md: NativeMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+                 md: NativeMetadata, logits_indices: torch.Tensor) -> Optional[torch.Tensor]:
+        """The logits at ``logits_indices``; None on a pipeline stage before the last (its rows went on)."""
         self._bind_caches(kv_caches)
         c = md.common
         t = int(input_ids.shape[0])
@@ -630,5 +631,4 @@ class NativeForward:
 
         if self.pp is None:
             return stage(None, True)
-        return self.pp.run(stage, (t, self.arch.hidden_size), torch.float32, (li.shape[0], self.vocab_size),
-                           torch.device("cpu"))
+        return self.pp.run(stage, (t, self.arch.hidden_size), torch.float32, torch.device("cpu"))

@@ -7,7 +7,9 @@ together): one rank on its default path (the whole-step native forward on
 CPUs), one rank on the torch layer-by-layer path (``attention.backend=
 torch_sdpa``: the path a pipeline stage runs; a tensor-parallel rank of a
 dense model runs the native forward), then each
-of ``--layouts`` (e.g. ``tp3``, ``pp2``, ``tp3 with gloo``). Served (the
+of ``--layouts`` (e.g. ``tp3``, ``pp2``, ``tp3 with gloo``; ``pp2`` also
+with one step in flight, the stages taking turns, against its default of
+one step per stage in flight so that they overlap). Served (the
 offline ``LLM`` runs one engine core): one core against ``dp2``, the same
 prompts sent at once to ``appliance run``.
 
@@ -42,7 +44,9 @@ LAYOUTS = {
     "tp3 (shm)": ["parallel=tp3"],
     "tp3 (gloo)": ["parallel=tp3", "parallel.cpu_collectives=gloo"],
     "pp2 (shm)": ["parallel=pp2"],
+    "pp2 (shm; 1 step in flight)": ["parallel=pp2"],
 }
+ONE_STEP_IN_FLIGHT = {"pp2 (shm; 1 step in flight)"}  # the engine core waits for each step before the next
 SERVED = {"1 core (served)": [], "dp2 (served)": ["parallel=dp2"]}
 
 
@@ -103,10 +107,12 @@ def collective_latency_us(kind: str, world: int, nbytes: int, iters: int) -> flo
             os.unlink(where)
 
 
-def offline(overrides: list[str], prompts: list[list[int]], output_len: int) -> dict:
+def offline(overrides: list[str], prompts: list[list[int]], output_len: int, one_step: bool = False) -> dict:
     from appliance import LLM, SamplingParams
 
     llm = LLM(overrides=overrides)
+    if one_step:
+        llm.engine.max_in_flight = 1
     try:
         llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
         with counting_steps(llm.engine) as counter:
@@ -163,7 +169,7 @@ def main(argv: list[str]) -> int:
     prompts = random_prompts(a.num_prompts, [a.input_len] * a.num_prompts, m.vocab_size)
     runs: dict[str, dict] = {}
     for label, extra in [*OFFLINE.items(), *((k, LAYOUTS[k]) for k in layouts)]:
-        runs[label] = offline([*base, *extra], prompts, a.output_len)
+        runs[label] = offline([*base, *extra], prompts, a.output_len, label in ONE_STEP_IN_FLIGHT)
         print(f"{label:28s} {runs[label]['output_tok_s']:7.1f} tok/s  {runs[label]['ms_per_step']:7.1f} ms/step",
               flush=True)
     if not a.no_served:
@@ -178,6 +184,9 @@ def main(argv: list[str]) -> int:
             latency[f"{kind}/{world}"] = collective_latency_us(kind, world, row_bytes, iters)
             print(f"all-reduce of {row_bytes} B, {world} ranks, {kind}: {latency[f'{kind}/{world}']:.1f} us",
                   flush=True)
+    if "pp2 (shm)" in runs and "pp2 (shm; 1 step in flight)" in runs:
+        runs["pp2 (shm)"]["vs_one_step_in_flight"] = (runs["pp2 (shm)"]["output_tok_s"]
+                                                      / runs["pp2 (shm; 1 step in flight)"]["output_tok_s"])
     torch_path = runs["1 rank (torch layer path)"]
     for label, r in runs.items():
         if r.get("ranks", 1) > 1 and r.get("collectives"):

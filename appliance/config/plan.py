@@ -46,7 +46,8 @@ def weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
 
 
 def draft_weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
-    """A draft model's weights (0 without one): every rank holds the whole draft."""
+    """A draft model's weights (0 without one): every rank that samples (all
+    of them, or the last pipeline stage's) holds the whole draft."""
     draft = draft_model(cfg)
     return parameter_counts(draft)["total"] * DTYPE_BYTES[draft_dtype(cfg, dtype)] if draft is not None else 0
 
@@ -130,7 +131,8 @@ def draft_model(cfg: ApplianceConfig) -> Optional[ModelConfig]:
 
 def kv_bytes_per_token(cfg: ApplianceConfig, dtype: str) -> int:
     """K and V of every layer for one token, per device (a draft model's too:
-    its cache shares the target's blocks; every rank holds all its KV heads)."""
+    its cache shares the target's blocks; every rank that samples holds all
+    its KV heads: the worst device's figure)."""
     draft = draft_model(cfg)
     return _kv_bytes(cfg, cfg.model, dtype) + (_kv_bytes(cfg, draft, draft_dtype(cfg, dtype), whole=True)
                                                if draft is not None else 0)

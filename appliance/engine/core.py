@@ -11,6 +11,7 @@ engine-core process.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union
@@ -159,7 +160,12 @@ class EventSink(Protocol):
 
 
 class StepRunner(Protocol):
-    """The model side of a step (``worker.model_runner.ModelRunner``)."""
+    """The model side of a step (``worker.model_runner.ModelRunner``).
+
+    A runner over pipeline stages (``worker.executor``) also has
+    ``max_batches_in_flight`` (one per stage), ``submit(sched_out)`` and
+    ``collect()`` (the oldest submitted step's output): the core keeps
+    that many steps in flight so the stages overlap."""
 
     def execute(self, sched_out: SchedulerOutput) -> StepOutput: ...
 
@@ -204,6 +210,11 @@ class EngineCore:
         self._slot_ratios: list[float] = []
         # prompt logprobs gathered so far, until the request's first delta carries them
         self._prompt_lps: dict[str, list[Optional[TokenLogprob]]] = {}
+        self.max_in_flight = getattr(runner, "max_batches_in_flight", 1)  # steps submitted, not yet collected
+        self._in_flight: collections.deque[SchedulerOutput] = collections.deque()
+        self._carried = SchedulerOutput()  # ids an empty step left for the next one the runner sees
+        self._ran_alone_from: Optional[float] = None  # when the only step in flight was submitted, if it still is
+        scheduler.send_token_ids = self.max_in_flight > 1  # only the last pipeline stage samples
 
     def add_request(
         self,
@@ -258,9 +269,10 @@ class EngineCore:
             self._strikes.pop(req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run, or a KV connector's instructions that the next step hands over."""
+        """Requests to run, steps in flight, or a KV connector's instructions that the next step hands over."""
         c = self.scheduler.connector
-        return self.scheduler.has_unfinished_requests() or (c is not None and c.has_pending_meta)
+        return (self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+                or (c is not None and c.has_pending_meta))
 
     def has_kv_transfers(self) -> bool:
         """KV a connector is moving (loads in flight, blocks held for a peer):
@@ -326,35 +338,119 @@ class EngineCore:
 
     def _step(self) -> list[RequestOutputDelta]:
         failed_compiles = self._compiled() if self._compiling else []
+        if self._in_flight or (self.max_in_flight > 1 and not self._suspects):
+            return failed_compiles + self._pipelined_step()
         alone = self._next_suspect()
-        if self.token_budget is not None and alone is None:
-            self.scheduler.max_num_batched_tokens = self._next_budget()
-        sched_out = self._schedule_alone(alone) if alone is not None else self.scheduler.schedule()
-        if not sched_out.num_scheduled_tokens and self._compiling:
-            self.grammars.wait(0.005)  # nothing to run but grammars to wait for: do not spin
-        connector = self.scheduler.connector
-        if self.grammars is not None:
-            try:
-                self._mask(sched_out)
-            except Exception:
-                if connector is not None:  # its instructions go with the next step
-                    connector.step_failed(sched_out.kv_connector_metadata)
-                raise
+        return failed_compiles + self._run_now(self._schedule(alone), alone)
+
+    def _run_now(self, sched_out: SchedulerOutput, alone: Optional[str]) -> list[RequestOutputDelta]:
+        """Run one step and apply it (nothing else in flight)."""
         t0 = time.perf_counter()
         try:
             runner_out = self.runner.execute(sched_out)
         except EngineDeadError:
             raise
         except Exception as e:
-            # an error that says the step's inputs were fine (a KV tier block that could not be read) retries them all
-            deltas = self._step_failed(sched_out, alone, retry_all=getattr(e, "retry_requests", False))
-            report = getattr(e, "kv_connector_output", None)
-            if report is not None:  # what the connector finished before the step failed is not lost with it
-                self.scheduler.update_from_connector_output(report)
-            self.last_stats = self.stats()
-            return deltas
+            return self._failed_step(sched_out, alone, e)
         if self.token_budget is not None and alone is None:
             self._observe_step(sched_out, time.perf_counter() - t0)
+        return self._apply(sched_out, runner_out, alone)
+
+    def _schedule(self, alone: Optional[str], max_reqs: Optional[int] = None) -> SchedulerOutput:
+        """The next step (``alone``: only that request), its structured-output masks made."""
+        if self.token_budget is not None and alone is None:
+            self.scheduler.max_num_batched_tokens = self._next_budget()
+        in_flight = {rid for so in self._in_flight for rid in so.num_scheduled_tokens}
+        sched_out = (self._schedule_alone(alone) if alone is not None
+                     else self.scheduler.schedule(max_reqs, in_flight))
+        carried = self._carried
+        if carried.finished_req_ids or carried.preempted_req_ids:
+            sched_out.finished_req_ids |= carried.finished_req_ids
+            sched_out.preempted_req_ids |= carried.preempted_req_ids
+            self._carried = SchedulerOutput()
+        if not sched_out.num_scheduled_tokens and self._compiling and not self._in_flight:
+            self.grammars.wait(0.005)  # nothing to run but grammars to wait for: do not spin
+        if self.grammars is not None:
+            try:
+                self._mask(sched_out)
+            except Exception:
+                connector = self.scheduler.connector
+                if connector is not None:  # its instructions go with the next step
+                    connector.step_failed(sched_out.kv_connector_metadata)
+                raise
+        return sched_out
+
+    def _pipelined_step(self) -> list[RequestOutputDelta]:
+        """Up to ``max_in_flight`` steps at once (vLLM's batch queue), so each
+        pipeline stage works on its own: while there is room, schedule the
+        requests whose steps are not in flight, a share of them so that the
+        rest fill the other stages' steps, and submit; when full, or when
+        nothing more can run, collect the oldest step and apply it. No
+        step is scheduled while requests wait to run alone after a failure."""
+        s = self.scheduler
+        if len(self._in_flight) < self.max_in_flight and not self._suspects:
+            in_flight = {rid for so in self._in_flight for rid in so.num_scheduled_tokens}
+            # ready to run: requests not in flight, and ones in flight with prompt left to compute
+            ready = len(s.waiting) + sum(1 for r in s.running
+                                         if r.request_id not in in_flight or r.num_computed_tokens < r.num_tokens)
+            sched_out = self._schedule(None, max(1, -(-ready // (self.max_in_flight - len(self._in_flight)))))
+            if sched_out.num_scheduled_tokens:
+                self._ran_alone_from = None if self._in_flight else time.perf_counter()
+                self.runner.submit(sched_out)
+                self._in_flight.append(sched_out)
+                if len(self._in_flight) < self.max_in_flight:
+                    return []
+            elif self._in_flight:  # its finished and preempted ids go with the next step the runner sees
+                self._carried.finished_req_ids |= sched_out.finished_req_ids
+                self._carried.preempted_req_ids |= sched_out.preempted_req_ids
+            else:  # nothing in flight, nothing to run: an empty step, as without stages
+                return self._run_now(sched_out, None)
+        if not self._in_flight:
+            return []
+        sched_out = self._in_flight.popleft()
+        try:
+            runner_out = self.runner.collect()
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            return self._failed_step(sched_out, None, e)
+        if self.token_budget is not None and self._ran_alone_from is not None:  # its time was its own
+            self._observe_step(sched_out, time.perf_counter() - self._ran_alone_from)
+        self._ran_alone_from = None
+        return self._apply(sched_out, runner_out, None)
+
+    def _failed_step(self, sched_out: SchedulerOutput, alone: Optional[str],
+                     error: Exception) -> list[RequestOutputDelta]:
+        """A step that raised: its requests back for recompute (see
+        ``_step_failed``). Steps in flight after it are collected first and
+        applied after, without the requests that are to be recomputed (what
+        they computed for those built on this step's KV)."""
+        later: list[tuple[SchedulerOutput, Any]] = []
+        while self._in_flight:
+            so = self._in_flight.popleft()
+            try:
+                later.append((so, self.runner.collect()))
+            except EngineDeadError:
+                raise
+            except Exception as e:  # noqa: BLE001 (applied below, in order)
+                later.append((so, e))
+        deltas = self._step_failed(sched_out, alone, retry_all=getattr(error, "retry_requests", False),
+                                   later=[so for so, _ in later])
+        report = getattr(error, "kv_connector_output", None)
+        if report is not None:  # what the connector finished before the step failed is not lost with it
+            self.scheduler.update_from_connector_output(report)
+        for k, (so, out) in enumerate(later):
+            if isinstance(out, Exception):
+                deltas += self._step_failed(so, None, later=[so2 for so2, _ in later[k + 1:]])
+            else:
+                deltas += self._apply(so, out, None)
+        self.last_stats = self.stats()
+        return deltas
+
+    def _apply(self, sched_out: SchedulerOutput, runner_out: StepOutput,
+               alone: Optional[str]) -> list[RequestOutputDelta]:
+        """A step's output: tokens appended, stops found, text detokenized."""
+        connector = self.scheduler.connector
         if connector is not None:
             self.scheduler.update_from_connector_output(getattr(runner_out, "kv_connector_output", None))
             if not sched_out.num_scheduled_tokens and connector.has_transfers:
@@ -366,13 +462,16 @@ class EngineCore:
         if alone is not None and (alone in runner_out.sampled_token_ids or alone not in sched_out.num_scheduled_tokens):
             self._suspects.remove(alone)  # it ran on its own to a sample: cleared
         if self._prompt_lps:
-            self._gather_prompt_logprobs(getattr(runner_out, "prompt_logprobs", None) or {})
+            requests = self.scheduler.requests
+            self._gather_prompt_logprobs({rid: scored for rid, scored in
+                                          (getattr(runner_out, "prompt_logprobs", None) or {}).items()
+                                          if rid in requests and requests[rid].status == RequestStatus.RUNNING})
         stopped: dict[str, tuple[int, Union[str, int, None]]] = {}
         failed: dict[str, Request] = {}
         for rid, toks in runner_out.sampled_token_ids.items():
             req = self.scheduler.requests.get(rid)
-            if req is None or req.is_finished:
-                continue  # aborted while the step ran
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran, or (a step before it failed) to be recomputed
             try:
                 # Text only up to the first stop condition; a stop string cuts at the token that completes it.
                 kept = self.scheduler.num_kept(req, toks)
@@ -431,7 +530,7 @@ class EngineCore:
         if failed:
             deltas += self._fail([r for r in failed.values() if r is not None])
         self.last_stats = self.stats(sched_out.total_num_scheduled_tokens)
-        return failed_compiles + deltas
+        return deltas
 
     def _gather_prompt_logprobs(self, scored: dict[str, tuple[int, Sequence[SampledLogprob]]]) -> None:
         """Append what this step scored of each prompt; positions scored before
@@ -555,10 +654,13 @@ class EngineCore:
                 waiting.prepend(r)
             s.waiting = waiting
 
-    def _step_failed(self, sched_out: SchedulerOutput, alone: Optional[str],
-                     retry_all: bool = False) -> list[RequestOutputDelta]:
+    def _step_failed(self, sched_out: SchedulerOutput, alone: Optional[str], retry_all: bool = False,
+                     later: Sequence[SchedulerOutput] = ()) -> list[RequestOutputDelta]:
+        """``later``: steps submitted after this one (pipeline stages), whose
+        tokens the requests' computed counts include already."""
         s = self.scheduler
-        batch = [s.requests[rid] for rid in sched_out.num_scheduled_tokens if rid in s.requests]
+        batch = [s.requests[rid] for rid in sched_out.num_scheduled_tokens
+                 if rid in s.requests and s.requests[rid].status == RequestStatus.RUNNING]
         log.exception("engine step over %d request(s) failed: %s", len(batch), [r.request_id for r in batch])
         # The runner may not have dropped the rows of requests that ended before this step.
         s.finished_req_ids |= sched_out.finished_req_ids
@@ -566,7 +668,8 @@ class EngineCore:
         kv = s.kv
         loaded = s.connector.first_loaded_block if s.connector is not None else {}
         for req in batch:
-            first = (req.num_computed_tokens - sched_out.num_scheduled_tokens[req.request_id]) // kv.block_size
+            since = sum(so.num_scheduled_tokens.get(req.request_id, 0) for so in (sched_out, *later))
+            first = (req.num_computed_tokens - since) // kv.block_size
             # blocks a KV connector loaded this step may be unreadable too
             kv.uncache_blocks(req.request_id, min(first, loaded.get(req.request_id, first)))
         if s.connector is not None:

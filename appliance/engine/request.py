@@ -73,6 +73,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_tokens_sent = 0  # of all_token_ids, the runner's ranks that do not sample have (pipeline stages)
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0

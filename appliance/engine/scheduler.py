@@ -49,6 +49,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # for ranks that do not sample (``Scheduler.send_token_ids``): the request's tokens sent to none yet,
+    # up to the last of this step's (drafts apart); None: every rank has them
+    new_token_ids: Optional[list[int]] = None
 
 
 @dataclass
@@ -82,6 +85,7 @@ class _Budget:
     partial_slots: int  # prefills the step may still leave unfinished...
     long_partial_slots: int  # ...of which long ones (prompt over long_threshold)
     long_threshold: int  # 0: no chunk cap, nothing is long
+    reqs: int = 1 << 62  # requests the step may still take
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # of running requests only
     preempted: list[Request] = field(default_factory=list)
@@ -107,12 +111,14 @@ class _Budget:
             self.long_partial_slots -= self.is_long(req)
         self.num_scheduled[req.request_id] = num_new
         self.tokens -= num_new
+        self.reqs -= 1
 
     def preempt(self, req: Request) -> None:
         """Record a victim, returning its tokens (a partial-prefill slot stays taken)."""
         self.preempted.append(req)
         if req.request_id in self.num_scheduled:
             self.tokens += self.num_scheduled.pop(req.request_id)
+            self.reqs += 1
             self.new_block_ids.pop(req.request_id, None)
 
 
@@ -134,6 +140,9 @@ class Scheduler:
         self.max_long_partial_prefills = max_long_partial_prefills
         self.num_lookahead_tokens = num_lookahead_tokens
         self.connector = connector  # a KV connector's scheduler side (engine/kv_connector.py), or None
+        # ranks that do not sample (pipeline stages before the last) need each step's tokens
+        self.send_token_ids = False
+        self._in_flight: set[str] = set()  # requests of steps not back yet: not preempted (see schedule)
         self.requests: dict[str, Request] = {}
         self.waiting: FCFSQueue | PriorityQueue = PriorityQueue() if policy == "priority" else FCFSQueue()
         self.running: list[Request] = []
@@ -167,12 +176,22 @@ class Scheduler:
         return bool(self.running) or bool(len(self.waiting))
 
     # ------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        """Decide one step: tokens per request, blocks allocated, victims preempted."""
+    def schedule(self, max_reqs: Optional[int] = None, in_flight: Iterable[str] = ()) -> SchedulerOutput:
+        """Decide one step: tokens per request, blocks allocated, victims preempted.
+
+        With steps in flight (pipeline stages working on several), a
+        request whose step has not come back is not scheduled until it has
+        (unless it has prompt left to compute), and the ones in ``in_flight``
+        are never preempted: their outputs are still to come. ``max_reqs``
+        caps the requests the step takes (None: no cap but ``max_num_seqs``'s
+        on running requests)."""
         out = SchedulerOutput()
         budget = _Budget(tokens=self.max_num_batched_tokens, partial_slots=self.max_num_partial_prefills,
                          long_partial_slots=self.max_long_partial_prefills,
                          long_threshold=self.long_prefill_token_threshold)
+        if max_reqs is not None:
+            budget.reqs = max_reqs
+        self._in_flight = set(in_flight)
         self._schedule_running(budget)
         # A step that had to preempt admits nobody, unless a strictly higher
         # priority makes room for itself.
@@ -180,7 +199,12 @@ class Scheduler:
             self._schedule_waiting(budget, out)
         for rid, block_ids in budget.new_block_ids.items():
             req = self.requests[rid]
-            out.scheduled_cached_reqs.append(CachedRequestData(rid, block_ids, req.num_computed_tokens))
+            new_ids = None
+            if self.send_token_ids:
+                end = min(req.num_tokens, req.num_computed_tokens + budget.num_scheduled[rid])
+                new_ids = req.all_token_ids[req.num_tokens_sent : end]
+                req.num_tokens_sent = max(end, req.num_tokens_sent)
+            out.scheduled_cached_reqs.append(CachedRequestData(rid, block_ids, req.num_computed_tokens, new_ids))
             if req.spec_token_ids:
                 out.scheduled_spec_decode_tokens[rid] = list(req.spec_token_ids)
         out.num_scheduled_tokens = budget.num_scheduled
@@ -202,7 +226,7 @@ class Scheduler:
         """Phase 1, in running order; a request the pool cannot fit preempts
         the newest (FCFS) or the largest rank (priority), maybe itself."""
         for req in list(self.running):
-            if budget.tokens <= 0:
+            if budget.tokens <= 0 or budget.reqs <= 0:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted to make room for an earlier one
@@ -214,7 +238,9 @@ class Scheduler:
                 continue
             allocate = partial(self.kv.allocate_slots, req, num_new, num_lookahead_tokens=self._lookahead(req, num_new))
             while (blocks := allocate()) is None:
-                victim = max(self.running, key=_rank) if self.policy == "priority" else self.running[-1]
+                victim = self._victim()
+                if victim is None:  # the others' steps are in flight: it waits for one to end
+                    break
                 self._preempt(victim, budget)
                 if victim is req:
                     break
@@ -229,7 +255,7 @@ class Scheduler:
         # victim of a seat made for a request that is then skipped may be.
         barred = {r.request_id for r in budget.preempted}
         self._fetched_first()
-        while len(self.waiting) and budget.tokens > 0:
+        while len(self.waiting) and budget.tokens > 0 and budget.reqs > 0:
             req = self.waiting.peek()
             if req.request_id in barred:
                 break
@@ -282,6 +308,7 @@ class Scheduler:
             out.scheduled_new_reqs.append(NewRequestData(
                 req.request_id, list(req.all_token_ids), req.num_prompt_tokens, self.kv.get_block_ids(req.request_id),
                 req.num_computed_tokens, req.sampling_params, resumed))
+            req.num_tokens_sent = req.num_tokens
             barred.update(r.request_id for r in budget.preempted)
         for req in reversed(skipped):
             self.waiting.prepend(req)
@@ -356,6 +383,14 @@ class Scheduler:
         """Slots reserved past this step's tokens (for a draft model's KV), never past max_model_len."""
         return max(0, min(self.num_lookahead_tokens, self.max_model_len - (req.num_computed_tokens + num_new)))
 
+    def _victim(self) -> Optional[Request]:
+        """Whom to preempt for room: the most recently scheduled running request
+        (FCFS) or the largest rank (priority), of those with no step in flight."""
+        free = [r for r in self.running if r.request_id not in self._in_flight] if self._in_flight else self.running
+        if not free:
+            return None
+        return max(free, key=_rank) if self.policy == "priority" else free[-1]
+
     def _has_seat(self) -> bool:
         return len(self.running) < self.max_num_seqs
 
@@ -364,7 +399,7 @@ class Scheduler:
         (larger value), largest rank first, until ``fits()`` (a seat, or the
         blocks for ``req``). False when it still does not fit."""
         while self.policy == "priority" and not fits():
-            victims = [r for r in self.running if r.priority > req.priority]
+            victims = [r for r in self.running if r.priority > req.priority and r.request_id not in self._in_flight]
             if not victims:
                 return False
             self._preempt(max(victims, key=_rank), budget)
@@ -403,8 +438,8 @@ class Scheduler:
         updates = []
         for rid in sched_out.num_scheduled_tokens:
             req = self.requests.get(rid)
-            if req is None or req.is_finished:
-                continue  # aborted while the step ran
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran, or (a step before it failed) to be recomputed
             tokens = sampled_token_ids.get(rid, [])
             if num_spec := len(sched_out.scheduled_spec_decode_tokens.get(rid, [])):
                 # Rejected draft tokens' KV is recomputed: roll back computed tokens.

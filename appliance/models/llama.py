@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
@@ -175,23 +175,47 @@ class TensorParallel:
 
 
 @dataclass(frozen=True)
+class StageLink:
+    """A hand-off between pipeline stages: ``comm.broadcast(t, src)`` copies
+    rank ``src``'s ``t`` into the other ranks' ``t``, over the sending
+    stage's first rank and every rank of the stage after it (and no other
+    rank, so the stages need not meet)."""
+
+    comm: Any
+    src: int
+
+
+_OK, _FAILED = 0.0, 1.0  # the last element of a hand-off: whether the stage before ran
+
+
+@dataclass(eq=False)
 class PipelineParallel:
     """This rank's stage of a pipeline-parallel model: layers ``start`` to
     ``end`` (exclusive) of the whole model; the first stage also embeds, the
     last also norms and projects the logits (and keeps the embedding when
-    the LM head is tied to it). ``comm.broadcast(t, src)`` copies rank
-    ``src``'s ``t`` into every rank's ``t``, over every rank of every stage;
-    ``leaders[k]`` is the rank that sends stage ``k``'s output (its first
-    tensor-parallel rank). A forward hands each stage's hidden rows to the
-    next, one stage after the other, then the last stage's logits to every
-    rank, so every rank samples the same tokens from the same row."""
+    the LM head is tied to it). A forward receives the stage before's rows
+    over ``receive`` (None: the first stage), runs this stage's layers, and
+    hands its rows on over ``send`` (its first rank's only; None elsewhere
+    and on the last stage); only the last stage has logits, so only its
+    ranks sample. No rank waits for a later stage: the first can run the
+    next batch while the last still works on this one (``parallel.
+    pipeline_parallel_size`` batches in flight, see ``engine/core.py``).
+
+    Every step makes exactly one hand-off on each link, failed or not: a
+    hand-off is the rows in fp32 and a last element saying whether the
+    stage ran (a stage that failed sends that instead, so the next one
+    fails the step too rather than waiting or taking the next step's rows);
+    ``begin`` before a step and ``abandon`` after a failure keep that
+    count when a step fails before or inside ``run``."""
 
     stage: int
     size: int
     start: int
     end: int
-    comm: Any
-    leaders: tuple[int, ...]
+    receive: Optional[StageLink] = None
+    send: Optional[StageLink] = None
+    _received: bool = field(default=False, repr=False)
+    _sent: bool = field(default=False, repr=False)
 
     @property
     def first(self) -> bool:
@@ -201,26 +225,54 @@ class PipelineParallel:
     def last(self) -> bool:
         return self.stage == self.size - 1
 
+    def begin(self) -> None:
+        """A step starts: none of its hand-offs made yet."""
+        self._received = self._sent = False
+
     def run(self, stage: Callable[[Optional[torch.Tensor], bool], torch.Tensor], rows: tuple[int, int],
-            rows_dtype: torch.dtype, logits: tuple[int, int], device: torch.device) -> torch.Tensor:
-        """One forward through the pipeline, on every rank: ``stage(x, last)``
-        runs this stage's layers on ``x`` (None on the first stage: it embeds
-        the ids) and returns its output rows (``rows`` [tokens, hidden] of
-        ``rows_dtype``), or on the last stage (``last``) its logits
-        (``logits`` [rows, vocab], fp32). Returns the logits, on every rank."""
+            rows_dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+        """This rank's part of one forward: ``stage(x, last)`` runs this
+        stage's layers on ``x`` (the rows received, ``rows`` [tokens,
+        hidden] in ``rows_dtype``; None on the first stage: it embeds the
+        ids) and returns its output rows or, on the last stage (``last``),
+        its logits. Returns the logits on the last stage, else None (the
+        rows went on)."""
         x = None
-        for k in range(self.size - 1):
-            if k == self.stage:
-                x = stage(x, False).contiguous()
-                self.comm.broadcast(x, self.leaders[k])
-            else:
-                received = torch.empty(rows, dtype=rows_dtype, device=device)
-                self.comm.broadcast(received, self.leaders[k])
-                if k == self.stage - 1:
-                    x = received
-        out = stage(x, True).contiguous() if self.last else torch.empty(logits, dtype=torch.float32, device=device)
-        self.comm.broadcast(out, self.leaders[-1])
-        return out
+        try:
+            if self.receive is not None:
+                x = self._receive(rows, device, check=True).view(rows).to(rows_dtype)
+            out = stage(x, self.last)
+        except BaseException:
+            self.abandon(rows, device)
+            raise
+        if self.last:
+            return out
+        if self.send is not None:
+            self._hand_on(out.reshape(-1), _OK)
+        return None
+
+    def abandon(self, rows: tuple[int, int], device: torch.device) -> None:
+        """After a failed step: the hand-offs it has not made (the rows
+        received and dropped, a failure handed on)."""
+        if self.receive is not None and not self._received:
+            self._receive(rows, device, check=False)
+        if self.send is not None and not self._sent:
+            self._hand_on(torch.zeros(rows[0] * rows[1], device=device), _FAILED)
+
+    def _receive(self, rows: tuple[int, int], device: torch.device, check: bool) -> torch.Tensor:
+        buf = torch.empty(rows[0] * rows[1] + 1, dtype=torch.float32, device=device)
+        self._received = True
+        self.receive.comm.broadcast(buf, self.receive.src)
+        if check and float(buf[-1]) != _OK:
+            raise RuntimeError(f"pipeline stage {self.stage - 1} failed this step; stage {self.stage} cannot run it")
+        return buf[:-1]
+
+    def _hand_on(self, flat: torch.Tensor, status: float) -> None:
+        buf = torch.empty(flat.numel() + 1, dtype=torch.float32, device=flat.device)
+        buf[:-1] = flat
+        buf[-1] = status
+        self._sent = True
+        self.send.comm.broadcast(buf, self.send.src)
 
 
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
@@ -620,7 +672,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: Any,
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> Optional[torch.Tensor]:
+        """fp32 logits at ``logits_indices``; None on a pipeline stage before
+        the last (its rows went on to the next stage)."""
         assert self.rope is not None, "call rope_cache() once before forward"
         cos = self.rope[0][positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope[1][positions].unsqueeze(1)
@@ -641,8 +695,10 @@ class LlamaForCausalLM(nn.Module):
             x = layers(self._embed(input_ids) if x is None else x)
             return self._logits(x, logits_indices) if last else x
 
-        return pp.run(stage, (input_ids.shape[0], self.arch.hidden_size), self.rope[0].dtype,
-                      (logits_indices.shape[0], self.vocab_size), input_ids.device)
+        logits = pp.run(stage, (input_ids.shape[0], self.arch.hidden_size), self.rope[0].dtype, input_ids.device)
+        if self.eplb is not None:  # this stage's sparse layers, balanced over its ranks
+            self.eplb.after_forward()
+        return logits
 
     def idle_forward(self) -> None:
         """An engine core with nothing to run, while its data-parallel peers

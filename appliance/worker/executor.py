@@ -10,20 +10,26 @@ ranks, else torch.distributed, gloo on CPUs and NCCL on CUDA) and builds
 its rank's model runner with the function the composition root hands down.
 Every step's ``SchedulerOutput`` goes to every rank; each runs the same
 forward on its part of the model (the collectives inside it, see
-``models.llama.TensorParallel`` and ``PipelineParallel``), samples from the
-same logits with the same seeded generator, and answers with its
-``RunnerOutput``. The
-executor returns rank 0's and checks that every rank sampled the same
-tokens, so the ranks' persistent batches cannot drift apart unseen.
+``models.llama.TensorParallel`` and ``PipelineParallel``) and answers with
+its ``RunnerOutput``. The last pipeline stage's ranks sample, from the same
+logits with the same seeded generator; the executor returns the first one's
+output and checks that they all sampled the same tokens, so their
+persistent batches cannot drift apart unseen. The earlier stages sample
+nothing (the scheduler sends them each step's tokens), so a stage is free
+for the next step once it has handed its rows on: the engine core may
+``submit`` one step per stage before it ``collect``s the first
+(``max_batches_in_flight``), and each rank works through its steps in
+order.
 
 Failures: a step that raised on every rank (the same inputs fail the same
-way) is an ordinary failed step, which the engine core retries request by
+way; a stage that fails hands its failure on, so the stages after it fail
+too) is an ordinary failed step, which the engine core retries request by
 request. A worker that exits, a step that outlasts
 ``parallel.step_timeout_s`` (a hung collective), ranks that disagree, or a
-step that failed on some ranks only raise ``EngineDeadError``: the workers
-are stopped and the engine ends (a server's supervisor starts a new core).
-Workers die with the engine's process (``PR_SET_PDEATHSIG``); none is left
-behind after ``close``.
+step that failed on some of a stage's ranks only raise
+``EngineDeadError``: the workers are stopped and the engine ends (a
+server's supervisor starts a new core). Workers die with the engine's
+process (``PR_SET_PDEATHSIG``); none is left behind after ``close``.
 
 On CPUs the ranks split the cores they may run on: each rank gets its own
 run of them (pinned) and as many torch threads, or, with more ranks than
@@ -87,11 +93,15 @@ class TorchDistributedComm:
 @dataclass(frozen=True)
 class RankCollectives:
     """What a rank's model exchanges over: ``tp`` among its pipeline stage's
-    tensor-parallel ranks (None: one), ``world`` over every rank for the
-    stages' hand-offs (None: one stage)."""
+    tensor-parallel ranks (None: one); ``receive`` (the stage before's rows)
+    and ``send`` (its rows to the next stage, its first rank only), each a
+    (comm, source rank as the comm numbers it) pair whose broadcast spans
+    the sending stage's first rank and the receiving stage's ranks (None:
+    no such hand-off)."""
 
     tp: Any = None
-    world: Any = None
+    receive: Optional[tuple[Any, int]] = None
+    send: Optional[tuple[Any, int]] = None
 
 
 def rank_position(rank: int, tp_size: int) -> tuple[int, int]:
@@ -100,15 +110,21 @@ def rank_position(rank: int, tp_size: int) -> tuple[int, int]:
     return divmod(rank, tp_size)
 
 
+def link_ranks(stage: int, tp_size: int) -> list[int]:
+    """The world ranks of the hand-off from ``stage`` to the next: the
+    stage's first rank, then the next stage's ranks."""
+    return [stage * tp_size, *range((stage + 1) * tp_size, (stage + 2) * tp_size)]
+
+
 def create_segments(tp_size: int, pp_size: int) -> dict[str, str]:
     """The shared-memory segments a layout's collectives need: one per stage
-    for its tensor-parallel ranks (``tp<stage>``), one over every rank for
-    the stages' hand-offs (``world``)."""
+    for its tensor-parallel ranks (``tp<stage>``), one per hand-off between
+    stages (``link<stage>``: that stage's first rank and the next stage's
+    ranks)."""
     from appliance.kernels.shm_comm import create_segment
 
     out = {f"tp{stage}": create_segment(tp_size) for stage in range(pp_size)} if tp_size > 1 else {}
-    if pp_size > 1:
-        out["world"] = create_segment(tp_size * pp_size)
+    out.update({f"link{stage}": create_segment(tp_size + 1) for stage in range(pp_size - 1)})
     return out
 
 
@@ -141,7 +157,8 @@ def init_rank(deployment: Any, build_rank: BuildRank, rank: int, world_size: int
     host's, by ``local_rank`` of ``local_world_size`` ranks here) or its GPU,
     join the collectives (the shared-memory ``segments`` of
     ``create_segments``, else torch.distributed at ``init_method``: gloo on
-    CPUs, NCCL on CUDA, a group per pipeline stage), then build its model
+    CPUs, NCCL on CUDA, a group per pipeline stage and per hand-off between
+    stages), then build its model
     runner with its ``RankCollectives``."""
     import datetime
 
@@ -158,18 +175,26 @@ def init_rank(deployment: Any, build_rank: BuildRank, rank: int, world_size: int
         backend = "nccl"
     tp, pp = deployment.layout.tensor_parallel_size, deployment.layout.pipeline_parallel_size
     stage, tp_rank = rank_position(rank, tp)
+    sends = stage < pp - 1 and tp_rank == 0
     if segments is not None:
         from appliance.kernels.shm_comm import ShmComm
 
-        comms = RankCollectives(
-            tp=ShmComm(segments[f"tp{stage}"], tp_rank, tp, timeout_s) if tp > 1 else None,
-            world=ShmComm(segments["world"], rank, world_size, timeout_s) if pp > 1 else None)
+        def link(s: int, member: int) -> tuple[Any, int]:
+            return ShmComm(segments[f"link{s}"], member, tp + 1, timeout_s), 0
+
+        comms = RankCollectives(tp=ShmComm(segments[f"tp{stage}"], tp_rank, tp, timeout_s) if tp > 1 else None,
+                                receive=link(stage - 1, 1 + tp_rank) if stage > 0 else None,
+                                send=link(stage, 0) if sends else None)
     else:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        # every rank makes every group, in one order
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)] if pp > 1 else [None]
-        comms = RankCollectives(tp=TorchDistributedComm(tp, groups[stage]) if tp > 1 else None,
-                                world=TorchDistributedComm(world_size) if pp > 1 else None)
+        links = [dist.new_group(link_ranks(s, tp)) for s in range(pp - 1)]
+        comms = RankCollectives(
+            tp=TorchDistributedComm(tp, groups[stage]) if tp > 1 else None,
+            receive=(TorchDistributedComm(tp + 1, links[stage - 1]), (stage - 1) * tp) if stage > 0 else None,
+            send=(TorchDistributedComm(tp + 1, links[stage]), stage * tp) if sends else None)
     return build_rank(deployment, rank, comms)
 
 
@@ -189,21 +214,36 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
-def combine_replies(replies: list[tuple], dead: Callable[[str], Any]) -> Any:
-    """Rank 0's output of a step from every rank's reply: ``dead(why)`` (it
-    raises EngineDeadError) when the step failed on some ranks only or the
-    ranks sampled different tokens; RuntimeError when it failed on every
-    rank (the same inputs fail the same way: an ordinary failed step)."""
-    failed = [r for r, (kind, _, _) in enumerate(replies) if kind == "error"]
-    if failed and len(failed) < len(replies):
-        dead(f"the step failed on rank(s) {failed} only ({replies[failed[0]][1]}); the ranks' states differ now")
-    if failed:
-        log.error("the step failed on every rank; rank 0:\n%s", replies[0][2])
-        raise RuntimeError(replies[0][1])
-    outs = [out for _, out, _ in replies]
-    for rank, out in enumerate(outs[1:], 1):
+def combine_replies(replies: list[tuple], dead: Callable[[str], Any], tp_size: int = 1) -> Any:
+    """The step's output from every rank's reply (world rank order,
+    ``tp_size`` ranks per pipeline stage): the last stage's first rank's
+    (only the last stage samples), its ranks' tokens checked equal.
+    ``dead(why)`` (it raises EngineDeadError) when some of a stage's ranks
+    failed and others did not, when a stage failed and a later one did not
+    (a failed stage hands its failure on), or when ranks sampled different
+    tokens; RuntimeError when the step failed on every rank of some stages
+    and so of every stage after them (the same inputs fail the same way:
+    an ordinary failed step; the earlier stages' part of it is recomputed
+    with the rest)."""
+    stages = [replies[s : s + tp_size] for s in range(0, len(replies), tp_size)]
+    failed = [[kind == "error" for kind, _, _ in stage] for stage in stages]
+    for s, ranks in enumerate(failed):
+        if any(ranks) and not all(ranks):
+            rank = s * tp_size + ranks.index(True)
+            dead(f"the step failed on rank(s) {[s * tp_size + r for r, f in enumerate(ranks) if f]} only "
+                 f"({replies[rank][1]}); the ranks' states differ now")
+    failed_stages = [s for s, ranks in enumerate(failed) if ranks[0]]
+    if failed_stages:
+        first = failed_stages[0]
+        if failed_stages != list(range(first, len(stages))):
+            dead(f"pipeline stage {first} failed the step but a later stage ran it")
+        log.error("the step failed on every rank from pipeline stage %d on; rank %d:\n%s", first,
+                  first * tp_size, replies[first * tp_size][2])
+        raise RuntimeError(replies[first * tp_size][1])
+    outs, first = [out for _, out, _ in stages[-1]], len(replies) - tp_size
+    for rank, out in enumerate(outs[1:], first + 1):
         if out.sampled_token_ids != outs[0].sampled_token_ids:
-            dead(f"tensor-parallel rank {rank} sampled other tokens than rank 0")
+            dead(f"tensor-parallel rank {rank} sampled other tokens than rank {first}")
     return outs[0]
 
 
@@ -241,6 +281,7 @@ class MultiprocExecutor:
                     if self.collectives == "shm" else None)
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self._tp_size, self._pp_size = layout.tensor_parallel_size, layout.pipeline_parallel_size
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
         self._sentinels: list[int] = []  # pidfds: readable once the process exits
@@ -269,14 +310,28 @@ class MultiprocExecutor:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
+    @property
+    def max_batches_in_flight(self) -> int:
+        """Steps the engine core may submit before it collects the first: one
+        per pipeline stage, so the stages work on different batches."""
+        return self._pp_size
+
     def execute(self, sched_out: Any) -> Any:
+        self.submit(sched_out)
+        return self.collect()
+
+    def submit(self, sched_out: Any) -> None:
+        """Send a step to every rank; ``collect`` returns the steps' outputs in the order submitted."""
         payload = pickle.dumps(("step", sched_out), protocol=pickle.HIGHEST_PROTOCOL)  # once for every rank
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send_bytes(payload)
             except (BrokenPipeError, OSError):
                 self._dead(f"tensor-parallel rank {rank} exited (its pipe broke)")
-        return combine_replies(self._collect("a step"), self._dead)
+
+    def collect(self) -> Any:
+        """The output of the oldest step submitted and not collected (see ``combine_replies``)."""
+        return combine_replies(self._collect("a step"), self._dead, self._tp_size)
 
     def _collect(self, what: str, timeout_s: float | None = None) -> list[tuple]:
         """Every rank's reply, in rank order; EngineDeadError when a worker

@@ -27,6 +27,13 @@ scores prompt token q + 1, so every prompt token but the first is scored
 once as its prefill goes by (``prompt_logprobs``, rows after the sampling
 rows).
 
+On a pipeline stage before the last the step ends once the stage's rows
+are handed on: it samples, scores and drafts nothing (``samples`` is
+False), and it learns the requests' new tokens from the scheduler
+(``CachedRequestData.new_token_ids``). Every step makes its hand-offs,
+failed or not (``PipelineParallel.begin``/``abandon``), so the stages stay
+in step.
+
 The runner, not the model, chooses how a step runs: a backend that says
 ``native_forward`` (cpu_native) runs the whole step in one native call,
 built by ``backend.build_native_forward(model)`` from the model's public
@@ -139,6 +146,8 @@ class ModelRunner:
         # Decided here; the native forward itself is built at the first step, so it
         # sees the weights as they are then (quantized, or edited after construction).
         self.uses_native_forward = runs_native_forward(backend, model)
+        pp = getattr(model, "pp", None)
+        self.samples = pp is None or pp.last  # a pipeline stage before the last hands its rows on instead
         self.kv_connector: Any = None  # a KV connector's worker side (worker/kv_offload.py, kv_p2p.py), set by the runner
         self._native: Any = None
         self._native_rope: Any = None  # the model's rope tables the native forward was built with
@@ -183,6 +192,8 @@ class ModelRunner:
         for c in so.scheduled_cached_reqs:
             st = self.requests[c.req_id]
             st.num_computed_tokens = c.num_computed_tokens
+            if c.new_token_ids is not None and not self.samples:  # it learns the tokens from the scheduler
+                st.token_ids.extend(c.new_token_ids)
             st.spec = so.scheduled_spec_decode_tokens.get(c.req_id, [])
             self._append_blocks(st.row, c.new_block_ids)
 
@@ -234,6 +245,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, so: SchedulerOutput, out: RunnerOutput) -> RunnerOutput:
+        pp = getattr(self.model, "pp", None)
+        if pp is None or not so.num_scheduled_tokens:
+            return self._step(so, out)
+        pp.begin()
+        try:
+            return self._step(so, out)
+        except BaseException:  # the stages before and after this one still make the step's hand-offs
+            pp.abandon((so.total_num_scheduled_tokens, self.model.arch.hidden_size), self.device)
+            raise
+
+    def _step(self, so: SchedulerOutput, out: RunnerOutput) -> RunnerOutput:
         self._update_states(so)
         connector = self.kv_connector
         if connector is not None:  # blocks the scheduler gave to a connector's tokens, filled before any layer runs
@@ -271,6 +293,8 @@ class ModelRunner:
         )
         for i, s in enumerate(states):
             s.num_computed_tokens = int(seq_lens[i])
+        if logits is None:  # a pipeline stage before the last: its rows went on, the last stage samples
+            return out
         if connector is not None:
             connector.save(so.kv_connector_metadata, self.kv_caches)
             out.kv_connector_output = connector.get_finished()

@@ -12,16 +12,18 @@ of their node's cores, the ranks of one CPU node share a memory segment for
 their collectives (``parallel.cpu_collectives=shm``), others join
 torch.distributed at rank 0's node (gloo, or NCCL on CUDA).
 
-Every step goes to every actor; the replies combine as the ``mp``
-executor's do (``executor.combine_replies``): rank 0's output, the ranks'
-tokens checked equal. An actor that dies (``RayActorError``), a step past
-``parallel.step_timeout_s``, or ranks that disagree raise
-``EngineDeadError``; the actors and their placement group are removed with
-the executor.
+Every step goes to every actor (up to one per pipeline stage in flight);
+the replies combine as the ``mp`` executor's do
+(``executor.combine_replies``): the last pipeline stage's first rank's
+output, its ranks' tokens checked equal. An actor that dies
+(``RayActorError``), a step past ``parallel.step_timeout_s``, or ranks
+that disagree raise ``EngineDeadError``; the actors and their placement
+group are removed with the executor.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -96,6 +98,9 @@ class RayExecutor:
 
         self._ray, self._remove_pg = ray, remove_placement_group
         self.world_size, self.timeout_s = world_size, timeout_s
+        layout = deployment.layout
+        self._tp_size, self._pp_size = layout.tensor_parallel_size, layout.pipeline_parallel_size
+        self._in_flight: collections.deque[list] = collections.deque()  # each step's replies, oldest first
         address = deployment.cfg.parallel.ray_address
         self._started = False  # a local instance this executor started (and stops)
         if not ray.is_initialized():
@@ -175,9 +180,23 @@ class RayExecutor:
                     self._dead(f"tensor-parallel rank {rank_of[ref]}'s Ray actor died during {what}: {e}")
         return [results[r] for r in range(len(refs))]
 
+    @property
+    def max_batches_in_flight(self) -> int:
+        """One step per pipeline stage (as the ``mp`` executor)."""
+        return self._pp_size
+
     def execute(self, sched_out: Any) -> Any:
+        self.submit(sched_out)
+        return self.collect()
+
+    def submit(self, sched_out: Any) -> None:
+        """Send a step to every actor (an actor runs its calls in the order sent)."""
         ref = self._ray.put(sched_out)  # serialized once for every actor
-        return combine_replies(self._get([a.execute.remote(ref) for a in self._actors], "a step"), self._dead)
+        self._in_flight.append([a.execute.remote(ref) for a in self._actors])
+
+    def collect(self) -> Any:
+        """The output of the oldest step submitted and not collected."""
+        return combine_replies(self._get(self._in_flight.popleft(), "a step"), self._dead, self._tp_size)
 
     def _dead(self, why: str) -> None:
         self.close()

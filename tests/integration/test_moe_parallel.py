@@ -162,3 +162,16 @@ def test_engine_cores_split_the_experts_over_gloo():
         assert [a.json()["choices"][0]["text"] for a in answers] == ref
     finally:
         s.stop()
+
+
+def test_eplb_rebalances_each_pipeline_stage():
+    """ep2 x pp2 with the load balancer: each stage balances its own sparse
+    layers over its ranks (the last stage's figures are reported), and the
+    tokens stay one rank's."""
+    outs, llm = generate([*TINY_MOE, "parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=2",
+                          "parallel.enable_expert_parallel=true", "parallel.eplb.enabled=true",
+                          "parallel.eplb.num_redundant_experts=2", "parallel.eplb.step_interval=5",
+                          "parallel.eplb.window_size=5"], PROMPTS, 16)
+    assert_same(outs, one_rank("qwen3_moe"))
+    stats = llm.engine.last_stats
+    assert stats.eplb_rebalances > 0 and 0 < stats.eplb_balancedness <= 1

@@ -154,10 +154,10 @@ def test_a_draft_model_on_every_rank_keeps_the_targets_tokens(tiny_reference):
     ["speculative=draft_model", "speculative.draft_model=tiny_random_draft", "speculative.num_speculative_tokens=3"],
 ], ids=["ngram", "draft_model"])
 def test_speculation_over_pipeline_stages_keeps_the_targets_tokens(tiny_reference, spec):
-    """Speculative decoding at tp2 x pp2: every rank proposes the same drafts
-    (the n-gram lookup over the same tokens, or a whole draft model on each
-    rank), the stages verify them in one pipelined forward, and greedy output
-    stays the target's."""
+    """Speculative decoding at tp2 x pp2: the last stage's ranks, which
+    sample, propose the same drafts (the n-gram lookup over the same tokens,
+    or a whole draft model on each), the stages verify them in one
+    pipelined forward, and greedy output stays the target's."""
     outs, llm = generate([*TINY, *spec, "speculative.disable_by_batch_size=null", "parallel.tensor_parallel_size=2",
                           "parallel.pipeline_parallel_size=2"], PROMPTS[:4], 24)
     assert len(llm.engine.runner.pids) == 4
@@ -312,8 +312,8 @@ def test_stages_split_the_layers_and_read_their_own_tensors():
     assert pipeline_partition(30, 2, [13, 17]) == [13, 17]
     arch = ModelArch("LlamaForCausalLM", 4, 64, 128, 4, 2, 16, 500, 1024, 1e4, 1e-5, True)
     backend = TorchSDPABackend(4, 2, 16, 0.25, "auto")
-    first = LlamaForCausalLM(arch, backend, pp=PipelineParallel(0, 2, 0, 1, None, (0, 1)))
-    last = LlamaForCausalLM(arch, backend, pp=PipelineParallel(1, 2, 1, 4, None, (0, 1)))
+    first = LlamaForCausalLM(arch, backend, pp=PipelineParallel(0, 2, 0, 1))
+    last = LlamaForCausalLM(arch, backend, pp=PipelineParallel(1, 2, 1, 4))
     assert (len(first.model.layers), len(last.model.layers)) == (1, 3)
     assert first.local_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
     assert first.local_name("model.layers.1.mlp.up_proj.weight") is None
@@ -322,7 +322,7 @@ def test_stages_split_the_layers_and_read_their_own_tensors():
     # tied: the last stage keeps the embedding for its LM head; a middle stage would hold neither
     assert first.local_name("model.embed_tokens.weight") and last.local_name("model.embed_tokens.weight")
     untied = LlamaForCausalLM(dataclasses.replace(arch, tie_word_embeddings=False), backend,
-                              pp=PipelineParallel(1, 2, 1, 4, None, (0, 1)))
+                              pp=PipelineParallel(1, 2, 1, 4))
     assert untied.local_name("model.embed_tokens.weight") is None and untied.local_name("lm_head.weight")
 
 
