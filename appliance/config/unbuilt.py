@@ -29,9 +29,6 @@ def not_built(cfg: ApplianceConfig) -> list[str]:
     if cfg.model.num_experts > 0 and q.method not in MOE_QUANTIZATION:
         out.append(f"quantization={q.method} on a mixture-of-experts model is not built yet (its expert weights "
                    f"would not load); use one of {', '.join(MOE_QUANTIZATION)}")
-    if par.eplb.enabled and q.method != "none":
-        out.append(f"parallel.eplb.enabled=true with quantization={q.method}: moving quantized experts between "
-                   f"ranks is not built yet; use quantization=none or parallel.eplb.enabled=false")
     if q.method not in RUNNABLE_QUANTIZATION:
         out.append(f"quantization={q.method} can be planned but its weight kernels are not built yet; serve with "
                    f"quantization=none (or int4_wo / int8_wo on a CPU)")

@@ -203,14 +203,21 @@ class SparseMoe(nn.Module):
         order, so physical order), each of this rank's new slots copied from
         a slot that held its expert."""
         ex = self.experts
-        if ex.quantized is not None:
-            raise ValueError("moving quantized experts is not built")
-        w13 = torch.cat(comm.all_gather(ex.w13.data.contiguous()))
-        w2 = torch.cat(comm.all_gather(ex.w2.data.contiguous()))
         mine = new.phys_to_log[ex.first:ex.first + ex.num_local].tolist()
         source = old.replica_slots[mine, 0]
-        ex.w13.data = w13[source].clone()
-        ex.w2.data = w2[source].clone()
+
+        def moved(local: torch.Tensor) -> torch.Tensor:  # [num_local, ...]: this rank's new slots' copies
+            return torch.cat(comm.all_gather(local.contiguous()))[source].clone()
+
+        if ex.quantized is None:
+            ex.w13.data = moved(ex.w13.data)
+            ex.w2.data = moved(ex.w2.data)
+        else:  # each projection's buffers (int8 or int4 weights, scales, mins), stacked over the slots
+            for p in range(2):
+                modules = [pair[p] for pair in ex._q]
+                for name, _ in modules[0].named_buffers():
+                    for m, t in zip(modules, moved(torch.stack([getattr(m, name) for m in modules])).unbind(0)):
+                        setattr(m, name, t)
         ex.slot_experts = mine
         self.placement = new
 

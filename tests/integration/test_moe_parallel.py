@@ -175,3 +175,22 @@ def test_eplb_rebalances_each_pipeline_stage():
     assert_same(outs, one_rank("qwen3_moe"))
     stats = llm.engine.last_stats
     assert stats.eplb_rebalances > 0 and 0 < stats.eplb_balancedness <= 1
+
+
+@pytest.mark.parametrize("quantization", ["int8_wo", "int4_wo"])
+def test_eplb_moves_quantized_experts(skewed_router_folder, quantization):
+    """ep2 with the load balancer over weight-only int8 or int4 experts: a
+    rebalance moves each slot's quantized weights, scales and mins, and the
+    tokens and logprobs stay those of the same model never rebalanced."""
+    base = [*TINY_MOE, f"model.path={skewed_router_folder}", "parallel.tensor_parallel_size=2",
+            "parallel.enable_expert_parallel=true", f"quantization={quantization}", "parallel.eplb.enabled=true",
+            "parallel.eplb.num_redundant_experts=2"]
+    runs = {}
+    for interval in (1000, 5):
+        outs, llm = generate([*base, f"parallel.eplb.step_interval={interval}",
+                              f"parallel.eplb.window_size={interval}"], PROMPTS[:4], 16)
+        runs[interval] = (outs, llm.engine.last_stats)
+    (plain, unbalanced), (outs, balanced) = runs[1000], runs[5]
+    assert unbalanced.eplb_rebalances == 0 and balanced.eplb_rebalances > 0
+    assert_same(outs, plain)
+    assert balanced.eplb_balancedness > unbalanced.eplb_balancedness
