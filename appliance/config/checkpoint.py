@@ -42,7 +42,7 @@ FAMILIES = {
     "mixtral": "MixtralForCausalLM",
 }
 # general.architecture values the GGUF converter (appliance.models.gguf) maps.
-GGUF_FAMILIES = {k: FAMILIES[k] for k in ("llama", "qwen2", "qwen3")}
+GGUF_FAMILIES = {**{k: FAMILIES[k] for k in ("llama", "qwen2", "qwen3")}, "qwen3moe": FAMILIES["qwen3_moe"]}
 ROPE_SCALING_TYPES = ("llama3", "linear")
 
 
@@ -302,6 +302,9 @@ def gguf_facts(path: Path) -> tuple[list[Fact], list[str]]:
     if missing:
         return [], [f"GGUF metadata has no {', '.join(f'{arch}.{k}' for k in missing)}"]
     problems = []
+    if meta.get(f"{arch}.expert_count") and arch != "qwen3moe":
+        return [], [f"a mixture-of-experts GGUF of architecture {arch!r} (Mixtral) is not supported; use its Hugging "
+                    f"Face folder, or a qwen3moe GGUF"]
     if "rope_freqs.weight" in names or meta.get(f"{arch}.rope.scaling.type", "none") != "none":
         problems.append("GGUF rope scaling is not supported; use the Hugging Face folder of this model")
     heads, hidden = meta[f"{arch}.attention.head_count"], meta[f"{arch}.embedding_length"]
@@ -326,9 +329,27 @@ def gguf_facts(path: Path) -> tuple[list[Fact], list[str]]:
         Fact("tie_word_embeddings", tie, "no output.weight tensor" if tie else "an output.weight tensor"),
         Fact("rope_scaling.type", "none", "no rope scaling"),
         Fact("qkv_bias", arch == "qwen2", f"general.architecture={arch}"),
-        Fact("qk_norm", arch == "qwen3", f"general.architecture={arch}"),
-        *dense_facts(f"general.architecture={arch} (dense)"),
+        Fact("qk_norm", arch in ("qwen3", "qwen3moe"), f"general.architecture={arch}"),
+        *(_gguf_moe_facts(meta, names, arch) if arch == "qwen3moe" else dense_facts(f"general.architecture={arch} "
+                                                                                     f"(dense)")),
     ], problems
+
+
+def _gguf_moe_facts(meta: dict[str, Any], names: list[str], arch: str) -> list[Fact]:
+    """A qwen3moe file's experts (as ``appliance.models.gguf`` writes them into
+    config.json): a router in every sparse layer, the top-k weights
+    renormalized (llama.cpp's qwen3moe always renormalizes them)."""
+    layers = int(meta[f"{arch}.block_count"])
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    facts = []
+    for key, gguf_key in [("num_experts", "expert_count"), ("num_experts_per_tok", "expert_used_count"),
+                          ("moe_intermediate_size", "expert_feed_forward_length")]:
+        value = int(meta.get(f"{arch}.{gguf_key}", 0))
+        facts.append(Fact(key, value, f"{arch}.{gguf_key}={value}"))
+    norm = bool(meta.get(f"{arch}.expert_weights_norm", True))
+    return facts + [Fact("norm_topk_prob", norm, f"{arch}.expert_weights_norm={shown(norm)} (default true)"),
+                    Fact("decoder_sparse_step", 1, f"general.architecture={arch}"),
+                    Fact("mlp_only_layers", dense, f"layers without ffn_gate_inp: {shown(dense)}")]
 
 
 def read_facts(path: Path) -> tuple[list[Fact], list[str]]:
@@ -525,9 +546,12 @@ def _apply_gguf_width(cfg: dict, path: Path, overrides: Sequence[str]) -> list[s
     loaded bits per projection weight."""
     q = cfg["quantization"]
     try:
-        bits = gguf_projection_bits(gguf_header(path)[1])
+        meta, tensors = gguf_header(path)
+        bits = gguf_projection_bits(tensors)
     except (OSError, ValueError, struct.error):
         return []  # read_facts has said why
+    if any(k.endswith(".expert_count") and v for k, v in meta.items()):
+        return []  # its experts load dequantized (quantization=gguf keeps no expert blocks)
     if bits is None:
         return []  # a type not kept: quantization=none dequantizes it, quantization=gguf names it at load
     if q["method"] == "none" and _quantization_override(overrides) is None and cfg["hardware"]["device_kind"] == "cpu":

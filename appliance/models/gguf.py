@@ -10,8 +10,14 @@ K-quants (super-blocks of 256; see dequant_q4_k, _q5_k, _q6_k):
     Q4_K: f16 d, f16 dmin, 8 x 6-bit (sc, m), nibbles   x = d sc q - dmin m per 32
     Q5_K: as Q4_K plus a fifth bit per weight
     Q6_K: 6-bit q in nibbles + bit pairs, 16 x int8 sc, f16 d   x = d sc (q - 32) per 16
-llama.cpp stores Q and K projections with their rotary halves interleaved
-(its converter permutes them); ``unpermute`` restores Hugging Face's order.
+llama.cpp stores a llama-architecture file's Q and K projections with
+their rotary halves interleaved (its converter permutes them; Qwen's it
+does not); ``unpermute`` restores Hugging Face's order. A Qwen3-MoE file
+(``qwen3moe``) stacks each layer's experts in one tensor per projection
+(``ffn_gate_exps`` [experts, moe_ff, hidden], ``ffn_up_exps``,
+``ffn_down_exps`` [experts, hidden, moe_ff]) beside its router
+(``ffn_gate_inp``); the converter writes them per expert, as Hugging Face
+names them.
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from appliance.config.checkpoint import GGUF_FAMILIES
+from appliance.config.checkpoint import FAMILIES, GGUF_FAMILIES
 
 QK = 32
+# in the converted folders' cache key: 2 keeps a Qwen file's Q and K rows as stored, and converts qwen3moe
+CONVERTER_VERSION = 2
 
 
 def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
@@ -242,9 +250,20 @@ LAYER_MAP = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # a sparse layer's router
 }
+EXPERT_MAP = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+PERMUTED_ARCHS = ("LlamaForCausalLM",)  # whose Q and K rows llama.cpp's converter interleaves
 
 ARCH_MAP = GGUF_FAMILIES  # general.architecture -> HF architecture
+
+
+def expert_tensor(gguf_name: str) -> Optional[tuple[int, str]]:
+    """(layer, projection) of a stacked experts tensor (``blk.N.ffn_gate_exps.weight``), else None."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in EXPERT_MAP and parts[3] == "weight":
+        return int(parts[1]), EXPERT_MAP[parts[2]]
+    return None
 
 
 def hf_name(gguf_name: str) -> str:
@@ -270,10 +289,18 @@ def gguf_config(reader) -> dict:
     hidden = int(field(f"{arch}.embedding_length"))
     names = {t.name for t in reader.tensors}
     vocab = field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens"))
+    layers = int(field(f"{arch}.block_count"))
+    moe = {}
+    if field(f"{arch}.expert_count"):  # qwen3moe: a router in every sparse layer, top-k weights renormalized
+        moe = {"num_experts": int(field(f"{arch}.expert_count")),
+               "num_experts_per_tok": int(field(f"{arch}.expert_used_count")),
+               "moe_intermediate_size": int(field(f"{arch}.expert_feed_forward_length")),
+               "norm_topk_prob": bool(field(f"{arch}.expert_weights_norm", True)), "decoder_sparse_step": 1,
+               "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]}
     return {
         "architectures": [ARCH_MAP[arch]],
-        "model_type": arch,
-        "num_hidden_layers": int(field(f"{arch}.block_count")),
+        "model_type": next(t for t, a in FAMILIES.items() if a == ARCH_MAP[arch]),
+        "num_hidden_layers": layers,
         "hidden_size": hidden,
         "intermediate_size": int(field(f"{arch}.feed_forward_length")),
         "num_attention_heads": heads,
@@ -288,6 +315,7 @@ def gguf_config(reader) -> dict:
         "eos_token_id": field("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
         "attention_bias": arch == "qwen2",
+        **moe,
     }
 
 
@@ -308,8 +336,9 @@ def read_block_tensors(gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str
 
     reader = gguf.GGUFReader(str(gguf_path))
     config = gguf_config(reader)
-    heads = {"self_attn.q_proj.weight": config["num_attention_heads"],
-             "self_attn.k_proj.weight": config["num_key_value_heads"]}
+    heads = ({"self_attn.q_proj.weight": config["num_attention_heads"],
+              "self_attn.k_proj.weight": config["num_key_value_heads"]} if config["architectures"][0] in PERMUTED_ARCHS
+             else {})
     blocks, others = {}, {}
     for t in reader.tensors:
         name, kind = hf_name(t.name), t.tensor_type.name
@@ -338,15 +367,24 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Optional[Callable[[in
     config = gguf_config(reader)
     tensors = {}
     total = len(reader.tensors)
+    permuted = config["architectures"][0] in PERMUTED_ARCHS
     for i, t in enumerate(reader.tensors):
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # ggml lists the fastest dim first
+        experts = expert_tensor(t.name)
+        if experts is not None:  # one tensor per expert, as Hugging Face names them
+            layer, projection = experts
+            w = dequantize(t.data, t.tensor_type.name, shape)
+            for e in range(shape[0]):
+                tensors[f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight"] = torch.from_numpy(
+                    np.ascontiguousarray(w[e]))
+            continue
         name = hf_name(t.name)
         if without_kept and kept_at_width(name, t.tensor_type.name):
             continue
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # ggml lists the fastest dim first
         w = dequantize(t.data, t.tensor_type.name, shape)
-        if name.endswith("self_attn.q_proj.weight"):
+        if permuted and name.endswith("self_attn.q_proj.weight"):
             w = unpermute(w, config["num_attention_heads"])
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif permuted and name.endswith("self_attn.k_proj.weight"):
             w = unpermute(w, config["num_key_value_heads"])
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
         if progress:

@@ -96,8 +96,11 @@ def find_wheel_gguf() -> Path:
 def _converted(gguf_path: Path, without_kept: bool = False) -> Path:
     """The file as a folder, once: every tensor in fp32, or (``without_kept``,
     for quantization=gguf) only those it does not keep as blocks."""
+    from appliance.models.gguf import CONVERTER_VERSION
+
     st = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{int(st.st_mtime)}:{CONVERTER_VERSION}".encode()
+                         ).hexdigest()[:12]
     out = cache_dir() / f"gguf-{gguf_path.stem}-{key}{'-rest' if without_kept else ''}"
     if not out.exists():
         from appliance.models.gguf import convert_gguf

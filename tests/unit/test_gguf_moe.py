@@ -1,0 +1,117 @@
+"""A Qwen3-MoE GGUF file (``general.architecture=qwen3moe``) as llama.cpp's
+converter writes one: each layer's experts stacked in one tensor per
+projection (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``) beside
+its router (``ffn_gate_inp``), a layer without a router dense, Q and K
+rows as Hugging Face stores them (llama.cpp interleaves only a llama
+file's). Written here from the tiny random Qwen3-MoE (fp32, so exact),
+with the built-in SmolLM2 GGUF's tokenizer: its facts resolve, it stays
+unquantized on a CPU profile, and it generates the Hugging Face folder's
+tokens and logprobs."""
+
+import numpy as np
+import pytest
+
+from appliance import LLM, SamplingParams
+from appliance.config.compose import resolve
+from appliance.models.loader import find_wheel_gguf, resolve_model_folder
+
+TINY_MOE = ["+profile=cpu", "model=tiny_random_moe", "cache.kv_cache_memory_gib=0.02"]
+LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_qwen3moe_gguf(folder, path):
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    tensors = {k: v.numpy() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    for add, v in [(w.add_block_count, cfg["num_hidden_layers"]), (w.add_embedding_length, cfg["hidden_size"]),
+                   (w.add_feed_forward_length, cfg["intermediate_size"]),
+                   (w.add_head_count, cfg["num_attention_heads"]), (w.add_head_count_kv, cfg["num_key_value_heads"]),
+                   (w.add_key_length, cfg["head_dim"]), (w.add_value_length, cfg["head_dim"]),
+                   (w.add_context_length, cfg["max_position_embeddings"]),
+                   (w.add_layer_norm_rms_eps, cfg["rms_norm_eps"]), (w.add_rope_freq_base, 10000.0),
+                   (w.add_vocab_size, cfg["vocab_size"]), (w.add_expert_count, cfg["num_local_experts"]),
+                   (w.add_expert_used_count, cfg["num_experts_per_tok"]),
+                   (w.add_expert_feed_forward_length, cfg["moe_intermediate_size"])]:
+        add(v)
+    reader = gguf.GGUFReader(str(find_wheel_gguf()))  # SmolLM2's tokenizer (ids below 512 decode)
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml."):
+            value = field.contents()
+            kind = gguf.GGUFValueType(field.types[0])
+            sub = gguf.GGUFValueType(field.types[1]) if kind == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, value, kind, sub_type=sub)
+    w.add_tensor("token_embd.weight", tensors.pop("model.embed_tokens.weight"))
+    w.add_tensor("output_norm.weight", tensors.pop("model.norm.weight"))
+    w.add_tensor("output.weight", tensors.pop("lm_head.weight"))
+    for i in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        for hf, ours in LAYER.items():
+            if pre + hf + ".weight" in tensors:
+                w.add_tensor(f"blk.{i}.{ours}.weight", tensors.pop(pre + hf + ".weight"))
+        for proj, ours in [("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")]:
+            names = [f"{pre}mlp.experts.{e}.{proj}.weight" for e in range(cfg["num_local_experts"])]
+            if names[0] in tensors:
+                w.add_tensor(f"blk.{i}.{ours}.weight", np.stack([tensors.pop(n) for n in names]))
+    assert not tensors, sorted(tensors)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def moe_gguf(tmp_path_factory):
+    folder = resolve_model_folder(resolve(TINY_MOE).cfg.model)
+    path = tmp_path_factory.mktemp("gguf") / "tiny-moe.gguf"
+    return folder, path, write_qwen3moe_gguf(folder, path)
+
+
+def test_a_qwen3moe_gguf_states_its_experts_and_stays_unquantized(moe_gguf):
+    _, path, cfg = moe_gguf
+    resolved = resolve(["+profile=cpu", f"model.path={path}"]).cfg
+    m = resolved.model
+    assert m.architecture == "Qwen3MoeForCausalLM" and m.qk_norm
+    assert (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size) == (8, 2, 32)
+    assert m.norm_topk_prob and m.mlp_only_layers == cfg["mlp_only_layers"] == [1]
+    assert resolved.quantization.method == "none"  # its experts load dequantized, not as gguf blocks
+
+
+def test_a_qwen3moe_gguf_generates_the_folders_tokens(moe_gguf):
+    folder, path, _ = moe_gguf
+    prompts = [[5, 77, 301, 12, 9], [400, 2, 2, 2, 2, 2, 17, 250], [1, 300]]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
+    outs = {}
+    for name, source in [("folder", str(folder)), ("gguf", str(path))]:
+        llm = LLM(overrides=[*TINY_MOE, f"model.path={source}", "model.dtype=float32"])
+        outs[name] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for a, b in zip(outs["folder"], outs["gguf"]):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+def test_a_mixtral_gguf_is_refused_by_name(tmp_path):
+    import gguf
+
+    from appliance.config.checkpoint import read_facts
+
+    w = gguf.GGUFWriter(str(tmp_path / "mixtral.gguf"), "llama")
+    for add, v in [(w.add_block_count, 1), (w.add_embedding_length, 64), (w.add_feed_forward_length, 128),
+                   (w.add_head_count, 4), (w.add_context_length, 256), (w.add_layer_norm_rms_eps, 1e-5),
+                   (w.add_expert_count, 8), (w.add_expert_used_count, 2)]:
+        add(v)
+    w.add_tensor("token_embd.weight", np.zeros((64, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    facts, problems = read_facts(tmp_path / "mixtral.gguf")
+    assert not facts and "(Mixtral) is not supported" in problems[0]
