@@ -218,11 +218,14 @@ def _kv_connector(deployment: Deployment, runner: Any) -> Optional[tuple[Any, An
     None: an offload tier in a folder of its own per model and KV layout, or
     disaggregated prefill's ZeroMQ/TCP transfers between engines of one KV
     layout (validation keeps both to one rank in this process, so ``runner``
-    is the ModelRunner whose caches they fill)."""
+    is the ModelRunner whose caches they fill). Data-parallel core ``r`` of
+    ``n`` has its own: a producer listens on ``p2p.port + r``; a tier keeps
+    ``core<r>`` under the folder and ``offload.max_gib / n`` of it."""
     kt, cfg = deployment.cfg.kv_transfer, deployment.cfg
     if kt.connector is None:
         return None
     layout = _kv_layout(deployment, runner.kv_caches)
+    rank, cores = deployment.data_parallel_rank, deployment.layout.data_parallel_size
     if kt.connector == "p2p":
         from appliance.engine.kv_connector import layout_key
         from appliance.engine.kv_p2p import P2PConnector
@@ -230,11 +233,11 @@ def _kv_connector(deployment: Deployment, runner: Any) -> Optional[tuple[Any, An
 
         p, engine_id = kt.p2p, uuid.uuid4().hex
         try:
-            worker = P2PWorker(kt.role, engine_id, layout_key(layout), p.bind_host, p.port, p.timeout_s)
+            worker = P2PWorker(kt.role, engine_id, layout_key(layout), p.bind_host, p.port + rank, p.timeout_s)
         except OSError as e:
             raise ConfigError(str(e)) from None
         # at most half the pool waits for consumers: a flood of unfetched prefills cannot take it all
-        return P2PConnector(kt.role, engine_id, p.host or p.bind_host, p.port, cfg.cache.block_size,
+        return P2PConnector(kt.role, engine_id, p.host or p.bind_host, p.port + rank, cfg.cache.block_size,
                             p.timeout_s, deployment.num_kv_blocks // 2), worker
     from appliance.engine.kv_connector import OffloadConnector, tier_folder
     from appliance.models.loader import cache_dir
@@ -242,8 +245,10 @@ def _kv_connector(deployment: Deployment, runner: Any) -> Optional[tuple[Any, An
 
     folder = tier_folder(kt.offload.path or str(cache_dir().parent / "kv_offload"),
                          {**layout, "hash": cfg.cache.prefix_caching_hash_algo})
+    if cores > 1:
+        folder = folder / f"core{rank}"
     try:
-        worker = OffloadWorker(folder, int(kt.offload.max_gib * (1 << 30)))
+        worker = OffloadWorker(folder, int(kt.offload.max_gib * (1 << 30) / cores))
     except OSError as e:
         raise ConfigError(f"kv_transfer.offload.path: the tier's folder {folder} cannot be used: {e}") from None
     return OffloadConnector(folder, cfg.cache.block_size), worker

@@ -235,10 +235,14 @@ def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
                 if getattr(p2p, key) != getattr(defaults.p2p, key):
                     problems.append(f"kv_transfer.p2p.{key}={getattr(p2p, key)} has no effect with "
                                     f"kv_transfer.role=consumer (it fetches from the producers it is told of)")
-    ranks = par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
+    ranks = par.tensor_parallel_size * par.pipeline_parallel_size
     if ranks > 1 or par.executor in ("mp", "ray"):
-        problems.append(f"kv_transfer.connector={kt.connector} with {ranks} rank(s) on executor {par.executor} is "
-                        f"not built yet; it runs on one rank in the engine's process (parallel.executor=auto or uni)")
+        problems.append(f"kv_transfer.connector={kt.connector} with {ranks} rank(s) per engine core on executor "
+                        f"{par.executor} is not built yet; it runs on one rank in each engine core's process "
+                        f"(data-parallel cores each have their own; parallel.executor=auto or uni)")
+    if par.enable_expert_parallel and par.data_parallel_size > 1:
+        problems.append(f"kv_transfer.connector={kt.connector} with expert parallelism across engine cores is not "
+                        f"built yet (the cores step together; a step waiting for remote KV would hold them all)")
     return problems
 
 

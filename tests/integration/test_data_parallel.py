@@ -117,24 +117,30 @@ def test_the_offline_llm_refuses_data_parallelism():
         LLM(overrides=["+profile=cpu", *TINY, "parallel=dp2"])
 
 
-def test_each_engine_core_publishes_kv_events_on_its_own_port():
-    """kv_events with dp2: core r binds the endpoint's port + r, and its
-    batches say its rank; a request pinned to a core shows up on its port."""
+def two_free_ports() -> int:
+    """A free port whose next port is free too (core r of dp2 takes port + r)."""
     import socket
 
-    import zmq
-
     from appliance.server.local import free_port
-    from tests.unit.test_kv_events import DECODER, BlockStored
 
     port = free_port()
-    while True:  # the next port must be free too
+    while True:
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", port + 1))
-                break
+                return port
             except OSError:
                 port = free_port()
+
+
+def test_each_engine_core_publishes_kv_events_on_its_own_port():
+    """kv_events with dp2: core r binds the endpoint's port + r, and its
+    batches say its rank; a request pinned to a core shows up on its port."""
+    import zmq
+
+    from tests.unit.test_kv_events import DECODER, BlockStored
+
+    port = two_free_ports()
     s = ServerProcess(*TINY, "parallel=dp2", "kv_events=zmq", f"kv_events.endpoint=tcp://127.0.0.1:{port}",
                       "kv_events.replay_endpoint=null")
     subs = []
@@ -156,3 +162,64 @@ def test_each_engine_core_publishes_kv_events_on_its_own_port():
         for sub in subs:
             sub.close(linger=0)
         s.stop()
+
+
+LONG = " ".join(str(i) for i in range(120))  # several full blocks
+
+
+def test_each_engine_core_keeps_its_own_part_of_the_offload_tier(tmp_path):
+    """kv_transfer=offload with dp2: core r saves under ``core<r>`` of the
+    tier's folder (half the size limit each); after the pool is reset, a
+    prompt pinned to a core loads its prefix from that core's part, with
+    the answer it had computed."""
+    s = ServerProcess(*TINY, "parallel=dp2", "kv_transfer=offload", f"kv_transfer.offload.path={tmp_path}",
+                      "server.dev_mode=true")
+    try:
+        cold = {}
+        for rank in (0, 1):
+            r = complete(s.url, f"{LONG} core {rank}", headers={"X-Data-Parallel-Rank": str(rank)})
+            assert r.status_code == 200, r.text
+            cold[rank] = r.json()
+        deadline = time.monotonic() + 30
+        while not all(list(tmp_path.glob(f"*/core{rank}/*.kv")) for rank in (0, 1)):
+            assert time.monotonic() < deadline, sorted(str(p) for p in tmp_path.rglob("*"))
+            time.sleep(0.2)
+        for rank in (0, 1):  # a step on each core takes in the finished writes
+            assert complete(s.url, "x", headers={"X-Data-Parallel-Rank": str(rank)}).status_code == 200
+        assert httpx.post(f"{s.url}/reset_prefix_cache", timeout=30).status_code == 200
+        for rank in (0, 1):
+            warm = complete(s.url, f"{LONG} core {rank}", headers={"X-Data-Parallel-Rank": str(rank)}).json()
+            assert warm["choices"][0]["text"] == cold[rank]["choices"][0]["text"]
+            assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, warm["usage"]
+    finally:
+        s.stop()
+
+
+def test_each_producer_core_listens_on_its_own_port():
+    """kv_transfer=p2p producers with dp2: core r listens on p2p.port + r and
+    says so in its answer; a consumer fetches from the core that prefilled,
+    with the answer one engine gives."""
+    port = two_free_ports()
+    producer = ServerProcess(*TINY, "parallel=dp2", "kv_transfer=p2p", "kv_transfer.role=producer",
+                             f"kv_transfer.p2p.port={port}")
+    try:
+        consumer = ServerProcess(*TINY, "kv_transfer=p2p", "kv_transfer.role=consumer")
+        try:
+            for rank in (0, 1):
+                body = {"prompt": f"{LONG} core {rank}", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                # the answer computed whole, by the other core (the consumer's pool never sees the prompt alone)
+                plain = httpx.post(f"{producer.url}/v1/completions", headers={"X-Data-Parallel-Rank": str(1 - rank)},
+                                   json=body, timeout=120).json()
+                pre = httpx.post(f"{producer.url}/v1/completions", headers={"X-Data-Parallel-Rank": str(rank)},
+                                 json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+                                 timeout=120).json()
+                params = pre["kv_transfer_params"]
+                assert params["remote_port"] == port + rank, params
+                done = httpx.post(f"{consumer.url}/v1/completions", json={**body, "kv_transfer_params": params},
+                                  timeout=120).json()
+                assert done["choices"][0]["text"] == plain["choices"][0]["text"]
+                assert done["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, done["usage"]
+        finally:
+            consumer.stop()
+    finally:
+        producer.stop()
