@@ -240,7 +240,8 @@ def _cached_header(path: str, mtime_ns: int, size: int) -> tuple[dict[str, Any],
 # Q4_1) or fp32 ones (Q4_K), grouped int8 with fp32 parameters per 32 (Q8_0, Q5_K) or per 16 (Q6_K).
 GGUF_INT4_TYPES = {2: "fp16", 3: "fp16", 12: "fp32"}
 GGUF_INT8_GROUP = {8: 32, 13: 32, 14: 16}
-GGUF_FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("attn_output",), ("ffn_down",))
+GGUF_FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("attn_output",), ("ffn_down",),
+              ("ffn_gate_exps", "ffn_up_exps"), ("ffn_down_exps",))
 
 
 def _loaded_bits(kinds: list[int]) -> Optional[float]:
@@ -550,8 +551,10 @@ def _apply_gguf_width(cfg: dict, path: Path, overrides: Sequence[str]) -> list[s
         bits = gguf_projection_bits(tensors)
     except (OSError, ValueError, struct.error):
         return []  # read_facts has said why
-    if any(k.endswith(".expert_count") and v for k, v in meta.items()):
-        return []  # its experts load dequantized (quantization=gguf keeps no expert blocks)
+    par = cfg["parallel"]
+    if any(k.endswith(".expert_count") and v for k, v in meta.items()) and (
+            par["tensor_parallel_size"] > 1 or par["enable_expert_parallel"]):
+        return []  # split experts' blocks are not built: its experts load dequantized
     if bits is None:
         return []  # a type not kept: quantization=none dequantizes it, quantization=gguf names it at load
     if q["method"] == "none" and _quantization_override(overrides) is None and cfg["hardware"]["device_kind"] == "cpu":

@@ -331,7 +331,8 @@ def read_block_tensors(gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str
     """The file's projections (and untied LM head) of a kept block type as
     (q, d, m) numpy arrays by Hugging Face name (``int4_blocks`` or
     ``int8_blocks``; q and k projections unpermuted like their dequantized
-    weights), and the block type of every other tensor."""
+    weights; stacked experts one entry per expert, ``...mlp.experts.E.
+    gate_proj.weight``), and the block type of every other tensor."""
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
@@ -341,11 +342,24 @@ def read_block_tensors(gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str
              else {})
     blocks, others = {}, {}
     for t in reader.tensors:
-        name, kind = hf_name(t.name), t.tensor_type.name
+        kind = t.tensor_type.name
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        experts = expert_tensor(t.name)
+        if experts is not None:
+            layer, projection = experts
+            names = [f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight" for e in range(shape[0])]
+            if kind not in KEPT_TYPES:
+                others.update(dict.fromkeys(names, kind))
+                continue
+            rows = (shape[0] * shape[1], shape[2])  # every expert's rows, in expert order
+            parts = (int4_blocks if kind in INT4_TYPES else int8_blocks)(t.data, kind, rows)
+            for e, name in enumerate(names):
+                blocks[name] = tuple(x.reshape(shape[0], shape[1], -1)[e] for x in parts)
+            continue
+        name = hf_name(t.name)
         if not kept_at_width(name, kind):
             others[name] = kind
             continue
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         parts = (int4_blocks if kind in INT4_TYPES else int8_blocks)(t.data, kind, shape)
         n_head = next((h for suffix, h in heads.items() if name.endswith(suffix)), None)
         if n_head is not None:
@@ -372,6 +386,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Optional[Callable[[in
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # ggml lists the fastest dim first
         experts = expert_tensor(t.name)
         if experts is not None:  # one tensor per expert, as Hugging Face names them
+            if without_kept and t.tensor_type.name in KEPT_TYPES:
+                continue
             layer, projection = experts
             w = dequantize(t.data, t.tensor_type.name, shape)
             for e in range(shape[0]):

@@ -100,14 +100,22 @@ class FusedExperts(nn.Module):
         self.slot_experts = list(range(first, first + num_local)) if slot_experts is None else list(slot_experts)
         self.w13 = nn.Parameter(torch.empty(num_local, 2 * inter, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, inter), requires_grad=False)
-        self.quantized: Optional[str] = None  # None, "int8_wo", "w8a8_int8" or "int4_wo"
+        self.quantized: Optional[str] = None  # None, "int8_wo", "w8a8_int8", "int4_wo" or "gguf"
         self._q: list[tuple[nn.Module, nn.Module]] = []  # per expert (w13, w2) as quantized linears
 
     def quantize(self, method: str, make: Any) -> None:
         """Every expert's w13 and w2 as ``make(weight)``, the weight-only
         linears of ``method`` (``models/quant.py``); the float weights are
         freed."""
-        self._q = [(make(self.w13.data[e]), make(self.w2.data[e])) for e in range(self.num_local)]
+        self.install(method, [(make(self.w13.data[e]), make(self.w2.data[e])) for e in range(self.num_local)])
+
+    def install(self, method: str, linears: list[tuple[nn.Module, nn.Module]]) -> None:
+        """Every local expert's (gate|up, down) as the given linears of
+        ``method`` (a GGUF file's blocks, or ``quantize``'s); the float
+        weights are freed."""
+        if len(linears) != self.num_local:
+            raise ValueError(f"{len(linears)} experts' linears for {self.num_local} local experts")
+        self._q = list(linears)
         self._experts_q = nn.ModuleList(nn.ModuleList(pair) for pair in self._q)  # so .to() moves them
         self.quantized = method
         self.release_float()

@@ -329,14 +329,7 @@ def install_int4(model: nn.Module, blocks: dict[str, tuple]) -> set[str]:
     parts = fused_parts(arch, (n for n in blocks if n != "lm_head.weight"))
 
     def linear(names: list[str], target: str, bias: torch.Tensor | None) -> nn.Module:
-        perm = _input_order(target, [blocks[n] for n in names])
-        if any(torch.as_tensor(blocks[n][0]).dtype == torch.int8 for n in names):
-            return GroupedInt8Linear(_as_grouped_int8([blocks[n] for n in names]), bias, perm)
-        f32 = any(torch.as_tensor(blocks[n][1]).dtype == torch.float32 for n in names)
-        q, d, m = (torch.cat([torch.as_tensor(blocks[n][i]) for n in names]) for i in range(3))
-        if f32:
-            d, m = d.float(), m.float()
-        return Int4WeightOnlyLinear(None, bias, blocks=(q, d, m), in_perm=perm)
+        return block_linear([blocks[n] for n in names], target, bias)
 
     def make(names: list[str], target: str):
         def build(lin: nn.Module) -> nn.Module:
@@ -355,6 +348,43 @@ def install_int4(model: nn.Module, blocks: dict[str, tuple]) -> set[str]:
     return set(parts)
 
 
+def block_linear(parts: list[tuple], target: str, bias: torch.Tensor | None) -> nn.Module:
+    """One linear of ``parts`` (blocks, stacked in row order): int4, or
+    grouped int8 where any part is int8; fp16 parameters widen exactly to
+    fp32 beside fp32 ones."""
+    perm = _input_order(target, parts)
+    if any(torch.as_tensor(p[0]).dtype == torch.int8 for p in parts):
+        return GroupedInt8Linear(_as_grouped_int8(parts), bias, perm)
+    f32 = any(torch.as_tensor(p[1]).dtype == torch.float32 for p in parts)
+    q, d, m = (torch.cat([torch.as_tensor(p[i]) for p in parts]) for i in range(3))
+    if f32:
+        d, m = d.float(), m.float()
+    return Int4WeightOnlyLinear(None, bias, blocks=(q, d, m), in_perm=perm)
+
+
+def install_expert_blocks(model: nn.Module, blocks: dict[str, tuple]) -> set[str]:
+    """Each sparse layer's experts from their blocks (by checkpoint name,
+    ``...mlp.experts.E.gate_proj.weight``): gate|up stacked into one
+    linear, down another (``block_linear``), the experts' weights
+    ``quantized="gguf"``. Returns the module weights filled."""
+    filled = set()
+    for i, layer in enumerate(model.model.layers):
+        if not getattr(layer, "sparse", False):
+            continue
+        experts, pre = layer.mlp.experts, f"model.layers.{i}.mlp.experts."
+        linears = []
+        for e in experts.slot_experts:
+            names = [f"{pre}{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+            missing = [n for n in names if n not in blocks]
+            if missing:
+                raise ValueError(f"{missing[0]}: no blocks for this expert's projection")
+            linears.append((block_linear([blocks[names[0]], blocks[names[1]]], f"{pre}{e}.gate_up", None),
+                            block_linear([blocks[names[2]]], names[2], None)))
+        experts.install("gguf", linears)
+        filled |= {f"{pre}w13", f"{pre}w2"}
+    return filled
+
+
 def keep_gguf_blocks(model: nn.Module, blocks: dict[str, tuple], others: dict[str, str]) -> set[str]:
     """``install_int4`` for a GGUF file's block tensors
     (``appliance.models.gguf.read_block_tensors``), returning the module
@@ -371,7 +401,9 @@ def keep_gguf_blocks(model: nn.Module, blocks: dict[str, tuple], others: dict[st
         raise ValueError(f"quantization=gguf keeps block-quantized projections ({', '.join(KEPT_TYPES)}); this file's "
                          f"{', '.join(wide[:4])}{' ...' if len(wide) > 4 else ''} are not built at their width yet: "
                          f"serve it with quantization=none (dequantized at load)")
-    return install_int4(model, blocks)
+    experts = {name: b for name, b in blocks.items() if ".mlp.experts." in name}
+    return install_int4(model, {name: b for name, b in blocks.items() if name not in experts}) | \
+        install_expert_blocks(model, experts)
 
 
 def quantize_int4_weight_only(model: nn.Module, group: int = 32) -> nn.Module:
