@@ -11,7 +11,8 @@ from __future__ import annotations
 from appliance.config.schema import ApplianceConfig
 
 RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo", "w8a8_int8", "int4_wo", "awq", "gptq", "fp8")  # methods whose weights run
-MOE_QUANTIZATION = ("none", "int8_wo", "w8a8_int8", "int4_wo", "gguf")  # methods a mixture of experts runs under
+MOE_QUANTIZATION = ("none", "int8_wo", "w8a8_int8", "int4_wo", "gguf", "awq", "gptq")  # what experts run under
+BLOCK_CHECKPOINTS = ("gguf", "awq", "gptq")  # methods whose experts load as a checkpoint's own blocks
 
 
 def not_built(cfg: ApplianceConfig) -> list[str]:
@@ -29,10 +30,11 @@ def not_built(cfg: ApplianceConfig) -> list[str]:
     if cfg.model.num_experts > 0 and q.method not in MOE_QUANTIZATION:
         out.append(f"quantization={q.method} on a mixture-of-experts model is not built yet (its expert weights "
                    f"would not load); use one of {', '.join(MOE_QUANTIZATION)}")
-    if cfg.model.num_experts > 0 and q.method == "gguf" and (par.tensor_parallel_size > 1
-                                                            or par.enable_expert_parallel):
-        out.append(f"quantization=gguf on a mixture-of-experts model with {layout}: a GGUF file's expert blocks "
-                   f"split over ranks are not built yet; use quantization=none (dequantized experts)")
+    if cfg.model.num_experts > 0 and q.method in BLOCK_CHECKPOINTS and (par.tensor_parallel_size > 1
+                                                                       or par.enable_expert_parallel):
+        out.append(f"quantization={q.method} on a mixture-of-experts model with {layout}: a checkpoint's expert "
+                   f"blocks split over ranks are not built yet; serve it on one rank per pipeline stage"
+                   f"{' or with quantization=none (dequantized experts)' if q.method == 'gguf' else ''}")
     if q.method not in RUNNABLE_QUANTIZATION:
         out.append(f"quantization={q.method} can be planned but its weight kernels are not built yet; serve with "
                    f"quantization=none (or int4_wo / int8_wo on a CPU)")

@@ -256,7 +256,7 @@ def _install_int4_checkpoint(model: Any, method: str, parts: dict[str, dict], fo
 
     try:
         blocks = {name: checkpoint_blocks(method, p, bits) for name, p in parts.items()}
-        return install_int4(model, _rank_blocks(blocks, full_arch, tp))
+        return install_int4(model, _rank_blocks(blocks, full_arch, tp), method)
     except ValueError as e:
         raise ModelLoadError(f"{folder}: {e}") from None
 

@@ -314,17 +314,22 @@ def quantize_int8_weight_only(model: nn.Module, activations: bool = False) -> nn
     return model
 
 
-def install_int4(model: nn.Module, blocks: dict[str, tuple]) -> set[str]:
+def install_int4(model: nn.Module, blocks: dict[str, tuple], method: str = "int4") -> set[str]:
     """Replace the projections (and an untied LM head) given as blocks
     ((q, d, m) by checkpoint weight name, e.g. ``...self_attn.q_proj.weight``;
     q uint8 0..15 for int4, int8 for grouped int8; a 4th entry is an
     act-order input order, see ``_GroupedLinear``) with int4 linears, or
     grouped int8 ones where any part is int8; a fused projection's parts are
     stacked in its row order, and fp16 parameters widen exactly to fp32
-    beside fp32 ones. Returns the module weight names replaced (every part
-    of a fused projection must be given)."""
+    beside fp32 ones; experts' blocks (``...mlp.experts.E.gate_proj.weight``)
+    become their layers' experts (``install_expert_blocks``, labelled
+    ``method``). Returns the module weight names replaced (every part of a
+    fused projection must be given)."""
     from appliance.models.llama import fused_parts, replace_linear
 
+    experts = {name: b for name, b in blocks.items() if ".mlp.experts." in name}
+    filled = install_expert_blocks(model, experts, method) if experts else set()
+    blocks = {name: b for name, b in blocks.items() if name not in experts}
     arch = model.arch
     parts = fused_parts(arch, (n for n in blocks if n != "lm_head.weight"))
 
@@ -341,11 +346,12 @@ def install_int4(model: nn.Module, blocks: dict[str, tuple]) -> set[str]:
 
     for target, names in parts.items():
         replace_linear(model, target, make(names, target))
+    filled |= set(parts)
     if not arch.tie_word_embeddings and "lm_head.weight" in blocks:
         model.lm_head_q = linear(["lm_head.weight"], "lm_head", None)
         del model.lm_head
-        return set(parts) | {"lm_head.weight"}
-    return set(parts)
+        filled.add("lm_head.weight")
+    return filled
 
 
 def block_linear(parts: list[tuple], target: str, bias: torch.Tensor | None) -> nn.Module:
@@ -362,11 +368,11 @@ def block_linear(parts: list[tuple], target: str, bias: torch.Tensor | None) -> 
     return Int4WeightOnlyLinear(None, bias, blocks=(q, d, m), in_perm=perm)
 
 
-def install_expert_blocks(model: nn.Module, blocks: dict[str, tuple]) -> set[str]:
+def install_expert_blocks(model: nn.Module, blocks: dict[str, tuple], method: str) -> set[str]:
     """Each sparse layer's experts from their blocks (by checkpoint name,
     ``...mlp.experts.E.gate_proj.weight``): gate|up stacked into one
-    linear, down another (``block_linear``), the experts' weights
-    ``quantized="gguf"``. Returns the module weights filled."""
+    linear, down another (``block_linear``), the experts ``quantized`` as
+    ``method``. Returns the module weights filled."""
     filled = set()
     for i, layer in enumerate(model.model.layers):
         if not getattr(layer, "sparse", False):
@@ -380,7 +386,7 @@ def install_expert_blocks(model: nn.Module, blocks: dict[str, tuple]) -> set[str
                 raise ValueError(f"{missing[0]}: no blocks for this expert's projection")
             linears.append((block_linear([blocks[names[0]], blocks[names[1]]], f"{pre}{e}.gate_up", None),
                             block_linear([blocks[names[2]]], names[2], None)))
-        experts.install("gguf", linears)
+        experts.install(method, linears)
         filled |= {f"{pre}w13", f"{pre}w2"}
     return filled
 
@@ -401,9 +407,7 @@ def keep_gguf_blocks(model: nn.Module, blocks: dict[str, tuple], others: dict[st
         raise ValueError(f"quantization=gguf keeps block-quantized projections ({', '.join(KEPT_TYPES)}); this file's "
                          f"{', '.join(wide[:4])}{' ...' if len(wide) > 4 else ''} are not built at their width yet: "
                          f"serve it with quantization=none (dequantized at load)")
-    experts = {name: b for name, b in blocks.items() if ".mlp.experts." in name}
-    return install_int4(model, {name: b for name, b in blocks.items() if name not in experts}) | \
-        install_expert_blocks(model, experts)
+    return install_int4(model, blocks, "gguf")
 
 
 def quantize_int4_weight_only(model: nn.Module, group: int = 32) -> nn.Module:

@@ -13,6 +13,7 @@ import pytest
 
 from appliance import LLM, SamplingParams
 from appliance.config.compose import resolve
+from appliance.errors import ConfigError
 from appliance.models.loader import find_wheel_gguf, resolve_model_folder
 
 TINY_MOE = ["+profile=cpu", "model=tiny_random_moe", "cache.kv_cache_memory_gib=0.02"]
@@ -201,5 +202,5 @@ def test_a_qwen3moe_gguf_over_ranks_keeps_its_experts_dequantized(moe_gguf, tmp_
     write_qwen3moe_gguf(folder, path, AT_WIDTH)
     tp2 = resolve(["+profile=cpu", f"model.path={path}", "parallel=tp2"]).cfg.quantization
     assert tp2.method == "none"  # split experts' blocks are not built
-    with pytest.raises(Exception, match="expert blocks split over ranks are not built yet"):
+    with pytest.raises(ConfigError, match="expert blocks split over ranks are not built yet"):
         LLM(overrides=[*TINY_MOE, f"model.path={path}", "parallel=tp2", "quantization=gguf"])
