@@ -11,7 +11,6 @@ from __future__ import annotations
 from appliance.config.schema import ApplianceConfig
 
 RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo", "w8a8_int8", "int4_wo", "awq", "gptq", "fp8")  # methods whose weights run
-MOE_QUANTIZATION = ("none", "int8_wo", "w8a8_int8", "int4_wo", "gguf", "awq", "gptq")  # what experts run under
 BLOCK_CHECKPOINTS = ("gguf", "awq", "gptq")  # methods whose experts load as a checkpoint's own blocks
 
 
@@ -27,9 +26,6 @@ def not_built(cfg: ApplianceConfig) -> list[str]:
         out.append(f"parallel execution ({layout}): expert parallelism across data-parallel engine cores is built "
                    f"for cores of one rank each (e.g. parallel=dp2_ep, dp8_ep); with tensor or pipeline "
                    f"parallelism inside the cores, or on Ray, it is not built yet")
-    if cfg.model.num_experts > 0 and q.method not in MOE_QUANTIZATION:
-        out.append(f"quantization={q.method} on a mixture-of-experts model is not built yet (its expert weights "
-                   f"would not load); use one of {', '.join(MOE_QUANTIZATION)}")
     if cfg.model.num_experts > 0 and q.method in BLOCK_CHECKPOINTS and (par.tensor_parallel_size > 1
                                                                        or par.enable_expert_parallel):
         out.append(f"quantization={q.method} on a mixture-of-experts model with {layout}: a checkpoint's expert "

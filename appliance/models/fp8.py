@@ -179,9 +179,17 @@ def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], act
     With ``tp`` (a ``llama.TensorParallel``; ``full_arch`` the whole
     model's), each part is cut to the rank's rows or inputs as
     ``llama.tensor_shard`` cuts a dense weight, its scales with it (block
-    scales by whole blocks of inputs). Returns the module weight names replaced."""
+    scales by whole blocks of inputs). Experts' projections
+    (``...mlp.experts.E.gate_proj.weight``) become their layers' experts
+    (``install_fp8_experts``; not split over ranks). Returns the module
+    weight names replaced."""
     from appliance.models.llama import fused_parts, replace_linear, tensor_shard
 
+    experts = {name: p for name, p in parts.items() if ".mlp.experts." in name}
+    if experts and tp is not None:
+        raise ValueError("an fp8 checkpoint's experts split over tensor-parallel ranks are not built yet; serve it "
+                         "on one rank per pipeline stage")
+    parts = {name: p for name, p in parts.items() if name not in experts}
     if "lm_head.weight" in parts:
         raise ValueError("an fp8 LM head is not built yet (fp8 projections only; keep lm_head in the model dtype)")
     needed = ("weight", "weight_scale_inv") if block else ("weight", "weight_scale")
@@ -210,27 +218,60 @@ def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], act
 
     def make(names: list[str]):
         def build(lin: nn.Module) -> nn.Module:
-            cut = [rank_part(n) for n in names]
-            weight = torch.cat([w for w, _ in cut])
-            scale = torch.cat([sc for _, sc in cut])
-            if tuple(weight.shape) != (lin.out_features, lin.in_features):
-                raise ValueError(f"fp8 weights of shape {tuple(weight.shape)} for a projection of "
+            out = _stacked_fp8([rank_part(n) for n in names], [parts[n] for n in names], activations, block,
+                               None if lin.bias is None else lin.bias.data)
+            if (out.out_features, out.in_features) != (lin.out_features, lin.in_features):
+                raise ValueError(f"fp8 weights of shape {(out.out_features, out.in_features)} for a projection of "
                                  f"{(lin.out_features, lin.in_features)}")
-            static = [parts[n]["input_scale"] for n in names if "input_scale" in parts[n]]
-            input_scale = torch.stack([s.float().reshape(()) for s in static]).max() if static else None
-            return Fp8Linear(weight, scale, None if lin.bias is None else lin.bias.data, activations, input_scale,
-                             block_k=block[1] if block else 0)
+            return out
         return build
 
     for target, names in groups.items():
         replace_linear(model, target, make(names))
-    return set(groups)
+    return set(groups) | (install_fp8_experts(model, experts, activations, block) if experts else set())
+
+
+def _stacked_fp8(cut: list[tuple[torch.Tensor, torch.Tensor]], parts: list[dict[str, torch.Tensor]],
+                 activations: bool, block: list[int] | None, bias: torch.Tensor | None) -> Fp8Linear:
+    """One Fp8Linear of parts stacked in row order (``cut``: each part's
+    weight and scales on its rows), with the largest static input scale."""
+    static = [p["input_scale"] for p in parts if "input_scale" in p]
+    input_scale = torch.stack([s.float().reshape(()) for s in static]).max() if static else None
+    return Fp8Linear(torch.cat([w for w, _ in cut]), torch.cat([sc for _, sc in cut]), bias, activations,
+                     input_scale, block_k=block[1] if block else 0)
+
+
+def install_fp8_experts(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], activations: bool,
+                        block: list[int] | None) -> set[str]:
+    """Each sparse layer's experts from an fp8 checkpoint's tensors: gate|up
+    stacked into one Fp8Linear, down another. Returns the module weights filled."""
+    filled = set()
+    for i, layer in enumerate(model.model.layers):
+        if not getattr(layer, "sparse", False):
+            continue
+        experts, pre = layer.mlp.experts, f"model.layers.{i}.mlp.experts."
+        linears = []
+        for e in experts.slot_experts:
+            names = [f"{pre}{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+            missing = [n for n in names if n not in parts]
+            if missing:
+                raise ValueError(f"{missing[0]}: no fp8 tensors for this expert's projection")
+            linears.append(tuple(_stacked_fp8([(parts[n]["weight"], _row_scales(parts[n], block)) for n in group],
+                                              [parts[n] for n in group], activations, block, None)
+                                 for group in (names[:2], names[2:])))
+        experts.install("fp8", linears)
+        filled |= {f"{pre}w13", f"{pre}w2"}
+    return filled
 
 
 def quantize_fp8(model: nn.Module, activations: bool) -> nn.Module:
-    """Every decoder projection to fp8 with per-channel scales, in place (the
-    LM head and embedding stay in the model dtype, as vLLM keeps them)."""
+    """Every decoder projection and expert to fp8 with per-channel scales, in
+    place (the LM head, embedding and routers stay in the model dtype, as
+    vLLM keeps them)."""
     from appliance.models.quant import replace_projections
 
     replace_projections(model, lambda w, b: Fp8Linear(*quantize_per_channel_fp8(w), b, activations))
+    for layer in model.model.layers:
+        if getattr(layer, "sparse", False):  # every expert's gate|up and down, per output channel the same way
+            layer.mlp.experts.quantize("fp8", lambda w: Fp8Linear(*quantize_per_channel_fp8(w), None, activations))
     return model

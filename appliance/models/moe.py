@@ -100,7 +100,7 @@ class FusedExperts(nn.Module):
         self.slot_experts = list(range(first, first + num_local)) if slot_experts is None else list(slot_experts)
         self.w13 = nn.Parameter(torch.empty(num_local, 2 * inter, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, inter), requires_grad=False)
-        self.quantized: Optional[str] = None  # None, "int8_wo", "w8a8_int8", "int4_wo" or "gguf"
+        self.quantized: Optional[str] = None  # None, or the method: int8_wo, w8a8_int8, int4_wo, fp8, gguf, awq, gptq
         self._q: list[tuple[nn.Module, nn.Module]] = []  # per expert (w13, w2) as quantized linears
 
     def quantize(self, method: str, make: Any) -> None:
@@ -215,7 +215,10 @@ class SparseMoe(nn.Module):
         source = old.replica_slots[mine, 0]
 
         def moved(local: torch.Tensor) -> torch.Tensor:  # [num_local, ...]: this rank's new slots' copies
-            return torch.cat(comm.all_gather(local.contiguous()))[source].clone()
+            raw = local.contiguous()
+            if raw.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # gathered as bytes (gloo has no fp8)
+                return torch.cat(comm.all_gather(raw.view(torch.uint8)))[source].view(raw.dtype).clone()
+            return torch.cat(comm.all_gather(raw))[source].clone()
 
         if ex.quantized is None:
             ex.w13.data = moved(ex.w13.data)

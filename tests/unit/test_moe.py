@@ -15,7 +15,6 @@ from appliance.config.checkpoint import hf_facts
 from appliance.config.plan import make_plan
 from appliance.config.sizes import parameter_counts, sparse_layers
 from appliance.config.validate import validate
-from appliance.errors import ConfigError
 from appliance.models.loader import resolve_model_folder
 from appliance.models.moe import FusedExperts, dispatch_order, expert_range, route
 from tests.model_helpers import PROMPTS, check_logprobs_close, greedy_top_logprobs, hf_greedy, hf_greedy_top_logprobs
@@ -197,11 +196,6 @@ def test_plan_shows_experts_per_rank_and_reads_only_the_active_ones():
 def test_moe_config_problems(override, message):
     cfg = resolve(["+profile=cpu", *override.split()], check=False).cfg
     assert any(message in p for p in validate(cfg)), validate(cfg)
-
-
-def test_moe_quantization_without_expert_kernels_is_refused():
-    with pytest.raises(ConfigError, match="on a mixture-of-experts model is not built yet"):
-        LLM(overrides=BASE + ["quantization=fp8"])
 
 
 def test_tiny_moe_checkpoint_is_in_hub_layout():

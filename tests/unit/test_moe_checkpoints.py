@@ -1,8 +1,10 @@
-"""AWQ and GPTQ mixture-of-experts checkpoints (every expert's projections
-quantized, routers float, as Qwen3-MoE GPTQ/AWQ releases are): each
-expert's gate|up and down load as linears of the checkpoint's own blocks,
-near that expert's float weights (and no other's), and the native forward
-generates what the torch layer path does from the same blocks."""
+"""Quantized mixture-of-experts checkpoints (every expert's projections
+quantized, routers float, as Qwen3-MoE GPTQ/AWQ/FP8 releases are). AWQ and
+GPTQ: each expert's gate|up and down load as linears of the checkpoint's
+own blocks, near that expert's float weights (and no other's), and the
+native forward generates what the torch layer path does from the same
+blocks. fp8 (a checkpoint's, or quantized at load): each expert the stored
+values times their scales."""
 
 import pytest
 import torch
@@ -78,3 +80,56 @@ def test_checkpoint_experts_split_over_ranks_are_refused(checkpoints):
 
     with pytest.raises(ConfigError, match="expert blocks split over ranks are not built yet"):
         LLM(overrides=[*TINY_MOE, f"model.path={checkpoints[1]['gptq4']}", "parallel=tp2"])
+
+
+@pytest.mark.parametrize("block", [0, 32], ids=["per-tensor, static activations", "block-wise"])
+def test_fp8_checkpoint_experts(checkpoints, tmp_path, block):
+    """An fp8 Qwen3-MoE checkpoint (llm-compressor's per-tensor layout, or
+    Qwen3-FP8's [32, 32] blocks): each expert's gate|up and down are
+    Fp8Linear of the stored weights and scales (the dequantized expert is
+    the stored values times their scales exactly); generation runs."""
+    from appliance.models.fp8 import Fp8Linear
+    from tests.model_helpers import write_fp8_checkpoint
+
+    plain, _ = checkpoints
+    stored = write_fp8_checkpoint(plain, tmp_path / "fp8", block=block)
+    llm = LLM(overrides=[*TINY_MOE, f"model.path={tmp_path / 'fp8'}"])
+    assert llm.resolved.cfg.quantization.method == "fp8"
+    layer = llm.engine.runner.model.model.layers[0]
+    gate_up, down = layer.mlp.experts.projections(3)
+    assert isinstance(gate_up, Fp8Linear) and isinstance(down, Fp8Linear)
+    name = "model.layers.0.mlp.experts.3.down_proj.weight"
+    if block:
+        scale = stored[name + "_scale_inv"].repeat_interleave(block, 0).repeat_interleave(block, 1)
+    else:
+        scale = stored[name[: -len("weight")] + "weight_scale"]
+    assert torch.equal(down.dequantized_weight(), stored[name].float() * scale)
+    out = llm.generate([[5, 77, 301, 12, 9]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+
+
+def test_online_fp8_quantizes_the_experts(checkpoints):
+    """quantization=fp8 on an unquantized MoE checkpoint: every expert's
+    gate|up and down per output channel (exactly the per-channel fp8 of its
+    float weights), the routers fp32; generation runs."""
+    from safetensors.torch import load_file
+
+    from appliance.models.fp8 import Fp8Linear, quantize_per_channel_fp8
+
+    plain, _ = checkpoints
+    float_weights = load_file(str(plain / "model.safetensors"))
+    llm = LLM(overrides=[*TINY_MOE, "quantization=fp8"])
+    mlp = llm.engine.runner.model.model.layers[0].mlp
+    assert mlp.experts.quantized == "fp8" and mlp.gate.weight.dtype == torch.float32
+    for e in (0, 5):
+        gate_up, down = mlp.experts.projections(e)
+        assert isinstance(gate_up, Fp8Linear) and isinstance(down, Fp8Linear)
+        pre = f"model.layers.0.mlp.experts.{e}."
+        w13 = torch.cat([float_weights[pre + "gate_proj.weight"], float_weights[pre + "up_proj.weight"]])
+        for lin, w in [(gate_up, w13), (down, float_weights[pre + "down_proj.weight"])]:
+            q, scale = quantize_per_channel_fp8(w)
+            assert torch.equal(lin.dequantized_weight(), q.float() * scale[:, None])
+    out = llm.generate([[5, 77, 301, 12, 9]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
