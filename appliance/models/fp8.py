@@ -245,23 +245,13 @@ def install_fp8_experts(model: nn.Module, parts: dict[str, dict[str, torch.Tenso
                         block: list[int] | None) -> set[str]:
     """Each sparse layer's experts from an fp8 checkpoint's tensors: gate|up
     stacked into one Fp8Linear, down another. Returns the module weights filled."""
-    filled = set()
-    for i, layer in enumerate(model.model.layers):
-        if not getattr(layer, "sparse", False):
-            continue
-        experts, pre = layer.mlp.experts, f"model.layers.{i}.mlp.experts."
-        linears = []
-        for e in experts.slot_experts:
-            names = [f"{pre}{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
-            missing = [n for n in names if n not in parts]
-            if missing:
-                raise ValueError(f"{missing[0]}: no fp8 tensors for this expert's projection")
-            linears.append(tuple(_stacked_fp8([(parts[n]["weight"], _row_scales(parts[n], block)) for n in group],
-                                              [parts[n] for n in group], activations, block, None)
-                                 for group in (names[:2], names[2:])))
-        experts.install("fp8", linears)
-        filled |= {f"{pre}w13", f"{pre}w2"}
-    return filled
+    from appliance.models.moe import install_checkpoint_experts
+
+    def build(names: list[str]) -> Fp8Linear:
+        return _stacked_fp8([(parts[n]["weight"], _row_scales(parts[n], block)) for n in names],
+                            [parts[n] for n in names], activations, block, None)
+
+    return install_checkpoint_experts(model, parts, "fp8", build)
 
 
 def quantize_fp8(model: nn.Module, activations: bool) -> nn.Module:

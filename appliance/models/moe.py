@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -80,6 +80,30 @@ def dispatch_order(ids: torch.Tensor, first: int, count: int) -> tuple[torch.Ten
     positions = positions[order]
     counts = torch.bincount(local[positions], minlength=count).tolist()
     return positions // ids.shape[1], positions, counts
+
+
+def install_checkpoint_experts(model: nn.Module, parts: dict[str, Any], method: str,
+                               build: Callable[[list[str]], nn.Module]) -> set[str]:
+    """Each sparse layer's experts from a checkpoint's per-expert tensors
+    (``parts`` by checkpoint weight name, ``...mlp.experts.E.gate_proj.
+    weight``): ``build(names)`` makes one linear of the named projections
+    stacked in row order, gate|up and then down for each local expert; the
+    experts ``quantized`` as ``method``. Returns the module weights filled."""
+    filled = set()
+    for i, layer in enumerate(model.model.layers):
+        if not getattr(layer, "sparse", False):
+            continue
+        experts, pre = layer.mlp.experts, f"model.layers.{i}.mlp.experts."
+        linears = []
+        for e in experts.slot_experts:
+            names = [f"{pre}{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+            missing = [n for n in names if n not in parts]
+            if missing:
+                raise ValueError(f"{missing[0]}: the checkpoint has no {method} tensors for this expert's projection")
+            linears.append((build(names[:2]), build(names[2:])))
+        experts.install(method, linears)
+        filled |= {f"{pre}w13", f"{pre}w2"}
+    return filled
 
 
 class FusedExperts(nn.Module):

@@ -373,22 +373,10 @@ def install_expert_blocks(model: nn.Module, blocks: dict[str, tuple], method: st
     ``...mlp.experts.E.gate_proj.weight``): gate|up stacked into one
     linear, down another (``block_linear``), the experts ``quantized`` as
     ``method``. Returns the module weights filled."""
-    filled = set()
-    for i, layer in enumerate(model.model.layers):
-        if not getattr(layer, "sparse", False):
-            continue
-        experts, pre = layer.mlp.experts, f"model.layers.{i}.mlp.experts."
-        linears = []
-        for e in experts.slot_experts:
-            names = [f"{pre}{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
-            missing = [n for n in names if n not in blocks]
-            if missing:
-                raise ValueError(f"{missing[0]}: no blocks for this expert's projection")
-            linears.append((block_linear([blocks[names[0]], blocks[names[1]]], f"{pre}{e}.gate_up", None),
-                            block_linear([blocks[names[2]]], names[2], None)))
-        experts.install(method, linears)
-        filled |= {f"{pre}w13", f"{pre}w2"}
-    return filled
+    from appliance.models.moe import install_checkpoint_experts
+
+    return install_checkpoint_experts(model, blocks, method,
+                                      lambda names: block_linear([blocks[n] for n in names], names[0], None))
 
 
 def keep_gguf_blocks(model: nn.Module, blocks: dict[str, tuple], others: dict[str, str]) -> set[str]:
