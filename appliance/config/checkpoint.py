@@ -552,9 +552,9 @@ def _apply_gguf_width(cfg: dict, path: Path, overrides: Sequence[str]) -> list[s
     except (OSError, ValueError, struct.error):
         return []  # read_facts has said why
     par = cfg["parallel"]
-    if any(k.endswith(".expert_count") and v for k, v in meta.items()) and (
-            par["tensor_parallel_size"] > 1 or par["enable_expert_parallel"]):
-        return []  # split experts' blocks are not built: its experts load dequantized
+    if any(k.endswith(".expert_count") and v for k, v in meta.items()) and par["enable_expert_parallel"] \
+            and par["data_parallel_size"] > 1:
+        return []  # experts' blocks over data-parallel cores are not built: its experts load dequantized
     if bits is None:
         return []  # a type not kept: quantization=none dequantizes it, quantization=gguf names it at load
     if q["method"] == "none" and _quantization_override(overrides) is None and cfg["hardware"]["device_kind"] == "cpu":

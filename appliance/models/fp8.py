@@ -21,7 +21,7 @@ per call and an ordinary GEMM in the activation dtype; correct, not fast.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -170,7 +170,7 @@ def _row_scales(p: dict[str, torch.Tensor], block: list[int] | None) -> torch.Te
 
 
 def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], activations: bool,
-                block: list[int] | None = None, full_arch: Any = None, tp: Any = None) -> set[str]:
+                block: list[int] | None = None, full_arch: Any = None, tp: Any = None, ep: Any = None) -> set[str]:
     """An fp8 checkpoint's projections (by checkpoint weight name: its
     ``weight``, ``weight_scale`` and optional ``input_scale``; with
     ``block`` = weight_block_size, ``weight_scale_inv`` per block) as
@@ -181,15 +181,12 @@ def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], act
     ``llama.tensor_shard`` cuts a dense weight, its scales with it (block
     scales by whole blocks of inputs). Experts' projections
     (``...mlp.experts.E.gate_proj.weight``) become their layers' experts
-    (``install_fp8_experts``; not split over ranks). Returns the module
+    (``install_fp8_experts``): each rank's slice of every expert, or with
+    expert parallelism (``ep``) its whole experts. Returns the module
     weight names replaced."""
     from appliance.models.llama import fused_parts, replace_linear, tensor_shard
 
     experts = {name: p for name, p in parts.items() if ".mlp.experts." in name}
-    if experts and tp is not None:
-        raise ValueError("an fp8 checkpoint's experts split over tensor-parallel ranks are not built yet; serve it "
-                         "on one rank per pipeline stage")
-    parts = {name: p for name, p in parts.items() if name not in experts}
     if "lm_head.weight" in parts:
         raise ValueError("an fp8 LM head is not built yet (fp8 projections only; keep lm_head in the model dtype)")
     needed = ("weight", "weight_scale_inv") if block else ("weight", "weight_scale")
@@ -197,11 +194,12 @@ def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], act
         missing = [t for t in needed if t not in p]
         if missing:
             raise ValueError(f"fp8 projection {name} lacks {', '.join(missing)}")
+    parts_all, parts = parts, {name: p for name, p in parts.items() if name not in experts}
     groups = fused_parts(model.arch, parts)
 
     def rank_part(name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight, scales on its rows) of this rank."""
-        weight, scale = parts[name]["weight"], _row_scales(parts[name], block)
+        weight, scale = parts_all[name]["weight"], _row_scales(parts_all[name], block)
         span = None if tp is None else tensor_shard(full_arch, tp.rank, tp.size, name)
         if span is None:
             return weight, scale
@@ -228,7 +226,11 @@ def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], act
 
     for target, names in groups.items():
         replace_linear(model, target, make(names))
-    return set(groups) | (install_fp8_experts(model, experts, activations, block) if experts else set())
+    if not experts:
+        return set(groups)
+    return set(groups) | install_fp8_experts(model, experts, activations, block,
+                                             lambda n: (parts_all[n]["weight"], _row_scales(parts_all[n], block))
+                                             if ep is not None else rank_part(n))
 
 
 def _stacked_fp8(cut: list[tuple[torch.Tensor, torch.Tensor]], parts: list[dict[str, torch.Tensor]],
@@ -242,14 +244,16 @@ def _stacked_fp8(cut: list[tuple[torch.Tensor, torch.Tensor]], parts: list[dict[
 
 
 def install_fp8_experts(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], activations: bool,
-                        block: list[int] | None) -> set[str]:
+                        block: list[int] | None,
+                        cut: Callable[[str], tuple[torch.Tensor, torch.Tensor]]) -> set[str]:
     """Each sparse layer's experts from an fp8 checkpoint's tensors: gate|up
-    stacked into one Fp8Linear, down another. Returns the module weights filled."""
+    stacked into one Fp8Linear, down another, each part as ``cut(name)``
+    gives it (weight, scales on its rows: whole, or a rank's slice).
+    Returns the module weights filled."""
     from appliance.models.moe import install_checkpoint_experts
 
     def build(names: list[str]) -> Fp8Linear:
-        return _stacked_fp8([(parts[n]["weight"], _row_scales(parts[n], block)) for n in names],
-                            [parts[n] for n in names], activations, block, None)
+        return _stacked_fp8([cut(n) for n in names], [parts[n] for n in names], activations, block, None)
 
     return install_checkpoint_experts(model, parts, "fp8", build)
 

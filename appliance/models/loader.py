@@ -248,7 +248,7 @@ def _set_kv_scales(model: Any, scales: dict[int, dict[str, torch.Tensor]], folde
 
 
 def _install_int4_checkpoint(model: Any, method: str, parts: dict[str, dict], folder: Path, bits: int,
-                             full_arch: Any, tp: Any) -> set[str]:
+                             full_arch: Any, tp: Any, ep: Any) -> set[str]:
     """The AWQ/GPTQ projections as int4 (or, 8-bit, grouped int8) linears
     (with ``tp``, this rank's part of each); the module weights they fill."""
     from appliance.models.int4_checkpoints import checkpoint_blocks
@@ -256,16 +256,21 @@ def _install_int4_checkpoint(model: Any, method: str, parts: dict[str, dict], fo
 
     try:
         blocks = {name: checkpoint_blocks(method, p, bits) for name, p in parts.items()}
-        return install_int4(model, _rank_blocks(blocks, full_arch, tp), method)
+        return install_int4(model, _rank_blocks(blocks, full_arch, tp, ep), method)
     except ValueError as e:
         raise ModelLoadError(f"{folder}: {e}") from None
 
 
-def _rank_blocks(blocks: dict[str, tuple], full_arch: Any, tp: Any) -> dict[str, tuple]:
-    """Whole projections' blocks cut to a tensor-parallel rank's part (as is without ``tp``)."""
+def _rank_blocks(blocks: dict[str, tuple], full_arch: Any, tp: Any, ep: Any = None) -> dict[str, tuple]:
+    """Whole projections' blocks cut to a tensor-parallel rank's part (as is
+    without ``tp``); with expert parallelism (``ep``) the experts stay whole
+    (a rank takes its own experts' blocks, ``quant.install_expert_blocks``)."""
     from appliance.models.llama import shard_blocks
 
-    return blocks if tp is None else shard_blocks(full_arch, tp.rank, tp.size, blocks)
+    if tp is None:
+        return blocks
+    whole = {name: b for name, b in blocks.items() if ep is not None and ".mlp.experts." in name}
+    return {**shard_blocks(full_arch, tp.rank, tp.size, {n: b for n, b in blocks.items() if n not in whole}), **whole}
 
 
 def _read_shard(sf: Any, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
@@ -430,20 +435,20 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
         blocks, others = ({local: v for name, v in d.items() if (local := model.local_name(name)) is not None}
                           for d in gguf_blocks)
         try:
-            loaded |= keep_gguf_blocks(model, _rank_blocks(blocks, full_arch, tp), others)
+            loaded |= keep_gguf_blocks(model, _rank_blocks(blocks, full_arch, tp, ep), others)
         except ValueError as e:
             raise ModelLoadError(f"model.path={m.path}: {e}") from None
     if int4_parts:
         qc = hf.get("quantization_config") or {}
         bits = qc.get("bits", qc.get("w_bit", 4))
-        loaded |= _install_int4_checkpoint(model, checkpoint_method, int4_parts, folder, bits, full_arch, tp)
+        loaded |= _install_int4_checkpoint(model, checkpoint_method, int4_parts, folder, bits, full_arch, tp, ep)
     if fp8_parts:
         from appliance.models.fp8 import install_fp8
 
         activations = _checkpoint_activations(hf)
         block = (hf.get("quantization_config") or {}).get("weight_block_size")
         try:
-            loaded |= install_fp8(model, fp8_parts, activations, block, full_arch, tp)
+            loaded |= install_fp8(model, fp8_parts, activations, block, full_arch, tp, ep)
         except ValueError as e:
             raise ModelLoadError(f"{folder}: {e}") from None
     _set_kv_scales(model, kv_scales, folder)

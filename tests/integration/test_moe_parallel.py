@@ -194,3 +194,40 @@ def test_eplb_moves_quantized_experts(skewed_router_folder, quantization):
     assert unbalanced.eplb_rebalances == 0 and balanced.eplb_rebalances > 0
     assert_same(outs, plain)
     assert balanced.eplb_balancedness > unbalanced.eplb_balancedness
+
+
+@pytest.fixture(scope="module")
+def quantized_moe(tmp_path_factory):
+    """The tiny Qwen3-MoE as a GPTQ checkpoint in groups of 16 (a tp2 slice of
+    an expert's 32 rows splits whole groups), an fp8 one in [16, 16] blocks,
+    and a qwen3moe GGUF of 4- and 8-bit blocks (groups of 32: whole experts only)."""
+    from appliance.config.compose import resolve
+    from appliance.models.int4_checkpoints import write_checkpoint
+    from appliance.models.loader import resolve_model_folder
+    from tests.model_helpers import write_fp8_checkpoint
+    from tests.unit.test_gguf_moe import AT_WIDTH, write_qwen3moe_gguf
+
+    plain = resolve_model_folder(resolve(TINY_MOE).cfg.model)
+    root = tmp_path_factory.mktemp("moe-quantized")
+    write_checkpoint(plain, root / "gptq", "gptq", 4, 16)
+    write_fp8_checkpoint(plain, root / "fp8", block=16)
+    write_qwen3moe_gguf(plain, root / "moe.gguf", AT_WIDTH)
+    return {"gptq": root / "gptq", "fp8": root / "fp8", "gguf": root / "moe.gguf"}
+
+
+@pytest.mark.parametrize("variant,ep", [("gptq", False), ("gptq", True), ("fp8", False), ("fp8", True),
+                                        ("gguf", True)],
+                         ids=["gptq-tp2-sliced", "gptq-ep2", "fp8-tp2-sliced", "fp8-ep2", "gguf-ep2"])
+def test_checkpoint_experts_over_ranks_give_one_ranks_tokens(quantized_moe, variant, ep, monkeypatch):
+    """A quantized checkpoint's experts over two ranks: each rank's slice of
+    every expert's blocks or scales, or (expert parallelism) its whole
+    experts; the tokens and logprobs of one rank's torch layer path (fp32
+    rows in the native GEMMs, as in test_tensor_parallel)."""
+    monkeypatch.setenv("APPLIANCE_CPU_BF16_DOT", "0")
+    model = [*TINY_MOE, f"model.path={quantized_moe[variant]}", "model.dtype=float32"]
+    prompts = [[5, 77, 301, 12, 9], [400, 2, 2, 2, 2, 2, 17, 250], [1, 300], [33, 44, 55, 66]]  # the GGUF's
+    ref, _ = generate([*model, "attention.backend=torch_sdpa"], prompts, 12)  # tokenizer outruns 512 ids
+    outs, llm = generate([*model, "parallel.tensor_parallel_size=2",
+                          f"parallel.enable_expert_parallel={str(ep).lower()}"], prompts, 12)
+    assert llm.resolved.cfg.quantization.method == variant
+    assert_same(outs, ref)

@@ -196,11 +196,12 @@ def test_a_qwen3moe_ggufs_expert_blocks_are_its_dequantized_experts(tmp_path):
         assert torch.equal(dequantize_int4(q, d, m), dequantized[name]), name
 
 
-def test_a_qwen3moe_gguf_over_ranks_keeps_its_experts_dequantized(moe_gguf, tmp_path):
+def test_a_qwen3moe_gguf_over_engine_cores_keeps_its_experts_dequantized(moe_gguf, tmp_path):
     folder = moe_gguf[0]
     path = tmp_path / "tiny-moe-q.gguf"
     write_qwen3moe_gguf(folder, path, AT_WIDTH)
-    tp2 = resolve(["+profile=cpu", f"model.path={path}", "parallel=tp2"]).cfg.quantization
-    assert tp2.method == "none"  # split experts' blocks are not built
-    with pytest.raises(ConfigError, match="expert blocks split over ranks are not built yet"):
-        LLM(overrides=[*TINY_MOE, f"model.path={path}", "parallel=tp2", "quantization=gguf"])
+    assert resolve(["+profile=cpu", f"model.path={path}", "parallel=tp2"]).cfg.quantization.method == "gguf"
+    cores = resolve(["+profile=cpu", f"model.path={path}", "parallel=dp2_ep"]).cfg.quantization
+    assert cores.method == "none"  # experts' blocks over data-parallel cores are not built
+    with pytest.raises(ConfigError, match="over data-parallel engine cores are not built yet"):
+        LLM(overrides=[*TINY_MOE, f"model.path={path}", "parallel=dp2_ep", "quantization=gguf"])

@@ -75,11 +75,11 @@ def test_experts_load_as_their_blocks_and_run_natively(checkpoints, variant):
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
 
 
-def test_checkpoint_experts_split_over_ranks_are_refused(checkpoints):
+def test_checkpoint_experts_over_engine_cores_are_refused(checkpoints):
     from appliance.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="expert blocks split over ranks are not built yet"):
-        LLM(overrides=[*TINY_MOE, f"model.path={checkpoints[1]['gptq4']}", "parallel=tp2"])
+    with pytest.raises(ConfigError, match="over data-parallel engine cores are not built yet"):
+        LLM(overrides=[*TINY_MOE, f"model.path={checkpoints[1]['gptq4']}", "parallel=dp2_ep"])
 
 
 @pytest.mark.parametrize("block", [0, 32], ids=["per-tensor, static activations", "block-wise"])
