@@ -414,13 +414,12 @@ def _model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
     kv_dtype = backend.cache_dtype(ex.kv_cache_dtype, dtype)
     spec = cfg.speculative
     proposer = None
-    if pp is not None and not pp.last:  # it samples nothing, so it drafts nothing
-        pass
-    elif spec.method == "ngram":
+    drafts = pp is None or pp.last  # a pipeline stage before the last samples nothing, so it drafts nothing
+    if drafts and spec.method == "ngram":
         from appliance.worker.spec_decode import NgramProposer
 
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, mml)
-    elif spec.method == "draft_model":
+    elif drafts and spec.method == "draft_model":
         proposer = _draft_proposer(cfg, ex, tokenizer, num_blocks, dtype, kv_dtype, device, mml)
     runner = ModelRunner(model, backend, num_blocks, cfg.cache.block_size, mml, cfg.scheduler.max_num_seqs, dtype,
                          kv_dtype, device, tokenizer.eos_token_id, seed=m.seed, proposer=proposer,
