@@ -303,9 +303,12 @@ def gguf_facts(path: Path) -> tuple[list[Fact], list[str]]:
     if missing:
         return [], [f"GGUF metadata has no {', '.join(f'{arch}.{k}' for k in missing)}"]
     problems = []
-    if meta.get(f"{arch}.expert_count") and arch != "qwen3moe":
-        return [], [f"a mixture-of-experts GGUF of architecture {arch!r} (Mixtral) is not supported; use its Hugging "
-                    f"Face folder, or a qwen3moe GGUF"]
+    moe = bool(meta.get(f"{arch}.expert_count"))
+    if moe and arch not in ("qwen3moe", "llama"):
+        return [], [f"a mixture-of-experts GGUF of architecture {arch!r} is not supported; use its Hugging Face folder"]
+    if moe and any(n.split(".")[2:3] in (["ffn_gate"], ["ffn_up"], ["ffn_down"]) and n.count(".") == 4 for n in names):
+        problems.append("this GGUF stores each expert as its own tensor (blk.N.ffn_gate.E.weight, an older Mixtral "
+                        "layout); re-convert it with a recent llama.cpp, which stacks them (ffn_gate_exps)")
     if "rope_freqs.weight" in names or meta.get(f"{arch}.rope.scaling.type", "none") != "none":
         problems.append("GGUF rope scaling is not supported; use the Hugging Face folder of this model")
     heads, hidden = meta[f"{arch}.attention.head_count"], meta[f"{arch}.embedding_length"]
@@ -315,8 +318,9 @@ def gguf_facts(path: Path) -> tuple[list[Fact], list[str]]:
         vocab = Fact("vocab_size", meta.get("tokenizer.ggml.tokens", 0),
                      f"{meta.get('tokenizer.ggml.tokens', 0)} tokenizer.ggml.tokens")
     tie = "output.weight" not in names
+    architecture = FAMILIES["mixtral"] if moe and arch == "llama" else GGUF_FAMILIES[arch]
     return [
-        Fact("architecture", GGUF_FAMILIES[arch], f"general.architecture={arch}"),
+        Fact("architecture", architecture, f"general.architecture={arch}{' with experts' if moe else ''}"),
         fact("num_layers", "block_count"),
         fact("hidden_size", "embedding_length"),
         fact("intermediate_size", "feed_forward_length"),
@@ -331,20 +335,22 @@ def gguf_facts(path: Path) -> tuple[list[Fact], list[str]]:
         Fact("rope_scaling.type", "none", "no rope scaling"),
         Fact("qkv_bias", arch == "qwen2", f"general.architecture={arch}"),
         Fact("qk_norm", arch in ("qwen3", "qwen3moe"), f"general.architecture={arch}"),
-        *(_gguf_moe_facts(meta, names, arch) if arch == "qwen3moe" else dense_facts(f"general.architecture={arch} "
-                                                                                     f"(dense)")),
+        *(_gguf_moe_facts(meta, names, arch) if moe else dense_facts(f"general.architecture={arch} (dense)")),
     ], problems
 
 
 def _gguf_moe_facts(meta: dict[str, Any], names: list[str], arch: str) -> list[Fact]:
-    """A qwen3moe file's experts (as ``appliance.models.gguf`` writes them into
-    config.json): a router in every sparse layer, the top-k weights
-    renormalized (llama.cpp's qwen3moe always renormalizes them)."""
+    """A qwen3moe or Mixtral (``llama`` with experts) file's experts (as
+    ``appliance.models.gguf`` writes them into config.json): a router in
+    every sparse layer, the top-k weights renormalized (llama.cpp always
+    renormalizes them for both); Mixtral's experts are feed_forward_length
+    wide."""
     layers = int(meta[f"{arch}.block_count"])
     dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
     facts = []
+    width = "feed_forward_length" if arch == "llama" else "expert_feed_forward_length"
     for key, gguf_key in [("num_experts", "expert_count"), ("num_experts_per_tok", "expert_used_count"),
-                          ("moe_intermediate_size", "expert_feed_forward_length")]:
+                          ("moe_intermediate_size", width)]:
         value = int(meta.get(f"{arch}.{gguf_key}", 0))
         facts.append(Fact(key, value, f"{arch}.{gguf_key}={value}"))
     norm = bool(meta.get(f"{arch}.expert_weights_norm", True))

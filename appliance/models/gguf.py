@@ -253,7 +253,7 @@ LAYER_MAP = {
     "ffn_gate_inp": "mlp.gate",  # a sparse layer's router
 }
 EXPERT_MAP = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-PERMUTED_ARCHS = ("LlamaForCausalLM",)  # whose Q and K rows llama.cpp's converter interleaves
+PERMUTED_ARCHS = ("LlamaForCausalLM", "MixtralForCausalLM")  # whose Q and K rows llama.cpp's converter interleaves
 
 ARCH_MAP = GGUF_FAMILIES  # general.architecture -> HF architecture
 
@@ -290,16 +290,20 @@ def gguf_config(reader) -> dict:
     names = {t.name for t in reader.tensors}
     vocab = field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens"))
     layers = int(field(f"{arch}.block_count"))
-    moe = {}
-    if field(f"{arch}.expert_count"):  # qwen3moe: a router in every sparse layer, top-k weights renormalized
+    moe, architecture = {}, ARCH_MAP[arch]
+    if field(f"{arch}.expert_count") and arch == "llama":  # Mixtral: every layer sparse, experts ffn-wide
+        architecture = FAMILIES["mixtral"]
+        moe = {"num_local_experts": int(field(f"{arch}.expert_count")),
+               "num_experts_per_tok": int(field(f"{arch}.expert_used_count"))}
+    elif field(f"{arch}.expert_count"):  # qwen3moe: a router in every sparse layer, top-k weights renormalized
         moe = {"num_experts": int(field(f"{arch}.expert_count")),
                "num_experts_per_tok": int(field(f"{arch}.expert_used_count")),
                "moe_intermediate_size": int(field(f"{arch}.expert_feed_forward_length")),
                "norm_topk_prob": bool(field(f"{arch}.expert_weights_norm", True)), "decoder_sparse_step": 1,
                "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]}
     return {
-        "architectures": [ARCH_MAP[arch]],
-        "model_type": next(t for t, a in FAMILIES.items() if a == ARCH_MAP[arch]),
+        "architectures": [architecture],
+        "model_type": next(t for t, a in FAMILIES.items() if a == architecture),
         "num_hidden_layers": layers,
         "hidden_size": hidden,
         "intermediate_size": int(field(f"{arch}.feed_forward_length")),

@@ -6,7 +6,8 @@ rows as Hugging Face stores them (llama.cpp interleaves only a llama
 file's). Written here from the tiny random Qwen3-MoE (fp32, so exact),
 with the built-in SmolLM2 GGUF's tokenizer: its facts resolve, it stays
 unquantized on a CPU profile, and it generates the Hugging Face folder's
-tokens and logprobs."""
+tokens and logprobs. A Mixtral file (``llama`` with experts, Q and K rows
+interleaved) does too."""
 
 import numpy as np
 import pytest
@@ -21,6 +22,18 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def copy_tokenizer(w):
+    """The built-in SmolLM2 GGUF's tokenizer into writer ``w`` (ids below the tiny models' 512 decode)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(find_wheel_gguf()))
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml."):
+            kind = gguf.GGUFValueType(field.types[0])
+            sub = gguf.GGUFValueType(field.types[1]) if kind == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), kind, sub_type=sub)
 
 
 def write_qwen3moe_gguf(folder, path, kinds=None):
@@ -56,13 +69,7 @@ def write_qwen3moe_gguf(folder, path, kinds=None):
                    (w.add_expert_used_count, cfg["num_experts_per_tok"]),
                    (w.add_expert_feed_forward_length, cfg["moe_intermediate_size"])]:
         add(v)
-    reader = gguf.GGUFReader(str(find_wheel_gguf()))  # SmolLM2's tokenizer (ids below 512 decode)
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml."):
-            value = field.contents()
-            kind = gguf.GGUFValueType(field.types[0])
-            sub = gguf.GGUFValueType(field.types[1]) if kind == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, value, kind, sub_type=sub)
+    copy_tokenizer(w)
     put("token_embd.weight", tensors.pop("model.embed_tokens.weight"))
     put("output_norm.weight", tensors.pop("model.norm.weight"))
     put("output.weight", tensors.pop("lm_head.weight"))
@@ -113,23 +120,94 @@ def test_a_qwen3moe_gguf_generates_the_folders_tokens(moe_gguf):
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
 
 
-def test_a_mixtral_gguf_is_refused_by_name(tmp_path):
+MIXTRAL = ["model.architecture=MixtralForCausalLM", "model.mlp_only_layers=[]", "model.qk_norm=false",
+           "model.intermediate_size=32"]
+
+
+def write_mixtral_gguf(folder, path):
+    """The folder's tiny Mixtral as llama.cpp writes one: architecture
+    ``llama`` with experts, Q and K rows interleaved (its converter's permute),
+    experts stacked, fp32."""
+    import json
+
     import gguf
+    from safetensors.torch import load_file
 
-    from appliance.config.checkpoint import read_facts
+    cfg = json.loads((folder / "config.json").read_text())
+    t = {k: v.numpy() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    heads, kv, experts = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_local_experts"]
 
-    w = gguf.GGUFWriter(str(tmp_path / "mixtral.gguf"), "llama")
-    for add, v in [(w.add_block_count, 1), (w.add_embedding_length, 64), (w.add_feed_forward_length, 128),
-                   (w.add_head_count, 4), (w.add_context_length, 256), (w.add_layer_norm_rms_eps, 1e-5),
-                   (w.add_expert_count, 8), (w.add_expert_used_count, 2)]:
+    def permute(w, n_head):
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, v in [(w.add_block_count, cfg["num_hidden_layers"]), (w.add_embedding_length, cfg["hidden_size"]),
+                   (w.add_feed_forward_length, cfg["intermediate_size"]), (w.add_head_count, heads),
+                   (w.add_head_count_kv, kv), (w.add_key_length, cfg["head_dim"]),
+                   (w.add_context_length, cfg["max_position_embeddings"]),
+                   (w.add_layer_norm_rms_eps, cfg["rms_norm_eps"]), (w.add_rope_freq_base, 10000.0),
+                   (w.add_vocab_size, cfg["vocab_size"]), (w.add_expert_count, experts),
+                   (w.add_expert_used_count, cfg["num_experts_per_tok"])]:
         add(v)
-    w.add_tensor("token_embd.weight", np.zeros((64, 64), dtype=np.float32))
+    copy_tokenizer(w)
+    w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", t["model.norm.weight"])
+    w.add_tensor("output.weight", t["lm_head.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_norm.weight", t[pre + "input_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", t[pre + "post_attention_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.attn_q.weight", permute(t[pre + "self_attn.q_proj.weight"], heads))
+        w.add_tensor(f"blk.{i}.attn_k.weight", permute(t[pre + "self_attn.k_proj.weight"], kv))
+        w.add_tensor(f"blk.{i}.attn_v.weight", t[pre + "self_attn.v_proj.weight"])
+        w.add_tensor(f"blk.{i}.attn_output.weight", t[pre + "self_attn.o_proj.weight"])
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", t[pre + "block_sparse_moe.gate.weight"])
+        for ours, theirs in [("ffn_gate_exps", "w1"), ("ffn_up_exps", "w3"), ("ffn_down_exps", "w2")]:
+            w.add_tensor(f"blk.{i}.{ours}.weight", np.stack(
+                [t[f"{pre}block_sparse_moe.experts.{e}.{theirs}.weight"] for e in range(experts)]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    facts, problems = read_facts(tmp_path / "mixtral.gguf")
-    assert not facts and "(Mixtral) is not supported" in problems[0]
+
+
+def test_a_mixtral_gguf_generates_the_folders_tokens(tmp_path):
+    """A Mixtral GGUF (``llama`` with experts): Mixtral's facts, its Q and K
+    rows un-interleaved, and the Hugging Face folder's tokens and logprobs."""
+    folder = resolve_model_folder(resolve([*TINY_MOE, *MIXTRAL]).cfg.model)
+    path = tmp_path / "tiny-mixtral.gguf"
+    write_mixtral_gguf(folder, path)
+    m = resolve(["+profile=cpu", f"model.path={path}"]).cfg.model
+    assert m.architecture == "MixtralForCausalLM" and not m.qk_norm and m.mlp_only_layers == []
+    assert (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size) == (8, 2, 32) and m.norm_topk_prob
+    prompts = [[5, 77, 301, 12, 9], [400, 2, 2, 2, 2, 2, 17, 250], [1, 300]]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
+    outs = {}
+    for name, source in [("folder", [*MIXTRAL, f"model.path={folder}"]), ("gguf", [f"model.path={path}"])]:
+        llm = LLM(overrides=[*TINY_MOE, *source, "model.dtype=float32"])
+        outs[name] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for a, b in zip(outs["folder"], outs["gguf"]):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+def test_a_gguf_of_one_tensor_per_expert_is_refused_by_name(tmp_path):
+    import gguf
+
+    from appliance.config.checkpoint import read_facts
+
+    w = gguf.GGUFWriter(str(tmp_path / "old-mixtral.gguf"), "llama")
+    for add, v in [(w.add_block_count, 1), (w.add_embedding_length, 64), (w.add_feed_forward_length, 128),
+                   (w.add_head_count, 4), (w.add_context_length, 256), (w.add_layer_norm_rms_eps, 1e-5),
+                   (w.add_expert_count, 8), (w.add_expert_used_count, 2)]:
+        add(v)
+    w.add_tensor("blk.0.ffn_gate.3.weight", np.zeros((128, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _, problems = read_facts(tmp_path / "old-mixtral.gguf")
+    assert any("stores each expert as its own tensor" in p for p in problems)
 
 
 # a Q4_K_M-like mix: 4-bit attention and expert gate/up, 8-bit expert down, the dense layer's MLP in both
