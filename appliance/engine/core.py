@@ -356,11 +356,12 @@ class EngineCore:
             self._observe_step(sched_out, time.perf_counter() - t0)
         return self._apply(sched_out, runner_out, alone)
 
-    def _schedule(self, alone: Optional[str], max_reqs: Optional[int] = None) -> SchedulerOutput:
-        """The next step (``alone``: only that request), its structured-output masks made."""
+    def _schedule(self, alone: Optional[str], max_reqs: Optional[int] = None,
+                  in_flight: frozenset[str] = frozenset()) -> SchedulerOutput:
+        """The next step (``alone``: only that request; ``in_flight``: requests of steps
+        not collected yet), its structured-output masks made."""
         if self.token_budget is not None and alone is None:
             self.scheduler.max_num_batched_tokens = self._next_budget()
-        in_flight = {rid for so in self._in_flight for rid in so.num_scheduled_tokens}
         sched_out = (self._schedule_alone(alone) if alone is not None
                      else self.scheduler.schedule(max_reqs, in_flight))
         carried = self._carried
@@ -389,11 +390,12 @@ class EngineCore:
         step is scheduled while requests wait to run alone after a failure."""
         s = self.scheduler
         if len(self._in_flight) < self.max_in_flight and not self._suspects:
-            in_flight = {rid for so in self._in_flight for rid in so.num_scheduled_tokens}
+            in_flight = frozenset(rid for so in self._in_flight for rid in so.num_scheduled_tokens)
             # ready to run: requests not in flight, and ones in flight with prompt left to compute
             ready = len(s.waiting) + sum(1 for r in s.running
                                          if r.request_id not in in_flight or r.num_computed_tokens < r.num_tokens)
-            sched_out = self._schedule(None, max(1, -(-ready // (self.max_in_flight - len(self._in_flight)))))
+            sched_out = self._schedule(None, max(1, -(-ready // (self.max_in_flight - len(self._in_flight)))),
+                                       in_flight)
             if sched_out.num_scheduled_tokens:
                 self._ran_alone_from = None if self._in_flight else time.perf_counter()
                 self.runner.submit(sched_out)
