@@ -553,14 +553,10 @@ def _apply_gguf_width(cfg: dict, path: Path, overrides: Sequence[str]) -> list[s
     loaded bits per projection weight."""
     q = cfg["quantization"]
     try:
-        meta, tensors = gguf_header(path)
+        _, tensors = gguf_header(path)
         bits = gguf_projection_bits(tensors)
     except (OSError, ValueError, struct.error):
         return []  # read_facts has said why
-    par = cfg["parallel"]
-    if any(k.endswith(".expert_count") and v for k, v in meta.items()) and par["enable_expert_parallel"] \
-            and par["data_parallel_size"] > 1:
-        return []  # experts' blocks over data-parallel cores are not built: its experts load dequantized
     if bits is None:
         return []  # a type not kept: quantization=none dequantizes it, quantization=gguf names it at load
     if q["method"] == "none" and _quantization_override(overrides) is None and cfg["hardware"]["device_kind"] == "cpu":

@@ -11,7 +11,6 @@ from __future__ import annotations
 from appliance.config.schema import ApplianceConfig
 
 RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo", "w8a8_int8", "int4_wo", "awq", "gptq", "fp8")  # methods whose weights run
-CHECKPOINT_EXPERTS = ("gguf", "awq", "gptq", "fp8")  # methods whose experts may load as a checkpoint stores them
 
 
 def not_built(cfg: ApplianceConfig) -> list[str]:
@@ -26,11 +25,6 @@ def not_built(cfg: ApplianceConfig) -> list[str]:
         out.append(f"parallel execution ({layout}): expert parallelism across data-parallel engine cores is built "
                    f"for cores of one rank each (e.g. parallel=dp2_ep, dp8_ep); with tensor or pipeline "
                    f"parallelism inside the cores, or on Ray, it is not built yet")
-    if cfg.model.num_experts > 0 and q.method in CHECKPOINT_EXPERTS and par.enable_expert_parallel \
-            and par.data_parallel_size > 1:
-        out.append(f"quantization={q.method} on a mixture-of-experts model with {layout}: a checkpoint's experts "
-                   f"over data-parallel engine cores are not built yet (within one core's ranks they are)"
-                   f"{'; or use quantization=none (dequantized experts)' if q.method == 'gguf' else ''}")
     if q.method not in RUNNABLE_QUANTIZATION:
         out.append(f"quantization={q.method} can be planned but its weight kernels are not built yet; serve with "
                    f"quantization=none (or int4_wo / int8_wo on a CPU)")

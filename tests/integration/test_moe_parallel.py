@@ -225,9 +225,47 @@ def test_checkpoint_experts_over_ranks_give_one_ranks_tokens(quantized_moe, vari
     rows in the native GEMMs, as in test_tensor_parallel)."""
     monkeypatch.setenv("APPLIANCE_CPU_BF16_DOT", "0")
     model = [*TINY_MOE, f"model.path={quantized_moe[variant]}", "model.dtype=float32"]
-    prompts = [[5, 77, 301, 12, 9], [400, 2, 2, 2, 2, 2, 17, 250], [1, 300], [33, 44, 55, 66]]  # the GGUF's
-    ref, _ = generate([*model, "attention.backend=torch_sdpa"], prompts, 12)  # tokenizer outruns 512 ids
+    prompts = [[5, 77, 301, 12, 9], [400, 2, 2, 2, 2, 2, 17, 250], [1, 300], [33, 44, 55, 66]]
+    ref, _ = generate([*model, "attention.backend=torch_sdpa"], prompts, 12)
     outs, llm = generate([*model, "parallel.tensor_parallel_size=2",
                           f"parallel.enable_expert_parallel={str(ep).lower()}"], prompts, 12)
     assert llm.resolved.cfg.quantization.method == variant
     assert_same(outs, ref)
+
+
+@pytest.mark.parametrize("variant", ["gptq", "fp8", "gguf"])
+def test_checkpoint_experts_over_engine_cores_give_one_cores_answers(quantized_moe, variant, monkeypatch):
+    """parallel=dp2_ep serving a quantized checkpoint: each core loads its
+    own experts as the file stores them (GPTQ blocks, fp8 values and
+    scales, GGUF blocks at their width); the GPTQ cores' load balancer moves
+    those between them while serving; every answer is one core's (fp32 rows
+    in the native GEMMs on both sides)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from appliance import LLM, SamplingParams
+    from appliance.config.compose import resolve
+    from tests.integration.server_helpers import ServerProcess, metric
+    from tests.integration.test_data_parallel import complete
+
+    monkeypatch.setenv("APPLIANCE_CPU_BF16_DOT", "0")  # read by the engine here and by the server's cores
+    model = [*TINY_MOE, f"model.path={quantized_moe[variant]}", "model.dtype=float32"]
+    eplb = ["parallel.eplb.enabled=true", "parallel.eplb.num_redundant_experts=2", "parallel.eplb.step_interval=5",
+            "parallel.eplb.window_size=5"] if variant == "gptq" else []
+    assert resolve([*model, "parallel=dp2_ep"]).cfg.quantization.method == variant
+    prompts = [[5, 77, 301, 12, 9], [400, 2, 2, 2, 2, 2, 17, 250], [1, 300], [33, 44, 55, 66]]
+    one = LLM(overrides=model)
+    ref = [o.outputs[0].text for o in one.generate(prompts, SamplingParams(max_tokens=16, temperature=0,
+                                                                          ignore_eos=True), use_tqdm=False)]
+    del one
+    s = ServerProcess(*model[1:], "parallel=dp2_ep", *eplb)
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda p: complete(s.url, p), prompts))
+        assert [a.json()["choices"][0]["text"] for a in answers] == ref
+        if eplb:
+            text = httpx.get(f"{s.url}/metrics").text
+            assert all(metric(text, "appliance:eplb_rebalances_total", engine=str(e)) > 0 for e in (0, 1))
+    finally:
+        s.stop()

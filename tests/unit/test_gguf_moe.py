@@ -4,7 +4,7 @@ projection (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``) beside
 its router (``ffn_gate_inp``), a layer without a router dense, Q and K
 rows as Hugging Face stores them (llama.cpp interleaves only a llama
 file's). Written here from the tiny random Qwen3-MoE (fp32, so exact),
-with the built-in SmolLM2 GGUF's tokenizer: its facts resolve, it stays
+with the folder's tokenizer: its facts resolve, it stays
 unquantized on a CPU profile, and it generates the Hugging Face folder's
 tokens and logprobs. A Mixtral file (``llama`` with experts, Q and K rows
 interleaved) does too."""
@@ -14,8 +14,7 @@ import pytest
 
 from appliance import LLM, SamplingParams
 from appliance.config.compose import resolve
-from appliance.errors import ConfigError
-from appliance.models.loader import find_wheel_gguf, resolve_model_folder
+from appliance.models.loader import resolve_model_folder
 
 TINY_MOE = ["+profile=cpu", "model=tiny_random_moe", "cache.kv_cache_memory_gib=0.02"]
 LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
@@ -24,16 +23,27 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-def copy_tokenizer(w):
-    """The built-in SmolLM2 GGUF's tokenizer into writer ``w`` (ids below the tiny models' 512 decode)."""
+def copy_tokenizer(w, folder):
+    """The tiny model folder's byte-level BPE tokenizer into writer ``w`` as a
+    GGUF states one (``gpt2``: tokens by id, their types, merges, BOS and
+    EOS), so the file's tokenizer encodes as the folder's does and stays
+    within the model's vocabulary."""
+    import json
+
     import gguf
 
-    reader = gguf.GGUFReader(str(find_wheel_gguf()))
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml."):
-            kind = gguf.GGUFValueType(field.types[0])
-            sub = gguf.GGUFValueType(field.types[1]) if kind == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, field.contents(), kind, sub_type=sub)
+    t = json.loads((folder / "tokenizer.json").read_text())
+    cfg = json.loads((folder / "config.json").read_text())
+    vocab = sorted(t["model"]["vocab"].items(), key=lambda kv: kv[1])
+    assert [i for _, i in vocab] == list(range(len(vocab)))
+    special = {a["id"] for a in t["added_tokens"] if a["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list([token for token, _ in vocab])
+    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for _, i in vocab])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in t["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
 
 
 def write_qwen3moe_gguf(folder, path, kinds=None):
@@ -69,7 +79,7 @@ def write_qwen3moe_gguf(folder, path, kinds=None):
                    (w.add_expert_used_count, cfg["num_experts_per_tok"]),
                    (w.add_expert_feed_forward_length, cfg["moe_intermediate_size"])]:
         add(v)
-    copy_tokenizer(w)
+    copy_tokenizer(w, folder)
     put("token_embd.weight", tensors.pop("model.embed_tokens.weight"))
     put("output_norm.weight", tensors.pop("model.norm.weight"))
     put("output.weight", tensors.pop("lm_head.weight"))
@@ -149,7 +159,7 @@ def write_mixtral_gguf(folder, path):
                    (w.add_vocab_size, cfg["vocab_size"]), (w.add_expert_count, experts),
                    (w.add_expert_used_count, cfg["num_experts_per_tok"])]:
         add(v)
-    copy_tokenizer(w)
+    copy_tokenizer(w, folder)
     w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", t["model.norm.weight"])
     w.add_tensor("output.weight", t["lm_head.weight"])
@@ -272,14 +282,3 @@ def test_a_qwen3moe_ggufs_expert_blocks_are_its_dequantized_experts(tmp_path):
     for name in experts:
         q, d, m = (torch.from_numpy(np.ascontiguousarray(x)) for x in blocks[name])
         assert torch.equal(dequantize_int4(q, d, m), dequantized[name]), name
-
-
-def test_a_qwen3moe_gguf_over_engine_cores_keeps_its_experts_dequantized(moe_gguf, tmp_path):
-    folder = moe_gguf[0]
-    path = tmp_path / "tiny-moe-q.gguf"
-    write_qwen3moe_gguf(folder, path, AT_WIDTH)
-    assert resolve(["+profile=cpu", f"model.path={path}", "parallel=tp2"]).cfg.quantization.method == "gguf"
-    cores = resolve(["+profile=cpu", f"model.path={path}", "parallel=dp2_ep"]).cfg.quantization
-    assert cores.method == "none"  # experts' blocks over data-parallel cores are not built
-    with pytest.raises(ConfigError, match="over data-parallel engine cores are not built yet"):
-        LLM(overrides=[*TINY_MOE, f"model.path={path}", "parallel=dp2_ep", "quantization=gguf"])

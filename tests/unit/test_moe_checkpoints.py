@@ -75,13 +75,6 @@ def test_experts_load_as_their_blocks_and_run_natively(checkpoints, variant):
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
 
 
-def test_checkpoint_experts_over_engine_cores_are_refused(checkpoints):
-    from appliance.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="over data-parallel engine cores are not built yet"):
-        LLM(overrides=[*TINY_MOE, f"model.path={checkpoints[1]['gptq4']}", "parallel=dp2_ep"])
-
-
 @pytest.mark.parametrize("block", [0, 32], ids=["per-tensor, static activations", "block-wise"])
 def test_fp8_checkpoint_experts(checkpoints, tmp_path, block):
     """An fp8 Qwen3-MoE checkpoint (llm-compressor's per-tensor layout, or
