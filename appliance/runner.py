@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from appliance.config.compose import ResolvedConfig
-from appliance.config.deployment import PROMPT_CHARS_PER_TOKEN, Deployment, ExecutorLayout
+from appliance.config.deployment import PROMPT_CHARS_PER_TOKEN, Deployment, ExecutorLayout, ExpertGroupAddress
 from appliance.config.detect import DeviceDescription, detect_device
 from appliance.config.execution import Execution, resolve_execution
 from appliance.config.plan import format_plan, make_plan, max_model_len
@@ -177,6 +177,11 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
         _prepare_draft(cfg)  # once, here: the ranks each load it
         runner: Any = Executor(deployment, build_rank_runner, deployment.layout.ranks_per_engine,
                                cfg.parallel.step_timeout_s)
+        if deployment.layout.experts_across_cores:  # the ranks exchange with the other cores' ranks
+            from appliance.worker.lockstep import Lockstep, LockstepRunner
+
+            runner = LockstepRunner(runner)
+            lockstep = Lockstep(_core_group(deployment), runner)
     elif deployment.layout.experts_across_cores:
         runner, tokenizer, lockstep = _lockstep_runner(deployment)
     else:
@@ -284,14 +289,25 @@ def _kv_event_publisher(deployment: Deployment) -> Any:
 
 
 def _lockstep_runner(deployment: Deployment) -> tuple[Any, Any, Any]:
-    """Data-parallel core ``deployment.data_parallel_rank``'s model with its
-    share of the experts, exchanging rows with the other cores over the
-    front end's segment (``deployment.expert_group``); the runner and the
-    lock-step its loop follows (``worker/lockstep.py``)."""
-    from appliance.kernels.shm_comm import ShmComm
+    """Data-parallel core ``deployment.data_parallel_rank``'s model, of one
+    rank, with its share of the experts, exchanging rows with the other
+    cores over the front end's segment (``deployment.expert_group``); the
+    runner and the lock-step its loop follows (``worker/lockstep.py``)."""
     from appliance.models.moe import ExpertParallel
-    from appliance.worker.lockstep import ExpertGroup, Lockstep, LockstepRunner
+    from appliance.worker.lockstep import Lockstep, LockstepRunner
 
+    group = _core_group(deployment)
+    runner, tokenizer = _model_runner(deployment, ep=ExpertParallel(group.rank, group.world_size, group,
+                                                                   replicated=False))
+    runner = LockstepRunner(runner)
+    return runner, tokenizer, Lockstep(group, runner)
+
+
+def _core_group(deployment: Deployment) -> Any:
+    """The lock-step engine cores' group (``worker.lockstep.ExpertGroup``) at
+    the front end's address for them (``deployment.expert_group.cores``)."""
+    from appliance.kernels.shm_comm import ShmComm
+    from appliance.worker.lockstep import ExpertGroup
 
     layout = deployment.layout
     if deployment.expert_group is None:
@@ -299,7 +315,7 @@ def _lockstep_runner(deployment: Deployment) -> tuple[Any, Any, Any]:
                           "makes for them (Deployment.expert_group)")
     rank, world = deployment.data_parallel_rank, layout.data_parallel_size
     timeout_s = deployment.cfg.parallel.step_timeout_s
-    address = deployment.expert_group
+    address = deployment.expert_group.cores
     if address.startswith("tcp://"):  # gloo between CPU cores, NCCL between GPU ones (each sees one device)
         import datetime
 
@@ -310,12 +326,8 @@ def _lockstep_runner(deployment: Deployment) -> tuple[Any, Any, Any]:
         device = "cpu" if deployment.device == "cpu" else "cuda"
         dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=address, rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-        group = ExpertGroup(TorchDistributedComm(world), rank, world, device)
-    else:
-        group = ExpertGroup(ShmComm(address, rank, world, timeout_s), rank, world)
-    runner, tokenizer = _model_runner(deployment, ep=ExpertParallel(rank, world, group, replicated=False))
-    runner = LockstepRunner(runner)
-    return runner, tokenizer, Lockstep(group, runner)
+        return ExpertGroup(TorchDistributedComm(world), rank, world, device)
+    return ExpertGroup(ShmComm(address, rank, world, timeout_s), rank, world)
 
 
 def place_data_parallel_rank(deployment: Deployment) -> None:
@@ -350,8 +362,13 @@ def build_rank_runner(deployment: Deployment, rank: int, comms: Any) -> Any:
     tp_size, pp_size = layout.tensor_parallel_size, layout.pipeline_parallel_size
     stage, tp_rank = rank_position(rank, tp_size)
     tp = TensorParallel(tp_rank, tp_size, comms.tp) if tp_size > 1 else None
-    # expert parallelism within one engine core: its tensor-parallel ranks hold whole experts each
-    ep = ExpertParallel(tp_rank, tp_size, comms.tp) if cfg.parallel.enable_expert_parallel and tp_size > 1 else None
+    ep = None
+    if layout.experts_across_cores:  # this rank's whole experts; its rows exchanged with the other cores' ranks
+        core = deployment.data_parallel_rank
+        ep = ExpertParallel(core * tp_size + tp_rank, layout.data_parallel_size * tp_size, comms.experts,
+                            replicated=False, tp=comms.tp)
+    elif cfg.parallel.enable_expert_parallel and tp_size > 1:  # within one core: its ranks' whole experts
+        ep = ExpertParallel(tp_rank, tp_size, comms.tp)
     pp = None
     if pp_size > 1:
         parts = pipeline_partition(cfg.model.num_layers, pp_size, cfg.parallel.pp_layer_partition)
@@ -359,7 +376,12 @@ def build_rank_runner(deployment: Deployment, rank: int, comms: Any) -> Any:
         pp = PipelineParallel(stage, pp_size, start, start + parts[stage],
                               receive=StageLink(*comms.receive) if comms.receive is not None else None,
                               send=StageLink(*comms.send) if comms.send is not None else None)
-    return _model_runner(deployment, tp, pp, ep)[0]
+    runner = _model_runner(deployment, tp, pp, ep)[0]
+    if layout.experts_across_cores:
+        from appliance.worker.lockstep import LockstepRunner
+
+        return LockstepRunner(runner)  # an empty step still joins the other cores' exchanges
+    return runner
 
 
 def _model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
@@ -389,7 +411,7 @@ def _model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
     model, tokenizer, _ = load_model(m, backend, dtype, device, cfg.quantization.method, tp, pp, ep,
                                      eplb.num_redundant_experts if eplb.enabled else 0)
     if eplb.enabled:
-        model.enable_eplb(ep.comm, eplb.window_size, eplb.step_interval)
+        model.enable_eplb(ep.group, eplb.window_size, eplb.step_interval)
     if cfg.quantization.method in ("int8_wo", "w8a8_int8"):
         from appliance.models.quant import quantize_int8_weight_only
 
@@ -511,15 +533,21 @@ def serve(resolved: ResolvedConfig) -> int:
     return serve_forever(deployment, build_engine, lambda n: expert_group_address(deployment, n))
 
 
-def expert_group_address(deployment: Deployment, world_size: int) -> str:
-    """Where ``world_size`` lock-step engine cores meet (the front end picks
-    one per generation of cores): a new shared-memory segment for CPU cores
-    with ``parallel.cpu_collectives=shm``, else a torch.distributed address
-    on this host (gloo, or NCCL between GPU cores)."""
+def expert_group_address(deployment: Deployment, world_size: int) -> ExpertGroupAddress:
+    """Where ``world_size`` lock-step engine cores and, when their ranks run
+    in worker processes (executor ``mp``), those ranks meet (the front end
+    picks them per generation of cores): new shared-memory segments for CPU
+    cores with ``parallel.cpu_collectives=shm`` (the ranks' one per
+    tensor-parallel index), else torch.distributed addresses on this host
+    (gloo, or NCCL between GPU cores)."""
     from appliance.worker.executor import collectives, free_port
 
+    in_workers = deployment.layout.executor == "mp"  # the cores' ranks exchange, not the cores
+    tp = deployment.layout.tensor_parallel_size
     if collectives(deployment, world_size) == "shm":
         from appliance.kernels.shm_comm import create_segment
 
-        return create_segment(world_size)
-    return f"tcp://127.0.0.1:{free_port()}"
+        return ExpertGroupAddress(create_segment(world_size),
+                                  tuple(create_segment(world_size) for _ in range(tp)) if in_workers else ())
+    return ExpertGroupAddress(f"tcp://127.0.0.1:{free_port()}",
+                              (f"tcp://127.0.0.1:{free_port()}",) if in_workers else ())

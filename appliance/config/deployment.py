@@ -50,6 +50,25 @@ class ExecutorLayout:
 
 
 @dataclass(frozen=True)
+class ExpertGroupAddress:
+    """Where data-parallel engine cores that split the experts meet: ``cores``,
+    the cores' own group (each core's agreement to step and, with one rank
+    per core in its process, its sparse layers' exchanges); with the cores'
+    ranks in worker processes (executor ``mp``), ``ranks``, where those
+    exchange: a shared-memory segment per tensor-parallel index (that
+    index's rank of every core), or one torch.distributed address for every
+    core's ranks. A segment is a file
+    path, an address ``tcp://host:port``."""
+
+    cores: str
+    ranks: tuple[str, ...] = ()
+
+    def files(self) -> list[str]:
+        """The segment files among them (the front end unlinks them once mapped)."""
+        return [a for a in (self.cores, *self.ranks) if not a.startswith("tcp://")]
+
+
+@dataclass(frozen=True)
 class Deployment:
     resolved: ResolvedConfig
     execution: Execution  # dtype, KV dtype and attention backend, with the reasons
@@ -60,10 +79,10 @@ class Deployment:
     max_prompt_chars: int  # prompts longer than this are refused before tokenizing
     layout: ExecutorLayout
     data_parallel_rank: int = 0  # which engine core of ``layout.data_parallel_size`` this one builds
-    # Expert parallelism across the data-parallel engine cores: the shared-memory
-    # segment they exchange their sparse layers' tokens over, made by the front
-    # end for each generation of cores (None otherwise).
-    expert_group: Optional[str] = None
+    # Expert parallelism across the data-parallel engine cores: where they and
+    # their ranks exchange their sparse layers' tokens, made by the front end
+    # for each generation of cores (None otherwise).
+    expert_group: Optional[ExpertGroupAddress] = None
 
     @property
     def cfg(self) -> ApplianceConfig:

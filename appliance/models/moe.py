@@ -23,6 +23,7 @@ and the ranks' sums are all-reduced; ranks that hold different tokens
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
@@ -39,15 +40,48 @@ class ExpertParallel:
     whole expert.
     ``replicated``: every rank holds the same tokens (the tensor-parallel
     ranks of one engine core), so ``comm.all_reduce`` of the partial sums is
-    the whole exchange; else each rank has its own tokens (data-parallel
-    engine cores in lock-step): a sparse layer all-gathers every rank's
-    rows, runs its experts on all of them, and all-reduces the partial sums,
-    keeping its own rows (``SparseMoe.exchange``)."""
+    the whole exchange; else the ranks of each data-parallel engine core
+    (cores in lock-step) have that core's tokens: a sparse layer all-gathers
+    every core's rows over ``comm`` (this rank's peers, one per core), runs
+    its experts on all of them, and all-reduces the partial sums over the
+    whole group, keeping its core's rows (``SparseMoe.exchange``). ``tp``:
+    the core's tensor-parallel ranks, when it has more than one (rank =
+    core x tp size + tp rank)."""
 
     rank: int
     size: int
     comm: Any
     replicated: bool = True
+    tp: Any = None
+
+    @property
+    def core(self) -> int:
+        """Which engine core's rows are this rank's (across cores)."""
+        return self.rank // (self.tp.world_size if self.tp is not None else 1)
+
+    @functools.cached_property
+    def group(self) -> Any:
+        """Collectives over every rank of the group, in rank order."""
+        return self.comm if self.tp is None else CoresOfRanks(self.comm, self.tp)
+
+
+class CoresOfRanks:
+    """The collectives of engine cores' ranks as one group (rank = core x
+    ranks per core + rank in the core) from ``cores`` (this rank's peers, one
+    per core) and ``ranks`` (its core's ranks); the sums are the same bits on
+    every rank (each comm sums in its rank order)."""
+
+    def __init__(self, cores: Any, ranks: Any):
+        self.cores, self.ranks = cores, ranks
+        self.world_size = cores.world_size * ranks.world_size
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        self.cores.all_reduce(t)
+        self.ranks.all_reduce(t)
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        core = torch.stack(self.ranks.all_gather(t))
+        return [x for c in self.cores.all_gather(core) for x in c.unbind(0)]
 
 
 def expert_range(slots: int, rank: int, size: int) -> tuple[int, int]:
@@ -283,12 +317,12 @@ class SparseMoe(nn.Module):
         return out
 
     def exchange(self, x: torch.Tensor) -> torch.Tensor:
-        """Expert parallelism over ranks with their own tokens: every rank's
+        """Expert parallelism over cores with their own tokens: every core's
         rows gathered (padded to the longest), this rank's experts run on all
-        of them, the partial sums all-reduced (in rank order, the same bits
-        on every rank); this rank's rows returned. A rank with no tokens
-        (``x`` of no rows: an idle engine core) takes part all the same, so
-        the ranks' collectives line up."""
+        of them, the partial sums all-reduced over every rank (in rank
+        order, the same bits on every rank); this core's rows returned. A
+        core with no tokens (``x`` of no rows: an idle engine core) takes
+        part all the same, so the ranks' collectives line up."""
         comm = self.ep.comm
         counts = [int(c) for c in comm.all_gather(torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device))]
         most = max(counts)
@@ -304,6 +338,6 @@ class SparseMoe(nn.Module):
         for r, n in enumerate(counts):
             out[r * most:r * most + n] = partial[start:start + n]
             start += n
-        comm.all_reduce(out)
-        me = self.ep.rank
+        self.ep.group.all_reduce(out)
+        me = self.ep.core
         return out[me * most:me * most + x.shape[0]]

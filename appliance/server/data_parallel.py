@@ -32,7 +32,7 @@ import logging
 import os
 from typing import AsyncIterator, Callable, Optional
 
-from appliance.config.deployment import Deployment
+from appliance.config.deployment import Deployment, ExpertGroupAddress
 from appliance.engine.core import RequestOutputDelta, StepStats
 from appliance.sampling_params import SamplingParams
 from appliance.server.client import EngineClient, EngineDeadError
@@ -54,11 +54,11 @@ class DataParallelClient:
     def __init__(self, deployment: Deployment, build_engine: BuildEngine,
                  on_stats: Optional[Callable[[int, StepStats, StepStats], None]] = None,
                  on_restart: Optional[Callable[[int], None]] = None, on_fatal: Optional[Callable[[str], None]] = None,
-                 make_segment: Optional[Callable[[int], str]] = None):
+                 make_segment: Optional[Callable[[int], ExpertGroupAddress]] = None):
         """``on_stats(rank, old, new)`` and ``on_restart(rank)`` name the rank;
         ``on_fatal(reason)``: a rank's restarts are exhausted;
-        ``make_segment(n)``: a new shared-memory segment for ``n`` lock-step
-        cores (expert parallelism across them)."""
+        ``make_segment(n)``: where ``n`` lock-step cores (expert parallelism
+        across them) meet, made anew for each generation of them."""
         self.deployment = deployment
         self.clients = [
             EngineClient(deployment.for_data_parallel_rank(r), build_engine,
@@ -149,19 +149,19 @@ class DataParallelClient:
 
 
 class ExpertGroupSegments:
-    """Where the lock-step cores exchange, one per generation of cores (a
-    shared-memory segment, or a torch.distributed address: what
-    ``make_segment`` gives): each core is built on the current one; when any
+    """Where the lock-step cores exchange, one per generation of cores
+    (shared-memory segments, or torch.distributed addresses: the
+    ``ExpertGroupAddress`` ``make_segment`` gives): each core is built on the current one; when any
     core is lost (or a replacement fails to come up) a new generation
     starts and the cores of the old one are killed, so their supervisors
-    start them all again on the new segment. A segment's file is unlinked
-    once every core of its generation is up (their mappings outlive it)."""
+    start them all again on the new segment. A segment's files are unlinked
+    once every core of its generation is up (their mappings outlive them)."""
 
-    def __init__(self, clients: list[EngineClient], make_segment: Callable[[int], str]):
+    def __init__(self, clients: list[EngineClient], make_segment: Callable[[int], ExpertGroupAddress]):
         self._create = make_segment
         self.clients = clients
         self.generation = 0
-        self.path: Optional[str] = make_segment(len(clients))
+        self.path: Optional[ExpertGroupAddress] = make_segment(len(clients))
         self.built_on = [-1] * len(clients)  # the generation each client's current core was built on
         self.ready_on = [-1] * len(clients)  # the generation of each client's core that last came up
         for r, c in enumerate(clients):
@@ -194,9 +194,9 @@ class ExpertGroupSegments:
             self._unlink()
 
     def _unlink(self) -> None:
-        if self.path is not None and os.path.isabs(self.path):  # a segment file, not a tcp:// address
+        for path in self.path.files() if self.path is not None else []:
             try:
-                os.unlink(self.path)
+                os.unlink(path)
             except FileNotFoundError:
                 pass
         self.path = None

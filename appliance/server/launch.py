@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
 from typing import TYPE_CHECKING, Callable, Optional
 
-from appliance.config.deployment import Deployment
+from appliance.config.deployment import Deployment, ExpertGroupAddress
 
 if TYPE_CHECKING:
     from appliance.server.core_proc import BuildEngine
@@ -80,10 +80,10 @@ class Drain:
 
 
 def serve_forever(deployment: Deployment, build_engine: BuildEngine,
-                  make_segment: Optional[Callable[[int], str]] = None) -> int:
+                  make_segment: Optional[Callable[[int], ExpertGroupAddress]] = None) -> int:
     """Serve ``deployment``; ``build_engine(deployment)`` builds the engine in
-    the engine-core process, ``make_segment(n)`` makes the shared-memory
-    segment ``n`` lock-step engine cores exchange over (both the composition
+    the engine-core process, ``make_segment(n)`` makes where ``n``
+    lock-step engine cores exchange (both the composition
     root's functions)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     return asyncio.run(_serve(deployment, build_engine, make_segment))
@@ -99,7 +99,7 @@ def _lower_priority() -> None:
 
 
 async def _serve(deployment: Deployment, build_engine: BuildEngine,
-                 make_segment: Optional[Callable[[int], str]]) -> int:
+                 make_segment: Optional[Callable[[int], ExpertGroupAddress]]) -> int:
     import uvicorn
     from transformers import AutoTokenizer
 

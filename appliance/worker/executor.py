@@ -97,11 +97,14 @@ class RankCollectives:
     and ``send`` (its rows to the next stage, its first rank only), each a
     (comm, source rank as the comm numbers it) pair whose broadcast spans
     the sending stage's first rank and the receiving stage's ranks (None:
-    no such hand-off)."""
+    no such hand-off); ``experts``, with expert parallelism across
+    data-parallel engine cores, this rank's peers of its tensor-parallel
+    index in every core (rank = core)."""
 
     tp: Any = None
     receive: Optional[tuple[Any, int]] = None
     send: Optional[tuple[Any, int]] = None
+    experts: Any = None
 
 
 def rank_position(rank: int, tp_size: int) -> tuple[int, int]:
@@ -176,6 +179,8 @@ def init_rank(deployment: Any, build_rank: BuildRank, rank: int, world_size: int
     tp, pp = deployment.layout.tensor_parallel_size, deployment.layout.pipeline_parallel_size
     stage, tp_rank = rank_position(rank, tp)
     sends = stage < pp - 1 and tp_rank == 0
+    if deployment.layout.experts_across_cores:
+        return build_rank(deployment, rank, _core_ranks(deployment, tp_rank, segments, backend, timeout_s))
     if segments is not None:
         from appliance.kernels.shm_comm import ShmComm
 
@@ -196,6 +201,41 @@ def init_rank(deployment: Any, build_rank: BuildRank, rank: int, world_size: int
             receive=(TorchDistributedComm(tp + 1, links[stage - 1]), (stage - 1) * tp) if stage > 0 else None,
             send=(TorchDistributedComm(tp + 1, links[stage]), stage * tp) if sends else None)
     return build_rank(deployment, rank, comms)
+
+
+def _core_ranks(deployment: Any, tp_rank: int, segments: Optional[dict[str, str]], backend: str,
+                timeout_s: float) -> RankCollectives:
+    """Rank ``tp_rank``'s collectives when the data-parallel engine cores
+    split the experts (one stage): its core's tensor-parallel ranks (the
+    ``tp0`` segment, or a torch.distributed group) and its peers in the other
+    cores (``deployment.expert_group.ranks``: a segment per tensor-parallel
+    index, or one torch.distributed world of every core's ranks, rank =
+    core x tp + tp rank, with a group per core and per tensor-parallel
+    index)."""
+    tp, cores, core = (deployment.layout.tensor_parallel_size, deployment.layout.data_parallel_size,
+                       deployment.data_parallel_rank)
+    address = deployment.expert_group
+    if address is None or not address.ranks:
+        raise RuntimeError("expert parallelism across engine cores with their ranks in worker processes needs the "
+                           "ranks' addresses the front end makes (Deployment.expert_group.ranks)")
+    if not address.ranks[0].startswith("tcp://"):
+        from appliance.kernels.shm_comm import ShmComm
+
+        if tp > 1 and segments is None:
+            raise RuntimeError("the cores' ranks meet over shared memory but this core's ranks do not")
+        return RankCollectives(tp=ShmComm(segments["tp0"], tp_rank, tp, timeout_s) if tp > 1 else None,
+                               experts=ShmComm(address.ranks[tp_rank], core, cores, timeout_s))
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=address.ranks[0], rank=core * tp + tp_rank,
+                            world_size=cores * tp, timeout=datetime.timedelta(seconds=timeout_s))
+    # every rank makes every group, in one order
+    in_core = [dist.new_group(list(range(c * tp, (c + 1) * tp))) for c in range(cores)]
+    across = [dist.new_group(list(range(t, cores * tp, tp))) for t in range(tp)]
+    return RankCollectives(tp=TorchDistributedComm(tp, in_core[core]) if tp > 1 else None,
+                           experts=TorchDistributedComm(cores, across[tp_rank]))
 
 
 def run_step(runner: Any, sched_out: Any) -> tuple:

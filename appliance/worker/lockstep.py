@@ -52,10 +52,14 @@ class ExpertGroup:
 class LockstepRunner:
     """A model runner whose every step is a forward the peers join: a step
     with nothing scheduled still runs the idle forward, and a failed step
-    is fatal (``EngineDeadError``) rather than retried request by request."""
+    is fatal (``EngineDeadError``) rather than retried request by request.
+    ``runner``: a ``ModelRunner`` (the model in this process), or an
+    executor over the core's tensor-parallel ranks, each of which runs its
+    ``ModelRunner`` in a ``LockstepRunner`` of its own."""
 
     def __init__(self, runner: Any):
         self.runner = runner
+        self.in_process = hasattr(runner, "model")
 
     def __getattr__(self, name: str) -> Any:  # the model runner's other attributes (model, backend, ...)
         return getattr(self.runner, name)
@@ -63,7 +67,7 @@ class LockstepRunner:
     def execute(self, so: Any) -> Any:
         try:
             out = self.runner.execute(so)
-            if not so.num_scheduled_tokens:
+            if not so.num_scheduled_tokens and self.in_process:  # an executor's ranks run theirs
                 self.runner.model.idle_forward()
             return out
         except EngineDeadError:
@@ -71,6 +75,21 @@ class LockstepRunner:
         except Exception as e:
             raise EngineDeadError(f"a lock-step forward failed ({type(e).__name__}: {e}); the data-parallel "
                                   f"engine cores restart together") from e
+
+    def idle(self) -> None:
+        """This core's part of a step it has no requests for: the model's
+        exchanges with no rows, here or on every rank (an empty step)."""
+        if not self.in_process:
+            from appliance.engine.scheduler import SchedulerOutput
+
+            self.execute(SchedulerOutput())
+            return
+        try:
+            self.runner.model.idle_forward()
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            raise EngineDeadError(f"an idle lock-step forward failed ({type(e).__name__}: {e})") from e
 
 
 class Lockstep:
@@ -89,9 +108,4 @@ class Lockstep:
 
     def idle_step(self) -> None:
         """This core's part of a step it has no requests for."""
-        try:
-            self.runner.runner.model.idle_forward()
-        except EngineDeadError:
-            raise
-        except Exception as e:
-            raise EngineDeadError(f"an idle lock-step forward failed ({type(e).__name__}: {e})") from e
+        self.runner.idle()

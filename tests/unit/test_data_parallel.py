@@ -116,24 +116,28 @@ def test_lock_step_cores_restart_together_on_a_fresh_segment():
             self.ready()
 
     clients = [Client(), Client()]
+    from appliance.config.deployment import ExpertGroupAddress
     from appliance.kernels.shm_comm import create_segment
 
-    seg = ExpertGroupSegments(clients, create_segment)
+    def exists(address):  # the cores' segment and their tensor-parallel ranks' ones
+        return [os.path.exists(f) for f in address.files()]
+
+    seg = ExpertGroupSegments(clients, lambda n: ExpertGroupAddress(create_segment(n), (create_segment(n),)))
     first = seg.path
     clients[0].launch()
-    assert os.path.exists(first)  # the other core has not mapped it yet
+    assert exists(first) == [True, True]  # the other core has not mapped them yet
     clients[1].launch()
-    assert {c.deployment.expert_group for c in clients} == {first} and not os.path.exists(first)
+    assert {c.deployment.expert_group for c in clients} == {first} and exists(first) == [False, False]
 
     clients[1].proc.kill()
     clients[1].on_lost()  # core 1 died: a new generation, core 0 killed with it
     second = seg.path
-    assert second != first and os.path.exists(second) and not clients[0].proc.is_alive()
+    assert second != first and exists(second) == [True, True] and not clients[0].proc.is_alive()
     clients[0].on_lost()  # its supervisor hears of it: the same generation goes on
     assert seg.path == second and seg.generation == 1
     clients[0].start()
     clients[1].launch()
-    assert os.path.exists(second)  # core 0 of this generation is not up yet: it may not have mapped it
+    assert exists(second) == [True, True]  # core 0 of this generation is not up yet: it may not have mapped them
     clients[0].ready()
-    assert {c.deployment.expert_group for c in clients} == {second} and not os.path.exists(second)
+    assert {c.deployment.expert_group for c in clients} == {second} and exists(second) == [False, False]
     seg.close()

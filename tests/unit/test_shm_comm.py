@@ -22,7 +22,7 @@ def inputs(rank, step, n, dtype):
     return (torch.randn(n, generator=g) * (rank + 1)).to(dtype)
 
 
-def _rank(path, rank, world, q, steps, sizes):
+def _rank(path, rank, world, steps, sizes, q):
     torch.set_num_threads(1)
     comm = ShmComm(path, rank, world, timeout_s=30, slot_bytes=SLOT)
     out = []
@@ -44,19 +44,26 @@ def _rank(path, rank, world, q, steps, sizes):
     q.put((rank, pickle.dumps(out)))  # plain pickling: torch's queue would share fds with an exiting process
 
 
-def run_ranks(world, steps, sizes):
-    path = create_segment(world, SLOT)
+def spawn(target, args, paths):
+    """Run ``target(*a, q)`` in a process for each ``a`` of ``args``; their
+    (key, pickled result) puts as a dict; the segments ``paths`` unlinked."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(path, r, world, q, steps, sizes)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(*a, q)) for a in args]
     try:
         for p in procs:
             p.start()
-        results = {r: pickle.loads(b) for r, b in (q.get(timeout=120) for _ in procs)}
+        return {r: pickle.loads(b) for r, b in (q.get(timeout=120) for _ in procs)}
     finally:
         for p in procs:
             p.join(30)
-        os.unlink(path)
+        for path in paths:
+            os.unlink(path)
+
+
+def run_ranks(world, steps, sizes):
+    path = create_segment(world, SLOT)
+    results = spawn(_rank, [(path, r, world, steps, sizes) for r in range(world)], [path])
     return [results[r] for r in range(world)]
 
 
@@ -115,3 +122,30 @@ def test_refuses_what_it_cannot_reduce():
             ShmComm(path, 0, 2, timeout_s=1, slot_bytes=SLOT)
     finally:
         os.unlink(path)
+
+
+def _core_rank(paths, core, rank, q):
+    from appliance.models.moe import CoresOfRanks
+
+    torch.set_num_threads(1)
+    group = CoresOfRanks(ShmComm(paths["cores"][rank], core, 2, timeout_s=30),
+                         ShmComm(paths["ranks"][core], rank, 2, timeout_s=30))
+    me = core * 2 + rank
+    gathered = torch.stack(group.all_gather(torch.full((2, 3), float(me))))
+    t = inputs(me, 0, 100, torch.float32)
+    group.all_reduce(t)
+    q.put((me, pickle.dumps((gathered, t))))
+
+
+def test_cores_of_ranks_gather_and_sum_over_every_rank():
+    """Two engine cores of two ranks each as one group (``CoresOfRanks``, the
+    collectives of expert parallelism across cores with tensor parallelism
+    inside them): all-gather in group rank order (core x 2 + rank), and
+    every rank's sum the same bits, close to the sum of the four inputs."""
+    paths = {"cores": [create_segment(2) for _ in range(2)], "ranks": [create_segment(2) for _ in range(2)]}
+    results = spawn(_core_rank, [(paths, c, r) for c in range(2) for r in range(2)], paths["cores"] + paths["ranks"])
+    want = sum(inputs(m, 0, 100, torch.float32) for m in range(4))
+    for m in range(4):
+        gathered, total = results[m]
+        assert torch.equal(gathered, torch.arange(4.0).view(4, 1, 1).expand(4, 2, 3))
+        assert torch.equal(total, results[0][1]) and torch.allclose(total, want, atol=1e-5)
