@@ -29,6 +29,8 @@ from appliance.errors import ConfigError
 from appliance.kernels.registry import BackendSelectionError, Selection
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from transformers import PreTrainedTokenizerBase
 
     from appliance.engine.core import EngineCore
@@ -209,7 +211,7 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
         num_lookahead_tokens=cfg.speculative.num_speculative_tokens if cfg.speculative.method == "draft_model" else 0,
         connector=connector[0] if connector is not None else None,
     )
-    if connector is not None:
+    if connector is not None and connector[1] is not None:
         runner.kv_connector = connector[1]
     eos = tokenizer.eos_token_id
     return EngineCore(scheduler, runner, tokenizer, eos, vocab_size=cfg.model.vocab_size, token_budget=budget,
@@ -222,15 +224,24 @@ def _kv_connector(deployment: Deployment, runner: Any) -> Optional[tuple[Any, An
     """The KV connector's (scheduler side, worker side) (``kv_transfer``), or
     None: an offload tier in a folder of its own per model and KV layout, or
     disaggregated prefill's ZeroMQ/TCP transfers between engines of one KV
-    layout (validation keeps both to one rank in this process, so ``runner``
-    is the ModelRunner whose caches they fill). Data-parallel core ``r`` of
-    ``n`` has its own: a producer listens on ``p2p.port + r``; a tier keeps
-    ``core<r>`` under the folder and ``offload.max_gib / n`` of it."""
+    layout (validation keeps these to one rank in this process, so
+    ``runner`` is the ModelRunner whose caches they fill). With the core's
+    ranks in workers (``mp``, ``ray``) only the tier runs: its scheduler
+    side here, each rank's worker side in that rank (``build_rank_runner``),
+    so the worker side here is None. Data-parallel core ``r`` of ``n`` has
+    its own: a producer listens on ``p2p.port + r``; a tier keeps
+    ``core<r>`` under the folder and ``offload.max_gib / n`` of it (split
+    again over its ranks)."""
     kt, cfg = deployment.cfg.kv_transfer, deployment.cfg
     if kt.connector is None:
         return None
+    if deployment.layout.executor in ("mp", "ray"):  # the offload tier: each rank's worker side is its own
+        from appliance.engine.kv_connector import OffloadConnector
+
+        return OffloadConnector(_tier_folder(deployment, _ranks_kv_layout(deployment)), cfg.cache.block_size,
+                                ranks=deployment.layout.ranks_per_engine), None
     layout = _kv_layout(deployment, runner.kv_caches)
-    rank, cores = deployment.data_parallel_rank, deployment.layout.data_parallel_size
+    rank = deployment.data_parallel_rank
     if kt.connector == "p2p":
         from appliance.engine.kv_connector import layout_key
         from appliance.engine.kv_p2p import P2PConnector
@@ -244,33 +255,80 @@ def _kv_connector(deployment: Deployment, runner: Any) -> Optional[tuple[Any, An
         # at most half the pool waits for consumers: a flood of unfetched prefills cannot take it all
         return P2PConnector(kt.role, engine_id, p.host or p.bind_host, p.port + rank, cfg.cache.block_size,
                             p.timeout_s, deployment.num_kv_blocks // 2), worker
-    from appliance.engine.kv_connector import OffloadConnector, tier_folder
+    from appliance.engine.kv_connector import OffloadConnector
+
+    folder = _tier_folder(deployment, layout)
+    return OffloadConnector(folder, cfg.cache.block_size), _offload_worker(deployment, folder)
+
+
+def _tier_folder(deployment: Deployment, layout: dict[str, Any]) -> Path:
+    """This engine core's offload tier folder: one per model and KV
+    ``layout`` (with the hash algorithm); data-parallel core r's
+    ``core<r>`` in it."""
+    from appliance.engine.kv_connector import tier_folder
     from appliance.models.loader import cache_dir
+
+    cfg = deployment.cfg
+    folder = tier_folder(cfg.kv_transfer.offload.path or str(cache_dir().parent / "kv_offload"),
+                         {**layout, "hash": cfg.cache.prefix_caching_hash_algo})
+    return folder / f"core{deployment.data_parallel_rank}" if deployment.layout.data_parallel_size > 1 else folder
+
+
+def _offload_worker(deployment: Deployment, folder: Path, agree: Any = None) -> Any:
+    """The offload tier's worker side in ``folder``, with its share of
+    ``offload.max_gib`` (the engine cores' and their ranks' shares even)."""
     from appliance.worker.kv_offload import OffloadWorker
 
-    folder = tier_folder(kt.offload.path or str(cache_dir().parent / "kv_offload"),
-                         {**layout, "hash": cfg.cache.prefix_caching_hash_algo})
-    if cores > 1:
-        folder = folder / f"core{rank}"
+    share = deployment.layout.data_parallel_size * (deployment.layout.ranks_per_engine
+                                                    if deployment.layout.executor in ("mp", "ray") else 1)
     try:
-        worker = OffloadWorker(folder, int(kt.offload.max_gib * (1 << 30) / cores))
+        return OffloadWorker(folder, int(deployment.cfg.kv_transfer.offload.max_gib * (1 << 30) / share), agree)
     except OSError as e:
         raise ConfigError(f"kv_transfer.offload.path: the tier's folder {folder} cannot be used: {e}") from None
-    return OffloadConnector(folder, cfg.cache.block_size), worker
+
+
+def _ranks_kv_layout(deployment: Deployment) -> dict[str, Any]:
+    """The KV layout of an engine core whose ranks run in workers (the engine
+    process holds no cache): the model, precisions, block size and the
+    tensor x pipeline split of the heads and layers (each rank's files hold
+    its part; their headers check its shape)."""
+    layout = _kv_layout(deployment, None)
+    lay = deployment.layout
+    return {**layout, "block_size": deployment.cfg.cache.block_size,
+            "ranks": [lay.tensor_parallel_size, lay.pipeline_parallel_size]}
+
+
+def _ranks_offload(deployment: Deployment, rank: int, comms: Any) -> Any:
+    """Rank ``rank``'s part of the offload tier (``rank_folder``): its stage's
+    tensor-parallel ranks agree on failed loads over ``comms.tp``."""
+    import torch
+
+    from appliance.engine.kv_connector import rank_folder
+
+    def agree(failed: bool) -> bool:
+        flag = torch.tensor([float(failed)])
+        comms.tp.all_reduce(flag)
+        return bool(flag[0] > 0)
+
+    return _offload_worker(deployment, rank_folder(_tier_folder(deployment, _ranks_kv_layout(deployment)), rank),
+                           agree if comms.tp is not None else None)
 
 
 # Model keys that change neither K/V values nor their layout: engines that differ only in these share KV.
 _KV_NEUTRAL_MODEL_KEYS = ("name", "param_count_b", "max_model_len")
 
 
-def _kv_layout(deployment: Deployment, caches: list) -> dict[str, Any]:
+def _kv_layout(deployment: Deployment, caches: Optional[list]) -> dict[str, Any]:
     """What a block's K/V depend on: the model and its weights' precision,
-    the activations' dtype, and the block's shape and dtype in the cache."""
+    the activations' dtype, and the block's shape and dtype in the cache
+    (``caches``; None: the configured KV dtype only)."""
     cfg = deployment.cfg
     model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in _KV_NEUTRAL_MODEL_KEYS}
-    return {"model": model, "quantization": dataclasses.asdict(cfg.quantization),
-            "dtype": deployment.execution.dtype, "kv_dtype": str(caches[0].dtype),
-            "block": list(caches[0][:, 0].shape), "layers": len(caches)}
+    layout = {"model": model, "quantization": dataclasses.asdict(cfg.quantization),
+              "dtype": deployment.execution.dtype}
+    if caches is None:
+        return {**layout, "kv_dtype": deployment.execution.kv_cache_dtype}
+    return {**layout, "kv_dtype": str(caches[0].dtype), "block": list(caches[0][:, 0].shape), "layers": len(caches)}
 
 
 def _kv_event_publisher(deployment: Deployment) -> Any:
@@ -377,6 +435,8 @@ def build_rank_runner(deployment: Deployment, rank: int, comms: Any) -> Any:
                               receive=StageLink(*comms.receive) if comms.receive is not None else None,
                               send=StageLink(*comms.send) if comms.send is not None else None)
     runner = _model_runner(deployment, tp, pp, ep)[0]
+    if cfg.kv_transfer.connector == "offload":
+        runner.kv_connector = _ranks_offload(deployment, rank, comms)
     if layout.experts_across_cores:
         from appliance.worker.lockstep import LockstepRunner
 

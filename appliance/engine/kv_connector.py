@@ -59,6 +59,22 @@ class KVConnectorOutput:
     finished_recving: list[str] = field(default_factory=list)
     failed_recving: list[str] = field(default_factory=list)
     finished_sending: list[str] = field(default_factory=list)
+    # an engine core of several ranks: each rank's ``saved`` (by rank), set by ``merge_rank_outputs``
+    saved_by_rank: Optional[list[list[bytes]]] = None
+
+
+def merge_rank_outputs(outputs: list[Optional[KVConnectorOutput]]) -> Optional[KVConnectorOutput]:
+    """One report of an engine core's ranks' (world rank order; None: a rank
+    with no connector output this step): each rank's saved hashes kept
+    apart (a block is in an offload tier once every rank's part is), the
+    dropped ones together (a block one rank lost is lost). Only the offload
+    tier runs over several ranks."""
+    if all(o is None for o in outputs):
+        return None
+    if any(o is not None and (o.finished_recving or o.failed_recving or o.finished_sending) for o in outputs):
+        raise ValueError("disaggregated prefill's transfers run on one rank")
+    return KVConnectorOutput(saved_by_rank=[list(o.saved) if o is not None else [] for o in outputs],
+                             dropped=sorted({h for o in outputs if o is not None for h in o.dropped}))
 
 
 def layout_key(layout: dict[str, Any]) -> str:
@@ -89,16 +105,31 @@ def stored_hashes(folder: Path) -> list[bytes]:
     return [h for _, h in sorted(files)]
 
 
+def rank_folder(folder: Path, rank: int) -> Path:
+    """Rank ``rank``'s part of a tier whose engine core has several ranks
+    (each rank's files hold its KV heads of its layers)."""
+    return folder / f"rank{rank}"
+
+
 class OffloadConnector:
-    """The offload tier's scheduler side (see the module docstring)."""
+    """The offload tier's scheduler side (see the module docstring). With
+    ``ranks`` > 1 (an engine core's tensor-parallel ranks and pipeline
+    stages) each rank keeps its part of every block in its own folder
+    (``rank_folder``): a block is in the tier when every rank's part is
+    (at start, those in every folder; then when every rank has reported
+    it written since any rank last dropped it)."""
 
     name, role = "offload", "both"
     has_pending_meta = False  # its instructions go with the steps that need them
     has_transfers = False  # nothing an idle engine must step for
 
-    def __init__(self, folder: Path, block_size: int):
-        self.folder, self.block_size = folder, block_size
-        self.available: set[bytes] = set(stored_hashes(folder))
+    def __init__(self, folder: Path, block_size: int, ranks: int = 1):
+        self.folder, self.block_size, self.ranks = folder, block_size, ranks
+        if ranks == 1:
+            self.available: set[bytes] = set(stored_hashes(folder))
+        else:
+            self.available = set.intersection(*(set(stored_hashes(rank_folder(folder, r))) for r in range(ranks)))
+        self._written: dict[bytes, set[int]] = {}  # several ranks: the ranks that wrote a block not yet whole
         self.pending: set[bytes] = set()  # sent to the worker to save, not yet reported written
         self._saved_upto: dict[str, int] = {}  # per request: blocks already considered for saving
         self._loads: list[tuple[int, bytes]] = []  # this step's, until build_connector_meta
@@ -158,12 +189,23 @@ class OffloadConnector:
         self.first_loaded_block.clear()
         if output is None:
             return
-        for h in output.saved:
-            self.pending.discard(h)
-            self.available.add(h)
         for h in output.dropped:
             self.available.discard(h)
             self.pending.discard(h)
+            self._written.pop(h, None)
+        if output.saved_by_rank is None:
+            for h in output.saved:
+                self.pending.discard(h)
+                self.available.add(h)
+            return
+        for rank, saved in enumerate(output.saved_by_rank):
+            for h in saved:
+                ranks = self._written.setdefault(h, set())
+                ranks.add(rank)
+                if len(ranks) == self.ranks:
+                    del self._written[h]
+                    self.pending.discard(h)
+                    self.available.add(h)
 
     def overdue(self) -> None:
         """Nothing: the tier's writes report themselves, and loads run in the step."""

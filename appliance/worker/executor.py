@@ -238,13 +238,36 @@ def _core_ranks(deployment: Any, tp_rank: int, segments: Optional[dict[str, str]
                            experts=TorchDistributedComm(cores, across[tp_rank]))
 
 
+@dataclass(frozen=True)
+class RankError:
+    """How a step failed on a rank: its traceback; whether the step's
+    requests are not to blame and are recomputed (``retry_requests``, as a
+    KV tier's unreadable block); what its KV connector finished before it
+    failed."""
+
+    traceback: str
+    retry_requests: bool = False
+    kv_connector_output: Any = None
+
+
+class StepFailed(RuntimeError):
+    """A step that failed on every rank from some pipeline stage on (see
+    ``combine_replies``), with what the engine core applies of it."""
+
+    def __init__(self, message: str, retry_requests: bool, kv_connector_output: Any):
+        super().__init__(message)
+        self.retry_requests, self.kv_connector_output = retry_requests, kv_connector_output
+
+
 def run_step(runner: Any, sched_out: Any) -> tuple:
     """One step on this rank, as the executors' replies: ("ok", output, None)
-    or ("error", message, traceback)."""
+    or ("error", message, RankError)."""
     try:
         return "ok", runner.execute(sched_out), None
     except Exception as e:
-        return "error", f"{type(e).__name__}: {e}", traceback.format_exc()
+        return "error", f"{type(e).__name__}: {e}", RankError(traceback.format_exc(),
+                                                              getattr(e, "retry_requests", False),
+                                                              getattr(e, "kv_connector_output", None))
 
 
 def leave_group() -> None:
@@ -261,12 +284,17 @@ def combine_replies(replies: list[tuple], dead: Callable[[str], Any], tp_size: i
     ``dead(why)`` (it raises EngineDeadError) when some of a stage's ranks
     failed and others did not, when a stage failed and a later one did not
     (a failed stage hands its failure on), or when ranks sampled different
-    tokens; RuntimeError when the step failed on every rank of some stages
-    and so of every stage after them (the same inputs fail the same way:
-    an ordinary failed step; the earlier stages' part of it is recomputed
-    with the rest)."""
+    tokens; ``StepFailed`` when the step failed on every rank of some
+    stages and so of every stage after them (the same inputs fail the same
+    way: an ordinary failed step; the earlier stages' part of it is
+    recomputed with the rest). What every rank's KV connector finished goes
+    with the output, or the failure, as one report (``merge_rank_outputs``)."""
+    from appliance.engine.kv_connector import merge_rank_outputs
+
     stages = [replies[s : s + tp_size] for s in range(0, len(replies), tp_size)]
     failed = [[kind == "error" for kind, _, _ in stage] for stage in stages]
+    report = merge_rank_outputs([getattr(out if kind == "ok" else detail, "kv_connector_output", None)
+                                 for kind, out, detail in replies])
     for s, ranks in enumerate(failed):
         if any(ranks) and not all(ranks):
             rank = s * tp_size + ranks.index(True)
@@ -278,12 +306,14 @@ def combine_replies(replies: list[tuple], dead: Callable[[str], Any], tp_size: i
         if failed_stages != list(range(first, len(stages))):
             dead(f"pipeline stage {first} failed the step but a later stage ran it")
         log.error("the step failed on every rank from pipeline stage %d on; rank %d:\n%s", first,
-                  first * tp_size, replies[first * tp_size][2])
-        raise RuntimeError(replies[first * tp_size][1])
+                  first * tp_size, replies[first * tp_size][2].traceback)
+        raise StepFailed(replies[first * tp_size][1],
+                         any(detail.retry_requests for kind, _, detail in replies if kind == "error"), report)
     outs, first = [out for _, out, _ in stages[-1]], len(replies) - tp_size
     for rank, out in enumerate(outs[1:], first + 1):
         if out.sampled_token_ids != outs[0].sampled_token_ids:
             dead(f"tensor-parallel rank {rank} sampled other tokens than rank {first}")
+    outs[0].kv_connector_output = report
     return outs[0]
 
 
@@ -451,4 +481,7 @@ def _stop(procs: list, conns: list, sentinels: list, segments: Optional[dict[str
 
 
 if __name__ == "__main__":
-    _worker(Connection(int(sys.argv[1])))
+    # through the module's own name, so what a rank pickles back (RankError) names it, not __main__
+    from appliance.worker.executor import _worker as worker
+
+    worker(Connection(int(sys.argv[1])))

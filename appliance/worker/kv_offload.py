@@ -24,7 +24,7 @@ import struct
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -44,8 +44,13 @@ class KVLoadError(RuntimeError):
 
 
 class OffloadWorker:
-    def __init__(self, folder: Path, max_bytes: int):
-        self.folder, self.max_bytes = Path(folder), max_bytes
+    """A rank's tier folder (see the module docstring). ``agree(failed)``:
+    with tensor-parallel ranks, whether any rank of this one's pipeline
+    stage failed its loads of the step (an all-reduce), so that all of them
+    fail the step or none does."""
+
+    def __init__(self, folder: Path, max_bytes: int, agree: Optional[Callable[[bool], bool]] = None):
+        self.folder, self.max_bytes, self.agree = Path(folder), max_bytes, agree
         self.folder.mkdir(parents=True, exist_ok=True)
         self._lru: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, least recently used first
         for h in stored_hashes(self.folder):
@@ -73,9 +78,21 @@ class OffloadWorker:
     def start_load_kv(self, meta: Optional[OffloadMetadata], kv_caches: list[torch.Tensor]) -> None:
         """The step's loads into their blocks of every layer's cache; a file
         that cannot be read raises KVLoadError (the step fails, its requests
-        are recomputed) and leaves the tier."""
+        are recomputed) and leaves the tier; so does a file another rank of
+        the stage could not read (``agree``)."""
         if meta is None or not meta.loads:
             return
+        failed = None
+        try:
+            self._load(meta, kv_caches)
+        except KVLoadError as e:
+            failed = e
+        if self.agree is not None and self.agree(failed is not None) and failed is None:
+            raise KVLoadError("another rank could not read its part of a KV tier block of this step")
+        if failed is not None:
+            raise failed
+
+    def _load(self, meta: OffloadMetadata, kv_caches: list[torch.Tensor]) -> None:
         like = torch.stack([c[:, 0] for c in kv_caches])  # one block's shape and dtype
         expected = self._header(like)
         nbytes = like.numel() * like.element_size()

@@ -293,11 +293,11 @@ class ModelRunner:
         )
         for i, s in enumerate(states):
             s.num_computed_tokens = int(seq_lens[i])
-        if logits is None:  # a pipeline stage before the last: its rows went on, the last stage samples
-            return out
-        if connector is not None:
+        if connector is not None:  # every stage saves its layers' part
             connector.save(so.kv_connector_metadata, self.kv_caches)
             out.kv_connector_output = connector.get_finished()
+        if logits is None:  # a pipeline stage before the last: its rows went on, the last stage samples
+            return out
         eplb = getattr(self.model, "eplb", None)
         if eplb is not None:
             out.expert_stats = eplb.stats()

@@ -195,13 +195,13 @@ def test_an_abort_while_in_flight():
 
 def test_the_ranks_replies_combine_by_stage():
     from appliance.engine.core import EngineDeadError
-    from appliance.worker.executor import combine_replies
+    from appliance.worker.executor import RankError, combine_replies
 
     def dead(why):
         raise EngineDeadError(why)
 
     ok, sampled = ("ok", _Out({}), None), ("ok", _Out({"a": [3]}), None)
-    err = ("error", "RuntimeError: boom", "traceback")
+    err = ("error", "RuntimeError: boom", RankError("traceback"))
     # tp2 x pp2: the last stage's first rank's output; the first stage sampled nothing
     assert combine_replies([ok, ok, sampled, sampled], dead, tp_size=2).sampled_token_ids == {"a": [3]}
     with pytest.raises(EngineDeadError, match="rank 3 sampled other tokens than rank 2"):
@@ -215,6 +215,34 @@ def test_the_ranks_replies_combine_by_stage():
         combine_replies([ok, err, err, err], dead, tp_size=2)
     with pytest.raises(EngineDeadError, match="stage 0 failed the step but a later stage ran it"):
         combine_replies([err, ok], dead, tp_size=1)
+
+
+def test_the_ranks_kv_tier_reports_combine():
+    """Each rank's offload-tier report kept apart by rank, its dropped blocks
+    together; a failed step carries them, and whether its requests are to
+    be recomputed (a tier block a rank could not read)."""
+    from appliance.engine.core import EngineDeadError
+    from appliance.engine.kv_connector import KVConnectorOutput
+    from appliance.worker.executor import RankError, StepFailed, combine_replies
+
+    def dead(why):
+        raise EngineDeadError(why)
+
+    def out(saved, dropped=()):
+        o = _Out({})
+        o.kv_connector_output = KVConnectorOutput(saved=list(saved), dropped=list(dropped))
+        return o
+
+    got = combine_replies([("ok", out([b"a"]), None), ("ok", out([b"a", b"b"], [b"c"]), None)], dead, tp_size=2)
+    assert got.kv_connector_output.saved_by_rank == [[b"a"], [b"a", b"b"]]
+    assert got.kv_connector_output.dropped == [b"c"]
+    assert combine_replies([("ok", _Out({}), None)] * 2, dead, tp_size=2).kv_connector_output is None
+    lost = RankError("traceback", retry_requests=True, kv_connector_output=KVConnectorOutput(dropped=[b"d"]))
+    with pytest.raises(StepFailed) as e:
+        combine_replies([("ok", out([b"e"]), None), ("error", "KVLoadError: unreadable", lost)], dead, tp_size=1)
+    assert e.value.retry_requests and "unreadable" in str(e.value)
+    assert e.value.kv_connector_output.saved_by_rank == [[b"e"], []]
+    assert e.value.kv_connector_output.dropped == [b"d"]
 
 
 def test_the_latency_objective_observes_only_steps_that_ran_alone():
