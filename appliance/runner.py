@@ -168,6 +168,8 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
 
     cfg = deployment.cfg
     place_data_parallel_rank(deployment)
+    if cfg.kv_transfer.connector == "p2p" and deployment.kv_engine_id is None:  # one id for all its ranks
+        deployment = replace(deployment, kv_engine_id=uuid.uuid4().hex)
     if deployment.layout.executor in ("mp", "ray"):
         from appliance.models.loader import load_tokenizer
 
@@ -224,41 +226,53 @@ def _kv_connector(deployment: Deployment, runner: Any) -> Optional[tuple[Any, An
     """The KV connector's (scheduler side, worker side) (``kv_transfer``), or
     None: an offload tier in a folder of its own per model and KV layout, or
     disaggregated prefill's ZeroMQ/TCP transfers between engines of one KV
-    layout (validation keeps these to one rank in this process, so
-    ``runner`` is the ModelRunner whose caches they fill). With the core's
-    ranks in workers (``mp``, ``ray``) only the tier runs: its scheduler
-    side here, each rank's worker side in that rank (``build_rank_runner``),
-    so the worker side here is None. Data-parallel core ``r`` of ``n`` has
-    its own: a producer listens on ``p2p.port + r``; a tier keeps
-    ``core<r>`` under the folder and ``offload.max_gib / n`` of it (split
-    again over its ranks)."""
+    layout. With the model in this process ``runner`` is the ModelRunner
+    whose caches they fill; with the core's ranks in workers (``mp``) the
+    scheduler side is here and each rank's worker side in that rank
+    (``build_rank_runner``; None here). Data-parallel core ``r`` has its
+    own: a producer listens on ``_p2p_port`` (``p2p.port + r``, times its
+    ranks); a tier keeps ``core<r>`` under the folder and ``offload.max_gib
+    / n`` of it (split again over its ranks)."""
     kt, cfg = deployment.cfg.kv_transfer, deployment.cfg
     if kt.connector is None:
         return None
-    if deployment.layout.executor in ("mp", "ray"):  # the offload tier: each rank's worker side is its own
-        from appliance.engine.kv_connector import OffloadConnector
-
-        return OffloadConnector(_tier_folder(deployment, _ranks_kv_layout(deployment)), cfg.cache.block_size,
-                                ranks=deployment.layout.ranks_per_engine), None
-    layout = _kv_layout(deployment, runner.kv_caches)
-    rank = deployment.data_parallel_rank
+    ranks = deployment.layout.ranks_per_engine if deployment.layout.executor in ("mp", "ray") else None
     if kt.connector == "p2p":
-        from appliance.engine.kv_connector import layout_key
         from appliance.engine.kv_p2p import P2PConnector
-        from appliance.worker.kv_p2p import P2PWorker
 
-        p, engine_id = kt.p2p, uuid.uuid4().hex
-        try:
-            worker = P2PWorker(kt.role, engine_id, layout_key(layout), p.bind_host, p.port + rank, p.timeout_s)
-        except OSError as e:
-            raise ConfigError(str(e)) from None
+        p = kt.p2p
+        worker = None if ranks is not None else _p2p_worker(deployment, _kv_layout(deployment, runner.kv_caches))
         # at most half the pool waits for consumers: a flood of unfetched prefills cannot take it all
-        return P2PConnector(kt.role, engine_id, p.host or p.bind_host, p.port + rank, cfg.cache.block_size,
-                            p.timeout_s, deployment.num_kv_blocks // 2), worker
+        return P2PConnector(kt.role, deployment.kv_engine_id, p.host or p.bind_host, _p2p_port(deployment),
+                            cfg.cache.block_size, p.timeout_s, deployment.num_kv_blocks // 2, ranks or 1), worker
     from appliance.engine.kv_connector import OffloadConnector
 
-    folder = _tier_folder(deployment, layout)
+    if ranks is not None:
+        return OffloadConnector(_tier_folder(deployment, _ranks_kv_layout(deployment)), cfg.cache.block_size,
+                                ranks=ranks), None
+    folder = _tier_folder(deployment, _kv_layout(deployment, runner.kv_caches))
     return OffloadConnector(folder, cfg.cache.block_size), _offload_worker(deployment, folder)
+
+
+def _p2p_port(deployment: Deployment) -> int:
+    """Where this engine core's producer listens (its first rank; rank k at + k)."""
+    lay = deployment.layout
+    ranks = lay.ranks_per_engine if lay.executor in ("mp", "ray") else 1
+    return deployment.cfg.kv_transfer.p2p.port + deployment.data_parallel_rank * ranks
+
+
+def _p2p_worker(deployment: Deployment, layout: dict[str, Any], rank: int = 0) -> Any:
+    """Rank ``rank``'s side of disaggregated prefill: a producer's server on
+    ``_p2p_port + rank``, a consumer's pulls from a producer's rank ``rank``."""
+    from appliance.engine.kv_connector import layout_key
+    from appliance.worker.kv_p2p import P2PWorker
+
+    p = deployment.cfg.kv_transfer.p2p
+    try:
+        return P2PWorker(deployment.cfg.kv_transfer.role, deployment.kv_engine_id, layout_key(layout), p.bind_host,
+                         _p2p_port(deployment) + rank, p.timeout_s, peer_offset=rank)
+    except OSError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _tier_folder(deployment: Deployment, layout: dict[str, Any]) -> Path:
@@ -437,6 +451,8 @@ def build_rank_runner(deployment: Deployment, rank: int, comms: Any) -> Any:
     runner = _model_runner(deployment, tp, pp, ep)[0]
     if cfg.kv_transfer.connector == "offload":
         runner.kv_connector = _ranks_offload(deployment, rank, comms)
+    elif cfg.kv_transfer.connector == "p2p":
+        runner.kv_connector = _p2p_worker(deployment, _ranks_kv_layout(deployment), rank)
     if layout.experts_across_cores:
         from appliance.worker.lockstep import LockstepRunner
 

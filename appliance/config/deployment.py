@@ -83,6 +83,8 @@ class Deployment:
     # their ranks exchange their sparse layers' tokens, made by the front end
     # for each generation of cores (None otherwise).
     expert_group: Optional[ExpertGroupAddress] = None
+    # disaggregated prefill (kv_transfer=p2p): this engine's id, the same on all its ranks (made as it is built)
+    kv_engine_id: Optional[str] = None
 
     @property
     def cfg(self) -> ApplianceConfig:

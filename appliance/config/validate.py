@@ -235,15 +235,11 @@ def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
                 if getattr(p2p, key) != getattr(defaults.p2p, key):
                     problems.append(f"kv_transfer.p2p.{key}={getattr(p2p, key)} has no effect with "
                                     f"kv_transfer.role=consumer (it fetches from the producers it is told of)")
-    ranks = par.tensor_parallel_size * par.pipeline_parallel_size
-    if kt.connector == "p2p" and (ranks > 1 or par.executor in ("mp", "ray")):
-        problems.append(f"kv_transfer.connector=p2p with {ranks} rank(s) per engine core on executor "
-                        f"{par.executor} is not built yet; it runs on one rank in each engine core's process "
-                        f"(data-parallel cores each have their own; parallel.executor=auto or uni)")
-    if kt.connector == "offload" and par.executor == "ray":
-        problems.append("kv_transfer.connector=offload on parallel.executor=ray is not built yet (each rank's part "
-                        "of the tier is on its node's disk, the engine core reads them on its own); use "
-                        "parallel.executor=mp or auto on one host")
+    if par.executor == "ray":
+        where = ("each rank's part of the tier is on its node's disk, the engine core reads them on its own"
+                 if kt.connector == "offload" else "each rank serves and pulls its part from its own node")
+        problems.append(f"kv_transfer.connector={kt.connector} on parallel.executor=ray is not built yet ({where}); "
+                        f"use parallel.executor=mp or auto on one host")
     if par.enable_expert_parallel and par.data_parallel_size > 1:
         problems.append(f"kv_transfer.connector={kt.connector} with expert parallelism across engine cores is not "
                         f"built yet (the cores step together; a step waiting for remote KV would hold them all)")

@@ -59,22 +59,37 @@ class KVConnectorOutput:
     finished_recving: list[str] = field(default_factory=list)
     failed_recving: list[str] = field(default_factory=list)
     finished_sending: list[str] = field(default_factory=list)
-    # an engine core of several ranks: each rank's ``saved`` (by rank), set by ``merge_rank_outputs``
-    saved_by_rank: Optional[list[list[bytes]]] = None
+    # an engine core of several ranks: each rank's report (world rank order), set by ``merge_rank_outputs``;
+    # the connector's ``combine_ranks`` makes the whole report of it
+    by_rank: Optional[list[KVConnectorOutput]] = None
 
 
 def merge_rank_outputs(outputs: list[Optional[KVConnectorOutput]]) -> Optional[KVConnectorOutput]:
     """One report of an engine core's ranks' (world rank order; None: a rank
-    with no connector output this step): each rank's saved hashes kept
-    apart (a block is in an offload tier once every rank's part is), the
-    dropped ones together (a block one rank lost is lost). Only the offload
-    tier runs over several ranks."""
+    with no connector output this step), each rank's kept apart."""
     if all(o is None for o in outputs):
         return None
-    if any(o is not None and (o.finished_recving or o.failed_recving or o.finished_sending) for o in outputs):
-        raise ValueError("disaggregated prefill's transfers run on one rank")
-    return KVConnectorOutput(saved_by_rank=[list(o.saved) if o is not None else [] for o in outputs],
-                             dropped=sorted({h for o in outputs if o is not None for h in o.dropped}))
+    return KVConnectorOutput(by_rank=[o if o is not None else KVConnectorOutput() for o in outputs])
+
+
+class RankTally:
+    """Which of ``ranks`` ranks reported each key (a block written, a
+    transfer ended): ``add`` says when the last one has."""
+
+    def __init__(self, ranks: int):
+        self.ranks = ranks
+        self._seen: dict[Any, set[int]] = {}
+
+    def add(self, key: Any, rank: int) -> bool:
+        seen = self._seen.setdefault(key, set())
+        seen.add(rank)
+        if len(seen) < self.ranks:
+            return False
+        del self._seen[key]
+        return True
+
+    def forget(self, key: Any) -> None:
+        self._seen.pop(key, None)
 
 
 def layout_key(layout: dict[str, Any]) -> str:
@@ -129,7 +144,7 @@ class OffloadConnector:
             self.available: set[bytes] = set(stored_hashes(folder))
         else:
             self.available = set.intersection(*(set(stored_hashes(rank_folder(folder, r))) for r in range(ranks)))
-        self._written: dict[bytes, set[int]] = {}  # several ranks: the ranks that wrote a block not yet whole
+        self._written = RankTally(ranks)  # several ranks: the ranks that wrote their part of a block
         self.pending: set[bytes] = set()  # sent to the worker to save, not yet reported written
         self._saved_upto: dict[str, int] = {}  # per request: blocks already considered for saving
         self._loads: list[tuple[int, bytes]] = []  # this step's, until build_connector_meta
@@ -189,23 +204,22 @@ class OffloadConnector:
         self.first_loaded_block.clear()
         if output is None:
             return
+        for h in output.saved:
+            self.pending.discard(h)
+            self.available.add(h)
         for h in output.dropped:
             self.available.discard(h)
             self.pending.discard(h)
-            self._written.pop(h, None)
-        if output.saved_by_rank is None:
-            for h in output.saved:
-                self.pending.discard(h)
-                self.available.add(h)
-            return
-        for rank, saved in enumerate(output.saved_by_rank):
-            for h in saved:
-                ranks = self._written.setdefault(h, set())
-                ranks.add(rank)
-                if len(ranks) == self.ranks:
-                    del self._written[h]
-                    self.pending.discard(h)
-                    self.available.add(h)
+
+    def combine_ranks(self, output: KVConnectorOutput) -> KVConnectorOutput:
+        """The whole report of the ranks' (``output.by_rank``): a block is
+        saved once every rank has written its part since any rank last
+        dropped it; a part any rank dropped drops the block."""
+        dropped = sorted({h for o in output.by_rank for h in o.dropped})
+        for h in dropped:
+            self._written.forget(h)
+        saved = [h for rank, o in enumerate(output.by_rank) for h in o.saved if self._written.add(h, rank)]
+        return KVConnectorOutput(saved=[h for h in saved if h not in dropped], dropped=dropped)
 
     def overdue(self) -> None:
         """Nothing: the tier's writes report themselves, and loads run in the step."""

@@ -36,7 +36,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from appliance.engine.kv_connector import KVConnectorOutput
+from appliance.engine.kv_connector import KVConnectorOutput, RankTally
 from appliance.engine.request import Request, RequestStatus
 
 log = logging.getLogger("appliance.kv_p2p")
@@ -164,8 +164,10 @@ class P2PConnector:
     GRACE_S = 30.0
 
     def __init__(self, role: str, engine_id: str, host: str, port: int, block_size: int, timeout_s: float,
-                 max_held_blocks: int):
-        self.role = role
+                 max_held_blocks: int, ranks: int = 1):
+        self.role, self.ranks = role, ranks
+        self._ended = RankTally(ranks)  # several ranks: which ranks ended a load or a transfer
+        self._failed_on: set[str] = set()  # loads some rank failed
         self.produces, self.consumes = role in ("producer", "both"), role in ("consumer", "both")
         self.engine_id, self.host, self.port = engine_id, host, port
         self.block_size, self.timeout_s, self.max_held_blocks = block_size, timeout_s, max_held_blocks
@@ -249,6 +251,23 @@ class P2PConnector:
             self.sending.pop(rid, None)
             self._deadlines.pop(rid, None)
 
+    def combine_ranks(self, output: KVConnectorOutput) -> KVConnectorOutput:
+        """The whole report of an engine core's ranks' (``output.by_rank``;
+        each rank moves its KV heads of its layers, from the producer's rank
+        of the same number): a load ends once every rank's part has ended,
+        failed if any part failed (so no rank still writes into blocks a
+        failed load gives back); a transfer ends once every rank's has."""
+        whole = KVConnectorOutput()
+        for rank, o in enumerate(output.by_rank):
+            self._failed_on.update(o.failed_recving)
+            for rid in [*o.finished_recving, *o.failed_recving]:
+                if self._ended.add(("recv", rid), rank):
+                    failed = rid in self._failed_on
+                    self._failed_on.discard(rid)
+                    (whole.failed_recving if failed else whole.finished_recving).append(rid)
+            whole.finished_sending += [rid for rid in o.finished_sending if self._ended.add(("send", rid), rank)]
+        return whole
+
     def overdue(self) -> Any:
         """A report of the loads and transfers the worker side should have
         ended by now (as failed loads and ended transfers), or None."""
@@ -256,6 +275,10 @@ class P2PConnector:
         late = [rid for rid, t in self._deadlines.items() if t <= now]
         if not late:
             return None
+        for rid in late:  # what some ranks reported of them is moot
+            self._ended.forget(("recv", rid))
+            self._ended.forget(("send", rid))
+            self._failed_on.discard(rid)
         log.error("KV transfers of %d request(s) had no word from the worker side past their timeout; ended", len(late))
         return KVConnectorOutput(failed_recving=[r for r in late if r in self.recving],
                                  finished_sending=[r for r in late if r in self.sending])

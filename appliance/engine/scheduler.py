@@ -355,6 +355,8 @@ class Scheduler:
             self._apply_connector_report(late)
 
     def _apply_connector_report(self, output: Any) -> None:
+        if getattr(output, "by_rank", None) is not None:  # an engine core's ranks each reported
+            output = self.connector.combine_ranks(output)
         for rid in getattr(output, "finished_recving", ()):
             req = self.requests.get(rid)
             if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:

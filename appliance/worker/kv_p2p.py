@@ -81,10 +81,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class P2PWorker:
-    def __init__(self, role: str, engine_id: str, layout: str, bind_host: str, port: int, timeout_s: float):
+    """One rank's transfers (see the module docstring). An engine core of
+    several ranks has one per rank: rank k listens on the core's port + k
+    and pulls from (and releases to) a producer's port + k, the producer's
+    rank of its number (``peer_offset``), so each moves its own KV heads
+    of its own layers."""
+
+    def __init__(self, role: str, engine_id: str, layout: str, bind_host: str, port: int, timeout_s: float,
+                 peer_offset: int = 0):
         import zmq
 
-        self.engine_id, self.layout, self.timeout_s = engine_id, layout, timeout_s
+        self.engine_id, self.layout, self.timeout_s, self.peer_offset = engine_id, layout, timeout_s, peer_offset
         self._ctx = zmq.Context()
         self._lock = threading.Lock()
         self._caches: Optional[list[torch.Tensor]] = None
@@ -130,7 +137,7 @@ class P2PWorker:
                 self._known.add(spec.request_id)
                 self._recvs.put(spec)
         for host, port, transfer in meta.releases:
-            self._recvs.put((host, port, transfer))
+            self._recvs.put((host, port + self.peer_offset, transfer))
 
     def save(self, meta: Optional[P2PMetadata], kv_caches: list[torch.Tensor]) -> None:
         """Nothing: a producer's blocks are read when their consumer asks."""
@@ -340,7 +347,7 @@ class P2PWorker:
 
         like = self._caches[0]
         payload = len(self._caches) * like[:, 0].numel() * like.element_size() * len(spec.block_ids)
-        sock = self._socket(spec.host, spec.port, payload + MAX_MESSAGE)
+        sock = self._socket(spec.host, spec.port + self.peer_offset, payload + MAX_MESSAGE)
         sock.send_multipart(flags=zmq.NOBLOCK, msg_parts=[b"pull", msgspec.msgpack.encode({
             "transfer": spec.transfer_id, "engine": spec.engine_id, "layout": self.layout,
             "first": spec.first_block, "count": len(spec.block_ids), "tokens": spec.num_tokens})])

@@ -380,7 +380,8 @@ def test_kv_transfer_params_need_the_p2p_connector():
      "kv_transfer.p2p.port=9000 has no effect with kv_transfer.role=consumer"),
     (["kv_transfer=p2p", "kv_transfer.offload.max_gib=2"], "kv_transfer.offload.max_gib=2.0 has no effect without "
                                                            "kv_transfer.connector=offload"),
-    (["kv_transfer=p2p", "parallel=tp3"], "kv_transfer.connector=p2p with 3 rank(s)"),
+    (["kv_transfer=p2p", "parallel=tp3", "parallel.executor=ray"],
+     "kv_transfer.connector=p2p on parallel.executor=ray is not built yet"),
     (["kv_transfer=p2p", "kv_transfer.p2p.bind_host=0.0.0.0"], "consumers need an address to reach this producer"),
     (["kv_transfer=p2p", "speculative=draft_model"], "speculative=draft_model would draft from stale KV"),
     (["kv_transfer.p2p.timeout_s=5"], "kv_transfer.p2p.timeout_s=5.0 has no effect without kv_transfer.connector=p2p"),
@@ -435,3 +436,21 @@ def test_a_port_in_use_is_a_clear_error():
     LLM(overrides=_producer_on)
     with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
         LLM(overrides=_producer_on)
+
+
+def test_a_load_over_ranks_ends_when_every_rank_has():
+    """P2PConnector(ranks=2): a load is finished when both ranks' parts are
+    in, failed once both ended and either failed (never while a rank may
+    still write into the blocks); a transfer ends when both ranks' have."""
+    from appliance.engine.kv_connector import KVConnectorOutput, merge_rank_outputs
+    from appliance.engine.kv_p2p import P2PConnector
+
+    c = P2PConnector("both", "e", "127.0.0.1", 9000, 16, 5.0, 100, ranks=2)
+
+    def whole(*per_rank):
+        return c.combine_ranks(merge_rank_outputs([KVConnectorOutput(**o) for o in per_rank]))
+
+    got = whole({"finished_recving": ["a"], "failed_recving": ["b"], "finished_sending": ["s"]}, {})
+    assert (got.finished_recving, got.failed_recving, got.finished_sending) == ([], [], [])
+    got = whole({}, {"finished_recving": ["a", "b"], "finished_sending": ["s"]})
+    assert (got.finished_recving, got.failed_recving, got.finished_sending) == (["a"], ["b"], ["s"])

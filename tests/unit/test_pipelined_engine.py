@@ -218,9 +218,9 @@ def test_the_ranks_replies_combine_by_stage():
 
 
 def test_the_ranks_kv_tier_reports_combine():
-    """Each rank's offload-tier report kept apart by rank, its dropped blocks
-    together; a failed step carries them, and whether its requests are to
-    be recomputed (a tier block a rank could not read)."""
+    """Each rank's KV connector report kept apart by rank; a failed step
+    carries them, and whether its requests are to be recomputed (a tier
+    block a rank could not read)."""
     from appliance.engine.core import EngineDeadError
     from appliance.engine.kv_connector import KVConnectorOutput
     from appliance.worker.executor import RankError, StepFailed, combine_replies
@@ -234,15 +234,13 @@ def test_the_ranks_kv_tier_reports_combine():
         return o
 
     got = combine_replies([("ok", out([b"a"]), None), ("ok", out([b"a", b"b"], [b"c"]), None)], dead, tp_size=2)
-    assert got.kv_connector_output.saved_by_rank == [[b"a"], [b"a", b"b"]]
-    assert got.kv_connector_output.dropped == [b"c"]
+    assert [(o.saved, o.dropped) for o in got.kv_connector_output.by_rank] == [([b"a"], []), ([b"a", b"b"], [b"c"])]
     assert combine_replies([("ok", _Out({}), None)] * 2, dead, tp_size=2).kv_connector_output is None
     lost = RankError("traceback", retry_requests=True, kv_connector_output=KVConnectorOutput(dropped=[b"d"]))
     with pytest.raises(StepFailed) as e:
         combine_replies([("ok", out([b"e"]), None), ("error", "KVLoadError: unreadable", lost)], dead, tp_size=1)
     assert e.value.retry_requests and "unreadable" in str(e.value)
-    assert e.value.kv_connector_output.saved_by_rank == [[b"e"], []]
-    assert e.value.kv_connector_output.dropped == [b"d"]
+    assert [(o.saved, o.dropped) for o in e.value.kv_connector_output.by_rank] == [([b"e"], []), ([], [b"d"])]
 
 
 def test_the_latency_objective_observes_only_steps_that_ran_alone():
