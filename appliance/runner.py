@@ -619,11 +619,11 @@ def expert_group_address(deployment: Deployment, world_size: int) -> ExpertGroup
     from appliance.worker.executor import collectives, free_port
 
     in_workers = deployment.layout.executor == "mp"  # the cores' ranks exchange, not the cores
-    tp = deployment.layout.tensor_parallel_size
     if collectives(deployment, world_size) == "shm":
         from appliance.kernels.shm_comm import create_segment
 
         return ExpertGroupAddress(create_segment(world_size),
-                                  tuple(create_segment(world_size) for _ in range(tp)) if in_workers else ())
+                                  tuple(create_segment(world_size) for _ in range(deployment.layout.ranks_per_engine))
+                                  if in_workers else ())
     return ExpertGroupAddress(f"tcp://127.0.0.1:{free_port()}",
                               (f"tcp://127.0.0.1:{free_port()}",) if in_workers else ())

@@ -55,9 +55,9 @@ class ExpertGroupAddress:
     the cores' own group (each core's agreement to step and, with one rank
     per core in its process, its sparse layers' exchanges); with the cores'
     ranks in worker processes (executor ``mp``), ``ranks``, where those
-    exchange: a shared-memory segment per tensor-parallel index (that
-    index's rank of every core), or one torch.distributed address for every
-    core's ranks. A segment is a file
+    exchange: a shared-memory segment per rank of a core (stage x tp + tp
+    rank: that rank of every core), or one torch.distributed address for
+    every core's ranks. A segment is a file
     path, an address ``tcp://host:port``."""
 
     cores: str

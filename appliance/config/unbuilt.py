@@ -20,11 +20,9 @@ def not_built(cfg: ApplianceConfig) -> list[str]:
     par, cache, q = cfg.parallel, cfg.cache, cfg.quantization
     layout = (f"tp x pp x dp = {par.tensor_parallel_size} x {par.pipeline_parallel_size} x {par.data_parallel_size}"
               f"{', expert parallel' if par.enable_expert_parallel else ''}")
-    if par.enable_expert_parallel and par.data_parallel_size > 1 and (
-            par.pipeline_parallel_size > 1 or par.executor == "ray"):
+    if par.enable_expert_parallel and par.data_parallel_size > 1 and par.executor == "ray":
         out.append(f"parallel execution ({layout}): expert parallelism across data-parallel engine cores is built "
-                   f"for cores of one rank or of tensor-parallel ranks (e.g. parallel=dp2_ep, dp8_ep); with "
-                   f"pipeline parallelism inside the cores, or on Ray, it is not built yet")
+                   f"on the uni and mp executors (e.g. parallel=dp2_ep, dp8_ep); on Ray it is not built yet")
     if q.method not in RUNNABLE_QUANTIZATION:
         out.append(f"quantization={q.method} can be planned but its weight kernels are not built yet; serve with "
                    f"quantization=none (or int4_wo / int8_wo on a CPU)")

@@ -163,7 +163,8 @@ class StepRunner(Protocol):
     """The model side of a step (``worker.model_runner.ModelRunner``).
 
     A runner over pipeline stages (``worker.executor``) also has
-    ``max_batches_in_flight`` (one per stage), ``submit(sched_out)`` and
+    ``num_stages``, ``max_batches_in_flight`` (one per stage, unless the
+    steps must pair up with other cores'), ``submit(sched_out)`` and
     ``collect()`` (the oldest submitted step's output): the core keeps
     that many steps in flight so the stages overlap."""
 
@@ -214,7 +215,8 @@ class EngineCore:
         self._in_flight: collections.deque[SchedulerOutput] = collections.deque()
         self._carried = SchedulerOutput()  # ids an empty step left for the next one the runner sees
         self._ran_alone_from: Optional[float] = None  # when the only step in flight was submitted, if it still is
-        scheduler.send_token_ids = self.max_in_flight > 1  # only the last pipeline stage samples
+        # only the last pipeline stage samples: the others learn the tokens from the scheduler
+        scheduler.send_token_ids = getattr(runner, "num_stages", 1) > 1
 
     def add_request(
         self,

@@ -48,7 +48,7 @@ import sys
 import time
 import traceback
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional
 
@@ -163,10 +163,7 @@ def init_rank(deployment: Any, build_rank: BuildRank, rank: int, world_size: int
     CPUs, NCCL on CUDA, a group per pipeline stage and per hand-off between
     stages), then build its model
     runner with its ``RankCollectives``."""
-    import datetime
-
     import torch
-    import torch.distributed as dist
 
     local_rank = rank if local_rank is None else local_rank
     local_world_size = world_size if local_world_size is None else local_world_size
@@ -179,9 +176,15 @@ def init_rank(deployment: Any, build_rank: BuildRank, rank: int, world_size: int
     tp, pp = deployment.layout.tensor_parallel_size, deployment.layout.pipeline_parallel_size
     stage, tp_rank = rank_position(rank, tp)
     sends = stage < pp - 1 and tp_rank == 0
+    cores = None  # expert parallelism across data-parallel cores: (how many, which, where their ranks meet)
     if deployment.layout.experts_across_cores:
-        return build_rank(deployment, rank, _core_ranks(deployment, tp_rank, segments, backend, timeout_s))
-    if segments is not None:
+        if deployment.expert_group is None or not deployment.expert_group.ranks:
+            raise RuntimeError("expert parallelism across engine cores with their ranks in worker processes needs "
+                               "the ranks' addresses the front end makes (Deployment.expert_group.ranks)")
+        cores = (deployment.layout.data_parallel_size, deployment.data_parallel_rank, deployment.expert_group.ranks)
+    if cores is not None and cores[2][0].startswith("tcp://"):  # one world of every core's ranks
+        comms = _torch_comms(backend, cores[2][0], tp, pp, stage, tp_rank, timeout_s, cores[:2])
+    elif segments is not None or (cores is not None and tp * pp == 1):  # one rank: no segments of its core
         from appliance.kernels.shm_comm import ShmComm
 
         def link(s: int, member: int) -> tuple[Any, int]:
@@ -190,52 +193,48 @@ def init_rank(deployment: Any, build_rank: BuildRank, rank: int, world_size: int
         comms = RankCollectives(tp=ShmComm(segments[f"tp{stage}"], tp_rank, tp, timeout_s) if tp > 1 else None,
                                 receive=link(stage - 1, 1 + tp_rank) if stage > 0 else None,
                                 send=link(stage, 0) if sends else None)
+        if cores is not None:  # this rank's peers in the other cores: a segment per stage and tensor-parallel index
+            comms = replace(comms, experts=ShmComm(cores[2][stage * tp + tp_rank], cores[1], cores[0],
+                                                               timeout_s))
+    elif cores is not None:
+        raise RuntimeError("the cores' ranks meet over shared memory but this core's ranks do not")
     else:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        # every rank makes every group, in one order
-        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)] if pp > 1 else [None]
-        links = [dist.new_group(link_ranks(s, tp)) for s in range(pp - 1)]
-        comms = RankCollectives(
-            tp=TorchDistributedComm(tp, groups[stage]) if tp > 1 else None,
-            receive=(TorchDistributedComm(tp + 1, links[stage - 1]), (stage - 1) * tp) if stage > 0 else None,
-            send=(TorchDistributedComm(tp + 1, links[stage]), stage * tp) if sends else None)
+        comms = _torch_comms(backend, init_method, tp, pp, stage, tp_rank, timeout_s)
     return build_rank(deployment, rank, comms)
 
 
-def _core_ranks(deployment: Any, tp_rank: int, segments: Optional[dict[str, str]], backend: str,
-                timeout_s: float) -> RankCollectives:
-    """Rank ``tp_rank``'s collectives when the data-parallel engine cores
-    split the experts (one stage): its core's tensor-parallel ranks (the
-    ``tp0`` segment, or a torch.distributed group) and its peers in the other
-    cores (``deployment.expert_group.ranks``: a segment per tensor-parallel
-    index, or one torch.distributed world of every core's ranks, rank =
-    core x tp + tp rank, with a group per core and per tensor-parallel
-    index)."""
-    tp, cores, core = (deployment.layout.tensor_parallel_size, deployment.layout.data_parallel_size,
-                       deployment.data_parallel_rank)
-    address = deployment.expert_group
-    if address is None or not address.ranks:
-        raise RuntimeError("expert parallelism across engine cores with their ranks in worker processes needs the "
-                           "ranks' addresses the front end makes (Deployment.expert_group.ranks)")
-    if not address.ranks[0].startswith("tcp://"):
-        from appliance.kernels.shm_comm import ShmComm
-
-        if tp > 1 and segments is None:
-            raise RuntimeError("the cores' ranks meet over shared memory but this core's ranks do not")
-        return RankCollectives(tp=ShmComm(segments["tp0"], tp_rank, tp, timeout_s) if tp > 1 else None,
-                               experts=ShmComm(address.ranks[tp_rank], core, cores, timeout_s))
+def _torch_comms(backend: str, init_method: str, tp: int, pp: int, stage: int, tp_rank: int, timeout_s: float,
+                 cores: tuple[int, int] = (1, 0)) -> RankCollectives:
+    """A rank's collectives over torch.distributed at ``init_method``: a
+    group per pipeline stage's tensor-parallel ranks and per hand-off
+    between stages. With ``cores`` (how many data-parallel engine cores,
+    which is this rank's) that split the experts, one world of every core's
+    ranks (world rank = core x tp x pp + rank in the core), every core's
+    groups, and a group per stage and tensor-parallel index across the
+    cores (``RankCollectives.experts``)."""
     import datetime
 
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=address.ranks[0], rank=core * tp + tp_rank,
-                            world_size=cores * tp, timeout=datetime.timedelta(seconds=timeout_s))
+    n, (num_cores, core) = tp * pp, cores
+    base = core * n
+    dist.init_process_group(backend, init_method=init_method, rank=base + stage * tp + tp_rank,
+                            world_size=num_cores * n, timeout=datetime.timedelta(seconds=timeout_s))
     # every rank makes every group, in one order
-    in_core = [dist.new_group(list(range(c * tp, (c + 1) * tp))) for c in range(cores)]
-    across = [dist.new_group(list(range(t, cores * tp, tp))) for t in range(tp)]
-    return RankCollectives(tp=TorchDistributedComm(tp, in_core[core]) if tp > 1 else None,
-                           experts=TorchDistributedComm(cores, across[tp_rank]))
+    if num_cores == 1 and pp == 1:
+        stages = [[None]]  # the whole world
+    else:
+        stages = [[dist.new_group([c * n + s * tp + t for t in range(tp)]) if tp > 1 else None for s in range(pp)]
+                  for c in range(num_cores)]
+    links = [[dist.new_group([c * n + r for r in link_ranks(s, tp)]) for s in range(pp - 1)] for c in range(num_cores)]
+    across = ([[dist.new_group([c * n + s * tp + t for c in range(num_cores)]) for t in range(tp)] for s in range(pp)]
+              if num_cores > 1 else None)
+    return RankCollectives(
+        tp=TorchDistributedComm(tp, stages[core][stage]) if tp > 1 else None,
+        receive=(TorchDistributedComm(tp + 1, links[core][stage - 1]), base + (stage - 1) * tp) if stage > 0 else None,
+        send=(TorchDistributedComm(tp + 1, links[core][stage]), base + stage * tp)
+        if stage < pp - 1 and tp_rank == 0 else None,
+        experts=TorchDistributedComm(num_cores, across[stage][tp_rank]) if across is not None else None)
 
 
 @dataclass(frozen=True)
@@ -304,7 +303,7 @@ def combine_replies(replies: list[tuple], dead: Callable[[str], Any], tp_size: i
     if failed_stages:
         first = failed_stages[0]
         if failed_stages != list(range(first, len(stages))):
-            dead(f"pipeline stage {first} failed the step but a later stage ran it")
+            dead(f"pipeline stage {first} failed the step ({replies[first * tp_size][1]}) but a later stage ran it")
         log.error("the step failed on every rank from pipeline stage %d on; rank %d:\n%s", first,
                   first * tp_size, replies[first * tp_size][2].traceback)
         raise StepFailed(replies[first * tp_size][1],
@@ -379,6 +378,11 @@ class MultiprocExecutor:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages (only the last one's ranks sample)."""
+        return self._pp_size
 
     @property
     def max_batches_in_flight(self) -> int:

@@ -57,6 +57,8 @@ class LockstepRunner:
     executor over the core's tensor-parallel ranks, each of which runs its
     ``ModelRunner`` in a ``LockstepRunner`` of its own."""
 
+    max_batches_in_flight = 1  # the cores' steps pair up one by one, through every pipeline stage
+
     def __init__(self, runner: Any):
         self.runner = runner
         self.in_process = hasattr(runner, "model")

@@ -181,6 +181,10 @@ class RayExecutor:
         return [results[r] for r in range(len(refs))]
 
     @property
+    def num_stages(self) -> int:
+        return self._pp_size
+
+    @property
     def max_batches_in_flight(self) -> int:
         """One step per pipeline stage (as the ``mp`` executor)."""
         return self._pp_size

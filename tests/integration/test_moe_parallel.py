@@ -186,26 +186,31 @@ def test_engine_cores_split_the_experts_over_gloo():
         s.stop()
 
 
-@pytest.mark.parametrize("tp,collectives", [(2, "shm"), (2, "gloo"), (1, "gloo")],
-                         ids=["tp2-shm", "tp2-gloo", "one-rank-in-a-worker-gloo"])
-def test_engine_cores_of_worker_ranks_split_the_experts(tp, collectives):
+@pytest.mark.parametrize("tp,pp,collectives", [(2, 1, "shm"), (2, 1, "gloo"), (1, 1, "gloo"), (1, 2, "shm"),
+                                                (2, 2, "gloo")],
+                         ids=["tp2-shm", "tp2-gloo", "one-rank-in-a-worker-gloo", "pp2-shm", "tp2-pp2-gloo"])
+def test_engine_cores_of_worker_ranks_split_the_experts(tp, pp, collectives):
     """dp2 x tp2 with expert parallelism: four ranks of two cores hold two
     experts each (three with the load balancer's redundant slots, which it
     moves between every core's ranks); each core attends over its two ranks
     to its own requests, and an idle core's ranks join the exchanges; the
     answers are one core's. The same with each core's one rank in a worker
-    process (parallel.executor=mp). Over shared memory a killed core brings
-    both back, their ranks on fresh segments."""
+    process (parallel.executor=mp), and with two pipeline stages in each
+    core (each stage's ranks split that stage's layers' experts with the
+    other cores' ranks of that stage; a step goes through both stages
+    before the next, so the cores' steps pair up). Over shared memory a
+    killed core brings both back, their ranks on fresh segments."""
     from tests.integration.server_helpers import ServerProcess
 
     ref = one_core_texts(TINY_MOE, PROMPTS)
     s = ServerProcess(*TINY_MOE[1:], "parallel=dp2_ep", f"parallel.tensor_parallel_size={tp}",
-                      "parallel.executor=mp", f"parallel.cpu_collectives={collectives}",
+                      f"parallel.pipeline_parallel_size={pp}", "parallel.executor=mp",
+                      f"parallel.cpu_collectives={collectives}",
                       "server.core_restart_backoff_s=0.5", "parallel.eplb.enabled=true",
                       "parallel.eplb.num_redundant_experts=4", "parallel.eplb.step_interval=5",
                       "parallel.eplb.window_size=5")
     try:
-        assert f"tp={tp} pp=1 dp=2 ep={2 * tp}" in s.output()
+        assert f"tp={tp} pp={pp} dp=2 ep={2 * tp}" in s.output()
         assert_one_cores_answers(s, ref, alone=(1,))  # core 0's ranks idle, joining in
         if collectives == "gloo":
             return

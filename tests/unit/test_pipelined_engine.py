@@ -32,7 +32,8 @@ class TwoStages:
     step. ``fail(rid)``: the next step holding ``rid`` fails, once."""
 
     def __init__(self, in_flight=2):
-        self.max_batches_in_flight = in_flight
+        self.num_stages = 2
+        self.max_batches_in_flight = in_flight  # 1: a step through both stages before the next
         self.queue = collections.deque()
         self.first: dict[str, list[int]] = {}  # the first stage's tokens per request
         self.last: dict[str, list[int]] = {}  # the sampling stage's
@@ -96,8 +97,7 @@ class _Tokenizer:
 def engine(runner, num_blocks=64, budget=32):
     core = EngineCore(make_scheduler(num_blocks=num_blocks, block_size=4, budget=budget, max_model_len=512),
                       runner, _Tokenizer(), eos_token_id=0, vocab_size=100)
-    assert core.scheduler.send_token_ids == (runner.max_batches_in_flight > 1)
-    core.scheduler.send_token_ids = True  # the one-step runner's first stage learns the tokens the same way
+    assert core.scheduler.send_token_ids  # the first stage learns the tokens from the scheduler
     return core
 
 
@@ -213,7 +213,7 @@ def test_the_ranks_replies_combine_by_stage():
         combine_replies([err, err, err, err], dead, tp_size=2)
     with pytest.raises(EngineDeadError, match=r"failed on rank\(s\) \[1\] only"):
         combine_replies([ok, err, err, err], dead, tp_size=2)
-    with pytest.raises(EngineDeadError, match="stage 0 failed the step but a later stage ran it"):
+    with pytest.raises(EngineDeadError, match=r"stage 0 failed the step \(RuntimeError: boom\) but a later stage ran it"):
         combine_replies([err, ok], dead, tp_size=1)
 
 
