@@ -78,8 +78,9 @@ class OffloadWorker:
     def start_load_kv(self, meta: Optional[OffloadMetadata], kv_caches: list[torch.Tensor]) -> None:
         """The step's loads into their blocks of every layer's cache; a file
         that cannot be read raises KVLoadError (the step fails, its requests
-        are recomputed) and leaves the tier; so does a file another rank of
-        the stage could not read (``agree``)."""
+        are recomputed) and leaves the tier. When another rank of the stage
+        could not read its part (``agree``), this rank raises KVLoadError
+        too, so the ranks fail the step together."""
         if meta is None or not meta.loads:
             return
         failed = None
