@@ -227,9 +227,6 @@ def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
         if kt.role != "consumer" and p2p.host is None and p2p.bind_host in ("0.0.0.0", "::", "*"):
             problems.append(f"kv_transfer.p2p.bind_host={p2p.bind_host} listens everywhere; consumers need an "
                             f"address to reach this producer at: set kv_transfer.p2p.host")
-        if cfg.speculative.method == "draft_model":
-            problems.append("kv_transfer.connector=p2p fetches the target model's KV only; speculative=draft_model "
-                            "would draft from stale KV in the fetched blocks (not built yet)")
         if kt.role == "consumer":  # a consumer only connects
             for key in ("host", "bind_host", "port"):
                 if getattr(p2p, key) != getattr(defaults.p2p, key):

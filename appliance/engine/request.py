@@ -75,6 +75,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_tokens_sent = 0  # of all_token_ids, the runner's ranks that do not sample have (pipeline stages)
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling
+        # of its computed tokens when next handed to the runner, those whose KV a connector supplied (the
+        # target's only: a draft model catches up over them)
+        self.num_external_tokens = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.stop_reason: Any = None

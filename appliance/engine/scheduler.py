@@ -42,6 +42,8 @@ class NewRequestData:
     num_computed_tokens: int
     sampling_params: object
     resumed: bool = False
+    # the last of the computed tokens whose KV a KV connector supplied: the target's, not a draft model's
+    num_external_tokens: int = 0
 
 
 @dataclass
@@ -280,6 +282,8 @@ class Scheduler:
                 skipped.append(self.waiting.pop())
                 continue
             num_local_hits, num_hit_tokens = num_hit_tokens, num_hit_tokens + num_external
+            if req.num_computed_tokens == 0:  # else its remote KV arrived: _start_remote_load counted it
+                req.num_external_tokens = num_external
             num_new = req.num_tokens - req.num_computed_tokens - num_hit_tokens
             if not self.enable_chunked_prefill and num_new > budget.tokens:
                 break
@@ -307,8 +311,8 @@ class Scheduler:
             self.running.append(req)
             out.scheduled_new_reqs.append(NewRequestData(
                 req.request_id, list(req.all_token_ids), req.num_prompt_tokens, self.kv.get_block_ids(req.request_id),
-                req.num_computed_tokens, req.sampling_params, resumed))
-            req.num_tokens_sent = req.num_tokens
+                req.num_computed_tokens, req.sampling_params, resumed, req.num_external_tokens))
+            req.num_tokens_sent, req.num_external_tokens = req.num_tokens, 0
             barred.update(r.request_id for r in budget.preempted)
         for req in reversed(skipped):
             self.waiting.prepend(req)
@@ -327,6 +331,7 @@ class Scheduler:
                                                 num_external)
         req.num_computed_tokens = num_hit_tokens
         req.num_cached_tokens = num_hit_tokens + num_external
+        req.num_external_tokens = num_external
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         return True
 
@@ -368,7 +373,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.kv.free(req)
-                req.num_computed_tokens, req.num_cached_tokens = 0, -1
+                req.num_computed_tokens, req.num_cached_tokens, req.num_external_tokens = 0, -1, 0
                 req.status = RequestStatus.WAITING
             self._release(rid)
         for rid in getattr(output, "finished_sending", ()):

@@ -22,6 +22,9 @@ min-p) and keep q for the rejection sampler, which accepts draft d with
 min(1, p(d) / q(d)). Draft K/V at positions whose drafts are rejected is
 overwritten by the next catch-up; a stale draft K/V (a prefix-cache block
 computed while drafting was off) lowers acceptance, never correctness.
+Blocks a KV connector filled (an offload tier's, a producer's) hold the
+target's K/V only: a request starts with ``draft_computed`` before them,
+so the catch-up runs the draft over them.
 """
 
 from __future__ import annotations

@@ -186,7 +186,7 @@ class ModelRunner:
             st = CachedRequestState(new.req_id, list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
                                     p, self.free_rows.pop(), stop_ids,
                                     draft_limit=self.proposer.k if self.proposer is not None else 0,
-                                    draft_computed=new.num_computed_tokens)
+                                    draft_computed=new.num_computed_tokens - new.num_external_tokens)
             self.requests[new.req_id] = st
             self._append_blocks(st.row, new.block_ids)
         for c in so.scheduled_cached_reqs:

@@ -164,3 +164,21 @@ def test_a_block_of_several_ranks_is_in_the_tier_once_every_part_is(tmp_path):
     assert b"2" not in c.available
     report([b"2"], [])
     assert b"2" in c.available
+
+
+def test_a_draft_model_catches_up_over_blocks_loaded_from_the_tier(tmp_path):
+    """The tier holds the target's KV only: a prefix loaded from it has no
+    draft K/V, so the draft model runs over it before drafting. With the
+    target as its own draft every draft of the warm run is accepted."""
+    from tests.unit.test_spec_draft import SELF
+
+    llm = LLM(overrides=_overrides(tmp_path, *SELF))
+    cold = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    _settle(llm)
+    assert llm.engine.reset_prefix_cache()
+    llm.engine.reset_stats()
+    warm = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    assert warm.num_cached_tokens > 0
+    _same(cold, warm)
+    stats = llm.engine.stats()
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens

@@ -97,6 +97,23 @@ def test_a_consumer_decodes_a_producers_prefill(pair, reference):
     consumer.engine.scheduler.kv.check_integrity()
 
 
+def test_a_drafting_consumer_catches_its_draft_up_over_the_fetched_prompt(pair, reference):
+    """The producer sends the target's KV only: a consumer drafting with a
+    draft model runs the draft over the fetched prompt before it drafts
+    (its draft K/V at those slots is not the draft's own otherwise). With
+    the target as its own draft every draft is then accepted, and the
+    tokens are the reference's."""
+    from tests.unit.test_spec_draft import SELF
+
+    producer, _ = pair
+    drafting = _consumer(*SELF)
+    out = _decode(drafting, _prefill(producer))
+    _same(out, reference)
+    assert out.num_cached_tokens == len(reference.prompt_token_ids) - 1
+    stats = drafting.engine.stats()
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
+
+
 def test_the_consumers_pool_hits_come_first(pair, reference):
     """Blocks the consumer already caches are not fetched again."""
     producer, consumer = pair
@@ -383,7 +400,6 @@ def test_kv_transfer_params_need_the_p2p_connector():
     (["kv_transfer=p2p", "parallel=tp3", "parallel.executor=ray"],
      "kv_transfer.connector=p2p on parallel.executor=ray is not built yet"),
     (["kv_transfer=p2p", "kv_transfer.p2p.bind_host=0.0.0.0"], "consumers need an address to reach this producer"),
-    (["kv_transfer=p2p", "speculative=draft_model"], "speculative=draft_model would draft from stale KV"),
     (["kv_transfer.p2p.timeout_s=5"], "kv_transfer.p2p.timeout_s=5.0 has no effect without kv_transfer.connector=p2p"),
 ])
 def test_config_refuses_what_cannot_run(extra, message):
