@@ -487,7 +487,7 @@ def _model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
     model, tokenizer, _ = load_model(m, backend, dtype, device, cfg.quantization.method, tp, pp, ep,
                                      eplb.num_redundant_experts if eplb.enabled else 0)
     if eplb.enabled:
-        model.enable_eplb(ep.group, eplb.window_size, eplb.step_interval)
+        model.enable_eplb(eplb.window_size, eplb.step_interval)
     if cfg.quantization.method in ("int8_wo", "w8a8_int8"):
         from appliance.models.quant import quantize_int8_weight_only
 

@@ -106,9 +106,12 @@ class Eplb:
     keeps the same records and takes the same decisions."""
 
     def __init__(self, layers: list[Any], num_experts: int, num_physical: int, ep_rank: int, ep_size: int,
-                 comm: Any, window_size: int, step_interval: int):
+                 comm: Any, window_size: int, step_interval: int, share: Any = None):
         self.layers, self.num_experts, self.num_physical = layers, num_experts, num_physical
         self.ep_rank, self.ep_size, self.comm = ep_rank, ep_size, comm
+        # cores whose sparse layers route only their own rows (all-to-all dispatch): each forward's loads summed
+        # over them, so every rank keeps the same records
+        self.share = share
         self.window_size, self.step_interval = window_size, step_interval
         self.window = torch.zeros(window_size, len(layers), num_physical, dtype=torch.int64)
         self.steps = 0  # forwards recorded
@@ -129,6 +132,8 @@ class Eplb:
     def after_forward(self) -> None:
         """One forward done (every rank calls this at the same forwards): keep
         its loads; rebalance every ``step_interval`` forwards."""
+        if self.share is not None:
+            self.share.all_reduce(self._current)
         row = self.steps % self.window_size
         self._total += self._current - self.window[row]
         self.window[row] = self._current

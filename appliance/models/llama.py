@@ -618,14 +618,14 @@ class LlamaForCausalLM(nn.Module):
                             experts.inter))
         return out
 
-    def enable_eplb(self, comm: Any, window_size: int, step_interval: int) -> None:
+    def enable_eplb(self, window_size: int, step_interval: int) -> None:
         """Balance the experts over the expert-parallel ranks (``models/eplb.py``)."""
         from appliance.models.eplb import Eplb
 
         arch, ep = self.arch, self.ep
         sparse = [layer.mlp for layer in self.model.layers if layer.sparse]
         self.eplb = Eplb(sparse, arch.num_experts, arch.num_physical_experts or arch.num_experts, ep.rank, ep.size,
-                         comm, window_size, step_interval)
+                         ep.group, window_size, step_interval, share=ep.comm if ep.dispatches else None)
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight

@@ -59,6 +59,14 @@ class ExpertParallel:
         """Which engine core's rows are this rank's (across cores)."""
         return self.rank // (self.tp.world_size if self.tp is not None else 1)
 
+    @property
+    def dispatches(self) -> bool:
+        """Whether a sparse layer sends each core's (token, expert) pairs to
+        the ranks holding the experts and back by all-to-all
+        (``SparseMoe.dispatch``: torch.distributed, gloo or NCCL), rather
+        than gathering every core's rows (shared memory)."""
+        return not self.replicated and getattr(self.comm, "has_all_to_all", False)
+
     @functools.cached_property
     def group(self) -> Any:
         """Collectives over every rank of the group, in rank order."""
@@ -317,12 +325,45 @@ class SparseMoe(nn.Module):
         return out
 
     def exchange(self, x: torch.Tensor) -> torch.Tensor:
-        """Expert parallelism over cores with their own tokens: every core's
-        rows gathered (padded to the longest), this rank's experts run on all
-        of them, the partial sums all-reduced over every rank (in rank
-        order, the same bits on every rank); this core's rows returned. A
-        core with no tokens (``x`` of no rows: an idle engine core) takes
-        part all the same, so the ranks' collectives line up."""
+        """Expert parallelism over cores with their own tokens (``x`` of no
+        rows: an idle core, which takes part all the same so the ranks'
+        collectives line up): ``dispatch`` where the comm has all-to-all,
+        else ``gather``."""
+        return self.dispatch(x) if self.ep.dispatches else self.gather(x)
+
+    def dispatch(self, x: torch.Tensor) -> torch.Tensor:
+        """Each (token, expert) pair of this core's rows sent to the rank
+        holding its slot, run there, and its output sent back (all-to-all,
+        rows in rank order); the weighted outputs added to their tokens. With
+        tensor-parallel ranks in the cores (every one holding the core's
+        rows), rank t carries the pairs of the ranks of its tensor-parallel
+        index, and the core's ranks sum their parts."""
+        ep, ex = self.ep, self.experts
+        tp_size = ep.tp.world_size if ep.tp is not None else 1
+        weights, ids = self.route(self.router_logits(x))
+        if self.placement is not None:
+            ids = self.placement.to_slots(ids)
+            self.eplb.record(self.eplb_index, ids)
+        slots, k = ids.reshape(-1), ids.shape[1]
+        owner = slots // ex.num_local  # the rank of the group holding each pair's slot
+        pairs = torch.nonzero(owner % tp_size == ep.rank % tp_size).squeeze(1)
+        pairs = pairs[torch.argsort(owner[pairs] // tp_size, stable=True)]  # by the core they go to
+        send = torch.bincount(owner[pairs] // tp_size, minlength=ep.comm.world_size).tolist()
+        rows, recv = ep.comm.all_to_all(x[pairs // k], send)
+        got_slots, _ = ep.comm.all_to_all(slots[pairs].unsqueeze(1), send, recv)
+        done = ex(rows, torch.ones(rows.shape[0], 1, dtype=torch.float32, device=x.device), got_slots)
+        back, _ = ep.comm.all_to_all(done, recv, send)
+        out = torch.zeros_like(x)
+        out.index_add_(0, pairs // k, back * weights.reshape(-1)[pairs, None].to(x.dtype))
+        if ep.tp is not None:
+            ep.tp.all_reduce(out)
+        return out
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every core's rows gathered (padded to the longest), this rank's
+        experts run on all of them, the partial sums all-reduced over every
+        rank (in rank order, the same bits on every rank); this core's rows
+        returned."""
         comm = self.ep.comm
         counts = [int(c) for c in comm.all_gather(torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device))]
         most = max(counts)

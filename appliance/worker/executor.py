@@ -89,6 +89,24 @@ class TorchDistributedComm:
 
         dist.broadcast(t, src, group=self.group)
 
+    has_all_to_all = True
+
+    def all_to_all(self, t: Any, send_counts: list[int], recv_counts: Optional[list[int]] = None) -> tuple:
+        """Rows ``t`` (in rank order, ``send_counts[r]`` of them to rank r) to
+        their ranks: (the rows this rank received, in rank order, and how
+        many from each; ``recv_counts`` when already known)."""
+        import torch
+        import torch.distributed as dist
+
+        if recv_counts is None:
+            sent = torch.tensor(send_counts, dtype=torch.int64, device=t.device)
+            got = torch.empty_like(sent)
+            dist.all_to_all_single(got, sent, group=self.group)
+            recv_counts = got.tolist()
+        out = t.new_empty((sum(recv_counts), *t.shape[1:]))
+        dist.all_to_all_single(out, t.contiguous(), recv_counts, send_counts, group=self.group)
+        return out, recv_counts
+
 
 @dataclass(frozen=True)
 class RankCollectives:

@@ -48,6 +48,13 @@ class ExpertGroup:
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         return self._run("all-gather", self.comm.all_gather, t)
 
+    @property
+    def has_all_to_all(self) -> bool:
+        return getattr(self.comm, "has_all_to_all", False)
+
+    def all_to_all(self, t: torch.Tensor, send_counts: list[int], recv_counts: Any = None) -> tuple:
+        return self._run("all-to-all", self.comm.all_to_all, t, send_counts, recv_counts)
+
 
 class LockstepRunner:
     """A model runner whose every step is a forward the peers join: a step

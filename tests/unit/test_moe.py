@@ -239,3 +239,60 @@ def test_a_rank_reads_only_its_experts_or_its_slice_of_each(ep):
                 assert torch.equal(experts.w13[e], torch.cat([ckpt(e, "gate_proj")[16:], ckpt(e, "up_proj")[16:]]))
                 assert torch.equal(experts.w2[e], ckpt(e, "down_proj")[:, 16:])
         assert torch.equal(model.model.layers[0].mlp.gate.weight, f.get_tensor("model.layers.0.mlp.gate.weight"))
+
+
+def _dispatching_rank(rank, port, q):
+    import pickle
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from appliance.models.moe import ExpertParallel, SparseMoe
+    from appliance.worker.executor import TorchDistributedComm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    arch = SimpleNamespace(num_experts_per_tok=2, norm_topk_prob=True, num_experts=8, num_physical_experts=None,
+                           hidden_size=16, moe_intermediate_size=8)
+    g = torch.Generator().manual_seed(0)
+    gate, w13, w2 = torch.randn(8, 16, generator=g), torch.randn(8, 16, 16, generator=g), torch.randn(8, 16, 8, generator=g)
+    rows = [torch.randn(n, 16, generator=g) for n in (5, 3)]  # each core's own rows
+    full = SparseMoe(arch)
+    ranked = SparseMoe(arch, ep=ExpertParallel(rank, 2, TorchDistributedComm(2), replicated=False))
+    for layer in (full, ranked):
+        first, n = layer.experts.first, layer.experts.num_local
+        layer.gate.weight.data.copy_(gate)
+        layer.experts.w13.data.copy_(w13[first:first + n])
+        layer.experts.w2.data.copy_(w2[first:first + n])
+    assert ranked.ep.dispatches
+    mine = rows[rank]
+    out = [ranked.dispatch(mine), ranked.gather(mine), ranked.exchange(torch.empty(0, 16)), full(mine)]
+    q.put((rank, pickle.dumps(out)))
+    dist.destroy_process_group()
+
+
+def test_all_to_all_dispatch_gives_each_core_its_rows_experts():
+    """Two cores' ranks over gloo, four experts each, each core its own rows:
+    sending each (token, expert) pair to the rank holding the expert and
+    back (``SparseMoe.dispatch``) gives what one rank holding every expert
+    computes for those rows, as the gathering exchange does; a core with no
+    rows takes part and gets none."""
+    import multiprocessing as mp
+    import pickle
+
+    from appliance.worker.executor import free_port
+
+    ctx, port = mp.get_context("spawn"), free_port()
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_dispatching_rank, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict((r, pickle.loads(b)) for r, b in (q.get(timeout=120) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(30)
+    for rank in (0, 1):
+        dispatched, gathered, idle, want = results[rank]
+        assert torch.allclose(dispatched, want, atol=1e-5) and torch.allclose(gathered, want, atol=1e-5)
+        assert idle.shape == (0, 16)
