@@ -236,7 +236,7 @@ def _kv_connector(deployment: Deployment, runner: Any) -> Optional[tuple[Any, An
     kt, cfg = deployment.cfg.kv_transfer, deployment.cfg
     if kt.connector is None:
         return None
-    ranks = deployment.layout.ranks_per_engine if deployment.layout.executor in ("mp", "ray") else None
+    ranks = _worker_ranks(deployment)
     if kt.connector == "p2p":
         from appliance.engine.kv_p2p import P2PConnector
 
@@ -254,11 +254,16 @@ def _kv_connector(deployment: Deployment, runner: Any) -> Optional[tuple[Any, An
     return OffloadConnector(folder, cfg.cache.block_size), _offload_worker(deployment, folder)
 
 
+def _worker_ranks(deployment: Deployment) -> Optional[int]:
+    """How many ranks of this engine core run in worker processes (``mp``,
+    ``ray``); None: the model runs in this process."""
+    lay = deployment.layout
+    return lay.ranks_per_engine if lay.executor in ("mp", "ray") else None
+
+
 def _p2p_port(deployment: Deployment) -> int:
     """Where this engine core's producer listens (its first rank; rank k at + k)."""
-    lay = deployment.layout
-    ranks = lay.ranks_per_engine if lay.executor in ("mp", "ray") else 1
-    return deployment.cfg.kv_transfer.p2p.port + deployment.data_parallel_rank * ranks
+    return deployment.cfg.kv_transfer.p2p.port + deployment.data_parallel_rank * (_worker_ranks(deployment) or 1)
 
 
 def _p2p_worker(deployment: Deployment, layout: dict[str, Any], rank: int = 0) -> Any:
@@ -293,8 +298,7 @@ def _offload_worker(deployment: Deployment, folder: Path, agree: Any = None) -> 
     ``offload.max_gib`` (the engine cores' and their ranks' shares even)."""
     from appliance.worker.kv_offload import OffloadWorker
 
-    share = deployment.layout.data_parallel_size * (deployment.layout.ranks_per_engine
-                                                    if deployment.layout.executor in ("mp", "ray") else 1)
+    share = deployment.layout.data_parallel_size * (_worker_ranks(deployment) or 1)
     try:
         return OffloadWorker(folder, int(deployment.cfg.kv_transfer.offload.max_gib * (1 << 30) / share), agree)
     except OSError as e:

@@ -3,7 +3,9 @@
 
 Each core schedules its own requests and runs attention on them alone, but
 every sparse layer exchanges rows with the other cores (``SparseMoe.exchange``
-over ``ExpertGroup``), so the cores must run their forwards together. Before
+over ``ExpertGroup``, or, with the core's ranks in worker processes, each
+rank with its peers in the other cores), so the cores must run their
+forwards together. Before
 each step of its loop a core calls ``Lockstep.agree(has_work, stopping)``, an
 all-reduce of two flags over the cores: when any core has work, every core
 steps, and one with nothing scheduled runs ``idle_step`` (the model's
