@@ -41,10 +41,11 @@ class ExpertParallel:
     ``replicated``: every rank holds the same tokens (the tensor-parallel
     ranks of one engine core), so ``comm.all_reduce`` of the partial sums is
     the whole exchange; else the ranks of each data-parallel engine core
-    (cores in lock-step) have that core's tokens: a sparse layer all-gathers
-    every core's rows over ``comm`` (this rank's peers, one per core), runs
-    its experts on all of them, and all-reduces the partial sums over the
-    whole group, keeping its core's rows (``SparseMoe.exchange``). ``tp``:
+    (cores in lock-step) have that core's tokens and a sparse layer
+    exchanges them over ``comm`` (this rank's peers, one per core): by
+    all-to-all where it has one, else by gathering every core's rows and
+    all-reducing the partial sums over the whole group
+    (``SparseMoe.exchange``). ``tp``:
     the core's tensor-parallel ranks, when it has more than one (rank =
     core x tp size + tp rank)."""
 
@@ -305,16 +306,20 @@ class SparseMoe(nn.Module):
         """(weights, expert ids) [T, top_k] of each token (``route``)."""
         return route(router_logits, self.top_k, self.renormalize)
 
-    def _experts(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the layer for rows ``x``: route, then its
-        experts (with load balancing, each pair to a slot of its expert, the
-        slots' loads recorded)."""
+    def _slots(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, slot ids) [T, top_k] of rows ``x``: routed, and with load
+        balancing each pair sent to a slot of its expert, the slots' loads
+        recorded."""
         weights, ids = self.route(self.router_logits(x))
         if self.placement is not None:
             ids = self.placement.to_slots(ids)
             self.eplb.record(self.eplb_index, ids)
+        return weights, ids
+
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the layer for rows ``x``: route, then its experts."""
         run = self.experts.forward_per_token if self.per_token else self.experts
-        return run(x, weights, ids)
+        return run(x, *self._slots(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ep is not None and not self.ep.replicated:
@@ -340,10 +345,7 @@ class SparseMoe(nn.Module):
         index, and the core's ranks sum their parts."""
         ep, ex = self.ep, self.experts
         tp_size = ep.tp.world_size if ep.tp is not None else 1
-        weights, ids = self.route(self.router_logits(x))
-        if self.placement is not None:
-            ids = self.placement.to_slots(ids)
-            self.eplb.record(self.eplb_index, ids)
+        weights, ids = self._slots(x)
         slots, k = ids.reshape(-1), ids.shape[1]
         owner = slots // ex.num_local  # the rank of the group holding each pair's slot
         pairs = torch.nonzero(owner % tp_size == ep.rank % tp_size).squeeze(1)
