@@ -25,6 +25,7 @@ from appliance.config.execution import Execution, resolve_execution
 from appliance.config.plan import format_plan, make_plan, max_model_len
 from appliance.config.schema import ApplianceConfig
 from appliance.config.unbuilt import not_built
+from appliance.engine.kv_p2p import DISAGGREGATED_PREFILL
 from appliance.errors import ConfigError
 from appliance.kernels.registry import BackendSelectionError, Selection
 
@@ -168,7 +169,7 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
 
     cfg = deployment.cfg
     place_data_parallel_rank(deployment)
-    if cfg.kv_transfer.connector == "p2p" and deployment.kv_engine_id is None:  # one id for all its ranks
+    if cfg.kv_transfer.connector in DISAGGREGATED_PREFILL and deployment.kv_engine_id is None:  # one for its ranks
         deployment = replace(deployment, kv_engine_id=uuid.uuid4().hex)
     if deployment.layout.executor in ("mp", "ray"):
         from appliance.models.loader import load_tokenizer
@@ -237,14 +238,15 @@ def _kv_connector(deployment: Deployment, runner: Any) -> Optional[tuple[Any, An
     if kt.connector is None:
         return None
     ranks = _worker_ranks(deployment)
-    if kt.connector == "p2p":
+    if kt.connector in DISAGGREGATED_PREFILL:
         from appliance.engine.kv_p2p import P2PConnector
 
         p = kt.p2p
         worker = None if ranks is not None else _p2p_worker(deployment, _kv_layout(deployment, runner.kv_caches))
         # at most half the pool waits for consumers: a flood of unfetched prefills cannot take it all
         return P2PConnector(kt.role, deployment.kv_engine_id, p.host or p.bind_host, _p2p_port(deployment),
-                            cfg.cache.block_size, p.timeout_s, deployment.num_kv_blocks // 2, ranks or 1), worker
+                            cfg.cache.block_size, p.timeout_s, deployment.num_kv_blocks // 2, ranks or 1,
+                            name=kt.connector), worker
     from appliance.engine.kv_connector import OffloadConnector
 
     if ranks is not None:
@@ -268,14 +270,23 @@ def _p2p_port(deployment: Deployment) -> int:
 
 def _p2p_worker(deployment: Deployment, layout: dict[str, Any], rank: int = 0) -> Any:
     """Rank ``rank``'s side of disaggregated prefill: a producer's server on
-    ``_p2p_port + rank``, a consumer's pulls from a producer's rank ``rank``."""
+    ``_p2p_port + rank``, a consumer's pulls from a producer's rank ``rank``;
+    the blocks go in the answers (``p2p``) or are read through NIXL
+    (``nixl``)."""
     from appliance.engine.kv_connector import layout_key
-    from appliance.worker.kv_p2p import P2PWorker
 
-    p = deployment.cfg.kv_transfer.p2p
+    kt = deployment.cfg.kv_transfer
+    p = kt.p2p
+    args = (kt.role, deployment.kv_engine_id, layout_key(layout), p.bind_host, _p2p_port(deployment) + rank,
+            p.timeout_s)
     try:
-        return P2PWorker(deployment.cfg.kv_transfer.role, deployment.kv_engine_id, layout_key(layout), p.bind_host,
-                         _p2p_port(deployment) + rank, p.timeout_s, peer_offset=rank)
+        if kt.connector == "nixl":
+            from appliance.worker.kv_nixl import NixlWorker
+
+            return NixlWorker(*args, peer_offset=rank, backends=tuple(kt.nixl.backends))
+        from appliance.worker.kv_p2p import P2PWorker
+
+        return P2PWorker(*args, peer_offset=rank)
     except OSError as e:
         raise ConfigError(str(e)) from None
 
@@ -455,7 +466,7 @@ def build_rank_runner(deployment: Deployment, rank: int, comms: Any) -> Any:
     runner = _model_runner(deployment, tp, pp, ep)[0]
     if cfg.kv_transfer.connector == "offload":
         runner.kv_connector = _ranks_offload(deployment, rank, comms)
-    elif cfg.kv_transfer.connector == "p2p":
+    elif cfg.kv_transfer.connector in DISAGGREGATED_PREFILL:
         runner.kv_connector = _p2p_worker(deployment, _ranks_kv_layout(deployment), rank)
     if layout.experts_across_cores:
         from appliance.worker.lockstep import LockstepRunner

@@ -412,16 +412,19 @@ def describe_kv_transfer(cfg: ApplianceConfig) -> str:
     kt = cfg.kv_transfer
     if kt.connector is None:
         return "off"
-    if kt.connector == "p2p":
+    if kt.connector in ("p2p", "nixl"):
         p = kt.p2p
+        how = ("over ZeroMQ/TCP" if kt.connector == "p2p" else
+               f"straight from the producer's KV cache through NIXL ({', '.join(kt.nixl.backends)}), asked for "
+               f"over ZeroMQ/TCP")
         produce = (f"produces: holds a prefill's KV (requests with kv_transfer_params do_remote_decode) for its "
                    f"consumer at {p.host or p.bind_host}:{p.port} (listening on {p.bind_host}), freed once fetched "
                    f"or after {p.timeout_s:g} s")
         consume = (f"consumes: fetches a producer's KV (kv_transfer_params do_remote_prefill) in the background "
-                   f"over ZeroMQ/TCP, then runs the last prompt token; a fetch failed or over {p.timeout_s:g} s "
+                   f"{how}, then runs the last prompt token; a fetch failed or over {p.timeout_s:g} s "
                    f"computes the prompt here")
         parts = {"producer": [produce], "consumer": [consume], "both": [produce, consume]}.get(kt.role, [])
-        return "p2p (disaggregated prefill): " + "; ".join(parts)
+        return f"{kt.connector} (disaggregated prefill): " + "; ".join(parts)
     where = kt.offload.path or "kv_offload in the appliance's cache folder"
     return (f"offload: full blocks saved to {where} as they fill (a subfolder per model and KV layout), at most "
             f"{kt.offload.max_gib:g} GiB, least recently used dropped first; a prefix found there loads instead "

@@ -368,15 +368,25 @@ class KVP2PConfig:
 
 
 @dataclass
+class KVNixlConfig:
+    # Disaggregated prefill over NIXL (connector nixl): the consumer reads the producer's blocks straight from
+    # its KV cache (GPU or host memory) through these NIXL backends; the p2p keys give the side channel where
+    # a consumer asks a producer for a transfer's blocks and releases them (ZeroMQ/TCP, a few hundred bytes).
+    backends: list[str] = field(default_factory=lambda: ["UCX"])
+
+
+@dataclass
 class KVTransferConfig:
     # A KV connector (vLLM V1's two-sided interface): null for none; "offload" (full blocks saved to a
     # second tier keyed by block hash as they fill; a prefix found there loads instead of recomputing); or
-    # "p2p" (disaggregated prefill: a producer's finished prefill is fetched by a consumer, which decodes).
+    # "p2p" (disaggregated prefill: a producer's finished prefill is fetched by a consumer, which decodes,
+    # the blocks sent over ZeroMQ/TCP) or "nixl" (the same, the consumer reading the blocks through NIXL).
     # role: producer | consumer | both (disaggregated prefill's roles; an offload tier is both).
     connector: Optional[str] = None
     role: str = "both"
     offload: KVOffloadConfig = field(default_factory=KVOffloadConfig)
     p2p: KVP2PConfig = field(default_factory=KVP2PConfig)
+    nixl: KVNixlConfig = field(default_factory=KVNixlConfig)
 
 
 @dataclass

@@ -8,6 +8,7 @@ compose time, through the typed schema.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from appliance.config.execution import choose_dtype
 from appliance.config.plan import GIB, activation_bytes, kv_bytes_per_token, max_model_len, weight_bytes
@@ -177,8 +178,9 @@ def _kv_events_problems(cfg: ApplianceConfig) -> list[str]:
     return problems
 
 
-KV_CONNECTORS = ("offload", "p2p")  # built
-KV_CONNECTORS_UNBUILT = ("nixl",)  # disaggregated prefill over NIXL (GPU memory)
+KV_CONNECTORS = ("offload", "p2p", "nixl")  # built
+# each connector's sections of kv_transfer (nixl's side channel is p2p's)
+KV_CONNECTOR_SECTIONS = {"offload": ("offload",), "p2p": ("p2p",), "nixl": ("p2p", "nixl")}
 
 
 def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
@@ -188,11 +190,7 @@ def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
         defaults = KVTransferConfig()
         if kt.role != defaults.role:
             problems.append(f"kv_transfer.role={kt.role} has no effect without a connector (kv_transfer.connector)")
-        problems += _unused_keys(kt, defaults, ("offload", "p2p"))
-        return problems
-    if kt.connector in KV_CONNECTORS_UNBUILT:
-        problems.append(f"kv_transfer.connector={kt.connector} (disaggregated prefill) is not built yet; "
-                        f"built: {', '.join(KV_CONNECTORS)}")
+        problems += _unused_keys(kt, defaults, None)
         return problems
     if kt.connector not in KV_CONNECTORS:
         problems.append(f"kv_transfer.connector={kt.connector} is unknown; built: {', '.join(KV_CONNECTORS)}")
@@ -200,7 +198,7 @@ def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
     if kt.role not in ("producer", "consumer", "both"):
         problems.append(f"kv_transfer.role={kt.role} must be producer, consumer or both")
     defaults = KVTransferConfig()
-    problems += _unused_keys(kt, defaults, tuple(c for c in ("offload", "p2p") if c != kt.connector))
+    problems += _unused_keys(kt, defaults, kt.connector)
     if kt.connector == "offload":
         if kt.role != "both":
             problems.append(f"kv_transfer.role={kt.role}: an offload tier saves and loads (role both); producer and "
@@ -215,6 +213,9 @@ def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
                             "(cache.prefix_caching_hash_algo=sha256 or sha256_cbor); builtin hashes change per "
                             "process")
     else:
+        if kt.connector == "nixl" and (not kt.nixl.backends or not all(isinstance(b, str) and b
+                                                                       for b in kt.nixl.backends)):
+            problems.append(f"kv_transfer.nixl.backends={kt.nixl.backends} must name NIXL backends (e.g. [UCX])")
         p2p = kt.p2p
         if not 0 < p2p.port < 65536:
             problems.append(f"kv_transfer.p2p.port={p2p.port} must be a TCP port (1..65535)")
@@ -243,15 +244,18 @@ def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
     return problems
 
 
-def _unused_keys(kt: KVTransferConfig, defaults: KVTransferConfig, groups: tuple[str, ...]) -> list[str]:
-    """Keys of connectors other than the configured one, set away from their defaults."""
+def _unused_keys(kt: KVTransferConfig, defaults: KVTransferConfig, connector: Optional[str]) -> list[str]:
+    """Keys of sections the configured connector (None: none) does not
+    read, set away from their defaults."""
     problems = []
-    for group in groups:
+    used = KV_CONNECTOR_SECTIONS.get(connector, ())
+    for group in sorted({g for sections in KV_CONNECTOR_SECTIONS.values() for g in sections} - set(used)):
         ours, default = getattr(kt, group), getattr(defaults, group)
+        readers = " or ".join(c for c, sections in KV_CONNECTOR_SECTIONS.items() if group in sections)
         for key in dataclasses.asdict(default):
             if getattr(ours, key) != getattr(default, key):
                 problems.append(f"kv_transfer.{group}.{key}={getattr(ours, key)} has no effect without "
-                                f"kv_transfer.connector={group}")
+                                f"kv_transfer.connector={readers}")
     return problems
 
 

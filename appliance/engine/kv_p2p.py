@@ -1,5 +1,5 @@
 """Disaggregated prefill (1P1D), scheduler side (torch-free):
-``kv_transfer.connector=p2p``, vLLM's ``kv_transfer_params`` flow.
+``kv_transfer.connector=p2p`` or ``nixl``, vLLM's ``kv_transfer_params`` flow.
 
 A **producer** runs a request's prefill. The client (a router's ``pd``
 policy) asks for it with ``kv_transfer_params: {"do_remote_decode": true}``
@@ -15,10 +15,12 @@ back as ``kv_transfer_params``:
 A **consumer** is given the same prompt with those parameters. It allocates
 blocks for the whole prompt past any prefix-cache hits of its own, to be
 filled with the KV of all but its last token, and waits for them in
-WAITING_FOR_REMOTE_KVS while other requests keep running. The worker side (``worker/kv_p2p.py``) pulls them over
-ZeroMQ/TCP, checks they hold the same tokens (a digest of the token ids),
-writes them, and releases the producer's copy. Then only the last prompt
-token runs and the request decodes.
+WAITING_FOR_REMOTE_KVS while other requests keep running. The worker side
+(``worker/kv_p2p.py``) pulls them over ZeroMQ/TCP, or (connector ``nixl``,
+``worker/kv_nixl.py``) reads them out of the producer's cache through NIXL,
+checks they hold the same tokens (a digest of the token ids), and releases
+the producer's copy. Then only the last prompt token runs and the request
+decodes.
 
 A load that fails (producer gone or restarted, timed out, other tokens,
 another KV layout) is reported and the request computes its prompt itself:
@@ -42,6 +44,7 @@ from appliance.engine.request import Request, RequestStatus
 log = logging.getLogger("appliance.kv_p2p")
 
 ROLES = ("producer", "consumer", "both")
+DISAGGREGATED_PREFILL = ("p2p", "nixl")  # connectors of this flow: the blocks over ZeroMQ/TCP, or read through NIXL
 REMOTE_PREFILL_KEYS = {"remote_engine_id": str, "remote_host": str, "remote_port": int, "remote_request_id": str,
                        "remote_block_ids": list, "remote_num_tokens": int}
 MAX_ID_CHARS = 128
@@ -67,9 +70,9 @@ def kv_transfer_problem(params: Any, connector: Optional[str], role: str, block_
         return None
     if not isinstance(p, dict):
         return "must be an object"
-    if connector != "p2p":
+    if connector not in DISAGGREGATED_PREFILL:
         return (f"asks for disaggregated prefill; this server's KV connector is {connector or 'none'} "
-                f"(kv_transfer.connector=p2p does it)")
+                f"(kv_transfer.connector={' or '.join(DISAGGREGATED_PREFILL)} does it)")
     unknown = [k for k in p if k not in KV_TRANSFER_KEYS]
     if unknown:
         return f"has unknown key(s) {', '.join(map(repr, unknown[:4]))[:200]}; known: {', '.join(KV_TRANSFER_KEYS)}"
@@ -160,12 +163,11 @@ class P2PConnector:
     ``timeout_s`` + ``GRACE_S`` (``overdue``): a load counts as failed, a
     transfer as ended (the worker side ends both within ``timeout_s``)."""
 
-    name = "p2p"
     GRACE_S = 30.0
 
     def __init__(self, role: str, engine_id: str, host: str, port: int, block_size: int, timeout_s: float,
-                 max_held_blocks: int, ranks: int = 1):
-        self.role, self.ranks = role, ranks
+                 max_held_blocks: int, ranks: int = 1, name: str = "p2p"):
+        self.name, self.role, self.ranks = name, role, ranks
         self._ended = RankTally(ranks)  # several ranks: which ranks ended a load or a transfer
         self._failed_on: set[str] = set()  # loads some rank failed
         self.produces, self.consumes = role in ("producer", "both"), role in ("consumer", "both")

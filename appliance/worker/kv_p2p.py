@@ -58,6 +58,7 @@ from appliance.engine.kv_p2p import P2PMetadata, RecvSpec, SendSpec, token_diges
 log = logging.getLogger("appliance.kv_p2p")
 
 POLL_MS = 20
+READ_POLL_MS = 1  # while blocks are moving: how often to look
 MAX_WAITING = 1024  # pulls waiting for their transfer's registration
 MAX_ENDED = 100_000  # ended transfer ids remembered
 MAX_MESSAGE = 1 << 16  # bytes of a message to the server
@@ -74,6 +75,10 @@ class _Load:
     spec: RecvSpec
     socket: Any
     deadline: float
+    reading: Any = None  # answered, its blocks still moving: what moves them (a NIXL transfer)
+
+
+READING: Any = object()  # a load whose answer started moving its blocks: not ended yet
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -102,6 +107,7 @@ class P2PWorker:
         self._finished_recving: list[str] = []
         self._failed_recving: list[str] = []
         self._recvs: queue.Queue = queue.Queue()
+        self._reading: list[_Load] = []  # loads whose blocks are moving (the puller's)
         self._stop = threading.Event()
         self._threads = []
         if role in ("producer", "both"):
@@ -218,7 +224,7 @@ class P2PWorker:
             self._reply(sock, ident, [b"error", b"unknown or ended transfer (or another engine)"])
             return None
         try:
-            reply = self._blocks_of(send.spec, msg)
+            reply = self._blocks_of(send, msg)
         except Exception as e:  # never leave a consumer waiting for its timeout
             log.exception("answering a pull of transfer %s failed", transfer)
             reply = [b"error", f"{type(e).__name__}: {e}"[:200].encode()]
@@ -232,8 +238,9 @@ class P2PWorker:
         while len(self._ended) > MAX_ENDED:
             self._ended.popitem(last=False)
 
-    def _blocks_of(self, spec: SendSpec, msg: dict) -> list:
+    def _blocks_of(self, send: _Send, msg: dict) -> list:
         """The reply to a pull: the blocks it names, or why not."""
+        spec = send.spec
         first, count, tokens = msg.get("first"), msg.get("count"), msg.get("tokens")
         if msg.get("engine") != self.engine_id:
             return [b"error", b"another engine (the producer restarted)"]
@@ -243,7 +250,13 @@ class P2PWorker:
         if (not all(isinstance(v, int) and not isinstance(v, bool) for v in (first, count, tokens))
                 or not 0 <= first < first + count <= n or not 0 < tokens <= len(spec.token_ids)):
             return [b"error", b"blocks or tokens outside the transfer"]
-        caches = self._caches
+        return self._serve_blocks(send, first, count, tokens, msg)
+
+    def _serve_blocks(self, send: _Send, first: int, count: int, tokens: int, msg: dict) -> list:
+        """The answer to a valid pull of the transfer's blocks ``first`` to
+        ``first + count``: their K and V, with the digest of its first
+        ``tokens`` tokens."""
+        spec, caches = send.spec, self._caches
         like = caches[0]
         ids = torch.tensor(spec.block_ids[first:first + count], dtype=torch.long, device=like.device)
         shape = [len(caches), like.shape[0], count, *like.shape[2:]]
@@ -272,11 +285,12 @@ class P2PWorker:
         import zmq
 
         poller = zmq.Poller()
-        loads: dict[Any, _Load] = {}
+        loads: dict[Any, _Load] = {}  # pulls waiting for their answer, by socket
+        reading = self._reading
         while not self._stop.is_set():
             try:
                 specs = []
-                if not loads:
+                if not loads and not reading:
                     try:
                         specs.append(self._recvs.get(timeout=POLL_MS / 1000))
                     except queue.Empty:
@@ -294,7 +308,12 @@ class P2PWorker:
                         continue
                     loads[load.socket] = load
                     poller.register(load.socket, zmq.POLLIN)
-                ready = dict(poller.poll(POLL_MS)) if loads else {}
+                wait_ms = READ_POLL_MS if reading else POLL_MS
+                if loads:
+                    ready = dict(poller.poll(wait_ms))
+                else:
+                    ready = {}
+                    time.sleep(wait_ms / 1000)
                 now = time.monotonic()
                 for sock, load in list(loads.items()):
                     if sock in ready:
@@ -308,7 +327,15 @@ class P2PWorker:
                         continue
                     poller.unregister(sock)
                     del loads[sock]
-                    self._end(load, error)
+                    if error is READING:
+                        reading.append(load)
+                    else:
+                        self._end(load, error)
+                for load in list(reading):
+                    error = self._progress(load, now)
+                    if error is not READING:
+                        reading.remove(load)
+                        self._end(load, error)
             except Exception:
                 log.exception("the KV transfer puller failed")
 
@@ -345,16 +372,25 @@ class P2PWorker:
     def _start(self, spec: RecvSpec) -> _Load:
         import zmq
 
-        like = self._caches[0]
-        payload = len(self._caches) * like[:, 0].numel() * like.element_size() * len(spec.block_ids)
-        sock = self._socket(spec.host, spec.port + self.peer_offset, payload + MAX_MESSAGE)
+        sock = self._socket(spec.host, spec.port + self.peer_offset, self._answer_bytes(spec) + MAX_MESSAGE)
         sock.send_multipart(flags=zmq.NOBLOCK, msg_parts=[b"pull", msgspec.msgpack.encode({
             "transfer": spec.transfer_id, "engine": spec.engine_id, "layout": self.layout,
-            "first": spec.first_block, "count": len(spec.block_ids), "tokens": spec.num_tokens})])
+            "first": spec.first_block, "count": len(spec.block_ids), "tokens": spec.num_tokens,
+            **self._pull_fields(spec)})])
         return _Load(spec, sock, time.monotonic() + self.timeout_s)
 
+    def _answer_bytes(self, spec: RecvSpec) -> int:
+        """The most an answer to a pull of ``spec`` may take (past its header): the blocks' K and V."""
+        like = self._caches[0]
+        return len(self._caches) * like[:, 0].numel() * like.element_size() * len(spec.block_ids)
+
+    def _pull_fields(self, spec: RecvSpec) -> dict:
+        """What else a pull asks for (none here)."""
+        return {}
+
     def _receive(self, load: _Load) -> Optional[str]:
-        """Write a pull's answer into the blocks; why it could not be, or None."""
+        """Take a pull's answer; why it could not be, None once its blocks
+        are in, or ``READING`` while they move (``_progress``)."""
         frames = load.socket.recv_multipart(copy=False)  # the payload is read where ZeroMQ received it
         kind = frames[0].bytes
         if kind == b"error" and len(frames) == 2:
@@ -362,14 +398,18 @@ class P2PWorker:
         if kind != b"ok" or len(frames) != 3:
             return "a malformed answer"
         header = msgspec.msgpack.decode(frames[1].bytes)
-        spec, caches = load.spec, self._caches
-        if header.get("digest") != spec.token_digest:
+        if not isinstance(header, dict) or header.get("digest") != load.spec.token_digest:
             return "the producer's blocks hold other tokens"
+        return self._take(load, header, frames[2])
+
+    def _take(self, load: _Load, header: dict, payload_frame: Any) -> Optional[str]:
+        """Write the blocks a valid answer carries; why it could not be, or None."""
+        spec, caches = load.spec, self._caches
         like = caches[0]
         shape = [len(caches), like.shape[0], len(spec.block_ids), *like.shape[2:]]
         if header.get("shape") != shape or header.get("dtype") != _dtype_name(like.dtype):
             return f"blocks of shape {header.get('shape')} {header.get('dtype')}, not {shape} {_dtype_name(like.dtype)}"
-        payload = frames[2].buffer
+        payload = payload_frame.buffer
         if payload.nbytes != like.element_size() * int(torch.Size(shape).numel()):
             return "a truncated payload"
         with warnings.catch_warnings():
@@ -379,6 +419,12 @@ class P2PWorker:
         for layer, cache in enumerate(caches):  # as bytes: any cache dtype
             cache.view(torch.uint8).index_copy_(1, ids, data[layer].to(like.device))
         return None
+
+    def _progress(self, load: _Load, now: float) -> Optional[str]:
+        """A ``READING`` load's state: ``READING`` while its blocks move,
+        None once they are in, or why they could not be (none here: the
+        blocks come in the answer)."""
+        raise NotImplementedError
 
     def _end(self, load: _Load, error: Optional[str]) -> None:
         import zmq

@@ -21,6 +21,9 @@ import pytest
 from appliance import LLM, SamplingParams
 from appliance.engine.kv_connector import rank_folder, stored_hashes
 from appliance.worker.executor import free_port
+from appliance.worker.kv_nixl import nixl_api
+
+NEEDS_NIXL = pytest.mark.skipif(nixl_api() is None, reason="NIXL is not installed (pip install nixl-cu12)")
 
 PROMPT = " ".join(str(i) for i in range(200))
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
@@ -82,12 +85,15 @@ def test_each_rank_keeps_its_part_and_the_prefix_loads(tmp_path, layout):
 BASE = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "model.dtype=float32"]
 
 
+@pytest.mark.parametrize("kind", ["p2p", pytest.param("nixl", marks=NEEDS_NIXL)])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_each_consumer_rank_pulls_its_part_from_the_producers(layout):
+def test_each_consumer_rank_pulls_its_part_from_the_producers(layout, kind):
+    """(``nixl``: each consumer rank reads its part out of the producer's
+    rank of its number, through its own NIXL agent.)"""
     ref = LLM(overrides=[*BASE, *LAYOUTS[layout]]).generate([PROMPT], GREEDY, use_tqdm=False)[0]
-    producer = LLM(overrides=[*BASE, *LAYOUTS[layout], "kv_transfer=p2p", "kv_transfer.role=producer",
+    producer = LLM(overrides=[*BASE, *LAYOUTS[layout], f"kv_transfer={kind}", "kv_transfer.role=producer",
                               f"kv_transfer.p2p.port={free_port()}"])
-    consumer = LLM(overrides=[*BASE, *LAYOUTS[layout], "kv_transfer=p2p", "kv_transfer.role=consumer"])
+    consumer = LLM(overrides=[*BASE, *LAYOUTS[layout], f"kv_transfer={kind}", "kv_transfer.role=consumer"])
     prefill = dataclasses.replace(GREEDY, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     params = producer.generate([PROMPT], prefill, use_tqdm=False)[0].kv_transfer_params
     assert params["do_remote_prefill"] and producer.engine.scheduler.connector.sending
@@ -108,7 +114,7 @@ def test_each_consumer_rank_pulls_its_part_from_the_producers(layout):
     # a consumer of another layout: the producer's ranks refuse its pulls; it computes the prompt
     other = "pp2" if layout == "tp2" else "tp2"
     params = producer.generate([PROMPT], prefill, use_tqdm=False)[0].kv_transfer_params
-    mismatched = LLM(overrides=[*BASE, *LAYOUTS[other], "kv_transfer=p2p", "kv_transfer.role=consumer"])
+    mismatched = LLM(overrides=[*BASE, *LAYOUTS[other], f"kv_transfer={kind}", "kv_transfer.role=consumer"])
     out = mismatched.generate([PROMPT], dataclasses.replace(GREEDY, kv_transfer_params=params), use_tqdm=False)[0]
     assert mismatched.engine.scheduler.connector.failed_loads == 1
     assert out.outputs[0].finish_reason == "length" and out.num_cached_tokens == 0

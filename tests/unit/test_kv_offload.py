@@ -106,7 +106,7 @@ def test_an_unreadable_block_is_dropped_and_its_request_recomputed(tmp_path):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["kv_transfer.connector=nixl"], "kv_transfer.connector=nixl (disaggregated prefill) is not built yet"),
+    (["kv_transfer.connector=lmcache"], "kv_transfer.connector=lmcache is unknown; built: offload, p2p, nixl"),
     (["kv_transfer=offload", "kv_transfer.role=producer"],
      "an offload tier saves and loads (role both); producer and consumer are disaggregated prefill's roles"),
     (["kv_transfer=offload", "kv_transfer.p2p.port=9000"], "kv_transfer.p2p.port=9000 has no effect without "

@@ -26,13 +26,13 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2
 BASE = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "model.dtype=float32"]
 
 
-def _producer(*extra):
-    return LLM(overrides=[*BASE, "kv_transfer=p2p", "kv_transfer.role=producer", f"kv_transfer.p2p.port={free_port()}",
-                          *extra])
+def _producer(*extra, connector="p2p"):
+    return LLM(overrides=[*BASE, f"kv_transfer={connector}", "kv_transfer.role=producer",
+                          f"kv_transfer.p2p.port={free_port()}", *extra])
 
 
-def _consumer(*extra):
-    return LLM(overrides=[*BASE, "kv_transfer=p2p", "kv_transfer.role=consumer", *extra])
+def _consumer(*extra, connector="p2p"):
+    return LLM(overrides=[*BASE, f"kv_transfer={connector}", "kv_transfer.role=consumer", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -161,17 +161,18 @@ def test_other_requests_run_while_one_waits_for_its_kv(pair, reference):
     assert core.scheduler.connector.failed_loads == 0
 
 
-@pytest.mark.parametrize("spoil", ["engine", "tokens", "port"])
-def test_a_fetch_that_fails_computes_the_prompt(pair, reference, spoil):
+def _failed_fetch(pair, reference, spoil):
+    """A fetch spoiled by ``spoil`` fails and the consumer computes the
+    prompt; the producer's port, and the parameters it returned."""
     producer, consumer = pair
     params = _prefill(producer)
-    prompt = PROMPT
+    prompt, port = PROMPT, params["remote_port"]
     if spoil == "engine":  # the producer restarted
         params["remote_engine_id"] = "0" * 32
     elif spoil == "tokens":  # the KV of another prompt
         prompt = PROMPT.replace("17", "71")
     else:  # nobody listens there
-        port, params["remote_port"] = params["remote_port"], free_port()
+        params["remote_port"] = free_port()
     failed = consumer.engine.scheduler.connector.failed_loads
     out = _decode(consumer, params, prompt)
     assert consumer.engine.scheduler.connector.failed_loads == failed + 1
@@ -180,6 +181,13 @@ def test_a_fetch_that_fails_computes_the_prompt(pair, reference, spoil):
     else:
         assert out.outputs[0].finish_reason == "length"
     consumer.engine.scheduler.kv.check_integrity()
+    return port, params
+
+
+@pytest.mark.parametrize("spoil", ["engine", "tokens", "port"])
+def test_a_fetch_that_fails_computes_the_prompt(pair, reference, spoil):
+    producer = pair[0]
+    port, params = _failed_fetch(pair, reference, spoil)
     if spoil == "port":  # the producer never heard of it: release it as a consumer would
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.connect(f"tcp://127.0.0.1:{port}")
@@ -390,7 +398,6 @@ def test_kv_transfer_params_need_the_p2p_connector():
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["kv_transfer.connector=nixl"], "kv_transfer.connector=nixl (disaggregated prefill) is not built yet"),
     (["kv_transfer=p2p", "kv_transfer.p2p.port=0"], "kv_transfer.p2p.port=0 must be a TCP port"),
     (["kv_transfer=p2p", "kv_transfer.p2p.timeout_s=0"], "kv_transfer.p2p.timeout_s=0.0 must be positive"),
     (["kv_transfer=p2p", "kv_transfer.role=consumer", "kv_transfer.p2p.port=9000"],
