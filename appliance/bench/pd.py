@@ -1,5 +1,6 @@
-"""`appliance bench pd`: disaggregated prefill (``kv_transfer=p2p``) on a
-long prompt, three engines in this process over loopback.
+"""`appliance bench pd`: disaggregated prefill (``kv_transfer=p2p``, and / or
+``nixl`` with ``--connectors``) on a long prompt, a colocated engine and a
+producer and a consumer per connector in this process over loopback.
 
 For each of ``--repeat`` fresh ``--prompt-len``-token prompts:
 
@@ -10,10 +11,11 @@ For each of ``--repeat`` fresh ``--prompt-len``-token prompts:
   ``kv_transfer_params``. It fetches every block but the one the last token
   fills, writes them, runs the last token, and samples.
 
-Reported: medians, the bytes fetched and the rate the consumer got them at
-(its time to first token less a one-token step, measured on its own), and
-the consumer's time against the colocated prefill. The consumer's first
-token is the colocated engine's; that is checked, not assumed.
+Reported: medians, the bytes fetched and the rate each consumer got them
+at (its time to first token less a one-token step, measured on its own),
+and each consumer's time against the colocated prefill (and nixl's against
+p2p's when both run). Every consumer's first token is the colocated
+engine's; that is checked, not assumed.
 """
 
 from __future__ import annotations
@@ -35,53 +37,71 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="appliance bench pd")
     p.add_argument("--prompt-len", type=int, default=4000)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--connectors", default="p2p",
+                   help="comma-separated: p2p (the blocks in ZeroMQ messages), nixl (read through NIXL)")
     p.add_argument("--out", default="bench-results")
     a, overrides = split_overrides(p, argv)
+    connectors = [c for c in a.connectors.split(",") if c]
+    if not connectors or any(c not in ("p2p", "nixl") for c in connectors):
+        p.error(f"--connectors {a.connectors!r}: p2p and / or nixl")
     from appliance import LLM, SamplingParams
     from appliance.worker.executor import free_port
 
     plain = LLM(overrides=overrides)
-    producer = LLM(overrides=[*overrides, "kv_transfer=p2p", "kv_transfer.role=producer",
-                              f"kv_transfer.p2p.port={free_port()}"])
-    consumer = LLM(overrides=[*overrides, "kv_transfer=p2p", "kv_transfer.role=consumer"])
+    pairs = {c: (LLM(overrides=[*overrides, f"kv_transfer={c}", "kv_transfer.role=producer",
+                                f"kv_transfer.p2p.port={free_port()}"]),
+                 LLM(overrides=[*overrides, f"kv_transfer={c}", "kv_transfer.role=consumer"])) for c in connectors}
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     prefill = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
                              kv_transfer_params={"do_remote_decode": True})
     vocab = plain.resolved.cfg.model.vocab_size
     prompts = random_prompts(a.repeat + 1, [a.prompt_len] * (a.repeat + 1), vocab, seed=5)
-    one_token = [_timed(consumer, [7], first)[0] for _ in range(3)]  # a one-token step, warm
-    runs: dict[str, list[float]] = {"colocated": [], "producer": [], "consumer": []}
+    one_token = [_timed(plain, [7], first)[0] for _ in range(3)]  # a one-token step, warm
+    runs: dict[str, list[float]] = {"colocated": []}
     fetched = 0
     for i, prompt in enumerate(prompts):
         ms_plain, out_plain = _timed(plain, prompt, first)
-        ms_prod, out_prod = _timed(producer, prompt, prefill)
-        loaded = consumer.engine.scheduler.connector.loaded_tokens
-        ms_cons, out_cons = _timed(consumer, prompt, SamplingParams(
-            max_tokens=1, temperature=0, ignore_eos=True, kv_transfer_params=out_prod.kv_transfer_params))
-        if out_cons.outputs[0].token_ids != out_plain.outputs[0].token_ids:
-            raise RuntimeError("the consumer's first token differs from the colocated engine's")
-        if i == 0:
-            continue  # the first round warms every engine up
-        fetched = consumer.engine.scheduler.connector.loaded_tokens - loaded
-        for name, ms in (("colocated", ms_plain), ("producer", ms_prod), ("consumer", ms_cons)):
-            runs[name].append(ms)
-    if consumer.engine.scheduler.connector.failed_loads:
-        raise RuntimeError("a fetch failed; see the log")
-    caches = consumer.engine.runner.kv_caches
+        if i > 0:  # the first round warms every engine up
+            runs["colocated"].append(ms_plain)
+        for c, (producer, consumer) in pairs.items():
+            ms_prod, out_prod = _timed(producer, prompt, prefill)
+            loaded = consumer.engine.scheduler.connector.loaded_tokens
+            ms_cons, out_cons = _timed(consumer, prompt, SamplingParams(
+                max_tokens=1, temperature=0, ignore_eos=True, kv_transfer_params=out_prod.kv_transfer_params))
+            if out_cons.outputs[0].token_ids != out_plain.outputs[0].token_ids:
+                raise RuntimeError(f"the {c} consumer's first token differs from the colocated engine's")
+            if consumer.engine.scheduler.connector.failed_loads:
+                raise RuntimeError(f"a {c} fetch failed; see the log")
+            if i == 0:
+                continue
+            fetched = consumer.engine.scheduler.connector.loaded_tokens - loaded
+            for name, ms in ((_name(c, "producer", connectors), ms_prod), (_name(c, "consumer", connectors), ms_cons)):
+                runs.setdefault(name, []).append(ms)
+    caches = plain.engine.runner.kv_caches
     bytes_per_token = sum(c[:, 0].numel() * c.element_size() for c in caches) // caches[0].shape[2]
     med = {name: statistics.median(v) for name, v in runs.items()}
-    fetch_ms = max(med["consumer"] - statistics.median(one_token), 1e-3)
+    step_ms = statistics.median(one_token)
+    consumers = {c: med[_name(c, "consumer", connectors)] for c in connectors}
     results = {
-        "prompt_len": a.prompt_len, "repeat": a.repeat, "runs_ms": runs, "median_ms": med,
-        "one_token_step_ms": statistics.median(one_token), "fetched_tokens": fetched,
-        "fetched_bytes": fetched * bytes_per_token, "fetch_gb_s": fetched * bytes_per_token / fetch_ms / 1e6,
-        "consumer_vs_colocated": med["consumer"] / med["colocated"],
+        "prompt_len": a.prompt_len, "repeat": a.repeat, "connectors": connectors, "runs_ms": runs, "median_ms": med,
+        "one_token_step_ms": step_ms, "fetched_tokens": fetched, "fetched_bytes": fetched * bytes_per_token,
+        "fetch_gb_s": {c: fetched * bytes_per_token / max(ms - step_ms, 1e-3) / 1e6 for c, ms in consumers.items()},
+        "consumer_vs_colocated": {c: ms / med["colocated"] for c, ms in consumers.items()},
     }
+    if len(connectors) == 2:
+        results["consumer_nixl_vs_p2p"] = consumers["nixl"] / consumers["p2p"]
     path = write_results(a.out, "pd", results)
     plot_bars(a.out, "pd", f"{a.prompt_len}-token prompt: time to first token (ms)", med, "ms")
     for name, ms in med.items():
-        print(f"{name:10s} {ms:9.1f} ms")
-    print(f"fetched {fetched} tokens, {results['fetched_bytes'] / 1e6:.1f} MB at {results['fetch_gb_s']:.2f} GB/s; "
-          f"consumer TTFT {results['consumer_vs_colocated']:.3f}x the colocated one")
+        print(f"{name:16s} {ms:9.1f} ms")
+    print(f"fetched {fetched} tokens, {results['fetched_bytes'] / 1e6:.1f} MB")
+    for c in connectors:
+        print(f"{c}: at {results['fetch_gb_s'][c]:.2f} GB/s; consumer TTFT "
+              f"{results['consumer_vs_colocated'][c]:.3f}x the colocated one")
     print(path)
     return 0
+
+
+def _name(connector: str, role: str, connectors: list[str]) -> str:
+    """A run's name: the role, with its connector when several are compared."""
+    return role if len(connectors) == 1 else f"{connector} {role}"

@@ -6,6 +6,8 @@ import math
 
 import pytest
 
+from appliance.worker.kv_nixl import nixl_api
+
 TINY = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05"]
 
 
@@ -102,7 +104,18 @@ def test_pd(out, cli):
     res = load(out, "pd")
     assert res["fetched_tokens"] == 39  # all of the prompt but its last token
     assert set(res["median_ms"]) == {"colocated", "producer", "consumer"}
+    assert set(res["fetch_gb_s"]) == {"p2p"}
     assert (out / "pd.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(nixl_api() is None, reason="NIXL is not installed (pip install nixl-cu12)")
+def test_pd_compares_the_connectors(out, cli):
+    r = cli("bench", "pd", "--prompt-len", "40", "--repeat", "1", "--connectors", "p2p,nixl", "--out", str(out), *TINY)
+    assert r.returncode == 0, r.stderr
+    res = load(out, "pd")
+    assert res["fetched_tokens"] == 39
+    assert set(res["median_ms"]) == {"colocated", "p2p producer", "p2p consumer", "nixl producer", "nixl consumer"}
+    assert res["consumer_nixl_vs_p2p"] > 0
 
 
 def test_serve_starts_its_own_server(out, cli):
