@@ -1,7 +1,9 @@
 """GPU check: every attention backend that imports against torch_sdpa on
 realistic shapes, plus a short end-to-end generation on each, the fp8
-W8A8 GEMM (torch._scaled_mm) against its reference path, and the Triton
-int4 and grouped int8 GEMMs against the dequantized bf16 GEMM.
+W8A8 GEMM (torch._scaled_mm) against its reference path, the Triton
+int4 and grouped int8 GEMMs against the dequantized bf16 GEMM, and a
+sparse layer's experts through the Triton fused MoE and FlashInfer's
+fused MoE (where it runs) against the grouped torch path.
 
 Writes gpu_check.json (and prints a summary) into $OUT (or ./gpu-results).
 Needs only torch (+ triton, flashinfer, FA3 where installed); the end-to-end
@@ -147,10 +149,50 @@ def int8_gemm_case(m: int, n: int = 4096, k: int = 4096, group: int = 16) -> dic
             "ms": time_ms(lambda: int8_gemm(x, q, d, mn)), "bf16_ms": time_ms(lambda: x @ w.t())}
 
 
+def moe_case(kernel: str, tokens: int, experts: int = 64, top_k: int = 8, hidden: int = 2048,
+             inter: int = 768) -> dict:
+    """One sparse layer's bf16 experts (Qwen3-30B-A3B's shape) through the
+    Triton fused MoE or FlashInfer's, against the grouped torch path."""
+    from appliance.kernels import flashinfer_moe
+    from appliance.kernels.triton_moe import fused_experts
+    from appliance.models.moe import FusedExperts, route
+
+    g = torch.Generator().manual_seed(tokens)
+    ex = FusedExperts(experts, hidden, inter).to("cuda")
+    ex.w13.data = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to("cuda", torch.bfloat16)
+    ex.w2.data = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to("cuda", torch.bfloat16)
+    x = torch.randn(tokens, hidden, generator=g).to("cuda", torch.bfloat16)
+    weights, ids = route(torch.randn(tokens, experts, generator=g).cuda(), top_k, True)
+    cpu = FusedExperts(experts, hidden, inter)
+    cpu.w13.data, cpu.w2.data = ex.w13.data.float().cpu(), ex.w2.data.float().cpu()
+    ref = cpu(x.float().cpu(), weights.cpu(), ids.cpu())  # the grouped torch path, fp32
+    if kernel == "flashinfer":
+        if not flashinfer_moe.usable(x):
+            raise RuntimeError("FlashInfer's fused MoE does not run here (not importable, or another arch)")
+        w31 = flashinfer_moe.up_first(ex.w13.data)
+
+        def run():
+            return flashinfer_moe.fused_experts(x, w31, ex.w2.data, weights, ids, 0, experts)
+    else:
+        def run():
+            return fused_experts(x, ex.w13.data, ex.w2.data, weights, ids)
+    got = run().float().cpu()
+    err = (got - ref).abs().max().item() / ref.abs().max().item()
+    return {"moe": kernel, "tokens": tokens, "experts": experts, "top_k": top_k, "hidden": hidden, "inter": inter,
+            "max_rel_err": err, "ok": err < 3e-2, "ms": time_ms(run)}
+
+
 def main() -> int:
     os.makedirs(OUT, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "kernels": [], "e2e": [],
-              "gemms": [], "not_importable": {}}
+              "gemms": [], "moe": [], "not_importable": {}}
+    for kernel in ("triton", "flashinfer"):
+        for tokens in (1, 64, 1024):
+            try:
+                report["moe"].append(moe_case(kernel, tokens))
+            except Exception as e:
+                report["moe"].append({"moe": kernel, "tokens": tokens, "error": repr(e),
+                                      "trace": traceback.format_exc()[-2000:]})
     for case, name in ((fp8_gemm_case, "fp8 W8A8"), (int4_gemm_case, "int4"), (int8_gemm_case, "int8 grouped")):
         for m in (1, 16, 100, 2048):
             try:
@@ -177,7 +219,7 @@ def main() -> int:
     with open(os.path.join(OUT, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=2)
     print(json.dumps(report, indent=2))
-    return 0 if all(k.get("ok") for k in report["kernels"] + report["gemms"]) else 1
+    return 0 if all(k.get("ok") for k in report["kernels"] + report["gemms"] + report["moe"]) else 1
 
 
 if __name__ == "__main__":

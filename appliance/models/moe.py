@@ -32,6 +32,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from appliance.kernels import flashinfer_moe
+
 
 @dataclass(frozen=True)
 class ExpertParallel:
@@ -158,12 +160,17 @@ class FusedExperts(nn.Module):
     are slot ids. ``quantize`` turns them into int8
     (a scale per output channel) or int4 (groups) weight-only, as the
     dense projections are; the torch path then dequantizes an expert's
-    weights when a step routes tokens to it."""
+    weights when a step routes tokens to it. ``num_slots``: every rank's
+    slots (default: up to this rank's last). Where FlashInfer's fused MoE
+    runs them (``kernels/flashinfer_moe.py``), ``w13`` holds up rows first
+    from their first forward on (``up_first``)."""
 
     def __init__(self, num_local: int, hidden: int, inter: int, first: int = 0,
-                 slot_experts: Optional[list[int]] = None):
+                 slot_experts: Optional[list[int]] = None, num_slots: Optional[int] = None):
         super().__init__()
         self.num_local, self.hidden, self.inter, self.first = num_local, hidden, inter, first
+        self.num_slots = first + num_local if num_slots is None else num_slots
+        self.up_first = False  # w13's halves swapped for FlashInfer's kernel
         self.slot_experts = list(range(first, first + num_local)) if slot_experts is None else list(slot_experts)
         self.w13 = nn.Parameter(torch.empty(num_local, 2 * inter, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, inter), requires_grad=False)
@@ -211,14 +218,22 @@ class FusedExperts(nn.Module):
         else:
             gu = F.linear(x, self.w13[e])
         gate, up = gu.split(self.inter, dim=-1)
+        if self.up_first:
+            gate, up = up, gate
         h = F.silu(gate) * up
         return self._q[e][1](h) if self._q else F.linear(h, self.w2[e])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Sum over each token's routed experts held here of weight x
-        expert(token), grouped by expert: on GPUs by the Triton fused
-        kernel (``kernels/triton_moe.py``), else one torch GEMM pair per
+        expert(token), grouped by expert: on GPUs by FlashInfer's fused MoE
+        where it runs, else by the Triton fused kernel
+        (``kernels/triton_moe.py``); elsewhere one torch GEMM pair per
         active expert."""
+        if not self._q and flashinfer_moe.usable(x):
+            if not self.up_first:  # once: the kernel's layout
+                self.w13.data = flashinfer_moe.up_first(self.w13.data)
+                self.up_first = True
+            return flashinfer_moe.fused_experts(x, self.w13, self.w2, weights, ids, self.first, self.num_slots)
         if x.device.type != "cpu" and not self._q:
             from appliance.kernels.triton_moe import fused_experts
 
@@ -260,7 +275,8 @@ class SparseMoe(nn.Module):
         first, end = (0, slots) if ep is None else expert_range(slots, ep.rank, ep.size)
         self.gate = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)
         self.experts = FusedExperts(end - first, arch.hidden_size, arch.moe_intermediate_size, first,
-                                    [p % arch.num_experts for p in range(first, end)])  # eplb.initial_placement
+                                    [p % arch.num_experts for p in range(first, end)],  # eplb.initial_placement
+                                    num_slots=slots)
         self.comm = comm
         self.per_token = False  # the naive loop instead of grouped execution (benchmarks)
         self.eplb: Any = None  # the load balancer (models/eplb.py), with its placement of this layer's slots
