@@ -516,12 +516,12 @@ def _model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
 
         if not isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear):  # an fp8 checkpoint loads as fp8
             quantize_fp8(model, cfg.quantization.activations)
-    if device.type != "cpu":  # int4 weights travel packed two to a byte, as the GPU GEMM reads them
+    if device.type != "cpu":  # int4 weights travel packed (4 bits a weight), as the GPU GEMM reads them
         from appliance.models.quant import Int4WeightOnlyLinear
 
         for module in model.modules():
             if isinstance(module, Int4WeightOnlyLinear):
-                module.pack_rows()
+                module.prepare_for(device, dtype)
     model.to(device)  # modules a quantization method built from host tensors
     num_blocks, mml = deployment.num_kv_blocks, deployment.max_model_len
     kv_dtype = backend.cache_dtype(ex.kv_cache_dtype, dtype)

@@ -1,7 +1,8 @@
 """GPU check: every attention backend that imports against torch_sdpa on
 realistic shapes, plus a short end-to-end generation on each, the fp8
 W8A8 GEMM (torch._scaled_mm) against its reference path, the Triton
-int4 and grouped int8 GEMMs against the dequantized bf16 GEMM, and a
+int4 and grouped int8 GEMMs and the Marlin int4 GEMM (sgl-kernel) against
+the dequantized bf16 GEMM, and a
 sparse layer's experts through the Triton fused MoE and FlashInfer's
 fused MoE (where it runs) against the grouped torch path.
 
@@ -130,6 +131,31 @@ def int4_gemm_case(m: int, n: int = 4096, k: int = 4096, group: int = 128) -> di
             "ms": time_ms(lambda: int4_gemm(x, rows, d, mn)), "bf16_ms": time_ms(lambda: x @ w.t())}
 
 
+def marlin_gemm_case(m: int, n: int = 4096, k: int = 4096, group: int = 128) -> dict:
+    """An AWQ/GPTQ-style int4 linear (integer zero points) on the Marlin GEMM
+    (sgl-kernel) against the dequantized bf16 GEMM."""
+    from appliance.kernels import marlin_int4
+    from appliance.models.int4_checkpoints import quantize_zero_point
+    from appliance.models.quant import Int4WeightOnlyLinear
+
+    if not marlin_int4.usable(DEV, torch.bfloat16):
+        raise RuntimeError("the Marlin GEMM does not run here (sgl_kernel not importable, or before SM80)")
+    g = torch.Generator().manual_seed(m)
+    q, z, s = quantize_zero_point(torch.randn(n, k, generator=g) / k ** 0.5, group)
+    d = s.float()
+    lin = Int4WeightOnlyLinear(None, None, blocks=(q, d, -(d * z.float())))
+    w = lin.dequantized().to("cuda", torch.bfloat16)
+    lin.prepare_for(DEV, torch.bfloat16)
+    if lin.marlin_words is None:
+        raise RuntimeError("the Marlin GEMM did not take the blocks")
+    lin.to(DEV)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    got, ref = lin(x), x @ w.t()
+    err = (got.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+    return {"gemm": "int4 Marlin", "m": m, "n": n, "k": k, "group": group, "max_rel_err": err, "ok": err < 2e-2,
+            "ms": time_ms(lambda: lin(x)), "bf16_ms": time_ms(lambda: x @ w.t())}
+
+
 def int8_gemm_case(m: int, n: int = 4096, k: int = 4096, group: int = 16) -> dict:
     """The Triton grouped int8 GEMM (GGUF Q8_0/Q5_K/Q6_K, GPTQ 8-bit; groups of 16 as Q6_K's) against the
     dequantized bf16 GEMM."""
@@ -193,7 +219,8 @@ def main() -> int:
             except Exception as e:
                 report["moe"].append({"moe": kernel, "tokens": tokens, "error": repr(e),
                                       "trace": traceback.format_exc()[-2000:]})
-    for case, name in ((fp8_gemm_case, "fp8 W8A8"), (int4_gemm_case, "int4"), (int8_gemm_case, "int8 grouped")):
+    for case, name in ((fp8_gemm_case, "fp8 W8A8"), (int4_gemm_case, "int4"), (marlin_gemm_case, "int4 Marlin"),
+                       (int8_gemm_case, "int8 grouped")):
         for m in (1, 16, 100, 2048):
             try:
                 report["gemms"].append(case(m))

@@ -174,7 +174,9 @@ class _GroupedLinear(nn.Module):
 class Int4WeightOnlyLinear(_GroupedLinear):
     """4-bit weights with group scales and mins (fp16, or fp32), from a float
     weight (quantized here) or from given (q, d, m) (a checkpoint's own blocks);
-    on CUDA/ROCm through the Triton int4 GEMM."""
+    on CUDA/ROCm through the Marlin GEMM where it takes them (integer zero
+    points: AWQ and GPTQ; ``kernels/marlin_int4.py``), else the Triton int4
+    GEMM."""
 
     weight_attr = "weight_q4"
 
@@ -188,14 +190,36 @@ class Int4WeightOnlyLinear(_GroupedLinear):
             raise ValueError("int4 blocks are uint8 q with fp16 (or fp32) scales and mins of one dtype and shape")
         self._hold(q, d, m, bias, in_perm)
         self.register_buffer("weight_rows", None)  # on a GPU: two k per byte, for the Triton GEMM
+        # or, for the Marlin GEMM: GPTQ words (Marlin's tiles once on the device), scales, zero points
+        self.register_buffer("marlin_words", None)
+        self.register_buffer("marlin_scales", None)
+        self.register_buffer("marlin_zeros", None)
+        self.marlin_tiled = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._triton(x) if x.is_cuda else super().forward(x)
+        if not x.is_cuda:
+            return super().forward(x)
+        return self._marlin(x) if self.marlin_words is not None else self._triton(x)
+
+    def prepare_for(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Lay the weight out for ``device``'s GEMM with ``dtype`` activations
+        and free the unpacked one (the runner does it before moving the model
+        to a GPU, so the device holds 4 bits a weight): Marlin's layouts where
+        it runs and takes these blocks, else two k per byte for the Triton GEMM."""
+        from appliance.kernels import marlin_int4
+
+        if self.weight_rows is not None or self.marlin_words is not None:
+            return
+        marlin = marlin_int4.prepare(self.weight_q4, self.q_scale, self.q_min, dtype) \
+            if marlin_int4.usable(device, dtype) else None
+        if marlin is None:
+            self.pack_rows()
+            return
+        self.marlin_words, self.marlin_scales, self.marlin_zeros = marlin
+        self.weight_q4 = torch.empty(0, dtype=torch.uint8, device=self.marlin_words.device)
 
     def pack_rows(self) -> None:
-        """Repack the weight two k per byte for the GPU GEMM and free the
-        unpacked one (the runner does it before moving the model to a GPU,
-        so the device holds 4 bits a weight)."""
+        """Repack the weight two k per byte for the Triton GEMM and free the unpacked one."""
         from appliance.kernels.triton_int4 import pack_int4_rows
 
         if self.weight_rows is None:
@@ -208,6 +232,17 @@ class Int4WeightOnlyLinear(_GroupedLinear):
 
         self.pack_rows()
         return self._through(x, lambda rows: int4_gemm(rows, self.weight_rows, self.q_scale, self.q_min, self.bias))
+
+    def _marlin(self, x: torch.Tensor) -> torch.Tensor:
+        """CUDA: the Marlin GEMM (kernels/marlin_int4.py), its tiles made on first use."""
+        from appliance.kernels import marlin_int4
+
+        if not self.marlin_tiled:
+            self.marlin_words = marlin_int4.repack(self.marlin_words, self.out_features, self.in_features)
+            self.marlin_tiled = True
+        return self._through(x, lambda rows: marlin_int4.gemm(
+            rows.to(self.marlin_scales.dtype), self.marlin_words, self.marlin_scales, self.marlin_zeros,
+            self.out_features, self.bias).to(x.dtype))
 
 
 class GroupedInt8Linear(_GroupedLinear):
