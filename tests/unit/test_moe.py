@@ -12,7 +12,7 @@ import torch
 from appliance import LLM, SamplingParams
 from appliance.config.compose import resolve
 from appliance.config.checkpoint import hf_facts
-from appliance.config.plan import make_plan
+from appliance.config.plan import format_plan, make_plan
 from appliance.config.sizes import parameter_counts, sparse_layers
 from appliance.config.validate import validate
 from appliance.models.loader import resolve_model_folder
@@ -178,6 +178,11 @@ def test_plan_shows_experts_per_rank_and_reads_only_the_active_ones():
     assert ep.experts["experts_per_rank"] == 16 and ep.experts["expert_parallel_size"] == 8
     assert ep.experts["expert_bytes_per_rank"] == one.experts["expert_bytes_per_rank"] // 8
     assert ep.weight_bytes_per_device < one.weight_bytes_per_device / 4
+    redundant = make_plan(resolve(base + ["parallel=dp8_ep", "parallel.eplb.enabled=true",
+                                          "parallel.eplb.num_redundant_experts=8"]).cfg)
+    assert redundant.experts["redundant_experts"] == 8 and redundant.experts["experts_per_rank"] == 17  # 136 slots
+    assert redundant.experts["expert_bytes_per_rank"] == one.experts["expert_bytes_per_rank"] * 17 // 128
+    assert ", 8 redundant;" in format_plan(redundant)
 
 
 @pytest.mark.parametrize("override,message", [
