@@ -22,7 +22,7 @@ from appliance.config.compose import ResolvedConfig
 from appliance.config.deployment import PROMPT_CHARS_PER_TOKEN, Deployment, ExecutorLayout, ExpertGroupAddress
 from appliance.config.detect import DeviceDescription, detect_device
 from appliance.config.execution import Execution, resolve_execution
-from appliance.config.plan import format_plan, make_plan, max_model_len
+from appliance.config.plan import format_plan, make_plan, max_model_len, offload_medium
 from appliance.config.schema import ApplianceConfig
 from appliance.config.unbuilt import not_built
 from appliance.engine.kv_p2p import DISAGGREGATED_PREFILL
@@ -249,10 +249,11 @@ def _kv_connector(deployment: Deployment, runner: Any) -> Optional[tuple[Any, An
                             name=kt.connector), worker
     from appliance.engine.kv_connector import OffloadConnector
 
+    on_disk = offload_medium(cfg) == "disk"  # else host memory: nothing there at start
     if ranks is not None:
-        return OffloadConnector(_tier_folder(deployment, _ranks_kv_layout(deployment)), cfg.cache.block_size,
-                                ranks=ranks), None
-    folder = _tier_folder(deployment, _kv_layout(deployment, runner.kv_caches))
+        folder = _tier_folder(deployment, _ranks_kv_layout(deployment)) if on_disk else None
+        return OffloadConnector(folder, cfg.cache.block_size, ranks=ranks), None
+    folder = _tier_folder(deployment, _kv_layout(deployment, runner.kv_caches)) if on_disk else None
     return OffloadConnector(folder, cfg.cache.block_size), _offload_worker(deployment, folder)
 
 
@@ -304,14 +305,18 @@ def _tier_folder(deployment: Deployment, layout: dict[str, Any]) -> Path:
     return folder / f"core{deployment.data_parallel_rank}" if deployment.layout.data_parallel_size > 1 else folder
 
 
-def _offload_worker(deployment: Deployment, folder: Path, agree: Any = None) -> Any:
-    """The offload tier's worker side in ``folder``, with its share of
-    ``offload.max_gib`` (the engine cores' and their ranks' shares even)."""
-    from appliance.worker.kv_offload import OffloadWorker
+def _offload_worker(deployment: Deployment, folder: Optional[Path], agree: Any = None) -> Any:
+    """The offload tier's worker side in ``folder`` (None: host memory), with
+    its share of ``offload.max_gib`` (the engine cores' and their ranks'
+    shares even)."""
+    from appliance.worker.kv_offload import HostTierWorker, OffloadWorker
 
     share = deployment.layout.data_parallel_size * (_worker_ranks(deployment) or 1)
+    max_bytes = int(deployment.cfg.kv_transfer.offload.max_gib * (1 << 30) / share)
+    if folder is None:
+        return HostTierWorker(max_bytes, agree)
     try:
-        return OffloadWorker(folder, int(deployment.cfg.kv_transfer.offload.max_gib * (1 << 30) / share), agree)
+        return OffloadWorker(folder, max_bytes, agree)
     except OSError as e:
         raise ConfigError(f"kv_transfer.offload.path: the tier's folder {folder} cannot be used: {e}") from None
 
@@ -339,8 +344,10 @@ def _ranks_offload(deployment: Deployment, rank: int, comms: Any) -> Any:
         comms.tp.all_reduce(flag)
         return bool(flag[0] > 0)
 
-    return _offload_worker(deployment, rank_folder(_tier_folder(deployment, _ranks_kv_layout(deployment)), rank),
-                           agree if comms.tp is not None else None)
+    folder = None
+    if offload_medium(deployment.cfg) == "disk":
+        folder = rank_folder(_tier_folder(deployment, _ranks_kv_layout(deployment)), rank)
+    return _offload_worker(deployment, folder, agree if comms.tp is not None else None)
 
 
 # Model keys that change neither K/V values nor their layout: engines that differ only in these share KV.

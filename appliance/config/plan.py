@@ -408,6 +408,15 @@ def describe_kv_events(cfg: ApplianceConfig) -> str:
     return f"block events in vLLM's format on {where}, topic {ev.topic!r}; {replay}"
 
 
+def offload_medium(cfg: ApplianceConfig) -> str:
+    """Where the offload tier keeps blocks: ``disk`` or ``host`` (``auto``:
+    host memory on GPU profiles, disk on CPU ones)."""
+    medium = cfg.kv_transfer.offload.medium
+    if medium == "auto":
+        return "disk" if cfg.hardware.device_kind == "cpu" else "host"
+    return medium
+
+
 def describe_kv_transfer(cfg: ApplianceConfig) -> str:
     kt = cfg.kv_transfer
     if kt.connector is None:
@@ -425,6 +434,10 @@ def describe_kv_transfer(cfg: ApplianceConfig) -> str:
                    f"computes the prompt here")
         parts = {"producer": [produce], "consumer": [consume], "both": [produce, consume]}.get(kt.role, [])
         return f"{kt.connector} (disaggregated prefill): " + "; ".join(parts)
+    if offload_medium(cfg) == "host":
+        return (f"offload: full blocks copied to host memory as they fill (pinned on GPUs), at most "
+                f"{kt.offload.max_gib:g} GiB, least recently used dropped first; a prefix found there loads instead "
+                f"of being recomputed (gone at a restart: kv_transfer.offload.medium=disk keeps it)")
     where = kt.offload.path or "kv_offload in the appliance's cache folder"
     return (f"offload: full blocks saved to {where} as they fill (a subfolder per model and KV layout), at most "
             f"{kt.offload.max_gib:g} GiB, least recently used dropped first; a prefix found there loads instead "

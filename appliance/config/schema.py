@@ -349,9 +349,12 @@ class KVEventsConfig:
 
 @dataclass
 class KVOffloadConfig:
-    # The offload connector's tier: a folder on local disk (null: kv_offload under the appliance's cache
-    # folder, $APPLIANCE_CACHE_DIR or ~/.cache/appliance), at most max_gib of blocks (least recently used
-    # dropped first). One subfolder per model and KV layout, so a restart finds its blocks again.
+    # The offload connector's tier. medium: disk (a folder on local disk: path, null for kv_offload under the
+    # appliance's cache folder, $APPLIANCE_CACHE_DIR or ~/.cache/appliance; one subfolder per model and KV
+    # layout, so a restart finds its blocks again), host (host memory, pinned on GPUs; gone with the process),
+    # or auto (host on GPU profiles, disk on CPU ones). At most max_gib of blocks, least recently used dropped
+    # first.
+    medium: str = "auto"
     path: Optional[str] = None
     max_gib: float = 16.0
 

@@ -11,7 +11,8 @@ import dataclasses
 from typing import Optional
 
 from appliance.config.execution import choose_dtype
-from appliance.config.plan import GIB, activation_bytes, kv_bytes_per_token, max_model_len, weight_bytes
+from appliance.config.plan import (GIB, activation_bytes, kv_bytes_per_token, max_model_len, offload_medium,
+                                   weight_bytes)
 from appliance.config.checkpoint import MOE_KEYS
 from appliance.config.schema import ApplianceConfig, EplbConfig, KVEventsConfig, KVTransferConfig, ModelConfig
 from appliance.kernels.registry import BACKENDS
@@ -178,6 +179,7 @@ def _kv_events_problems(cfg: ApplianceConfig) -> list[str]:
     return problems
 
 
+OFFLOAD_MEDIA = ("auto", "disk", "host")
 KV_CONNECTORS = ("offload", "p2p", "nixl")  # built
 # each connector's sections of kv_transfer (nixl's side channel is p2p's)
 KV_CONNECTOR_SECTIONS = {"offload": ("offload",), "p2p": ("p2p",), "nixl": ("p2p", "nixl")}
@@ -200,6 +202,11 @@ def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
     defaults = KVTransferConfig()
     problems += _unused_keys(kt, defaults, kt.connector)
     if kt.connector == "offload":
+        if kt.offload.medium not in OFFLOAD_MEDIA:
+            problems.append(f"kv_transfer.offload.medium={kt.offload.medium} must be one of {', '.join(OFFLOAD_MEDIA)}")
+        elif offload_medium(cfg) == "host" and kt.offload.path is not None:
+            problems.append(f"kv_transfer.offload.path={kt.offload.path} has no effect with the tier in host memory "
+                            f"(kv_transfer.offload.medium={kt.offload.medium}); set medium=disk for a folder")
         if kt.role != "both":
             problems.append(f"kv_transfer.role={kt.role}: an offload tier saves and loads (role both); producer and "
                             f"consumer are disaggregated prefill's roles (kv_transfer.connector=p2p)")
@@ -208,7 +215,7 @@ def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
         if not cfg.cache.enable_prefix_caching:
             problems.append("kv_transfer.connector=offload keys blocks by their prefix hashes; it needs "
                             "cache.enable_prefix_caching=true")
-        if cfg.cache.prefix_caching_hash_algo == "builtin":
+        if cfg.cache.prefix_caching_hash_algo == "builtin" and offload_medium(cfg) == "disk":
             problems.append("kv_transfer.connector=offload needs hashes that stay the same across processes "
                             "(cache.prefix_caching_hash_algo=sha256 or sha256_cbor); builtin hashes change per "
                             "process")

@@ -127,7 +127,8 @@ def rank_folder(folder: Path, rank: int) -> Path:
 
 
 class OffloadConnector:
-    """The offload tier's scheduler side (see the module docstring). With
+    """The offload tier's scheduler side (see the module docstring; ``folder``
+    None: the tier is in the ranks' host memory). With
     ``ranks`` > 1 (an engine core's tensor-parallel ranks and pipeline
     stages) each rank keeps its part of every block in its own folder
     (``rank_folder``): a block is in the tier when every rank's part is
@@ -138,10 +139,12 @@ class OffloadConnector:
     has_pending_meta = False  # its instructions go with the steps that need them
     has_transfers = False  # nothing an idle engine must step for
 
-    def __init__(self, folder: Path, block_size: int, ranks: int = 1):
+    def __init__(self, folder: Optional[Path], block_size: int, ranks: int = 1):
         self.folder, self.block_size, self.ranks = folder, block_size, ranks
-        if ranks == 1:
-            self.available: set[bytes] = set(stored_hashes(folder))
+        if folder is None:  # a tier in host memory starts empty
+            self.available: set[bytes] = set()
+        elif ranks == 1:
+            self.available = set(stored_hashes(folder))
         else:
             self.available = set.intersection(*(set(stored_hashes(rank_folder(folder, r))) for r in range(ranks)))
         self._written = RankTally(ranks)  # several ranks: the ranks that wrote their part of a block
@@ -226,13 +229,16 @@ class OffloadConnector:
 
     def step_failed(self, meta: Optional[OffloadMetadata]) -> None:
         """A step that failed may have loaded unreadable blocks and saved
-        nothing: its loads leave the tier's index (recomputed, saved again),
-        its saves are forgotten."""
+        nothing: its loads leave the tier's index and their requests save
+        those blocks again as they recompute them; its saves are forgotten."""
         if meta is not None:
             for _, h in meta.loads:
                 self.available.discard(h)
             for _, h in meta.saves:
                 self.pending.discard(h)
+        for rid, first in self.first_loaded_block.items():
+            if rid in self._saved_upto:
+                self._saved_upto[rid] = min(self._saved_upto[rid], first)
         self.first_loaded_block.clear()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:

@@ -1,5 +1,7 @@
 """The offload tier's worker side (``kv_transfer.connector=offload``; the
-scheduler side and the file layout: ``engine/kv_connector.py``).
+scheduler side and the file layout: ``engine/kv_connector.py``): a folder
+on disk (``OffloadWorker``, below) or host memory (``HostTierWorker``, the
+same calls, the blocks kept as tensors).
 
 Around a step's forward the model runner calls ``start_load_kv`` (the
 step's loads, read from their files into the blocks the scheduler gave
@@ -43,11 +45,107 @@ class KVLoadError(RuntimeError):
     retry_requests = True
 
 
-class OffloadWorker:
-    """A rank's tier folder (see the module docstring). ``agree(failed)``:
-    with tensor-parallel ranks, whether any rank of this one's pipeline
-    stage failed its loads of the step (an all-reduce), so that all of them
-    fail the step or none does."""
+class _TierLoads:
+    """What both tiers' loads share. ``agree(failed)``: with tensor-parallel
+    ranks, whether any rank of this one's pipeline stage failed its loads of
+    the step (an all-reduce), so that all of them fail the step or none does."""
+
+    agree: Optional[Callable[[bool], bool]] = None
+
+    def start_load_kv(self, meta: Optional[OffloadMetadata], kv_caches: list[torch.Tensor]) -> None:
+        """The step's loads into their blocks of every layer's cache; a block
+        that cannot be read raises KVLoadError (the step fails, its requests
+        are recomputed) and leaves the tier. When another rank of the stage
+        could not read its part (``agree``), this rank raises KVLoadError
+        too, so the ranks fail the step together."""
+        if meta is None or not meta.loads:
+            return
+        failed = None
+        try:
+            self._load(meta, kv_caches)
+        except KVLoadError as e:
+            failed = e
+        if self.agree is not None and self.agree(failed is not None) and failed is None:
+            raise KVLoadError("another rank could not read its part of a KV tier block of this step")
+        if failed is not None:
+            raise failed
+
+    def _load(self, meta: OffloadMetadata, kv_caches: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+
+class HostTierWorker(_TierLoads):
+    """A rank's tier in host memory (``kv_transfer.offload.medium=host``):
+    each saved block one tensor of every layer's K and V, in pinned memory
+    when the caches are on a GPU (copied out without blocking the step, and
+    reported saved once the copy is done), least recently used dropped past
+    ``max_bytes``; gone with the process."""
+
+    def __init__(self, max_bytes: int, agree: Optional[Callable[[bool], bool]] = None):
+        self.max_bytes, self.agree = max_bytes, agree
+        self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # least recently used first
+        self._bytes = 0
+        self._copying: list[tuple[bytes, torch.Tensor, object]] = []  # (hash, block, CUDA event or None)
+        self._dropped: list[bytes] = []
+
+    def _load(self, meta: OffloadMetadata, kv_caches: list[torch.Tensor]) -> None:
+        for block_id, h in meta.loads:
+            block = self._blocks.get(h)
+            if block is None:  # dropped since the scheduler was told it was here
+                self._dropped.append(h)
+                raise KVLoadError(f"KV tier block {h.hex()[:16]} is no longer in host memory")
+            self._blocks.move_to_end(h)
+            for layer, cache in enumerate(kv_caches):
+                cache[:, block_id].copy_(block[layer], non_blocking=True)
+
+    def save(self, meta: Optional[OffloadMetadata], kv_caches: list[torch.Tensor]) -> None:
+        """The step's saves copied out of the caches (on a GPU: into pinned
+        memory, without waiting for the copy)."""
+        if meta is None:
+            return
+        gpu = kv_caches[0].is_cuda
+        for block_id, h in meta.saves:
+            src = torch.stack([c[:, block_id] for c in kv_caches])
+            block = torch.empty(src.shape, dtype=src.dtype, pin_memory=gpu)
+            block.copy_(src, non_blocking=gpu)
+            event = None
+            if gpu:
+                event = torch.cuda.Event()
+                event.record()
+            self._copying.append((h, block, event))
+
+    def get_finished(self) -> KVConnectorOutput:
+        """The blocks whose copies completed since the last call, and those
+        dropped: past the size limit (least recently used first) or missing."""
+        saved, copying = [], []
+        for h, block, event in self._copying:
+            if event is not None and not event.query():
+                copying.append((h, block, event))
+                continue
+            self._bytes += block.numel() * block.element_size()
+            old = self._blocks.pop(h, None)
+            if old is not None:
+                self._bytes -= old.numel() * old.element_size()
+            self._blocks[h] = block
+            saved.append(h)
+        self._copying = copying
+        dropped, self._dropped = [h for h in self._dropped if h not in saved], []  # a block saved again since stays
+        while self._bytes > self.max_bytes and self._blocks:
+            h, block = self._blocks.popitem(last=False)
+            self._bytes -= block.numel() * block.element_size()
+            dropped.append(h)
+        return KVConnectorOutput(saved=[h for h in saved if h in self._blocks], dropped=dropped)
+
+    def flush(self) -> None:
+        """Wait until every block's copy is done (tests, shutdown)."""
+        for _, _, event in self._copying:
+            if event is not None:
+                event.synchronize()
+
+
+class OffloadWorker(_TierLoads):
+    """A rank's tier folder (see the module docstring); ``agree`` as
+    ``_TierLoads``'."""
 
     def __init__(self, folder: Path, max_bytes: int, agree: Optional[Callable[[bool], bool]] = None):
         self.folder, self.max_bytes, self.agree = Path(folder), max_bytes, agree
@@ -75,24 +173,6 @@ class OffloadWorker:
         return MAGIC + struct.pack("<I", len(meta)) + meta
 
     # -- before the forward ------------------------------------------------------
-    def start_load_kv(self, meta: Optional[OffloadMetadata], kv_caches: list[torch.Tensor]) -> None:
-        """The step's loads into their blocks of every layer's cache; a file
-        that cannot be read raises KVLoadError (the step fails, its requests
-        are recomputed) and leaves the tier. When another rank of the stage
-        could not read its part (``agree``), this rank raises KVLoadError
-        too, so the ranks fail the step together."""
-        if meta is None or not meta.loads:
-            return
-        failed = None
-        try:
-            self._load(meta, kv_caches)
-        except KVLoadError as e:
-            failed = e
-        if self.agree is not None and self.agree(failed is not None) and failed is None:
-            raise KVLoadError("another rank could not read its part of a KV tier block of this step")
-        if failed is not None:
-            raise failed
-
     def _load(self, meta: OffloadMetadata, kv_caches: list[torch.Tensor]) -> None:
         like = torch.stack([c[:, 0] for c in kv_caches])  # one block's shape and dtype
         expected = self._header(like)
@@ -139,6 +219,7 @@ class OffloadWorker:
             self._bytes += size - self._lru.pop(h, 0)
             self._lru[h] = size
             saved.append(h)
+        dropped = [h for h in dropped if h not in saved]  # a block written again since it was dropped stays
         while self._bytes > self.max_bytes and self._lru:
             h, size = self._lru.popitem(last=False)
             self._bytes -= size

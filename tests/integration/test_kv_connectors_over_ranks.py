@@ -79,7 +79,27 @@ def test_each_rank_keeps_its_part_and_the_prefix_loads(tmp_path, layout):
     recomputed = again.generate([PROMPT], GREEDY, use_tqdm=False)[0]
     assert recomputed.outputs[0].finish_reason == "length"  # not an error
     _same(cold, recomputed)
-    assert not victim.exists() and bytes.fromhex(victim.stem) not in again.engine.scheduler.connector.available
+    _settle(again)  # every rank wrote its part again as the request recomputed it
+    assert victim.stat().st_size == max(p.stat().st_size for p in victim.parent.iterdir())
+    assert bytes.fromhex(victim.stem) in again.engine.scheduler.connector.available
+
+
+def test_each_rank_keeps_its_part_in_host_memory():
+    """kv_transfer.offload.medium=host at tp2: each rank copies its part of
+    every block into its own memory; the prefix loads from there after the
+    pool forgot it, bit for bit."""
+    llm = LLM(overrides=["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "model.dtype=float32",
+                         "kv_transfer=offload", "kv_transfer.offload.medium=host", *LAYOUTS["tp2"]])
+    connector = llm.engine.scheduler.connector
+    assert connector.ranks == 2 and connector.folder is None
+    cold = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    _settle(llm)
+    blocks = (len(cold.prompt_token_ids) - 1) // llm.engine.block_size
+    assert len(connector.available) >= blocks
+    assert llm.engine.reset_prefix_cache()
+    warm = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    assert connector.hit_tokens == blocks * llm.engine.block_size == warm.num_cached_tokens
+    _same(cold, warm)
 
 
 BASE = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "model.dtype=float32"]

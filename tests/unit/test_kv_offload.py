@@ -102,7 +102,9 @@ def test_an_unreadable_block_is_dropped_and_its_request_recomputed(tmp_path):
     again = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
     assert again.outputs[0].finish_reason == "length"  # not an error: recomputed
     _same(cold, again)
-    assert not victim.exists() and bytes.fromhex(victim.stem) not in connector.available
+    _settle(llm)  # and written again, whole, as the request recomputed it
+    assert victim.stat().st_size == max(p.stat().st_size for p in connector.folder.iterdir())
+    assert bytes.fromhex(victim.stem) in connector.available
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -119,6 +121,9 @@ def test_an_unreadable_block_is_dropped_and_its_request_recomputed(tmp_path):
     (["kv_transfer=offload", "model=tiny_random_moe", "parallel=dp2_ep"],
      "with expert parallelism across engine cores is not built yet"),
     (["kv_transfer.offload.max_gib=2"], "kv_transfer.offload.max_gib=2.0 has no effect without"),
+    (["kv_transfer=offload", "kv_transfer.offload.medium=nvme"], "kv_transfer.offload.medium=nvme must be one of"),
+    (["kv_transfer=offload", "kv_transfer.offload.medium=host", "kv_transfer.offload.path=/tmp/x"],
+     "kv_transfer.offload.path=/tmp/x has no effect with the tier in host memory"),
     (["kv_transfer.role=consumer"], "kv_transfer.role=consumer has no effect without a connector"),
 ])
 def test_config_refuses_what_is_not_built(extra, message):
@@ -132,6 +137,59 @@ def test_plan_describes_the_tier(tmp_path):
                               "kv_transfer.offload.max_gib=2"]).cfg)
     assert plan.kv_transfer.startswith(f"offload: full blocks saved to {tmp_path}") and "at most 2 GiB" in plan.kv_transfer
     assert make_plan(resolve(["+profile=cpu"]).cfg).kv_transfer == "off"
+    # medium auto: host memory on a GPU profile
+    gpu = make_plan(resolve(["+profile=h100_bf16", "kv_transfer=offload"]).cfg).kv_transfer
+    assert gpu.startswith("offload: full blocks copied to host memory") and "gone at a restart" in gpu
+
+
+def _host(*extra):
+    return ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "model.dtype=float32",
+            "kv_transfer=offload", "kv_transfer.offload.medium=host", *extra]
+
+
+def test_a_tier_in_host_memory_loads_a_prefix_that_left_the_pool():
+    from appliance.worker.kv_offload import HostTierWorker
+
+    llm = LLM(overrides=_host())
+    connector, worker = llm.engine.scheduler.connector, llm.engine.runner.kv_connector
+    assert isinstance(worker, HostTierWorker) and connector.folder is None
+    cold = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    _settle(llm)
+    bs = llm.engine.block_size
+    expected = (len(cold.prompt_token_ids) - 1) // bs * bs
+    assert len(connector.available) >= expected // bs and not connector.pending
+    assert llm.engine.reset_prefix_cache()
+    warm = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    assert connector.hit_tokens == expected and warm.num_cached_tokens == expected
+    _same(cold, warm)
+
+    # the blocks gone from host memory under the scheduler's feet: the step is recomputed, not an error
+    held = set(worker._blocks)
+    worker._blocks.clear()
+    assert llm.engine.reset_prefix_cache()
+    hits = connector.hit_tokens
+    again = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    _same(cold, again)
+    assert connector.hit_tokens == hits + expected  # it tried the tier once, then computed the prompt
+    _settle(llm)
+    assert len(worker._blocks) >= expected // bs and set(worker._blocks) <= connector.available  # saved again
+    assert connector.available - set(worker._blocks) <= held  # only what the test took away unseen
+
+
+def test_a_tier_in_host_memory_keeps_under_its_limit_least_recently_used_first():
+    probe = LLM(overrides=_host())
+    probe.generate([PROMPT], GREEDY, use_tqdm=False)
+    _settle(probe)
+    block = next(iter(probe.engine.runner.kv_connector._blocks.values()))
+    limit = 5 * block.numel() * block.element_size()
+    llm = LLM(overrides=_host(f"kv_transfer.offload.max_gib={limit / (1 << 30)!r}"))
+    connector, worker = llm.engine.scheduler.connector, llm.engine.runner.kv_connector
+    llm.generate([PROMPT], GREEDY, use_tqdm=False)
+    _settle(llm)
+    assert len(worker._blocks) == len(connector.available) == 5 and worker._bytes <= limit
+    assert llm.engine.reset_prefix_cache()  # the prompt's first blocks left first: no prefix from the start
+    llm.generate([PROMPT], GREEDY, use_tqdm=False)
+    assert connector.hit_tokens == 0
 
 
 def test_a_block_of_several_ranks_is_in_the_tier_once_every_part_is(tmp_path):
