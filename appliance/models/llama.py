@@ -579,6 +579,8 @@ class LlamaForCausalLM(nn.Module):
         self.rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.lm_head_q: Optional[nn.Module] = None  # set by quantize_int8_weight_only
         self.eplb: Any = None  # set by enable_eplb
+        # a KV connector's worker side (worker/kv_connector.py), called around each layer on this path
+        self.kv_layer_hooks: Any = None
 
     def local_name(self, name: str) -> Optional[str]:
         """The parameter a checkpoint tensor fills here, or None when another
@@ -679,9 +681,15 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope[0][positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope[1][positions].unsqueeze(1)
 
+        hooks = self.kv_layer_hooks
+
         def layers(x: torch.Tensor) -> torch.Tensor:
-            for layer, kv_cache in zip(self.model.layers, kv_caches):
+            for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+                if hooks is not None:
+                    hooks.wait_for_layer_load(i)
                 x = layer(x, cos, sin, kv_cache, attn_metadata)
+                if hooks is not None:
+                    hooks.save_kv_layer(i, kv_cache)
             return x
 
         pp = self.pp

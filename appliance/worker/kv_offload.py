@@ -5,10 +5,11 @@ same calls, the blocks kept as tensors).
 
 Around a step's forward the model runner calls ``start_load_kv`` (the
 step's loads, read from their files into the blocks the scheduler gave
-them, before any layer runs) and ``save`` (the step's saves, copied out of
-the KV caches after the forward and written by a background thread: each
-to a temporary name, then renamed, so a file is whole or absent), then
-``get_finished`` for the step's ``KVConnectorOutput``: the writes that
+them, before any layer runs), ``save_kv_layer`` as each layer has written
+its K and V (that layer's part of the step's saves, copied out), and
+``wait_for_save`` (the blocks, every layer's parts together, written by a
+background thread: each to a temporary name, then renamed, so a file is
+whole or absent), then ``get_finished`` for the step's ``KVConnectorOutput``: the writes that
 completed, and the files dropped to keep the tier under its size limit
 (least recently used first; a load refreshes a file's use) or found
 unreadable. A file holds one block of every layer: a small JSON header
@@ -31,6 +32,7 @@ from typing import Callable, Optional
 import torch
 
 from appliance.engine.kv_connector import BLOCK_SUFFIX, KVConnectorOutput, OffloadMetadata, stored_hashes
+from appliance.worker.kv_connector import KVConnectorWorker
 
 log = logging.getLogger("appliance.kv_offload")
 
@@ -45,12 +47,15 @@ class KVLoadError(RuntimeError):
     retry_requests = True
 
 
-class _TierLoads:
-    """What both tiers' loads share. ``agree(failed)``: with tensor-parallel
-    ranks, whether any rank of this one's pipeline stage failed its loads of
-    the step (an all-reduce), so that all of them fail the step or none does."""
+class _Tier(KVConnectorWorker):
+    """What both tiers share: loads with the stage's ranks agreeing on
+    failures, and saves a layer at a time. ``agree(failed)``: with
+    tensor-parallel ranks, whether any rank of this one's pipeline stage
+    failed its loads of the step (an all-reduce), so that all of them fail
+    the step or none does."""
 
     agree: Optional[Callable[[bool], bool]] = None
+    _layers: list[torch.Tensor]  # this step's saves so far: each layer's part of the blocks (as bytes)
 
     def start_load_kv(self, meta: Optional[OffloadMetadata], kv_caches: list[torch.Tensor]) -> None:
         """The step's loads into their blocks of every layer's cache; a block
@@ -58,6 +63,7 @@ class _TierLoads:
         are recomputed) and leaves the tier. When another rank of the stage
         could not read its part (``agree``), this rank raises KVLoadError
         too, so the ranks fail the step together."""
+        self.meta, self._layers = meta, []
         if meta is None or not meta.loads:
             return
         failed = None
@@ -73,8 +79,30 @@ class _TierLoads:
     def _load(self, meta: OffloadMetadata, kv_caches: list[torch.Tensor]) -> None:
         raise NotImplementedError
 
+    def save_kv_layer(self, layer: int, kv_cache: torch.Tensor) -> None:
+        """This layer's part of the step's saves, copied out now (as bytes: any cache dtype)."""
+        meta = self.meta
+        if meta is None or not meta.saves:
+            return
+        ids = torch.tensor([b for b, _ in meta.saves], dtype=torch.long, device=kv_cache.device)
+        self._layers.append(kv_cache.view(torch.uint8).index_select(1, ids))  # [2, blocks, ...]
+        self._dtype = kv_cache.dtype
 
-class HostTierWorker(_TierLoads):
+    def wait_for_save(self) -> None:
+        """The step's saves, each block of every layer, handed to the tier."""
+        layers, self._layers = self._layers, []
+        if not layers:
+            return
+        blocks = torch.stack(layers).movedim(2, 0)  # [blocks, layers, 2, ...] as bytes
+        for (_, h), block in zip(self.meta.saves, blocks):
+            self._keep(h, block.contiguous().view(self._dtype))
+
+    def _keep(self, h: bytes, block: torch.Tensor) -> None:
+        """Put one saved block (every layer's K and V) into the tier."""
+        raise NotImplementedError
+
+
+class HostTierWorker(_Tier):
     """A rank's tier in host memory (``kv_transfer.offload.medium=host``):
     each saved block one tensor of every layer's K and V, in pinned memory
     when the caches are on a GPU (copied out without blocking the step, and
@@ -82,7 +110,7 @@ class HostTierWorker(_TierLoads):
     ``max_bytes``; gone with the process."""
 
     def __init__(self, max_bytes: int, agree: Optional[Callable[[bool], bool]] = None):
-        self.max_bytes, self.agree = max_bytes, agree
+        self.max_bytes, self.agree, self._layers = max_bytes, agree, []
         self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # least recently used first
         self._bytes = 0
         self._copying: list[tuple[bytes, torch.Tensor, object]] = []  # (hash, block, CUDA event or None)
@@ -98,21 +126,16 @@ class HostTierWorker(_TierLoads):
             for layer, cache in enumerate(kv_caches):
                 cache[:, block_id].copy_(block[layer], non_blocking=True)
 
-    def save(self, meta: Optional[OffloadMetadata], kv_caches: list[torch.Tensor]) -> None:
-        """The step's saves copied out of the caches (on a GPU: into pinned
-        memory, without waiting for the copy)."""
-        if meta is None:
-            return
-        gpu = kv_caches[0].is_cuda
-        for block_id, h in meta.saves:
-            src = torch.stack([c[:, block_id] for c in kv_caches])
-            block = torch.empty(src.shape, dtype=src.dtype, pin_memory=gpu)
-            block.copy_(src, non_blocking=gpu)
-            event = None
-            if gpu:
-                event = torch.cuda.Event()
-                event.record()
-            self._copying.append((h, block, event))
+    def _keep(self, h: bytes, src: torch.Tensor) -> None:
+        """One saved block copied to host memory (on a GPU: pinned, without waiting for the copy)."""
+        gpu = src.is_cuda
+        block = torch.empty(src.shape, dtype=src.dtype, pin_memory=gpu)
+        block.copy_(src, non_blocking=gpu)
+        event = None
+        if gpu:
+            event = torch.cuda.Event()
+            event.record()
+        self._copying.append((h, block, event))
 
     def get_finished(self) -> KVConnectorOutput:
         """The blocks whose copies completed since the last call, and those
@@ -143,12 +166,11 @@ class HostTierWorker(_TierLoads):
                 event.synchronize()
 
 
-class OffloadWorker(_TierLoads):
-    """A rank's tier folder (see the module docstring); ``agree`` as
-    ``_TierLoads``'."""
+class OffloadWorker(_Tier):
+    """A rank's tier folder (see the module docstring); ``agree`` as ``_Tier``'s."""
 
     def __init__(self, folder: Path, max_bytes: int, agree: Optional[Callable[[bool], bool]] = None):
-        self.folder, self.max_bytes, self.agree = Path(folder), max_bytes, agree
+        self.folder, self.max_bytes, self.agree, self._layers = Path(folder), max_bytes, agree, []
         self.folder.mkdir(parents=True, exist_ok=True)
         self._lru: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, least recently used first
         for h in stored_hashes(self.folder):
@@ -200,13 +222,9 @@ class OffloadWorker(_TierLoads):
                     self._lru.move_to_end(h)
 
     # -- after the forward ---------------------------------------------------------
-    def save(self, meta: Optional[OffloadMetadata], kv_caches: list[torch.Tensor]) -> None:
-        """The step's saves copied out of the caches now, written in the background."""
-        if meta is None:
-            return
-        for block_id, h in meta.saves:
-            block = torch.stack([c[:, block_id] for c in kv_caches]).cpu().contiguous()
-            self._queue.put((h, block))
+    def _keep(self, h: bytes, block: torch.Tensor) -> None:
+        """One saved block, written in the background."""
+        self._queue.put((h, block.cpu().contiguous()))
 
     def get_finished(self) -> KVConnectorOutput:
         """The writes completed since the last call, and the files dropped:

@@ -54,6 +54,7 @@ import torch
 
 from appliance.engine.kv_connector import KVConnectorOutput
 from appliance.engine.kv_p2p import P2PMetadata, RecvSpec, SendSpec, token_digest
+from appliance.worker.kv_connector import KVConnectorWorker
 
 log = logging.getLogger("appliance.kv_p2p")
 
@@ -85,8 +86,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class P2PWorker:
-    """One rank's transfers (see the module docstring). An engine core of
+class P2PWorker(KVConnectorWorker):
+    """One rank's transfers (see the module docstring; nothing is saved per
+    layer: a producer's blocks are read when their consumer asks). An engine core of
     several ranks has one per rank: rank k listens on the core's port + k
     and pulls from (and releases to) a producer's port + k, the producer's
     rank of its number (``peer_offset``), so each moves its own KV heads
@@ -144,9 +146,6 @@ class P2PWorker:
                 self._recvs.put(spec)
         for host, port, transfer in meta.releases:
             self._recvs.put((host, port + self.peer_offset, transfer))
-
-    def save(self, meta: Optional[P2PMetadata], kv_caches: list[torch.Tensor]) -> None:
-        """Nothing: a producer's blocks are read when their consumer asks."""
 
     def get_finished(self) -> KVConnectorOutput:
         with self._lock:

@@ -284,6 +284,11 @@ class ModelRunner:
             + [np.arange(qsl[i], qsl[i] + end - c) for i, c, end in scored] + [np.zeros(0, dtype=np.int64)])
         dev = self.device
         metadata = self.backend.build_metadata(common)
+        whole_step = self.uses_native_forward  # its layers run in one call: the connector's layer hooks go around it
+        if connector is not None and whole_step:
+            for i in range(len(self.kv_caches)):
+                connector.wait_for_layer_load(i)
+        self.model.kv_layer_hooks = None if whole_step else connector
         logits = self.step_forward()(
             torch.from_numpy(input_ids).to(dev),
             torch.from_numpy(positions).to(dev),
@@ -294,7 +299,10 @@ class ModelRunner:
         for i, s in enumerate(states):
             s.num_computed_tokens = int(seq_lens[i])
         if connector is not None:  # every stage saves its layers' part
-            connector.save(so.kv_connector_metadata, self.kv_caches)
+            if whole_step:
+                for i, cache in enumerate(self.kv_caches):
+                    connector.save_kv_layer(i, cache)
+            connector.wait_for_save()
             out.kv_connector_output = connector.get_finished()
         if logits is None:  # a pipeline stage before the last: its rows went on, the last stage samples
             return out

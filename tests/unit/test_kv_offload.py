@@ -32,8 +32,9 @@ def _same(a, b):
     assert [lp.top for lp in a.outputs[0].logprobs] == [lp.top for lp in b.outputs[0].logprobs]
 
 
-def test_a_prefix_that_left_the_pool_loads_from_the_tier(tmp_path):
-    llm = LLM(overrides=_overrides(tmp_path))
+@pytest.mark.parametrize("backend", ["cpu_native", "torch_sdpa"])  # saves after the step, or layer by layer
+def test_a_prefix_that_left_the_pool_loads_from_the_tier(tmp_path, backend):
+    llm = LLM(overrides=_overrides(tmp_path, f"attention.backend={backend}"))
     connector, worker = llm.engine.scheduler.connector, llm.engine.runner.kv_connector
     cold = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
     _settle(llm)
@@ -240,3 +241,43 @@ def test_a_draft_model_catches_up_over_blocks_loaded_from_the_tier(tmp_path):
     _same(cold, warm)
     stats = llm.engine.stats()
     assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
+
+
+@pytest.mark.parametrize("backend,layer_by_layer", [("torch_sdpa", True), ("cpu_native", False)])
+def test_the_worker_side_is_called_as_vllms_is(backend, layer_by_layer):
+    """start_load_kv, then each layer's load wait before it and its save
+    after it (the native forward runs the layers in one call: every wait
+    before it, every save after it), wait_for_save, get_finished."""
+    from appliance.engine.kv_connector import KVConnectorOutput
+    from appliance.worker.kv_connector import KVConnectorWorker
+
+    llm = LLM(overrides=["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05",
+                         f"attention.backend={backend}"])
+    runner, calls = llm.engine.runner, []
+
+    class Recorder(KVConnectorWorker):
+        def start_load_kv(self, meta, kv_caches):
+            calls.append("start")
+
+        def wait_for_layer_load(self, layer):
+            calls.append(f"load {layer}")
+
+        def save_kv_layer(self, layer, kv_cache):
+            assert kv_cache is runner.kv_caches[layer]
+            calls.append(f"save {layer}")
+
+        def wait_for_save(self):
+            calls.append("saved")
+
+        def get_finished(self):
+            calls.append("finished")
+            return KVConnectorOutput()
+
+    runner.kv_connector = Recorder()
+    llm.generate(["hello"], SamplingParams(max_tokens=1), use_tqdm=False)
+    n = len(runner.kv_caches)
+    if layer_by_layer:
+        layers = [c for i in range(n) for c in (f"load {i}", f"save {i}")]
+    else:
+        layers = [f"load {i}" for i in range(n)] + [f"save {i}" for i in range(n)]
+    assert calls[:2 * n + 3] == ["start", *layers, "saved", "finished"]
