@@ -425,6 +425,29 @@ def _compressed_tensors_fp8(qc: dict) -> tuple[bool, list[str]]:
     return activations, problems
 
 
+# Where older checkpoints keep their quantization settings instead of config.json's quantization_config:
+# AutoGPTQ's quantize_config.json (bits, group_size, desc_act, sym; quant_method gptq unless it says otherwise)
+# and AutoAWQ's quant_config.json (w_bit, q_group_size, zero_point, version).
+LEGACY_QUANT_CONFIGS = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+
+
+def read_checkpoint_config(folder: Path) -> dict:
+    """A checkpoint folder's config.json, with ``quantization_config`` taken
+    from the older files (``LEGACY_QUANT_CONFIGS``) where config.json has
+    none (``quant_method`` filled in from the file's kind when absent)."""
+    hf = json.loads((folder / "config.json").read_text())
+    if hf.get("quantization_config"):
+        return hf
+    for name, method in LEGACY_QUANT_CONFIGS:
+        path = folder / name
+        if path.is_file():
+            qc = json.loads(path.read_text())
+            if isinstance(qc, dict):
+                hf["quantization_config"] = {"quant_method": method, **qc}
+            break
+    return hf
+
+
 def checkpoint_quant_method(hf: dict) -> str:
     """The quantization a config.json's quantization_config names, as
     ``quantization.method`` spells it ("" when none; compressed-tensors fp8 is
@@ -506,7 +529,7 @@ def _quantization_override(overrides: Sequence[str]) -> Optional[str]:
 def _apply_quantization(cfg: dict, path: Path, overrides: Sequence[str]) -> list[str]:
     q = cfg["quantization"]
     try:
-        hf = json.loads((path / "config.json").read_text())
+        hf = read_checkpoint_config(path)
     except (OSError, ValueError):
         return []  # read_facts has said why
     facts, problems = quantization_facts(hf)

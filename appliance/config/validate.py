@@ -8,6 +8,7 @@ compose time, through the typed schema.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 from appliance.config.execution import choose_dtype
@@ -51,9 +52,11 @@ def _quantization_problems(cfg: ApplianceConfig) -> list[str]:
     if q.method in ("awq", "gptq") and q.group_size != -1:
         bad = [v for v in (m.hidden_size, m.num_heads * m.head_dim, m.intermediate_size) if v % q.group_size]
         if q.group_size < 2 or q.group_size % 2 or bad:
+            common = math.gcd(m.hidden_size, m.num_heads * m.head_dim, m.intermediate_size)
+            even = [g for g in range(2, common + 1, 2) if common % g == 0]
             out.append(f"quantization.group_size={q.group_size} must be even and divide the model's projection "
                        f"inputs ({m.hidden_size}, {m.num_heads * m.head_dim}, {m.intermediate_size}), or -1 "
-                       f"(one group per output channel)")
+                       f"(one group per output channel); supported for this model: {[-1, *even]}")
         elif cfg.hardware.device_kind != "cpu" and q.group_size % 32:
             out.append(f"quantization.group_size={q.group_size}: the GPU int4 GEMM steps k by 32, so groups must be "
                        f"multiples of 32 there (CPU profiles take any even group)")

@@ -164,7 +164,10 @@ def _download(repo_id: str) -> Path:
 
 
 def read_hf_config(folder: Path) -> dict:
-    return json.loads((folder / "config.json").read_text())
+    """config.json, with an older quantize_config.json / quant_config.json as its quantization_config."""
+    from appliance.config.checkpoint import read_checkpoint_config
+
+    return read_checkpoint_config(folder)
 
 
 def check_checkpoint(m: ModelConfig, hf: dict, folder: Path) -> None:

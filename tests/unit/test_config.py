@@ -151,6 +151,9 @@ def _problems(*overrides):
          "quantization.weight_bits=4 does not match quantization.method=fp8"),
         (["+profile=h100_bf16", "model=llama3_1_8b", "quantization=gptq", "quantization.group_size=16"],
          "the GPU int4 GEMM steps k by 32"),
+        (["+profile=cpu", "model=tiny_random", "quantization=awq", "quantization.group_size=48"],
+         "quantization.group_size=48 must be even and divide the model's projection inputs (64, 64, 128), or -1 "
+         "(one group per output channel); supported for this model: [-1, 2, 4, 8, 16, 32, 64]"),
         (["+profile=cpu_int8", "quantization.group_size=32"],
          "quantization.group_size=32: int8_wo has one scale per output channel"),
     ],

@@ -104,17 +104,27 @@ def test_an_fp8_checkpoint_loads_as_it_is_stored(fp8_checkpoint):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_a_compressed_tensors_fp8_checkpoint_loads(fp8_checkpoint, tmp_path):
-    """llm-compressor's format: per-channel weight scales ([out, 1]) and
-    dynamic per-token activations, under quant_method compressed-tensors."""
-    folder, stored = fp8_checkpoint
-    ct = shutil.copytree(folder, tmp_path / "ct")
+def _per_channel(stored):
+    """The checkpoint's projections requantized with a scale per output
+    channel and no input scales (compressed-tensors' channel strategy); and
+    the same tensors with every projection dequantized (e4m3 x scale, fp32)."""
     tensors = {k: v for k, v in stored.items() if not k.endswith("input_scale")}
+    dequantized = {k: v for k, v in tensors.items() if not k.endswith("weight_scale")}
     for name in [k for k in tensors if k.endswith(".weight_scale")]:
         weight = name[: -len("_scale")]
         w = tensors[weight].float() * tensors[name]
         scale = w.abs().amax(dim=1, keepdim=True) / 448
         tensors[weight], tensors[name] = (w / scale).clamp(-448, 448).to(FP8), scale
+        dequantized[weight] = tensors[weight].float() * scale
+    return tensors, dequantized
+
+
+def test_a_compressed_tensors_fp8_checkpoint_loads(fp8_checkpoint, tmp_path):
+    """llm-compressor's format: per-channel weight scales ([out, 1]) and
+    dynamic per-token activations, under quant_method compressed-tensors."""
+    folder, stored = fp8_checkpoint
+    ct = shutil.copytree(folder, tmp_path / "ct")
+    tensors, _ = _per_channel(stored)
     save_file(tensors, str(ct / "model.safetensors"))
     config = json.loads((ct / "config.json").read_text())
     scheme = {"weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
@@ -271,3 +281,47 @@ def test_a_block_wise_fp8_checkpoint_loads_and_runs(fp8_checkpoint, tmp_path):
     assert ((xq - x).abs() <= x.abs().reshape(3, -1, 32).amax(-1).repeat_interleave(32, 1) / 16 + 1e-6).all()
     out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_the_rocm_fnuz_weights_are_the_same_values_with_doubled_scales():
+    """MI300's e4m3fnuz: every e4m3fn weight byte reinterpreted (half the
+    value) times a doubled scale is the e4m3fn weight times its scale, bit
+    for bit in fp32; -0 (fnuz's NaN bits) becomes 0. Checked on CPU over
+    every byte; the ROCm GEMM itself is not yet run on hardware."""
+    from appliance.models.fp8 import _to_fnuz
+
+    every = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).view(torch.float8_e4m3fn)
+    finite = ~torch.isnan(every.float())
+    fnuz = _to_fnuz(every)
+    assert fnuz.dtype == torch.float8_e4m3fnuz and not torch.isnan(fnuz.float()).any()
+    scale = torch.tensor(0.37)
+    assert torch.equal((fnuz.float() * (scale * 2))[finite], (every.float() * scale)[finite])
+    assert fnuz.view(torch.int8)[every.view(torch.int8) == -128].item() == 0
+
+
+def test_a_weight_only_fp8_checkpoint_gives_its_dequantized_models_tokens(fp8_checkpoint, tmp_path):
+    """compressed-tensors fp8 weights (per-channel scales) with activations
+    unquantized: greedy tokens and logprobs those of an fp32 folder holding
+    exactly the dequantized weights (e4m3 x scale), fp32 activations both."""
+    folder, stored = fp8_checkpoint
+    wo, plain = shutil.copytree(folder, tmp_path / "wo"), shutil.copytree(folder, tmp_path / "dequantized")
+    tensors, dequantized = _per_channel(stored)
+    save_file(tensors, str(wo / "model.safetensors"))
+    save_file(dequantized, str(plain / "model.safetensors"))
+    config = json.loads((wo / "config.json").read_text())
+    scheme = {"weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+              "input_activations": None, "targets": ["Linear"]}
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                     "config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}
+    (wo / "config.json").write_text(json.dumps(config))
+    del config["quantization_config"]
+    (plain / "config.json").write_text(json.dumps(config))
+    assert resolve(BASE + [f"model.path={wo}"]).cfg.quantization.activations is False
+    p = SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True)
+    prompts = ["Hello there", "The capital of France is"]
+    got = LLM(overrides=BASE + [f"model.path={wo}", "model.dtype=float32"]).generate(prompts, p, use_tqdm=False)
+    want = LLM(overrides=BASE + [f"model.path={plain}", "model.dtype=float32"]).generate(prompts, p, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.logprob == pytest.approx(lb.logprob, abs=1e-4)

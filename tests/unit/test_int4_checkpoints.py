@@ -309,3 +309,26 @@ def test_write_checkpoint_refuses_groups_that_do_not_divide_and_leaves_nothing(t
     assert not (tmp_path / "q").exists()
     with pytest.raises(ValueError, match="awq at 8 bits"):
         write_checkpoint(plain, tmp_path / "q", "awq", 8, 32)
+
+
+@pytest.mark.parametrize("variant,legacy", [("gptq", "quantize_config.json"), ("awq", "quant_config.json")])
+def test_an_older_folders_quantize_config_file_is_read(checkpoints, tmp_path, variant, legacy):
+    """AutoGPTQ's quantize_config.json and AutoAWQ's quant_config.json (their
+    own key names, no quant_method) beside a config.json without
+    quantization_config: the folder loads as the same checkpoint."""
+    folder = tmp_path / variant
+    shutil.copytree(checkpoints[variant], folder)
+    config = json.loads((folder / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    (folder / "config.json").write_text(json.dumps(config))
+    if variant == "awq":
+        old = {"w_bit": qc["bits"], "q_group_size": qc["group_size"], "zero_point": True, "version": "GEMM"}
+    else:
+        old = {"bits": qc["bits"], "group_size": qc["group_size"], "desc_act": False, "sym": False}
+    (folder / legacy).write_text(json.dumps(old))
+    q = resolve(BASE + [f"model.path={folder}"]).cfg.quantization
+    assert (q.method, q.weight_bits, q.group_size) == (variant, 4.0, 32)
+    p = SamplingParams(max_tokens=6, temperature=0)
+    got = LLM(overrides=BASE + [f"model.path={folder}"]).generate(PROMPTS[:1], p, use_tqdm=False)
+    want = LLM(overrides=BASE + [f"model.path={checkpoints[variant]}"]).generate(PROMPTS[:1], p, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
