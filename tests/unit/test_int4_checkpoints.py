@@ -125,9 +125,20 @@ def test_fused_parts_in_different_act_orders_are_refused():
 
 
 # checkpoint variants: (quant_method, bits, act-order)
-VARIANTS = {"awq": ("awq", 4, False), "gptq": ("gptq", 4, False), "gptq8": ("gptq", 8, False),
+VARIANTS = {"awq": ("awq", 4, False), "gptq": ("gptq", 4, False), "gptq-sym": ("gptq", 4, False),
+            "gptq8": ("gptq", 8, False),
             "gptq-act": ("gptq", 4, True), "gptq8-act": ("gptq", 8, True)}
 FUSED_INPUTS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def _symmetric(w, group, bits):
+    """GPTQ's symmetric quantization: z = 2^(bits - 1) everywhere, s = absmax / (2^(bits - 1) - 1) per group."""
+    out, k = w.shape
+    mid = 1 << (bits - 1)
+    g = w.float().reshape(out, k // group, group)
+    s = (g.abs().amax(dim=2) / (mid - 1)).clamp(min=1e-8).to(torch.float16)
+    q = (torch.round(g / s.float()[..., None]) + mid).clamp(0, 2 * mid - 1)
+    return q.reshape(out, k).to(torch.uint8), torch.full_like(s, mid, dtype=torch.uint8), s
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +163,8 @@ def checkpoints(tmp_path_factory):
                 if act_order:
                     layer_input = name.replace(source, FUSED_INPUTS.get(source, source))
                     q, z, s, g_idx = _act_order_quantized(tensors[name], 32, bits, zlib.crc32(layer_input.encode()))
+                elif variant.endswith("-sym"):  # symmetric: every zero point 2^(bits - 1), scales from absmax
+                    q, z, s = _symmetric(tensors[name], 32, bits)
                 else:
                     q, z, s = quantize_zero_point(tensors[name], 32, bits)
                 packed = pack_awq(q, z, s) if method == "awq" else pack_gptq(q, z, s, bits, g_idx)
@@ -162,7 +175,7 @@ def checkpoints(tmp_path_factory):
         config = json.loads((folder / "config.json").read_text())
         config["quantization_config"] = {"quant_method": method, "bits": bits, "group_size": 32,
                                          **({"version": "gemm", "zero_point": True} if method == "awq" else
-                                            {"desc_act": act_order, "sym": False})}
+                                            {"desc_act": act_order, "sym": variant.endswith("-sym")})}
         (folder / "config.json").write_text(json.dumps(config))
         out[variant] = folder
         ref = root / f"{variant}-dequantized"

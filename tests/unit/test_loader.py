@@ -265,12 +265,12 @@ def test_int8_blocks_are_the_block_formula_bit_for_bit(qtype):
     np.testing.assert_array_equal(w.numpy(), our.dequantize(raw, qtype, (4, 256)))
 
 
-def _random_k_blocks(qtype, n_blocks, seed=0):
-    """Random K-quant super-blocks (every bit pattern of the packed fields) with finite fp16 scales."""
+def _random_k_blocks(qtype, n_blocks, seed=0, scales=(1e-3, 0.1)):
+    """Random K-quant super-blocks (every bit pattern of the packed fields) with finite fp16 scales in ``scales``."""
     size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
-    fp16 = rng.uniform(1e-3, 0.1, (n_blocks, 2)).astype(np.float16).view(np.uint8)
+    fp16 = rng.uniform(*scales, (n_blocks, 2)).astype(np.float16).view(np.uint8)
     if qtype == "Q6_K":
         raw[:, 208:210] = fp16[:, :2]
     else:
@@ -387,3 +387,70 @@ def test_the_suite_never_writes_into_the_users_cache():
     assert not test_cache.startswith(os.path.expanduser("~/.cache"))
     for path in (cache_dir(), _cache_root()):
         assert str(path).startswith(test_cache)
+
+
+def _write_k_quant_gguf(path, tokenizer_folder):
+    """A two-layer llama GGUF (hidden 256, ffn 512) whose projections are
+    random K-quant blocks: q/k/v/o Q4_K, gate/up Q5_K, down Q6_K."""
+    import gguf
+
+    from tests.unit.test_gguf_moe import copy_tokenizer
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, v in [(w.add_block_count, 2), (w.add_embedding_length, 256), (w.add_feed_forward_length, 512),
+                   (w.add_head_count, 4), (w.add_head_count_kv, 2), (w.add_context_length, 256),
+                   (w.add_layer_norm_rms_eps, 1e-5), (w.add_vocab_size, 512), (w.add_rope_freq_base, 10000.0)]:
+        add(v)
+    copy_tokenizer(w, tokenizer_folder)
+    rng = np.random.default_rng(7)
+    w.add_tensor("token_embd.weight", (rng.standard_normal((512, 256)) * 0.05).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(256, np.float32))
+    kinds = {"attn_q": ("Q4_K", 256, 256), "attn_k": ("Q4_K", 128, 256), "attn_v": ("Q4_K", 128, 256),
+             "attn_output": ("Q4_K", 256, 256), "ffn_gate": ("Q5_K", 512, 256), "ffn_up": ("Q5_K", 512, 256),
+             "ffn_down": ("Q6_K", 256, 512)}
+    for layer in range(2):
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(256, np.float32))
+        for i, (part, (kind, rows, cols)) in enumerate(kinds.items()):
+            raw = _random_k_blocks(kind, rows * cols // 256, seed=10 * layer + i, scales=(2e-4, 6e-4))
+            raw = raw.reshape(rows, -1)
+            w.add_tensor(f"blk.{layer}.{part}.weight", raw, raw_shape=raw.shape,
+                         raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_k_quant_gguf_runs_at_its_width(tmp_path):
+    """A file of Q4_K, Q5_K and Q6_K projections: quantization=gguf (its
+    default on a CPU profile) keeps them as int4 panels and grouped int8;
+    greedy tokens and logprobs those of the same file dequantized."""
+    from appliance import LLM, SamplingParams
+    from appliance.kernels import cpu_native
+    from appliance.models.quant import GroupedInt8Linear, Int4WeightOnlyLinear
+
+    path = tmp_path / "k-quants.gguf"
+    _write_k_quant_gguf(path, resolve_model_folder(resolve(["+profile=cpu", "model=tiny_random"]).cfg.model))
+    q = resolve(["+profile=cpu", f"model.path={path}"]).cfg.quantization
+    assert q.method == "gguf"
+    prompts = [[5, 77, 301, 12, 9], [400, 2, 2, 2, 17, 250]]
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=1, ignore_eos=True)
+    bf16 = cpu_native.bf16_dot()
+    cpu_native.bf16_dot(False)  # fp32 rows in the native GEMMs, as in the dequantized model
+    try:
+        outs = {}
+        for method in ("gguf", "none"):
+            llm = LLM(overrides=["+profile=cpu", f"model.path={path}", "model.dtype=float32",
+                                 "cache.kv_cache_memory_gib=0.02", f"quantization={method}"])
+            outs[method] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+            if method == "gguf":
+                layer = llm.engine.runner.model.model.layers[0]
+                assert isinstance(layer.self_attn.qkv_proj, Int4WeightOnlyLinear)
+                assert isinstance(layer.mlp.down_proj, GroupedInt8Linear)
+    finally:
+        cpu_native.bf16_dot(bf16)
+    for a, b in zip(outs["gguf"], outs["none"]):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.logprob == pytest.approx(lb.logprob, abs=1e-3)  # NaN would not pass
