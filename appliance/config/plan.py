@@ -176,6 +176,7 @@ class Plan:
     device_kind: str
     dtype: str
     quantization: str
+    weight_bits: float  # bits per projection weight as loaded (quantization.weight_bits)
     kv_cache_dtype: str
     attention_backend: str | None
     attention_chain: list[str]
@@ -312,6 +313,7 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         device_kind=cfg.hardware.device_kind,
         dtype=dtype,
         quantization=cfg.quantization.method,
+        weight_bits=cfg.quantization.weight_bits,
         kv_cache_dtype=ex.kv_cache_dtype,
         attention_backend=sel.chosen,
         attention_chain=sel.explain(),
@@ -510,7 +512,8 @@ def format_plan(p: Plan) -> str:
         f"parallel           tp={par['tensor_parallel_size']} pp={par['pipeline_parallel_size']} "
         f"dp={par['data_parallel_size']} ep={par['expert_parallel_size']}",
         *p.summary,
-        f"quantization       {p.quantization}",
+        f"quantization       {p.quantization}"
+        + (f" ({p.weight_bits:g} bits per projection weight as loaded)" if p.quantization != "none" else ""),
         f"attention backend  {p.attention_backend or 'NONE'}",
     ]
     lines += [f"  {line}" for line in p.attention_chain]

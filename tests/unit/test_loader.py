@@ -80,8 +80,11 @@ def test_the_plan_counts_a_gguf_files_own_widths(tmp_path):
     with pytest.raises(ConfigError, match="loads at 10.0 bits a projection weight"):
         resolve(["+profile=cpu", f"model.path={tmp_path / 't.gguf'}", "quantization=gguf", "quantization.weight_bits=5"])
     # A GGUF file on a CPU profile runs at its own width unless quantization is named.
-    default = resolve(["+profile=cpu", f"model.path={tmp_path / 't.gguf'}"], check=False).cfg.quantization
-    assert (default.method, default.weight_bits) == ("gguf", 10.0)
+    default = resolve(["+profile=cpu", f"model.path={tmp_path / 't.gguf'}"], check=False).cfg
+    assert (default.quantization.method, default.quantization.weight_bits) == ("gguf", 10.0)
+    from appliance.config.plan import format_plan, make_plan
+
+    assert "quantization       gguf (10 bits per projection weight as loaded)" in format_plan(make_plan(default))
     named = resolve(["+profile=cpu", f"model.path={tmp_path / 't.gguf'}", "quantization=none"], check=False).cfg
     assert named.quantization.method == "none"
     assert resolve(["+profile=cpu_int8", f"model.path={tmp_path / 't.gguf'}"], check=False).cfg.quantization.method \
