@@ -125,7 +125,9 @@ class NixlWorker(P2PWorker):
                           "one CUDA major; their UCX backend runs on host memory too)")
         agent_cls, config_cls = api
         self.agent_name = agent_name(engine_id, peer_offset)
-        self._agent = agent_cls(self.agent_name, config_cls(backends=list(backends)))
+        # no progress thread: NIXL's spins a core for the agent's whole life; the puller's polls of its reads
+        # and the server's loop (``_progress_agent``) drive the backends instead
+        self._agent = agent_cls(self.agent_name, config_cls(backends=list(backends), enable_prog_thread=False))
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
             raise OSError(f"kv_transfer.nixl.backends: {', '.join(missing)} cannot start here; NIXL's plugins: "
@@ -165,6 +167,12 @@ class NixlWorker(P2PWorker):
                 self._registered = None
 
     # -- producer -------------------------------------------------------------------------
+    def _progress_agent(self) -> None:
+        """Let the backends progress (what a remote read of our memory may
+        need on transports that emulate it); NIXL's notifications are not used."""
+        with self._agent_lock:
+            self._agent.get_new_notifs()
+
     def _serve_blocks(self, send: _Send, first: int, count: int, tokens: int, msg: dict) -> list:
         """Where the blocks are, for the consumer to read (with this agent's
         metadata if it asks)."""

@@ -177,6 +177,7 @@ class P2PWorker(KVConnectorWorker):
                             waiting[key] = (time.monotonic() + self.timeout_s, frames)
                         else:
                             self._reply(sock, frames[0], [b"error", b"too many pulls waiting"])
+                self._progress_agent()
                 if waiting:
                     now = time.monotonic()
                     for key, (give_up, frames) in list(waiting.items()):
@@ -185,6 +186,9 @@ class P2PWorker(KVConnectorWorker):
                 self._expire()
             except Exception:  # one bad message never stops the server
                 log.exception("the KV transfer server failed")
+
+    def _progress_agent(self) -> None:
+        """Between the server's polls: nothing here (a transport with an agent to drive overrides it)."""
 
     @staticmethod
     def _reply(sock: Any, ident: bytes, frames: list) -> None:

@@ -8,6 +8,7 @@ does not end in time is aborted before its load is given up; the caches of
 other dtypes move as they are; a machine without NIXL, or without a
 backend asked for, is told so."""
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -54,6 +55,9 @@ def test_a_consumer_reads_a_producers_prefill(pair, reference):
     _settle(producer, lambda: not producer.engine.has_kv_transfers())
     assert kv.num_free_blocks == free  # released once read
     consumer.engine.scheduler.kv.check_integrity()
+    cpu = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - cpu < 0.5  # idle agents spin no progress thread (NIXL's took a whole core)
 
     # the next read from that producer asks for no metadata: its agent is known
     params = _prefill(producer)
