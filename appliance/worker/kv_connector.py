@@ -34,12 +34,8 @@ class KVConnectorWorker:
     meta: Any = None  # the step's instructions, bound by start_load_kv
 
     def start_load_kv(self, meta: Any, kv_caches: list[torch.Tensor]) -> None:
+        """Bind the step's instructions; a connector that loads starts (or makes) its loads here."""
         self.meta = meta
-        if meta is not None:
-            self._load(meta, kv_caches)
-
-    def _load(self, meta: Any, kv_caches: list[torch.Tensor]) -> None:
-        """The step's loads (synchronous unless the connector says otherwise)."""
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Layer ``layer``'s part of the step's loads is in its cache."""

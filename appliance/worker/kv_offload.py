@@ -56,6 +56,7 @@ class _Tier(KVConnectorWorker):
 
     agree: Optional[Callable[[bool], bool]] = None
     _layers: list[torch.Tensor]  # this step's saves so far: each layer's part of the blocks (as bytes)
+    _save_ids: Optional[torch.Tensor] = None  # this step's saved block ids, on the caches' device
 
     def start_load_kv(self, meta: Optional[OffloadMetadata], kv_caches: list[torch.Tensor]) -> None:
         """The step's loads into their blocks of every layer's cache; a block
@@ -63,7 +64,7 @@ class _Tier(KVConnectorWorker):
         are recomputed) and leaves the tier. When another rank of the stage
         could not read its part (``agree``), this rank raises KVLoadError
         too, so the ranks fail the step together."""
-        self.meta, self._layers = meta, []
+        self.meta, self._layers, self._save_ids = meta, [], None
         if meta is None or not meta.loads:
             return
         failed = None
@@ -84,8 +85,9 @@ class _Tier(KVConnectorWorker):
         meta = self.meta
         if meta is None or not meta.saves:
             return
-        ids = torch.tensor([b for b, _ in meta.saves], dtype=torch.long, device=kv_cache.device)
-        self._layers.append(kv_cache.view(torch.uint8).index_select(1, ids))  # [2, blocks, ...]
+        if self._save_ids is None:  # once per step: every layer's cache is on one device
+            self._save_ids = torch.tensor([b for b, _ in meta.saves], dtype=torch.long, device=kv_cache.device)
+        self._layers.append(kv_cache.view(torch.uint8).index_select(1, self._save_ids))  # [2, blocks, ...]
         self._dtype = kv_cache.dtype
 
     def wait_for_save(self) -> None:
