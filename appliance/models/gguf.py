@@ -332,11 +332,13 @@ def kept_at_width(name: str, kind: str) -> bool:
 
 
 def read_block_tensors(gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str]]:
-    """The file's projections (and untied LM head) of a kept block type as
-    (q, d, m) numpy arrays by Hugging Face name (``int4_blocks`` or
-    ``int8_blocks``; q and k projections unpermuted like their dequantized
-    weights; stacked experts one entry per expert, ``...mlp.experts.E.
-    gate_proj.weight``), and the block type of every other tensor."""
+    """The file's projections and LM head (an untied one, or a tied one's
+    embedding) of a kept block type as (q, d, m) numpy arrays by Hugging
+    Face name (``int4_blocks`` or ``int8_blocks``; q and k projections
+    unpermuted like their dequantized weights; stacked experts one entry
+    per expert, ``...mlp.experts.E.gate_proj.weight``), and the block type
+    of every other tensor (a tied embedding too: lookups read it
+    dequantized)."""
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
@@ -361,6 +363,9 @@ def read_block_tensors(gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str
                 blocks[name] = tuple(x.reshape(shape[0], shape[1], -1)[e] for x in parts)
             continue
         name = hf_name(t.name)
+        if name == "model.embed_tokens.weight" and config["tie_word_embeddings"] and kind in KEPT_TYPES:
+            # a tied LM head runs the embedding's blocks at their width (lookups stay dequantized)
+            blocks["lm_head.weight"] = (int4_blocks if kind in INT4_TYPES else int8_blocks)(t.data, kind, shape)
         if not kept_at_width(name, kind):
             others[name] = kind
             continue

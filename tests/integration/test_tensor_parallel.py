@@ -76,7 +76,8 @@ def test_bf16_ranks_stay_close_to_one_rank():
     check_logprobs_close(run([*bf16, "parallel=tp2"]), run(bf16), "tp2", "one rank")
 
 
-SMOL = ["+profile=cpu", "model.dtype=float32", "cache.kv_cache_memory_gib=0.2", "model.max_model_len=1024"]
+SMOL = ["+profile=cpu", "quantization=none", "model.dtype=float32", "cache.kv_cache_memory_gib=0.2",
+        "model.max_model_len=1024"]
 
 
 @pytest.fixture(scope="module")

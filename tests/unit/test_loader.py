@@ -47,7 +47,8 @@ def test_int4_blocks_are_the_block_formula_bit_for_bit(qtype):
 def test_gguf_int4_tensors_are_the_projections_unpermuted_like_their_weights(tmp_path):
     """read_block_tensors takes block-quantized projections (q/k rows in
     Hugging Face order, as the converter writes the dequantized weights); a
-    quantized embedding and other types are listed with their type."""
+    quantized embedding and other types are listed with their type, and a
+    tied model's LM head is the embedding's blocks."""
     import torch
 
     from appliance.models.quant import dequantize_int4
@@ -62,6 +63,8 @@ def test_gguf_int4_tensors_are_the_projections_unpermuted_like_their_weights(tmp
         want = want if heads is None else our.unpermute(want, heads)
         got = dequantize_int4(*(torch.from_numpy(a) for a in blocks[our.hf_name(gguf_name)]))
         np.testing.assert_array_equal(got.numpy(), want)
+    head = dequantize_int4(*(torch.from_numpy(a) for a in blocks["lm_head.weight"]))
+    np.testing.assert_array_equal(head.numpy(), our.dequantize(*raw["token_embd.weight"]))
 
 
 def test_the_plan_counts_a_gguf_files_own_widths(tmp_path):
@@ -83,8 +86,14 @@ def test_the_plan_counts_a_gguf_files_own_widths(tmp_path):
     default = resolve(["+profile=cpu", f"model.path={tmp_path / 't.gguf'}"], check=False).cfg
     assert (default.quantization.method, default.quantization.weight_bits) == ("gguf", 10.0)
     from appliance.config.plan import format_plan, make_plan
+    from appliance.config.sizes import parameter_counts
 
-    assert "quantization       gguf (10 bits per projection weight as loaded)" in format_plan(make_plan(default))
+    plan = make_plan(default)  # the tied head runs the Q4_0 embedding's blocks: 5 bits a weight
+    assert "quantization       gguf (10 bits per projection weight as loaded; LM head 5 bits a weight)" \
+        in format_plan(plan)
+    counts = parameter_counts(default.model)
+    assert plan.weight_bytes_total == counts["linear"] * 10 // 8 + 64 * 64 * 5 // 8 + \
+        (counts["embedding"] + counts["other"]) * 2
     named = resolve(["+profile=cpu", f"model.path={tmp_path / 't.gguf'}", "quantization=none"], check=False).cfg
     assert named.quantization.method == "none"
     assert resolve(["+profile=cpu_int8", f"model.path={tmp_path / 't.gguf'}"], check=False).cfg.quantization.method \
