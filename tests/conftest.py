@@ -15,6 +15,29 @@ os.environ["APPLIANCE_CACHE_DIR"] = TEST_CACHE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The slow marker, on cases of a parametrized test (pytest.param(..., marks=pytest.mark.slow)):
+# APPLIANCE_SLOW=full runs every case; the default bounded form (make test, CI) skips a slow case
+# when another case of the same test runs, so every test still runs in the bounded form.
+SLOW = os.environ.get("APPLIANCE_SLOW", "bounded")
+if SLOW not in ("bounded", "full"):
+    raise pytest.UsageError(f"APPLIANCE_SLOW={SLOW}: use bounded (the default) or full")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    if SLOW == "full":
+        return
+    skip = pytest.mark.skip(reason="slow case: the bounded run keeps the test's other cases (APPLIANCE_SLOW=full "
+                                   "runs it)")
+    tests = {}
+    for item in items:
+        tests.setdefault(item.nodeid.partition("[")[0], []).append(item)
+    for cases in tests.values():
+        slow = [c for c in cases if c.get_closest_marker("slow") is not None]
+        if len(slow) < len(cases):
+            for case in slow:
+                case.add_marker(skip)
+
 
 def pytest_sessionfinish(session, exitstatus):
     if not _KEEP:

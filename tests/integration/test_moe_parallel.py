@@ -26,7 +26,8 @@ def one_rank(variant):
 # Mixtral differs from Qwen3-MoE in its checkpoint names and its all-sparse layers: tp2 and ep2 cover it
 @pytest.mark.parametrize("variant,tp,ep,pp", [("qwen3_moe", 2, False, 1), ("qwen3_moe", 2, True, 1),
                                               ("qwen3_moe", 4, True, 1), ("qwen3_moe", 2, True, 2),
-                                              ("mixtral", 2, False, 1), ("mixtral", 2, True, 1)],
+                                              pytest.param("mixtral", 2, False, 1, marks=pytest.mark.slow),
+                                              ("mixtral", 2, True, 1)],
                          ids=["qwen3_moe-tp2-sliced", "qwen3_moe-ep2", "qwen3_moe-ep4", "qwen3_moe-ep2-pp2",
                               "mixtral-tp2-sliced", "mixtral-ep2"])
 def test_moe_ranks_give_the_tokens_of_one_rank(variant, tp, ep, pp):
@@ -186,8 +187,10 @@ def test_engine_cores_split_the_experts_over_gloo():
         s.stop()
 
 
-@pytest.mark.parametrize("tp,pp,collectives", [(2, 1, "shm"), (2, 1, "gloo"), (1, 1, "gloo"), (1, 2, "shm"),
-                                                (2, 2, "gloo")],
+@pytest.mark.parametrize("tp,pp,collectives", [(2, 1, "shm"), (2, 1, "gloo"),
+                                                pytest.param(1, 1, "gloo", marks=pytest.mark.slow),
+                                                pytest.param(1, 2, "shm", marks=pytest.mark.slow),
+                                                pytest.param(2, 2, "gloo", marks=pytest.mark.slow)],
                          ids=["tp2-shm", "tp2-gloo", "one-rank-in-a-worker-gloo", "pp2-shm", "tp2-pp2-gloo"])
 def test_engine_cores_of_worker_ranks_split_the_experts(tp, pp, collectives):
     """dp2 x tp2 with expert parallelism: four ranks of two cores hold two
@@ -234,7 +237,7 @@ def test_eplb_rebalances_each_pipeline_stage():
     assert stats.eplb_rebalances > 0 and 0 < stats.eplb_balancedness <= 1
 
 
-@pytest.mark.parametrize("quantization", ["int8_wo", "int4_wo"])
+@pytest.mark.parametrize("quantization", [pytest.param("int8_wo", marks=pytest.mark.slow), "int4_wo"])
 def test_eplb_moves_quantized_experts(skewed_router_folder, quantization):
     """ep2 with the load balancer over weight-only int8 or int4 experts: a
     rebalance moves each slot's quantized weights, scales and mins, and the
@@ -306,7 +309,7 @@ def assert_same_up_to_a_tie(served, ref, tokenizer, tol=1e-3):
     assert len(served["tokens"]) == len(ref.token_ids)
 
 
-@pytest.mark.parametrize("variant", ["gptq", "fp8", "gguf"])
+@pytest.mark.parametrize("variant", ["gptq", pytest.param("fp8", marks=pytest.mark.slow), "gguf"])
 def test_checkpoint_experts_over_engine_cores_give_one_cores_answers(quantized_moe, variant, monkeypatch):
     """parallel=dp2_ep serving a quantized checkpoint: each core loads its
     own experts as the file stores them (GPTQ blocks, fp8 values and

@@ -51,7 +51,8 @@ def tiny_reference():
 
 @pytest.mark.parametrize("tp,pp,collectives", [
     (2, 1, "shm"), (4, 1, "shm"), (2, 1, "gloo"),  # 4 ranks over 2 KV heads: each KV head on two ranks
-    (1, 2, "shm"), (2, 2, "shm"), (2, 2, "gloo"),  # two stages of one layer, alone or each over two ranks
+    (1, 2, "shm"), (2, 2, "shm"),  # two stages of one layer, alone or each over two ranks
+    pytest.param(2, 2, "gloo", marks=pytest.mark.slow),
 ])
 def test_tiny_model_tokens_equal_one_rank(tiny_reference, tp, pp, collectives):
     outs, llm = generate([*TINY, f"parallel.tensor_parallel_size={tp}", f"parallel.pipeline_parallel_size={pp}",
@@ -117,7 +118,8 @@ def tiny_quantized_checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant,layout", [
-    ("awq4", ["parallel=tp2"]), ("gptq4", ["parallel=tp2"]), ("gptq8", ["parallel=tp2"]), ("fp8", ["parallel=tp2"]),
+    ("awq4", ["parallel=tp2"]), pytest.param("gptq4", ["parallel=tp2"], marks=pytest.mark.slow), ("gptq8", ["parallel=tp2"]),
+    ("fp8", ["parallel=tp2"]),
     ("fp8-block", ["parallel=tp2"]),
     ("awq4", ["parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=2"]),
 ])
