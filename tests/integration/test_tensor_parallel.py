@@ -118,8 +118,8 @@ def tiny_quantized_checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant,layout", [
-    ("awq4", ["parallel=tp2"]), pytest.param("gptq4", ["parallel=tp2"], marks=pytest.mark.slow), ("gptq8", ["parallel=tp2"]),
-    ("fp8", ["parallel=tp2"]),
+    ("awq4", ["parallel=tp2"]), pytest.param("gptq4", ["parallel=tp2"], marks=pytest.mark.slow),
+    ("gptq8", ["parallel=tp2"]), ("fp8", ["parallel=tp2"]),
     ("fp8-block", ["parallel=tp2"]),
     ("awq4", ["parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=2"]),
 ])
