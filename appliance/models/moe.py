@@ -162,7 +162,7 @@ class FusedExperts(nn.Module):
     dense projections are; the torch path then dequantizes an expert's
     weights when a step routes tokens to it. ``num_slots``: every rank's
     slots (default: up to this rank's last). Where FlashInfer's fused MoE
-    runs them (``kernels/flashinfer_moe.py``), ``w13`` holds up rows first
+    runs them (``appliance/kernels/flashinfer_moe.py``), ``w13`` holds up rows first
     from their first forward on (``up_first``)."""
 
     def __init__(self, num_local: int, hidden: int, inter: int, first: int = 0,
@@ -227,7 +227,7 @@ class FusedExperts(nn.Module):
         """Sum over each token's routed experts held here of weight x
         expert(token), grouped by expert: on GPUs by FlashInfer's fused MoE
         where it runs, else by the Triton fused kernel
-        (``kernels/triton_moe.py``); elsewhere one torch GEMM pair per
+        (``appliance/kernels/triton_moe.py``); elsewhere one torch GEMM pair per
         active expert."""
         if not self._q and flashinfer_moe.usable(x):
             if not self.up_first:  # once: the kernel's layout

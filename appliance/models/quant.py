@@ -15,7 +15,7 @@ integer zero point needs it, see ``install_int4``) (asymmetric, round to nearest
 group 32): 5 bits a weight at group 32. The LM head is int8 as above (it
 holds a fifth of a small model's weights and its logits feel 4-bit
 rounding most). The native CPU backend runs these weights as they are
-(``kernels/cpu_native.py``); elsewhere a layer dequantizes its weight per
+(``appliance/kernels/cpu_native.py``); elsewhere a layer dequantizes its weight per
 call, which is correct and slow. torch's packed kernel
 (``aten._weight_int8pack_mm``, bf16 activations) runs decode-sized GEMVs
 about 3x faster than fp32 on an AVX2 CPU but is 20x slower at 32 rows, so
@@ -175,7 +175,7 @@ class Int4WeightOnlyLinear(_GroupedLinear):
     """4-bit weights with group scales and mins (fp16, or fp32), from a float
     weight (quantized here) or from given (q, d, m) (a checkpoint's own blocks);
     on CUDA/ROCm through the Marlin GEMM where it takes them (integer zero
-    points: AWQ and GPTQ; ``kernels/marlin_int4.py``), else the Triton int4
+    points: AWQ and GPTQ; ``appliance/kernels/marlin_int4.py``), else the Triton int4
     GEMM."""
 
     weight_attr = "weight_q4"
@@ -227,14 +227,14 @@ class Int4WeightOnlyLinear(_GroupedLinear):
             self.weight_q4 = torch.empty(0, dtype=torch.uint8, device=self.weight_rows.device)
 
     def _triton(self, x: torch.Tensor) -> torch.Tensor:
-        """CUDA/ROCm: the Triton int4 GEMM (kernels/triton_int4.py)."""
+        """CUDA/ROCm: the Triton int4 GEMM (appliance/kernels/triton_int4.py)."""
         from appliance.kernels.triton_int4 import int4_gemm
 
         self.pack_rows()
         return self._through(x, lambda rows: int4_gemm(rows, self.weight_rows, self.q_scale, self.q_min, self.bias))
 
     def _marlin(self, x: torch.Tensor) -> torch.Tensor:
-        """CUDA: the Marlin GEMM (kernels/marlin_int4.py), its tiles made on first use."""
+        """CUDA: the Marlin GEMM (appliance/kernels/marlin_int4.py), its tiles made on first use."""
         from appliance.kernels import marlin_int4
 
         if not self.marlin_tiled:
@@ -272,7 +272,7 @@ class GroupedInt8Linear(_GroupedLinear):
         return super().forward(x)
 
     def _triton(self, x: torch.Tensor) -> torch.Tensor:
-        """CUDA/ROCm: the Triton grouped int8 GEMM (kernels/triton_int4.py)."""
+        """CUDA/ROCm: the Triton grouped int8 GEMM (appliance/kernels/triton_int4.py)."""
         from appliance.kernels.triton_int4 import int8_gemm
 
         return self._through(x, lambda rows: int8_gemm(rows, self.weight_q8, self.q_scale, self.q_min, self.bias))

@@ -1,4 +1,4 @@
-"""The native CPU kernels (kernels/csrc/cpu_ops.c) against torch references:
+"""The native CPU kernels (appliance/kernels/csrc/cpu_ops.c) against torch references:
 GEMMs over every tile remainder (fp32, bf16, int8 and int4 weights, and the
 AVX-512F and AVX512-BF16 paths where the CPU has them), paged attention on ragged mixed
 batches, whole-model generation token for token against the torch_sdpa path

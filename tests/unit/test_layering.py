@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"appliance": ROOT / "appliance", "appliance.kernels": ROOT / "kernels"}
+PACKAGES = {"appliance": ROOT / "appliance"}
 
 
 def module_files() -> dict[str, Path]:

@@ -2,7 +2,7 @@
 float experts (bf16 / fp16) on the GPUs its kernels are built for (SM89,
 Hopper SM90, Blackwell SM100/103/110/120) where ``flashinfer`` is
 importable: ``models.moe.FusedExperts`` prefers it to the Triton kernel
-(``kernels/triton_moe.py``) there.
+(``appliance/kernels/triton_moe.py``) there.
 
 Its contract (``flashinfer.fused_moe.cutlass_fused_moe``): ``input`` [T,
 H]; ``token_selected_experts`` int32 [T, top_k] and

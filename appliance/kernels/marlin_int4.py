@@ -1,7 +1,7 @@
 """The Marlin int4 GEMM (sgl-kernel's ``gptq_marlin_gemm``) for AWQ and
 GPTQ 4-bit weights on NVIDIA GPUs (SM80 on), where ``sgl_kernel`` imports;
 ``models.quant.Int4WeightOnlyLinear`` prefers it to the Triton int4 GEMM
-(``kernels/triton_int4.py``) for weights it takes.
+(``appliance/kernels/triton_int4.py``) for weights it takes.
 
 It takes 4-bit weights whose zero points are integers, w = s x (q - z):
 an AWQ or GPTQ checkpoint's blocks (d = s, m = -s x z, ``integer_zeros``
