@@ -45,11 +45,12 @@ def main(argv: list[str]) -> int:
     if not connectors or any(c not in ("p2p", "nixl") for c in connectors):
         p.error(f"--connectors {a.connectors!r}: p2p and / or nixl")
     from appliance import LLM, SamplingParams
-    from appliance.worker.executor import free_port
+    from appliance.server.local import free_port_run
 
     plain = LLM(overrides=overrides)
+    ranks = plain.deployment.layout.ranks_per_engine  # a producer's rank r listens on the port + r
     pairs = {c: (LLM(overrides=[*overrides, f"kv_transfer={c}", "kv_transfer.role=producer",
-                                f"kv_transfer.p2p.port={free_port()}"]),
+                                f"kv_transfer.p2p.port={free_port_run(ranks)}"]),
                  LLM(overrides=[*overrides, f"kv_transfer={c}", "kv_transfer.role=consumer"])) for c in connectors}
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     prefill = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,6 +19,41 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The first port the kernel hands out to ``bind(0)`` (32768 where it does not say)."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port_run(count: int, low: int = 10000, tries: int = 200) -> int:
+    """The first of ``count`` consecutive loopback ports that are all free now,
+    for a service whose rank ``r`` listens on port + r (``kv_transfer.p2p.port``,
+    kv event endpoints over engine cores). The run lies below the kernel's
+    ephemeral range, so no port handed out by ``bind(0)`` in the meantime (a
+    rank's rendezvous, another server's ``free_port``) can take one of them."""
+    high = _ephemeral_low() - count
+    if high <= low:
+        raise RuntimeError(f"no room for {count} ports between {low} and the ephemeral range")
+    for _ in range(tries):
+        start = random.randrange(low, high)
+        probes = []
+        try:
+            for port in range(start, start + count):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.bind(("127.0.0.1", port))
+            return start
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError(f"no {count} consecutive free ports found below {high + count} in {tries} tries")
 
 
 class LocalServer:

@@ -14,6 +14,7 @@ import pytest
 
 from appliance import LLM, SamplingParams
 from appliance.errors import ConfigError
+from appliance.server.local import free_port_run
 from appliance.worker.placement import cpu_share
 from tests.integration.server_helpers import ServerProcess, metric
 
@@ -117,22 +118,6 @@ def test_the_offline_llm_refuses_data_parallelism():
         LLM(overrides=["+profile=cpu", *TINY, "parallel=dp2"])
 
 
-def two_free_ports() -> int:
-    """A free port whose next port is free too (core r of dp2 takes port + r)."""
-    import socket
-
-    from appliance.server.local import free_port
-
-    port = free_port()
-    while True:
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                port = free_port()
-
-
 def test_each_engine_core_publishes_kv_events_on_its_own_port():
     """kv_events with dp2: core r binds the endpoint's port + r, and its
     batches say its rank; a request pinned to a core shows up on its port."""
@@ -140,7 +125,7 @@ def test_each_engine_core_publishes_kv_events_on_its_own_port():
 
     from tests.unit.test_kv_events import DECODER, BlockStored
 
-    port = two_free_ports()
+    port = free_port_run(2)
     s = ServerProcess(*TINY, "parallel=dp2", "kv_events=zmq", f"kv_events.endpoint=tcp://127.0.0.1:{port}",
                       "kv_events.replay_endpoint=null")
     subs = []
@@ -199,7 +184,7 @@ def test_each_producer_core_listens_on_its_own_port():
     """kv_transfer=p2p producers with dp2: core r listens on p2p.port + r and
     says so in its answer; a consumer fetches from the core that prefilled,
     with the answer one engine gives."""
-    port = two_free_ports()
+    port = free_port_run(2)
     producer = ServerProcess(*TINY, "parallel=dp2", "kv_transfer=p2p", "kv_transfer.role=producer",
                              f"kv_transfer.p2p.port={port}")
     try:

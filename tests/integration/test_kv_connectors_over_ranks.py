@@ -20,7 +20,7 @@ import pytest
 
 from appliance import LLM, SamplingParams
 from appliance.engine.kv_connector import rank_folder, stored_hashes
-from appliance.worker.executor import free_port
+from appliance.server.local import free_port_run
 from appliance.worker.kv_nixl import nixl_api
 
 NEEDS_NIXL = pytest.mark.skipif(nixl_api() is None, reason="NIXL is not installed (pip install nixl-cu12)")
@@ -114,7 +114,7 @@ def test_each_consumer_rank_pulls_its_part_from_the_producers(layout, kind):
     rank of its number, through its own NIXL agent.)"""
     ref = LLM(overrides=[*BASE, *LAYOUTS[layout]]).generate([PROMPT], GREEDY, use_tqdm=False)[0]
     producer = LLM(overrides=[*BASE, *LAYOUTS[layout], f"kv_transfer={kind}", "kv_transfer.role=producer",
-                              f"kv_transfer.p2p.port={free_port()}"])
+                              f"kv_transfer.p2p.port={free_port_run(2)}"])
     consumer = LLM(overrides=[*BASE, *LAYOUTS[layout], f"kv_transfer={kind}", "kv_transfer.role=consumer"])
     prefill = dataclasses.replace(GREEDY, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     params = producer.generate([PROMPT], prefill, use_tqdm=False)[0].kv_transfer_params

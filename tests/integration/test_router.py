@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from appliance.server.local import LocalServer, free_port
+from appliance.server.local import LocalServer, free_port, free_port_run
 from tests.integration.server_helpers import REPO, ServerProcess, metric
 
 TINY = ["model=tiny_random", "cache.kv_cache_memory_gib=0.05"]
@@ -130,7 +130,7 @@ def test_pd_prefills_on_the_producer_and_decodes_on_the_consumer(instances):
     an instance that did everything, whole and streamed."""
     plain = instances[0][0]
     producer = ServerProcess(*TINY, "kv_transfer=p2p", "kv_transfer.role=producer",
-                             f"kv_transfer.p2p.port={free_port()}")
+                             f"kv_transfer.p2p.port={free_port_run(1)}")
     consumer = router = None
     try:
         consumer = ServerProcess(*TINY, "kv_transfer=p2p", "kv_transfer.role=consumer")

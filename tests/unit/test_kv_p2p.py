@@ -19,6 +19,7 @@ from appliance.config.plan import make_plan
 from appliance.engine.kv_p2p import kv_transfer_problem
 from appliance.engine.request import RequestStatus
 from appliance.errors import ConfigError
+from appliance.server.local import free_port_run
 from appliance.worker.executor import free_port
 
 PROMPT = " ".join(str(i) for i in range(200))
@@ -28,7 +29,7 @@ BASE = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "
 
 def _producer(*extra, connector="p2p"):
     return LLM(overrides=[*BASE, f"kv_transfer={connector}", "kv_transfer.role=producer",
-                          f"kv_transfer.p2p.port={free_port()}", *extra])
+                          f"kv_transfer.p2p.port={free_port_run(1)}", *extra])
 
 
 def _consumer(*extra, connector="p2p"):
@@ -433,7 +434,7 @@ def test_other_dtypes_move_as_they_are(extra):
     base = [*BASE, *extra]
     plain = LLM(overrides=base).generate([PROMPT], GREEDY, use_tqdm=False)[0]
     producer = LLM(overrides=[*base, "kv_transfer=p2p", "kv_transfer.role=producer",
-                              f"kv_transfer.p2p.port={free_port()}"])
+                              f"kv_transfer.p2p.port={free_port_run(1)}"])
     consumer = LLM(overrides=[*base, "kv_transfer=p2p", "kv_transfer.role=consumer"])
     assert producer.engine.runner.kv_caches[0].dtype == consumer.engine.runner.kv_caches[0].dtype
     out = _decode(consumer, _prefill(producer))
@@ -454,7 +455,7 @@ def test_an_ipv6_producer(pair, reference):
 
 
 def test_a_port_in_use_is_a_clear_error():
-    port = free_port()
+    port = free_port_run(1)
     _producer_on = [*BASE, "kv_transfer=p2p", f"kv_transfer.p2p.port={port}"]
     LLM(overrides=_producer_on)
     with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
