@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -66,7 +68,20 @@ def cpu_has_fast_bf16() -> bool:
     return cpu_info().fast_bf16
 
 
+# Device nodes a Linux GPU driver makes: NVIDIA's control node, AMD's compute
+# (KFD) node, and WSL2's GPU paravirtualization node (CUDA under Windows).
+GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def no_gpu_driver(nodes: tuple[str, ...] = GPU_NODES) -> bool:
+    """Linux with none of the GPU drivers' device nodes: no CUDA or ROCm
+    device can be visible, so there is no need to import torch to ask."""
+    return sys.platform.startswith("linux") and not any(os.path.exists(n) for n in nodes)
+
+
 def detect_device() -> DeviceDescription:
+    if no_gpu_driver():
+        return DeviceDescription(kind="cpu", name="cpu")
     try:
         import torch
     except ImportError:

@@ -54,6 +54,24 @@ def test_parse_cpuinfo_without_flags():
     assert info.model == "" and not info.fast_bf16 and info.describe() == "unknown CPU (no AVX2)"
 
 
+def test_without_a_gpu_drivers_nodes_the_device_is_the_cpu_and_torch_is_not_asked(tmp_path, monkeypatch):
+    """On Linux, no NVIDIA, AMD or WSL2 GPU node means no CUDA or ROCm device:
+    detect_device answers without importing torch (``appliance plan`` stays fast)."""
+    import sys
+
+    node = tmp_path / "nvidiactl"
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert detect.no_gpu_driver((str(tmp_path / "kfd"),))
+    node.touch()
+    assert not detect.no_gpu_driver((str(tmp_path / "kfd"), str(node)))
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert not detect.no_gpu_driver((str(tmp_path / "kfd"),))  # elsewhere torch is asked
+
+    monkeypatch.setattr(detect, "no_gpu_driver", lambda: True)
+    monkeypatch.setitem(sys.modules, "torch", None)  # an import of torch would raise
+    assert detect.detect_device() == DeviceDescription(kind="cpu", name="cpu")
+
+
 @pytest.mark.parametrize("profile, dtype", [("cpu", "bfloat16"), ("cpu_int8", "float32"), ("cpu_int4", "float32")])
 def test_native_kernels_run_their_fastest_dtype_on_every_cpu(host, profile, dtype, monkeypatch):
     """bf16 weights halve what the native kernels stream; with int8 or int4 weights fp32 is faster."""
