@@ -27,7 +27,7 @@ def ids(blocks):
 
 
 def free_order(kv):
-    return [b.block_id for b in kv.pool.free_block_queue]
+    return kv.pool.free_block_ids()
 
 
 def test_null_block_and_initial_free_queue():
@@ -35,6 +35,25 @@ def test_null_block_and_initial_free_queue():
     assert kv.pool.null_block.block_id == 0
     assert free_order(kv) == list(range(1, 10))
     kv.check_integrity()
+
+
+def test_a_block_is_made_when_first_handed_out_and_never_used_ones_go_first():
+    """A pool of ten million blocks holds objects only for the blocks handed
+    out; a freed block queues behind every block never used."""
+    pool = BlockPool(10_000_000, 4)
+    assert len(pool.blocks) == 1 and pool.num_free_blocks == 10_000_000 - 1
+    a, b = pool.get_new_blocks(2)
+    assert (a.block_id, b.block_id) == (1, 2) and len(pool.blocks) == 3
+    pool.free_blocks([a])
+    assert pool.free_block_ids()[:2] == [3, 4] and pool.free_block_ids()[-1] == 1
+    assert pool.num_free_blocks == 10_000_000 - 2 and pool.num_used_blocks == 1
+    small = BlockPool(4, 4)
+    x, y, z = small.get_new_blocks(3)
+    small.free_blocks([z, x])
+    assert small.free_block_ids() == [3, 1]
+    assert [blk.block_id for blk in small.get_new_blocks(2)] == [3, 1]  # then the freed ones, LRU first
+    with pytest.raises(ValueError, match="cannot allocate 1 blocks; 0 free"):
+        small.get_new_blocks(1)
 
 
 def test_prefill_caches_only_full_blocks():

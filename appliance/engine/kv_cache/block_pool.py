@@ -1,12 +1,14 @@
 """The physical KV block pool (torch-free).
 
-Blocks are pre-allocated; block 0 is a null placeholder that is never handed
-out. Free blocks sit in a doubly linked queue in eviction order (LRU at the
-head). A block keeps its hash after its last holder lets go, so a later
+Block 0 is a null placeholder that is never handed out. Free blocks sit in a
+doubly linked queue in eviction order (LRU at the head). A block's object is
+made the first time it is handed out: blocks never used yet are the queue's
+head, in id order, and are allocated before any freed one, so a pool of
+millions of blocks starts in no time. A block keeps its hash after its last holder lets go, so a later
 request can still hit it; only when the block is popped for a new
 allocation is the hash dropped (eviction).
 
-    free queue:  head -> [LRU ... MRU] <- tail
+    free queue:  head -> [never used, by id] [LRU ... MRU] <- tail
     allocate:    pop from head (evict its hash if cached)
     free:        append to tail, a request's blocks in reverse order, so its
                  last (least shareable) block is evicted first
@@ -97,10 +99,12 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        # The blocks handed out so far: ids 0 .. len - 1, block i at index i. The
+        # rest are free and ahead of every block in free_block_queue (freed ones).
+        self.blocks: list[KVCacheBlock] = []
+        self.free_block_queue = FreeKVCacheBlockQueue(())
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
-        self.null_block = self.free_block_queue.popleft()
+        self.null_block = self._pop_free()
         self.null_block.is_null = True
         self.events: Optional[list[KVCacheEvent]] = [] if enable_events else None
 
@@ -136,12 +140,28 @@ class BlockPool:
 
 
     # -- allocation ---------------------------------------------------------
+    @property
+    def num_never_used(self) -> int:
+        return self.num_blocks - len(self.blocks)
+
+    def _pop_free(self) -> KVCacheBlock:
+        """The free queue's head: the lowest block never used, else the LRU freed one."""
+        if self.num_never_used:
+            block = KVCacheBlock(len(self.blocks))
+            self.blocks.append(block)
+            return block
+        return self.free_block_queue.popleft()
+
+    def free_block_ids(self) -> list[int]:
+        """Every free block's id in eviction order (the next allocation first)."""
+        return [*range(len(self.blocks), self.num_blocks), *(b.block_id for b in self.free_block_queue)]
+
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        if n > self.free_block_queue.num_free_blocks:
-            raise ValueError(f"cannot allocate {n} blocks; {self.free_block_queue.num_free_blocks} free")
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {n} blocks; {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            block = self.free_block_queue.popleft()
+            block = self._pop_free()
             self.evict_cached(block)
             block.ref_cnt = 1
             out.append(block)
@@ -177,7 +197,7 @@ class BlockPool:
     # -- accounting ---------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks
+        return self.num_never_used + self.free_block_queue.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:

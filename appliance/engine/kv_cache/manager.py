@@ -208,13 +208,13 @@ class KVCacheManager:
             for b in blocks:
                 assert not b.is_null, f"{rid} holds the null block"
                 holders[b.block_id] += 1
-        free_ids = []
         prev = pool.free_block_queue.head
         for b in pool.free_block_queue:
             assert b.prev_free is prev, "free queue back pointer broken"
             prev = b
-            free_ids.append(b.block_id)
         assert pool.free_block_queue.tail.prev_free is prev, "free queue tail broken"
+        assert [b.block_id for b in pool.blocks] == list(range(len(pool.blocks))), "blocks made out of id order"
+        free_ids = pool.free_block_ids()
         assert len(free_ids) == pool.num_free_blocks, "free count differs from the queue"
         assert len(set(free_ids)) == len(free_ids), "a block is in the free queue twice"
         free_set = set(free_ids)
