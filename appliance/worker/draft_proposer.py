@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
+from appliance.worker.kv_memory import zeroed_kv_cache
 from appliance.worker.sampler import _probs, _race, position_generator
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ class DraftModelProposer:
         self.model, self.backend, self.k, self.max_model_len = model, backend, k, max_model_len
         self.max_catch_up = max_catch_up  # tokens one catch-up forward takes at most (the step's token cap)
         shape = backend.kv_cache_shape(num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(arch.num_layers)]
+        self.kv_caches = [zeroed_kv_cache(shape, dtype=kv_dtype, device=device) for _ in range(arch.num_layers)]
         model.rope_cache(max_model_len, dtype, device)
         self._native: Any = None
 

@@ -52,6 +52,7 @@ import torch
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
 from appliance.sampling_params import SamplingParams
+from appliance.worker.kv_memory import zeroed_kv_cache
 from appliance.worker.sampler import (SampleRequest, TokenLogprobs, position_generator, prompt_logprobs, sample,
                                       verify_drafts)
 
@@ -133,7 +134,7 @@ class ModelRunner:
         self.bitmask_kernel = bitmask_kernel  # masks constrained logits rows (None: xgrammar's kernel)
         shape = backend.kv_cache_shape(num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         # one per layer this rank holds (a pipeline stage's)
-        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in model.model.layers]
+        self.kv_caches = [zeroed_kv_cache(shape, dtype=kv_dtype, device=device) for _ in model.model.layers]
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.block_table = np.zeros((max_num_seqs, self.max_blocks_per_req), dtype=np.int32)
         self.num_blocks_in_row = np.zeros(max_num_seqs, dtype=np.int32)

@@ -1,0 +1,23 @@
+"""The memory a KV cache tensor lives in."""
+
+from __future__ import annotations
+
+import math
+import mmap
+from typing import Any
+
+import torch
+
+
+def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """A zero-filled KV cache tensor. On the host it is private anonymous
+    memory, which the kernel zero-fills a page at a time on first touch: start-up
+    writes none of the cache budget, and resident memory grows with the blocks
+    used. On a GPU, torch.zeros."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps buf mapped
