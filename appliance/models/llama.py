@@ -501,7 +501,10 @@ class Backbone(nn.Module):
                  ep: Optional[ExpertParallel] = None):
         super().__init__()
         if embed:
-            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+            # filled by the loader: no random init (nn.Embedding's normal_ on the loader's meta
+            # tensors would import torch._dynamo, 1.5 s in every process)
+            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
+                                             _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         held = range(arch.num_layers) if layers is None else layers
         self.layers = nn.ModuleList(DecoderLayer(arch, backend, tp, i, ep) for i in held)
         if norm:
