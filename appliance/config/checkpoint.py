@@ -190,9 +190,17 @@ _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
-def read_gguf_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
-    """Metadata (an array is given as its length) and, by tensor name, each
-    tensor's ggml type id and element count, of a GGUF file."""
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    ggml_type: int
+    dims: tuple[int, ...]  # ggml's order: the fastest-varying dimension first
+    offset: int  # from the start of the file's data section
+
+
+def read_gguf_layout(path: Path) -> tuple[dict[str, Any], list[GGUFTensorInfo], int]:
+    """A GGUF file's metadata (an array is given as its length), its tensors'
+    infos in file order, and where its data section starts."""
 
     def unpack(f: BinaryIO, fmt: str) -> Any:
         s = struct.Struct(fmt)
@@ -230,13 +238,24 @@ def read_gguf_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, i
                 meta[key] = unpack(f, _GGUF_SCALARS[vtype])
             else:
                 raise ValueError(f"{key}: unknown GGUF value type {vtype}")
-        tensors = {}
+        tensors = []
         for _ in range(n_tensors):
             name = string(f)
-            dims = [unpack(f, "<Q") for _ in range(unpack(f, "<I"))]
-            tensors[name] = (unpack(f, "<I"), math.prod(dims))
-            f.seek(8, 1)  # offset
-    return meta, tensors
+            dims = tuple(unpack(f, "<Q") for _ in range(unpack(f, "<I")))
+            ggml_type = unpack(f, "<I")
+            tensors.append(GGUFTensorInfo(name, ggml_type, dims, unpack(f, "<Q")))
+        align = int(meta.get("general.alignment", 32))
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"general.alignment={align} must be a power of two")
+        start = -(-f.tell() // align) * align
+    return meta, tensors, start
+
+
+def read_gguf_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
+    """Metadata (an array is given as its length) and, by tensor name, each
+    tensor's ggml type id and element count, of a GGUF file."""
+    meta, tensors, _ = read_gguf_layout(path)
+    return meta, {t.name: (t.ggml_type, math.prod(t.dims)) for t in tensors}
 
 
 def gguf_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:

@@ -23,12 +23,14 @@ names them.
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
-from appliance.config.checkpoint import FAMILIES, GGUF_FAMILIES
+from appliance.config.checkpoint import FAMILIES, GGUF_FAMILIES, read_gguf_layout
 
 QK = 32
 # in the converted folders' cache key: 2 keeps a Qwen file's Q and K rows as stored, and converts qwen3moe
@@ -275,20 +277,61 @@ def hf_name(gguf_name: str) -> str:
     raise ValueError(f"GGUF tensor {gguf_name} has no mapping to this model")
 
 
-def gguf_config(reader) -> dict:
-    """config.json contents from GGUF metadata."""
+# ggml types whose tensors read as values; the others as their blocks' bytes
+PLAIN_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+               "I32": np.int32, "I64": np.int64}
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: ``kind`` its ggml type's name, ``shape``
+    in Hugging Face's order (slowest dimension first), ``data`` mapped from
+    the file: values for PLAIN_TYPES, else the blocks' bytes, one row per
+    row of weights (as gguf's reader shapes them)."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+def read_gguf(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
+    """A GGUF file's metadata (an array is given as its length) and its
+    tensors, mapped, in file order. The file's header is parsed once, in
+    ``read_gguf_layout``: gguf's own reader also builds every metadata array
+    element (a tokenizer's vocabulary), which takes seconds."""
+    import gguf
+
+    meta, infos, start = read_gguf_layout(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = []
+    for t in infos:
+        qtype = gguf.GGMLQuantizationType(t.ggml_type)
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        shape = tuple(reversed(t.dims))
+        nbytes = math.prod(t.dims) * type_size // block
+        raw = mapped[start + t.offset: start + t.offset + nbytes]
+        if raw.size != nbytes:
+            raise ValueError(f"{path}: tensor {t.name} runs past the end of the file")
+        data = (raw.view(PLAIN_TYPES[qtype.name]).reshape(shape) if qtype.name in PLAIN_TYPES
+                else raw.reshape(gguf.quant_shape_to_byte_shape(shape, qtype)))
+        tensors.append(GGUFTensor(t.name, qtype.name, shape, data))
+    return meta, tensors
+
+
+def gguf_config(meta: dict[str, Any], tensors: list[GGUFTensor]) -> dict:
+    """config.json contents from GGUF metadata (``read_gguf``'s)."""
 
     def field(key: str, default=None):
-        f = reader.fields.get(key)
-        return f.contents() if f is not None else default
+        return meta.get(key, default)
 
     arch = field("general.architecture")
     if arch not in ARCH_MAP:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(ARCH_MAP)}")
     heads = int(field(f"{arch}.attention.head_count"))
     hidden = int(field(f"{arch}.embedding_length"))
-    names = {t.name for t in reader.tensors}
-    vocab = field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens"))
+    names = {t.name for t in tensors}
+    vocab = field(f"{arch}.vocab_size") or field("tokenizer.ggml.tokens")  # the array's length
     layers = int(field(f"{arch}.block_count"))
     moe, architecture = {}, ARCH_MAP[arch]
     if field(f"{arch}.expert_count") and arch == "llama":  # Mixtral: every layer sparse, experts ffn-wide
@@ -339,17 +382,14 @@ def read_block_tensors(gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str
     per expert, ``...mlp.experts.E.gate_proj.weight``), and the block type
     of every other tensor (a tied embedding too: lookups read it
     dequantized)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(gguf_path))
-    config = gguf_config(reader)
+    meta, tensors = read_gguf(gguf_path)
+    config = gguf_config(meta, tensors)
     heads = ({"self_attn.q_proj.weight": config["num_attention_heads"],
               "self_attn.k_proj.weight": config["num_key_value_heads"]} if config["architectures"][0] in PERMUTED_ARCHS
              else {})
     blocks, others = {}, {}
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+    for t in tensors:
+        kind, shape = t.kind, t.shape
         experts = expert_tensor(t.name)
         if experts is not None:
             layer, projection = experts
@@ -382,31 +422,30 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Optional[Callable[[in
     """Write ``out_dir`` with config.json, model.safetensors (every tensor
     dequantized to fp32; ``without_kept``: all but those ``quantization=gguf``
     keeps as blocks, which it reads from the file itself) and the tokenizer."""
-    import gguf
     import torch
     from safetensors.torch import save_file
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    config = gguf_config(reader)
+    meta, stored = read_gguf(gguf_path)
+    config = gguf_config(meta, stored)
     tensors = {}
-    total = len(reader.tensors)
+    total = len(stored)
     permuted = config["architectures"][0] in PERMUTED_ARCHS
-    for i, t in enumerate(reader.tensors):
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # ggml lists the fastest dim first
+    for i, t in enumerate(stored):
+        shape = t.shape
         experts = expert_tensor(t.name)
         if experts is not None:  # one tensor per expert, as Hugging Face names them
-            if without_kept and t.tensor_type.name in KEPT_TYPES:
+            if without_kept and t.kind in KEPT_TYPES:
                 continue
             layer, projection = experts
-            w = dequantize(t.data, t.tensor_type.name, shape)
+            w = dequantize(t.data, t.kind, shape)
             for e in range(shape[0]):
                 tensors[f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight"] = torch.from_numpy(
                     np.ascontiguousarray(w[e]))
             continue
         name = hf_name(t.name)
-        if without_kept and kept_at_width(name, t.tensor_type.name):
+        if without_kept and kept_at_width(name, t.kind):
             continue
-        w = dequantize(t.data, t.tensor_type.name, shape)
+        w = dequantize(t.data, t.kind, shape)
         if permuted and name.endswith("self_attn.q_proj.weight"):
             w = unpermute(w, config["num_attention_heads"])
         elif permuted and name.endswith("self_attn.k_proj.weight"):

@@ -25,6 +25,43 @@ def test_dequant_matches_reference_implementation(qtype):
         assert np.abs(mine - x).max() < 0.5  # 4-bit grid over a N(0,1) block
 
 
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_read_gguf_maps_the_tensors_gguf_reads(tmp_path, alignment):
+    """Our header parse and the gguf package's reader give the same tensors
+    (names, types, shapes, bytes) and metadata, at any alignment."""
+    import gguf
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    if alignment:
+        w.add_custom_alignment(alignment)
+    w.add_block_count(1)
+    w.add_token_list(["a", "bb", "ccc"])
+    rng = np.random.default_rng(2)
+    for name, qtype, shape in [("token_embd.weight", "Q8_0", (3, 64)), ("blk.0.attn_norm.weight", "F32", (64,)),
+                               ("blk.0.ffn_down.weight", "Q4_1", (5, 96)), ("blk.0.ffn_up.weight", "F16", (7, 32)),
+                               ("output.weight", "Q6_K", (2, 256))]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        t = getattr(gguf.GGMLQuantizationType, qtype)
+        if qtype == "Q6_K":  # gguf has no quantizer for it: any bytes of its block size
+            raw = rng.integers(0, 256, gguf.quant_shape_to_byte_shape(shape, t), dtype=np.uint8)
+        else:
+            raw = x.astype(np.float16) if qtype == "F16" else x if qtype == "F32" else gguf.quants.quantize(x, t)
+        w.add_tensor(name, raw, raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    meta, ours = our.read_gguf(path)
+    ref = gguf.GGUFReader(str(path))
+    assert meta["llama.block_count"] == 1 and meta["tokenizer.ggml.tokens"] == 3
+    assert [t.name for t in ours] == [t.name for t in ref.tensors]
+    for a, b in zip(ours, ref.tensors):
+        assert a.kind == b.tensor_type.name and a.shape == tuple(reversed(b.shape.tolist()))
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+        np.testing.assert_array_equal(a.data, b.data)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 def test_int4_blocks_are_the_block_formula_bit_for_bit(qtype):
     """quantization=gguf keeps 4-bit blocks as (q, d, m): d * q + m is the

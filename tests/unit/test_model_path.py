@@ -136,9 +136,7 @@ def test_catalog_options_and_special_paths_keep_their_numbers():
 
 
 def test_gguf_facts_are_read():
-    import gguf
-
-    from appliance.models.gguf import gguf_config
+    from appliance.models.gguf import gguf_config, read_gguf
 
     path = find_wheel_gguf()
     m = resolve(BASE + [f"model.path={path}"]).cfg.model
@@ -149,7 +147,7 @@ def test_gguf_facts_are_read():
                 "rms_norm_eps", "tie_word_embeddings", "qkv_bias", "qk_norm", "param_count_b"):
         assert _value(m, key) == _value(catalog, key), key
     # The folder the loader converts it into passes the loader's check.
-    check_checkpoint(m, gguf_config(gguf.GGUFReader(str(path))), path)
+    check_checkpoint(m, gguf_config(*read_gguf(path)), path)
 
 
 def test_architecture_lists_agree():
