@@ -4,9 +4,9 @@ Block 0 is a null placeholder that is never handed out. Free blocks sit in a
 doubly linked queue in eviction order (LRU at the head). A block's object is
 made the first time it is handed out: blocks never used yet are the queue's
 head, in id order, and are allocated before any freed one, so a pool of
-millions of blocks starts in no time. A block keeps its hash after its last holder lets go, so a later
-request can still hit it; only when the block is popped for a new
-allocation is the hash dropped (eviction).
+millions of blocks starts in no time. A block keeps its hash after its last
+holder lets go, so a later request can still hit it; only when the block is
+popped for a new allocation is the hash dropped (eviction).
 
     free queue:  head -> [never used, by id] [LRU ... MRU] <- tail
     allocate:    pop from head (evict its hash if cached)
