@@ -109,6 +109,32 @@ def greedy_top_logprobs(llm: LLM, prompt_ids, max_new_tokens, k):
     return [(o.outputs[0].token_ids, [dict(lp.top) for lp in o.outputs[0].logprobs]) for o in outs]
 
 
+CAPITAL_OF_FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def paris_margin(llm: LLM) -> float:
+    """How many nats ``llm`` puts ' Paris' above its next best token when
+    the chat turn CAPITAL_OF_FRANCE is answered up to 'The capital of France
+    is' (the fp32 model's greedy answer, whose ' Paris' leads by 4.7 nats):
+    positive when Paris is its greedy choice there.
+
+    A quantized model's own greedy answer is not compared: the fp32 model
+    opens it with 'The' only 0.08 nats ahead of "L'", less than a 3-bit
+    mantissa's error, so which opening fp8 W8A8 picks follows the last bits
+    of the host's fp32 GEMMs (AVX-512 and AVX2 pick differently). Given the
+    answer's opening, the fact is decided by a margin far above that error."""
+    from appliance import SamplingParams
+
+    tok = llm.tokenizer
+    prompt = tok.apply_chat_template(CAPITAL_OF_FRANCE, add_generation_prompt=True, tokenize=False)
+    answer = tok.encode("The capital of France is Paris", add_special_tokens=False)
+    assert tok.decode(answer[-1:]) == " Paris"
+    ids = tok.encode(prompt) + answer
+    paris = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2),
+                         use_tqdm=False)[0].prompt_logprobs[-1]
+    return paris.logprob - max(lp for t, lp in paris.top if t != paris.token_id)
+
+
 def write_fp8_checkpoint(plain, folder, block: int = 0) -> dict:
     """The model in folder ``plain`` as an fp8 checkpoint in ``folder``: e4m3
     projections with per-tensor weight scales and static input scales, as

@@ -9,7 +9,8 @@ import torch
 
 from appliance import LLM, SamplingParams
 from appliance.models.quant import PROJECTIONS, GroupedInt8Linear, dequantize_int4
-from tests.model_helpers import PROMPTS, check_logprobs_close, greedy_top_logprobs, hf_greedy, hf_greedy_top_logprobs
+from tests.model_helpers import (PROMPTS, check_logprobs_close, greedy_top_logprobs, hf_greedy, hf_greedy_top_logprobs,
+                                 paris_margin)
 
 COMMON = ["+profile=cpu", "model.dtype=float32", "cache.kv_cache_memory_gib=0.25", "model.max_model_len=2048"]
 BASE = COMMON + ["quantization=none"]  # the checkpoint dequantized
@@ -89,13 +90,13 @@ def test_weight_only_keeps_next_token_log_likelihoods(variant, bound):
     """Parity of the quantized paths (int8_wo with and without a bf16 KV
     cache, int4_wo, the GGUF's own blocks, fp8 W8A8 with an fp8 KV cache)
     against the fp32 model: next-token log-probabilities of the top
-    candidates after each of 8 prompts."""
+    candidates after each of 8 prompts, and Paris as the capital of France
+    (``paris_margin``: not the greedy answer, whose opening is a near tie)."""
     q = LLM(overrides=BASE + variant)
     top1, mean = _next_token_parity(LLM(overrides=BASE), q)
     assert top1 >= 7
     assert mean < bound  # mean |delta log p| in nats over the shared top candidates
-    assert "Paris" in q.chat([{"role": "user", "content": "What is the capital of France?"}],
-                             SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text
+    assert paris_margin(q) > 1  # the fp32 model's: 4.7 nats
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +124,7 @@ def test_awq_and_gptq_checkpoints_keep_next_token_log_likelihoods(smollm2_fp32_f
     assert q.resolved.cfg.quantization.method == method
     agree, mean = _next_token_parity(LLM(overrides=BASE), q)
     assert agree >= top1 and mean < bound
-    assert "Paris" in q.chat([{"role": "user", "content": "What is the capital of France?"}],
-                             SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text
+    assert paris_margin(q) > 1
 
 
 @pytest.mark.parametrize("method", ["int4_wo", "gguf"])
