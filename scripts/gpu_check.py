@@ -89,12 +89,25 @@ def e2e_case(name: str) -> dict:
                  "model.dtype=bfloat16", "model.hidden_size=256", "model.num_heads=4", "model.num_kv_heads=2",
                  "model.head_dim=64", "model.intermediate_size=512", "cache.num_blocks=512"]
     prompts = ["Hello", "The quick brown fox jumps over the lazy dog.", "What is the capital of France?"]
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
     t0 = time.perf_counter()
     ref = LLM(overrides=overrides, selection=Selection(chosen="torch_sdpa")).generate(prompts, params, use_tqdm=False)
     got = LLM(overrides=overrides, selection=Selection(chosen=name)).generate(prompts, params, use_tqdm=False)
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(ref, got))
-    return {"backend": name, "prompts": len(prompts), "identical_to_sdpa": same, "seconds": time.perf_counter() - t0}
+    # a random tiny model's logits are near ties: compare the steps before the first divergence, by log-probability
+    agreed, worst = [], 0.0
+    for a, b in zip(ref, got):
+        steps = 0
+        for ta, tb, la, lb in zip(a.outputs[0].token_ids, b.outputs[0].token_ids, a.outputs[0].logprobs,
+                                  b.outputs[0].logprobs):
+            if ta != tb:
+                break
+            worst = max(worst, abs(la.logprob - lb.logprob))
+            steps += 1
+        agreed.append(steps)
+    return {"backend": name, "prompts": len(prompts), "identical_to_sdpa": same, "steps_agreed": agreed,
+            "max_abs_logprob_diff_until_divergence": worst, "ok": worst < 0.1,
+            "seconds": time.perf_counter() - t0}
 
 
 def fp8_gemm_case(m: int, n: int = 4096, k: int = 4096) -> dict:
@@ -212,6 +225,11 @@ def main() -> int:
     os.makedirs(OUT, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "kernels": [], "e2e": [],
               "gemms": [], "moe": [], "not_importable": {}}
+
+    def save() -> None:  # after each section: a run cut short at its time limit still reports what ran
+        with open(os.path.join(OUT, "gpu_check.json"), "w") as f:
+            json.dump(report, f, indent=2)
+
     for kernel in ("triton", "flashinfer"):
         for tokens in (1, 64, 1024):
             try:
@@ -219,6 +237,7 @@ def main() -> int:
             except Exception as e:
                 report["moe"].append({"moe": kernel, "tokens": tokens, "error": repr(e),
                                       "trace": traceback.format_exc()[-2000:]})
+    save()
     for case, name in ((fp8_gemm_case, "fp8 W8A8"), (int4_gemm_case, "int4"), (marlin_gemm_case, "int4 Marlin"),
                        (int8_gemm_case, "int8 grouped")):
         for m in (1, 16, 100, 2048):
@@ -226,6 +245,7 @@ def main() -> int:
                 report["gemms"].append(case(m))
             except Exception as e:
                 report["gemms"].append({"gemm": name, "m": m, "error": repr(e), "trace": traceback.format_exc()[-2000:]})
+    save()
     for name in ("triton", "flashinfer", "flash_attn3"):
         provider, err = probe_importable(name)
         if provider is None:
@@ -243,8 +263,7 @@ def main() -> int:
             report["e2e"].append(e2e_case(name))
         except Exception as e:
             report["e2e"].append({"backend": name, "error": repr(e), "trace": traceback.format_exc()[-2000:]})
-    with open(os.path.join(OUT, "gpu_check.json"), "w") as f:
-        json.dump(report, f, indent=2)
+        save()
     print(json.dumps(report, indent=2))
     return 0 if all(k.get("ok") for k in report["kernels"] + report["gemms"] + report["moe"]) else 1
 

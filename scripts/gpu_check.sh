@@ -16,6 +16,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=${PYTHONPATH:-.}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia-smi.txt"
-timeout 420 python3 scripts/gpu_check.py; rc=$?
-timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_backend_metadata.py 2>&1 | tee "$OUT/pytest-gpu.log"
+timeout "${CHECK_TIMEOUT_S:-420}" python3 scripts/gpu_check.py; rc=$?
+timeout "${PYTEST_TIMEOUT_S:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_backend_metadata.py 2>&1 | tee "$OUT/pytest-gpu.log"
 exit $rc

@@ -44,7 +44,8 @@ class TorchSDPABackend(AttentionBackend):
             nblocks = -(-max_ctx // common.block_size)
             decode_bt = common.block_table[decode_reqs, :nblocks].long()
             lens = common.seq_lens[decode_reqs].view(-1, 1)
-            decode_mask = (torch.arange(nblocks * common.block_size).view(1, -1) < lens).view(len(decode), 1, 1, -1)
+            positions = torch.arange(nblocks * common.block_size, device=lens.device)  # where seq_lens are
+            decode_mask = (positions.view(1, -1) < lens).view(len(decode), 1, 1, -1)
         return SDPAMetadata(common, decode_reqs, decode_tokens, decode_mask, decode_bt, prefill)
 
     def forward(self, q, k, v, kv_cache, md: SDPAMetadata):
@@ -83,7 +84,8 @@ class TorchSDPABackend(AttentionBackend):
                 bt = c.block_table[i, :nblocks].long()
                 kk = key_cache[bt].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx].transpose(0, 1)
                 vv = value_cache[bt].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx].transpose(0, 1)
-                mask = torch.arange(ctx).view(1, -1) <= (prefix + torch.arange(q_len)).view(-1, 1)
+                keys, queries = torch.arange(ctx, device=q.device), torch.arange(q_len, device=q.device)
+                mask = keys.view(1, -1) <= (prefix + queries).view(-1, 1)
                 o = F.scaled_dot_product_attention(qq, self.read_kv(kk, q.dtype, self.k_scale),
                                                    self.read_kv(vv, q.dtype, self.v_scale), attn_mask=mask,
                                                    scale=self.scale, enable_gqa=gqa)

@@ -74,3 +74,18 @@ def test_cuda_kernels_match_sdpa(name):
     b = load_backend(name)(8, 2, 128, 128 ** -0.5)
     out = b.forward(q.to(dev), k.to(dev), v.to(dev), cache.to(dev), b.build_metadata(common))
     torch.testing.assert_close(out.float().cpu(), ref, rtol=3e-2, atol=3e-2)
+
+
+def test_torch_sdpa_makes_its_masks_where_the_batch_is():
+    """The reference backend's decode and prefill masks are made on the
+    device of the batch's tensors (here ``meta``: a tensor made on the CPU
+    by default fails), as a GPU run needs."""
+    from appliance.kernels.torch_sdpa import TorchSDPABackend
+
+    common, q, k, v, cache = make_problem([(30, 1), (20, 1), (16, 8), (0, 5)], 16, 4, 2, 8)
+    meta = torch.device("meta")
+    common = type(common)(**{f: (getattr(common, f).to(meta) if torch.is_tensor(getattr(common, f))
+                                 else getattr(common, f)) for f in common.__dataclass_fields__})
+    backend = TorchSDPABackend(4, 2, 8, 8 ** -0.5)
+    out = backend.forward(q.to(meta), k.to(meta), v.to(meta), cache.to(meta), backend.build_metadata(common))
+    assert out.device == meta and out.shape == q.shape
