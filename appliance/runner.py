@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -275,11 +276,13 @@ def _p2p_worker(deployment: Deployment, layout: dict[str, Any], rank: int = 0) -
     the blocks go in the answers (``p2p``) or are read through NIXL
     (``nixl``)."""
     from appliance.engine.kv_connector import layout_key
+    from appliance.server.auth import need_internal_key
 
     kt = deployment.cfg.kv_transfer
     p = kt.p2p
+    key = need_internal_key(deployment.cfg.server, f"kv_transfer.connector={kt.connector} (its messages are signed)")
     args = (kt.role, deployment.kv_engine_id, layout_key(layout), p.bind_host, _p2p_port(deployment) + rank,
-            p.timeout_s)
+            p.timeout_s, key)
     try:
         if kt.connector == "nixl":
             from appliance.worker.kv_nixl import NixlWorker
@@ -297,18 +300,25 @@ def _tier_folder(deployment: Deployment, layout: dict[str, Any]) -> Path:
     ``layout`` (with the hash algorithm); data-parallel core r's
     ``core<r>`` in it."""
     from appliance.engine.kv_connector import tier_folder
-    from appliance.models.loader import cache_dir
 
     cfg = deployment.cfg
-    folder = tier_folder(cfg.kv_transfer.offload.path or str(cache_dir().parent / "kv_offload"),
-                         {**layout, "hash": cfg.cache.prefix_caching_hash_algo})
+    folder = tier_folder(_tier_root(cfg), {**layout, "hash": cfg.cache.prefix_caching_hash_algo})
     return folder / f"core{deployment.data_parallel_rank}" if deployment.layout.data_parallel_size > 1 else folder
+
+
+def _tier_root(cfg: Any) -> str:
+    """Where the offload tiers' folders are: ``kv_transfer.offload.path``,
+    else kv_offload beside the appliance's model cache."""
+    from appliance.models.loader import cache_dir
+
+    return cfg.kv_transfer.offload.path or str(cache_dir().parent / "kv_offload")
 
 
 def _offload_worker(deployment: Deployment, folder: Optional[Path], agree: Any = None) -> Any:
     """The offload tier's worker side in ``folder`` (None: host memory), with
     its share of ``offload.max_gib`` (the engine cores' and their ranks'
     shares even)."""
+    from appliance.engine.kv_connector import tier_identity
     from appliance.worker.kv_offload import HostTierWorker, OffloadWorker
 
     share = deployment.layout.data_parallel_size * (_worker_ranks(deployment) or 1)
@@ -316,7 +326,7 @@ def _offload_worker(deployment: Deployment, folder: Optional[Path], agree: Any =
     if folder is None:
         return HostTierWorker(max_bytes, agree)
     try:
-        return OffloadWorker(folder, max_bytes, agree)
+        return OffloadWorker(folder, tier_identity(_tier_root(deployment.cfg), folder), max_bytes, agree)
     except OSError as e:
         raise ConfigError(f"kv_transfer.offload.path: the tier's folder {folder} cannot be used: {e}") from None
 
@@ -375,9 +385,11 @@ def _kv_event_publisher(deployment: Deployment) -> Any:
     from appliance.server.kv_events import KVEventPublisher
 
     try:
+        curve = None if ev.curve_secret_key_file is None else (os.path.expanduser(ev.curve_secret_key_file),
+                                                               os.path.expanduser(ev.curve_authorized_keys))
         return KVEventPublisher(ev.endpoint, ev.replay_endpoint, ev.topic, ev.buffer_steps, ev.hwm,
                                 ev.max_queue_size, deployment.data_parallel_rank,
-                                "CPU" if deployment.device == "cpu" else "GPU")
+                                "CPU" if deployment.device == "cpu" else "GPU", ev.include_token_ids, curve)
     except OSError as e:
         raise ConfigError(str(e)) from None
 
@@ -561,12 +573,13 @@ def _bitmask_kernel(backend: str) -> Optional[Callable]:
 def _grammars(cfg: Any, tokenizer: Any, eos: Optional[int]):
     """The output constraints' compiler (``structured_output``) for this tokenizer;
     a grammar ends on the model's end-of-sequence token."""
-    from appliance.structured_output import Grammars
+    from appliance.structured_output import ConstraintLimits, Grammars
 
     so = cfg.structured_output
     return Grammars(tokenizer, cfg.model.vocab_size, [] if eos is None else [eos], so.num_threads,
                     so.cache_size_mib << 20, any_whitespace=not so.disable_any_whitespace,
-                    max_whitespace=so.max_json_whitespace)
+                    max_whitespace=so.max_json_whitespace,
+                    limits=ConstraintLimits(so.max_schema_bytes, so.max_schema_depth))
 
 
 def _prepare_draft(cfg: Any) -> None:
@@ -617,9 +630,14 @@ def _draft_proposer(cfg: Any, ex: Any, tokenizer: Any, num_blocks: int, dtype: A
 
 
 def serve(resolved: ResolvedConfig) -> int:
-    from appliance.server.auth import check_exposure, load_api_keys
+    from appliance.server.auth import check_exposure, load_api_keys, load_internal_key, need_internal_key
 
-    check_exposure(resolved.cfg.server, load_api_keys(resolved.cfg.server))
+    cfg = resolved.cfg
+    check_exposure(cfg.server, load_api_keys(cfg.server))
+    if cfg.kv_transfer.connector in DISAGGREGATED_PREFILL:  # before the core starts: nothing half-started
+        need_internal_key(cfg.server, f"kv_transfer.connector={cfg.kv_transfer.connector} (its messages are signed)")
+    else:
+        load_internal_key(cfg.server)
     deployment = compose(resolved)
     for line in startup_lines(deployment):
         print(line)

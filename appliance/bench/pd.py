@@ -21,6 +21,8 @@ engine's; that is checked, not assumed.
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import statistics
 import time
 
@@ -45,8 +47,11 @@ def main(argv: list[str]) -> int:
     if not connectors or any(c not in ("p2p", "nixl") for c in connectors):
         p.error(f"--connectors {a.connectors!r}: p2p and / or nixl")
     from appliance import LLM, SamplingParams
+    from appliance.server.auth import INTERNAL_KEY_ENV
     from appliance.server.local import free_port_run
 
+    # the pairs in this process sign their messages with a key of their own unless the deployment names one
+    os.environ.setdefault(INTERNAL_KEY_ENV, secrets.token_hex(32))
     plain = LLM(overrides=overrides)
     ranks = plain.deployment.layout.ranks_per_engine  # a producer's rank r listens on the port + r
     pairs = {c: (LLM(overrides=[*overrides, f"kv_transfer={c}", "kv_transfer.role=producer",

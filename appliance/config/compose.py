@@ -38,7 +38,7 @@ def list_options(group: str) -> list[str]:
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
-SECRET_KEYS = ("server.api_key",)
+SECRET_KEYS = ("server.api_key", "server.internal_key")
 REDACTED = "***"
 
 

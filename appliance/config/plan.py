@@ -430,7 +430,9 @@ def describe_kv_events(cfg: ApplianceConfig) -> str:
     where = f"{ev.endpoint}" + (f" (engine core r: port + r, {dp} cores)" if dp > 1 else "")
     replay = (f"the last {ev.buffer_steps} steps replayable at {ev.replay_endpoint}" if ev.replay_endpoint
               else "no replay")
-    return f"block events in vLLM's format on {where}, topic {ev.topic!r}; {replay}"
+    tokens = "with the blocks' token ids" if ev.include_token_ids else "hashes only (no token ids)"
+    who = "CURVE: authorized subscribers only" if ev.curve_secret_key_file else "no subscriber authentication"
+    return f"block events in vLLM's format on {where}, topic {ev.topic!r}; {replay}; {tokens}; {who}"
 
 
 def offload_medium(cfg: ApplianceConfig) -> str:

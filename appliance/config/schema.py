@@ -261,6 +261,12 @@ class ServerConfig:
     api_key: Optional[str] = None
     api_key_file: Optional[str] = None
     allow_unauthenticated: bool = False  # listen beyond loopback without a key
+    # The secret this deployment's instances and router share (also internal_key_file and the
+    # APPLIANCE_INTERNAL_KEY environment variable; never hashed, logged or shown): the router signs the requests
+    # it sends with kv_transfer_params, and KV transfer producers and consumers sign their messages with it.
+    # kv_transfer=p2p/nixl and router.policy=pd need it.
+    internal_key: Optional[str] = None
+    internal_key_file: Optional[str] = None
     tenant_isolation: bool = False  # per-key prefix-cache salt
     served_model_name: Optional[str] = None
     max_queue_len: int = 1024
@@ -289,6 +295,14 @@ class ServerConfig:
     core_restart_window_s: float = 600.0
     core_restart_backoff_s: float = 1.0
     core_start_timeout_s: float = 600.0
+    # A running core's step loop sends a heartbeat between steps and while
+    # idle; one not heard from for this long is unresponsive (frozen, or stuck
+    # in a step): /health and /ready answer 503 until it is heard again. It is
+    # not restarted (that is the orchestrator's call, on /health). Keep it above
+    # the longest step, a prefill chunk of scheduler.max_num_batched_tokens on
+    # this host, or a long step reads as a stuck core; the default is
+    # parallel.step_timeout_s's, the longest step a multi-rank executor waits for.
+    core_heartbeat_timeout_s: float = 300.0
     cors_origins: list[str] = field(default_factory=list)
     dev_mode: bool = False
     # How tool calls are read from the model's text under tool_choice=auto:
@@ -316,13 +330,30 @@ class StructuredOutputConfig:
     """Output constraints (response_format, structured_outputs, forced tool calls)."""
 
     backend: StructuredBackend = StructuredBackend.xgrammar
-    num_threads: int = 2  # grammars compile on these threads, off the step loop
+    # grammars compile on these threads, off the step loop; as many of the server's trial compiles run at once
+    num_threads: int = 2
     cache_size_mib: int = 512  # compiled grammars kept, least recently used dropped first
     # JSON constraints without free whitespace between tokens, unless a request says otherwise
     disable_any_whitespace: bool = False
     # otherwise at most this many whitespace characters between two JSON tokens (null: any number), so a
     # model cannot pad its JSON with whitespace until max_tokens
     max_json_whitespace: Optional[int] = 16
+    # What one request's constraint may cost; over a limit is a 400 naming the key and the request's field.
+    # Its size in UTF-8 bytes (a JSON schema's text, a regex, a grammar, the choices together), checked
+    # before anything parses it: tool and response schemas are a few KB, a forced call over dozens of tools
+    # tens of KB; 256 KiB (8,000 properties) compiles in about 3 s, where 1.8 MB (12,000) took 18 s and 0.5 GB
+    max_schema_bytes: int = 262144
+    # a JSON schema's nesting in objects and arrays (the schema is level 1): as deep as a request body may
+    # nest at all; xgrammar's schema conversion grows with its cube (64 levels ~10 ms, 200 ~1 s, 400 ~7 s)
+    max_schema_depth: int = 64
+    # The server compiles each new constraint first in a child process, and the engine compiles only what
+    # finished there: past this many seconds the child is killed (a 400); real schemas take milliseconds,
+    # 256 KiB of properties a few seconds, so 10 s leaves room on a slower or busier host ...
+    compile_timeout_s: float = 10.0
+    # ... and past this much address space (heap and thread stacks, above the child's own) it is refused,
+    # which bounds the memory the engine's own compile of it takes (once per compiling thread); compiled
+    # grammars of real schemas are a few MiB, a 256 KiB schema's some tens
+    compile_memory_mib: int = 1024
 
 
 @dataclass
@@ -339,12 +370,24 @@ class KVEventsConfig:
     # batches replayable from replay_endpoint (null: no replay); engine core
     # r of a data-parallel deployment binds port + r.
     enabled: bool = False
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = "tcp://127.0.0.1:5557"
     replay_endpoint: Optional[str] = None
     topic: str = ""
     buffer_steps: int = 10_000
     hwm: int = 100_000  # the PUB socket's send high-water mark (messages)
     max_queue_size: int = 100_000  # steps queued for the publishing thread before events are dropped
+    # BlockStored events carry their blocks' token ids (what a KV-aware router matches prompts with; they decode
+    # to the prompts' text) only when true; with server.tenant_isolation only if token_ids_with_tenants is true
+    # too, since every subscriber then reads every tenant's prompts.
+    include_token_ids: bool = False
+    token_ids_with_tenants: bool = False
+    # ZeroMQ CURVE on both sockets: this publisher's certificate (a secret key file made by
+    # zmq.auth.create_certificates, "<name>.key_secret") and a folder of the public certificates ("*.key") of the
+    # subscribers allowed to connect; others are refused and nothing is sent in the clear. Both or neither.
+    curve_secret_key_file: Optional[str] = None
+    curve_authorized_keys: Optional[str] = None
+    # An endpoint other machines can reach (not loopback, not ipc) needs CURVE, unless this is true.
+    allow_unauthenticated: bool = False
 
 
 @dataclass
@@ -368,6 +411,10 @@ class KVP2PConfig:
     bind_host: str = "127.0.0.1"
     port: int = 14579
     timeout_s: float = 120.0
+    # A consumer acts on a request's kv_transfer_params when the request comes from this deployment's router
+    # (signed with server.internal_key) or names one of these producers: "host:port" ("[v6addr]:port"), or a
+    # host alone for any of its ports (a data-parallel producer's cores answer on port + r x ranks). Others: 400.
+    trusted_producers: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -407,6 +454,11 @@ class RouterConfig:
     # kv_aware: each instance's KV events replay endpoint, in order (empty: none); batches the router missed
     # (before it joined, or dropped) are asked for again there
     kv_events_replay: list[str] = field(default_factory=list)
+    # kv_aware with instances that publish over CURVE (kv_events.curve_*): the router's certificate (its secret key
+    # file, whose public half is in the instances' curve_authorized_keys) and the instances' publisher
+    # certificate (its public key file). Both or neither.
+    kv_events_client_key_file: Optional[str] = None
+    kv_events_server_key_file: Optional[str] = None
     kv_load_weight: float = 256.0
     kv_match_threshold: float = 0.5
     host: str = "127.0.0.1"

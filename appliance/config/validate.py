@@ -8,8 +8,9 @@ compose time, through the typed schema.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
-from typing import Optional
+from typing import Any, Optional
 
 from appliance.config.execution import choose_dtype
 from appliance.config.plan import (GIB, activation_bytes, kv_bytes_per_token, max_model_len, offload_medium,
@@ -157,7 +158,7 @@ def _kv_events_problems(cfg: ApplianceConfig) -> list[str]:
     problems = []
     if not ev.enabled:
         defaults = KVEventsConfig()
-        for key in ("endpoint", "replay_endpoint", "topic", "buffer_steps", "hwm", "max_queue_size"):
+        for key in (f.name for f in dataclasses.fields(KVEventsConfig) if f.name != "enabled"):
             if getattr(ev, key) != getattr(defaults, key):
                 problems.append(f"kv_events.{key}={getattr(ev, key)} has no effect with kv_events.enabled=false")
         return problems
@@ -179,7 +180,39 @@ def _kv_events_problems(cfg: ApplianceConfig) -> list[str]:
     if not cfg.cache.enable_prefix_caching:
         problems.append("kv_events.enabled=true publishes the prefix cache's blocks; it needs "
                         "cache.enable_prefix_caching=true")
+    if ev.include_token_ids and cfg.server.tenant_isolation and not ev.token_ids_with_tenants:
+        problems.append("kv_events.include_token_ids=true with server.tenant_isolation=true hands every tenant's "
+                        "prompts (as token ids) to every subscriber; set kv_events.token_ids_with_tenants=true if "
+                        "that is meant")
+    if ev.token_ids_with_tenants and not ev.include_token_ids:
+        problems.append("kv_events.token_ids_with_tenants=true has no effect without kv_events.include_token_ids=true")
+    if (ev.curve_secret_key_file is None) != (ev.curve_authorized_keys is None):
+        problems.append("kv_events: CURVE needs both curve_secret_key_file (this publisher's certificate) and "
+                        "curve_authorized_keys (a folder of its subscribers' public certificates)")
+    exposed = [v for v in (ev.endpoint, ev.replay_endpoint) if v is not None and not _loopback_endpoint(v)]
+    if exposed and ev.curve_secret_key_file is None and not ev.allow_unauthenticated:
+        problems.append(f"kv_events: {exposed[0]} is reachable from other machines, and every subscriber there would "
+                        f"read the cache's blocks; set kv_events.curve_secret_key_file and "
+                        f"kv_events.curve_authorized_keys (CURVE), bind 127.0.0.1, or set "
+                        f"kv_events.allow_unauthenticated=true")
+    elif ev.allow_unauthenticated and (not exposed or ev.curve_secret_key_file is not None):
+        problems.append("kv_events.allow_unauthenticated=true has no effect: "
+                        + ("CURVE authenticates the subscribers" if exposed else "every endpoint is local"))
     return problems
+
+
+def _loopback_endpoint(endpoint: str) -> bool:
+    """Whether only this machine can reach a ZeroMQ endpoint (ipc, inproc, or tcp on a loopback address)."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return True
+    host = rest.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # *, an interface name or a host name: possibly reachable
 
 
 OFFLOAD_MEDIA = ("auto", "disk", "host")
@@ -238,6 +271,13 @@ def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
         if kt.role != "consumer" and p2p.host is None and p2p.bind_host in ("0.0.0.0", "::", "*"):
             problems.append(f"kv_transfer.p2p.bind_host={p2p.bind_host} listens everywhere; consumers need an "
                             f"address to reach this producer at: set kv_transfer.p2p.host")
+        for entry in p2p.trusted_producers:
+            if not _is_producer_entry(entry):
+                problems.append(f"kv_transfer.p2p.trusted_producers: {str(entry)[:100]!r} must be host:port "
+                                f"([v6addr]:port), or a host alone for any of its ports")
+        if kt.role == "producer" and p2p.trusted_producers:
+            problems.append("kv_transfer.p2p.trusted_producers has no effect with kv_transfer.role=producer (it "
+                            "names the producers a consumer fetches from)")
         if kt.role == "consumer":  # a consumer only connects
             for key in ("host", "bind_host", "port"):
                 if getattr(p2p, key) != getattr(defaults.p2p, key):
@@ -252,6 +292,20 @@ def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
         problems.append(f"kv_transfer.connector={kt.connector} with expert parallelism across engine cores is not "
                         f"built yet (the cores step together; a step waiting for remote KV would hold them all)")
     return problems
+
+
+def _is_producer_entry(entry: Any) -> bool:
+    """Whether ``entry`` reads as ``kv_transfer.p2p.trusted_producers`` takes
+    them: host:port, [v6addr]:port, a host, or [v6addr]."""
+    if not isinstance(entry, str) or not entry or any(c in entry for c in "/ @"):
+        return False
+    if entry.startswith("["):
+        addr, _, rest = entry[1:].partition("]")
+        return bool(addr) and (rest == "" or (rest[:1] == ":" and rest[1:].isdigit() and 0 < int(rest[1:]) < 65536))
+    host, sep, port = entry.rpartition(":")
+    if not sep:
+        return True
+    return bool(host) and ":" not in host and port.isdigit() and 0 < int(port) < 65536
 
 
 def _unused_keys(kt: KVTransferConfig, defaults: KVTransferConfig, connector: Optional[str]) -> list[str]:
@@ -295,6 +349,12 @@ def _router_problems(cfg: ApplianceConfig) -> list[str]:
         problems.append(f"router.kv_events_replay: one replay endpoint per entry of router.kv_events, with "
                         f"router.policy=kv_aware ({len(r.kv_events_replay)} for {len(r.kv_events)}, policy "
                         f"{r.policy})")
+    curve = (r.kv_events_client_key_file, r.kv_events_server_key_file)
+    if (curve[0] is None) != (curve[1] is None):
+        problems.append("router: CURVE subscriptions need both kv_events_client_key_file (the router's certificate) "
+                        "and kv_events_server_key_file (the instances' publisher certificate)")
+    elif curve[0] is not None and r.policy != "kv_aware":
+        problems.append(f"router.kv_events_client_key_file has no effect with router.policy={r.policy}")
     if not 0 < r.port < 65536:
         problems.append(f"router.port={r.port} must be in 1..65535")
     for key in ("health_interval_s", "request_timeout_s"):
@@ -334,6 +394,10 @@ def validate(cfg: ApplianceConfig) -> list[str]:
         ("server.max_connections", cfg.server.max_connections, 1),
         ("structured_output.num_threads", cfg.structured_output.num_threads, 1),
         ("structured_output.cache_size_mib", cfg.structured_output.cache_size_mib, 1),
+        ("structured_output.max_schema_bytes", cfg.structured_output.max_schema_bytes, 1),
+        ("structured_output.max_schema_depth", cfg.structured_output.max_schema_depth, 1),
+        # below it a compile's threads and first allocations fail, so nothing would compile
+        ("structured_output.compile_memory_mib", cfg.structured_output.compile_memory_mib, 64),
         ("server.tokenizer_threads", cfg.server.tokenizer_threads, 1),
         ("server.max_core_restarts", cfg.server.max_core_restarts, 0),
     ]:
@@ -342,6 +406,9 @@ def validate(cfg: ApplianceConfig) -> list[str]:
     if cfg.structured_output.backend != "xgrammar":
         problems.append(f"structured_output.backend={cfg.structured_output.backend} is not built yet; "
                         f"use structured_output.backend=xgrammar")
+    if not cfg.structured_output.compile_timeout_s > 0:
+        problems.append(f"structured_output.compile_timeout_s={cfg.structured_output.compile_timeout_s} must be "
+                        f"positive")
     ws = cfg.structured_output.max_json_whitespace
     if ws is not None and ws < 1:
         problems.append(f"structured_output.max_json_whitespace={ws} must be at least 1 (or null: unbounded)")
@@ -365,7 +432,7 @@ def validate(cfg: ApplianceConfig) -> list[str]:
     if not 0 < cfg.server.port < 65536:
         problems.append(f"server.port={cfg.server.port} must be in 1..65535")
     for key in ("request_timeout_s", "shutdown_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s",
-                "core_restart_window_s", "core_start_timeout_s"):
+                "core_restart_window_s", "core_start_timeout_s", "core_heartbeat_timeout_s"):
         if not getattr(cfg.server, key) > 0:
             problems.append(f"server.{key}={getattr(cfg.server, key)} must be positive")
     if cfg.server.max_prompt_chars is not None and cfg.server.max_prompt_chars < 1:

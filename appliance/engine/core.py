@@ -83,6 +83,7 @@ class StepStats(msgspec.Struct):
     eplb_rebalance_seconds: float = 0.0  # spent placing experts and moving their weights, all rebalances
     expert_load: list[int] = []  # tokens each logical expert took in the window, all sparse layers
     eplb_slot_load_ratios: list[float] = []  # each rebalance's slot loads over their mean (each reported once)
+    kv_offload_corrupt_blocks: int = 0  # offload tier files that failed their checks on load (removed, recomputed)
 
 
 class SampledLogprob(Protocol):
@@ -200,7 +201,8 @@ class EngineCore:
         self._suspects: list[str] = []  # requests to run alone, after a failed step
         self._strikes: dict[str, int] = {}
         self.token_budget = token_budget  # None: the scheduler's budget stays as configured
-        self._counted_from = (0, 0, 0)  # (preemptions, prefix queries, prefix hits) at reset_stats()
+        # (preemptions, prefix queries, prefix hits, corrupt offload tier files) at reset_stats()
+        self._counted_from = (0, 0, 0, 0)
         self._spec = [0, 0, 0]  # drafts, draft tokens, accepted tokens since reset_stats()
         self._spec_per_pos: list[int] = []
         self.grammars = grammars  # None: requests with structured_outputs are refused
@@ -295,11 +297,12 @@ class EngineCore:
     def stats(self, iteration_tokens: int = 0) -> StepStats:
         """Gauges now; counters since the engine was built or ``reset_stats``."""
         s, kv = self.scheduler, self.scheduler.kv
-        p0, q0, h0 = self._counted_from
+        p0, q0, h0, c0 = self._counted_from
         stats = StepStats(len(s.running), len(s.waiting), kv.usage(), s.num_preemptions - p0,
                           kv.stats.queries - q0, kv.stats.hits - h0, iteration_tokens, s.max_num_batched_tokens,
                           *self._spec, list(self._spec_per_pos),
                           self.grammars.take_compile_seconds() if self.grammars is not None else [])
+        stats.kv_offload_corrupt_blocks = self._corrupt_tier_blocks() - c0
         if self._experts is not None:
             stats.eplb_balancedness = self._experts["balancedness"]
             stats.eplb_rebalances = self._experts["rebalances"]
@@ -307,6 +310,10 @@ class EngineCore:
             stats.expert_load = list(self._experts["expert_load"])
             stats.eplb_slot_load_ratios, self._slot_ratios = self._slot_ratios, []
         return stats
+
+    def _corrupt_tier_blocks(self) -> int:
+        """Offload tier files that failed their checks on load since the engine was built."""
+        return getattr(self.scheduler.connector, "corrupt_blocks", 0)  # 0: no connector, or one without a tier
 
     def reset_prefix_cache(self) -> bool:
         """Drop every prefix-cache entry; False (nothing dropped) while requests hold blocks."""
@@ -321,7 +328,8 @@ class EngineCore:
     def reset_stats(self) -> None:
         """Count from zero again (after a warm-up: its work is not traffic)."""
         kv = self.scheduler.kv
-        self._counted_from = (self.scheduler.num_preemptions, kv.stats.queries, kv.stats.hits)
+        self._counted_from = (self.scheduler.num_preemptions, kv.stats.queries, kv.stats.hits,
+                              self._corrupt_tier_blocks())
         self._spec, self._spec_per_pos = [0, 0, 0], []
         self.last_stats = self.stats()
 

@@ -14,7 +14,10 @@ forward: loads before it, saves after it, and reports back.
 ``OffloadConnector`` (``kv_transfer.connector=offload``) is a second tier
 on local disk keyed by block hash: one file per full block (every layer's
 K and V), in a folder per model and KV layout (``tier_folder``), so
-cached prefixes outlive the block pool and restarts. Full blocks are saved
+cached prefixes outlive the block pool and restarts. Each file's header
+names its block and tier (``tier_identity``) and carries its payload's
+checksum; a file that fails those checks on load is a miss: removed,
+counted (``corrupt_blocks``) and its block recomputed. Full blocks are saved
 as they fill (written by a background thread; a block counts as in the
 tier once the worker reports it written); a waiting request's prefix that
 continues past the pool's hits into the tier is loaded into fresh blocks
@@ -48,17 +51,20 @@ class OffloadMetadata:
 @dataclass
 class KVConnectorOutput:
     """What the worker side finished since it last reported. An offload
-    tier: block hashes now in the tier, and hashes it dropped (evicted, or
-    unreadable). Disaggregated prefill: requests whose remote KV is now in
-    their blocks, requests whose remote KV could not be fetched (they
-    compute it themselves), and finished requests whose blocks a consumer
-    has fetched or stopped waiting for (their blocks may be freed)."""
+    tier: block hashes now in the tier, hashes it dropped (evicted, or
+    unreadable), and how many of those were files that failed their checks
+    on load (damaged, another block's or tier's, an older format).
+    Disaggregated prefill: requests whose remote KV is now in their
+    blocks, requests whose remote KV could not be fetched (they compute it
+    themselves), and finished requests whose blocks a consumer has fetched
+    or stopped waiting for (their blocks may be freed)."""
 
     saved: list[bytes] = field(default_factory=list)
     dropped: list[bytes] = field(default_factory=list)
     finished_recving: list[str] = field(default_factory=list)
     failed_recving: list[str] = field(default_factory=list)
     finished_sending: list[str] = field(default_factory=list)
+    corrupt: int = 0
     # an engine core of several ranks: each rank's report (world rank order), set by ``merge_rank_outputs``;
     # the connector's ``combine_ranks`` makes the whole report of it
     by_rank: Optional[list[KVConnectorOutput]] = None
@@ -104,6 +110,14 @@ def tier_folder(root: str, layout: dict[str, Any]) -> Path:
     the hash algorithm in ``layout``): blocks of another layout never load
     into this one."""
     return Path(root).expanduser() / layout_key(layout)
+
+
+def tier_identity(root: str, folder: Path) -> str:
+    """What a tier file in ``folder`` belongs to, as its header says: the
+    folder's path under the tiers' ``root`` (the model and KV layout's
+    ``layout_key``, then any data-parallel core's and rank's folders), so a
+    file moved or copied between folders is not loaded."""
+    return folder.relative_to(Path(root).expanduser()).as_posix()
 
 
 def stored_hashes(folder: Path) -> list[bytes]:
@@ -153,6 +167,7 @@ class OffloadConnector:
         self._loads: list[tuple[int, bytes]] = []  # this step's, until build_connector_meta
         self.first_loaded_block: dict[str, int] = {}  # this step's loads: each request's first loaded block
         self.hit_tokens = 0  # tokens loaded from the tier instead of computed
+        self.corrupt_blocks = 0  # tier files that failed their checks on load (removed, their blocks recomputed)
 
     # -- scheduling ---------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -207,6 +222,7 @@ class OffloadConnector:
         self.first_loaded_block.clear()
         if output is None:
             return
+        self.corrupt_blocks += output.corrupt
         for h in output.saved:
             self.pending.discard(h)
             self.available.add(h)
@@ -217,12 +233,14 @@ class OffloadConnector:
     def combine_ranks(self, output: KVConnectorOutput) -> KVConnectorOutput:
         """The whole report of the ranks' (``output.by_rank``): a block is
         saved once every rank has written its part since any rank last
-        dropped it; a part any rank dropped drops the block."""
+        dropped it; a part any rank dropped drops the block; every rank's
+        files that failed their checks count."""
         dropped = sorted({h for o in output.by_rank for h in o.dropped})
         for h in dropped:
             self._written.forget(h)
         saved = [h for rank, o in enumerate(output.by_rank) for h in o.saved if self._written.add(h, rank)]
-        return KVConnectorOutput(saved=[h for h in saved if h not in dropped], dropped=dropped)
+        return KVConnectorOutput(saved=[h for h in saved if h not in dropped], dropped=dropped,
+                                 corrupt=sum(o.corrupt for o in output.by_rank))
 
     def overdue(self) -> None:
         """Nothing: the tier's writes report themselves, and loads run in the step."""

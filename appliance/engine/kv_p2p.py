@@ -23,20 +23,32 @@ the producer's copy. Then only the last prompt token runs and the request
 decodes.
 
 A load that fails (producer gone or restarted, timed out, other tokens,
-another KV layout) is reported and the request computes its prompt itself:
-nothing is lost. The producer frees a transfer's blocks once the consumer
-releases them, or after ``timeout_s``.
+another KV layout, KV that fails its checks) is reported and the request
+computes its prompt itself: nothing is lost. The producer frees a
+transfer's blocks once the consumer releases them, or after ``timeout_s``.
+
+Trust. Producer and consumer sign every message between them with the
+deployment's internal key (``seal``/``unseal``: an HMAC-SHA256 over the
+message kind and body; a body names the SHA-256 of any bytes beside it, so
+the blocks a producer sends are covered too), and a consumer writes no
+block whose bytes do not match the checksum its producer computed or hold
+a NaN or infinity. Over HTTP, ``kv_transfer_params`` come from this
+deployment's router (a request signed with the same key) or name a producer
+in ``kv_transfer.p2p.trusted_producers`` (``kv_transfer_trust_problem``);
+anything else is refused before any connection is made, so every block a
+consumer caches came from a producer it trusts.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import secrets
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from appliance.engine.kv_connector import KVConnectorOutput, RankTally
 from appliance.engine.request import Request, RequestStatus
@@ -53,6 +65,59 @@ MAX_ID_CHARS = 128
 def token_digest(token_ids: list[int]) -> str:
     """What a producer's and a consumer's tokens are compared by."""
     return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()
+
+
+MAC_DOMAIN = b"appliance-kv-transfer-v1\0"
+MAC_BYTES = 32
+
+
+def _mac(key: bytes, kind: bytes, body: bytes) -> bytes:
+    return hmac.new(key, MAC_DOMAIN + kind + b"\0" + body, hashlib.sha256).digest()
+
+
+def seal(key: bytes, kind: bytes, body: bytes, *extras: Any) -> list:
+    """The frames of one message between a producer and a consumer:
+    ``[kind, body, *extras, mac]``; the MAC covers the kind and the body
+    (whose fields give the digest of any extra frame that matters)."""
+    return [kind, body, *extras, _mac(key, kind, body)]
+
+
+def unseal(key: bytes, frames: list) -> Optional[tuple[bytes, bytes, list]]:
+    """``(kind, body, extras)`` of a message signed with ``key``, or None
+    (too few frames, or a MAC that does not match: another key, or altered
+    on the way). Frames may be bytes or ZeroMQ frames; the extras are
+    returned as they came."""
+    if len(frames) < 3:
+        return None
+    kind, body, mac = (f if isinstance(f, bytes) else f.bytes for f in (frames[0], frames[1], frames[-1]))
+    if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, _mac(key, kind, body)):
+        return None
+    return kind, body, list(frames[2:-1])
+
+
+def producer_address(host: str, port: int) -> str:
+    """``host:port`` as ``kv_transfer.p2p.trusted_producers`` lists producers (IPv6 hosts bracketed)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def kv_transfer_trust_problem(params: dict, internal: bool, trusted_producers: Sequence[str]) -> Optional[str]:
+    """Why a request's well-formed ``kv_transfer_params`` are not to be
+    acted on, or None: they come from this deployment's router (``internal``:
+    the request is signed with the deployment's internal key), or they ask
+    this consumer to fetch from a producer in ``trusted_producers``
+    (``host:port``, or a host alone for any of its ports)."""
+    if internal:
+        return None
+    how = ("are taken from this deployment's router (a request signed with its internal key, server.internal_key) "
+           "or naming a producer in kv_transfer.p2p.trusted_producers")
+    if not params.get("do_remote_prefill"):
+        return f"ask this server to hold KV for a consumer; kv_transfer_params {how}"
+    host, port = params["remote_host"], params["remote_port"]
+    bare = f"[{host}]" if ":" in host else host
+    if producer_address(host, port) in trusted_producers or bare in trusted_producers:
+        return None
+    return f"name producer {producer_address(host, port)[:200]}, which this server does not trust; " \
+           f"kv_transfer_params {how}"
 
 
 KV_TRANSFER_KEYS = ("do_remote_decode", "do_remote_prefill", *REMOTE_PREFILL_KEYS, "tp_size")

@@ -19,7 +19,7 @@ from litestar.response import Stream
 
 from appliance.sampling_params import SamplingParams, StructuredOutputsParams
 from appliance.version import __version__
-from appliance.server.auth import match_key, tenant_salt
+from appliance.server.auth import SIGNATURE_HEADER, match_key, tenant_salt, verify_request
 from appliance.server.client import EngineDeadError
 from appliance.server.generation import ENGINE_FAILED, ENGINE_RESTARTING, Generation, map_engine_error
 from appliance.server.prompts import chat_prompt, check_length, completion_prompts, tokenize
@@ -39,7 +39,7 @@ from appliance.server.protocol import (
     stream_options,
 )
 from appliance.server.responses import chat_body, chat_events, completion_body, completion_events, tool_output
-from appliance.server.structured import check_constraint, constraint_from_body
+from appliance.server.structured import ConstraintChecker, constraint_from_body
 from appliance.server.tools import ToolRequest, parse_tools
 from appliance.server.state import ServerState
 
@@ -136,11 +136,13 @@ async def _read_body(request: Request, st: ServerState) -> dict:
     return body
 
 
-async def _constraint(st: ServerState, body: dict, tools: Optional[ToolRequest]) -> Optional[StructuredOutputsParams]:
-    """The request's output constraint, checked on the tokenizer threads (400 when it does not compile)."""
+async def _constraint(request: Request, body: dict, tools: Optional[ToolRequest]) -> Optional[StructuredOutputsParams]:
+    """The request's output constraint, checked against the deployment's limits (400 when it is over one or does
+    not compile; ``ConstraintChecker``)."""
     so, source = constraint_from_body(body, tools)
     if so is not None:
-        await asyncio.get_running_loop().run_in_executor(st.tokenize_pool, check_constraint, so, source)
+        checker: ConstraintChecker = request.app.state["constraints"]
+        await checker.check(so, source, _state(request).tokenize_pool)
     return so
 
 
@@ -152,9 +154,14 @@ def _sse_stream(events: AsyncIterator[str]) -> Stream:
     return Stream(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _check_kv_transfer(st: ServerState, params: SamplingParams, stream: bool, num_prompts: int) -> None:
+async def _check_kv_transfer(request: Request, st: ServerState, params: SamplingParams, stream: bool,
+                             num_prompts: int) -> None:
+    if params.kv_transfer_params is None:
+        return
     kt = st.cfg.kv_transfer
-    check_kv_transfer(params, stream, num_prompts, kt.connector, kt.role, st.cfg.cache.block_size)
+    internal = verify_request(st.internal_key, await request.body(), request.headers.get(SIGNATURE_HEADER))
+    check_kv_transfer(params, stream, num_prompts, kt.connector, kt.role, st.cfg.cache.block_size, internal,
+                      kt.p2p.trusted_producers)
 
 
 # -- endpoints ---------------------------------------------------------------------
@@ -166,14 +173,14 @@ async def completions(request: Request) -> Response:
         raise OpenAIError(400, "'suffix' is not supported", param="suffix")
     reject_unsupported(body, chat=False)
     params, lp_mode = sampling_from_body(body, chat=False, vocab_size=st.cfg.model.vocab_size)
-    params.structured_outputs = await _constraint(st, body, None)
+    params.structured_outputs = await _constraint(request, body, None)
     stream, include_usage = stream_options(body)
     priority, salt = common_extensions(body)
     echo = typed(body, "echo", (bool,), False)
     prompts, texts = await tokenize(st, completion_prompts, body, chat=False)
     for ids in prompts:
         check_length(st, len(ids), params, "prompt")
-    _check_kv_transfer(st, params, stream, len(prompts))
+    await _check_kv_transfer(request, st, params, stream, len(prompts))
     g = GenerationRequest(prompts, texts, params, stream, include_usage, priority, salt, echo, lp_mode,
                           body.get("prompt_logprobs") is not None, _pinned_rank(request, st, body))
     gen = Generation(st, g, new_id("cmpl"), "n" if len(prompts) == 1 else "prompt")
@@ -192,12 +199,12 @@ async def chat_completions(request: Request) -> Response:
     reject_unsupported(body)
     params, lp_mode = sampling_from_body(body, chat=True, vocab_size=st.cfg.model.vocab_size)
     tools = parse_tools(body)
-    params.structured_outputs = await _constraint(st, body, tools)
+    params.structured_outputs = await _constraint(request, body, tools)
     stream, include_usage = stream_options(body)
     priority, salt = common_extensions(body)
     ids, text = await tokenize(st, chat_prompt, body, True, tools.tools if tools is not None else None)
     check_length(st, len(ids), params, "messages")
-    _check_kv_transfer(st, params, stream, 1)
+    await _check_kv_transfer(request, st, params, stream, 1)
     g = GenerationRequest([ids], [text], params, stream, include_usage, priority, salt, False, lp_mode,
                           body.get("prompt_logprobs") is not None, _pinned_rank(request, st, body))
     gen = Generation(st, g, new_id("chatcmpl"))
@@ -219,18 +226,28 @@ async def models(request: Request) -> Response:
 
 @get("/health")
 async def health(request: Request) -> Response:
-    st = _state(request)
-    if st.client.dead:
+    """Liveness: 503 while the engine is dead, every core is down (restarting,
+    or its process ending), or a core is unresponsive (its heartbeat stopped
+    for server.core_heartbeat_timeout_s; nothing here restarts a frozen core)."""
+    client = _state(request).client
+    if client.dead:
         return Response({"status": "dead", "reason": ENGINE_FAILED}, status_code=503)
-    if st.client.restarting:
+    if client.restarting:
         return Response({"status": "restarting", "reason": ENGINE_RESTARTING}, status_code=503)
+    if client.lost:
+        return Response({"status": "lost", "reason": ENGINE_FAILED}, status_code=503)
+    silent = client.unresponsive_reason()
+    if silent is not None:
+        return Response({"status": "unresponsive", "reason": silent}, status_code=503)
     return Response({"status": "ok"})
 
 
 @get("/ready")
 async def ready(request: Request) -> Response:
+    """Readiness: 503 while draining, and while no engine core can take work
+    (dead, restarting, its process ending, or unresponsive)."""
     st = _state(request)
-    if st.client.dead or st.client.restarting or st.shutting_down or st.client.ready_info is None:
+    if st.client.dead or st.shutting_down or st.client.ready_info is None or not st.client.serving:
         return Response({"ready": False}, status_code=503, headers={"Retry-After": "5"})
     return Response({"ready": True})
 
@@ -283,4 +300,6 @@ def create_app(state: ServerState) -> Litestar:
         logging_config=None,
     )
     app.state["appliance"] = state
+    app.state["constraints"] = ConstraintChecker(state.cfg.structured_output, state.tokenizer,
+                                                 state.cfg.model.vocab_size)
     return app

@@ -11,6 +11,14 @@ With ``server.tenant_isolation=true`` every request's ``cache_salt`` is
 derived from the key it presented (plus its own ``cache_salt``), so one
 tenant's prompts can never hit, and so never probe, another tenant's cached
 prefixes.
+
+The deployment's internal key (``server.internal_key``, the file
+``server.internal_key_file`` or ``APPLIANCE_INTERNAL_KEY``) is the secret
+its instances and router share: the router signs the requests it sends
+with ``kv_transfer_params`` (``SIGNATURE_HEADER``: an HMAC-SHA256 of the
+body), and producers and consumers sign every KV transfer message with it
+(``engine/kv_p2p.py``). It is kept out of the config hash, logs and
+endpoints as API keys are.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ if TYPE_CHECKING:
     from appliance.config.schema import ServerConfig
 
 ENV_KEY = "APPLIANCE_API_KEY"
+INTERNAL_KEY_ENV = "APPLIANCE_INTERNAL_KEY"
+SIGNATURE_HEADER = "x-appliance-signature"  # an internal request's HMAC of its body: "sha256=<hex>"
+MIN_INTERNAL_KEY_BYTES = 16
 
 
 def load_api_keys(server: ServerConfig, environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
@@ -48,6 +59,50 @@ def load_api_keys(server: ServerConfig, environ: Mapping[str, str] = os.environ)
     if environ.get(ENV_KEY):
         keys.append(environ[ENV_KEY])
     return tuple(dict.fromkeys(keys))
+
+
+def load_internal_key(server: ServerConfig, environ: Mapping[str, str] = os.environ) -> Optional[bytes]:
+    """The deployment's internal key (see the module docstring), or None when
+    none is set. ``server.internal_key`` wins over the file, the file over
+    the environment; a key shorter than 16 bytes is refused."""
+    key, source = server.internal_key, "server.internal_key"
+    if key is None and server.internal_key_file:
+        path = Path(os.path.expanduser(server.internal_key_file))
+        try:
+            key = path.read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"server.internal_key_file={server.internal_key_file}: cannot read it "
+                              f"({e.strerror})") from None
+        source = f"server.internal_key_file={server.internal_key_file}"
+    if key is None and environ.get(INTERNAL_KEY_ENV):
+        key, source = environ[INTERNAL_KEY_ENV].strip(), INTERNAL_KEY_ENV
+    if key is None:
+        return None
+    if len(key.encode()) < MIN_INTERNAL_KEY_BYTES:
+        raise ConfigError(f"{source}: the internal key must hold at least {MIN_INTERNAL_KEY_BYTES} bytes")
+    return key.encode()
+
+
+def need_internal_key(server: ServerConfig, what: str, environ: Mapping[str, str] = os.environ) -> bytes:
+    """The internal key, or a ConfigError saying that ``what`` needs one."""
+    key = load_internal_key(server, environ)
+    if key is None:
+        raise ConfigError(f"{what} needs the deployment's internal key, shared by its instances and router: set "
+                          f"{INTERNAL_KEY_ENV}, server.internal_key_file=PATH or server.internal_key (at least "
+                          f"{MIN_INTERNAL_KEY_BYTES} bytes; e.g. python -c 'import secrets; print(secrets.token_hex(32))')")
+    return key
+
+
+def sign_request(key: bytes, body: bytes) -> str:
+    """``SIGNATURE_HEADER``'s value for an internal request with this body."""
+    return "sha256=" + hmac.new(key, b"appliance-internal-request-v1\0" + body, hashlib.sha256).hexdigest()
+
+
+def verify_request(key: Optional[bytes], body: bytes, signature: Optional[str]) -> bool:
+    """Whether a request's body is signed with the internal key (constant time)."""
+    if key is None or not signature:
+        return False
+    return hmac.compare_digest(signature.strip().encode(), sign_request(key, body).encode())
 
 
 def is_loopback(host: str) -> bool:

@@ -4,7 +4,8 @@ Starts the core (spawned: a fresh interpreter that loads the model), waits
 for it to be ready, sends requests and aborts, and routes each output
 delta to the request's queue.
 
-A watchdog notices the core's death (kill, crash, a ``fatal`` message):
+A watchdog notices the core's death (kill, crash, a ``fatal`` message) the
+moment its process ends (the process sentinel, a pipe the kernel closes):
 every waiting request fails at once with ``EngineRestartingError`` (HTTP
 503) and a replacement core is started on fresh sockets after
 ``server.core_restart_backoff_s``, doubled for each restart in the last
@@ -14,6 +15,18 @@ When ``server.max_core_restarts`` restarts in the window have not kept it
 up (a replacement that fails to start counts too), the client is ``dead``
 for good and ``on_fatal`` is called: the server exits non-zero so its
 orchestrator takes over.
+
+A process takes a while to end after a kill or a crash (the kernel frees its
+memory, and a GPU context, before it closes its files and can be waited
+for): ``exiting`` reads the kernel's view of the process (``process_ending``)
+so ``/ready`` and ``/health`` answer 503 from the moment the core is lost.
+
+The core's step loop sends a heartbeat (``core_proc.py``); every message
+from it counts. A core not heard from for ``server.core_heartbeat_timeout_s``
+is ``unresponsive`` (stopped, or stuck in a step): the probes answer 503,
+the watchdog logs it and logs again when the core is heard from. Such a core
+is not restarted: it may be in a step longer than the timeout, and the
+orchestrator watching ``/health`` decides.
 """
 
 from __future__ import annotations
@@ -22,7 +35,9 @@ import asyncio
 import logging
 import math
 import multiprocessing as mp
+import os
 import shutil
+import signal
 import tempfile
 import uuid
 from collections import deque
@@ -52,6 +67,33 @@ if TYPE_CHECKING:
     import zmq.asyncio
 
 log = logging.getLogger("appliance.server")
+
+WATCH_INTERVAL_S = 0.1  # how often the watchdog looks at the core when its sentinel says nothing
+PF_EXITING = 0x4  # /proc/<pid>/stat flags: the process is ending (include/linux/sched.h)
+SIGKILL_BIT = 1 << (signal.SIGKILL - 1)  # in /proc/<pid>/status's ShdPnd mask
+
+
+def process_ending(pid: int) -> bool:
+    """Whether the child process ``pid``, not yet waited for, is on its way
+    out as Linux's ``/proc`` tells it: a SIGKILL pending (from the moment
+    ``kill`` returns), its exit under way, a zombie. False where ``/proc``
+    cannot say (another OS): the sentinel and ``is_alive`` still tell, later."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = f.read()
+    except FileNotFoundError:
+        return os.path.isdir("/proc/self")  # gone (reaped meanwhile), where /proc is there to say so
+    except OSError:
+        return False
+    fields = stat[stat.rfind(b")") + 2:].split()  # after the command name, which may hold spaces
+    if fields[0] in (b"Z", b"X", b"x") or int(fields[6]) & PF_EXITING:
+        return True
+    for line in status.splitlines():
+        if line.startswith(b"ShdPnd:"):
+            return bool(int(line.split()[1], 16) & SIGKILL_BIT)
+    return False
 
 
 class EngineDeadError(RuntimeError):
@@ -99,6 +141,7 @@ class EngineClient:
         self.restart_window_s = server.core_restart_window_s
         self.restart_backoff_s = server.core_restart_backoff_s
         self.start_timeout_s = server.core_start_timeout_s
+        self.heartbeat_timeout_s = server.core_heartbeat_timeout_s
         self.proc: Optional[mp.process.BaseProcess] = None
         self.pending: dict[str, _Pending] = {}
         self.stats = StepStats()
@@ -109,6 +152,8 @@ class EngineClient:
         self.down_reason = ""  # why the core is down while restarting
         self.restarts = 0  # replacement cores started
         self.start_s = 0.0  # how long the last successful start took
+        self.last_heard = 0.0  # loop time of the running core's last message (its heartbeat, outputs, ...)
+        self._silence_logged = False  # the running core's silence has been logged (its recovery is logged next)
         self._restart_times: deque[float] = deque()
         self._next_attempt = 0.0  # loop time of the next start while restarting
         self._closing = False
@@ -165,6 +210,7 @@ class EngineClient:
             self._stop_core()
             raise
         self.start_s = loop.time() - t0
+        self.last_heard, self._silence_logged = loop.time(), False
         self.stats = StepStats()  # a new core counts from zero
         self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watchdog(self.proc))]
         if self.on_ready is not None:
@@ -293,9 +339,58 @@ class EngineClient:
         return max(1, math.ceil(left + self.start_s))
 
     async def _watchdog(self, proc: mp.process.BaseProcess) -> None:
-        while proc.is_alive():
-            await asyncio.sleep(0.1)
+        """Wait for the core's exit: its sentinel closes as it ends (and
+        ``is_alive`` is polled too, should a process it started hold the
+        sentinel open); meanwhile log its heartbeat stopping and resuming."""
+        loop = asyncio.get_running_loop()
+        closed = loop.create_future()
+
+        def on_closed() -> None:
+            loop.remove_reader(proc.sentinel)  # readable for good now
+            closed.set_result(None)
+
+        loop.add_reader(proc.sentinel, on_closed)
+        try:
+            while proc.is_alive():
+                if closed.done():
+                    await asyncio.sleep(0.001)  # its files are closed: it can be waited for in a moment
+                else:
+                    await asyncio.wait([closed], timeout=WATCH_INTERVAL_S)
+                self._log_silence()
+        finally:
+            loop.remove_reader(proc.sentinel)
         self._core_lost(f"engine core process exited with code {proc.exitcode}")
+
+    def silent_s(self) -> Optional[float]:
+        """Seconds since the running core was last heard from; None while none runs."""
+        if not self.up:
+            return None
+        return asyncio.get_running_loop().time() - self.last_heard
+
+    @property
+    def unresponsive(self) -> bool:
+        """The running core has not been heard from for ``server.core_heartbeat_timeout_s``."""
+        silent = self.silent_s()
+        return silent is not None and silent > self.heartbeat_timeout_s
+
+    def unresponsive_reason(self) -> str:
+        return (f"the {self.core_name} has made no progress for {self.silent_s():.1f} s "
+                f"(server.core_heartbeat_timeout_s={self.heartbeat_timeout_s:g})")
+
+    def _log_silence(self) -> None:
+        silent = self.unresponsive
+        if silent and not self._silence_logged:
+            log.error("%s; /health and /ready answer 503 until it is heard from", self.unresponsive_reason())
+        elif self._silence_logged and not silent:
+            log.warning("the %s is heard from again", self.core_name)
+        self._silence_logged = silent
+
+    @property
+    def exiting(self) -> bool:
+        """The running core's process has ended or is ending, and its
+        watchdog has not yet taken it for lost."""
+        proc = self.proc
+        return self.up and proc is not None and (not proc.is_alive() or process_ending(proc.pid))
 
     async def _output_loop(self) -> None:
         try:
@@ -307,8 +402,10 @@ class EngineClient:
             self._core_lost(f"its outputs could not be read ({type(e).__name__}: {e})")
 
     async def _read_outputs(self, pull: zmq.asyncio.Socket) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             msg = decode_from_core(await pull.recv())
+            self.last_heard = loop.time()  # a heartbeat needs nothing more
             if isinstance(msg, Outputs):
                 for d in msg.outputs:
                     p = self.pending.get(d.request_id)

@@ -7,6 +7,12 @@ step that ran or changed anything, ``RequestError``,
 ``ResetPrefixCacheResult``, and ``Fatal`` before it exits non-zero. See
 ``messages.py``.
 
+The loop sends a ``Heartbeat`` whenever ``heartbeat_interval_s`` has passed
+since the last one, between steps and while idle (an idle loop comes round
+every 50 ms or sooner), so the front end can tell a frozen or stuck core from a quiet
+one: a core it has not heard from for ``server.core_heartbeat_timeout_s``
+is unresponsive (``client.py``).
+
 A request the core fails on (not the client's doing) ends with a delta of
 finish_reason "error"; the traceback goes to the core's log and the core
 goes on serving the others.
@@ -20,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import traceback
 from typing import TYPE_CHECKING, Callable
 
@@ -33,6 +40,7 @@ from appliance.server.messages import (
     AbortRequests,
     AddRequest,
     Fatal,
+    Heartbeat,
     Outputs,
     Ready,
     RequestError,
@@ -52,8 +60,15 @@ if TYPE_CHECKING:
 BuildEngine = Callable[[Deployment], "tuple[EngineCore, PreTrainedTokenizerBase]"]
 
 WARMUP_PROMPT = "Hello"
+HEARTBEAT_EVERY_S = 1.0  # the longest gap between heartbeats of a loop that comes round
 
 log = logging.getLogger("appliance.engine")
+
+
+def heartbeat_interval_s(timeout_s: float) -> float:
+    """How often the loop sends a heartbeat: every second, or four times per
+    ``server.core_heartbeat_timeout_s`` when that is shorter."""
+    return min(HEARTBEAT_EVERY_S, timeout_s / 4)
 
 
 def run_core(deployment: Deployment, build_engine: BuildEngine, in_addr: str, out_addr: str) -> None:
@@ -76,7 +91,7 @@ def run_core(deployment: Deployment, build_engine: BuildEngine, in_addr: str, ou
         _warm_up(engine, tokenizer)
         push.send(encode(Ready(num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size,
                                backend=deployment.execution.backend, pid=os.getpid())))
-        _loop(engine, pull, push)
+        _loop(engine, pull, push, heartbeat_interval_s(deployment.cfg.server.core_heartbeat_timeout_s))
         if engine.kv_events is not None:
             engine.kv_events.close()  # what is queued goes out before the core exits
     except Exception as e:
@@ -129,16 +144,21 @@ def _run_alone(engine: EngineCore, request_id: str, ids: list[int], params: Samp
             raise RuntimeError(f"the warm-up generation {request_id} failed")
 
 
-def _loop(engine: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
+def _loop(engine: EngineCore, pull: zmq.Socket, push: zmq.Socket, heartbeat_s: float) -> None:
     import zmq
 
     shutting_down = False
     parent = os.getppid()
     lockstep = engine.lockstep
     idle_ms = 50 if lockstep is None else lockstep.idle_poll_ms  # lock-step peers agree between polls
+    last_beat = time.monotonic()
     while True:
         if os.getppid() != parent:
             return  # the front end died without a word: nobody to serve
+        now = time.monotonic()
+        if now - last_beat >= heartbeat_s:
+            push.send(encode(Heartbeat()))
+            last_beat = now
         timeout = 0 if engine.has_unfinished_requests() else idle_ms
         changed = False
         while pull.poll(timeout, zmq.POLLIN):

@@ -12,7 +12,16 @@ work with the lowest ``4 x waiting + running`` (ties to the lowest rank),
 as vLLM balances its engines. ``running`` is what the core reported with
 its last outputs; ``waiting`` is every request the front end has sent that
 rank and not seen finish, less the running ones, so a burst is spread
-before any core has answered.
+before any core has answered. A rank whose core is unresponsive (no
+heartbeat for ``server.core_heartbeat_timeout_s``) gets no new requests
+while another can take them.
+
+What the probes read: ``/health`` fails when a rank is dead for good, when
+every rank is down (restarting, or its process ending), and when any rank is
+unresponsive: a core that died is restarted here, but a frozen one is not,
+so the server as a whole needs its orchestrator. ``/ready`` fails when no
+rank can take work (``serving``): with several ranks, one frozen or
+restarting rank leaves the server ready on the others.
 
 With expert parallelism across the cores (``parallel=dp2_ep``) the cores
 run their forwards in lock-step and exchange rows over a shared-memory
@@ -103,6 +112,21 @@ class DataParallelClient:
         return all(c.restarting for c in self.clients)
 
     @property
+    def lost(self) -> bool:
+        """Every rank is down: restarting, or its process ending before its supervisor noticed."""
+        return all(c.restarting or c.exiting for c in self.clients)
+
+    @property
+    def serving(self) -> bool:
+        """Some rank can take work: up, its process not ending, heard from within the heartbeat timeout."""
+        return any(c.up and not c.unresponsive and not c.exiting for c in self.clients)
+
+    def unresponsive_reason(self) -> Optional[str]:
+        """Why ``/health`` fails while the cores run: the ranks not heard from in time (None: none)."""
+        silent = [c.unresponsive_reason() for c in self.clients if c.unresponsive]
+        return "; ".join(silent) if silent else None
+
+    @property
     def ready_info(self) -> Optional[Ready]:
         """Rank 0's start-up answer (every rank has the same layout); None until it came up."""
         return self.clients[0].ready_info
@@ -119,7 +143,8 @@ class DataParallelClient:
     # -- requests ----------------------------------------------------------------
     def pick_rank(self, pinned: Optional[int] = None) -> int:
         """The rank a request goes to: ``pinned``, else the least loaded one
-        that is up. Raises the pinned (or first) rank's error when none can take it."""
+        that is up (and responsive, while any is). Raises the pinned (or
+        first) rank's error when none can take it."""
         if pinned is not None:
             if not 0 <= pinned < self.size:
                 raise ValueError(f"data-parallel rank {pinned} outside 0..{self.size - 1}")
@@ -129,6 +154,7 @@ class DataParallelClient:
         if not up:
             self.clients[0].check_up()
             raise EngineDeadError("the engine is shutting down")
+        up = [r for r in up if not self.clients[r].unresponsive] or up
         return min(up, key=lambda r: (balance_score(len(self.clients[r].pending), self.clients[r].stats.num_running),
                                       r))
 

@@ -19,11 +19,21 @@ The last ``buffer_steps`` batches are kept for replay: a ROUTER socket at
 number to start from, and answers each kept batch from there as ``[seq,
 payload]``, then ``[-1 (8 bytes, signed), b""]`` to end. With data
 parallelism, engine core ``r`` binds each endpoint's port + ``r``.
+
+What a subscriber learns. ``BlockStored`` carries the blocks' token ids
+(the prompts' text, as the model's tokenizer decodes them) only with
+``kv_events.include_token_ids``; otherwise ``token_ids`` is empty and a
+subscriber sees block hashes, their parent links, and when blocks are
+stored and removed. Both sockets bind loopback by default; with
+``kv_events.curve_*`` they are ZeroMQ CURVE servers (encrypted, and only
+subscribers whose public certificate is in the authorized folder can
+connect, the replay socket too).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -79,14 +89,15 @@ def external_hash(block_hash: Any) -> int:
     return int(block_hash) & (1 << 64) - 1
 
 
-def to_wire(events: list[Any], medium: str) -> list[KVCacheEvent]:
-    """The block pool's events (``engine.kv_cache.block_pool.KVCacheEvent``) as the wire's."""
+def to_wire(events: list[Any], medium: str, include_token_ids: bool = False) -> list[KVCacheEvent]:
+    """The block pool's events (``engine.kv_cache.block_pool.KVCacheEvent``)
+    as the wire's; a stored block's token ids only with ``include_token_ids``."""
     out: list[KVCacheEvent] = []
     for e in events:
         if e.kind == "BlockStored":
             parent = None if e.parent_block_hash is None else external_hash(e.parent_block_hash)
-            out.append(BlockStored([external_hash(h) for h in e.block_hashes], parent, list(e.token_ids),
-                                   e.block_size, None, medium))
+            out.append(BlockStored([external_hash(h) for h in e.block_hashes], parent,
+                                   list(e.token_ids) if include_token_ids else [], e.block_size, None, medium))
         elif e.kind == "BlockRemoved":
             out.append(BlockRemoved([external_hash(h) for h in e.block_hashes], medium))
         elif e.kind == "AllBlocksCleared":
@@ -117,12 +128,14 @@ class KVEventPublisher:
 
     def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, topic: str = "",
                  buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000,
-                 data_parallel_rank: int = 0, medium: str = "GPU"):
+                 data_parallel_rank: int = 0, medium: str = "GPU", include_token_ids: bool = False,
+                 curve: Optional[tuple[str, str]] = None):
         self.endpoint = offset_endpoint(endpoint, data_parallel_rank)
         self.replay_endpoint = None if replay_endpoint is None else offset_endpoint(replay_endpoint,
                                                                                     data_parallel_rank)
         self.topic = topic.encode()
-        self.rank, self.medium = data_parallel_rank, medium
+        self.rank, self.medium, self.include_token_ids = data_parallel_rank, medium, include_token_ids
+        self.curve = curve  # (this publisher's secret key file, the authorized subscribers' folder), or None
         self.hwm, self.buffer_steps = hwm, buffer_steps
         self.dropped = 0
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue_size)
@@ -131,6 +144,8 @@ class KVEventPublisher:
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
         self._ready.wait()
+        if isinstance(self._error, ValueError):  # a CURVE certificate or folder that cannot be used
+            raise OSError(str(self._error))
         if self._error is not None:
             raise OSError(f"kv_events: cannot bind {self.endpoint} or {self.replay_endpoint}: {self._error}")
 
@@ -154,19 +169,23 @@ class KVEventPublisher:
 
         ctx = zmq.Context()
         pub = ctx.socket(zmq.PUB)
-        replay = None
+        replay = auth = None
         try:
+            auth = self._curve_server(ctx, pub)
             pub.setsockopt(zmq.SNDHWM, self.hwm)
             pub.bind(self.endpoint)
             if self.replay_endpoint is not None:
                 replay = ctx.socket(zmq.ROUTER)
+                self._curve_server(ctx, replay, auth)
                 replay.bind(self.replay_endpoint)
-        except zmq.ZMQError as e:
+        except (zmq.ZMQError, OSError, ValueError) as e:
             self._error = e
             self._ready.set()
             pub.close(linger=0)
             if replay is not None:
                 replay.close(linger=0)
+            if auth is not None:
+                auth.stop()
             ctx.term()
             return
         self._ready.set()
@@ -185,7 +204,8 @@ class KVEventPublisher:
                 if item is _STOP:
                     return
                 ts, events = item
-                payload = encoder.encode(KVEventBatch(ts, to_wire(events, self.medium), self.rank))
+                payload = encoder.encode(KVEventBatch(ts, to_wire(events, self.medium, self.include_token_ids),
+                                                      self.rank))
                 pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
                 kept.append((seq, payload))
                 seq += 1
@@ -193,7 +213,36 @@ class KVEventPublisher:
             pub.close(linger=100)
             if replay is not None:
                 replay.close(linger=100)
+            if auth is not None:
+                auth.stop()
             ctx.term()
+
+    def _curve_server(self, ctx: Any, sock: Any, auth: Any = None) -> Any:
+        """Make ``sock`` a CURVE server with this publisher's certificate, only
+        the authorized folder's subscribers let in (the ZAP authenticator
+        started on ``ctx`` if ``auth`` is None); the authenticator, or None
+        without CURVE."""
+        if self.curve is None:
+            return None
+        import zmq.auth
+        from zmq.auth.thread import ThreadAuthenticator
+
+        secret_file, authorized = self.curve
+        try:
+            public, secret = zmq.auth.load_certificate(secret_file)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"kv_events.curve_secret_key_file={secret_file}: cannot read it ({e})") from None
+        if secret is None:
+            raise ValueError(f"kv_events.curve_secret_key_file={secret_file} holds no secret key (the "
+                             f"'<name>.key_secret' file zmq.auth.create_certificates writes)")
+        if not os.path.isdir(authorized):
+            raise ValueError(f"kv_events.curve_authorized_keys={authorized} is not a folder")
+        if auth is None:
+            auth = ThreadAuthenticator(ctx)
+            auth.start()
+            auth.configure_curve(domain="*", location=authorized)
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+        return auth
 
     @staticmethod
     def _answer_replay(replay: Any, kept: deque) -> None:

@@ -104,7 +104,7 @@ async def _serve(deployment: Deployment, build_engine: BuildEngine,
     from transformers import AutoTokenizer
 
     from appliance.models.loader import resolve_model_folder
-    from appliance.server.auth import load_api_keys
+    from appliance.server.auth import load_api_keys, load_internal_key
     from appliance.server.app import create_app
     from appliance.server.client import EngineDeadError
     from appliance.server.data_parallel import DataParallelClient
@@ -117,6 +117,7 @@ async def _serve(deployment: Deployment, build_engine: BuildEngine,
     folder = resolve_model_folder(cfg.model, cfg.quantization.method)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     api_keys = load_api_keys(cfg.server)  # before the core starts: an unreadable key file stops nothing half-started
+    internal_key = load_internal_key(cfg.server)
     dp = deployment.layout.data_parallel_size
     metrics = Metrics(deployment.model_name, cfg.profile, deployment.resolved.hash, deployment.fingerprint, dp)
     fatal: list[str] = []
@@ -135,6 +136,7 @@ async def _serve(deployment: Deployment, build_engine: BuildEngine,
         await client.shutdown()
         return 1
     state = ServerState(deployment=deployment, client=client, tokenizer=tokenizer, metrics=metrics, api_keys=api_keys,
+                        internal_key=internal_key,
                         tokenize_pool=ThreadPoolExecutor(cfg.server.tokenizer_threads,
                                                          thread_name_prefix="appliance-tokenize",
                                                          initializer=_lower_priority))

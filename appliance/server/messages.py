@@ -14,6 +14,7 @@ Front end -> core (``ToCore``):
 Core -> front end (``FromCore``):
     Ready               after loading and one real warm-up generation
     Outputs             the deltas of a step and the core's stats after it
+    Heartbeat           the step loop came round (between steps and while idle, every second or sooner)
     RequestError        a request the core refused (the client's doing: HTTP 400)
     ResetPrefixCacheResult
     Fatal               the core cannot go on; it exits non-zero after sending it
@@ -61,6 +62,11 @@ class Outputs(msgspec.Struct, tag="outputs"):
     stats: StepStats
 
 
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    """The core's step loop came round: a core that sends nothing for
+    ``server.core_heartbeat_timeout_s`` is unresponsive."""
+
+
 class RequestError(msgspec.Struct, tag="request_error"):
     request_id: str
     message: str
@@ -75,7 +81,7 @@ class Fatal(msgspec.Struct, tag="fatal"):
 
 
 ToCore = Union[AddRequest, AbortRequests, ResetPrefixCache, Shutdown]
-FromCore = Union[Ready, Outputs, RequestError, ResetPrefixCacheResult, Fatal]
+FromCore = Union[Ready, Outputs, Heartbeat, RequestError, ResetPrefixCacheResult, Fatal]
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)

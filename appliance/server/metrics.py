@@ -85,6 +85,9 @@ class Metrics:
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recompute)")
         self.engine_restarts = counter("engine_restarts", "Engine-core processes started to replace one that died")
+        self.kv_offload_corrupt_blocks = counter("kv_offload_corrupt_blocks", "KV offload tier files that failed "
+                                                 "their checks on load (damaged, another block's, model's or KV "
+                                                 "layout's, an older format): removed, their blocks recomputed")
         self.iteration_tokens = hist("iteration_tokens", "Tokens scheduled per engine step", TOKEN_BUCKETS, True)
         self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Speculative drafts verified")
         self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
@@ -123,8 +126,9 @@ class Metrics:
         for engine in range(num_engines):  # every engine's series exported from the start, at 0
             for family in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
                            self.token_budget, self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions,
-                           self.engine_restarts, self.iteration_tokens, self.spec_decode_num_drafts,
-                           self.spec_decode_num_draft_tokens, self.spec_decode_num_accepted_tokens):
+                           self.engine_restarts, self.kv_offload_corrupt_blocks, self.iteration_tokens,
+                           self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
+                           self.spec_decode_num_accepted_tokens):
                 self._engine(family, engine)
             self.requests(engine)
 
@@ -153,6 +157,7 @@ class Metrics:
         e(self.prefix_cache_queries).inc(max(0, new.prefix_queries - old.prefix_queries))
         e(self.prefix_cache_hits).inc(max(0, new.prefix_hits - old.prefix_hits))
         e(self.num_preemptions).inc(max(0, new.num_preemptions - old.num_preemptions))
+        e(self.kv_offload_corrupt_blocks).inc(max(0, new.kv_offload_corrupt_blocks - old.kv_offload_corrupt_blocks))
         if new.iteration_tokens:
             e(self.iteration_tokens).observe(new.iteration_tokens)
         e(self.spec_decode_num_drafts).inc(max(0, new.spec_drafts - old.spec_drafts))

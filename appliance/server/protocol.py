@@ -20,11 +20,11 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import msgspec
 
-from appliance.engine.kv_p2p import kv_transfer_problem
+from appliance.engine.kv_p2p import kv_transfer_problem, kv_transfer_trust_problem
 from appliance.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -231,6 +231,15 @@ NOT_BUILT = {
     "return_token_ids": "token-id output",
 }
 
+# Speculative settings sent in a body: vLLM's (its engine arguments, old and
+# new, and speculative_config's keys) and this server's (speculative.*).
+# Drafting is the deployment's (speculative=ngram|draft_model), never a request's.
+PER_DEPLOYMENT_SPECULATIVE = ("speculative_config", "num_speculative_tokens", "speculative_model", "draft_model",
+                              "prompt_lookup_min", "prompt_lookup_max", "ngram_prompt_lookup_min",
+                              "ngram_prompt_lookup_max", "speculative_disable_by_batch_size",
+                              "speculative_draft_tensor_parallel_size", "speculative_max_model_len",
+                              "spec_decoding_acceptance_method")
+
 
 def reject_unsupported(body: dict, chat: bool = True) -> None:
     """400 for any field that asks for behaviour not built yet; a field
@@ -250,10 +259,15 @@ def reject_unsupported(body: dict, chat: bool = True) -> None:
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         refuse("modalities", "output modalities other than ['text']")
-    for key, what in NOT_BUILT.items():
+    for key in (*NOT_BUILT, *PER_DEPLOYMENT_SPECULATIVE):
         v = body.get(key)
-        if not (v is None or v is False or v == [] or v == {}):
-            refuse(key, what)
+        if v is None or v is False or v == [] or v == {}:
+            continue
+        if key in NOT_BUILT:
+            refuse(key, NOT_BUILT[key])
+        raise OpenAIError(400, f"'{key}' asks for speculative decoding per request; speculative decoding is "
+                               f"configured per deployment (speculative=ngram or speculative=draft_model, with "
+                               f"speculative.num_speculative_tokens)", param=key, code="unsupported_parameter")
 
 
 @dataclass
@@ -350,15 +364,20 @@ def sampling_from_body(body: dict, *, chat: bool, vocab_size: int) -> tuple[Samp
 
 
 def check_kv_transfer(params: SamplingParams, stream: bool, num_prompts: int, connector: Optional[str], role: str,
-                      block_size: int) -> None:
+                      block_size: int, internal: bool = False, trusted_producers: Sequence[str] = ()) -> None:
     """400 for ``kv_transfer_params`` this server cannot act on (see
     ``engine/kv_p2p.py``): no or another KV connector, the other role, a
     malformed producer answer, more than one sequence; a producer's answer
-    comes in a whole response, not a stream."""
+    comes in a whole response, not a stream; and, before anything connects
+    anywhere, parameters that neither come from this deployment's router
+    (``internal``: the request is signed with its internal key) nor name a
+    producer in ``trusted_producers``."""
     p = params.kv_transfer_params
     if p is None:
         return
     problem = kv_transfer_problem(params, connector, role, block_size)
+    if problem is None:
+        problem = kv_transfer_trust_problem(p, internal, trusted_producers)
     if problem is None and num_prompts != 1:
         problem = "takes one prompt per request"
     if problem is None and stream and p.get("do_remote_decode"):

@@ -30,21 +30,34 @@ or whole) comes back unchanged:
   ``router.instances`` (consumers), which fetches the prompt's KV, runs its
   last token and decodes, streamed or whole as the client asked. Both sides
   are taken in turn. A request that cannot be split (several prompts or
-  sequences, prompt logprobs, its own ``kv_transfer_params``) or whose
-  prefill fails goes to a consumer whole, which computes the prompt itself.
+  sequences, prompt logprobs) or whose prefill fails goes to a consumer
+  whole, which computes the prompt itself. The router signs both requests
+  with the deployment's internal key (``server.internal_key``), which is
+  what makes producers and consumers act on ``kv_transfer_params``.
+
+A client's own ``kv_transfer_params`` are dropped under every policy: only
+the router says which producer's KV a consumer takes.
 
 Every instance's ``/health`` is polled every ``health_interval_s``; one
 that fails it, or refuses a connection, gets no requests until it answers
 again (a request that could not connect is sent to another instance). The
 router's own ``/health`` answers 200 while any instance is healthy, and
 ``/metrics`` counts requests per instance and policy.
+
+An instance that fails a request it accepted (its connection lost: it died)
+is taken out of the rotation too; the client gets a 502 OpenAI error, or,
+mid-stream, an error event and ``[DONE]`` as the instances' own failed
+streams end (504 when no answer came within ``request_timeout_s``), and
+``appliance_router_upstream_failures_total`` counts it per instance.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -53,6 +66,9 @@ from typing import Any, AsyncIterator, Optional
 import httpx
 from litestar import Litestar, Request, Response, get, post
 from litestar.response import Stream
+
+from appliance.errors import ConfigError
+from appliance.server.auth import SIGNATURE_HEADER, load_internal_key, sign_request
 
 log = logging.getLogger("appliance.router")
 
@@ -69,6 +85,7 @@ class PrefixIndex:
         self._by_key: dict[tuple, int] = {}
         self._key_of: dict[int, tuple] = {}
         self.block_size = 0
+        self.tokenless = 0  # stored blocks whose events carried no token ids (nothing to match them by)
         self._lock = threading.Lock()
 
     def apply(self, events: list[Any]) -> None:
@@ -78,6 +95,9 @@ class PrefixIndex:
                 if kind == "BlockStored":
                     bs = ev.block_size
                     self.block_size = bs
+                    if len(ev.token_ids) != bs * len(ev.block_hashes):  # kv_events.include_token_ids=false
+                        self.tokenless += len(ev.block_hashes)
+                        continue
                     parent = ev.parent_block_hash
                     for i, h in enumerate(ev.block_hashes):
                         key = (parent, tuple(ev.token_ids[i * bs:(i + 1) * bs]))
@@ -129,9 +149,11 @@ class EventSubscriber(threading.Thread):
     the router notices only after the new sequence passed the old one reads
     as a gap)."""
 
-    def __init__(self, endpoint: str, index: PrefixIndex, topic: str = "", replay_endpoint: Optional[str] = None):
+    def __init__(self, endpoint: str, index: PrefixIndex, topic: str = "", replay_endpoint: Optional[str] = None,
+                 curve: Optional[tuple[bytes, bytes, bytes]] = None):
         super().__init__(name=f"kv-events {endpoint}", daemon=True)
         self.endpoint, self.index, self.topic, self.replay_endpoint = endpoint, index, topic, replay_endpoint
+        self.curve = curve  # (the router's public and secret key, the instances' publisher key), or None
         self.batches = 0
         self.replayed = 0  # batches applied from the replay endpoint
         self.missed = 0  # batches never seen
@@ -149,6 +171,7 @@ class EventSubscriber(threading.Thread):
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        self._curve_client(sock)
         sock.connect(self.endpoint)
         sock.setsockopt_string(zmq.SUBSCRIBE, self.topic)
         poller = zmq.Poller()
@@ -182,9 +205,18 @@ class EventSubscriber(threading.Thread):
                 self.missed += seq - expected - got
                 log.warning("missed %d KV event batch(es) of %s; its prefix index may be stale",
                             seq - expected - got, self.endpoint)
+        tokenless = self.index.tokenless
         self.index.apply(batch.events)
+        if self.index.tokenless and not tokenless:
+            log.warning("the KV events of %s carry no token ids (kv_events.include_token_ids=false there): kv_aware "
+                        "cannot match prompts to its blocks", self.endpoint)
         self.batches += 1
         self._next = seq + 1
+
+    def _curve_client(self, sock: Any) -> None:
+        """With CURVE, ``sock`` connects as the router's certificate to the instances' publisher key."""
+        if self.curve is not None:
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self.curve
 
     def _replay(self, first: int, end: int, decoder: Any) -> int:
         """Apply batches ``first``..``end - 1`` from the replay endpoint, in
@@ -195,6 +227,7 @@ class EventSubscriber(threading.Thread):
         sock.setsockopt(zmq.LINGER, 0)
         applied = 0
         try:
+            self._curve_client(sock)
             sock.connect(self.replay_endpoint)
             sock.send_multipart([b"", first.to_bytes(8, "big")])
             while sock.poll(REPLAY_TIMEOUT_MS):
@@ -216,6 +249,23 @@ class EventSubscriber(threading.Thread):
         self._stop_event.set()
 
 
+def curve_client_keys(client_file: str, server_file: str) -> tuple[bytes, bytes, bytes]:
+    """(public, secret, server public) key of a CURVE subscription: the
+    router's certificate (a secret key file) and the publisher's public one."""
+    import zmq.auth
+
+    try:
+        public, secret = zmq.auth.load_certificate(client_file)
+        server = zmq.auth.load_certificate(server_file)[0]
+    except (OSError, ValueError) as e:
+        raise ValueError(f"router.kv_events_client_key_file / kv_events_server_key_file: cannot read them ({e})") \
+            from None
+    if secret is None:
+        raise ValueError(f"router.kv_events_client_key_file={client_file} holds no secret key (the "
+                         f"'<name>.key_secret' file zmq.auth.create_certificates writes)")
+    return public, secret, server
+
+
 @dataclass
 class Instance:
     url: str
@@ -223,6 +273,9 @@ class Instance:
     in_flight: int = 0
     load: float = 0.0  # running + waiting, from its /metrics (least_load)
     requests: int = 0
+    # requests it failed after accepting them (its connection lost or timed out): streams cut, whole responses lost
+    failed_streams: int = 0
+    failed_responses: int = 0
     index: PrefixIndex = field(default_factory=PrefixIndex)
 
 
@@ -244,7 +297,8 @@ class Router:
     def __init__(self, instances: list[str], policy: str, tokenizer: Any = None, kv_events: Optional[list[str]] = None,
                  kv_load_weight: float = 256.0, health_interval_s: float = 2.0, request_timeout_s: float = 600.0,
                  kv_events_topic: str = "", kv_match_threshold: float = 0.5,
-                 prefill_instances: Optional[list[str]] = None, kv_events_replay: Optional[list[str]] = None):
+                 prefill_instances: Optional[list[str]] = None, kv_events_replay: Optional[list[str]] = None,
+                 internal_key: Optional[bytes] = None, kv_events_curve: Optional[tuple[str, str]] = None):
         if policy not in POLICIES:
             raise ValueError(f"router.policy={policy} is not built; built: {', '.join(POLICIES)}")
         if not instances:
@@ -253,6 +307,11 @@ class Router:
         self.prefill = [Instance(u.rstrip("/")) for u in prefill_instances or ()]
         if (policy == "pd") != bool(self.prefill):
             raise ValueError("router.prefill_instances: the producers' base URLs, with router.policy=pd only")
+        if policy == "pd" and internal_key is None:
+            raise ValueError("router.policy=pd signs the requests it sends with kv_transfer_params: it needs the "
+                             "deployment's internal key (APPLIANCE_INTERNAL_KEY, server.internal_key_file or "
+                             "server.internal_key), the one its producers and consumers hold")
+        self.internal_key = internal_key
         self._rr_prefill = itertools.count()
         self.policy, self.tokenizer, self.kv_load_weight = policy, tokenizer, kv_load_weight
         self.kv_match_threshold = kv_match_threshold
@@ -267,7 +326,8 @@ class Router:
             if len(replays) != len(kv_events):
                 raise ValueError("router.kv_events_replay: one replay endpoint per instance, in the order of "
                                  "router.instances")
-            self.subscribers = [EventSubscriber(e, inst.index, kv_events_topic, r)
+            keys = None if kv_events_curve is None else curve_client_keys(*kv_events_curve)
+            self.subscribers = [EventSubscriber(e, inst.index, kv_events_topic, r, keys)
                                 for e, inst, r in zip(kv_events, self.instances, replays)]
         self.client: Optional[httpx.AsyncClient] = None
         self._poller: Optional[asyncio.Task] = None
@@ -342,6 +402,8 @@ class Router:
     # -- proxying -----------------------------------------------------------------
     async def forward(self, path: str, body: dict, headers: dict) -> tuple[int, dict, Any]:
         """(status, headers, content): bytes, or an async iterator of bytes for a stream."""
+        if "kv_transfer_params" in body:  # a client's: only the router says whose KV a consumer takes
+            body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
         if self.policy == "pd":
             body = await self._prefill_first(path, body, headers)
         tokens = None
@@ -358,7 +420,7 @@ class Router:
                     b'{"error": {"message": "no healthy instance", "type": "ServiceUnavailable", "code": 503}}'
             tried.add(inst.url)
             fwd = {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
-            req = self.client.build_request("POST", f"{inst.url}{path}", json=body, headers=fwd)
+            req = self.client.build_request("POST", f"{inst.url}{path}", **self._post(body, fwd))
             inst.in_flight += 1
             try:
                 resp = await self.client.send(req, stream=True)
@@ -367,6 +429,10 @@ class Router:
                 inst.healthy = False
                 log.warning("instance %s refused a request (%s); trying another", inst.url, e)
                 continue
+            except httpx.TransportError as e:  # it took the request, then failed before answering
+                inst.in_flight -= 1
+                inst.requests += 1
+                return _upstream_failed(inst, e)
             except BaseException:
                 inst.in_flight -= 1
                 raise
@@ -376,6 +442,8 @@ class Router:
                 return resp.status_code, out_headers, self._relay(inst, resp)
             try:
                 content = await resp.aread()
+            except httpx.TransportError as e:
+                return _upstream_failed(inst, e)
             finally:
                 await resp.aclose()
                 inst.in_flight -= 1
@@ -388,8 +456,7 @@ class Router:
         prompt = body.get("prompt")
         several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list)) and len(prompt) > 1
         echo_logprobs = body.get("echo") and body.get("logprobs") is not None  # the echoed prompt is scored
-        if several or body.get("n") not in (None, 1) or body.get("prompt_logprobs") is not None or echo_logprobs \
-                or "kv_transfer_params" in body:
+        if several or body.get("n") not in (None, 1) or body.get("prompt_logprobs") is not None or echo_logprobs:
             return body
         pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
         pre.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
@@ -407,7 +474,7 @@ class Router:
             tried.add(inst.url)
             inst.in_flight += 1
             try:
-                resp = await self.client.post(f"{inst.url}{path}", json=pre, headers=fwd)
+                resp = await self.client.post(f"{inst.url}{path}", **self._post(pre, fwd))
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 inst.healthy = False
                 log.warning("producer %s refused a prefill (%s); trying another", inst.url, e)
@@ -430,11 +497,36 @@ class Router:
             log.info("producer %s answered %d without KV; a consumer computes the prompt", inst.url, resp.status_code)
             return body
 
+    def _post(self, body: dict, headers: dict) -> dict:
+        """An instance request's body and headers: JSON, signed with the
+        internal key when it carries ``kv_transfer_params`` (the router's own)."""
+        content = json.dumps(body).encode()
+        headers = {**headers, "content-type": "application/json"}
+        if "kv_transfer_params" in body and self.internal_key is not None:
+            headers[SIGNATURE_HEADER] = sign_request(self.internal_key, content)
+        return {"content": content, "headers": headers}
+
     @staticmethod
     async def _relay(inst: Instance, resp: httpx.Response) -> AsyncIterator[bytes]:
+        """The instance's stream, whole events only. When the instance fails
+        mid-stream, what it left of an event is dropped and the stream ends as
+        the server's own failed streams do: an error event, then [DONE]."""
+        held = b""  # the start of an event not yet complete
+        done = False  # the last event relayed was [DONE]
         try:
             async for chunk in resp.aiter_raw():
-                yield chunk
+                held += chunk
+                end = held.rfind(b"\n\n") + 2
+                if end >= 2:
+                    events, held = held[:end], held[end:]
+                    done = events.endswith(b"data: [DONE]\n\n")
+                    yield events
+            if held:
+                yield held
+        except httpx.TransportError as e:
+            if not done:  # else it failed after the end: nothing was lost
+                _, _, error = _upstream_failed(inst, e, stream=True)
+                yield b"data: " + error + b"\n\ndata: [DONE]\n\n"
         finally:
             await resp.aclose()
             inst.in_flight -= 1
@@ -450,7 +542,33 @@ class Router:
         lines.append("# TYPE appliance_router_in_flight gauge")
         for i in every:
             lines.append(f'appliance_router_in_flight{{instance="{i.url}"}} {i.in_flight}')
+        lines.append("# TYPE appliance_router_upstream_failures counter")
+        for i in every:
+            for kind, n in (("stream", i.failed_streams), ("response", i.failed_responses)):
+                lines.append(f'appliance_router_upstream_failures_total{{instance="{i.url}",kind="{kind}"}} {n}')
         return "\n".join(lines) + "\n"
+
+
+def _upstream_failed(inst: Instance, e: httpx.TransportError, stream: bool = False) -> tuple[int, dict, bytes]:
+    """A request ``inst`` accepted and then failed (its connection lost: 502,
+    the instance taken out of the rotation until its /health answers; no
+    answer within router.request_timeout_s: 504), counted, logged, and
+    answered with an OpenAI error body that does not name the instance."""
+    timeout = isinstance(e, httpx.TimeoutException)
+    if stream:
+        inst.failed_streams += 1
+    else:
+        inst.failed_responses += 1
+    if not timeout:
+        inst.healthy = False
+    log.warning("instance %s failed a %s it had accepted (%s: %s)", inst.url, "stream" if stream else "request",
+                type(e).__name__, e)
+    status, kind, code = (504, "gateway_timeout", "upstream_timeout") if timeout else \
+        (502, "bad_gateway", "upstream_failed")
+    what = "did not answer in time" if timeout else "failed"
+    message = f"the instance serving this request {what}; retry the request"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return status, {"content-type": "application/json"}, json.dumps(body).encode()
 
 
 def build_app(router: Router) -> Any:
@@ -513,9 +631,14 @@ def route_forever(cfg: Any) -> int:
         from appliance.models.loader import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model, cfg.quantization.method)
-    router = Router(list(r.instances), r.policy, tokenizer, list(r.kv_events), r.kv_load_weight,
-                    r.health_interval_s, r.request_timeout_s, cfg.kv_events.topic, r.kv_match_threshold,
-                    list(r.prefill_instances), list(r.kv_events_replay))
+    try:
+        curve = None if r.kv_events_client_key_file is None else (
+            os.path.expanduser(r.kv_events_client_key_file), os.path.expanduser(r.kv_events_server_key_file))
+        router = Router(list(r.instances), r.policy, tokenizer, list(r.kv_events), r.kv_load_weight,
+                        r.health_interval_s, r.request_timeout_s, cfg.kv_events.topic, r.kv_match_threshold,
+                        list(r.prefill_instances), list(r.kv_events_replay), load_internal_key(cfg.server), curve)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     print(f"routing {len(router.instances)} instance(s) by {r.policy} on http://{r.host}:{r.port}")
     uvicorn.run(build_app(router), host=r.host, port=r.port, log_level="warning")
     return 0

@@ -27,6 +27,7 @@ class ServerState:
     tokenizer: PreTrainedTokenizerBase
     metrics: Metrics
     api_keys: tuple[str, ...]  # empty: no authentication (appliance.server.auth)
+    internal_key: Optional[bytes] = None  # what this deployment's router signs internal requests with
     shutting_down: bool = False
     in_flight: int = 0  # admitted engine requests (children) not yet finished
     tokenize_pool: Optional[Executor] = None  # tokenization and chat templates (None: the loop's default executor)

@@ -4,19 +4,34 @@
 ``grammar``, ``json_object``; ``disable_any_whitespace``), vLLM's older
 ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``,
 or a forced tool call (``tool_choice`` ``required`` or a named function).
-At most one may be given; the constraint is checked here
-(``structured_output.check``: the schema, regex or grammar parses, and
-uses nothing xgrammar would leave unenforced) so a bad one is a 400 naming
-its field before the engine sees it.
+At most one may be given; ``ConstraintChecker`` checks it against the
+deployment's ``structured_output`` limits before the engine sees it: its
+size and nesting before anything parses it, a schema, regex or grammar
+that parses and uses nothing xgrammar would leave unenforced (no
+``$ref`` outside the schema), choices the model's vocabulary can write,
+and a trial compile, bounded in time and memory, in a child process. A
+constraint that fails any of them is a 400 naming its field, and the
+engine core only compiles constraints known to finish within the bounds.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Executor, Future
 from typing import Any, Optional
 
+from appliance.config.schema import StructuredOutputConfig
 from appliance.sampling_params import STRUCTURED_KINDS, SamplingParamsError, StructuredOutputsParams
 from appliance.server.protocol import OpenAIError
 from appliance.server.tools import ToolRequest
+from appliance.structured_output import (CONSTRAINT_NAMES, CompileRefused, CompileSandbox, ConstraintLimits,
+                                         TokenSpelling, check, check_writable, effective_constraint, tokenizer_info)
+
+log = logging.getLogger("appliance.server")
 
 _OPTIONS = ("disable_any_whitespace",)
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -106,13 +121,87 @@ def constraint_from_body(body: dict, tools: Optional[ToolRequest]) -> tuple[Opti
     return found[0][1], found[0][0]
 
 
-def check_constraint(so: StructuredOutputsParams, source: str) -> None:
-    """A 400 naming the field when the constraint does not compile (or
-    asks for what cannot be enforced). Milliseconds: call it off the event loop."""
-    from appliance.structured_output import check
+def _param(so: StructuredOutputsParams, source: str) -> str:
+    """The request parameter a problem with ``so`` is reported against."""
+    return f"structured_outputs.{so.kind}" if source == "structured_outputs" else source
 
-    try:
-        check(so)
-    except SamplingParamsError as e:
-        param = e.param if source == "structured_outputs" else source
-        raise OpenAIError(400, str(e), param=param) from None
+
+class ConstraintChecker:
+    """One server's check of output constraints (see the module docstring):
+    ``check`` runs the parse and the vocabulary check on the tokenizer
+    threads, then awaits the trial compile on the event loop, so a slow
+    compile holds neither. The digests of the last ``PASSED_KEPT``
+    constraints whose trial compiled are kept (they are not tried again);
+    identical constraints in flight share one trial. The tokenizer's
+    xgrammar vocabulary and the sandbox's helper process are made for the
+    first constraint."""
+
+    PASSED_KEPT = 4096
+
+    def __init__(self, cfg: StructuredOutputConfig, tokenizer: Any, vocab_size: int):
+        self.cfg = cfg
+        self.limits = ConstraintLimits(cfg.max_schema_bytes, cfg.max_schema_depth)
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._lock = threading.Lock()
+        self._sandbox: Optional[CompileSandbox] = None
+        self._spelling: Optional[TokenSpelling] = None
+        self._passed: OrderedDict[bytes, None] = OrderedDict()
+        self._trials: dict[bytes, Future] = {}
+
+    async def check(self, so: StructuredOutputsParams, source: str, pool: Optional[Executor]) -> None:
+        """A 400 naming the field (``source``) when ``so`` is over a limit,
+        does not parse, asks for what cannot be enforced, or does not compile
+        within ``structured_output.compile_timeout_s`` and
+        ``compile_memory_mib``."""
+        trial = await asyncio.get_running_loop().run_in_executor(pool, self._prepare, so, source)
+        if trial is None:
+            return
+        try:
+            await asyncio.wrap_future(trial)
+        except CompileRefused as e:
+            raise OpenAIError(400, f"the {CONSTRAINT_NAMES[so.kind]} {e}", param=_param(so, source)) from None
+
+    def _prepare(self, so: StructuredOutputsParams, source: str) -> Optional[Future]:
+        """The checks of the tokenizer threads; the trial to await (None: this constraint compiled before)."""
+        so = effective_constraint(so, not self.cfg.disable_any_whitespace)
+        try:
+            grammar = check(so, self.cfg.max_json_whitespace, self.limits)
+            if so.kind == "choice":
+                check_writable(so, self._vocabulary()[1])
+        except SamplingParamsError as e:
+            raise OpenAIError(400, str(e), param=_param(so, source)) from None
+        sandbox = self._vocabulary()[0]
+        digest = hashlib.sha256(repr(so.key).encode()).digest()
+        with self._lock:
+            if digest in self._passed:
+                self._passed.move_to_end(digest)
+                return None
+            trial = self._trials.get(digest)
+            if trial is not None:
+                return trial
+            trial = self._trials[digest] = sandbox.compile(grammar)
+        trial.add_done_callback(lambda f: self._tried(digest, f))  # outside the lock: it may run at once
+        return trial
+
+    def _vocabulary(self) -> tuple[CompileSandbox, TokenSpelling]:
+        with self._lock:
+            if self._sandbox is None:
+                eos = self._tokenizer.eos_token_id  # a grammar ends on it, as the engine's do
+                info = tokenizer_info(self._tokenizer, self._vocab_size, [] if eos is None else [eos])
+                cfg = self.cfg
+                self._spelling = TokenSpelling(info)
+                self._sandbox = CompileSandbox(info, cfg.num_threads, cfg.compile_timeout_s,
+                                               cfg.compile_memory_mib << 20, cfg.num_threads)
+            return self._sandbox, self._spelling
+
+    def _tried(self, digest: bytes, trial: Future) -> None:
+        compiled = trial.exception() is None
+        with self._lock:
+            self._trials.pop(digest, None)
+            if compiled:
+                self._passed[digest] = None
+                while len(self._passed) > self.PASSED_KEPT:
+                    self._passed.popitem(last=False)
+        if compiled:
+            log.debug("trial grammar compile: %.3f s, %d bytes", trial.result().seconds, trial.result().grammar_bytes)

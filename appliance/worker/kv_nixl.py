@@ -13,18 +13,25 @@ while registered and never after it ended); only the answer to a pull
 differs. A pull asks for the producer's agent metadata the first time the
 consumer meets that agent (``metadata``). The answer is
 
-    [b"ok", msgpack {digest, agent, regions, num_blocks, block_bytes, mem,
-                     device, blocks, hold_s}, agent metadata or b""]
+    [b"ok", msgpack {transfer, digest, agent, regions, num_blocks,
+                     block_bytes, mem, device, blocks, hold_s, checksum,
+                     metadata_checksum}, agent metadata or b"", mac]
 
 ``regions``: each layer's cache address; ``blocks``: the transfer's block
-ids asked for; ``hold_s``: how long the producer still holds them. The
-consumer checks the digest against its own tokens and the geometry
-against its cache, adds the agent, and posts one NIXL READ of every
-layer's K and V of those blocks (consecutive runs of blocks as one
-descriptor) into its own blocks. Once the read is done (or failed, or
-past ``hold_s`` less a margin or its own timeout: then it is aborted
-first, so nothing is still written into blocks a failed load gives
-back), it sends p2p's ``done`` and the producer frees the blocks.
+ids asked for; ``hold_s``: how long the producer still holds them;
+``checksum``: the digest of those blocks' K and V, layer by layer, as p2p's
+(``kv_checksum.layers_digest``, gathered where they lie), ``metadata_checksum``
+the SHA-256 of the metadata frame. The consumer checks the answer is for its transfer,
+the digest against its own tokens and the geometry against its cache,
+adds the agent, and posts one NIXL READ of every layer's K and V of those
+blocks (consecutive runs of blocks as one descriptor) into its own blocks.
+Once the read is done (or failed, or past ``hold_s`` less a margin or its
+own timeout: then it is aborted first, so nothing is still written into
+blocks a failed load gives back), it checks the blocks it read against the
+checksum and for NaN and infinity (a mismatch fails the load: the blocks
+go back to the pool uncached and the prompt is computed), sends p2p's
+``done``, and the producer frees the blocks. Every side-channel message is
+signed as p2p's are.
 
 NIXL reads any registered memory of an agent whose metadata it holds:
 expose producers to trusted consumers only, as with p2p.
@@ -44,7 +51,8 @@ import msgspec
 import numpy as np
 import torch
 
-from appliance.engine.kv_p2p import P2PMetadata, RecvSpec, token_digest
+from appliance.engine.kv_p2p import P2PMetadata, RecvSpec, seal, token_digest
+from appliance.worker.kv_checksum import cached_layers, kv_digest, layers_digest, layers_problem
 from appliance.worker.kv_p2p import READING, P2PWorker, _Load, _Send
 
 log = logging.getLogger("appliance.kv_nixl")
@@ -118,7 +126,7 @@ class NixlWorker(P2PWorker):
     ZeroMQ server and puller, with the blocks read through NIXL."""
 
     def __init__(self, role: str, engine_id: str, layout: str, bind_host: str, port: int, timeout_s: float,
-                 peer_offset: int = 0, backends: tuple[str, ...] = ("UCX",)):
+                 key: bytes, peer_offset: int = 0, backends: tuple[str, ...] = ("UCX",)):
         api = nixl_api()
         if api is None:
             raise OSError("kv_transfer.connector=nixl needs NIXL: pip install nixl (or nixl-cu12 / nixl-cu13 for "
@@ -137,7 +145,7 @@ class NixlWorker(P2PWorker):
         self._geometry: Optional[dict[str, Any]] = None  # where they are (None: not registered yet)
         self._metadata = b""  # this agent's metadata, with its registrations
         self._remote: OrderedDict[str, None] = OrderedDict()  # producers' agents added, least recently read first
-        super().__init__(role, engine_id, layout, bind_host, port, timeout_s, peer_offset)
+        super().__init__(role, engine_id, layout, bind_host, port, timeout_s, key, peer_offset)
 
     # -- the model runner's calls ------------------------------------------------------
     def start_load_kv(self, meta: Optional[P2PMetadata], kv_caches: list[torch.Tensor]) -> None:
@@ -179,11 +187,14 @@ class NixlWorker(P2PWorker):
         with self._agent_lock:
             geometry, metadata = self._geometry, self._metadata
         if geometry is None:
-            return [b"error", b"the producer's cache is not registered with NIXL yet"]
+            return self._error(b"the producer's cache is not registered with NIXL yet")
         spec = send.spec
-        header = {**geometry, "digest": token_digest(spec.token_ids[:tokens]), "agent": self.agent_name,
-                  "blocks": spec.block_ids[first:first + count], "hold_s": max(0.0, send.deadline - time.monotonic())}
-        return [b"ok", msgspec.msgpack.encode(header), metadata if msg.get("metadata") is True else b""]
+        blocks = spec.block_ids[first:first + count]
+        metadata = metadata if msg.get("metadata") is True else b""
+        header = {**geometry, "transfer": spec.transfer_id, "digest": token_digest(spec.token_ids[:tokens]),
+                  "agent": self.agent_name, "blocks": blocks, "checksum": layers_digest(cached_layers(self._caches, blocks)),
+                  "metadata_checksum": kv_digest(metadata), "hold_s": max(0.0, send.deadline - time.monotonic())}
+        return seal(self._key, b"ok", msgspec.msgpack.encode(header), metadata)
 
     # -- consumer ---------------------------------------------------------------------------
     def _answer_bytes(self, spec: RecvSpec) -> int:
@@ -201,7 +212,11 @@ class NixlWorker(P2PWorker):
             ours = self._geometry
         problem = _answer_problem(header, ours, peer, len(spec.block_ids))
         if problem is not None:
-            return problem
+            log.debug("request %s: the producer's answer does not fit this cache: %s", spec.request_id, problem)
+            return "an answer that does not fit this cache (another KV layout?)"
+        metadata = payload_frame.bytes
+        if kv_digest(metadata) != header.get("metadata_checksum"):
+            return "NIXL metadata that does not match its checksum"
         src = block_runs(header["blocks"], spec.block_ids)
         remote = block_descs(header["regions"], header["num_blocks"], ours["block_bytes"], header["device"],
                              [r[0] for r in src], [r[2] for r in src])
@@ -209,7 +224,7 @@ class NixlWorker(P2PWorker):
                             [r[1] for r in src], [r[2] for r in src])
         with self._agent_lock:
             if peer not in self._remote:
-                problem = self._add_remote(peer, payload_frame.bytes)
+                problem = self._add_remote(peer, metadata)
                 if problem is not None:
                     return problem
             self._remote.move_to_end(peer)
@@ -218,7 +233,7 @@ class NixlWorker(P2PWorker):
             if self._agent.transfer(handle) == "ERR":
                 self._agent.release_xfer_handle(handle)
                 return "the NIXL read could not start"
-        load.reading = handle
+        load.reading, load.checksum = handle, header.get("checksum")
         load.deadline = min(load.deadline, time.monotonic() + header["hold_s"] - HOLD_MARGIN_S)
         return READING
 
@@ -243,7 +258,10 @@ class NixlWorker(P2PWorker):
             except Exception as e:  # the agent's error: the read is over
                 state = f"ERR ({type(e).__name__}: {e})"
             if state == "DONE":
-                return None if self._release(load) else "the NIXL read could not be released"
+                if not self._release(load):
+                    return "the NIXL read could not be released"
+                return layers_problem(cached_layers(self._caches, load.spec.block_ids), self._caches[0].dtype,
+                                      load.checksum)
             if state.startswith("ERR"):
                 self._release(load)
                 return f"the NIXL read failed: {state}"

@@ -12,9 +12,15 @@ background thread: each to a temporary name, then renamed, so a file is
 whole or absent), then ``get_finished`` for the step's ``KVConnectorOutput``: the writes that
 completed, and the files dropped to keep the tier under its size limit
 (least recently used first; a load refreshes a file's use) or found
-unreadable. A file holds one block of every layer: a small JSON header
-(the payload's shape and dtype, checked on load) then the layers' K and V,
-``[layers, 2, block_size, kv_heads, head_dim]`` in the cache dtype.
+unreadable. A file holds one block of every layer: a small JSON header,
+then the layers' K and V, ``[layers, 2, block_size, kv_heads, head_dim]``
+in the cache dtype. The header says what the payload belongs to (its
+block hash, the tier it was written for: the model and KV layout's key
+with its core and rank folders, and the payload's shape and dtype) and
+carries the payload's SHA-256 (``kv_digest``); a load checks all of them
+before the bytes enter the cache, so a file damaged on disk, another
+block's file under this one's name or another tier's file copied in is a
+miss (removed, counted, its block recomputed), never wrong tokens.
 """
 
 from __future__ import annotations
@@ -26,23 +32,30 @@ import queue
 import struct
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
 from appliance.engine.kv_connector import BLOCK_SUFFIX, KVConnectorOutput, OffloadMetadata, stored_hashes
+from appliance.worker.kv_checksum import kv_digest
 from appliance.worker.kv_connector import KVConnectorWorker
 
 log = logging.getLogger("appliance.kv_offload")
 
-MAGIC = b"APKV1\0"
+# the tier file format: version 2's header names the block and the tier and carries the payload's SHA-256;
+# a file of another version (or no tier file at all) is unreadable
+MAGIC = b"APKV2\0"
+PAYLOAD_ALIGN = 64  # the header is padded so that the payload starts at a multiple of this
+MAX_READERS = 8  # threads reading and checking a step's loads (at most the torch threads: this rank's cores)
 
 
 class KVLoadError(RuntimeError):
-    """A tier file could not be read into the pool (missing, truncated, another
-    layout). It left the tier; the step's requests are not to blame and run
-    again (``retry_requests``), recomputing what the file held."""
+    """A tier file could not be read into the pool (missing, truncated, damaged,
+    another block's, tier's or format version's). It left the tier; the
+    step's requests are not to blame and run again (``retry_requests``),
+    recomputing what the file held."""
 
     retry_requests = True
 
@@ -169,10 +182,14 @@ class HostTierWorker(_Tier):
 
 
 class OffloadWorker(_Tier):
-    """A rank's tier folder (see the module docstring); ``agree`` as ``_Tier``'s."""
+    """A rank's tier folder (see the module docstring); ``identity``: the
+    tier part it holds, written into every file's header and checked on
+    load (``engine.kv_connector.tier_identity``); ``agree`` as ``_Tier``'s."""
 
-    def __init__(self, folder: Path, max_bytes: int, agree: Optional[Callable[[bool], bool]] = None):
-        self.folder, self.max_bytes, self.agree, self._layers = Path(folder), max_bytes, agree, []
+    def __init__(self, folder: Path, identity: str, max_bytes: int,
+                 agree: Optional[Callable[[bool], bool]] = None):
+        self.folder, self.identity, self.max_bytes, self.agree = Path(folder), identity, max_bytes, agree
+        self._layers = []
         self.folder.mkdir(parents=True, exist_ok=True)
         self._lru: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, least recently used first
         for h in stored_hashes(self.folder):
@@ -184,44 +201,112 @@ class OffloadWorker(_Tier):
         self._queue: queue.Queue = queue.Queue()
         self._done: list[tuple[bytes, int]] = []  # written since the last report
         self._dropped: list[bytes] = []
+        self._corrupt = 0  # files that failed their checks on load since the last report
         self._lock = threading.Lock()
+        # the step's loads read and checked in parallel (file reads and SHA-256 release the GIL)
+        readers = max(1, min(MAX_READERS, torch.get_num_threads()))
+        self._readers = ThreadPoolExecutor(readers, thread_name_prefix="kv-offload-reader")
+        self._window = 2 * readers
         self._writer = threading.Thread(target=self._write_loop, name="kv-offload-writer", daemon=True)
         self._writer.start()
 
     def _path(self, h: bytes) -> Path:
         return self.folder / (h.hex() + BLOCK_SUFFIX)
 
-    @staticmethod
-    def _header(block: torch.Tensor) -> bytes:
-        meta = json.dumps({"shape": list(block.shape), "dtype": str(block.dtype).removeprefix("torch.")}).encode()
+    def _header(self, h: bytes, block: torch.Tensor) -> bytes:
+        """Block ``h``'s file header: what its payload ``block`` belongs to
+        and its checksum, padded so that the payload starts aligned."""
+        meta = json.dumps({"block": h.hex(), "tier": self.identity, "shape": list(block.shape),
+                           "dtype": _dtype_name(block.dtype), "sha256": kv_digest(block)}).encode()
+        size = len(MAGIC) + 4 + len(meta)
+        meta += b" " * (-size % PAYLOAD_ALIGN)
         return MAGIC + struct.pack("<I", len(meta)) + meta
 
     # -- before the forward ------------------------------------------------------
     def _load(self, meta: OffloadMetadata, kv_caches: list[torch.Tensor]) -> None:
-        like = torch.stack([c[:, 0] for c in kv_caches])  # one block's shape and dtype
-        expected = self._header(like)
-        nbytes = like.numel() * like.element_size()
-        for block_id, h in meta.loads:
-            path = self._path(h)
-            try:
-                raw = path.read_bytes()
-            except OSError as e:
-                self._drop(h)
-                raise KVLoadError(f"KV tier block {h.hex()[:16]} cannot be read: {e}") from e
-            if raw[: len(expected)] != expected or len(raw) != len(expected) + nbytes:
-                self._drop(h)
-                raise KVLoadError(f"KV tier block {h.hex()[:16]} is not a whole block of this layout "
-                                  f"({len(raw)} bytes)")
-            block = torch.frombuffer(bytearray(raw[len(expected):]), dtype=like.dtype).view(like.shape)
-            for layer, cache in enumerate(kv_caches):
-                cache[:, block_id].copy_(block[layer])
-            try:
-                os.utime(path)  # recently used: survives eviction longest, across restarts too
-            except OSError:
-                pass
-            with self._lock:
-                if h in self._lru:
-                    self._lru.move_to_end(h)
+        """The step's loads read and checked by the reader threads (a window of
+        loads at a time, so that a window's blocks are all it holds), each
+        copied here into its block of every layer once checked. After a
+        load that fails the rest are still checked (not copied: the step
+        fails), so every damaged file of the step leaves the tier at once."""
+        shape, dtype = [len(kv_caches), *kv_caches[0][:, 0].shape], kv_caches[0].dtype  # one block's
+        failed: Optional[KVLoadError] = None
+        for start in range(0, len(meta.loads), self._window):
+            loads = meta.loads[start : start + self._window]
+            checked = self._readers.map(lambda load: self._checked(load[1], shape, dtype), loads)
+            for (block_id, h), block in zip(loads, checked):
+                if isinstance(block, KVLoadError):
+                    failed = failed or block
+                elif failed is None:
+                    self._copy_in(h, block, block_id, kv_caches)
+        if failed is not None:
+            raise failed
+
+    def _copy_in(self, h: bytes, block: torch.Tensor, block_id: int, kv_caches: list[torch.Tensor]) -> None:
+        """Checked block ``h`` into block ``block_id`` of every layer's cache; its file used most recently."""
+        for layer, cache in enumerate(kv_caches):
+            cache[:, block_id].copy_(block[layer])
+        try:
+            os.utime(self._path(h))  # recently used: survives eviction longest, across restarts too
+        except OSError:
+            pass
+        with self._lock:
+            if h in self._lru:
+                self._lru.move_to_end(h)
+
+    def _checked(self, h: bytes, shape: list[int], dtype: torch.dtype) -> Union[torch.Tensor, KVLoadError]:
+        """``_read``'s block, or its error."""
+        try:
+            return self._read(h, shape, dtype)
+        except KVLoadError as e:
+            return e
+
+    def _read(self, h: bytes, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """Block ``h``'s payload from its file, once the header says it is this
+        tier's block ``h`` of ``shape`` and ``dtype`` and the payload matches
+        its checksum; else the file is rejected and KVLoadError raised."""
+        path = self._path(h)
+        try:
+            with open(path, "rb") as f:
+                raw = bytearray(os.fstat(f.fileno()).st_size)
+                size = f.readinto(raw)
+        except OSError as e:
+            self._drop(h)
+            raise KVLoadError(f"KV tier block {h.hex()[:16]} cannot be read: {e}") from e
+        start = len(MAGIC) + 4
+        if size < start or raw[: len(MAGIC)] != MAGIC:
+            raise self._reject(h, "it is not a tier file of this format version")
+        (meta_len,) = struct.unpack_from("<I", raw, len(MAGIC))
+        try:
+            header = json.loads(raw[start : start + meta_len])
+        except ValueError:
+            header = None
+        if not isinstance(header, dict):
+            raise self._reject(h, "its header is unreadable")
+        if header.get("block") != h.hex():
+            raise self._reject(h, "its header names another block")
+        if header.get("tier") != self.identity:
+            raise self._reject(h, f"it was written for another model or KV layout (tier {header.get('tier')!r}, "
+                                  f"this is {self.identity!r})")
+        if header.get("shape") != shape or header.get("dtype") != _dtype_name(dtype):
+            raise self._reject(h, f"its payload is {header.get('dtype')} {header.get('shape')}, this layout's "
+                                  f"{_dtype_name(dtype)} {shape}")
+        payload = memoryview(raw)[start + meta_len : size]
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if len(payload) != nbytes:
+            raise self._reject(h, f"its payload is {len(payload)} bytes, a block is {nbytes}")
+        if kv_digest(payload) != header.get("sha256"):
+            raise self._reject(h, "its payload does not match its checksum")
+        return torch.frombuffer(raw, dtype=dtype, offset=start + meta_len, count=nbytes // dtype.itemsize).view(shape)
+
+    def _reject(self, h: bytes, why: str) -> KVLoadError:
+        """Block ``h``'s file failed a check on load (``why``): logged, counted
+        and removed from the tier; the error to raise (the block is recomputed)."""
+        log.warning("offload tier file %s rejected: %s; removed, its block is recomputed", self._path(h), why)
+        with self._lock:
+            self._corrupt += 1
+        self._drop(h)
+        return KVLoadError(f"KV tier block {h.hex()[:16]} rejected: {why}")
 
     # -- after the forward ---------------------------------------------------------
     def _keep(self, h: bytes, block: torch.Tensor) -> None:
@@ -230,7 +315,8 @@ class OffloadWorker(_Tier):
 
     def get_finished(self) -> KVConnectorOutput:
         """The writes completed since the last call, and the files dropped:
-        past the size limit (least recently used first) or unreadable."""
+        past the size limit (least recently used first) or unreadable (and
+        how many of those failed their checks)."""
         with self._lock:
             done, self._done = self._done, []
             dropped, self._dropped = self._dropped, []
@@ -248,7 +334,9 @@ class OffloadWorker(_Tier):
             except FileNotFoundError:
                 pass
             dropped.append(h)
-        return KVConnectorOutput(saved=[h for h in saved if h in self._lru], dropped=dropped)
+        with self._lock:
+            corrupt, self._corrupt = self._corrupt, 0
+        return KVConnectorOutput(saved=[h for h in saved if h in self._lru], dropped=dropped, corrupt=corrupt)
 
     def _drop(self, h: bytes) -> None:
         with self._lock:
@@ -269,12 +357,18 @@ class OffloadWorker(_Tier):
             try:
                 path = self._path(h)
                 tmp = path.with_name(path.name + f".tmp{threading.get_ident()}")
-                data = self._header(block) + block.view(torch.uint8).numpy().tobytes()
-                tmp.write_bytes(data)
+                header, payload = self._header(h, block), block.view(torch.uint8).numpy()
+                with open(tmp, "wb") as f:
+                    f.write(header)
+                    f.write(payload)
                 os.replace(tmp, path)
                 with self._lock:
-                    self._done.append((h, len(data)))
+                    self._done.append((h, len(header) + payload.nbytes))
             except Exception:  # a full disk loses this block from the tier, nothing else
                 log.exception("writing KV block %s to the offload tier failed", h.hex()[:16])
             finally:
                 self._queue.task_done()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

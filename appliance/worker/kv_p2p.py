@@ -6,21 +6,26 @@ scheduler side registered as requests finished (``SendSpec``: blocks, the
 tokens whose KV they hold, a deadline). A consumer's puller thread sends, on
 a DEALER socket per load:
 
-    [b"pull", msgpack {transfer, engine, layout, first, count, tokens}]
+    [b"pull", msgpack {transfer, engine, layout, first, count, tokens}, mac]
 
 ``first`` and ``count`` say which of the transfer's blocks, in the
 producer's own order, and ``tokens`` how many of its tokens the consumer
 takes. The server answers
 
-    [b"ok", msgpack {digest, shape, dtype}, payload]
+    [b"ok", msgpack {transfer, digest, shape, dtype, checksum}, payload, mac]
 
 ``digest`` is that of the transfer's first ``tokens`` token ids. The payload
 is the blocks' K and V of every layer, ``[layers, 2, blocks, block_size,
-kv_heads, head_dim]`` in the cache dtype. Otherwise it answers
-``[b"error", reason]``.
+kv_heads, head_dim]`` in the cache dtype, and ``checksum`` its SHA-256.
+Otherwise it answers ``[b"error", reason, mac]``. Every message is signed
+with the deployment's internal key (``mac``: ``engine/kv_p2p.seal``); one
+that is not, or whose MAC does not match, is refused (the server answers it
+with an error, the consumer fails the load).
 
-The consumer checks the digest against its own tokens and the shape against
-its cache. It writes the blocks, then sends ``[b"done", msgpack {transfer}]``
+The consumer checks the answer is for its transfer, the digest against its
+own tokens, the shape against its cache, the payload against the checksum
+and its values for NaN and infinity (``kv_checksum.layers_problem``). It
+writes the blocks only then, sends ``[b"done", msgpack {transfer}, mac]``
 (after a failed load too), and the producer frees the transfer's blocks.
 Without a ``done``, they are freed at the deadline. A consumer that will
 not fetch a transfer (its pool held the prompt, or the request ended) sends
@@ -53,7 +58,8 @@ import msgspec
 import torch
 
 from appliance.engine.kv_connector import KVConnectorOutput
-from appliance.engine.kv_p2p import P2PMetadata, RecvSpec, SendSpec, token_digest
+from appliance.engine.kv_p2p import P2PMetadata, RecvSpec, SendSpec, seal, token_digest, unseal
+from appliance.worker.kv_checksum import gathered_layers, layers_digest, layers_problem
 from appliance.worker.kv_connector import KVConnectorWorker
 
 log = logging.getLogger("appliance.kv_p2p")
@@ -77,6 +83,7 @@ class _Load:
     socket: Any
     deadline: float
     reading: Any = None  # answered, its blocks still moving: what moves them (a NIXL transfer)
+    checksum: Optional[str] = None  # of the blocks being read (their producer's), checked once they are in
 
 
 READING: Any = object()  # a load whose answer started moving its blocks: not ended yet
@@ -84,6 +91,23 @@ READING: Any = object()  # a load whose answer started moving its blocks: not en
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def gather_blocks(caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+    """The blocks' K and V of every layer as host bytes, ``[layers, 2,
+    blocks, ..., last dim x element size]`` uint8, in ``block_ids`` order:
+    what a producer sends and what a checksum covers."""
+    like = caches[0]
+    ids = torch.tensor(block_ids, dtype=torch.long, device=like.device)
+    shape = [len(caches), like.shape[0], len(block_ids), *like.shape[2:]]
+    data = torch.empty((*shape[:-1], shape[-1] * like.element_size()), dtype=torch.uint8)
+    for layer, c in enumerate(caches):  # one copy into the host buffer, as bytes
+        raw = c.view(torch.uint8)  # any cache dtype (CPU kernels lack fp8 indexing)
+        if c.device.type == "cpu":
+            torch.index_select(raw, 1, ids, out=data[layer])
+        else:
+            data[layer].copy_(raw.index_select(1, ids))
+    return data
 
 
 class P2PWorker(KVConnectorWorker):
@@ -95,10 +119,11 @@ class P2PWorker(KVConnectorWorker):
     of its own layers."""
 
     def __init__(self, role: str, engine_id: str, layout: str, bind_host: str, port: int, timeout_s: float,
-                 peer_offset: int = 0):
+                 key: bytes, peer_offset: int = 0):
         import zmq
 
         self.engine_id, self.layout, self.timeout_s, self.peer_offset = engine_id, layout, timeout_s, peer_offset
+        self._key = key  # the deployment's internal key: every message is signed with it
         self._ctx = zmq.Context()
         self._lock = threading.Lock()
         self._caches: Optional[list[torch.Tensor]] = None
@@ -176,7 +201,7 @@ class P2PWorker(KVConnectorWorker):
                         if len(waiting) < MAX_WAITING:
                             waiting[key] = (time.monotonic() + self.timeout_s, frames)
                         else:
-                            self._reply(sock, frames[0], [b"error", b"too many pulls waiting"])
+                            self._reply(sock, frames[0], self._error(b"too many pulls waiting"))
                 self._progress_agent()
                 if waiting:
                     now = time.monotonic()
@@ -189,6 +214,10 @@ class P2PWorker(KVConnectorWorker):
 
     def _progress_agent(self) -> None:
         """Between the server's polls: nothing here (a transport with an agent to drive overrides it)."""
+
+    def _error(self, reason: bytes) -> list:
+        """A signed error answer."""
+        return seal(self._key, b"error", reason)
 
     @staticmethod
     def _reply(sock: Any, ident: bytes, frames: list) -> None:
@@ -203,19 +232,24 @@ class P2PWorker(KVConnectorWorker):
         """Answer one message; for a pull whose transfer is not registered
         yet (unless ``final``), its waiting key instead."""
         ident = frames[0]
+        message = unseal(self._key, frames[1:])
+        if message is None:
+            self._reply(sock, ident, self._error(b"a message not signed with this deployment's internal key"))
+            return None
+        kind, body, extras = message
         try:
-            if len(frames) != 3 or frames[1] not in (b"pull", b"done"):
+            if kind not in (b"pull", b"done") or extras:
                 raise ValueError("not a pull or a done")
-            msg = msgspec.msgpack.decode(frames[2])
+            msg = msgspec.msgpack.decode(body)
             transfer = msg["transfer"]
             if not isinstance(transfer, str):
                 raise TypeError("transfer must be a string")
         except Exception as e:
-            self._reply(sock, ident, [b"error", f"malformed message: {e}"[:200].encode()])
+            self._reply(sock, ident, self._error(f"malformed message: {e}"[:200].encode()))
             return None
         with self._lock:
             send = self._sends.get(transfer)
-            if frames[1] == b"done":
+            if kind == b"done":
                 if send is not None:
                     del self._sends[transfer]
                     self._close_transfer(transfer, send.spec.request_id)
@@ -224,13 +258,13 @@ class P2PWorker(KVConnectorWorker):
         if send is None:
             if not final and not ended and msg.get("engine") == self.engine_id:
                 return ident, transfer
-            self._reply(sock, ident, [b"error", b"unknown or ended transfer (or another engine)"])
+            self._reply(sock, ident, self._error(b"unknown or ended transfer (or another engine)"))
             return None
         try:
             reply = self._blocks_of(send, msg)
         except Exception as e:  # never leave a consumer waiting for its timeout
             log.exception("answering a pull of transfer %s failed", transfer)
-            reply = [b"error", f"{type(e).__name__}: {e}"[:200].encode()]
+            reply = self._error(f"{type(e).__name__}: {e}"[:200].encode())
         self._reply(sock, ident, reply)
         return None
 
@@ -246,33 +280,26 @@ class P2PWorker(KVConnectorWorker):
         spec = send.spec
         first, count, tokens = msg.get("first"), msg.get("count"), msg.get("tokens")
         if msg.get("engine") != self.engine_id:
-            return [b"error", b"another engine (the producer restarted)"]
+            return self._error(b"another engine (the producer restarted)")
         if msg.get("layout") != self.layout:
-            return [b"error", b"another KV layout (model, dtype or block shape differ)"]
+            return self._error(b"another KV layout (model, dtype or block shape differ)")
         n = len(spec.block_ids)
         if (not all(isinstance(v, int) and not isinstance(v, bool) for v in (first, count, tokens))
                 or not 0 <= first < first + count <= n or not 0 < tokens <= len(spec.token_ids)):
-            return [b"error", b"blocks or tokens outside the transfer"]
+            return self._error(b"blocks or tokens outside the transfer")
         return self._serve_blocks(send, first, count, tokens, msg)
 
     def _serve_blocks(self, send: _Send, first: int, count: int, tokens: int, msg: dict) -> list:
         """The answer to a valid pull of the transfer's blocks ``first`` to
-        ``first + count``: their K and V, with the digest of its first
-        ``tokens`` tokens."""
+        ``first + count``: their K and V and its checksum, with the digest of
+        its first ``tokens`` tokens."""
         spec, caches = send.spec, self._caches
-        like = caches[0]
-        ids = torch.tensor(spec.block_ids[first:first + count], dtype=torch.long, device=like.device)
-        shape = [len(caches), like.shape[0], count, *like.shape[2:]]
-        data = torch.empty((*shape[:-1], shape[-1] * like.element_size()), dtype=torch.uint8)
-        for layer, c in enumerate(caches):  # one copy into the message's buffer (host memory), as bytes
-            raw = c.view(torch.uint8)  # any cache dtype (CPU kernels lack fp8 indexing)
-            if c.device.type == "cpu":
-                torch.index_select(raw, 1, ids, out=data[layer])
-            else:
-                data[layer].copy_(raw.index_select(1, ids))
-        header = msgspec.msgpack.encode({"digest": token_digest(spec.token_ids[:tokens]), "shape": shape,
-                                         "dtype": _dtype_name(like.dtype)})
-        return [b"ok", header, memoryview(data.numpy())]
+        data = gather_blocks(caches, spec.block_ids[first:first + count])
+        shape = [len(caches), caches[0].shape[0], count, *caches[0].shape[2:]]
+        header = msgspec.msgpack.encode({"transfer": spec.transfer_id, "digest": token_digest(spec.token_ids[:tokens]),
+                                         "shape": shape, "dtype": _dtype_name(caches[0].dtype),
+                                         "checksum": layers_digest(gathered_layers(data))})
+        return seal(self._key, b"ok", header, memoryview(data.numpy()))
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -366,20 +393,24 @@ class P2PWorker(KVConnectorWorker):
             log.warning("cannot release a KV transfer at %s:%d: %s", host, port, e)
             return
         try:
-            sock.send_multipart([b"done", msgspec.msgpack.encode({"transfer": transfer})], flags=zmq.NOBLOCK)
+            sock.send_multipart(self._done(transfer), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         finally:
             sock.close()
 
+    def _done(self, transfer: str) -> list:
+        """The signed message that ends a transfer at its producer."""
+        return seal(self._key, b"done", msgspec.msgpack.encode({"transfer": transfer}))
+
     def _start(self, spec: RecvSpec) -> _Load:
         import zmq
 
         sock = self._socket(spec.host, spec.port + self.peer_offset, self._answer_bytes(spec) + MAX_MESSAGE)
-        sock.send_multipart(flags=zmq.NOBLOCK, msg_parts=[b"pull", msgspec.msgpack.encode({
+        sock.send_multipart(flags=zmq.NOBLOCK, msg_parts=seal(self._key, b"pull", msgspec.msgpack.encode({
             "transfer": spec.transfer_id, "engine": spec.engine_id, "layout": self.layout,
             "first": spec.first_block, "count": len(spec.block_ids), "tokens": spec.num_tokens,
-            **self._pull_fields(spec)})])
+            **self._pull_fields(spec)})))
         return _Load(spec, sock, time.monotonic() + self.timeout_s)
 
     def _answer_bytes(self, spec: RecvSpec) -> int:
@@ -394,16 +425,20 @@ class P2PWorker(KVConnectorWorker):
     def _receive(self, load: _Load) -> Optional[str]:
         """Take a pull's answer; why it could not be, None once its blocks
         are in, or ``READING`` while they move (``_progress``)."""
-        frames = load.socket.recv_multipart(copy=False)  # the payload is read where ZeroMQ received it
-        kind = frames[0].bytes
-        if kind == b"error" and len(frames) == 2:
-            return frames[1].bytes.decode(errors="replace")
-        if kind != b"ok" or len(frames) != 3:
+        message = unseal(self._key, load.socket.recv_multipart(copy=False))  # the payload stays where it arrived
+        if message is None:
+            return "an answer not signed with this deployment's internal key (the producer's key differs?)"
+        kind, body, extras = message
+        if kind == b"error" and not extras:
+            return body.decode(errors="replace")[:200]
+        if kind != b"ok" or len(extras) != 1:
             return "a malformed answer"
-        header = msgspec.msgpack.decode(frames[1].bytes)
-        if not isinstance(header, dict) or header.get("digest") != load.spec.token_digest:
+        header = msgspec.msgpack.decode(body)
+        if not isinstance(header, dict) or header.get("transfer") != load.spec.transfer_id:
+            return "an answer for another transfer"
+        if header.get("digest") != load.spec.token_digest:
             return "the producer's blocks hold other tokens"
-        return self._take(load, header, frames[2])
+        return self._take(load, header, extras[0])
 
     def _take(self, load: _Load, header: dict, payload_frame: Any) -> Optional[str]:
         """Write the blocks a valid answer carries; why it could not be, or None."""
@@ -411,13 +446,18 @@ class P2PWorker(KVConnectorWorker):
         like = caches[0]
         shape = [len(caches), like.shape[0], len(spec.block_ids), *like.shape[2:]]
         if header.get("shape") != shape or header.get("dtype") != _dtype_name(like.dtype):
-            return f"blocks of shape {header.get('shape')} {header.get('dtype')}, not {shape} {_dtype_name(like.dtype)}"
+            log.debug("request %s: the producer sent blocks of shape %s %s, not %s %s", spec.request_id,
+                      header.get("shape"), header.get("dtype"), shape, _dtype_name(like.dtype))
+            return "blocks of another KV layout"
         payload = payload_frame.buffer
         if payload.nbytes != like.element_size() * int(torch.Size(shape).numel()):
             return "a truncated payload"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only bytes: only read
             data = torch.frombuffer(payload, dtype=torch.uint8).view(*shape[:-1], shape[-1] * like.element_size())
+        problem = layers_problem(gathered_layers(data), like.dtype, header.get("checksum"))
+        if problem is not None:
+            return problem
         ids = torch.tensor(spec.block_ids, dtype=torch.long, device=like.device)
         for layer, cache in enumerate(caches):  # as bytes: any cache dtype
             cache.view(torch.uint8).index_copy_(1, ids, data[layer].to(like.device))
@@ -433,8 +473,7 @@ class P2PWorker(KVConnectorWorker):
         import zmq
 
         try:  # the producer frees its copy (after a failure too)
-            load.socket.send_multipart([b"done", msgspec.msgpack.encode({"transfer": load.spec.transfer_id})],
-                                       flags=zmq.NOBLOCK)
+            load.socket.send_multipart(self._done(load.spec.transfer_id), flags=zmq.NOBLOCK)
         except zmq.Again:
             pass  # it never connected: its deadline frees the blocks
         finally:

@@ -16,7 +16,8 @@ from appliance import LLM, SamplingParams
 from appliance.errors import ConfigError
 from appliance.server.local import free_port_run
 from appliance.worker.placement import cpu_share
-from tests.integration.server_helpers import ServerProcess, metric
+from tests.integration.server_helpers import ServerProcess, metric, post_signed
+from tests.unit.test_kv_p2p import KEY
 
 TINY = ["model=tiny_random", "cache.kv_cache_memory_gib=0.05", "model.dtype=float32"]
 PROMPTS = ["Hello there", "The capital of France is", "1 2 3 4 5", "Once upon a time, in a land far away",
@@ -185,19 +186,21 @@ def test_each_producer_core_listens_on_its_own_port():
     says so in its answer; a consumer fetches from the core that prefilled,
     with the answer one engine gives."""
     port = free_port_run(2)
+    key = f"server.internal_key={KEY}"
     producer = ServerProcess(*TINY, "parallel=dp2", "kv_transfer=p2p", "kv_transfer.role=producer",
-                             f"kv_transfer.p2p.port={port}")
-    try:
-        consumer = ServerProcess(*TINY, "kv_transfer=p2p", "kv_transfer.role=consumer")
+                             f"kv_transfer.p2p.port={port}", key)
+    try:  # the consumer trusts the producer's host, whichever core's port it names
+        consumer = ServerProcess(*TINY, "kv_transfer=p2p", "kv_transfer.role=consumer", key,
+                                 "kv_transfer.p2p.trusted_producers=[127.0.0.1]")
         try:
             for rank in (0, 1):
                 body = {"prompt": f"{LONG} core {rank}", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
                 # the answer computed whole, by the other core (the consumer's pool never sees the prompt alone)
                 plain = httpx.post(f"{producer.url}/v1/completions", headers={"X-Data-Parallel-Rank": str(1 - rank)},
                                    json=body, timeout=120).json()
-                pre = httpx.post(f"{producer.url}/v1/completions", headers={"X-Data-Parallel-Rank": str(rank)},
-                                 json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
-                                 timeout=120).json()
+                pre = post_signed(f"{producer.url}/v1/completions", headers={"X-Data-Parallel-Rank": str(rank)},
+                                  body={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+                                  key=KEY, timeout=120).json()
                 params = pre["kv_transfer_params"]
                 assert params["remote_port"] == port + rank, params
                 done = httpx.post(f"{consumer.url}/v1/completions", json={**body, "kv_transfer_params": params},

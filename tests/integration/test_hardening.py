@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from appliance import LLM, SamplingParams
+from appliance.server.protocol import PER_DEPLOYMENT_SPECULATIVE
 from appliance.worker.sampler import SampleRequest, sample
 from tests.integration.server_helpers import ServerProcess, metric
 
@@ -200,10 +201,17 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
     ({"bad_words": ["x"]}, "bad_words"),
     ({"use_beam_search": True}, "use_beam_search"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}, "speculative_config"),
+    ({"num_speculative_tokens": 4}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"speculative_model": "tiny_random"}, "speculative_model"),
+    ({"ngram_prompt_lookup_max": 3}, "ngram_prompt_lookup_max"),
 ])
 def test_unbuilt_features_are_400_naming_the_field(server, extra, param):
     err = assert_openai_error(post(server, CHAT, {"messages": MSGS, "max_tokens": 2, **extra}), 400, param)
     assert param in err["message"]
+    if param in PER_DEPLOYMENT_SPECULATIVE:
+        assert "configured per deployment (speculative=" in err["message"]
 
 
 @pytest.mark.parametrize("extra,param", [
@@ -214,6 +222,9 @@ def test_unbuilt_features_are_400_naming_the_field(server, extra, param):
     ({"response_format": "json"}, "response_format"),
     ({"structured_outputs": {"json": 5}}, "structured_outputs.json"),
     ({"guided_json": {"type": "object", "properties": []}}, "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "file:///etc/passwd"}}}},
+     "response_format"),
+    ({"guided_choice": ["a" * 300_000]}, "guided_choice"),
 ])
 def test_malformed_tools_and_constraints_are_400_naming_the_field(server, extra, param):
     assert_openai_error(post(server, CHAT, {"messages": MSGS, "max_tokens": 2, **extra}), 400, param)
@@ -511,7 +522,11 @@ class ScriptedClient:
         self.script, self.dead = script, dead
         self.dead_reason = "IndexError: index 99999999 is out of bounds for dimension 0 with size 512"
         self.restarting, self.down_reason = False, ""
+        self.lost, self.serving = False, not dead
         self.stats, self.ready_info = StepStats(), Ready(num_kv_blocks=1, block_size=16, backend="torch_sdpa", pid=1)
+
+    def unresponsive_reason(self):
+        return None
 
     async def generate(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None,
                        data_parallel_rank=None):

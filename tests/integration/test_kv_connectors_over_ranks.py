@@ -5,8 +5,9 @@ of its layers.
 The offload tier: each rank saves its part of every block in its own
 folder and loads it back; a block is in the tier once every rank's part
 is; a prefix loaded from the tier, in the same process or after a restart,
-gives the tokens and logprobs of computing it; a part one rank cannot read
-fails the step on every rank, which recomputes it.
+gives the tokens and logprobs of computing it; a part one rank cannot read,
+or another rank's part under its name, fails the step on every rank, which
+recomputes it, and is counted.
 
 Disaggregated prefill: each consumer rank pulls its part from the
 producer's rank of its number; the consumer decodes what an engine of the
@@ -22,6 +23,7 @@ from appliance import LLM, SamplingParams
 from appliance.engine.kv_connector import rank_folder, stored_hashes
 from appliance.server.local import free_port_run
 from appliance.worker.kv_nixl import nixl_api
+from tests.unit.test_kv_p2p import KEY
 
 NEEDS_NIXL = pytest.mark.skipif(nixl_api() is None, reason="NIXL is not installed (pip install nixl-cu12)")
 
@@ -82,6 +84,16 @@ def test_each_rank_keeps_its_part_and_the_prefix_loads(tmp_path, layout):
     _settle(again)  # every rank wrote its part again as the request recomputed it
     assert victim.stat().st_size == max(p.stat().st_size for p in victim.parent.iterdir())
     assert bytes.fromhex(victim.stem) in again.engine.scheduler.connector.available
+    assert again.engine.stats().kv_offload_corrupt_blocks == 1
+
+    # rank 0's part of a block under rank 1's name (the same shape, other KV heads or layers): rejected too
+    name = sorted(p.name for p in rank_folder(connector.folder, 1).iterdir())[1]
+    (rank_folder(connector.folder, 1) / name).write_bytes((rank_folder(connector.folder, 0) / name).read_bytes())
+    assert again.engine.reset_prefix_cache()
+    swapped = again.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    assert swapped.outputs[0].token_ids == cold.outputs[0].token_ids
+    _settle(again)
+    assert again.engine.stats().kv_offload_corrupt_blocks == 2
 
 
 def test_each_rank_keeps_its_part_in_host_memory():
@@ -102,7 +114,8 @@ def test_each_rank_keeps_its_part_in_host_memory():
     _same(cold, warm)
 
 
-BASE = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "model.dtype=float32"]
+BASE = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "model.dtype=float32",
+        f"server.internal_key={KEY}"]
 
 
 @pytest.mark.parametrize("layout,kind", [  # the bounded run: each layout and each connector once

@@ -2,19 +2,27 @@
 chat workload's prefix-cache hit rate under kv_aware against one instance
 serving everything and against round_robin, answers unchanged through the
 router (whole and streamed), an instance that dies taken out of the
-rotation, and disaggregated prefill (pd) between a producer and a consumer."""
+rotation (its requests in flight answered with OpenAI errors), and
+disaggregated prefill (pd) between a producer and a consumer."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import msgspec
 import pytest
 
+from appliance.engine.kv_p2p import seal, token_digest
+from appliance.server.auth import INTERNAL_KEY_ENV
 from appliance.server.local import LocalServer, free_port, free_port_run
-from tests.integration.server_helpers import REPO, ServerProcess, metric
+from appliance.worker.kv_checksum import kv_digest
+from tests.integration.server_helpers import REPO, FakeProducer, ServerProcess, metric, post_signed
+from tests.unit.test_kv_p2p import KEY
 
 TINY = ["model=tiny_random", "cache.kv_cache_memory_gib=0.05"]
 DEV = ["server.dev_mode=true"]  # /reset_prefix_cache between the workloads
@@ -22,9 +30,9 @@ CONVERSATIONS, TURNS = 5, 4  # an odd count: round robin moves each conversation
 
 
 class RouterProcess(LocalServer):
-    def __init__(self, *overrides):
+    def __init__(self, *overrides, env=None):
         super().__init__(["+profile=cpu", *TINY, *overrides, "router.health_interval_s=0.5"], timeout_s=120,
-                         cwd=REPO, verb="route")
+                         cwd=REPO, verb="route", env=env)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +42,7 @@ def instances():
     try:
         for p in ports:
             servers.append(ServerProcess(*TINY, *DEV, "kv_events=zmq", f"kv_events.endpoint=tcp://127.0.0.1:{p}",
-                                         "kv_events.replay_endpoint=null"))
+                                         "kv_events.replay_endpoint=null", "kv_events.include_token_ids=true"))
         yield servers, [f"tcp://127.0.0.1:{p}" for p in ports]
     finally:
         for s in servers:
@@ -124,20 +132,36 @@ def test_answers_pass_through_and_a_dead_instance_leaves_the_rotation(instances)
         extra.stop()
 
 
+def _keyless_answer(digest: str):
+    """A producer without the deployment's key: well-formed blocks of the
+    right tokens' digest for the transfer asked for, signed with a key of its own."""
+    def answer(pull: bytes) -> list:
+        payload = bytes(4096)
+        header = {"transfer": msgspec.msgpack.decode(pull)["transfer"], "digest": digest, "shape": [],
+                  "dtype": "float32", "checksum": kv_digest(payload)}
+        return seal(b"not-the-deployments-key", b"ok", msgspec.msgpack.encode(header), payload)
+    return answer
+
+
 def test_pd_prefills_on_the_producer_and_decodes_on_the_consumer(instances):
     """1P1D through the router: the consumer fetches the producer's KV (all
     of the prompt but its last token counts as cached there) and answers as
-    an instance that did everything, whole and streamed."""
+    an instance that did everything, whole and streamed. Instances act on
+    kv_transfer_params only from the router (signed with the deployment's
+    internal key) or naming a trusted producer; the router drops a client's."""
     plain = instances[0][0]
+    env = {**os.environ, INTERNAL_KEY_ENV: KEY}
+    body = {"model": "tiny-random-llama", "prompt": [3 + i % 400 for i in range(150)], "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True}
+    fake = FakeProducer(_keyless_answer(token_digest(body["prompt"][:149])))
     producer = ServerProcess(*TINY, "kv_transfer=p2p", "kv_transfer.role=producer",
-                             f"kv_transfer.p2p.port={free_port_run(1)}")
+                             f"kv_transfer.p2p.port={free_port_run(1)}", env=env)
     consumer = router = None
     try:
-        consumer = ServerProcess(*TINY, "kv_transfer=p2p", "kv_transfer.role=consumer")
+        consumer = ServerProcess(*TINY, *DEV, "kv_transfer=p2p", "kv_transfer.role=consumer",
+                                 f"kv_transfer.p2p.trusted_producers=[127.0.0.1:{fake.port}]", env=env)
         router = RouterProcess("router.policy=pd", f"router.instances=[{consumer.url}]",
-                               f"router.prefill_instances=[{producer.url}]")
-        body = {"model": "tiny-random-llama", "prompt": " ".join(f"w{i}" for i in range(150)), "max_tokens": 6,
-                "temperature": 0, "ignore_eos": True}
+                               f"router.prefill_instances=[{producer.url}]", env=env)
         direct = httpx.post(f"{plain.url}/v1/completions", json=body, timeout=60).json()
         routed = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).json()
         assert routed["choices"][0]["text"] == direct["choices"][0]["text"]
@@ -149,16 +173,39 @@ def test_pd_prefills_on_the_producer_and_decodes_on_the_consumer(instances):
         assert "".join(c["choices"][0]["text"] for c in chunks) == direct["choices"][0]["text"]
         counts = httpx.get(f"{router.url}/metrics").text
         assert metric(counts, "appliance_router_requests_total", instance=producer.url) == 2
-        # the producer's own answer carries the KV's whereabouts; a consumer's refusal of a bad one is a 400
-        own = httpx.post(f"{producer.url}/v1/completions",
-                         json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
+
+        # the producer's own answer carries the KV's whereabouts, to a request signed with the internal key only
+        decode = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        own = post_signed(f"{producer.url}/v1/completions", decode, KEY, timeout=60).json()
         assert own["kv_transfer_params"]["remote_num_tokens"] == usage["prompt_tokens"]
-        bad = httpx.post(f"{consumer.url}/v1/completions",
-                         json={**body, "kv_transfer_params": {"do_remote_prefill": True, "remote_port": "x"}})
+        for unsigned in (httpx.post(f"{producer.url}/v1/completions", json=decode, timeout=60),
+                         post_signed(f"{producer.url}/v1/completions", decode, "another-deployments-key", timeout=60),
+                         httpx.post(f"{consumer.url}/v1/completions", timeout=60,
+                                    json={**body, "kv_transfer_params": own["kv_transfer_params"]})):
+            assert unsigned.status_code == 400 and unsigned.json()["error"]["param"] == "kv_transfer_params"
+        bad = post_signed(f"{consumer.url}/v1/completions", key=KEY, timeout=60,
+                          body={**body, "kv_transfer_params": {"do_remote_prefill": True, "remote_port": "x"}})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_transfer_params"
         assert httpx.post(f"{plain.url}/v1/completions",
                           json={**body, "kv_transfer_params": {"do_remote_decode": True}}).status_code == 400
+
+        # a client's kv_transfer_params through the router are dropped, whatever they name
+        poison = {"do_remote_prefill": True, "remote_engine_id": "fake", "remote_host": "127.0.0.1",
+                  "remote_port": fake.port, "remote_request_id": "0" * 32, "remote_block_ids": list(range(10)),
+                  "remote_num_tokens": 149}
+        via = httpx.post(f"{router.url}/v1/completions", json={**body, "kv_transfer_params": poison}, timeout=60)
+        assert via.status_code == 200 and via.json()["choices"][0]["text"] == direct["choices"][0]["text"]
+        assert fake.pulls == 0
+        # a producer the consumer trusts by address must still sign its answers: the prompt is computed instead,
+        # and a later request sharing it gets the same tokens
+        httpx.post(f"{consumer.url}/reset_prefix_cache", timeout=10)
+        asked = httpx.post(f"{consumer.url}/v1/completions", json={**body, "kv_transfer_params": poison}, timeout=60)
+        assert asked.status_code == 200 and fake.pulls == 1
+        assert asked.json()["choices"][0]["text"] == direct["choices"][0]["text"]
+        again = httpx.post(f"{consumer.url}/v1/completions", json=body, timeout=60).json()
+        assert again["choices"][0]["text"] == direct["choices"][0]["text"]
     finally:
+        fake.stop()
         for s in (router, consumer, producer):
             if s is not None:
                 s.stop()

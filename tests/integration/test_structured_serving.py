@@ -3,10 +3,15 @@ SmolLM2 model and the official openai client: JSON schemas hold and
 validate, Pydantic parsing, regex and choice constraints under sampling,
 forced tool calls whose arguments validate, streamed tool-call deltas that
 reassemble into the whole response, and bad constraints refused with 400
-while the engine keeps serving."""
+while the engine keeps serving. On the tiny model, what a constraint may
+cost: an oversized or too deeply nested schema refused at once with the
+engine core's memory unchanged, a compile past its timeout refused alone
+while other requests are answered, schemas referring outside themselves,
+and choices of control characters held exactly."""
 
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -209,6 +214,9 @@ BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema",
      "JSON schema"),
     ({"response_format": {"type": "xml"}}, "response_format", "unknown"),
+    # SmolLM2's vocabulary has no token holding U+0004: the mask after "ok" would allow nothing
+    ({"structured_outputs": {"choice": ["yes", "ok\x04"]}}, "structured_outputs.choice", "cannot be written"),
+    ({"guided_choice": ["\x04"]}, "guided_choice", "cannot be written"),
 ]
 
 
@@ -225,3 +233,110 @@ def test_bad_constraints_get_400_and_the_engine_keeps_serving(server, client):
     assert chat(client, max_tokens=4, temperature=0).choices[0].finish_reason == "length"
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
     assert metric(text, "appliance:grammar_compile_seconds_count") >= 1
+
+
+def test_control_characters_smollm2_can_write_are_chosen_exactly(client):
+    choices = ["\x01", "x\ty", "a\x00b", "\x7f!"]
+    r = chat(client, messages=[{"role": "user", "content": "Pick one."}], temperature=1.0, n=8, max_tokens=8,
+             extra_body={"structured_outputs": {"choice": choices}})
+    assert all(c.message.content in choices and c.finish_reason == "stop" for c in r.choices), r.choices
+
+
+# -- what a constraint may cost (the tiny model) -------------------------------------------
+TINY_MODEL = "tiny-random-llama"
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    s = ServerProcess("model=tiny_random", "cache.kv_cache_memory_gib=0.05", "structured_output.compile_timeout_s=0.5")
+    yield s
+    s.stop()
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def tiny_chat(server, timeout=60, **extra):
+    body = {"model": TINY_MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 24,
+            "temperature": 0, **extra}
+    return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=timeout)
+
+
+def schema_format(schema, name="s"):
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}}
+
+
+def assert_refused(r, param, *words):
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and all(w in err["message"] for w in words), err
+
+
+def test_an_oversized_or_deep_schema_is_refused_at_once_and_the_core_stays_small(tiny):
+    assert tiny_chat(tiny, **schema_format(PERSON)).status_code == 200  # grammars compiled, helper started
+    core = tiny.core_pid()
+    before = rss_mib(core)
+    huge = {"type": "object", "properties": {f"field_{i:05d}": {"type": "string", "description": "x" * 50}
+                                             for i in range(12_000)}}
+    assert len(json.dumps(huge)) > 1_000_000
+    t0 = time.monotonic()
+    r = tiny_chat(tiny, **schema_format(huge))
+    assert time.monotonic() - t0 < 10
+    assert_refused(r, "response_format", "structured_output.max_schema_bytes=262144", "bytes")
+    deep = '{"type": "array", "items": ' * 100 + '{"type": "integer"}' + "}" * 100  # as text: no body limit applies
+    assert_refused(tiny_chat(tiny, structured_outputs={"json": deep}), "structured_outputs.json",
+                   "structured_output.max_schema_depth=64")
+    assert_refused(tiny_chat(tiny, guided_choice=["x" * 200_000, "y" * 100_000]), "guided_choice",
+                   "choices together are 300000 bytes")
+    assert rss_mib(core) - before < 32, (before, rss_mib(core))
+    r = tiny_chat(tiny, **schema_format(PERSON))
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_compile_past_its_timeout_fails_alone_while_others_are_answered(tiny):
+    core = tiny.core_pid()
+    before = rss_mib(core)
+    # 8,000 properties (about 240 kB, under max_schema_bytes) take seconds to compile, past the 0.5 s allowed
+    slow = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(8000)}}
+    assert len(json.dumps(slow)) < 262144
+
+    def timed(extra):
+        t0 = time.monotonic()
+        return tiny_chat(tiny, **extra), time.monotonic() - t0
+
+    with ThreadPoolExecutor(3) as pool:
+        refused = pool.submit(timed, schema_format(slow))
+        time.sleep(0.2)
+        constrained = pool.submit(timed, {"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}})
+        free = pool.submit(timed, {"max_tokens": 4})
+        (r, took), (c, c_took), (f, _) = refused.result(), constrained.result(), free.result()
+    assert_refused(r, "response_format", "took longer than structured_output.compile_timeout_s=0.5 s")
+    assert took < 10, took
+    assert c.status_code == 200 and re.fullmatch(r"[0-9]{3}-[a-z]{2}", c.json()["choices"][0]["message"]["content"])
+    assert c_took < 10 and f.status_code == 200  # the trial ran beside the slow one (see the unit tests' timings)
+    assert rss_mib(core) - before < 32, (before, rss_mib(core))  # the core never compiled it
+    assert_refused(tiny_chat(tiny, **schema_format(slow)), "response_format", "compile_timeout_s")  # again
+
+
+@pytest.mark.parametrize("ref", ["http://example.com/person.json", "file:///etc/passwd", "person.json#/defs/a",
+                                 "#person"])
+def test_a_schema_referring_outside_itself_is_refused(tiny, ref):
+    schema = {"type": "object", "properties": {"who": {"$ref": ref}}, "required": ["who"]}
+    assert_refused(tiny_chat(tiny, **schema_format(schema)), "response_format", "refers outside itself", ref)
+    assert_refused(tiny_chat(tiny, structured_outputs={"json": schema}), "structured_outputs.json", ref)
+    local = {"$defs": {"p": PERSON}, "type": "object", "properties": {"who": {"$ref": "#/$defs/p"}},
+             "required": ["who"]}
+    assert tiny_chat(tiny, **schema_format(local)).status_code == 200
+
+
+def test_choices_of_control_characters_hold_exactly(tiny):
+    choices = ["a\x00b", "\x04", "x\x1fy", "tab\there", "new\nline", "\x7f", 'q"uote\\']
+    r = tiny_chat(tiny, structured_outputs={"choice": choices}, n=16, temperature=1.0, max_tokens=12, seed=3)
+    assert r.status_code == 200, r.text
+    got = [c["message"]["content"] for c in r.json()["choices"]]
+    assert all(c["finish_reason"] == "stop" for c in r.json()["choices"]) and set(got) <= set(choices), got

@@ -1,14 +1,18 @@
 """The server keeps itself up and its loop free: the engine core is restarted
-when it dies, slow or idle connections are cut, SIGTERM drains with the port
-open, and prompts are refused or tokenized off the event loop."""
+when it dies (the probes fail from the moment it is killed), a frozen core
+fails the probes until it resumes, slow or idle connections are cut, SIGTERM
+drains with the port open, and prompts are refused or tokenized off the event
+loop."""
 
 import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -66,6 +70,100 @@ def test_killed_core_is_restarted_and_in_flight_stream_ends_with_an_error():
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert metric(httpx.get(f"{s.url}/metrics").text, "appliance:engine_restarts_total") == 1
         assert "engine core died: engine core process exited with code -9" in s.output()
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def probed():
+    """A server whose core is silent after 1 s and restarted 0.5 s after a death."""
+    s = ServerProcess(*BASE, "server.core_heartbeat_timeout_s=1", "server.core_restart_backoff_s=0.5")
+    yield s
+    s.stop()
+
+
+def probes(server) -> tuple[int, int]:
+    return (httpx.get(f"{server.url}/health", timeout=10).status_code,
+            httpx.get(f"{server.url}/ready", timeout=10).status_code)
+
+
+def test_a_frozen_core_fails_the_probes_until_it_resumes(probed):
+    s = probed
+    pid = s.core_pid()
+    time.sleep(1.5)  # idle past the timeout: the idle loop's heartbeats keep it healthy
+    assert httpx.get(f"{s.url}/health").json() == {"status": "ok"} and probes(s) == (200, 200)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        wait_for(lambda: httpx.get(f"{s.url}/health").status_code == 503, 10, "failing /health")
+        elapsed = time.monotonic() - t0
+        health = httpx.get(f"{s.url}/health").json()
+        assert health["status"] == "unresponsive"
+        assert "the engine core has made no progress for" in health["reason"]
+        assert "server.core_heartbeat_timeout_s=1" in health["reason"]
+        assert httpx.get(f"{s.url}/ready").status_code == 503
+        assert 0.5 < elapsed < 2.5  # the timeout, less the last heartbeat's age, plus the probes' own time
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for(lambda: probes(s) == (200, 200), 10, "passing probes")
+    r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "ignore_eos": True},
+                   timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert s.core_pid() == pid  # resumed, not replaced
+    assert "the engine core has made no progress for" in s.output()
+    assert "the engine core is heard from again" in s.output()
+
+
+def test_ready_fails_the_moment_the_core_is_killed(probed):
+    s = probed
+    wait_for(lambda: probes(s) == (200, 200), 10, "passing probes")
+    old = s.core_pid()
+    os.kill(old, signal.SIGKILL)
+    assert httpx.get(f"{s.url}/ready", timeout=10).status_code == 503
+    health = httpx.get(f"{s.url}/health", timeout=10)
+    assert health.status_code == 503 and health.json()["status"] in ("lost", "restarting")
+    wait_for(lambda: probes(s) == (200, 200), 120, "restarted server")
+    assert s.core_pid() != old
+
+
+def test_a_killed_process_reads_as_ending_before_it_can_be_waited_for():
+    from appliance.server.client import process_ending
+
+    child = subprocess.Popen(["sleep", "60"])
+    stat = Path(f"/proc/{child.pid}/stat")
+    try:
+        assert not process_ending(child.pid)
+        os.kill(child.pid, signal.SIGSTOP)
+        wait_for(lambda: stat.read_text().split(") ")[1][0] == "T", 5, "stopped child")
+        assert not process_ending(child.pid)  # stopped is not ending
+        os.kill(child.pid, signal.SIGKILL)
+        assert process_ending(child.pid)  # at once: the kill is pending, or the exit under way
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_one_frozen_data_parallel_core_fails_health_but_the_other_serves():
+    """Either rank frozen: /health names it (no one restarts a frozen core),
+    /ready holds (the other rank takes the work), and it recovers on SIGCONT."""
+    s = ServerProcess(*BASE, "parallel=dp2", "server.core_heartbeat_timeout_s=1")
+    try:
+        named = set()
+        for pid in s.core_pids():
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                wait_for(lambda: httpx.get(f"{s.url}/health").status_code == 503, 10, "failing /health")
+                health = httpx.get(f"{s.url}/health").json()
+                assert health["status"] == "unresponsive" and health["reason"].count("has made no progress") == 1
+                named.add(health["reason"].split(" has made")[0])
+                assert httpx.get(f"{s.url}/ready").status_code == 200
+                for _ in range(2):
+                    r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
+                    assert r.status_code == 200
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            wait_for(lambda: probes(s) == (200, 200), 10, "passing probes")
+        assert named == {"the engine core 0", "the engine core 1"}
     finally:
         s.stop()
 

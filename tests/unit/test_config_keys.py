@@ -61,10 +61,14 @@ RUN_TIME_KEYS = {
     "parallel.step_timeout_s",  # how long the mp executor waits for a step
     "parallel.cpu_collectives",  # how the mp executor's CPU ranks exchange
     *(f"server.{k}" for k in (
-        "host", "port", "api_key", "api_key_file", "allow_unauthenticated", "tenant_isolation", "max_queue_len",
-        "max_body_bytes", "request_timeout_s", "shutdown_timeout_s", "header_timeout_s", "body_timeout_s",
-        "keep_alive_timeout_s", "max_connections", "tokenizer_threads", "max_core_restarts", "core_restart_window_s",
-        "core_restart_backoff_s", "core_start_timeout_s", "cors_origins", "dev_mode")),
+        "host", "port", "api_key", "api_key_file", "internal_key", "internal_key_file", "allow_unauthenticated",
+        "tenant_isolation", "max_queue_len", "max_body_bytes", "request_timeout_s", "shutdown_timeout_s",
+        "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "max_connections", "tokenizer_threads",
+        "max_core_restarts", "core_restart_window_s", "core_restart_backoff_s", "core_start_timeout_s",
+        "core_heartbeat_timeout_s", "cors_origins", "dev_mode")),
+    # how output constraints are bounded: checked at the boundary and in the trial compile (server/structured.py)
+    *(f"structured_output.{k}" for k in ("max_schema_bytes", "max_schema_depth", "compile_timeout_s",
+                                         "compile_memory_mib")),
     # read by `appliance route` (server/router.py), not by the deployment it runs beside
     *(f"router.{k}" for k in ("policy", "instances", "kv_load_weight", "kv_match_threshold", "host", "port",
                               "health_interval_s", "request_timeout_s")),

@@ -1,6 +1,7 @@
 """Routing across data-parallel engine cores: the least loaded rank that is
-up (``4 x waiting + running``), a pinned rank, ranks that are restarting,
-and the header / field that pin a request."""
+up (``4 x waiting + running``), a pinned rank, ranks that are restarting or
+unresponsive, what the probes read of the ranks, and the header / field that
+pin a request."""
 
 import pytest
 
@@ -11,12 +12,16 @@ from appliance.server.protocol import OpenAIError, data_parallel_rank
 
 
 class FakeCore:
-    """What ``pick_rank`` reads of an EngineClient."""
+    """What ``pick_rank`` and the probes read of an EngineClient."""
 
-    def __init__(self, pending=0, running=0, up=True, restarting=False):
+    def __init__(self, pending=0, running=0, up=True, restarting=False, unresponsive=False, exiting=False):
         self.pending = dict.fromkeys(range(pending))
         self.stats = StepStats(num_running=running)
         self.up, self.restarting, self.dead = up, restarting, False
+        self.unresponsive, self.exiting = unresponsive, exiting
+
+    def unresponsive_reason(self):
+        return "the engine core 1 has made no progress for 2.0 s (server.core_heartbeat_timeout_s=1)"
 
     def check_up(self):
         if self.restarting:
@@ -63,6 +68,23 @@ def test_restarting_ranks_get_no_work_unless_pinned():
     assert down.restarting
     with pytest.raises(EngineRestartingError):
         down.pick_rank()
+
+
+def test_an_unresponsive_rank_gets_no_work_while_another_can_take_it():
+    assert client(FakeCore(unresponsive=True), FakeCore(pending=10)).pick_rank() == 1
+    assert client(FakeCore(unresponsive=True), FakeCore()).pick_rank(0) == 0  # pinned: it may be in a long step
+    assert client(FakeCore(unresponsive=True, pending=2), FakeCore(unresponsive=True)).pick_rank() == 1
+
+
+def test_what_the_probes_read_of_the_ranks():
+    ok = client(FakeCore(), FakeCore())
+    assert ok.serving and not ok.lost and ok.unresponsive_reason() is None
+    frozen = client(FakeCore(), FakeCore(unresponsive=True))
+    assert frozen.serving and not frozen.lost  # /ready holds on rank 0
+    assert frozen.unresponsive_reason() == FakeCore().unresponsive_reason()  # /health names the frozen rank
+    ending = client(FakeCore(exiting=True), FakeCore(up=False, restarting=True))
+    assert ending.lost and not ending.serving and not ending.restarting
+    assert not client(FakeCore(unresponsive=True), FakeCore(exiting=True)).serving
 
 
 def test_the_header_or_the_field_pins_a_rank():

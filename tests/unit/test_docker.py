@@ -123,6 +123,7 @@ def test_compose_file_is_consistent():
         overrides = services[name]["environment"]["APPLIANCE_OVERRIDES"].split(" $")[0].split()
         events = resolve(["+profile=cpu", *overrides]).cfg.kv_events  # the instance publishes where the router looks
         assert events.enabled and endpoint.endswith(events.endpoint.rsplit(":", 1)[1])
+        assert events.include_token_ids  # what kv_aware matches prompts by
         assert replay == f"tcp://{name}:{events.replay_endpoint.rsplit(':', 1)[1]}"
     # the pd router's producers and consumers are the pd services, each resolving with its role
     cfg = resolve(["+profile=cpu", *services["pd-router"]["command"][1:]]).cfg
@@ -131,6 +132,9 @@ def test_compose_file_is_consistent():
         (name,) = [u.split("//")[1].split(":")[0] for u in urls]
         overrides = services[name]["environment"]["APPLIANCE_OVERRIDES"].split(" $")[0].split()
         assert resolve(["+profile=cpu", *overrides]).cfg.kv_transfer.role == role
+    # the pd services share the internal key, required, never a literal
+    keys = {services[n]["environment"]["APPLIANCE_INTERNAL_KEY"] for n in ("prefill", "decode", "pd-router")}
+    assert len(keys) == 1 and keys.pop().startswith("${APPLIANCE_INTERNAL_KEY:?")
     prom = yaml.safe_load((base / "prometheus.yml").read_text())
     assert prom["scrape_configs"][0]["static_configs"][0]["targets"] == ["appliance:8000"]
 

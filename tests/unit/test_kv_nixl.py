@@ -24,7 +24,7 @@ from appliance.worker.kv_nixl import (HOLD_MARGIN_S, NixlWorker, _answer_problem
                                       block_runs, nixl_api)
 from appliance.worker.kv_p2p import READING, _Load
 from tests.unit.test_kv_p2p import (BASE, GREEDY, PROMPT, _consumer, _decode, _failed_fetch, _prefill, _producer,
-                                    _same, _settle)
+                                    _same, _settle, _tamper)
 from tests.unit.test_kv_p2p import reference  # noqa: F401  (a fixture)
 
 NEEDS_NIXL = pytest.mark.skipif(nixl_api() is None, reason="NIXL is not installed (pip install nixl-cu12)")
@@ -70,6 +70,33 @@ def test_a_consumer_reads_a_producers_prefill(pair, reference):
 @pytest.mark.parametrize("spoil", ["engine", "tokens", "port"])
 def test_a_fetch_that_fails_computes_the_prompt(pair, reference, spoil):
     _failed_fetch(pair, reference, spoil)
+
+
+@NEEDS_NIXL
+@pytest.mark.parametrize("spoil", ["checksum", "nan"])
+def test_blocks_read_that_fail_their_checks_are_computed_instead(pair, reference, monkeypatch, spoil):
+    """The blocks a consumer read must match the checksum its producer sent
+    and hold no NaN (here a producer whose cache holds one: checksummed as it
+    is): otherwise the load fails once the read is over, its blocks go back
+    uncached, and the prompt is computed."""
+    producer, consumer = pair
+    if spoil == "checksum":
+        _tamper(monkeypatch, producer, lambda header, metadata: header.update(checksum="0" * 64))
+    params = _prefill(producer)
+    at = (0, params["remote_block_ids"][1], 0, 0, 0)
+    cache, kept = producer.engine.runner.kv_caches[1], producer.engine.runner.kv_caches[1][at].item()
+    if spoil == "nan":
+        cache[at] = float("nan")
+    try:
+        failed = consumer.engine.scheduler.connector.failed_loads
+        _same(_decode(consumer, params), reference)
+        assert consumer.engine.scheduler.connector.failed_loads == failed + 1
+        again = _prefill(producer)
+        _same(_decode(consumer, again, fresh=False), reference)
+        held = producer.engine.runner.kv_connector._sends
+        _settle(producer, lambda: params["remote_request_id"] not in held and again["remote_request_id"] not in held)
+    finally:
+        cache[at] = kept  # the producer's cached block as it was
 
 
 @NEEDS_NIXL

@@ -2,15 +2,27 @@
 disk tier as they fill; a prefix that left the block pool, or the process,
 loads from the tier instead of being recomputed, with the same tokens and
 logprobs; the tier stays under its size limit, least recently used first;
-an unreadable file is dropped and its request recomputed; other layouts
-never share a folder; the config refuses what is not built."""
+an unreadable file is dropped and its request recomputed; a file damaged
+on disk, another block's file under a block's name, another model's file
+copied in or a file of the older format is rejected before it enters the
+cache (logged, removed, counted on /metrics) and its request recomputed;
+other layouts never share a folder; the config refuses what is not built."""
+
+import json
+import logging
+import struct
 
 import pytest
+import torch
 
 from appliance import LLM, SamplingParams
 from appliance.config.compose import resolve
 from appliance.config.plan import make_plan
+from appliance.engine.core import StepStats
+from appliance.engine.kv_connector import OffloadMetadata
 from appliance.errors import ConfigError
+from appliance.server.metrics import Metrics
+from appliance.worker.kv_offload import MAGIC, KVLoadError, OffloadWorker
 
 PROMPT = " ".join(str(i) for i in range(200))
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
@@ -108,6 +120,150 @@ def test_an_unreadable_block_is_dropped_and_its_request_recomputed(tmp_path):
     assert bytes.fromhex(victim.stem) in connector.available
 
 
+DAMAGE = ["flipped payload byte", "swapped file", "zeroed payload", "another model's file", "older format"]
+
+
+def _header(raw: bytes) -> tuple[dict, int]:
+    """A tier file's header, and where its payload starts."""
+    (n,) = struct.unpack_from("<I", raw, len(MAGIC))
+    return json.loads(raw[len(MAGIC) + 4 : len(MAGIC) + 4 + n]), len(MAGIC) + 4 + n
+
+
+def _damage(kind: str, victim, donor, foreign) -> str:
+    """``victim`` (a tier file) damaged as ``kind`` says (``donor``: another
+    block's file of the tier; ``foreign``: the same block's file of another
+    tier); what its rejection names."""
+    raw = bytearray(victim.read_bytes())
+    header, start = _header(raw)
+    if kind == "flipped payload byte":
+        raw[(start + len(raw)) // 2] ^= 0x10
+        why = "does not match its checksum"
+    elif kind == "zeroed payload":  # header and length intact
+        raw[start:] = bytes(len(raw) - start)
+        why = "does not match its checksum"
+    elif kind == "swapped file":
+        raw = donor.read_bytes()
+        why = "its header names another block"
+    elif kind == "another model's file":
+        raw = foreign.read_bytes()
+        why = "written for another model or KV layout"
+    else:  # the format before checksums: its magic, then a header of the payload's shape and dtype only
+        meta = json.dumps({"shape": header["shape"], "dtype": header["dtype"]}).encode()
+        raw = b"APKV1\0" + struct.pack("<I", len(meta)) + meta + raw[start:]
+        why = "not a tier file of this format version"
+    victim.write_bytes(raw)
+    return why
+
+
+def _save(worker, caches, blocks):
+    """``blocks`` ((block id, hash) pairs) of ``caches`` saved by ``worker``, written; its report."""
+    worker.start_load_kv(OffloadMetadata(saves=blocks), caches)
+    for layer, cache in enumerate(caches):
+        worker.save_kv_layer(layer, cache)
+    worker.wait_for_save()
+    worker.flush()
+    return worker.get_finished()
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_a_damaged_or_foreign_tier_file_never_enters_the_cache(tmp_path, caplog, kind):
+    """The worker side: the file is rejected (KVLoadError, the step's requests
+    recomputed), its block's slots are left as they were, it is removed,
+    logged at warning naming the file and reported dropped and corrupt; a
+    clean file beside it still loads exactly."""
+    torch.manual_seed(0)
+    caches = [torch.randn(2, 4, 16, 2, 16) for _ in range(2)]  # [K/V, blocks, block size, kv heads, head dim]
+    a, b = bytes([0xAA]) * 32, bytes([0xBB]) * 32
+    worker = OffloadWorker(tmp_path / "mine", "mine", 1 << 30)
+    assert _save(worker, caches, [(1, a), (2, b)]).saved == [a, b]
+    theirs = OffloadWorker(tmp_path / "theirs", "theirs", 1 << 30)  # the same block and bytes, another tier
+    assert _save(theirs, caches, [(2, b)]).saved == [b]
+    victim = worker.folder / (b.hex() + ".kv")
+    why = _damage(kind, victim, worker.folder / (a.hex() + ".kv"), theirs.folder / victim.name)
+    for cache in caches:
+        cache[:, 3] = 7.0
+    with caplog.at_level(logging.WARNING, logger="appliance.kv_offload"), pytest.raises(KVLoadError, match=why):
+        worker.start_load_kv(OffloadMetadata(loads=[(3, b)]), caches)
+    assert all(bool((cache[:, 3] == 7.0).all()) for cache in caches)  # not loaded
+    assert not victim.exists()
+    report = worker.get_finished()
+    assert report.dropped == [b] and report.corrupt == 1
+    [warning] = caplog.records
+    assert warning.levelname == "WARNING" and str(victim) in warning.getMessage() and why in warning.getMessage()
+    worker.start_load_kv(OffloadMetadata(loads=[(3, a)]), caches)
+    assert all(torch.equal(cache[:, 3], cache[:, 1]) for cache in caches)
+    assert worker.get_finished().corrupt == 0
+
+
+def test_every_damaged_file_of_a_step_leaves_the_tier_at_once(tmp_path):
+    """A step's loads after a rejected one are still checked, not copied: every
+    damaged file of the step is removed and counted by the one failed step."""
+    torch.manual_seed(0)
+    caches = [torch.randn(2, 5, 16, 2, 16) for _ in range(2)]
+    hashes = [bytes([i]) * 32 for i in (1, 2, 3)]
+    worker = OffloadWorker(tmp_path, "mine", 1 << 30)
+    _save(worker, caches, list(zip((1, 2, 3), hashes)))
+    for h in (hashes[0], hashes[2]):
+        _damage("zeroed payload", tmp_path / (h.hex() + ".kv"), None, None)
+    before = [cache.clone() for cache in caches]
+    with pytest.raises(KVLoadError, match="does not match its checksum"):
+        worker.start_load_kv(OffloadMetadata(loads=list(zip((4, 0, 3), hashes))), caches)
+    assert all(torch.equal(x, y) for x, y in zip(caches, before))  # the clean block between them not copied either
+    report = worker.get_finished()
+    assert report.dropped == [hashes[0], hashes[2]] and report.corrupt == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [hashes[1].hex() + ".kv"]
+
+
+@pytest.fixture(scope="module")
+def warm_tier(tmp_path_factory):
+    """An engine over a tier holding PROMPT's blocks, and PROMPT's clean run
+    (each test below damages a file; its request's recompute writes it again)."""
+    llm = LLM(overrides=_overrides(tmp_path_factory.mktemp("tier")))
+    clean = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    _settle(llm)
+    return llm, clean
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_a_damaged_or_foreign_tier_file_is_a_miss_recomputed_and_counted(warm_tier, tmp_path, caplog, kind):
+    """After the pool forgot the prompt, one of its tier files damaged: the
+    request's tokens and logprobs are the clean run's (the tier tried once,
+    then the prompt computed), the file is logged and counted on /metrics,
+    and the recompute writes the block again, whole."""
+    llm, clean = warm_tier
+    connector = llm.engine.scheduler.connector
+    files = sorted(connector.folder.iterdir())
+    victim, donor, foreign = files[3], files[4], None
+    good = victim.read_bytes()
+    if kind == "another model's file":  # the same tokens, so the same block hashes; other K/V
+        other = LLM(overrides=_overrides(tmp_path, "model.rope_theta=20000.0"))
+        other.generate([PROMPT], GREEDY, use_tqdm=False)
+        _settle(other)
+        foreign = other.engine.scheduler.connector.folder / victim.name
+        assert foreign.read_bytes()[_header(good)[1]:] != good[_header(good)[1]:]
+    why = _damage(kind, victim, donor, foreign)
+    assert llm.engine.reset_prefix_cache()
+    llm.engine.reset_stats()
+    hits = connector.hit_tokens
+    with caplog.at_level(logging.WARNING, logger="appliance.kv_offload"):
+        again = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].finish_reason == "length"  # not an error: recomputed
+    _same(clean, again)
+    bs = llm.engine.block_size
+    assert connector.hit_tokens - hits == (len(clean.prompt_token_ids) - 1) // bs * bs  # tried once
+    [warning] = [r for r in caplog.records if r.name == "appliance.kv_offload"]
+    assert warning.levelname == "WARNING" and str(victim) in warning.getMessage() and why in warning.getMessage()
+    stats = llm.engine.stats()
+    assert stats.kv_offload_corrupt_blocks == 1
+    metrics = Metrics("tiny", "cpu", "hash", "deployment")
+    metrics.on_core_stats(StepStats(), stats)
+    assert metrics.registry.get_sample_value("appliance:kv_offload_corrupt_blocks_total", {
+        "model_name": "tiny", "profile": "cpu", "config_hash": "hash", "deployment": "deployment", "engine": "0"}) == 1
+    _settle(llm)
+    assert victim.read_bytes() == good  # recomputed to the same bits, written again
+    assert bytes.fromhex(victim.stem) in connector.available
+
+
 @pytest.mark.parametrize("extra,message", [
     (["kv_transfer.connector=lmcache"], "kv_transfer.connector=lmcache is unknown; built: offload, p2p, nixl"),
     (["kv_transfer=offload", "kv_transfer.role=producer"],
@@ -197,7 +353,7 @@ def test_a_block_of_several_ranks_is_in_the_tier_once_every_part_is(tmp_path):
     """OffloadConnector(ranks=2): at start the blocks both ranks' folders
     hold; then a block counts once both ranks reported their part written,
     and a part either rank dropped takes the block out until both write it
-    again."""
+    again; every rank's files that failed their checks count."""
     from appliance.engine.kv_connector import (BLOCK_SUFFIX, KVConnectorOutput, OffloadConnector, merge_rank_outputs,
                                                rank_folder)
 
@@ -223,6 +379,9 @@ def test_a_block_of_several_ranks_is_in_the_tier_once_every_part_is(tmp_path):
     assert b"2" not in c.available
     report([b"2"], [])
     assert b"2" in c.available
+    c.update_connector_output(c.combine_ranks(merge_rank_outputs([KVConnectorOutput(corrupt=1),
+                                                                  KVConnectorOutput(corrupt=2)])))
+    assert c.corrupt_blocks == 3
 
 
 def test_a_draft_model_catches_up_over_blocks_loaded_from_the_tier(tmp_path):

@@ -4,19 +4,22 @@ decodes the same tokens and logprobs as an engine that did everything; the
 consumer's other requests run while it waits; a fetch that fails (another
 engine, other tokens, nobody listening) is computed instead; aborted fetches
 and unfetched prefills give their blocks back; hostile messages do not stop
-the producer; the request fields and the config refuse what cannot run."""
+the producer; messages not signed with the deployment's internal key, and
+blocks that fail their checksum or hold NaN, are refused and computed
+instead; the request fields and the config refuse what cannot run."""
 
 import dataclasses
 import time
 
 import msgspec
 import pytest
+import torch
 import zmq
 
 from appliance import LLM, SamplingParams
 from appliance.config.compose import resolve
 from appliance.config.plan import make_plan
-from appliance.engine.kv_p2p import kv_transfer_problem
+from appliance.engine.kv_p2p import kv_transfer_problem, kv_transfer_trust_problem, seal, unseal
 from appliance.engine.request import RequestStatus
 from appliance.errors import ConfigError
 from appliance.server.local import free_port_run
@@ -24,7 +27,9 @@ from appliance.worker.executor import free_port
 
 PROMPT = " ".join(str(i) for i in range(200))
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
-BASE = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "model.dtype=float32"]
+KEY = "a-test-internal-key-0123456789"  # the deployment's internal key: producers and consumers sign with it
+BASE = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "model.dtype=float32",
+        f"server.internal_key={KEY}"]
 
 
 def _producer(*extra, connector="p2p"):
@@ -192,7 +197,7 @@ def test_a_fetch_that_fails_computes_the_prompt(pair, reference, spoil):
     if spoil == "port":  # the producer never heard of it: release it as a consumer would
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.connect(f"tcp://127.0.0.1:{port}")
-        sock.send_multipart([b"done", msgspec.msgpack.encode({"transfer": params["remote_request_id"]})])
+        sock.send_multipart(seal(KEY.encode(), b"done", msgspec.msgpack.encode({"transfer": params["remote_request_id"]})))
         sock.close(linger=1000)
     _settle(producer, lambda: not producer.engine.has_kv_transfers())  # released by the failed fetch too
 
@@ -236,27 +241,126 @@ def test_hostile_messages_do_not_stop_the_producer(pair, reference):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://127.0.0.1:{params['remote_port']}")
 
-    def ask(*frames):
+    def ask(*frames, key=KEY.encode()):
+        """The producer's answer, its MAC checked (None: not signed with ``key``)."""
         sock.send_multipart(list(frames))
         assert sock.poll(5000)
-        return sock.recv_multipart()
+        answer = unseal(key, sock.recv_multipart())
+        return None if answer is None else [answer[0], answer[1], *answer[2]]
+
+    def signed(kind, body, key=KEY.encode()):
+        return ask(*seal(key, kind, body))
 
     pull = {"transfer": params["remote_request_id"], "engine": params["remote_engine_id"], "layout": "?",
             "first": 0, "count": 2, "tokens": 10}
-    assert ask(b"garbage")[0] == b"error"
-    assert ask(b"pull", b"\xc1not msgpack")[0] == b"error"
-    assert ask(b"pull", msgspec.msgpack.encode({"transfer": 5}))[0] == b"error"
-    assert ask(b"pull", msgspec.msgpack.encode(pull)) == [b"error", b"another KV layout (model, dtype or block shape differ)"]
+    unsigned = [b"error", b"a message not signed with this deployment's internal key"]
     layout = producer.engine.runner.kv_connector.layout
+    good = msgspec.msgpack.encode({**pull, "layout": layout})
+    assert ask(b"garbage") == unsigned
+    assert ask(b"pull", good) == unsigned  # a well-formed pull without its MAC
+    assert ask(b"pull", good, b"\0" * 32) == unsigned
+    assert signed(b"pull", good, key=b"another-deployments-key") == unsigned
+    assert signed(b"pull", b"\xc1not msgpack")[0] == b"error"
+    assert signed(b"pull", msgspec.msgpack.encode({"transfer": 5}))[0] == b"error"
+    assert signed(b"pull", msgspec.msgpack.encode(pull)) == [b"error", b"another KV layout (model, dtype or block "
+                                                                       b"shape differ)"]
     n = len(params["remote_block_ids"])
     for outside in ({"first": n - 1, "count": 2}, {"first": -1, "count": 1}, {"count": [1]}, {"tokens": 10**6}):
         msg = msgspec.msgpack.encode({**pull, "layout": layout, **outside})
-        assert ask(b"pull", msg) == [b"error", b"blocks or tokens outside the transfer"], outside
+        assert signed(b"pull", msg) == [b"error", b"blocks or tokens outside the transfer"], outside
     ended = {**pull, "transfer": "0" * 32}  # never registered (or long ended): refused at once, not waited for
-    sock.send_multipart([b"pull", msgspec.msgpack.encode({**ended, "engine": "other"})])
-    assert sock.poll(5000) and sock.recv_multipart()[0] == b"error"
+    assert signed(b"pull", msgspec.msgpack.encode({**ended, "engine": "other"}))[0] == b"error"
+    assert signed(b"done", msgspec.msgpack.encode({"transfer": params["remote_request_id"]}),
+                  key=b"another-deployments-key") == unsigned  # an unsigned done frees nothing
     sock.close()
     _same(_decode(consumer, params), reference)  # the transfer still serves its consumer
+
+
+def _tamper(monkeypatch, producer, change):
+    """The producer's answers changed by ``change(header, data)`` (the
+    header as a dict, the blocks as uint8 bytes; in place), then signed with
+    ``header.pop("key")`` if ``change`` puts one there, else the deployment's:
+    a producer that holds the key but sends bad blocks, or one that does not."""
+    worker = producer.engine.runner.kv_connector
+    serve = worker._serve_blocks
+
+    def tampered(*args):
+        frames = serve(*args)
+        header = msgspec.msgpack.decode(frames[1])
+        data = torch.frombuffer(bytearray(frames[2]), dtype=torch.uint8) if len(frames[2]) else torch.empty(0)
+        change(header, data)
+        return seal(header.pop("key", KEY.encode()), b"ok", msgspec.msgpack.encode(header), data.numpy().tobytes())
+
+    monkeypatch.setattr(worker, "_serve_blocks", tampered)
+
+
+def _flip(header, data):
+    data[len(data) // 2] ^= 0x10  # one bit of one K/V value
+
+
+def _nan(header, data):  # checksummed as sent: only the values give it away
+    from appliance.worker.kv_checksum import gathered_layers, layers_digest
+
+    data.view(torch.float32)[7] = float("nan")
+    header["checksum"] = layers_digest(gathered_layers(data.view(header["shape"][0], -1)))
+
+SPOILED_BLOCKS = {
+    "a flipped bit": (_flip, "blocks that do not match their checksum"),
+    "a NaN": (_nan, "blocks holding NaN or infinite values"),
+    "another key": (lambda h, d: h.update(key=b"another-deployments-key"), "not signed with this deployment's"),
+    "another transfer": (lambda h, d: h.update(transfer="0" * 32), "an answer for another transfer"),
+    "another shape": (lambda h, d: h.update(shape=[1, 2, 3]), "blocks of another KV layout"),
+}
+
+
+@pytest.mark.parametrize("spoil", list(SPOILED_BLOCKS))
+def test_blocks_that_fail_their_checks_never_enter_the_cache(pair, reference, monkeypatch, caplog, spoil):
+    """A producer's answer with a flipped bit, NaN values (correctly
+    checksummed), another key's MAC, another transfer's header or another
+    shape: the load fails, the consumer computes the prompt, and neither
+    that request nor a later one sharing its prefix sees other tokens. The
+    warning says why without the consumer's own KV layout."""
+    producer, consumer = pair
+    change, reason = SPOILED_BLOCKS[spoil]
+    _tamper(monkeypatch, producer, change)
+    params = _prefill(producer)
+    failed = consumer.engine.scheduler.connector.failed_loads
+    with caplog.at_level("WARNING", logger="appliance.kv_p2p"):
+        _same(_decode(consumer, params), reference)
+    assert consumer.engine.scheduler.connector.failed_loads == failed + 1
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    assert reason in warning
+    like = consumer.engine.runner.kv_caches[0]
+    assert str(list(like.shape[2:])) not in warning and str(list(like.shape[2:-1])) not in warning
+    _same(_decode(consumer, _prefill(producer), fresh=False), reference)  # the prefix the failed load left
+    _settle(producer, lambda: not producer.engine.has_kv_transfers())
+    consumer.engine.scheduler.kv.check_integrity()
+
+
+@pytest.mark.parametrize("kv_params,internal,trusted,refused", [
+    ({"do_remote_decode": True}, True, [], None),
+    ({"do_remote_decode": True}, False, ["127.0.0.1:9000"], "ask this server to hold KV for a consumer"),
+    ({"do_remote_prefill": True, "remote_host": "10.0.0.5", "remote_port": 9000}, True, [], None),
+    ({"do_remote_prefill": True, "remote_host": "10.0.0.5", "remote_port": 9000}, False, ["10.0.0.5:9000"], None),
+    ({"do_remote_prefill": True, "remote_host": "10.0.0.5", "remote_port": 9001}, False, ["10.0.0.5"], None),
+    ({"do_remote_prefill": True, "remote_host": "::1", "remote_port": 9000}, False, ["[::1]:9000"], None),
+    ({"do_remote_prefill": True, "remote_host": "10.0.0.5", "remote_port": 9001}, False, ["10.0.0.5:9000"],
+     "name producer 10.0.0.5:9001, which this server does not trust"),
+    ({"do_remote_prefill": True, "remote_host": "evil.example", "remote_port": 9000}, False, [],
+     "name producer evil.example:9000, which this server does not trust"),
+])
+def test_kv_transfer_params_come_from_the_router_or_name_a_trusted_producer(kv_params, internal, trusted, refused):
+    problem = kv_transfer_trust_problem(kv_params, internal, trusted)
+    assert problem is None if refused is None else refused in problem and "trusted_producers" in problem
+
+
+def test_disaggregated_prefill_needs_the_internal_key(monkeypatch):
+    monkeypatch.delenv("APPLIANCE_INTERNAL_KEY", raising=False)
+    plain = [o for o in BASE if not o.startswith("server.internal_key")]
+    with pytest.raises(ConfigError, match="kv_transfer.connector=p2p .* needs the deployment's internal key"):
+        LLM(overrides=[*plain, "kv_transfer=p2p", "kv_transfer.role=consumer"])
+    with pytest.raises(ConfigError, match="must hold at least 16 bytes"):
+        LLM(overrides=[*plain, "kv_transfer=p2p", "kv_transfer.role=consumer", "server.internal_key=short"])
 
 
 def test_a_transfer_is_served_until_released_and_never_again(pair, reference):
@@ -409,6 +513,11 @@ def test_kv_transfer_params_need_the_p2p_connector():
      "kv_transfer.connector=p2p on parallel.executor=ray is not built yet"),
     (["kv_transfer=p2p", "kv_transfer.p2p.bind_host=0.0.0.0"], "consumers need an address to reach this producer"),
     (["kv_transfer.p2p.timeout_s=5"], "kv_transfer.p2p.timeout_s=5.0 has no effect without kv_transfer.connector=p2p"),
+    (["kv_transfer=p2p", "kv_transfer.p2p.trusted_producers=[10.0.0.5:http]"],
+     "kv_transfer.p2p.trusted_producers: '10.0.0.5:http' must be host:port"),
+    (["kv_transfer=p2p", "kv_transfer.p2p.trusted_producers=['::1:9000']"], "'::1:9000' must be host:port"),
+    (["kv_transfer=p2p", "kv_transfer.role=producer", "kv_transfer.p2p.trusted_producers=[h:1]"],
+     "trusted_producers has no effect with kv_transfer.role=producer"),
 ])
 def test_config_refuses_what_cannot_run(extra, message):
     with pytest.raises(ConfigError) as e:

@@ -2,6 +2,8 @@
 (appliance/server/messages.py): every one survives msgpack as an equal value,
 and one that does not fit its direction's union is refused on arrival."""
 
+from typing import get_args
+
 import msgspec
 import pytest
 
@@ -11,12 +13,15 @@ from appliance.server.messages import (
     AbortRequests,
     AddRequest,
     Fatal,
+    FromCore,
+    Heartbeat,
     Outputs,
     Ready,
     RequestError,
     ResetPrefixCache,
     ResetPrefixCacheResult,
     Shutdown,
+    ToCore,
     decode_from_core,
     decode_to_core,
     encode,
@@ -45,6 +50,7 @@ FROM_CORE = [
              RequestOutputDelta("s", [1], "x", False, stop_reason="stop_string")],
             StepStats(3, 1, 0.5, 2, 100, 48, 64)),
     Outputs([], StepStats()),
+    Heartbeat(),
     RequestError("r", "prompt holds a token id outside the vocabulary (0..511)"),
     ResetPrefixCacheResult(True),
     ResetPrefixCacheResult(False),
@@ -65,8 +71,8 @@ def test_messages_from_the_core_round_trip(msg):
 
 
 def test_every_message_type_is_covered():
-    assert {type(m) for m in TO_CORE} == {AddRequest, AbortRequests, ResetPrefixCache, Shutdown}
-    assert {type(m) for m in FROM_CORE} == {Ready, Outputs, RequestError, ResetPrefixCacheResult, Fatal}
+    assert {type(m) for m in TO_CORE} == set(get_args(ToCore))
+    assert {type(m) for m in FROM_CORE} == set(get_args(FromCore))
 
 
 def test_sampling_params_keep_their_types():

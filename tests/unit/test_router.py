@@ -12,9 +12,12 @@ import pytest
 from appliance.config.compose import resolve
 from appliance.errors import ConfigError
 from appliance.engine.kv_cache.block_pool import KVCacheEvent as PoolEvent
+from appliance.server.auth import SIGNATURE_HEADER, verify_request
 from appliance.server.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
 from appliance.server.local import free_port
 from appliance.server.router import EventSubscriber, PrefixIndex, Router, parse_load
+
+KEY = b"a-test-internal-key-0123456789"
 
 
 def _stored(hashes, parent, tokens, bs=4):
@@ -78,7 +81,9 @@ def test_a_router_needs_instances_and_a_built_policy():
     with pytest.raises(ValueError, match="is not built"):
         Router(["http://a"], "random")
     with pytest.raises(ValueError, match="router.prefill_instances: the producers' base URLs"):
-        Router(["http://a"], "pd")
+        Router(["http://a"], "pd", internal_key=KEY)
+    with pytest.raises(ValueError, match="router.policy=pd signs the requests .* needs the deployment's internal key"):
+        Router(["http://a"], "pd", prefill_instances=["http://p"])
     with pytest.raises(ValueError, match="with router.policy=pd only"):
         Router(["http://a"], "round_robin", prefill_instances=["http://p"])
     with pytest.raises(ValueError, match="needs router.kv_events"):
@@ -114,7 +119,7 @@ def _pd_router(answer):
         seen.append(request)
         return answer(request)
 
-    router = Router(["http://consumer"], "pd", prefill_instances=["http://p0", "http://p1"])
+    router = Router(["http://consumer"], "pd", prefill_instances=["http://p0", "http://p1"], internal_key=KEY)
     router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     return router, seen
 
@@ -131,6 +136,7 @@ def test_pd_prefills_on_a_producer_then_hands_its_kv_to_a_consumer():
     sent = json.loads(seen[0].content)
     assert sent == {"prompt": "hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
     assert seen[0].headers["authorization"] == "Bearer k" and "cookie" not in seen[0].headers
+    assert verify_request(KEY, seen[0].content, seen[0].headers[SIGNATURE_HEADER])  # the producer acts on it
     chat = {"messages": [], "max_completion_tokens": 9}
     asyncio.run(router._prefill_first("/v1/chat/completions", chat, {}))
     assert json.loads(seen[1].content)["max_completion_tokens"] == 1
@@ -138,8 +144,7 @@ def test_pd_prefills_on_a_producer_then_hands_its_kv_to_a_consumer():
 
 
 @pytest.mark.parametrize("body", [{"prompt": ["a", "b"]}, {"prompt": "a", "n": 2}, {"prompt": "a", "prompt_logprobs": 1},
-                                  {"prompt": "a", "echo": True, "logprobs": 0},
-                                  {"prompt": "a", "kv_transfer_params": {"do_remote_decode": True}}])
+                                  {"prompt": "a", "echo": True, "logprobs": 0}])
 def test_pd_leaves_whole_what_cannot_be_split(body):
     router, seen = _pd_router(lambda r: httpx.Response(200, json={"kv_transfer_params": PRODUCED}))
     assert asyncio.run(router._prefill_first("/v1/completions", body, {})) == body
@@ -168,6 +173,30 @@ def test_a_refused_prefill_tries_the_other_producer():
     assert not router.prefill[0].healthy and [r.url.host for r in seen].count("p0") == 1
 
 
+@pytest.mark.parametrize("policy", ["round_robin", "pd"])
+def test_a_clients_kv_transfer_params_never_reach_an_instance(policy):
+    """Dropped under every policy; what reaches a consumer under pd is the
+    producer's answer, signed; an instance request without them is not signed."""
+    seen = []
+
+    def handler(request):
+        seen.append(request)
+        return httpx.Response(200, json={"kv_transfer_params": PRODUCED})
+
+    pd = {"prefill_instances": ["http://p0"], "internal_key": KEY} if policy == "pd" else {}
+    router = Router(["http://consumer"], policy, **pd)
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    poison = {"do_remote_prefill": True, "remote_host": "evil", "remote_port": 1}
+    status, _, _ = asyncio.run(router.forward("/v1/completions", {"prompt": "a", "kv_transfer_params": poison}, {}))
+    assert status == 200
+    to_consumer = json.loads(seen[-1].content)
+    if policy == "pd":
+        assert to_consumer["kv_transfer_params"] == PRODUCED
+        assert verify_request(KEY, seen[-1].content, seen[-1].headers[SIGNATURE_HEADER])
+    else:
+        assert "kv_transfer_params" not in to_consumer and SIGNATURE_HEADER not in seen[-1].headers
+
+
 def _until(check, timeout_s=10.0, poke=None):
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -184,7 +213,7 @@ def test_the_router_replays_what_its_subscription_missed():
     port, replay_port = free_port(), free_port()
     endpoint, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}"
     h = [bytes([i]) * 32 for i in range(1, 5)]
-    pub = KVEventPublisher(endpoint, replay, buffer_steps=100)
+    pub = KVEventPublisher(endpoint, replay, buffer_steps=100, include_token_ids=True)
     pub.publish([PoolEvent("BlockStored", (h[0],), None, (1, 2, 3, 4), 4)])
     pub.publish([PoolEvent("BlockStored", (h[1],), h[0], (5, 6, 7, 8), 4)])
     _until(pub._queue.empty)
@@ -202,7 +231,7 @@ def test_the_router_replays_what_its_subscription_missed():
             pub.publish([PoolEvent("BlockRemoved", (bytes([9]) * 32,))])
         _until(lambda: subs[0]._next > 200)
         pub.close()
-        pub = KVEventPublisher(endpoint, replay, buffer_steps=100)  # the instance restarted
+        pub = KVEventPublisher(endpoint, replay, buffer_steps=100, include_token_ids=True)  # the instance restarted
         fresh = [PoolEvent("BlockStored", (h[3],), None, (13, 14, 15, 16), 4)]
         _until(lambda: subs[0].restarts == 1 and index.match([13, 14, 15, 16]) == 4, poke=lambda: pub.publish(fresh))
         assert index.match(list(range(1, 13))) == 0

@@ -1,22 +1,34 @@
-"""Structured outputs: constraints checked at the boundary, bitmask rows
-equal to xgrammar's own matcher (draft rows too, with the matcher rolled
-back), and the engine with constrained requests: outputs hold to their
-constraint, a request compiling its grammar waits without holding others
-back, speculative decoding and n > 1 keep working, a grammar that fails
-to compile ends only its own request."""
+"""Structured outputs: constraints checked at the boundary (limits on size
+and nesting before anything parses, references outside the schema,
+choices the vocabulary cannot finish), trial compiles bounded in time and
+memory in a child process, bitmask rows equal to xgrammar's own matcher
+(draft rows too, with the matcher rolled back), and the engine with
+constrained requests: outputs hold to their constraint, a request
+compiling its grammar waits without holding others back, speculative
+decoding and n > 1 keep working, a grammar that fails to compile ends only
+its own request."""
 
+import asyncio
 import json
+import os
+import random
 import re
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 import xgrammar as xgr
 
 from appliance import LLM, SamplingParams, StructuredOutputsParams
+from appliance.config.schema import StructuredOutputConfig
 from appliance.engine.request import RequestStatus
 from appliance.sampling_params import SamplingParamsError
-from appliance.structured_output import Grammars, check, unsupported_schema_features
+from appliance.server.protocol import OpenAIError
+from appliance.server.structured import ConstraintChecker
+from appliance.structured_output import (CompileRefused, CompileSandbox, ConstraintLimits, Grammars, TokenSpelling,
+                                         check, check_writable, external_refs, unsupported_schema_features)
 
 TINY = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05"]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -86,6 +98,219 @@ def test_schema_features_that_would_go_unenforced_are_named():
     for ok in (PERSON, {"type": "string", "format": "email"}, {"type": "integer", "multipleOf": 3},
                {"anyOf": [{"type": "integer"}, {"type": "null"}]}):
         check(StructuredOutputsParams(json=ok))
+
+
+# -- limits, references, choices the vocabulary can write ----------------------------------
+@pytest.mark.parametrize("kind, fits, over", [
+    ("regex", "é" * 50, "é" * 50 + "a"),  # UTF-8 bytes: 100 and 101
+    ("grammar", 'root ::= "' + "a" * 89 + '"', 'root ::= "' + "a" * 90 + '"'),
+    ("choice", ["a" * 60, "b" * 40], ["a" * 60, "b" * 41]),
+    ("json", json.dumps({"enum": ["a" * 86]}), json.dumps({"enum": ["a" * 87]})),
+])
+def test_a_constraint_over_max_schema_bytes_is_refused_before_it_parses(kind, fits, over):
+    limits = ConstraintLimits(max_bytes=100)
+    check(StructuredOutputsParams(**{kind: fits}), limits=limits)
+    with pytest.raises(SamplingParamsError, match=r"structured_output.max_schema_bytes=100 is the most") as e:
+        check(StructuredOutputsParams(**{kind: over}), limits=limits)
+    assert e.value.param == f"structured_outputs.{kind}" and "101 bytes" in str(e.value)
+    with pytest.raises(SamplingParamsError, match="max_schema_bytes"):  # refused unread: no parse error
+        check(StructuredOutputsParams(regex="(" * 101), limits=limits)
+
+
+def test_a_schema_nested_past_max_schema_depth_is_refused():
+    def arrays(levels):  # ``levels`` objects, one inside each other's items
+        return '{"type": "array", "items": ' * (levels - 1) + '{"type": "integer"}' + "}" * (levels - 1)
+
+    limits = ConstraintLimits(max_depth=8)
+    check(StructuredOutputsParams(json=arrays(8)), limits=limits)
+    for text in (arrays(9), "[" * 100_000 + "]" * 100_000):  # the second is past Python's own recursion limit
+        with pytest.raises(SamplingParamsError, match="more than 8 levels deep; structured_output.max_schema_depth"):
+            check(StructuredOutputsParams(json=text), limits=limits)
+    check(StructuredOutputsParams(json={"enum": [[[[[[[[1]]]]]]]]}), limits=ConstraintLimits(max_depth=10))
+    with pytest.raises(SamplingParamsError, match="max_schema_depth"):  # data nests too: it is parsed all the same
+        check(StructuredOutputsParams(json={"enum": [[[[[[[[1]]]]]]]]}), limits=limits)
+
+
+def test_references_outside_the_schema_are_refused_by_path():
+    schema = {"$defs": {"a": {"$ref": "https://example.com/a.json"}, "b": {"type": "integer"}},
+              "properties": {"x": {"$ref": "file:///etc/passwd"}, "y": {"anyOf": [{"$ref": "#anchor"}]},
+                             "z": {"$ref": "#/$defs/b"}, "self": {"$ref": "#"},
+                             "$ref": {"type": "string"}},  # a property called "$ref"
+              "default": {"$ref": "http://data.example"}}  # data, not a schema
+    assert external_refs(schema) == ["'$ref': '#anchor' at #/properties/y/anyOf/0",
+                                     "'$ref': 'file:///etc/passwd' at #/properties/x",
+                                     "'$ref': 'https://example.com/a.json' at #/$defs/a"]
+    with pytest.raises(SamplingParamsError, match=r"refers outside itself \('\$ref': 'http://x.org/s' at #\)") as e:
+        check(StructuredOutputsParams(json={"$ref": "http://x.org/s"}))
+    assert e.value.param == "structured_outputs.json"
+    check(StructuredOutputsParams(json={"$defs": {"b": {"type": "integer"}}, "type": "object",
+                                        "properties": {"z": {"$ref": "#/$defs/b"}, "again": {"$ref": "#"}}}))
+
+
+def allowed_tokens(matcher, vocab_size):
+    row = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(row, 0)
+    return [t for t in range(vocab_size) if (row[0, t // 32] >> (t % 32)) & 1]
+
+
+def test_choices_of_control_characters_are_exact_constraints(llm, grammars):
+    """Every token the mask allows is accepted, and every walk of the
+    grammar writes one of the choices: NUL and every other control
+    character included."""
+    vocab, eos = grammars.vocab_size, llm.tokenizer.eos_token_id
+    rng = random.Random(0)
+    for code in [*range(32), 127]:
+        ch = chr(code)
+        choices = [f"a{ch}b", ch, f"{ch}{ch}z", "plain"]
+        compiled_grammar = compiled(grammars, choice=choices)._future.result()
+        written = set()
+        for _ in range(6):
+            m = xgr.GrammarMatcher(compiled_grammar)
+            out = []
+            while not m.is_terminated():
+                allowed = allowed_tokens(m, vocab)
+                assert allowed, (choices, out)
+                for t in allowed:
+                    assert m.accept_token(t), (choices, out, t)
+                    m.rollback(1)
+                t = rng.choice(allowed)
+                m.accept_token(t)
+                out.append(t)
+            assert out[-1] == eos
+            written.add(llm.tokenizer.decode(out[:-1]))
+        assert written <= set(choices), (code, written)
+
+
+def spelling_of(*tokens, special=()):
+    """A TokenSpelling over ``tokens`` (bytes; token 0 the stop token)."""
+    return TokenSpelling(SimpleNamespace(decoded_vocab=[b"</s>", *tokens], stop_token_ids=[0],
+                                         special_token_ids=list(special)))
+
+
+def test_dead_ends_are_prefixes_tokens_write_but_cannot_finish():
+    spelling = spelling_of(b"a", b"b", b"c", b"ab\x04", b"\x05c", b"\xc3\xa9", b"<|im|>", special=[7])
+    assert spelling.dead_end(b"abc") is None
+    assert spelling.dead_end(b"\x04") == 0  # no token holds it
+    assert spelling.dead_end(b"ab\x04c") == 2  # "a" "b" can be written, then nothing continues
+    assert spelling.dead_end(b"x\x04") == 0
+    assert spelling.dead_end(b"\x05c") is None and spelling.dead_end(b"a\x05cab") is None
+    assert spelling.dead_end("é".encode()) is None and spelling.dead_end("éa".encode()[:1]) == 0
+    assert spelling.dead_end(b"<|im|>") == 0  # special tokens write no text
+    check_writable(StructuredOutputsParams(choice=["abc", "\x05c"]), spelling)
+    with pytest.raises(SamplingParamsError, match=r"choice 1 \('ab\\x04c'\) cannot .* after b'ab' no token") as e:
+        check_writable(StructuredOutputsParams(choice=["abc", "ab\x04c"]), spelling)
+    assert e.value.param == "structured_outputs.choice"
+
+
+def test_the_engine_refuses_what_is_over_its_limits_or_unwritable(llm, monkeypatch):
+    grammars = Grammars(llm.tokenizer, llm.resolved.cfg.model.vocab_size, [llm.tokenizer.eos_token_id],
+                        limits=ConstraintLimits(max_bytes=64, max_depth=4))
+    with pytest.raises(ValueError, match="max_schema_bytes=64"):
+        grammars.grammar_for(constrained(regex="a" * 65))
+    with pytest.raises(ValueError, match="max_schema_depth=4"):
+        grammars.grammar_for(constrained(json={"items": {"items": {"items": {"items": {}}}}}))
+    assert all(grammars.grammar_for(constrained(choice=[chr(c)])) for c in range(32))  # every byte is a token
+    monkeypatch.setattr(grammars, "_spelling", spelling_of(b"o", b"k"))
+    with pytest.raises(ValueError, match="cannot be written"):
+        grammars.grammar_for(constrained(choice=["ok", "ok\x04"]))
+
+
+# -- trial compiles ---------------------------------------------------------------------
+MANY_PROPERTIES = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(8000)}}  # seconds
+
+
+def memory_hungry():
+    """Three string patterns whose compile takes over 64 MiB within a second or so (tiny vocabulary)."""
+    return {"anyOf": [{"type": "string", "pattern": "^(([a-z]{1,40}%s){1,40}\\.){1,30}$" % sep}
+                      for sep in "-_~"]}
+
+
+def helper_pids():
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError):
+            continue
+        if ppid == os.getpid() and b"appliance.structured_output" in cmd:
+            pids.append(int(pid))
+    return pids
+
+
+def test_a_trial_compile_reports_what_the_engines_compile_makes(grammars):
+    sandbox = CompileSandbox(grammars.info, 2, 30, 1024 << 20, 2)
+    try:
+        for constraint in ({"json": PERSON}, {"regex": "[0-9]{2}-[a-c]+"}, {"choice": ["a\x00b", "\x04"]}):
+            grammar = check(StructuredOutputsParams(**constraint), 16)
+            report = sandbox.compile(grammar).result(timeout=60)
+            assert report.grammar_bytes == grammars._compiler.compile_grammar(grammar).memory_size_bytes
+            assert 0 < report.seconds < 30
+    finally:
+        sandbox.close()
+    assert not helper_pids()
+
+
+def test_a_compile_past_its_timeout_is_killed_without_holding_others(grammars):
+    sandbox = CompileSandbox(grammars.info, 2, 0.5, 1024 << 20, 2)
+    try:
+        sandbox.compile(check(StructuredOutputsParams(regex="a"), 16)).result(timeout=60)  # the helper is up
+        t0 = time.monotonic()
+        slow = sandbox.compile(check(StructuredOutputsParams(json=MANY_PROPERTIES), 16))
+        quick = sandbox.compile(check(StructuredOutputsParams(json=PERSON), 16))
+        assert quick.result(timeout=30).grammar_bytes > 0 and not slow.done()
+        with pytest.raises(CompileRefused, match="longer than structured_output.compile_timeout_s=0.5 s") as e:
+            slow.result(timeout=30)
+        assert e.value.limit == "structured_output.compile_timeout_s" and time.monotonic() - t0 < 5
+        assert not slow.cancel()  # others may wait on it
+        sandbox.compile(check(StructuredOutputsParams(json=PERSON), 16)).result(timeout=30)
+    finally:
+        sandbox.close()
+
+
+def test_a_compile_past_its_memory_is_refused_and_a_lost_helper_is_replaced(grammars):
+    sandbox = CompileSandbox(grammars.info, 2, 60, 64 << 20, 1)
+    try:
+        with pytest.raises(CompileRefused, match="more than structured_output.compile_memory_mib=64 MiB") as e:
+            sandbox.compile(check(StructuredOutputsParams(json=memory_hungry()), 16)).result(timeout=60)
+        assert e.value.limit == "structured_output.compile_memory_mib"
+        sandbox.compile(check(StructuredOutputsParams(json=PERSON), 16)).result(timeout=30)
+        slow = sandbox.compile(check(StructuredOutputsParams(json=MANY_PROPERTIES), 16))
+        [helper] = helper_pids()
+        os.kill(helper, 9)
+        with pytest.raises(CompileRefused, match="the compile helper exited"):
+            slow.result(timeout=30)
+        sandbox.compile(check(StructuredOutputsParams(json=PERSON), 16)).result(timeout=60)
+        assert helper_pids() and helper not in helper_pids()
+    finally:
+        sandbox.close()
+
+
+def test_the_servers_check_tries_each_constraint_once(llm, monkeypatch):
+    cfg = StructuredOutputConfig(max_schema_bytes=4096, compile_timeout_s=0.5)
+    checker = ConstraintChecker(cfg, llm.tokenizer, llm.resolved.cfg.model.vocab_size)
+    trials = []
+    real = CompileSandbox.compile
+    monkeypatch.setattr(CompileSandbox, "compile", lambda self, g: trials.append(g) or real(self, g))
+
+    async def run(so, source="structured_outputs"):
+        return await checker.check(so, source, None)
+
+    async def main():
+        await asyncio.gather(*(run(StructuredOutputsParams(json=PERSON)) for _ in range(3)))
+        await run(StructuredOutputsParams(json=PERSON))
+        assert len(trials) == 1  # one shared trial, then remembered
+        with pytest.raises(OpenAIError) as e:
+            await run(StructuredOutputsParams(regex="a" * 5000), "guided_regex")
+        assert e.value.status == 400 and e.value.param == "guided_regex" and "max_schema_bytes=4096" in e.value.message
+        with pytest.raises(OpenAIError) as e:
+            await run(StructuredOutputsParams(json=memory_hungry()), "response_format")
+        assert e.value.param == "response_format" and "the JSON schema took longer than" in e.value.message
+
+    asyncio.run(main())
+    checker._sandbox.close()
 
 
 # -- bitmask rows -------------------------------------------------------------------
