@@ -432,7 +432,7 @@ def _core_group(deployment: Deployment) -> Any:
         device = "cpu" if deployment.device == "cpu" else "cuda"
         dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=address, rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-        return ExpertGroup(TorchDistributedComm(world), rank, world, device)
+        return ExpertGroup(TorchDistributedComm(world, device=device), rank, world, device)
     return ExpertGroup(ShmComm(address, rank, world, timeout_s), rank, world)
 
 

@@ -17,5 +17,5 @@ fi
 export PYTHONPATH=${PYTHONPATH:-.}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia-smi.txt"
 timeout "${CHECK_TIMEOUT_S:-420}" python3 scripts/gpu_check.py; rc=$?
-timeout "${PYTEST_TIMEOUT_S:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_backend_metadata.py 2>&1 | tee "$OUT/pytest-gpu.log"
+timeout "${PYTEST_TIMEOUT_S:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_backend_metadata.py tests/unit/test_collectives_device.py 2>&1 | tee "$OUT/pytest-gpu.log"
 exit $rc

@@ -110,6 +110,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     weights fp32 and ids [T, top_k]."""
     t, top_k = ids.shape
     inter = w2.shape[2]
+    if t == 0:  # a rank no row was routed to (small batches under expert parallelism)
+        return x.new_zeros(0, w2.shape[1])
     block_m = 16 if t * top_k <= 256 else 64
     sorted_ids, block_experts = align_by_expert(ids, first, w13.shape[0], block_m)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()

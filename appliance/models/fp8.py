@@ -12,9 +12,11 @@ the row's largest magnitude / 448), or loaded from an fp8 checkpoint
 per token per group of that many inputs, dynamically).
 
 W8A8 on CUDA runs ``torch._scaled_mm`` (row-wise scales: per-token
-activations, per-channel weights; Hopper and Blackwell); on ROCm CDNA3 the
-same on e4m3fnuz, whose bit patterns mean half the e4m3fn value, so the
-scales double. Weight-only fp8, block-wise scales and every CPU take a
+activations, per-channel weights; Hopper and Blackwell) where its inputs
+and outputs are multiples of 16 (``scaled_mm_fits``; a projection of
+other sizes, a tensor-parallel shard say, takes the reference path); on
+ROCm CDNA3 the same on e4m3fnuz, whose bit patterns mean half the e4m3fn
+value, so the scales double. Weight-only fp8, block-wise scales and every CPU take a
 reference path: the weight (and the quantized activations) dequantized
 per call and an ordinary GEMM in the activation dtype; correct, not fast.
 """
@@ -92,6 +94,12 @@ class Fp8Linear(nn.Module):
         self.activations = activations
         self.out_features, self.in_features = weight.shape
 
+    @property
+    def scaled_mm_fits(self) -> bool:
+        """Whether ``torch._scaled_mm`` takes this projection: it needs its
+        inputs and outputs to be multiples of 16."""
+        return self.in_features % 16 == 0 and self.out_features % 16 == 0
+
     def dequantized_weight(self) -> torch.Tensor:
         if self.block_k:
             k = self.in_features
@@ -100,7 +108,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if x.is_cuda and self.activations and not self.block_k:
+        if x.is_cuda and self.activations and not self.block_k and self.scaled_mm_fits:
             y = self._scaled_mm(rows)
         else:
             if self.activations and self.block_k:

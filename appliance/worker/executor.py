@@ -64,16 +64,24 @@ BuildRank = Callable[[Any, int, Any], Any]
 
 class TorchDistributedComm:
     """The collectives a model runs, over a ``torch.distributed`` process
-    group (``group``; None: every rank). ``broadcast`` names its source by
-    its rank in the whole world."""
+    group (``group``; None: every rank) whose backend moves tensors on
+    ``device`` (``cuda`` for NCCL, ``cpu`` for gloo). ``broadcast`` names its
+    source by its rank in the whole world."""
 
-    def __init__(self, world_size: int, group: Any = None):
-        self.world_size, self.group = world_size, group
+    def __init__(self, world_size: int, group: Any = None, device: str = "cpu"):
+        self.world_size, self.group, self.device = world_size, group, device
 
     def all_reduce(self, t: Any) -> None:
+        """In place; a tensor elsewhere than the group's device (a host flag or
+        counter over NCCL) goes there and back."""
         import torch.distributed as dist
 
-        dist.all_reduce(t, group=self.group)
+        if t.device.type == self.device:
+            dist.all_reduce(t, group=self.group)
+            return
+        staged = t.to(self.device)
+        dist.all_reduce(staged, group=self.group)
+        t.copy_(staged)
 
     def all_gather(self, t: Any) -> list:
         import torch
@@ -247,12 +255,14 @@ def _torch_comms(backend: str, init_method: str, tp: int, pp: int, stage: int, t
     links = [[dist.new_group([c * n + r for r in link_ranks(s, tp)]) for s in range(pp - 1)] for c in range(num_cores)]
     across = ([[dist.new_group([c * n + s * tp + t for c in range(num_cores)]) for t in range(tp)] for s in range(pp)]
               if num_cores > 1 else None)
+    device = "cuda" if backend == "nccl" else "cpu"
     return RankCollectives(
-        tp=TorchDistributedComm(tp, stages[core][stage]) if tp > 1 else None,
-        receive=(TorchDistributedComm(tp + 1, links[core][stage - 1]), base + (stage - 1) * tp) if stage > 0 else None,
-        send=(TorchDistributedComm(tp + 1, links[core][stage]), base + stage * tp)
+        tp=TorchDistributedComm(tp, stages[core][stage], device) if tp > 1 else None,
+        receive=(TorchDistributedComm(tp + 1, links[core][stage - 1], device), base + (stage - 1) * tp)
+        if stage > 0 else None,
+        send=(TorchDistributedComm(tp + 1, links[core][stage], device), base + stage * tp)
         if stage < pp - 1 and tp_rank == 0 else None,
-        experts=TorchDistributedComm(num_cores, across[stage][tp_rank]) if across is not None else None)
+        experts=TorchDistributedComm(num_cores, across[stage][tp_rank], device) if across is not None else None)
 
 
 @dataclass(frozen=True)

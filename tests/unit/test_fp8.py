@@ -51,6 +51,14 @@ def test_reference_gemm_is_the_dequantized_one(activations, static):
         assert quantize_per_token_fp8(x, input_scale)[1].is_contiguous()
 
 
+@pytest.mark.parametrize("rows,inputs,fits", [(32, 64, True), (24, 64, False), (32, 40, False)])
+def test_scaled_mm_takes_only_multiples_of_16(rows, inputs, fits):
+    """torch._scaled_mm refuses other sizes (a tensor-parallel shard of an
+    odd width): such a projection runs the reference GEMM on the GPU too."""
+    q, scale = quantize_per_channel_fp8(torch.randn(rows, inputs))
+    assert Fp8Linear(q, scale, None, True).scaled_mm_fits == fits
+
+
 def test_scales_are_one_or_one_per_row():
     q, _ = quantize_per_channel_fp8(torch.randn(8, 16))
     assert torch.equal(Fp8Linear(q, torch.tensor(0.5), None, False).weight_scale, torch.full((8,), 0.5))

@@ -57,6 +57,14 @@ def test_a_ranks_experts_only():
     assert torch.allclose(total, whole(x, weights, ids), atol=1e-5, rtol=1e-5)
 
 
+def test_a_rank_no_row_was_routed_to_returns_no_rows():
+    """Under expert parallelism a small decode batch may route nothing to a rank."""
+    ex = _experts(8, 64, 32)
+    x = torch.zeros(0, 64)
+    got = fused_experts(x, ex.w13, ex.w2, torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.long))
+    assert got.shape == (0, 64) and got.dtype == x.dtype
+
+
 def test_bf16_inputs_stay_close():
     g = torch.Generator().manual_seed(2)
     ex = _experts(8, 64, 32)
