@@ -276,11 +276,10 @@ def _p2p_worker(deployment: Deployment, layout: dict[str, Any], rank: int = 0) -
     the blocks go in the answers (``p2p``) or are read through NIXL
     (``nixl``)."""
     from appliance.engine.kv_connector import layout_key
-    from appliance.server.auth import need_internal_key
 
     kt = deployment.cfg.kv_transfer
     p = kt.p2p
-    key = need_internal_key(deployment.cfg.server, f"kv_transfer.connector={kt.connector} (its messages are signed)")
+    key = _connector_key(deployment.cfg)
     args = (kt.role, deployment.kv_engine_id, layout_key(layout), p.bind_host, _p2p_port(deployment) + rank,
             p.timeout_s, key)
     try:
@@ -629,13 +628,22 @@ def _draft_proposer(cfg: Any, ex: Any, tokenizer: Any, num_blocks: int, dtype: A
                               dtype, kv_dtype, device, cfg.scheduler.max_num_batched_tokens)
 
 
+def _connector_key(cfg: ApplianceConfig) -> bytes:
+    """The internal key a disaggregated-prefill connector signs its messages with (refused without one)."""
+    from appliance.server.auth import need_internal_key
+
+    return need_internal_key(cfg.server, f"kv_transfer.connector={cfg.kv_transfer.connector} (its messages are "
+                                         "signed)")
+
+
 def serve(resolved: ResolvedConfig) -> int:
-    from appliance.server.auth import check_exposure, load_api_keys, load_internal_key, need_internal_key
+    from appliance.server.auth import check_exposure, load_api_keys, load_internal_key
 
     cfg = resolved.cfg
     check_exposure(cfg.server, load_api_keys(cfg.server))
-    if cfg.kv_transfer.connector in DISAGGREGATED_PREFILL:  # before the core starts: nothing half-started
-        need_internal_key(cfg.server, f"kv_transfer.connector={cfg.kv_transfer.connector} (its messages are signed)")
+    # the keys read before anything starts: an unreadable file or a missing key leaves nothing half-started
+    if cfg.kv_transfer.connector in DISAGGREGATED_PREFILL:
+        _connector_key(cfg)
     else:
         load_internal_key(cfg.server)
     deployment = compose(resolved)

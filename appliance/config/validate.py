@@ -201,18 +201,21 @@ def _kv_events_problems(cfg: ApplianceConfig) -> list[str]:
     return problems
 
 
-def _loopback_endpoint(endpoint: str) -> bool:
-    """Whether only this machine can reach a ZeroMQ endpoint (ipc, inproc, or tcp on a loopback address)."""
-    scheme, _, rest = endpoint.partition("://")
-    if scheme != "tcp":
-        return True
-    host = rest.rpartition(":")[0].strip("[]")
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (localhost or a loopback address); ``*``, an interface
+    or another host name is possibly reachable from elsewhere."""
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return False  # *, an interface name or a host name: possibly reachable
+        return False
+
+
+def _loopback_endpoint(endpoint: str) -> bool:
+    """Whether only this machine can reach a ZeroMQ endpoint (ipc, inproc, or tcp on a loopback address)."""
+    scheme, _, rest = endpoint.partition("://")
+    return scheme != "tcp" or is_loopback(rest.rpartition(":")[0].strip("[]"))
 
 
 OFFLOAD_MEDIA = ("auto", "disk", "host")

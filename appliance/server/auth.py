@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional
 
+from appliance.config.validate import is_loopback
 from appliance.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -103,15 +103,6 @@ def verify_request(key: Optional[bytes], body: bytes, signature: Optional[str]) 
     if key is None or not signature:
         return False
     return hmac.compare_digest(signature.strip().encode(), sign_request(key, body).encode())
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_exposure(server: ServerConfig, keys: tuple[str, ...]) -> None:
