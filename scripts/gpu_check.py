@@ -1,15 +1,24 @@
-"""GPU check: every attention backend that imports against torch_sdpa on
-realistic shapes, plus a short end-to-end generation on each, the fp8
-W8A8 GEMM (torch._scaled_mm) against its reference path, the Triton
-int4 and grouped int8 GEMMs and the Marlin int4 GEMM (sgl-kernel) against
-the dequantized bf16 GEMM, and a
-sparse layer's experts through the Triton fused MoE and FlashInfer's
-fused MoE (where it runs) against the grouped torch path.
+"""GPU check: every kernel the GPU profiles can select, against a reference.
 
-Writes gpu_check.json (and prints a summary) into $OUT (or ./gpu-results).
-Needs only torch (+ triton, flashinfer, FA3 where installed); the end-to-end
-part also needs the config stack (hydra-core, omegaconf) and is skipped
-with a reason when it is missing.
+Cases, in sections (``GPU_CHECK_SECTIONS=moe,gemm,attention,e2e,serve,compile``, all by default):
+a sparse layer's experts through
+the Triton fused MoE and FlashInfer's against the grouped torch path (``moe``); the
+fp8 W8A8 GEMM (torch._scaled_mm), the Triton int4 and grouped int8 GEMMs and the
+Marlin int4 GEMM against the dequantized bf16 GEMM (``gemm``); every attention
+backend against torch_sdpa on realistic shapes (``attention``) and a short
+generation on each (``e2e``); the GPU profile served over HTTP against the
+CPU profile, with constrained and speculative requests, its decode speed at
+batch 1 against the roofline and its KV plan against the device's memory
+(``serve``: scripts/gpu_serve.py); the Triton kernels compiled ahead of time for
+each GPU target with the tile the registry picks (``compile``, which needs no
+GPU: tests/triton_compile.py).
+
+Each case ends ``passed``, ``failed`` (out of tolerance, or it raised) or
+``absent`` (what it needs is not here: no CUDA device, a package that does not
+import; with the reason). gpu_check.json in $OUT (or ./gpu-results) is rewritten
+after every case, so a run cut short still reports what ran. The exit status is
+1 when any case failed. ``--cpu-rehearsal`` runs the same cases on a machine
+without a GPU: the ones that need one are reported absent.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from appliance.kernels.registry import BACKENDS, load_backend, probe_importable  # noqa: E402
+from appliance.kernels.registry import BACKENDS, load_backend, probe_provider  # noqa: E402
 from tests.kernel_helpers import make_problem  # noqa: E402
 
 OUT = os.environ.get("OUT") or "gpu-results"
@@ -49,12 +58,13 @@ def time_ms(fn, iters=20, warmup=3):
     return start.elapsed_time(end) / iters
 
 
-def kernel_case(name: str, kv_dtype: str, dtype=torch.bfloat16) -> dict:
+def kernel_case(name: str, kv_dtype: str, dtype=torch.bfloat16, D: int = 128, BS: int = 16) -> dict:
     from appliance.kernels.torch_sdpa import TorchSDPABackend
 
+    attention_provider(name, str(dtype).removeprefix("torch."), kv_dtype)
     # 64 sequences at 2k context: 48 decodes and 16 prefill chunks of 128 after a 1920-token prefix.
     specs = [(2047, 1)] * 48 + [(1920, 128)] * 16
-    H, KVH, D, BS = 32, 4, 128, 16  # GQA 8
+    H, KVH = 32, 4  # GQA 8
     common, q, k, v, cache = make_problem(specs, BS, H, KVH, D, dtype=torch.float32, seed=0)
     common = to_dev(common)
     q, k, v = (t.to(DEV, dtype) for t in (q, k, v))
@@ -80,11 +90,12 @@ def kernel_case(name: str, kv_dtype: str, dtype=torch.bfloat16) -> dict:
 
 
 def e2e_case(name: str) -> dict:
+    attention_provider(name)
     try:
         from appliance import LLM, SamplingParams
         from appliance.kernels.registry import Selection
     except ImportError as e:
-        return {"backend": name, "skipped": f"config stack missing: {e}"}
+        raise Absent(f"the config stack does not import: {e}")
     overrides = ["+profile=h200_fp8", "model=tiny_random", "quantization=none", "cache.kv_cache_dtype=auto",
                  "model.dtype=bfloat16", "model.hidden_size=256", "model.num_heads=4", "model.num_kv_heads=2",
                  "model.head_dim=64", "model.intermediate_size=512", "cache.num_blocks=512"]
@@ -152,7 +163,7 @@ def marlin_gemm_case(m: int, n: int = 4096, k: int = 4096, group: int = 128) -> 
     from appliance.models.quant import Int4WeightOnlyLinear
 
     if not marlin_int4.usable(DEV, torch.bfloat16):
-        raise RuntimeError("the Marlin GEMM does not run here (sgl_kernel not importable, or before SM80)")
+        raise Absent(f"the Marlin GEMM does not run here: {marlin_int4.unusable_reason(DEV)}")
     g = torch.Generator().manual_seed(m)
     q, z, s = quantize_zero_point(torch.randn(n, k, generator=g) / k ** 0.5, group)
     d = s.float()
@@ -207,7 +218,7 @@ def moe_case(kernel: str, tokens: int, experts: int = 64, top_k: int = 8, hidden
     ref = cpu(x.float().cpu(), weights.cpu(), ids.cpu())  # the grouped torch path, fp32
     if kernel == "flashinfer":
         if not flashinfer_moe.usable(x):
-            raise RuntimeError("FlashInfer's fused MoE does not run here (not importable, or another arch)")
+            raise Absent(f"FlashInfer's fused MoE does not run here: {flashinfer_moe.unusable_reason(x)}")
         w31 = flashinfer_moe.up_first(ex.w13.data)
 
         def run():
@@ -216,57 +227,108 @@ def moe_case(kernel: str, tokens: int, experts: int = 64, top_k: int = 8, hidden
         def run():
             return fused_experts(x, ex.w13.data, ex.w2.data, weights, ids)
     got = run().float().cpu()
-    err = (got - ref).abs().max().item() / ref.abs().max().item()
+    if got.shape != ref.shape:
+        raise AssertionError(f"shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
+    err = (got - ref).abs().max().item() / ref.abs().max().item() if ref.numel() else 0.0
     return {"moe": kernel, "tokens": tokens, "experts": experts, "top_k": top_k, "hidden": hidden, "inter": inter,
             "max_rel_err": err, "ok": err < 3e-2, "ms": time_ms(run)}
 
 
-def main() -> int:
-    os.makedirs(OUT, exist_ok=True)
-    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "kernels": [], "e2e": [],
-              "gemms": [], "moe": [], "not_importable": {}}
+class Absent(Exception):
+    """What a case needs is not on this machine (the message says what and why)."""
 
-    def save() -> None:  # after each section: a run cut short at its time limit still reports what ran
-        with open(os.path.join(OUT, "gpu_check.json"), "w") as f:
-            json.dump(report, f, indent=2)
 
-    for kernel in ("triton", "flashinfer"):
-        for tokens in (1, 64, 1024):
-            try:
-                report["moe"].append(moe_case(kernel, tokens))
-            except Exception as e:
-                report["moe"].append({"moe": kernel, "tokens": tokens, "error": repr(e),
-                                      "trace": traceback.format_exc()[-2000:]})
-    save()
-    for case, name in ((fp8_gemm_case, "fp8 W8A8"), (int4_gemm_case, "int4"), (marlin_gemm_case, "int4 Marlin"),
-                       (int8_gemm_case, "int8 grouped")):
-        for m in (1, 16, 100, 2048):
-            try:
-                report["gemms"].append(case(m))
-            except Exception as e:
-                report["gemms"].append({"gemm": name, "m": m, "error": repr(e), "trace": traceback.format_exc()[-2000:]})
-    save()
-    for name in ("triton", "flashinfer", "flash_attn3"):
-        provider, err = probe_importable(name)
-        if provider is None:
-            report["not_importable"][name] = err
-            continue
-        for kv in BACKENDS[name].kv_dtypes:
-            if kv == "fp8_e5m2":
-                continue
-            try:
-                report["kernels"].append(kernel_case(name, kv))
-            except Exception as e:
-                report["kernels"].append({"backend": name, "kv_cache_dtype": kv, "error": repr(e),
-                                          "trace": traceback.format_exc()[-2000:]})
+class Report:
+    """gpu_check.json: the machine, then one entry per case, rewritten after each."""
+
+    def __init__(self, path: str, rehearsal: bool):
+        self.path = path
+        cuda = torch.cuda.is_available()
+        self.data = {"device": torch.cuda.get_device_name(0) if cuda else "no CUDA device",
+                     "torch": torch.__version__, "rehearsal": rehearsal, "cases": []}
+        self.no_cuda = None if cuda else "no CUDA device" + (" (--cpu-rehearsal)" if rehearsal else "")
+
+    def run(self, section: str, what: dict, fn, *args, needs_cuda: bool = True) -> None:
+        entry = {"section": section, **what}
+        t0 = time.perf_counter()
         try:
-            report["e2e"].append(e2e_case(name))
+            if needs_cuda and self.no_cuda:
+                raise Absent(self.no_cuda)
+            result = fn(*args)
+            ok = result.pop("ok")
+            entry.update(result, status="passed" if ok else "failed")
+        except Absent as e:
+            entry.update(status="absent", reason=str(e))
         except Exception as e:
-            report["e2e"].append({"backend": name, "error": repr(e), "trace": traceback.format_exc()[-2000:]})
-        save()
-    print(json.dumps(report, indent=2))
-    return 0 if all(k.get("ok") for k in report["kernels"] + report["gemms"] + report["moe"]) else 1
+            entry.update(status="failed", error=repr(e), trace=traceback.format_exc()[-2000:])
+        entry["seconds"] = round(time.perf_counter() - t0, 3)
+        self.data["cases"].append(entry)
+        why = entry.get("reason") or entry.get("error") or "out of tolerance: " + json.dumps(
+            {k: v for k, v in entry.items() if k not in what and k not in ("section", "status", "seconds")})[:300]
+        print(f"{entry['status']:>7}  {section}  {json.dumps(what)}" + (f"  ({why})" if entry["status"] != "passed"
+                                                                            else ""), flush=True)
+        with open(self.path, "w") as f:
+            json.dump(self.data, f, indent=2)
+
+    def counts(self) -> dict[str, int]:
+        out = {"passed": 0, "failed": 0, "absent": 0}
+        for c in self.data["cases"]:
+            out[c["status"]] += 1
+        return out
+
+
+def attention_provider(name: str, dtype: str = "bfloat16", kv_cache_dtype: str = "auto") -> str:
+    provider, err = probe_provider(name, dtype, kv_cache_dtype)
+    if provider is None:
+        raise Absent(f"{name} does not import: {err}")
+    return provider
+
+
+def main(argv: list[str]) -> int:
+    rehearsal = "--cpu-rehearsal" in argv
+    sections = os.environ.get("GPU_CHECK_SECTIONS", "moe,gemm,attention,e2e,serve,compile").split(",")
+    os.makedirs(OUT, exist_ok=True)
+    report = Report(os.path.join(OUT, "gpu_check.json"), rehearsal)
+    if "moe" in sections:
+        for kernel in ("triton", "flashinfer"):
+            for tokens in (0, 1, 64, 1024):
+                report.run("moe", {"kernel": kernel, "tokens": tokens}, moe_case, kernel, tokens)
+    if "gemm" in sections:
+        for case, name in ((fp8_gemm_case, "fp8 W8A8"), (int4_gemm_case, "int4"), (marlin_gemm_case, "int4 Marlin"),
+                           (int8_gemm_case, "int8 grouped")):
+            for m in (1, 16, 100, 2048):
+                report.run("gemm", {"gemm": name, "m": m}, case, m)
+    for name in ("triton", "flashinfer", "flash_attn3"):
+        if "attention" in sections:
+            for kv in BACKENDS[name].kv_dtypes:
+                if kv != "fp8_e5m2":
+                    report.run("attention", {"backend": name, "kv_cache_dtype": kv}, kernel_case, name, kv)
+            if name == "triton":  # blocks larger than a tile of shared memory: read in several tiles
+                for head_dim, block_size, dtype in ((128, 256, torch.bfloat16), (256, 256, torch.bfloat16),
+                                                    (128, 256, torch.float32)):
+                    report.run("attention", {"backend": name, "kv_cache_dtype": "auto", "head_dim": head_dim,
+                                             "block_size": block_size, "dtype": str(dtype)},
+                               kernel_case, name, "auto", dtype, head_dim, block_size)
+        if "e2e" in sections:
+            report.run("e2e", {"backend": name}, e2e_case, name)
+    if "serve" in sections:
+        import gpu_serve
+
+        servers = gpu_serve.Servers()
+        try:
+            for what, fn in gpu_serve.serve_cases(servers):
+                report.run("serve", what, fn)
+        finally:
+            servers.close()
+    if "compile" in sections:
+        from tests.triton_compile import compile_cases
+        for what, fn in compile_cases():
+            report.run("compile", what, fn, needs_cuda=False)
+    counts = report.counts()
+    print(f"gpu_check: {counts['passed']} passed, {counts['failed']} failed, {counts['absent']} absent "
+          f"(on {report.data['device']}; {report.path})")
+    return 1 if counts["failed"] else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -12,6 +12,7 @@ import pytest
 _KEEP = os.environ.get("APPLIANCE_TEST_CACHE_DIR")
 TEST_CACHE = _KEEP or tempfile.mkdtemp(prefix="appliance-test-cache-")
 os.environ["APPLIANCE_CACHE_DIR"] = TEST_CACHE
+os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(TEST_CACHE, "triton"))  # kernels compiled ahead of time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,12 +11,12 @@ from appliance.kernels.base import CommonAttentionMetadata, write_kv
 def fake_packages(monkeypatch, importable):
     """Only the backends named in ``importable`` import on this machine."""
 
-    def probe(name):
+    def probe(name, dtype="bfloat16", kv_cache_dtype="auto"):
         if name in importable:
             return reg.BACKENDS[name].probe_modules[0], None
         return None, f"{reg.BACKENDS[name].probe_modules[0]}: ModuleNotFoundError: No module named 'x'"
 
-    monkeypatch.setattr(reg, "probe_importable", probe)
+    monkeypatch.setattr(reg, "probe_provider", probe)
 
 
 def make_problem(specs, block_size, num_heads, num_kv_heads, head_dim, dtype=torch.float32, seed=0, num_blocks=None):

@@ -115,10 +115,10 @@ def _fix(backend: str, reason: str) -> str:
         return "model.dtype=auto"
     if reason.startswith("kv_cache_dtype "):
         return "cache.kv_cache_dtype=auto"
-    if reason.startswith("package not importable") and backend == "cpu_native":
+    if reason.startswith("no usable package") and backend == "cpu_native":
         return "install gcc (the kernels build once at first start) or set APPLIANCE_KERNEL_DIR to a prebuilt library"
-    if reason.startswith("package not importable"):
-        return f"install the package that provides {backend}"
+    if reason.startswith("no usable package"):
+        return f"install a package that provides {backend} (README, Install notes)"
     if reason.startswith("block_size "):
         return "a cache.block_size the backend supports"
     return ""
@@ -171,7 +171,7 @@ def _cpu_auto_dtype(cfg: ApplianceConfig, supported: list[str], probe: bool) -> 
             if dtype not in supported or BACKENDS[name].validate(cfg, dtype):
                 continue
             first_choice = first_choice or (dtype, name)
-            if probe and registry.probe_importable(name)[0] is None:
+            if probe and registry.probe_provider(name, dtype, cfg.cache.kv_cache_dtype)[0] is None:
                 break  # this backend cannot run here: offer the next one its own best dtype
             return dtype, _why(name, cpu)
         else:

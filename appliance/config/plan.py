@@ -288,11 +288,12 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
     notes = []
     provider_here = sel.provider
     if sel.chosen and not ex.probed:
-        from appliance.kernels.registry import probe_importable
+        from appliance.kernels.registry import probe_provider
 
-        provider_here, err = probe_importable(sel.chosen)
+        provider_here, err = probe_provider(sel.chosen, dtype, cfg.cache.kv_cache_dtype)
         if provider_here is None:
-            notes.append(f"{sel.chosen} is not importable on this machine ({err}); it is chosen for the target hardware")
+            notes.append(f"{sel.chosen} has no usable package on this machine ({err}); it is chosen for the target "
+                         "hardware")
     bw = cfg.hardware.memory_bandwidth_gbps * 1e9
     read_dev = w_dev
     if experts is not None:  # a token reads the non-expert weights and its top-k experts (spread over the ranks)

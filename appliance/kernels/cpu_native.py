@@ -13,7 +13,7 @@ system's C compiler at first use and cached by source hash under
 images ship it prebuilt in ``$APPLIANCE_KERNEL_DIR``.
 Importing this module builds or loads it; any failure (no compiler, no
 AVX2/FMA) raises ImportError with the reason, which the backend selector
-reports as "package not importable".
+reports as "no usable package".
 
 As an attention backend it also serves the layer-by-layer torch model
 (``forward``). Its ``native_forward`` flag tells the ModelRunner to run

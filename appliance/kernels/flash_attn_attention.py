@@ -1,8 +1,10 @@
 """FlashAttention-3 over our paged KV cache (the Hopper profiles' backend).
 
-Whichever FA3 build imports is used, probed in this order and reported by
-``appliance plan``: the FA3 ``flash_attn_interface`` (hopper/ build of
-flash-attention), the PyPI ``fa3-fwd`` package, ``sgl-kernel``'s FA3. All
+The first FA3 build that serves the deployment is used (``providers.probe``:
+it imports, has the kernel, and was built with paged KV and the dtypes
+needed), probed in this order and reported by ``appliance plan``: the FA3
+``flash_attn_interface`` (hopper/ build of flash-attention), the PyPI
+``fa3-fwd`` package, ``sgl-kernel``'s FA3. All
 expose ``flash_attn_with_kvcache`` taking a varlen query:
 
     q             [num_tokens, num_heads, head_dim]   flattened batch
@@ -25,21 +27,20 @@ from typing import Any, Callable, Optional
 import torch
 
 from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
+from appliance.kernels.providers import attention_needs, first_usable
 from appliance.kernels.registry import BACKENDS
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
 
 
-def load_fa3() -> tuple[str, Callable]:
-    """(module name, flash_attn_with_kvcache) of the first importable FA3 build."""
-    errors = []
-    for mod in BACKENDS["flash_attn3"].probe_modules:
-        try:
-            m = importlib.import_module(mod)
-            return mod, getattr(m, "flash_attn_with_kvcache")
-        except Exception as e:
-            errors.append(f"{mod}: {type(e).__name__}: {e}")
-    raise ImportError("no FlashAttention-3 build importable: " + " | ".join(errors))
+def load_fa3(dtype: torch.dtype, kv_cache_dtype: str) -> tuple[str, Callable]:
+    """(module name, flash_attn_with_kvcache) of the first FA3 build that serves ``dtype`` queries over a
+    paged ``kv_cache_dtype`` cache."""
+    needs = attention_needs("flash_attn3", str(dtype).removeprefix("torch."), kv_cache_dtype)
+    module, rejected = first_usable(BACKENDS["flash_attn3"].probe_modules, needs)
+    if module is None:
+        raise ImportError("no usable FlashAttention-3 build: " + " | ".join(rejected))
+    return module, importlib.import_module(module).flash_attn_with_kvcache
 
 
 @dataclass
@@ -77,7 +78,7 @@ class FlashAttn3Backend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, md: FA3Metadata):
         if self._fn is None:
-            self.provider, self._fn = load_fa3()
+            self.provider, self._fn = load_fa3(q.dtype, self.kv_cache_dtype)
         fp8 = kv_cache.dtype == torch.float8_e4m3fn
         self.write_kv(k, v, kv_cache, md.common.slot_mapping)
         kw = {}

@@ -29,6 +29,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from appliance.kernels import providers
+
 ARCHS = ("89", "90", "100", "103", "107", "110", "120", "121")  # the archs its CUTLASS MoE is built for
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -42,12 +44,22 @@ def _kernel() -> Optional[Callable]:
     return cutlass_fused_moe
 
 
+def unusable_reason(x: torch.Tensor) -> Optional[str]:
+    """None when FlashInfer's fused MoE runs experts on ``x``'s device and dtype, else why not."""
+    if x.device.type != "cuda" or torch.version.hip is not None:
+        return f"it runs on NVIDIA GPUs, not {x.device.type}{' (ROCm)' if torch.version.hip else ''}"
+    if x.dtype not in DTYPES:
+        return f"it takes bf16 or fp16 activations, not {x.dtype}"
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if f"{major * 10 + minor}" not in ARCHS:
+        return f"its kernels are built for SM {', '.join(ARCHS)}, not {major}{minor}"
+    why = providers.probe("flashinfer.fused_moe")
+    return f"flashinfer.fused_moe {why}" if why else None
+
+
 def usable(x: torch.Tensor) -> bool:
     """Whether FlashInfer's fused MoE runs experts on ``x``'s device and dtype."""
-    if x.device.type != "cuda" or x.dtype not in DTYPES or torch.version.hip is not None:
-        return False
-    major, minor = torch.cuda.get_device_capability(x.device)
-    return f"{major * 10 + minor}" in ARCHS and _kernel() is not None
+    return unusable_reason(x) is None
 
 
 def up_first(w13: torch.Tensor) -> torch.Tensor:

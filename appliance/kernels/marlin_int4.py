@@ -29,6 +29,8 @@ from typing import Any, Optional
 
 import torch
 
+from appliance.kernels import providers
+
 GROUPS = (32, 64, 128)
 SCALE_PERM = [i + 8 * j for i in range(8) for j in range(8)]
 SCALE_PERM_SINGLE = [2 * i + j for i in range(4) for j in (0, 1, 8, 9, 16, 17, 24, 25)]
@@ -50,11 +52,21 @@ def shape_ok(n: int, k: int, group: int) -> bool:
     return n % 64 == 0 and k % 128 == 0 and group in GROUPS and k % group == 0
 
 
+def unusable_reason(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
+    """None when the Marlin GEMM runs on ``device`` with ``dtype`` activations, else why not."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return f"it runs on NVIDIA GPUs, not {device.type}{' (ROCm)' if torch.version.hip else ''}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes fp16 or bf16 activations, not {dtype}"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "it needs SM80 or later"
+    why = providers.probe("sgl_kernel")
+    return f"sgl_kernel {why}" if why else None
+
+
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the Marlin GEMM runs on ``device`` with ``dtype`` activations."""
-    if device.type != "cuda" or torch.version.hip is not None or dtype not in (torch.float16, torch.bfloat16):
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 0) and _sgl() is not None
+    return unusable_reason(device, dtype) is None
 
 
 def integer_zeros(d: torch.Tensor, m: torch.Tensor) -> Optional[torch.Tensor]:

@@ -2,7 +2,7 @@
 
 Nothing here imports a kernel package at module level: a backend's
 implementation module is imported only by ``load_backend`` and its kernel
-package is probed only by ``probe_importable``, so every module imports on a
+package is probed only by ``probe_provider``, so every module imports on a
 CPU-only machine.
 
 The selector walks the hardware profile's priority list and records why each
@@ -17,9 +17,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from appliance.errors import ConfigError
+from appliance.kernels import providers
 
 if TYPE_CHECKING:  # kernels sit below config: the type only
     from appliance.config.schema import ApplianceConfig
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _cc_tuple(cc: Optional[str]) -> Optional[tuple[int, int]]:
@@ -55,6 +59,8 @@ class BackendCapabilities:
     block_size_power_of_two: bool = False
     # Weight formats a backend that runs the whole step itself can execute (None: any, the model's own modules).
     quantizations: Optional[tuple[str, ...]] = None
+    # Walks the KV cache in tiles sized to the device's shared memory (triton_kv_tile).
+    shared_memory_tiles: bool = False
 
     def supports_block_size(self, block_size: int) -> bool:
         if block_size % self.block_size_multiple:
@@ -67,7 +73,7 @@ class BackendCapabilities:
         """Reasons this backend cannot serve ``cfg`` (empty when it can).
 
         ``cfg`` is the resolved ApplianceConfig; ``dtype`` the resolved
-        compute dtype. Importability is checked separately (probe_importable)
+        compute dtype. Whether a package serves it here is checked separately (probe_provider)
         so that ``plan`` can reason about a machine it is not running on.
         """
         reasons = []
@@ -99,7 +105,101 @@ class BackendCapabilities:
             if self.block_size_power_of_two:
                 rule = f"a power of two and {rule}"
             reasons.append(f"block_size {cfg.cache.block_size} is not {rule}")
+        tile = self.kv_tile(cfg, dtype)
+        if tile == 0:
+            target = hw.compute_capability
+            need = triton_attention_shared_bytes(TRITON_MIN_KV_TILE, cfg.model.head_dim, DTYPE_BYTES[dtype],
+                                                 triton_block_m(cfg.model.num_heads, cfg.model.num_kv_heads), target)
+            reasons.append(f"head_dim {cfg.model.head_dim} in {dtype} needs about {need} bytes of shared memory per "
+                           f"thread block at the smallest KV tile; {target} has {shared_memory_limit(target)}")
         return reasons
+
+    def kv_tile(self, cfg: ApplianceConfig, dtype: str) -> Optional[int]:
+        """Keys per KV tile on the target GPU; None where no limit applies (a backend that does not
+        tile, a CPU under the interpreter, a profile that names no compute capability)."""
+        target = cfg.hardware.compute_capability
+        if not self.shared_memory_tiles or cfg.hardware.device_kind not in self.device_kinds or not target:
+            return None
+        block_m = triton_block_m(cfg.model.num_heads, cfg.model.num_kv_heads)
+        return triton_kv_tile(cfg.cache.block_size, cfg.model.head_dim, DTYPE_BYTES[dtype], block_m, target)
+
+    def notes(self, cfg: ApplianceConfig, dtype: str) -> list[str]:
+        """What the backend adapts to the target, for ``appliance plan``."""
+        tile = self.kv_tile(cfg, dtype)
+        if tile and tile < cfg.cache.block_size:
+            target = cfg.hardware.compute_capability
+            return [f"reads each {cfg.cache.block_size}-token KV block in tiles of {tile} keys: a whole block "
+                    f"(head_dim {cfg.model.head_dim}, {dtype}) would take more shared memory than a thread block "
+                    f"has on {target} ({shared_memory_limit(target)} bytes)"]
+        return []
+
+
+# The most shared memory one thread block may use (the opt-in limit), by compute capability or AMD target.
+SHARED_MEMORY_BYTES = {
+    "8.0": 166912, "8.6": 101376, "8.7": 166912, "8.9": 101376, "9.0": 232448,
+    "10.0": 232448, "10.3": 232448, "11.0": 232448, "12.0": 101376, "12.1": 101376,
+    "gfx90a": 65536, "gfx942": 65536, "gfx950": 163840,
+}
+
+
+def shared_memory_limit(target: str) -> int:
+    """The shared memory of a thread block on ``target``; an unknown one gets the smallest of the table."""
+    return SHARED_MEMORY_BYTES.get(target, min(SHARED_MEMORY_BYTES.values()))
+
+
+TRITON_MAX_BLOCK_M = 64  # query rows of one program of the Triton attention kernel (TritonAttentionBackend.block_q_for)
+TRITON_MIN_KV_TILE = 16  # the smallest N of a tl.dot
+
+
+def pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1)."""
+    return 1 << max(0, (x - 1).bit_length())
+
+
+# Shared memory of the Triton attention kernel, per key of a KV tile and per query row, in units of
+# head_dim_pad x dtype bytes, plus a fixed part: (16-bit, fp32) by target family. 16-bit K and V tiles are
+# staged through shared memory by the software pipeline (three stages), fp32 ones are not. Fitted to, and
+# held above, what Triton 3.6 and 3.9 allocate for a launch on aligned tensors (tests/triton_compile.py
+# compiles every configuration for sm_90a, sm_100a and gfx942 and checks the bound; a launch on an H200
+# took what the compile for sm_90a said).
+TRITON_ATTENTION_SHARED = {
+    "cuda": (((4.0, 1.0), (4.5, 1.7)), 8192),
+    "hip": (((2.0, 0.75), (2.25, 0.5)), 4096),
+}
+
+
+def shared_memory_family(target: str) -> str:
+    """The TRITON_ATTENTION_SHARED row of a compute capability ("9.0") or AMD target ("gfx942")."""
+    return "hip" if target.startswith("gfx") else "cuda"
+
+
+def triton_attention_shared_bytes(kv_tile: int, head_dim: int, dtype_bytes: int, block_m: int, target: str) -> int:
+    """An upper bound of the shared memory one program of the Triton attention kernel takes on ``target``:
+    the K and V tiles of ``kv_tile`` keys as the software pipeline stages them, the query rows' operands,
+    and a fixed part."""
+    (narrow, wide), fixed = TRITON_ATTENTION_SHARED[shared_memory_family(target)]
+    per_key, per_row = wide if dtype_bytes >= 4 else narrow
+    return int(pow2(head_dim) * dtype_bytes * (per_key * kv_tile + per_row * block_m)) + fixed
+
+
+def triton_block_m(num_heads: int, num_kv_heads: int) -> int:
+    """The most query rows one program takes: 64, or one token's whole GQA group when that is larger."""
+    return max(TRITON_MAX_BLOCK_M, pow2(num_heads // num_kv_heads))
+
+
+def triton_kv_tile(block_size: int, head_dim: int, dtype_bytes: int, block_m: int,
+                   target: Optional[str]) -> int:
+    """Keys the Triton attention kernel loads at once on ``target`` (None: the interpreter, no limit): the
+    whole KV block when it fits in the target's shared memory, else the largest power of two that does (a
+    block is then read in several tiles), or 0 when even the smallest tile does not fit."""
+    if target is None:
+        return block_size
+    limit = shared_memory_limit(target)
+    tile = block_size
+    while tile >= TRITON_MIN_KV_TILE and \
+            triton_attention_shared_bytes(tile, head_dim, dtype_bytes, block_m, target) > limit:
+        tile //= 2
+    return tile if tile >= TRITON_MIN_KV_TILE else 0
 
 
 def _fmt_cc(cc: tuple[int, int]) -> str:
@@ -146,6 +246,7 @@ BACKENDS: dict[str, BackendCapabilities] = {
         head_sizes=tuple(range(16, 257, 8)),
         block_size_multiple=16,
         block_size_power_of_two=True,
+        shared_memory_tiles=True,
     ),
     "flashinfer": BackendCapabilities(
         name="flashinfer",
@@ -173,16 +274,13 @@ BACKENDS: dict[str, BackendCapabilities] = {
 }
 
 
-def probe_importable(name: str) -> tuple[Optional[str], Optional[str]]:
-    """(module that imported, None) or (None, every try's error)."""
-    errors = []
-    for mod in BACKENDS[name].probe_modules:
-        try:
-            importlib.import_module(mod)
-            return mod, None
-        except Exception as e:  # ImportError, or a CUDA load failure
-            errors.append(f"{mod}: {type(e).__name__}: {e}".splitlines()[0])
-    return None, " | ".join(errors)
+def probe_provider(name: str, dtype: str = "bfloat16", kv_cache_dtype: str = "auto"
+                   ) -> tuple[Optional[str], Optional[str]]:
+    """(the first of the backend's packages that serves here, None) or (None, why each one does not):
+    it must import, have its kernel and every feature a deployment of these dtypes needs (providers.probe)."""
+    needs = providers.attention_needs(name, dtype, kv_cache_dtype)
+    module, rejected = providers.first_usable(BACKENDS[name].probe_modules, needs)
+    return (module, None) if module else (None, " | ".join(rejected))
 
 
 @dataclass
@@ -191,12 +289,14 @@ class Selection:
     rejected: list[tuple[str, list[str]]] = field(default_factory=list)
     provider: Optional[str] = None  # the module that serves the chosen backend
     fallback_used: bool = False
+    notes: list[str] = field(default_factory=list)  # what the chosen backend adapts to the target
 
     def explain(self) -> list[str]:
         lines = [f"{name}: rejected: {'; '.join(reasons)}" for name, reasons in self.rejected]
         if self.chosen:
             via = f" via {self.provider}" if self.provider else ""
             lines.append(f"{self.chosen}: chosen{via}")
+            lines += [f"{self.chosen}: {note}" for note in self.notes]
         return lines
 
 
@@ -208,7 +308,7 @@ def select_backend(cfg: ApplianceConfig, dtype: str, check_import: bool) -> Sele
     """Walk the profile's priority list (or the forced backend).
 
     With ``check_import`` (serving) a backend whose package does not import
-    is rejected with "package not importable: <error>"; whether the walk may
+    is rejected with "no usable package: <why>"; whether the walk may
     then continue past the profile's first choice depends on
     ``attention.fallback``. Without it (plan on another machine) only the
     static capabilities count and importability is reported as a note.
@@ -231,17 +331,18 @@ def select_backend(cfg: ApplianceConfig, dtype: str, check_import: bool) -> Sele
         reasons = BACKENDS[name].validate(cfg, dtype)
         provider = None
         if not reasons and check_import:
-            provider, err = probe_importable(name)
+            provider, err = probe_provider(name, dtype, cfg.cache.kv_cache_dtype)
             if provider is None:
-                reasons = [f"package not importable: {err}"]
+                reasons = [f"no usable package: {err}"]
         if reasons:
             sel.rejected.append((name, reasons))
             if check_import and i == 0 and fallback == "deny" and any(
-                r.startswith("package not importable") for r in reasons
+                r.startswith("no usable package") for r in reasons
             ):
                 break
             continue
         sel.chosen, sel.provider, sel.fallback_used = name, provider, i > 0
+        sel.notes = BACKENDS[name].notes(cfg, dtype)
         return sel
     return sel
 

@@ -37,8 +37,9 @@ class TorchSDPABackend(AttentionBackend):
         for i in range(common.num_reqs):
             (decode if qsl[i + 1] - qsl[i] == 1 else prefill).append(i)
         decode_mask = decode_bt = None
-        decode_reqs = torch.tensor(decode, dtype=torch.long)
-        decode_tokens = torch.tensor([qsl[i] for i in decode], dtype=torch.long)
+        dev = common.block_table.device
+        decode_reqs = torch.tensor(decode, dtype=torch.long).to(dev)
+        decode_tokens = torch.tensor([qsl[i] for i in decode], dtype=torch.long).to(dev)
         if decode:
             max_ctx = max(seq_lens[i] for i in decode)
             nblocks = -(-max_ctx // common.block_size)

@@ -12,6 +12,10 @@ Masking: key position k is visible to query position p iff k <= p, with
     visible, causal inside the chunk.
 HEAD_DIM is padded to a power of two (HEAD_DIM_PAD) and masked, so any head
 size in the registry's range works (16 ... 256 in steps of 8).
+KV is read in tiles of TILE_N keys, a power of two dividing the block size: the
+whole block where its K and V tiles fit in the device's shared memory, else
+smaller tiles (``registry.triton_kv_tile``; a 256-token block of head dim 256
+would need more than an H100 has).
 fp8 (e4m3) KV is stored scaled by 1/k_scale (1/v_scale) and dequantized in
 the kernel. Under TRITON_INTERPRET=1 the kernels run on the CPU (the cpu
 profile with attention.backend=triton); loads are upcast to fp32, because the
@@ -22,6 +26,7 @@ Triton also decides whether the kernels are wrapped for the interpreter.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -29,7 +34,8 @@ import triton
 import triton.language as tl
 
 from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
-from appliance.kernels.registry import triton_interpreter_on
+from appliance.kernels.registry import (TRITON_MAX_BLOCK_M, pow2, triton_block_m, triton_interpreter_on,
+                                        triton_kv_tile)
 
 INTERPRET = triton_interpreter_on()
 
@@ -73,7 +79,7 @@ def _unified_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_QPKV: tl.constexpr, QPKV_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     FP8: tl.constexpr, UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -102,16 +108,18 @@ def _unified_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     last_q = tl.minimum(q_tile_start + BLOCK_Q, q_len) - 1
-    num_blocks = (prefix + last_q) // BLOCK_SIZE + 1
-    n = tl.arange(0, BLOCK_SIZE)
-    for j in range(0, num_blocks):
-        phys = tl.load(block_table_ptr + req * stride_bt + j).to(tl.int64)
-        k_pos = j * BLOCK_SIZE + n
+    num_tiles = (prefix + last_q) // TILE_N + 1
+    n = tl.arange(0, TILE_N)
+    for j in range(0, num_tiles):
+        first = j * TILE_N
+        phys = tl.load(block_table_ptr + req * stride_bt + first // BLOCK_SIZE).to(tl.int64)
+        slot = first % BLOCK_SIZE + n
+        k_pos = first + n
         k_ok = k_pos < seq_len
-        kv_off = phys * stride_cb + n[None, :] * stride_cs + kvh * stride_ch + d[:, None]
-        k = tl.load(k_cache_ptr + kv_off, mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [D, BS]
-        v_off = phys * stride_cb + n[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-        v = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BS, D]
+        kv_off = phys * stride_cb + slot[None, :] * stride_cs + kvh * stride_ch + d[:, None]
+        k = tl.load(k_cache_ptr + kv_off, mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [D, TILE_N]
+        v_off = phys * stride_cb + slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+        v = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, D]
         if FP8:
             k = (k.to(tl.float32) * k_scale).to(q.dtype)
             v = (v.to(tl.float32) * v_scale).to(q.dtype)
@@ -134,8 +142,22 @@ def _unified_attention_kernel(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
+def shared_memory_target(device: torch.device) -> Optional[str]:
+    """The registry's name of ``device``'s target ("9.0", "gfx942"); None under the interpreter."""
+    if INTERPRET or device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    if torch.version.hip:
+        return getattr(props, "gcnArchName", "").split(":")[0]
+    return f"{props.major}.{props.minor}"
+
+
+def kv_tile_for(device: torch.device, block_size: int, head_dim: int, dtype: torch.dtype, block_m: int) -> int:
+    tile = triton_kv_tile(block_size, head_dim, dtype.itemsize, block_m, shared_memory_target(device))
+    if not tile:
+        raise RuntimeError(f"the Triton attention kernel does not fit head_dim {head_dim} in {dtype} in the shared "
+                           f"memory of {device} (the registry refuses this configuration)")
+    return tile
 
 
 @dataclass
@@ -154,14 +176,15 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.qpkv = self.num_heads // self.num_kv_heads
-        self.qpkv_pad = _pow2(self.qpkv)
+        self.qpkv_pad = pow2(self.qpkv)
         self.fp8 = self.kv_cache_dtype in self.kv_dtypes
+        self._tiles: dict[tuple, int] = {}  # (device, block size, dtype) -> keys per KV tile
 
     def block_q_for(self, max_query_len: int) -> int:
         # BLOCK_M = BLOCK_Q * QPKV_PAD rows: at least 16 for tl.dot on GPUs, at most 64.
         want = max(1, 16 // self.qpkv_pad)
-        cap = max(1, 64 // self.qpkv_pad)
-        return min(max(want, _pow2(max_query_len)), cap) if not INTERPRET else max(1, min(_pow2(max_query_len), 4))
+        cap = max(1, TRITON_MAX_BLOCK_M // self.qpkv_pad)
+        return min(max(want, pow2(max_query_len)), cap) if not INTERPRET else max(1, min(pow2(max_query_len), 4))
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TritonMetadata:
         qsl = np.asarray(common.query_start_loc_cpu, dtype=np.int64)
@@ -185,8 +208,8 @@ class TritonAttentionBackend(AttentionBackend):
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             self.k_scale, self.v_scale,
-            NUM_KV_HEADS=self.num_kv_heads, KVH_PAD=_pow2(self.num_kv_heads),
-            HEAD_DIM=self.head_dim, HEAD_DIM_PAD=_pow2(self.head_dim),
+            NUM_KV_HEADS=self.num_kv_heads, KVH_PAD=pow2(self.num_kv_heads),
+            HEAD_DIM=self.head_dim, HEAD_DIM_PAD=pow2(self.head_dim),
             BLOCK_SIZE=k_cache.shape[1], FP8=self.fp8,
         )
 
@@ -197,6 +220,10 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         bt = c.block_table
         grid = (md.tile_req.shape[0], self.num_kv_heads)
+        key = (q.device, k_cache.shape[1], q.dtype)
+        if key not in self._tiles:
+            self._tiles[key] = kv_tile_for(q.device, k_cache.shape[1], self.head_dim, q.dtype,
+                                           triton_block_m(self.num_heads, self.num_kv_heads))
         _unified_attention_kernel[grid](
             q, k_cache, v_cache, out,
             bt, c.seq_lens, c.query_start_loc, md.tile_req, md.tile_q,
@@ -204,7 +231,7 @@ class TritonAttentionBackend(AttentionBackend):
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0),
             NUM_QPKV=self.qpkv, QPKV_PAD=self.qpkv_pad, BLOCK_Q=md.block_q, BLOCK_M=md.block_q * self.qpkv_pad,
-            HEAD_DIM=self.head_dim, HEAD_DIM_PAD=_pow2(self.head_dim), BLOCK_SIZE=k_cache.shape[1],
-            FP8=self.fp8, UPCAST=INTERPRET or q.dtype == torch.float32,
+            HEAD_DIM=self.head_dim, HEAD_DIM_PAD=pow2(self.head_dim), BLOCK_SIZE=k_cache.shape[1],
+            TILE_N=self._tiles[key], FP8=self.fp8, UPCAST=INTERPRET or q.dtype == torch.float32,
         )
         return out

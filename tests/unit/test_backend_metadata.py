@@ -61,10 +61,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the kerne
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["flashinfer", "flash_attn3", "triton"])
 def test_cuda_kernels_match_sdpa(name):
-    from appliance.kernels.registry import load_backend, probe_importable
+    from appliance.kernels.registry import load_backend, probe_provider
     from tests.kernel_helpers import reference
 
-    if probe_importable(name)[0] is None:
+    if probe_provider(name)[0] is None:
         pytest.skip(f"{name} not importable here")
     common, q, k, v, cache = make_problem([(0, 37), (50, 1), (16, 9)], 16, 8, 2, 128, dtype=torch.bfloat16)
     ref, _ = reference(common, q, k, v, cache, 8, 2, 128)
@@ -89,3 +89,21 @@ def test_torch_sdpa_makes_its_masks_where_the_batch_is():
     backend = TorchSDPABackend(4, 2, 8, 8 ** -0.5)
     out = backend.forward(q.to(meta), k.to(meta), v.to(meta), cache.to(meta), backend.build_metadata(common))
     assert out.device == meta and out.shape == q.shape
+
+
+# not flashinfer: it reads the block table back to the host to build its page lists (build_csr), which a
+# meta tensor cannot do (on a GPU a copy each step); the H200 check runs its builder where it is installed
+@pytest.mark.parametrize("name", ["triton", "flash_attn3", "torch_sdpa"])
+def test_metadata_is_built_where_the_batch_is(name):
+    """A backend's per-step metadata lands on the batch's device (``meta`` here: a tensor a builder made
+    on the CPU by default would show), as a GPU step needs; the kernel packages are not needed for it."""
+    from appliance.kernels.registry import load_backend
+
+    common = _common()
+    meta = torch.device("meta")
+    common = type(common)(**{f: (getattr(common, f).to(meta) if torch.is_tensor(getattr(common, f))
+                                 else getattr(common, f)) for f in common.__dataclass_fields__})
+    md = load_backend(name)(4, 2, 64, 0.125).build_metadata(common)
+    tensors = [v for v in vars(md).values() if torch.is_tensor(v)]
+    assert tensors or name == "torch_sdpa"
+    assert all(t.device == meta for t in tensors), [(k, v.device) for k, v in vars(md).items() if torch.is_tensor(v)]

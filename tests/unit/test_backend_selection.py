@@ -53,7 +53,7 @@ def test_fallback_deny_fails_with_every_reason(monkeypatch):
     with pytest.raises(ConfigError) as e:
         check_runnable(r, DEVICES["h100_bf16"])
     msg = str(e.value)
-    assert "flash_attn3: rejected: package not importable: flash_attn_interface" in msg
+    assert "flash_attn3: rejected: no usable package: flash_attn_interface" in msg
     assert "attention.fallback=allow" in msg
 
 
@@ -64,8 +64,8 @@ def test_fallback_allow_walks_the_chain(monkeypatch):
     sel = ex.selection
     assert sel.chosen == "triton" and sel.fallback_used
     assert [name for name, _ in sel.rejected] == ["flash_attn3", "flashinfer"]
-    assert ex.fallback_note().startswith("attention backend triton instead of flash_attn3 (package not importable")
-    assert "install the package that provides flash_attn3" in ex.fallback_note()
+    assert ex.fallback_note().startswith("attention backend triton instead of flash_attn3 (no usable package")
+    assert "install a package that provides flash_attn3 (README, Install notes)" in ex.fallback_note()
 
 
 def test_static_rejections_are_recorded():
@@ -104,14 +104,14 @@ def test_cli_plan_prints_chain_for_every_profile(cli):
         assert r.returncode == 0, r.stderr
         assert f"attention backend  {backend}" in r.stdout
         if backend in ("flash_attn3", "flashinfer"):  # CUDA-only packages, not installed on CPU machines
-            assert f"{backend} is not importable on this machine" in r.stdout
+            assert f"{backend} has no usable package on this machine" in r.stdout
 
 
 def test_cpu_falls_back_to_torch_sdpa_when_native_kernels_cannot_build(monkeypatch):
     fake_packages(monkeypatch, {"torch_sdpa"})
     sel = check_runnable(resolve(["+profile=cpu"]), DEVICES["cpu"]).selection
     assert sel.chosen == "torch_sdpa" and sel.fallback_used
-    assert any(line.startswith("cpu_native: rejected: package not importable") for line in sel.explain())
+    assert any(line.startswith("cpu_native: rejected: no usable package") for line in sel.explain())
 
 
 def test_cpu_native_runs_bf16_and_fp8_kv():

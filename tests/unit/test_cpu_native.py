@@ -682,7 +682,7 @@ def test_prebuilt_library_needs_no_compiler(tmp_path):
 def test_refuses_clearly_when_the_compiler_is_missing(tmp_path):
     code = (
         "import appliance.kernels.registry as reg\n"
-        "mod, err = reg.probe_importable('cpu_native')\n"
+        "mod, err = reg.probe_provider('cpu_native')\n"
         "assert mod is None\n"
         "print(err)\n"
     )

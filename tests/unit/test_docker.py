@@ -185,6 +185,29 @@ def test_gpu_images_carry_ray():
     assert text.count('pip install --no-cache-dir . "ray==2.60.0"') == 2  # cuda and rocm, the manifest's rayVersion
 
 
+def _stage(text: str, target: str) -> str:
+    """The lines of one build stage, from its FROM to the next."""
+    start = re.search(rf"^FROM (\S+) AS {target}$", text, re.M)
+    end = re.search(r"^FROM ", text[start.end():], re.M)
+    return text[start.start(): start.end() + end.start() if end else len(text)]
+
+
+def test_gpu_runtime_images_hold_what_the_kernels_compile_with():
+    text = (REPO / "Dockerfile").read_text()
+    cuda, rocm = _stage(text, "cuda"), _stage(text, "rocm")
+    # Triton builds its launchers with a C compiler at first use; FlashInfer JIT-compiles with nvcc
+    devel = re.search(r"^ARG CUDA_DEVEL_IMAGE=(\S+)$", text, re.M).group(1)
+    assert cuda.startswith("FROM ${CUDA_DEVEL_IMAGE} AS cuda") and "-devel-" in devel
+    for stage in (cuda, rocm):
+        assert re.search(r"apt-get install -y --no-install-recommends python3 gcc .*libc6-dev", stage), stage[:200]
+    assert "CUDA_HOME=/usr/local/cuda" in cuda
+    # the CUDA build of torch matches the devel image's CUDA (cu128 for 12.8)
+    cuda_version = re.search(r"nvidia/cuda:(\d+)\.(\d+)", devel).groups()
+    assert f"whl/cu{''.join(cuda_version)}" in _stage(text, "cuda-build")
+    # no kernel package pinned that does not load on the pinned torch (sgl-kernel 0.3.21 is built for 2.9)
+    assert "sgl-kernel==" not in text
+
+
 def dashboard_metric_names() -> set[str]:
     base = REPO / "docker"
     text = (base / "grafana" / "dashboards" / "appliance.json").read_text() + (base / "prometheus.yml").read_text()

@@ -88,7 +88,7 @@ def test_without_native_kernels_torch_runs_bf16_only_where_the_cpu_has_it(host, 
     assert ex.backend == "torch_sdpa"
     assert ex.dtype == ("bfloat16" if FAST_BF16[host] else "float32")
     note = ex.fallback_note()
-    assert note.startswith("attention backend torch_sdpa instead of cpu_native (package not importable")
+    assert note.startswith("attention backend torch_sdpa instead of cpu_native (no usable package")
     assert "install gcc" in note
     # The plan for the target hardware (not probed) still names the native kernels.
     static = resolve_execution(resolve(["+profile=cpu"]).cfg)
@@ -97,14 +97,14 @@ def test_without_native_kernels_torch_runs_bf16_only_where_the_cpu_has_it(host, 
 
 def test_fallback_deny_does_not_walk_on(monkeypatch):
     fake_packages(monkeypatch, {"torch_sdpa"})
-    with pytest.raises(reg.BackendSelectionError, match="cpu_native: rejected: package not importable"):
+    with pytest.raises(reg.BackendSelectionError, match="cpu_native: rejected: no usable package"):
         check_runnable(resolve(["+profile=cpu", "attention.fallback=deny"]), CPU)
 
 
 @pytest.mark.parametrize("reason, fix", [
     ("dtype float16 not in ['float32']", "model.dtype=auto"),
     ("kv_cache_dtype fp8_e4m3 not in ['auto', 'bfloat16']", "cache.kv_cache_dtype=auto"),
-    ("package not importable: appliance.kernels.cpu_native: ImportError: no gcc", "install gcc"),
+    ("no usable package: appliance.kernels.cpu_native: ImportError: no gcc", "install gcc"),
 ])
 def test_fallback_note_names_the_reason_and_the_fix(reason, fix):
     from dataclasses import replace
@@ -166,7 +166,7 @@ def test_fallback_is_printed_once_after_the_profile_line(cli, tmp_path):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].startswith("profile auto -> cpu: ")
-    assert lines[1].startswith("note: attention backend torch_sdpa instead of cpu_native (package not importable")
+    assert lines[1].startswith("note: attention backend torch_sdpa instead of cpu_native (no usable package")
     assert "to run cpu_native: install gcc" in lines[1]
     assert r.stdout.count("instead of cpu_native") == 1
     r = cli("generate", "model=tiny_random", "prompt=Hello", "max_tokens=2", env=env)

@@ -12,6 +12,7 @@ import torch  # noqa: E402
 
 import appliance.kernels.registry as reg  # noqa: E402
 from appliance.config.compose import resolve  # noqa: E402
+from appliance.kernels import triton_attention  # noqa: E402
 from appliance.kernels.triton_attention import INTERPRET, TritonAttentionBackend  # noqa: E402
 from tests.kernel_helpers import make_problem, reference  # noqa: E402
 
@@ -56,6 +57,20 @@ def test_larger_blocks_match_sdpa(block_size):
     b = TritonAttentionBackend(4, 2, 16, 0.25)
     out = b.forward(q, k, v, cache, b.build_metadata(common))
     torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_blocks_read_in_smaller_tiles_match_sdpa(monkeypatch, block_size):
+    # On a GPU a block too large for shared memory is read in tiles of 16 keys (registry.triton_kv_tile):
+    # fp32 head dim 256 on sm_90 takes 16-key tiles, so each block is walked in 2 or 4 tiles here.
+    monkeypatch.setattr(triton_attention, "shared_memory_target", lambda device: "9.0")
+    specs = [(0, 7), (block_size - 1, 1), (block_size + 5, 3), (3, block_size)]
+    common, q, k, v, cache = make_problem(specs, block_size, 2, 1, 256, seed=block_size)
+    ref_out, ref_cache = reference(common, q, k, v, cache, 2, 1, 256)
+    b = TritonAttentionBackend(2, 1, 256, 256 ** -0.5)
+    out = b.forward(q, k, v, cache, b.build_metadata(common))
+    assert set(b._tiles.values()) == {16}
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
 
 
