@@ -71,49 +71,57 @@ class TorchDistributedComm:
     def __init__(self, world_size: int, group: Any = None, device: str = "cpu"):
         self.world_size, self.group, self.device = world_size, group, device
 
+    def _here(self, t: Any) -> Any:
+        """``t`` on the group's device (NCCL moves only GPU tensors: a host flag, counter or count list
+        goes there and its result comes back)."""
+        return t if t.device.type == self.device else t.to(self.device)
+
     def all_reduce(self, t: Any) -> None:
-        """In place; a tensor elsewhere than the group's device (a host flag or
-        counter over NCCL) goes there and back."""
+        """In place, wherever ``t`` is."""
         import torch.distributed as dist
 
-        if t.device.type == self.device:
-            dist.all_reduce(t, group=self.group)
-            return
-        staged = t.to(self.device)
+        staged = self._here(t)
         dist.all_reduce(staged, group=self.group)
-        t.copy_(staged)
+        if staged is not t:
+            t.copy_(staged)
 
     def all_gather(self, t: Any) -> list:
+        """Every rank's ``t``, in rank order, where ``t`` is."""
         import torch
         import torch.distributed as dist
 
-        t = t.contiguous()
-        out = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(out, t, group=self.group)
-        return out
+        staged = self._here(t.contiguous())
+        out = [torch.empty_like(staged) for _ in range(self.world_size)]
+        dist.all_gather(out, staged, group=self.group)
+        return out if staged.device == t.device else [o.to(t.device) for o in out]
 
     def broadcast(self, t: Any, src: int) -> None:
+        """In place, wherever ``t`` is."""
         import torch.distributed as dist
 
-        dist.broadcast(t, src, group=self.group)
+        staged = self._here(t)
+        dist.broadcast(staged, src, group=self.group)
+        if staged is not t:
+            t.copy_(staged)
 
     has_all_to_all = True
 
     def all_to_all(self, t: Any, send_counts: list[int], recv_counts: Optional[list[int]] = None) -> tuple:
         """Rows ``t`` (in rank order, ``send_counts[r]`` of them to rank r) to
         their ranks: (the rows this rank received, in rank order, and how
-        many from each; ``recv_counts`` when already known)."""
+        many from each; ``recv_counts`` when already known), where ``t`` is."""
         import torch
         import torch.distributed as dist
 
+        rows = self._here(t.contiguous())
         if recv_counts is None:
-            sent = torch.tensor(send_counts, dtype=torch.int64, device=t.device)
+            sent = torch.tensor(send_counts, dtype=torch.int64, device=rows.device)
             got = torch.empty_like(sent)
             dist.all_to_all_single(got, sent, group=self.group)
             recv_counts = got.tolist()
-        out = t.new_empty((sum(recv_counts), *t.shape[1:]))
-        dist.all_to_all_single(out, t.contiguous(), recv_counts, send_counts, group=self.group)
-        return out, recv_counts
+        out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows, recv_counts, send_counts, group=self.group)
+        return out.to(t.device), recv_counts
 
 
 @dataclass(frozen=True)
