@@ -7,6 +7,7 @@ import importlib
 KINDS = {
     "scheduler": "appliance.bench.scheduler",
     "machine": "appliance.bench.machine",
+    "gemm": "appliance.bench.gemm",
     "throughput": "appliance.bench.throughput",
     "serve": "appliance.bench.serve",
     "latency": "appliance.bench.latency",

@@ -46,6 +46,24 @@ def test_machine(out):
     assert variants["bf16, int4 and W8A8 GEMMs of 16 rows or more"].startswith("amx" if cpu_native.amx() else "as above")
 
 
+def test_gemm(out, cli):
+    r = cli("bench", "gemm", "--rows", "1,8", "--mib", "1", "--repeat", "1", "--out", str(out), "model=tiny_random",
+            "model.dtype=bfloat16")
+    assert r.returncode == 0, r.stderr
+    g = load(out, "gemm")
+    from appliance.kernels import cpu_native
+
+    # tiny_random: hidden 64, 4 heads / 2 kv heads of 16, intermediate 128
+    shapes = {(x["projection"], x["k"], x["n"]) for x in g["results"]}
+    assert shapes == {("qkv", 64, 128), ("o", 64, 64), ("gate_up", 64, 256), ("down", 128, 64)}
+    paths = {x["path"] for x in g["results"]}
+    assert paths == ({"default", "bf16_dot off"} if cpu_native.bf16_dot() else {"default"})
+    for x in g["results"]:
+        assert x["ms"] > 0 and math.isclose(x["gflops"], 2 * x["rows"] * x["k"] * x["n"] / x["ms"] / 1e6, rel_tol=1e-9)
+        assert x["share_of_peak_gflops"] > 0 and x["share_of_bandwidth"] > 0
+    assert (out / "gemm.png").stat().st_size > 0
+
+
 def test_throughput_with_hf_baseline(out, cli):
     r = cli("bench", "throughput", "--num-prompts", "3", "--input-len-range", "8,24", "--output-len", "6",
             "--baseline", "hf", "--also", "quantization=int8_wo", "--repeat", "2", "--out", str(out), *TINY)

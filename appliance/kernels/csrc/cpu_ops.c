@@ -621,6 +621,9 @@ static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out
  */
 #define DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define DR 12 /* rows per vdpbf16ps tile: 12 zmm accumulators */
+#ifndef DOT_PREFETCH
+#define DOT_PREFETCH 8192 /* bytes ahead of a stored panel's stream (weights come from memory, not a cache) */
+#endif
 
 static int g_has_avx512, g_avx512, g_has_bf16_dot, g_bf16_dot;
 
@@ -684,7 +687,39 @@ DOT_TARGET static inline __attribute__((always_inline)) void dtile(const uint16_
     for (int i = 0; i < mr; i++) _mm512_storeu_ps(c[i], a[i]);
 }
 
+/* Lane order of a bf16 panel's two k rows ([k even | k odd] x 16 channels) as vdpbf16ps pairs them:
+ * channel c's two values side by side. */
+DOT_TARGET static inline __m512i pair_lanes(void) {
+    return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+                            19, 3, 18, 2, 17, 1, 16, 0);
+}
+
+/* mr rows (bf16, row stride kp) by one bf16 panel as stored ([k][PW]), each k pair interleaved on the way
+ * (one vpermw per pair): the same sums as dtile over panel_pairs' copy, with no copy. For a single row
+ * tile the copy would be written and read once, against the stored panel streamed once here, prefetched
+ * ahead as it comes from memory. */
+DOT_TARGET static inline __attribute__((always_inline)) void dtile_stored(const uint16_t *xb, int64_t kp,
+                                                                          const uint16_t *pb, int64_t k,
+                                                                          const int mr, float c[DR][PW]) {
+    const __m512i lanes = pair_lanes();
+    __m512 a[DR];
+    for (int i = 0; i < DR; i++) a[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; 2 * j < k; j++) {
+        const __mmask32 rows = 2 * j + 1 < k ? 0xffffffffu : 0xffffu; /* an odd k pairs its last row with zeros */
+        _mm_prefetch((const char *)(pb + j * 2 * PW) + DOT_PREFETCH, _MM_HINT_T0); /* this panel, then the next */
+        const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(lanes, _mm512_maskz_loadu_epi16(rows, pb + j * 2 * PW));
+        for (int i = 0; i < DR; i++)
+            if (i < mr) {
+                int32_t pair;
+                memcpy(&pair, xb + i * kp + 2 * j, sizeof(pair));
+                a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_set1_epi32(pair), w);
+            }
+    }
+    for (int i = 0; i < mr; i++) _mm512_storeu_ps(c[i], a[i]);
+}
+
 #define DTILE_CASE(R) case R: dtile(xr, kp, pbuf, R, c); break;
+#define DTILE_STORED_CASE(R) case R: dtile_stored(xr, kp, pb, L->k, R, c); break;
 
 /* Panel pn re-laid as k pairs ([kp / 2][PW][2] bf16: channel c of pair j at j * 2PW + 2c, the operand
  * order of vdpbf16ps and of an AMX B tile), zero past k up to kp (even): a bf16 panel as it is; an int8 one
@@ -693,9 +728,7 @@ DOT_TARGET static inline __attribute__((always_inline)) void dtile(const uint16_
  * even). */
 DOT_TARGET static void panel_pairs(const Linear *L, int64_t pn, int64_t kp, uint16_t *pbuf, float *wf) {
     const int64_t k = L->k;
-    /* [k even | k odd] x 16 channels -> channel-major pairs */
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i pairs = pair_lanes(); /* [k even | k odd] x 16 channels -> channel-major pairs */
     int64_t j = 0;
     if (L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G) {
         grouped_widen(L, pn, wf);
@@ -733,14 +766,26 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
     for (int64_t pn = p0; pn < p1; pn++) {
         const int64_t n0 = pn * PW;
         const int nv = (int)(n - n0 < PW ? n - n0 : PW);
-        panel_pairs(L, pn, kp, pbuf, wf);
+        /* up to two row tiles against a bf16 panel: read the stored panel directly (a second tile finds it in
+         * the cache); more: re-lay it once for all of them */
+        const int stored = L->wtype == WTYPE_BF16 && m1 - m0 <= 2 * DR;
+        const uint16_t *pb = (const uint16_t *)L->w + pn * L->k * PW;
+        if (!stored) panel_pairs(L, pn, kp, pbuf, wf);
         for (int64_t m = m0, mr; m < m1; m += mr) {
             const int64_t left = m1 - m; /* twelve-row tiles; a short remainder shares the last 24 rows evenly */
             mr = left >= 2 * DR || left <= DR ? (left < DR ? (int)left : DR) : (int)((left + 1) / 2);
             const uint16_t *xr = xb + m * kp;
-            switch (mr) {
-                DTILE_CASE(12) DTILE_CASE(11) DTILE_CASE(10) DTILE_CASE(9) DTILE_CASE(8) DTILE_CASE(7)
-                DTILE_CASE(6) DTILE_CASE(5) DTILE_CASE(4) DTILE_CASE(3) DTILE_CASE(2) default: dtile(xr, kp, pbuf, 1, c);
+            if (stored) {
+                switch (mr) {
+                    DTILE_STORED_CASE(12) DTILE_STORED_CASE(11) DTILE_STORED_CASE(10) DTILE_STORED_CASE(9)
+                    DTILE_STORED_CASE(8) DTILE_STORED_CASE(7) DTILE_STORED_CASE(6) DTILE_STORED_CASE(5)
+                    DTILE_STORED_CASE(4) DTILE_STORED_CASE(3) DTILE_STORED_CASE(2) default: dtile_stored(xr, kp, pb, L->k, 1, c);
+                }
+            } else {
+                switch (mr) {
+                    DTILE_CASE(12) DTILE_CASE(11) DTILE_CASE(10) DTILE_CASE(9) DTILE_CASE(8) DTILE_CASE(7)
+                    DTILE_CASE(6) DTILE_CASE(5) DTILE_CASE(4) DTILE_CASE(3) DTILE_CASE(2) default: dtile(xr, kp, pbuf, 1, c);
+                }
             }
             for (int i = 0; i < (int)mr; i++) store_out(L, out + (m + i) * ldo + n0, n0, c[i], nv, accumulate);
         }
@@ -1266,6 +1311,9 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
         memset(xb + m * kx, 0, sizeof(uint16_t) * (size_t)((mx - m) * kx));
         mc = (256 * 1024 / 2) / kx;
         mc = mc < 32 ? 32 : (mc / 32) * 32;
+    } else if (dot) { /* each block of rows re-lays every panel: as many rows as 512 KiB of bf16 holds */
+        mc = (512 * 1024 / 2) / kx;
+        mc = mc < 2 * DR ? 2 * DR : (mc / DR) * DR;
     }
     float *xs = NULL; /* the rows' group sums */
     if (q4_rows_here || (grouped && m == 1)) {

@@ -1,0 +1,111 @@
+"""`appliance bench gemm`: the native CPU kernels' GEMMs at a model's projection shapes.
+
+For each projection of the configured model (qkv, o, gate|up, down) and each
+row count (decode batches, prefill chunks), the native linear in the model's
+weight dtype runs with the path the kernels pick on this CPU and, as the
+same-run baseline, with AVX2 FMAs over weights widened to fp32 (the path of
+CPUs without AVX512-BF16, ``cpu_native.bf16_dot(False)``). A layer's weights
+come from memory, not a cache: each projection is cycled through enough copies
+to hold more bytes than ``--mib``. Reported: milliseconds a call, GFLOP/s,
+weight bytes a second, and the fraction of the machine's roofline (peak bf16
+or fp32 GEMM GFLOP/s and memory bandwidth, from ``bench machine``).
+
+    appliance bench gemm model=tiny_random model.hidden_size=2048 model.intermediate_size=8192 \\
+        model.num_heads=32 model.num_kv_heads=8 model.head_dim=64 model.dtype=bfloat16 --rows 1,8,32,256
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from appliance.bench.common import plot_lines, split_overrides, write_results
+
+
+def projections(cfg) -> dict[str, tuple[int, int]]:
+    """(in features, out features) of each projection of one layer, as the native forward runs them."""
+    m = cfg.model
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    return {"qkv": (m.hidden_size, q + 2 * kv), "o": (q, m.hidden_size),
+            "gate_up": (m.hidden_size, 2 * m.intermediate_size), "down": (m.intermediate_size, m.hidden_size)}
+
+
+def time_linear(k: int, n: int, rows: int, dtype: torch.dtype, mib: int, repeat: int, paths: list[bool]
+                ) -> dict[bool, float]:
+    """Best seconds a call of a [rows, k] x [k, n] product, per bf16_dot setting in ``paths``."""
+    from appliance.kernels.cpu_native import NativeLinear, bf16_dot
+
+    copies = max(2, -(-mib * 2**20 // (k * n * dtype.itemsize)))
+    linears = [NativeLinear(torch.nn.Linear(k, n, bias=False).to(dtype)) for _ in range(copies)]
+    x, out = torch.randn(rows, k), torch.empty(rows, n)
+    before = bf16_dot()
+    best: dict[bool, float] = {}
+    try:
+        for _ in range(repeat):  # the paths interleaved, so both see the same machine
+            for dot in paths:
+                bf16_dot(dot)
+                linears[0](x, out)
+                t = time.perf_counter()
+                for lin in linears:
+                    lin(x, out)
+                best[dot] = min(best.get(dot, float("inf")), (time.perf_counter() - t) / copies)
+    finally:
+        bf16_dot(before)
+    return best
+
+
+def run(cfg, rows: list[int], mib: int, repeat: int, machine: dict) -> dict:
+    from appliance.kernels.cpu_native import bf16_dot
+
+    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    peak_name = "bf16" if dtype == torch.bfloat16 and "bf16" in machine["peak_gflops"] else "fp32"
+    peak, bandwidth = machine["peak_gflops"][peak_name], machine["peak_bandwidth_GBps"]
+    paths = [True, False] if dtype == torch.bfloat16 and bf16_dot() else [False]
+    results = []
+    for name, (k, n) in projections(cfg).items():
+        for m in rows:
+            best = time_linear(k, n, m, dtype, mib, repeat, paths)
+            for dot, seconds in best.items():
+                gflops = 2 * m * k * n / seconds / 1e9
+                weight_gbps = k * n * dtype.itemsize / seconds / 1e9
+                results.append({"projection": name, "k": k, "n": n, "rows": m,
+                                "path": "default" if dot or len(paths) == 1 else "bf16_dot off",
+                                "ms": seconds * 1e3, "gflops": gflops, "weight_GBps": weight_gbps,
+                                "share_of_peak_gflops": gflops / peak, "share_of_bandwidth": weight_gbps / bandwidth})
+            if len(best) > 1:
+                results[-2]["speedup_over_widened"] = best[False] / best[True]
+    return {"dtype": str(dtype).removeprefix("torch."), "rows": rows, "mib": mib, "machine_peak_gflops": peak,
+            "machine_peak_gflops_dtype": peak_name, "machine_bandwidth_GBps": bandwidth, "results": results}
+
+
+def main(argv: list[str]) -> int:
+    from appliance.bench.machine import kernel_variants, load_or_measure
+    from appliance.config.compose import resolve
+
+    p = argparse.ArgumentParser(prog="appliance bench gemm")
+    p.add_argument("--rows", default="1,8,16,32,64,256", help="row counts (decode batches, prefill chunks)")
+    p.add_argument("--mib", type=int, default=512, help="weight bytes each projection cycles through")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--out", default="bench-results")
+    a, overrides = split_overrides(p, argv)
+    cfg = resolve(["+profile=cpu", *overrides]).cfg
+    rows = [int(r) for r in a.rows.split(",")]
+    res = run(cfg, rows, a.mib, a.repeat, load_or_measure(a.out))
+    res["kernel_variants"] = kernel_variants()
+    path = write_results(a.out, "gemm", res)
+    series = {}
+    for r in res["results"]:
+        xs, ys = series.setdefault(f"{r['projection']} ({r['path']})", ([], []))
+        xs.append(r["rows"])
+        ys.append(r["gflops"])
+    png = plot_lines(a.out, "gemm", f"native {res['dtype']} GEMMs: GFLOP/s by rows "
+                     f"(machine peak {res['machine_peak_gflops']:.0f})", "rows", "GFLOP/s", series, logx=True)
+    for r in res["results"]:
+        extra = f"  {r['speedup_over_widened']:.2f}x bf16_dot off" if "speedup_over_widened" in r else ""
+        print(f"{r['projection']:>8} k={r['k']:<6} n={r['n']:<6} rows={r['rows']:<4} {r['path']:>13}: "
+              f"{r['ms']:8.3f} ms {r['gflops']:7.1f} GFLOP/s ({100 * r['share_of_peak_gflops']:3.0f}% of peak) "
+              f"{r['weight_GBps']:6.1f} GB/s of weights ({100 * r['share_of_bandwidth']:3.0f}%){extra}")
+    print(f"wrote {path} and {png}")
+    return 0
