@@ -1,7 +1,7 @@
 """The GPU profile served over HTTP, for scripts/gpu_check.py's ``serve`` section.
 
 The lent machine starts bare and SmolLM2's file (94 MB) cannot travel with the
-check, so the model is a random Llama of 0.2B parameters (the tiny_random
+check, so the model is a random Llama of 91M parameters (the tiny_random
 generator at a larger shape: 8 layers of hidden 1024, GQA 4, head dim 64),
 generated there once. Cases:
 
@@ -36,7 +36,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["model=tiny_random", "model.hidden_size=1024", "model.num_layers=8", "model.num_heads=16",
-         "model.num_kv_heads=4", "model.head_dim=64", "model.intermediate_size=2816"]
+         "model.num_kv_heads=4", "model.head_dim=64", "model.intermediate_size=2816", "model.param_count_b=0.091"]
 GPU_BF16 = ["+profile=auto", *MODEL, "model.dtype=bfloat16", "quantization=none", "cache.kv_cache_dtype=auto",
             "attention.fallback=allow", "cache.num_blocks=4096"]
 GPU_FP32 = ["+profile=auto", *MODEL, "model.dtype=float32", "quantization=none", "cache.kv_cache_dtype=auto",

@@ -6,10 +6,11 @@ import os
 import sys
 
 import pytest
+import torch
 
 import appliance.kernels.registry as reg
 from appliance.config.compose import resolve
-from appliance.kernels import providers
+from appliance.kernels import flashinfer_moe, marlin_int4, providers
 
 FA3 = "def flash_attn_with_kvcache(*args, **kwargs):\n    raise RuntimeError('not a GPU')\n"
 
@@ -112,3 +113,10 @@ def test_the_selector_skips_unusable_fa3_builds_and_names_each(site, monkeypatch
                        "built without paged_kv, which this deployment needs | sgl_kernel.flash_attn: does not "
                        "import: OSError: undefined symbol"]
     assert sel.chosen != "flash_attn3"
+
+
+def test_marlin_and_flashinfer_moe_say_why_they_do_not_run_on_a_cpu():
+    assert marlin_int4.unusable_reason(torch.device("cpu")) == "it runs on NVIDIA GPUs, not cpu"
+    assert not marlin_int4.usable(torch.device("cpu"), torch.bfloat16)
+    assert flashinfer_moe.unusable_reason(torch.zeros(2, 4)) == "it runs on NVIDIA GPUs, not cpu"
+    assert not flashinfer_moe.usable(torch.zeros(2, 4, dtype=torch.bfloat16))
