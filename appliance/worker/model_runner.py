@@ -310,7 +310,8 @@ class ModelRunner:
         eplb = getattr(self.model, "eplb", None)
         if eplb is not None:
             out.expert_stats = eplb.stats()
-        logits = logits.cpu()
+        if sampling or scored:  # sampling runs on host logits; a chunk that samples nothing has none to copy
+            logits = logits.cpu()
         num_sample_rows = len(sampling) + sum(num_drafts)
         if scored:
             self._score_prompts(logits[num_sample_rows:], [(states[i], c, end) for i, c, end in scored], out)
