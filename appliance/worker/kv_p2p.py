@@ -45,11 +45,13 @@ whatever one message does; a consumer's failed load is reported
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -110,6 +112,19 @@ def gather_blocks(caches: list[torch.Tensor], block_ids: list[int]) -> torch.Ten
     return data
 
 
+_OPEN: "weakref.WeakSet[P2PWorker]" = weakref.WeakSet()  # workers whose threads run
+
+
+@atexit.register
+def _close_open_workers() -> None:
+    """At the interpreter's exit, before it tears itself down: stop every
+    worker still open (an engine nobody closed). Its daemon threads would
+    otherwise go on into a transport's native calls (NIXL's) while the
+    process unloads that library, which aborts the process."""
+    for worker in list(_OPEN):
+        worker.close()
+
+
 class P2PWorker(KVConnectorWorker):
     """One rank's transfers (see the module docstring; nothing is saved per
     layer: a producer's blocks are read when their consumer asks). An engine core of
@@ -153,6 +168,7 @@ class P2PWorker(KVConnectorWorker):
             self._threads.append(threading.Thread(target=self._pull, name="kv-p2p-puller", daemon=True))
         for t in self._threads:
             t.start()
+        _OPEN.add(self)
 
     # -- the model runner's calls ------------------------------------------------------
     def start_load_kv(self, meta: Optional[P2PMetadata], kv_caches: list[torch.Tensor]) -> None:
@@ -181,6 +197,9 @@ class P2PWorker(KVConnectorWorker):
         return out
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return
+        _OPEN.discard(self)
         self._stop.set()
         for t in self._threads:
             t.join(timeout=2)

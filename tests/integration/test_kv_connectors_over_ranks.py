@@ -52,6 +52,16 @@ def _same(a, b):
     assert [lp.top for lp in a.outputs[0].logprobs] == [lp.top for lp in b.outputs[0].logprobs]
 
 
+def _close(a, b, atol=1e-5):
+    """The same tokens, logprobs equal up to rounding: what computing the
+    prompt's tail in another chunk gives (a BLAS may sum a GEMM of other
+    rows in another order: bit-equal on some CPUs, not on others)."""
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+        assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=atol)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_each_rank_keeps_its_part_and_the_prefix_loads(tmp_path, layout):
     llm = LLM(overrides=_overrides(tmp_path, layout))
@@ -74,13 +84,13 @@ def test_each_rank_keeps_its_part_and_the_prefix_loads(tmp_path, layout):
     assert restarted.num_cached_tokens == blocks * again.engine.block_size
     _same(cold, restarted)
 
-    # one rank's part of the first block unreadable: both ranks fail the step, which is recomputed
+    # one rank's part of a block unreadable: both ranks fail the step, and the prompt is computed from that block
     victim = rank_folder(connector.folder, 1) / sorted(p.name for p in rank_folder(connector.folder, 1).iterdir())[0]
     victim.write_bytes(victim.read_bytes()[:100])
     assert again.engine.reset_prefix_cache()
     recomputed = again.generate([PROMPT], GREEDY, use_tqdm=False)[0]
     assert recomputed.outputs[0].finish_reason == "length"  # not an error
-    _same(cold, recomputed)
+    _close(cold, recomputed)
     _settle(again)  # every rank wrote its part again as the request recomputed it
     assert victim.stat().st_size == max(p.stat().st_size for p in victim.parent.iterdir())
     assert bytes.fromhex(victim.stem) in again.engine.scheduler.connector.available

@@ -9,6 +9,9 @@ blocks that fail their checksum or hold NaN, are refused and computed
 instead; the request fields and the config refuse what cannot run."""
 
 import dataclasses
+import subprocess
+import sys
+import textwrap
 import time
 
 import msgspec
@@ -569,6 +572,25 @@ def test_a_port_in_use_is_a_clear_error():
     LLM(overrides=_producer_on)
     with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
         LLM(overrides=_producer_on)
+
+
+def test_a_worker_left_open_stops_its_threads_at_exit():
+    """An engine nobody closed: as the interpreter exits, its transfer
+    threads stop before the process unloads the transports' libraries (a
+    thread inside NIXL's then aborts the process)."""
+    script = textwrap.dedent(f"""
+        from appliance.worker.kv_p2p import P2PWorker
+        worker = P2PWorker("both", "engine", "layout", "127.0.0.1", {free_port()}, 1.0, b"{KEY}")
+        close = worker.close
+        def reporting_close():
+            close()
+            print("stopped:", not any(t.is_alive() for t in worker._threads), flush=True)
+        worker.close = reporting_close
+        print("running:", len(worker._threads), all(t.is_alive() for t in worker._threads), flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["running: 2 True", "stopped: True"]
 
 
 def test_a_load_over_ranks_ends_when_every_rank_has():
