@@ -41,6 +41,8 @@ def test_machine(out):
     assert variants["bf16 and int4 GEMMs over 6 rows"].startswith("avx512_bf16" if cpu_native.bf16_dot() else "avx2+fma")
     assert variants["int4 GEMV and GEMMs of 2-6 rows"].startswith("avx512f" if cpu_native.avx512() else "avx2+fma")
     assert variants["prefill attention tiles"].startswith("avx512f" if cpu_native.avx512() else "avx2+fma")
+    assert variants["decode attention over a bf16 KV cache"].startswith(
+        "avx512_bf16" if cpu_native.bf16_dot() else "avx2+fma")
     assert variants["W8A8 int8 GEMV and GEMMs (quantization=w8a8_int8)"].startswith(
         "avx512_vnni" if cpu_native.vnni() else "avx2 (vpmaddwd")
     assert variants["bf16, int4 and W8A8 GEMMs of 16 rows or more"].startswith("amx" if cpu_native.amx() else "as above")

@@ -128,6 +128,13 @@ typedef struct {
 
 /* ---------------------------------------------------------------- helpers */
 
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
     lo = _mm_add_ps(lo, hi);
@@ -951,13 +958,6 @@ static void __attribute__((constructor)) probe_vnni(void) {
     g_has_vnni = g_vnni = cpu_avx512_level() >= 1 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c & (1u << 11));
 }
 
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-
 /* Rows [0, m) of x quantized into q ([m][kq], the tail past k zero) with their scales s; offset: store q + 128
  * (as unsigned bytes, for vpdpbusd) rather than q. */
 static void a8_quantize(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t kq, int8_t *q, float *s,
@@ -1422,88 +1422,153 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 }
 
 /*
- * One item: nh query heads of one token (qg [nh, d], consecutive) attend the
- * first n_vis positions of a sequence whose blocks are bt. Head h reads kv
- * head h / grp of the K/V rows (kv head 0 at k_base / v_base); rows are read
- * in place from the block pool (row stride kv_stride elements, fp32, bf16
- * or fp8). scale includes an fp8 cache's k_scale; v_scale scales the
- * output. scores [nh, ld] and inv [nh] are scratch. d is a multiple of 8.
+ * Decode attention (flash-decoding): one item is the query heads of one token attending positions [p0, p1) of
+ * its sequence (a split of its context, or all of it). Positions go by chunks of DEC_CH, read in place from
+ * the block pool (block table bt; a position's row holds every kv head's d elements, kv_stride = n_kv_heads *
+ * d elements apart, at k_base / v_base; fp32, bf16 or fp8), every kv head's part of a chunk in turn, so each
+ * block streams in as the contiguous run it is. Per chunk and kv head, its grp query heads: the scores
+ * (each K row loaded once for all of them), an online softmax (per head a running max m and sum l, the
+ * output accumulated so far rescaled when the max grows), then P V with each V row loaded once for all of
+ * them. Leaves acc [nh][d] (not divided by l), m [nh] and l [nh]; s [grp][DEC_CH] and corr [grp] are
+ * scratch. scale includes an fp8 cache's k_scale. d % 8 == 0.
  */
-#define DEFINE_ATTEND(SUFFIX, KT, LOADKV)                                                                             \
-static void attend_item_##SUFFIX(const float *qg, float *og, const KT *k_base, const KT *v_base, const int32_t *bt,   \
-                        int n_vis, int bs, int64_t kv_stride, int nh, int grp, int d, float scale, float v_scale,     \
-                        float *scores, int ld, float *inv) {                                                          \
-    /* scores = q . k * scale, four positions per pass */                                                             \
-    for (int j = 0, b = 0; j < n_vis; b++) {                                                                          \
-        const int cnt = n_vis - j < bs ? n_vis - j : bs;                                                              \
-        const KT *kp = k_base + (int64_t)bt[b] * bs * kv_stride;                                                      \
-        int o = 0;                                                                                                    \
-        for (; o + 4 <= cnt; o += 4) {                                                                                \
-            for (int h = 0; h < nh; h++) {                                                                            \
-                const float *qh = qg + h * d;                                                                         \
-                const KT *k0 = kp + o * kv_stride + (h / grp) * d, *k1 = k0 + kv_stride, *k2 = k1 + kv_stride,        \
-                         *k3 = k2 + kv_stride;                                                                        \
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                           \
-                for (int i = 0; i < d; i += 8) {                                                                      \
-                    const __m256 qv = _mm256_loadu_ps(qh + i);                                                        \
-                    a0 = _mm256_fmadd_ps(qv, LOADKV(k0 + i), a0);                                                     \
-                    a1 = _mm256_fmadd_ps(qv, LOADKV(k1 + i), a1);                                                     \
-                    a2 = _mm256_fmadd_ps(qv, LOADKV(k2 + i), a2);                                                     \
-                    a3 = _mm256_fmadd_ps(qv, LOADKV(k3 + i), a3);                                                     \
-                }                                                                                                     \
-                _mm_storeu_ps(scores + h * ld + j + o, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));        \
-            }                                                                                                         \
-        }                                                                                                             \
-        for (; o < cnt; o++) {                                                                                        \
-            for (int h = 0; h < nh; h++) {                                                                            \
-                const float *qh = qg + h * d;                                                                         \
-                const KT *k0 = kp + o * kv_stride + (h / grp) * d;                                                    \
-                __m256 a0 = _mm256_setzero_ps();                                                                      \
-                for (int i = 0; i < d; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), LOADKV(k0 + i), a0);     \
-                scores[h * ld + j + o] = hsum8(a0) * scale;                                                           \
-            }                                                                                                         \
-        }                                                                                                             \
-        j += cnt;                                                                                                     \
-    }                                                                                                                 \
-    /* softmax numerators in place; 1 / sum applied to the output */                                                  \
+#define DEC_CH 64          /* key positions per chunk */
+#define DEC_MIN_SPLIT 256  /* the fewest positions a split of one context takes */
+
+/* F(args..., n) with n a constant from 1 to 4 (the register tiles' row or head counts unroll). */
+#define UPTO4_CASE(n, F, ...)                 \
+    switch (n) {                              \
+    case 4: F(__VA_ARGS__, 4); break;         \
+    case 3: F(__VA_ARGS__, 3); break;         \
+    case 2: F(__VA_ARGS__, 2); break;         \
+    default: F(__VA_ARGS__, 1); break;        \
+    }
+
+/* Where position pos's row starts (kv head 0), in elements from the cache's start. */
+static inline int64_t dec_row(const int32_t *bt, int bs, int64_t kv_stride, int pos) {
+    return ((int64_t)bt[pos / bs] * bs + pos % bs) * kv_stride;
+}
+
+static inline void dec_start(float *acc, float *m, float *l, int nh, int d) {
+    for (int h = 0; h < nh; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)nh * d);
+}
+
+/* acc[h][c0 .. c0 + 8 w) = acc * corr[h] + sum_o s[h][o] V[o][c0 ..] for heads h < nh (<= 4), w 1 or 2 vectors. */
+#define DEFINE_DEC_PV(SUFFIX, KT, LOADKV)                                                                             \
+static inline __attribute__((always_inline)) void dec_pv_##SUFFIX(const KT *const *vr, int cnt, const float *s,      \
+                                                                  const float *corr, float *acc, int d, int c0,       \
+                                                                  const int w, const int nh) {                        \
+    __m256 a0[4], a1[4];                                                                                              \
     for (int h = 0; h < nh; h++) {                                                                                    \
-        float *sc = scores + h * ld;                                                                                  \
-        float mx = -INFINITY;                                                                                         \
-        for (int j = 0; j < n_vis; j++) mx = sc[j] > mx ? sc[j] : mx;                                                 \
+        const __m256 cv = _mm256_set1_ps(corr[h]);                                                                    \
+        a0[h] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * d + c0), cv);                                                 \
+        a1[h] = w > 1 ? _mm256_mul_ps(_mm256_loadu_ps(acc + h * d + c0 + 8), cv) : a0[h];                             \
+    }                                                                                                                 \
+    for (int o = 0; o < cnt; o++) {                                                                                   \
+        const __m256 v0 = LOADKV(vr[o] + c0), v1 = w > 1 ? LOADKV(vr[o] + c0 + 8) : v0;                               \
+        for (int h = 0; h < nh; h++) {                                                                                \
+            const __m256 pb = _mm256_broadcast_ss(s + h * DEC_CH + o);                                                \
+            a0[h] = _mm256_fmadd_ps(pb, v0, a0[h]);                                                                   \
+            if (w > 1) a1[h] = _mm256_fmadd_ps(pb, v1, a1[h]);                                                        \
+        }                                                                                                             \
+    }                                                                                                                 \
+    for (int h = 0; h < nh; h++) {                                                                                    \
+        _mm256_storeu_ps(acc + h * d + c0, a0[h]);                                                                    \
+        if (w > 1) _mm256_storeu_ps(acc + h * d + c0 + 8, a1[h]);                                                     \
+    }                                                                                                                 \
+}                                                                                                                     \
+                                                                                                                      \
+/* s[h][o .. o + 4) = q_h . K[o ..] * scale for heads h < nh (<= 2): four keys a pass, each K vector loaded once. */ \
+static inline __attribute__((always_inline)) void dec_qk4_##SUFFIX(const float *qg, const KT *const *kr, int d,     \
+                                                                   float scale, float *s, const int nh) {             \
+    __m256 a[2][4];                                                                                                   \
+    for (int h = 0; h < nh; h++)                                                                                      \
+        for (int x = 0; x < 4; x++) a[h][x] = _mm256_setzero_ps();                                                    \
+    for (int i = 0; i < d; i += 8) {                                                                                  \
+        const __m256 k0 = LOADKV(kr[0] + i), k1 = LOADKV(kr[1] + i), k2 = LOADKV(kr[2] + i), k3 = LOADKV(kr[3] + i);  \
+        for (int h = 0; h < nh; h++) {                                                                                \
+            const __m256 qv = _mm256_loadu_ps(qg + h * d + i);                                                        \
+            a[h][0] = _mm256_fmadd_ps(qv, k0, a[h][0]);                                                               \
+            a[h][1] = _mm256_fmadd_ps(qv, k1, a[h][1]);                                                               \
+            a[h][2] = _mm256_fmadd_ps(qv, k2, a[h][2]);                                                               \
+            a[h][3] = _mm256_fmadd_ps(qv, k3, a[h][3]);                                                               \
+        }                                                                                                             \
+    }                                                                                                                 \
+    for (int h = 0; h < nh; h++)                                                                                      \
+        _mm_storeu_ps(s + h * DEC_CH, _mm_mul_ps(hsum4(a[h][0], a[h][1], a[h][2], a[h][3]), _mm_set1_ps(scale)));     \
+}                                                                                                                     \
+                                                                                                                      \
+/* One chunk of cnt keys (rows kr, vr, at the kv head) for the grp heads that share it. */                          \
+static void dec_chunk_##SUFFIX(const float *qg, const KT *const *kr, const KT *const *vr, int cnt, int grp, int d,     \
+                               float scale, float *acc, float *m, float *l, float *s, float *corr) {                  \
+    for (int o = 0; o < cnt; o += 4) {                                                                                \
+        const KT *quad[4];                                                                                            \
+        for (int x = 0; x < 4; x++) quad[x] = kr[o + x < cnt ? o + x : cnt - 1]; /* a ragged end repeats a key */     \
+        for (int h = 0; h < grp; h += 2) {                                                                            \
+            if (grp - h >= 2) dec_qk4_##SUFFIX(qg + h * d, quad, d, scale, s + h * DEC_CH + o, 2);                     \
+            else dec_qk4_##SUFFIX(qg + h * d, quad, d, scale, s + h * DEC_CH + o, 1);                                  \
+        }                                                                                                             \
+    }                                                                                                                 \
+    for (int h = 0; h < grp; h++) { /* online softmax: the chunk's numerators in place */                             \
+        float *sh = s + h * DEC_CH, mx = m[h];                                                                        \
+        __m256 mx8 = _mm256_set1_ps(mx);                                                                              \
+        int o = 0;                                                                                                    \
+        for (; o + 8 <= cnt; o += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sh + o));                               \
+        for (; o < cnt; o++) mx = sh[o] > mx ? sh[o] : mx;                                                            \
+        mx = fmaxf(mx, hmax8(mx8));                                                                                   \
         const __m256 mv = _mm256_set1_ps(mx);                                                                         \
         __m256 sum8 = _mm256_setzero_ps();                                                                            \
-        int j = 0;                                                                                                    \
-        for (; j + 8 <= n_vis; j += 8) {                                                                              \
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));                                        \
-            _mm256_storeu_ps(sc + j, e);                                                                              \
+        for (o = 0; o + 8 <= cnt; o += 8) {                                                                           \
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + o), mv));                                        \
+            _mm256_storeu_ps(sh + o, e);                                                                              \
             sum8 = _mm256_add_ps(sum8, e);                                                                            \
         }                                                                                                             \
         float sum = hsum8(sum8);                                                                                      \
-        for (; j < n_vis; j++) {                                                                                      \
-            sc[j] = expf(sc[j] - mx);                                                                                 \
-            sum += sc[j];                                                                                             \
+        for (; o < cnt; o++) {                                                                                        \
+            sh[o] = expf(sh[o] - mx);                                                                                 \
+            sum += sh[o];                                                                                             \
         }                                                                                                             \
-        inv[h] = v_scale / sum;                                                                                       \
+        corr[h] = m[h] == -INFINITY ? 0.0f : expf(m[h] - mx);                                                         \
+        l[h] = l[h] * corr[h] + sum;                                                                                  \
+        m[h] = mx;                                                                                                    \
     }                                                                                                                 \
-    /* out = sum_j p_j v_j, 64 output lanes in registers at a time */                                                 \
-    for (int h = 0; h < nh; h++) {                                                                                    \
-        const float *sc = scores + h * ld;                                                                            \
-        for (int dc = 0; dc < d; dc += 64) {                                                                          \
-            const int nv = (d - dc) / 8 < 8 ? (d - dc) / 8 : 8;                                                       \
-            __m256 acc[8];                                                                                            \
-            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();                                                 \
-            for (int j = 0, b = 0; j < n_vis; b++) {                                                                  \
-                const int cnt = n_vis - j < bs ? n_vis - j : bs;                                                      \
-                const KT *vp = v_base + (int64_t)bt[b] * bs * kv_stride + (h / grp) * d + dc;                         \
-                for (int o = 0; o < cnt; o++, vp += kv_stride) {                                                      \
-                    const __m256 p = _mm256_set1_ps(sc[j + o]);                                                       \
-                    for (int i = 0; i < 8; i++)                                                                       \
-                        if (i < nv) acc[i] = _mm256_fmadd_ps(p, LOADKV(vp + 8 * i), acc[i]);                          \
-                }                                                                                                     \
-                j += cnt;                                                                                             \
+    for (int h = 0; h < grp; h += 4) {                                                                                \
+        const int nh = grp - h < 4 ? grp - h : 4;                                                                     \
+        for (int c = 0; c < d; c += 16) {                                                                             \
+            float *ah = acc + (int64_t)h * d;                                                                         \
+            const float *sh = s + h * DEC_CH, *ch = corr + h;                                                         \
+            if (d - c >= 16) {                                                                                        \
+                UPTO4_CASE(nh, dec_pv_##SUFFIX, vr, cnt, sh, ch, ah, d, c, 2)                                         \
+            } else {                                                                                                  \
+                UPTO4_CASE(nh, dec_pv_##SUFFIX, vr, cnt, sh, ch, ah, d, c, 1)                                         \
             }                                                                                                         \
-            const __m256 sv = _mm256_set1_ps(inv[h]);                                                                 \
-            for (int i = 0; i < nv; i++) _mm256_storeu_ps(og + h * d + dc + 8 * i, _mm256_mul_ps(acc[i], sv));        \
+        }                                                                                                             \
+    }                                                                                                                 \
+}                                                                                                                     \
+                                                                                                                      \
+static void decode_split_##SUFFIX(const float *q, const KT *k_base, const KT *v_base, const int32_t *bt, int bs,      \
+                                  int64_t kv_stride, int p0, int p1, int nkv, int grp, int d, float scale,            \
+                                  float *acc, float *m, float *l, float *s, float *corr) {                            \
+    const KT *kr[DEC_CH], *vr[DEC_CH], *krg[DEC_CH], *vrg[DEC_CH];                                                    \
+    dec_start(acc, m, l, nkv * grp, d);                                                                               \
+    for (int c0 = p0; c0 < p1; c0 += DEC_CH) {                                                                        \
+        const int cnt = p1 - c0 < DEC_CH ? p1 - c0 : DEC_CH;                                                          \
+        for (int o = 0; o < cnt; o++) {                                                                               \
+            const int64_t off = dec_row(bt, bs, kv_stride, c0 + o);                                                   \
+            kr[o] = k_base + off;                                                                                     \
+            vr[o] = v_base + off;                                                                                     \
+        }                                                                                                             \
+        for (int g = 0; g < nkv; g++) {                                                                               \
+            for (int o = 0; o < cnt; o++) {                                                                           \
+                krg[o] = kr[o] + (int64_t)g * d;                                                                      \
+                vrg[o] = vr[o] + (int64_t)g * d;                                                                      \
+            }                                                                                                         \
+            const int64_t h0 = (int64_t)g * grp;                                                                      \
+            dec_chunk_##SUFFIX(q + h0 * d, krg, vrg, cnt, grp, d, scale, acc + h0 * d, m + h0, l + h0, s, corr);      \
         }                                                                                                             \
     }                                                                                                                 \
 }
@@ -1528,10 +1593,10 @@ static inline __m256 load_e4m3(const uint8_t *p) {
 static inline __m256 load_e5m2(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
 }
-DEFINE_ATTEND(f32, float, load_kv_f32)
-DEFINE_ATTEND(bf16, uint16_t, load_bf16)
-DEFINE_ATTEND(e4m3, uint8_t, load_e4m3)
-DEFINE_ATTEND(e5m2, uint8_t, load_e5m2)
+DEFINE_DEC_PV(f32, float, load_kv_f32)
+DEFINE_DEC_PV(bf16, uint16_t, load_bf16)
+DEFINE_DEC_PV(e4m3, uint8_t, load_e4m3)
+DEFINE_DEC_PV(e5m2, uint8_t, load_e5m2)
 
 /*
  * Prefill tiles: a run of ATT_QT consecutive query tokens of one request, with the grp query heads that share
@@ -1590,14 +1655,6 @@ static inline __attribute__((always_inline)) void att_pv4(const float *p, const 
     }
 }
 
-#define ATT_ROWS_CASE(F, ...)                 \
-    switch (nr) {                             \
-    case 4: F(__VA_ARGS__, 4); break;         \
-    case 3: F(__VA_ARGS__, 3); break;         \
-    case 2: F(__VA_ARGS__, 2); break;         \
-    default: F(__VA_ARGS__, 1); break;        \
-    }
-
 /* Positions [0, n) of one kv head (k_base, v_base at that head; rows kv_stride apart, slots through bt) widened to
  * fp32: kt [ceil(n / 16)][d][16] (zero past n), vb [n][d]. Threads split the chunks. */
 #define DEFINE_ATT_WIDEN(SUFFIX, KT, LOADKV)                                                                          \
@@ -1655,7 +1712,7 @@ static void attend_tile(const float *q, int64_t ldq, float *out, int64_t ldo, co
         const float *kc = kt + (int64_t)(j0 / ATT_KC) * d * ATT_KC, *vc = vb + (int64_t)j0 * d;
         for (int i0 = 0; i0 < rows; i0 += 4) {
             const int nr = rows - i0 < 4 ? rows - i0 : 4;
-            ATT_ROWS_CASE(att_scores4, qs + i0 * d, d, kc, sc + i0 * ATT_KC)
+            UPTO4_CASE(nr, att_scores4, qs + i0 * d, d, kc, sc + i0 * ATT_KC)
         }
         for (int i = 0; i < rows; i++) { /* scale, mask, online softmax */
             float *si = sc + i * ATT_KC;
@@ -1689,9 +1746,9 @@ static void attend_tile(const float *q, int64_t ldq, float *out, int64_t ldo, co
             const int nr = rows - i0 < 4 ? rows - i0 : 4;
             for (int c0 = 0; c0 < d; c0 += 16) {
                 if (d - c0 >= 16) {
-                    ATT_ROWS_CASE(att_pv4, sc + i0 * ATT_KC, vc, d, c0, o + i0 * d, 2, cnt)
+                    UPTO4_CASE(nr, att_pv4, sc + i0 * ATT_KC, vc, d, c0, o + i0 * d, 2, cnt)
                 } else {
-                    ATT_ROWS_CASE(att_pv4, sc + i0 * ATT_KC, vc, d, c0, o + i0 * d, 1, cnt)
+                    UPTO4_CASE(nr, att_pv4, sc + i0 * ATT_KC, vc, d, c0, o + i0 * d, 1, cnt)
                 }
             }
         }
@@ -1881,12 +1938,217 @@ void appl_kv_write(void *k_cache, void *v_cache, const float *k, const float *v,
 }
 
 /*
+ * The decode item on AVX512-BF16, for a bf16 cache (the vdpbf16ps switch, as for the GEMMs): q is rounded
+ * to bf16 once and dotted with the stored K rows as they are (32 elements an instruction); each chunk's
+ * softmax numerators are rounded to bf16 in pairs of positions, and P V takes two V rows interleaved
+ * (vpunpck{l,h}wd) against each pair. Products are exact and sums fp32, so this is the fp32 item on the
+ * rounded q and P: the scores move by at most 2^-9 of sum |q k|, the output by at most 2^-9 of
+ * sum p |v| / l. Same arguments as decode_split_bf16; scr: DEC_BF16_SCRATCH(nh, grp, d) floats.
+ */
+#define DEC_DPAD(d) (((d) + 31) & ~31)
+#define DEC_BF16_SCRATCH(nh, grp, d) ((int64_t)(nh) * DEC_DPAD(d) * 3 / 2 + (grp) * DEC_CH / 2)
+
+/* The first n of 16 lanes (none for n <= 0). */
+DOT_TARGET static inline __mmask16 dec_live(int n) {
+    return n >= 16 ? 0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0;
+}
+
+DOT_TARGET static inline __m512i dec_load_row(const uint16_t *p, const __mmask32 mask) {
+    return _mm512_maskz_loadu_epi16(mask, p);
+}
+
+/* [sum a, sum b, sum c, sum d] of four 16-lane vectors. */
+DOT_TARGET static inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); /* a0+a2 b0+b2 a1+a3 b1+b3 */
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                                      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+/* s[h][o .. o + 4) = qb_h . K[o ..] * scale for heads h < nh (<= 4). */
+DOT_TARGET static inline __attribute__((always_inline)) void dec_qk4_dot(const uint16_t *qb, int dpad,
+                                                                         const uint16_t *const *kr, int d,
+                                                                         float scale, float *s, const int nh) {
+    __m512 a[4][4];
+    for (int h = 0; h < nh; h++)
+        for (int x = 0; x < 4; x++) a[h][x] = _mm512_setzero_ps();
+    for (int i = 0; i < d; i += 32) {
+        const __mmask32 mask = d - i >= 32 ? 0xffffffffu : (1u << (d - i)) - 1;
+        __m512i k[4];
+        for (int x = 0; x < 4; x++) k[x] = dec_load_row(kr[x] + i, mask);
+        for (int h = 0; h < nh; h++) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + h * dpad + i);
+            for (int x = 0; x < 4; x++) a[h][x] = _mm512_dpbf16_ps(a[h][x], qv, (__m512bh)k[x]);
+        }
+    }
+    for (int h = 0; h < nh; h++) /* four sums: pairs of lanes added within 128-bit lanes, then the four lanes */
+        _mm_storeu_ps(s + h * DEC_CH, _mm_mul_ps(hsum4x16(a[h][0], a[h][1], a[h][2], a[h][3]), _mm_set1_ps(scale)));
+}
+
+/* acc[h] (32 lanes from c, vpunpck order) = acc * corr[h] + sum_o p[h][o] V[o][c ..] for heads h < nh (<= 8);
+ * pb [h][DEC_CH] bf16 numerators, zero past cnt (vr[cnt] repeats a row when cnt is odd). */
+DOT_TARGET static inline __attribute__((always_inline)) void dec_pv_dot(const uint16_t *const *vr, int cnt,
+                                                                        const uint16_t *pb, const float *corr,
+                                                                        float *acc, int dpad, int c, int d,
+                                                                        const int nh) {
+    const __mmask32 mask = d - c >= 32 ? 0xffffffffu : (1u << (d - c)) - 1;
+    __m512 lo[8], hi[8];
+    for (int h = 0; h < nh; h++) {
+        const __m512 cv = _mm512_set1_ps(corr[h]);
+        lo[h] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * dpad + c), cv);
+        hi[h] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * dpad + c + 16), cv);
+    }
+    for (int o = 0; o < cnt; o += 2) {
+        const __m512i v0 = dec_load_row(vr[o] + c, mask), v1 = dec_load_row(vr[o + 1] + c, mask);
+        const __m512bh pl = (__m512bh)_mm512_unpacklo_epi16(v0, v1), ph = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+        for (int h = 0; h < nh; h++) {
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(pb + h * DEC_CH + o));
+            lo[h] = _mm512_dpbf16_ps(lo[h], pp, pl);
+            hi[h] = _mm512_dpbf16_ps(hi[h], pp, ph);
+        }
+    }
+    for (int h = 0; h < nh; h++) {
+        _mm512_storeu_ps(acc + h * dpad + c, lo[h]);
+        _mm512_storeu_ps(acc + h * dpad + c + 16, hi[h]);
+    }
+}
+
+#define DEC_HEADS8_CASE(F, ...)                                                                     \
+    switch (nh) {                                                                                   \
+    case 8: F(__VA_ARGS__, 8); break;                                                               \
+    case 7: F(__VA_ARGS__, 7); break;                                                               \
+    case 6: F(__VA_ARGS__, 6); break;                                                               \
+    case 5: F(__VA_ARGS__, 5); break;                                                               \
+    case 4: F(__VA_ARGS__, 4); break;                                                               \
+    case 3: F(__VA_ARGS__, 3); break;                                                               \
+    case 2: F(__VA_ARGS__, 2); break;                                                               \
+    default: F(__VA_ARGS__, 1); break;                                                              \
+    }
+
+/* One chunk of cnt keys (rows kr, vr, at the kv head) for the grp heads that share it; qb [grp][dpad] bf16,
+ * acc [grp][dpad] in vpunpck order, pb [grp][DEC_CH] scratch. */
+DOT_TARGET static void dec_chunk_dot(const uint16_t *qb, const uint16_t *const *kr, const uint16_t *const *vr, int cnt,
+                                     int grp, int d, float scale, float *acc, float *m, float *l, float *s,
+                                     float *corr, uint16_t *pb) {
+    const int dpad = DEC_DPAD(d);
+    for (int o = 0; o < cnt; o += 4) {
+        const uint16_t *quad[4];
+        for (int x = 0; x < 4; x++) quad[x] = kr[o + x < cnt ? o + x : cnt - 1]; /* a ragged end repeats a key */
+        for (int h = 0; h < grp; h += 4) {
+            const int nh = grp - h < 4 ? grp - h : 4;
+            UPTO4_CASE(nh, dec_qk4_dot, qb + (int64_t)h * dpad, dpad, quad, d, scale, s + h * DEC_CH + o)
+        }
+    }
+    for (int h = 0; h < grp; h++) { /* online softmax; the numerators rounded to bf16 */
+        float *sh = s + h * DEC_CH;
+        __m512 mx16 = _mm512_set1_ps(m[h]);
+        for (int o = 0; o < cnt; o += 16)
+            mx16 = _mm512_mask_max_ps(mx16, dec_live(cnt - o), mx16, _mm512_loadu_ps(sh + o));
+        const float mx = _mm512_reduce_max_ps(mx16);
+        const __m512 mv = _mm512_set1_ps(mx);
+        __m512 sum16 = _mm512_setzero_ps();
+        for (int o = 0; o < DEC_CH; o += 16) {
+            const __m512 e = _mm512_maskz_mov_ps(dec_live(cnt - o), exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + o), mv)));
+            _mm512_storeu_ps(sh + o, e);
+            sum16 = _mm512_add_ps(sum16, e);
+        }
+        for (int o = 0; o < DEC_CH; o += 32)
+            _mm512_storeu_si512(pb + h * DEC_CH + o, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sh + o + 16),
+                                                                                  _mm512_loadu_ps(sh + o)));
+        corr[h] = m[h] == -INFINITY ? 0.0f : expf(m[h] - mx);
+        l[h] = l[h] * corr[h] + _mm512_reduce_add_ps(sum16);
+        m[h] = mx;
+    }
+    for (int h = 0; h < grp; h += 8) {
+        const int nh = grp - h < 8 ? grp - h : 8;
+        for (int c = 0; c < d; c += 32)
+            DEC_HEADS8_CASE(dec_pv_dot, vr, cnt, pb + h * DEC_CH, corr + h, acc + (int64_t)h * dpad, dpad, c, d)
+    }
+}
+
+DOT_TARGET static void decode_split_bf16_dot(const float *q, const uint16_t *k_base, const uint16_t *v_base,
+                                             const int32_t *bt, int bs, int64_t kv_stride, int p0, int p1, int nkv,
+                                             int grp, int d, float scale, float *acc_out, float *m, float *l, float *s,
+                                             float *corr, float *scr) {
+    const int dpad = DEC_DPAD(d), nh = nkv * grp;
+    float *acc = scr;                                       /* [nh][dpad], vpunpck order per 32 lanes */
+    uint16_t *qb = (uint16_t *)(acc + (int64_t)nh * dpad);  /* [nh][dpad] */
+    uint16_t *pb = qb + (int64_t)nh * dpad;                 /* [grp][DEC_CH] */
+    const uint16_t *kr[DEC_CH + 1], *vr[DEC_CH + 1], *krg[DEC_CH + 1], *vrg[DEC_CH + 1];
+    dec_start(acc, m, l, nh, dpad);
+    for (int h = 0; h < nh; h++) row_to_bf16(q + (int64_t)h * d, qb + (int64_t)h * dpad, d, dpad);
+    for (int c0 = p0; c0 < p1; c0 += DEC_CH) {
+        const int cnt = p1 - c0 < DEC_CH ? p1 - c0 : DEC_CH;
+        for (int o = 0; o < cnt; o++) {
+            const int64_t off = dec_row(bt, bs, kv_stride, c0 + o);
+            kr[o] = k_base + off;
+            vr[o] = v_base + off;
+        }
+        vr[cnt] = vr[cnt - 1]; /* an odd count's last pair: its numerator is zero */
+        for (int g = 0; g < nkv; g++) {
+            for (int o = 0; o <= cnt; o++) {
+                krg[o] = kr[o] + (int64_t)g * d;
+                vrg[o] = vr[o] + (int64_t)g * d;
+            }
+            const int64_t h0 = (int64_t)g * grp;
+            dec_chunk_dot(qb + h0 * dpad, krg, vrg, cnt, grp, d, scale, acc + h0 * dpad, m + h0, l + h0, s, corr, pb);
+        }
+    }
+    /* back to natural order: in each 32 lanes, lane j of the low half is element (j / 4) * 8 + j % 4, of the high
+     * half (j / 4) * 8 + 4 + j % 4 */
+    for (int h = 0; h < nh; h++)
+        for (int c = 0; c < d; c += 32)
+            for (int j = 0; j < 32; j++) {
+                const int e = c + (j % 16 / 4) * 8 + (j >= 16 ? 4 : 0) + j % 4;
+                if (e < d) acc_out[(int64_t)h * d + e] = acc[(int64_t)h * dpad + c + j];
+            }
+}
+
+/* out[h] = acc[h] / l[h] * v_scale for the nh heads of one decode item. */
+static void dec_finish(const float *acc, const float *l, float *out, int nh, int d, float v_scale) {
+    for (int h = 0; h < nh; h++) {
+        const __m256 sv = _mm256_set1_ps(v_scale / l[h]);
+        for (int c = 0; c < d; c += 8)
+            _mm256_storeu_ps(out + h * d + c, _mm256_mul_ps(_mm256_loadu_ps(acc + h * d + c), sv));
+    }
+}
+
+/* n splits' partial sums (each acc [nh][d], m [nh], l [nh], stride floats apart) merged into out: each split
+ * scaled by exp(its max - the largest), the sums likewise. scr: nh * (d + 1) floats. */
+static void dec_merge(const float *part, int n, int64_t stride, float *scr, int nh, int d, float *out, float v_scale) {
+    float *acc = scr, *l = acc + (int64_t)nh * d;
+    for (int h = 0; h < nh; h++) {
+        float mx = -INFINITY;
+        for (int k = 0; k < n; k++) {
+            const float mk = part[k * stride + (int64_t)nh * d + h];
+            mx = mk > mx ? mk : mx;
+        }
+        l[h] = 0.0f;
+        memset(acc + h * d, 0, sizeof(float) * (size_t)d);
+        for (int k = 0; k < n; k++) {
+            const float *pk = part + k * stride;
+            const float f = expf(pk[(int64_t)nh * d + h] - mx);
+            l[h] += pk[(int64_t)nh * d + nh + h] * f;
+            const __m256 fv = _mm256_set1_ps(f);
+            for (int c = 0; c < d; c += 8)
+                _mm256_storeu_ps(acc + h * d + c, _mm256_fmadd_ps(_mm256_loadu_ps(pk + h * d + c), fv,
+                                                                  _mm256_loadu_ps(acc + h * d + c)));
+        }
+    }
+    dec_finish(acc, l, out, nh, d, v_scale);
+}
+
+/*
  * Paged attention read in place: token t of request r (query row t) attends
  * positions [0, seq_lens[r] - (qsl[r+1] - 1 - t)) of its sequence, whose
- * K/V sit at slot block_table[r][pos / bs] * bs + pos % bs. With enough
- * tokens to share out, one work item is a token with all its heads (each
- * block is then read as one contiguous run); otherwise a (token, kv head)
- * pair, so a single decode still uses every thread. Needs head_dim % 8 == 0.
+ * K/V sit at slot block_table[r][pos / bs] * bs + pos % bs. A request's
+ * run of ATT_MIN_QUERY tokens or more goes by prefill tiles; the other
+ * tokens (decodes) by flash-decoding items of one token (all its heads)
+ * and a split of its context, merged after, so that a single long decode
+ * still keeps every thread reading. Needs head_dim % 8 == 0.
  */
 void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const void *k_cache,
                     const void *v_cache, int n_tokens, int n_reqs, const int32_t *qsl, const int32_t *seq_lens,
@@ -1952,47 +2214,92 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
         free(vb);
         if (tiled_tokens == n_tokens) return;
     }
-    const int per_token = n_tokens - tiled_tokens >= 2 * omp_get_max_threads();
-    const int splits = per_token ? 1 : n_kv_heads, nh = per_token ? n_heads : grp;
-    const int64_t items = (int64_t)n_tokens * splits, kv_stride = (int64_t)n_kv_heads * d;
-#pragma omp parallel if (items > 1)
-    {
-        float *scores = (float *)malloc(sizeof(float) * ((size_t)nh * ld + nh));
-        int r = 0;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) {
-            const int t = (int)(it / splits), g = (int)(it % splits);
-            if (t < qsl[r] || t >= qsl[r + 1]) { /* find the request owning token t */
-                int lo = 0, hi = n_reqs - 1;
-                while (lo < hi) {
-                    const int mid = (lo + hi + 1) / 2;
-                    if (qsl[mid] <= t) lo = mid; else hi = mid - 1;
-                }
-                r = lo;
-            }
-            if (n_tiles && qsl[r + 1] - qsl[r] >= ATT_MIN_QUERY) continue; /* went by tiles */
-            const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t);
-            const int64_t h0 = (int64_t)g * nh; /* first query head of the item */
-            const float *qi = q + (int64_t)t * ldq + h0 * d;
-            float *oi = out + (int64_t)t * ldo + h0 * d;
-            const int32_t *bt = block_table + (int64_t)r * bt_stride;
-            const int64_t off = (h0 / grp) * d;
-            float *inv = scores + (size_t)nh * ld;
-            if (kv_type == KV_BF16)
-                attend_item_bf16(qi, oi, (const uint16_t *)k_cache + off, (const uint16_t *)v_cache + off, bt, n_vis,
-                                 bs, kv_stride, nh, grp, d, qk_scale, out_scale, scores, ld, inv);
-            else if (kv_type == KV_FP8_E4M3)
-                attend_item_e4m3(qi, oi, (const uint8_t *)k_cache + off, (const uint8_t *)v_cache + off, bt, n_vis,
-                                 bs, kv_stride, nh, grp, d, qk_scale, out_scale, scores, ld, inv);
-            else if (kv_type == KV_FP8_E5M2)
-                attend_item_e5m2(qi, oi, (const uint8_t *)k_cache + off, (const uint8_t *)v_cache + off, bt, n_vis,
-                                 bs, kv_stride, nh, grp, d, qk_scale, out_scale, scores, ld, inv);
-            else
-                attend_item_f32(qi, oi, (const float *)k_cache + off, (const float *)v_cache + off, bt, n_vis, bs,
-                                kv_stride, nh, grp, d, qk_scale, out_scale, scores, ld, inv);
-        }
-        free(scores);
+    /* the other tokens (decodes, short chunks) by items of one token and a split of its context: splits of at
+     * least DEC_MIN_SPLIT positions, so that there are about four items a thread */
+    int64_t positions = 0;
+    for (int r = 0; r < n_reqs; r++) {
+        const int qlen = qsl[r + 1] - qsl[r];
+        if (!(n_tiles && qlen >= ATT_MIN_QUERY)) positions += (int64_t)qlen * seq_lens[r];
     }
+    const int64_t per_item = positions / (4 * (int64_t)omp_get_max_threads());
+    const int split_len = (int)(((per_item > DEC_MIN_SPLIT ? per_item : DEC_MIN_SPLIT) + DEC_CH - 1) / DEC_CH * DEC_CH);
+    int64_t n_items = 0, n_partial = 0;
+    for (int r = 0; r < n_reqs; r++) {
+        const int qlen = qsl[r + 1] - qsl[r];
+        if (n_tiles && qlen >= ATT_MIN_QUERY) continue;
+        for (int t = qsl[r]; t < qsl[r + 1]; t++) {
+            const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t), splits = (n_vis + split_len - 1) / split_len;
+            n_items += splits;
+            if (splits > 1) n_partial += splits;
+        }
+    }
+    /* item i: its request, token, first position, end, and where a split leaves its partial sums (-1: none) */
+    int32_t *items = (int32_t *)malloc(sizeof(int32_t) * 5 * (size_t)(n_items ? n_items : 1));
+    const int64_t part_floats = (int64_t)n_heads * (d + 2); /* acc [n_heads][d], m [n_heads], l [n_heads] */
+    float *partial = (float *)malloc(sizeof(float) * (size_t)(n_partial ? n_partial * part_floats : 1));
+    if (!items || !partial) abort();
+    for (int64_t r = 0, i = 0, slot = 0; r < n_reqs; r++) {
+        const int qlen = qsl[r + 1] - qsl[r];
+        if (n_tiles && qlen >= ATT_MIN_QUERY) continue;
+        for (int t = qsl[r]; t < qsl[r + 1]; t++) {
+            const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t), splits = (n_vis + split_len - 1) / split_len;
+            for (int sp = 0; sp < splits; sp++, i++) {
+                int32_t *it = items + 5 * i;
+                it[0] = (int32_t)r;
+                it[1] = t;
+                it[2] = sp * split_len;
+                it[3] = sp + 1 < splits ? (sp + 1) * split_len : n_vis;
+                it[4] = splits > 1 ? (int32_t)slot++ : -1;
+            }
+        }
+    }
+    const int64_t kv_stride = (int64_t)n_kv_heads * d;
+    const int dot = kv_type == KV_BF16 && g_bf16_dot;
+    const int64_t own = part_floats + (int64_t)grp * (DEC_CH + 1); /* acc, m, l; s [grp][DEC_CH]; corr [grp] */
+    const int64_t scr_floats = (own + (dot ? DEC_BF16_SCRATCH(n_heads, grp, d) : 0) + 15) & ~15;
+#pragma omp parallel if (n_items > 1)
+    {
+        float *scr = (float *)aligned_alloc(64, sizeof(float) * (size_t)scr_floats);
+        if (!scr) abort();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_items; i++) {
+            const int32_t *it = items + 5 * i;
+            const int32_t *bt = block_table + (int64_t)it[0] * bt_stride;
+            const float *qt = q + (int64_t)it[1] * ldq;
+            /* a split's sums in its partial slot, a whole context's in the scratch */
+            float *acc = it[4] >= 0 ? partial + it[4] * part_floats : scr, *m = acc + (int64_t)n_heads * d;
+            float *l = m + n_heads, *s = scr + part_floats, *corr = s + grp * DEC_CH;
+            if (dot)
+                decode_split_bf16_dot(qt, (const uint16_t *)k_cache, (const uint16_t *)v_cache, bt, bs, kv_stride,
+                                      it[2], it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr, scr + own);
+            else if (kv_type == KV_BF16)
+                decode_split_bf16(qt, (const uint16_t *)k_cache, (const uint16_t *)v_cache, bt, bs, kv_stride, it[2],
+                                  it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr);
+            else if (kv_type == KV_FP8_E4M3)
+                decode_split_e4m3(qt, (const uint8_t *)k_cache, (const uint8_t *)v_cache, bt, bs, kv_stride, it[2],
+                                  it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr);
+            else if (kv_type == KV_FP8_E5M2)
+                decode_split_e5m2(qt, (const uint8_t *)k_cache, (const uint8_t *)v_cache, bt, bs, kv_stride, it[2],
+                                  it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr);
+            else
+                decode_split_f32(qt, (const float *)k_cache, (const float *)v_cache, bt, bs, kv_stride, it[2], it[3],
+                                 n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr);
+            if (it[4] < 0) dec_finish(acc, l, out + (int64_t)it[1] * ldo, n_heads, d, out_scale);
+        }
+        /* the splits of one token merged: each rescaled to the largest max */
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n_items; i++) {
+            const int32_t *it = items + 5 * i;
+            if (it[4] < 0 || it[2] != 0) continue; /* the first split of a split context gathers its others */
+            int n = 1;
+            while (i + n < n_items && items[5 * (i + n) + 1] == it[1]) n++;
+            dec_merge(partial + it[4] * part_floats, n, part_floats, scr, n_heads, d, out + (int64_t)it[1] * ldo,
+                      out_scale);
+        }
+        free(scr);
+    }
+    free(items);
+    free(partial);
 }
 
 /* --------------------------------------------------------------- forward */
