@@ -11,6 +11,7 @@ KINDS = {
     "throughput": "appliance.bench.throughput",
     "serve": "appliance.bench.serve",
     "latency": "appliance.bench.latency",
+    "long-context": "appliance.bench.long_context",
     "prefix": "appliance.bench.prefix",
     "spec": "appliance.bench.spec",
     "structured": "appliance.bench.structured",

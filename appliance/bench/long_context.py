@@ -1,0 +1,136 @@
+"""`appliance bench long-context`: decode at long contexts, and the rate it reads the KV cache at.
+
+For each context length (``--contexts``) and stream count (``--streams``): that many distinct prompts
+of that length are each prefilled alone (the prefill rate of one prompt), then decode together from the
+prefix cache for ``--steps`` timed steps (the inter-token latency, ITL, and tokens a second). A decode
+step reads every stream's whole context of KV, ``streams x context x kv bytes a token``, besides the
+weights; between two context lengths the ITL grows by the time that many more KV bytes take, so the
+achieved KV read rate is the extra bytes over the extra ITL, set against the machine's measured read
+bandwidth (``bench machine``).
+
+Each ``--also "OVERRIDES"`` runs the same prompts again in the same session on a deployment with those
+overrides too (a KV dtype, ``cache.kv_cache_dtype=fp8_e4m3`` halving the bytes; another attention backend,
+``attention.backend=torch_sdpa``, the torch layer path), with its ITL against the first deployment's.
+
+    appliance bench long-context model=tiny_random model.hidden_size=896 model.num_layers=24 \\
+        model.num_heads=14 model.num_kv_heads=2 model.head_dim=64 model.intermediate_size=4864 \\
+        model.vocab_size=151936 model.max_model_len=32768 model.dtype=bfloat16 \\
+        cache.kv_cache_dtype=bfloat16 cache.kv_cache_memory_gib=4 --contexts 512,2048,8192,32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from tqdm import tqdm
+
+from appliance.bench.common import plot_lines, random_prompts, split_overrides, write_results
+from appliance.bench.latency import decode_ms
+from appliance.bench.machine import kernel_variants, load_or_measure
+
+
+def prefill_alone(engine, prompts: list[list[int]]) -> float:
+    """Each prompt prefilled by itself (one token generated); seconds of the first, which ran on a pool that
+    held none of them. Their blocks stay in the prefix cache for the decode that follows."""
+    from appliance import SamplingParams
+
+    first = 0.0
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"prefill-{len(prompt)}-{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        t = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        first = first or time.perf_counter() - t
+    return first
+
+
+def kv_read_rates(rows: list[dict], kv_bytes_per_token: int) -> None:
+    """Per row past the first context of its stream count: the KV read rate from the growth of the ITL
+    since the previous context, in place (``kv_GBps``). Rows of one deployment, contexts ascending."""
+    last: dict[int, dict] = {}
+    for r in rows:
+        prev = last.get(r["streams"])
+        if prev is not None and r["itl_ms"] > prev["itl_ms"]:
+            extra = r["streams"] * (r["context"] - prev["context"]) * kv_bytes_per_token
+            r["kv_GBps"] = extra / ((r["itl_ms"] - prev["itl_ms"]) / 1e3) / 1e9
+        last[r["streams"]] = r
+
+
+def run(engine, vocab: int, contexts: list[int], streams: list[int], steps: int) -> list[dict]:
+    rows = []
+    warm = random_prompts(1, [min(contexts)], vocab, seed=1)
+    prefill_alone(engine, warm)  # the first step's one-time costs (kernel builds, allocations) before any timing
+    decode_ms(engine, warm, 2)
+    for context in contexts:
+        for c in streams:
+            prompts = random_prompts(c, [context] * c, vocab, seed=context * 1000 + c)
+            prefill_s = prefill_alone(engine, prompts)
+            ms = decode_ms(engine, prompts, steps)  # from the prefix cache the prefills left
+            rows.append({"context": context, "streams": c, "prefill_s": prefill_s,
+                         "prefill_tok_s": context / prefill_s, "itl_ms": ms, "decode_tok_s": c / ms * 1e3})
+    return rows
+
+
+def deployment(overrides: list[str], contexts: list[int], streams: list[int], steps: int, bandwidth: float
+               ) -> dict:
+    """One deployment's runs: its facts and rows, the KV read rates against ``bandwidth``."""
+    import gc
+
+    from appliance import LLM
+
+    llm = LLM(overrides=overrides)
+    engine, cfg, plan = llm.engine, llm.resolved.cfg, llm.deployment.plan
+    rows = run(engine, cfg.model.vocab_size, contexts, streams, steps)
+    kv_read_rates(rows, plan.kv_bytes_per_token)
+    for r in rows:
+        if "kv_GBps" in r:
+            r["kv_bandwidth_fraction"] = r["kv_GBps"] / bandwidth
+    facts = {"config_hash": llm.resolved.hash, "model": cfg.model.name, "dtype": plan.dtype,
+             "kv_cache_dtype": str(engine.runner.kv_caches[0].dtype).removeprefix("torch."),
+             "attention_backend": llm.execution.backend, "kv_bytes_per_token": plan.kv_bytes_per_token, "rows": rows}
+    del llm, engine
+    gc.collect()  # one deployment's weights and KV pool at a time
+    return facts
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="appliance bench long-context")
+    p.add_argument("--contexts", default="512,2048,6000", help="prompt lengths in tokens")
+    p.add_argument("--streams", default="1,4", help="streams decoding together")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    p.add_argument("--also", action="append", default=[], metavar="OVERRIDES",
+                   help="run again with these extra overrides (space-separated), e.g. cache.kv_cache_dtype=fp8_e4m3")
+    p.add_argument("--out", default="bench-results")
+    a, overrides = split_overrides(p, argv)
+    machine = load_or_measure(a.out)
+    bandwidth = machine["peak_bandwidth_GBps"]
+    contexts = sorted(int(x) for x in a.contexts.split(","))
+    streams = [int(x) for x in a.streams.split(",")]
+    runs = {"appliance": deployment(overrides, contexts, streams, a.steps, bandwidth)}
+    for extra in tqdm(a.also, desc="bench long-context: --also"):
+        runs[extra] = deployment(overrides + extra.split(), contexts, streams, a.steps, bandwidth)
+        for r, base in zip(runs[extra]["rows"], runs["appliance"]["rows"]):
+            r["itl_vs_first"] = r["itl_ms"] / base["itl_ms"]
+    path = write_results(a.out, "long_context", {"contexts": contexts, "streams": streams, "steps": a.steps,
+                                                  "machine": machine, "kernel_variants": kernel_variants(),
+                                                  "deployments": runs})
+    series: dict[str, tuple[list, list]] = {}
+    for label, run_ in runs.items():
+        for r in run_["rows"]:
+            xs, ys = series.setdefault(f"{label}, {r['streams']} stream(s)", ([], []))
+            xs.append(r["context"])
+            ys.append(r["itl_ms"])
+    png = plot_lines(a.out, "long_context", "Decode ITL by context", "context (tokens)", "ms per step", series,
+                     logx=True)
+    for label, run_ in runs.items():
+        print(f"{label} ({run_['attention_backend']}, {run_['kv_cache_dtype']} KV, "
+              f"{run_['kv_bytes_per_token']} bytes a token):")
+        for r in run_["rows"]:
+            rate = (f", KV read {r['kv_GBps']:.1f} GB/s ({100 * r['kv_bandwidth_fraction']:.0f}% of {bandwidth:.1f})"
+                    if "kv_GBps" in r else "")
+            vs = f", ITL x{r['itl_vs_first']:.2f} the first" if "itl_vs_first" in r else ""
+            print(f"  context {r['context']:>6} x {r['streams']}: prefill {r['prefill_tok_s']:7.0f} tok/s, "
+                  f"ITL {r['itl_ms']:7.2f} ms, decode {r['decode_tok_s']:7.1f} tok/s{rate}{vs}")
+    print(f"wrote {path} and {png}")
+    return 0
