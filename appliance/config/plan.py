@@ -217,6 +217,7 @@ class Plan:
     max_model_len: int
     max_concurrency_at_max_len: float
     decode_roofline_tok_s: float
+    decode_roofline_at_max_len_tok_s: float  # one sequence whose context fills max_model_len
     prefill_roofline_tok_s: float
     compute_dtype: str
     swap_kv_blocks: int
@@ -302,6 +303,8 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         read_dev = nonexpert // shards + (active_weight_bytes(cfg, dtype) - nonexpert) // (
             split * par.pipeline_parallel_size)
     roofline = bw / read_dev if w_dev else 0.0
+    # a sequence at max_model_len: its decode step reads that much KV besides the weights
+    roofline_at_max_len = bw / (read_dev + mml * per_tok) if w_dev else 0.0
     peak = cfg.hardware.peak_tflops
     fp8_gemm = cfg.quantization.method == "fp8" and cfg.quantization.activations and cfg.hardware.fp8
     compute_dtype = "fp8" if fp8_gemm else {
@@ -364,6 +367,7 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         max_model_len=mml,
         max_concurrency_at_max_len=round(num_blocks * bs / mml, 2) if mml else 0.0,
         decode_roofline_tok_s=round(roofline, 1),
+        decode_roofline_at_max_len_tok_s=round(roofline_at_max_len, 1),
         prefill_roofline_tok_s=round(prefill_roofline, 1),
         compute_dtype=compute_dtype,
         swap_kv_blocks=swap_blocks,
@@ -571,7 +575,9 @@ def format_plan(p: Plan) -> str:
              f"per rank"] if p.experts else []),
         f"max_model_len      {p.max_model_len}; max concurrency at that length {p.max_concurrency_at_max_len}x",
         f"decode roofline    {p.decode_roofline_tok_s} tok/s per sequence at batch 1 (weights"
-        + (" a token reads" if p.experts else "") + " / bandwidth)",
+        + (" a token reads" if p.experts else "") + " / bandwidth); "
+        f"{p.decode_roofline_at_max_len_tok_s} at max_model_len (its {p.max_model_len * p.kv_bytes_per_token / 1e6:.0f} MB "
+        f"of {p.kv_cache_dtype} KV read each step too)",
         f"prefill roofline   {p.prefill_roofline_tok_s} tok/s ({p.compute_dtype} peak / 2 x "
         + ("active " if p.experts else "") + "parameters)",
         f"token budget       {p.token_budget} tokens per step ({p.token_budget_reason})",

@@ -183,6 +183,9 @@ def test_plan_numbers_smollm2_cpu():
     assert p.weight_bytes_total == 134_515_008 * 2
     assert p.max_concurrency_at_max_len == round(5825 * 16 / 8192, 2)
     assert p.decode_roofline_tok_s == round(30e9 / (134_515_008 * 2), 1)
+    # one sequence at max_model_len reads its 8,192 tokens of KV each step besides the weights
+    assert p.decode_roofline_at_max_len_tok_s == round(30e9 / (134_515_008 * 2 + 8192 * 23040), 1)
+    assert f"{p.decode_roofline_at_max_len_tok_s} at max_model_len (its 189 MB of bfloat16 KV" in format_plan(p)
     assert p.attention_backend == "cpu_native"
 
 
@@ -192,6 +195,8 @@ def test_fp8_kv_cache_halves_bf16_kv_bytes_on_cpu():
         fp8 = make_plan(resolve(["+profile=cpu", f"cache.kv_cache_dtype={kv}"]).cfg)
         assert fp8.kv_bytes_per_token * 2 == bf16.kv_bytes_per_token
         assert fp8.num_kv_blocks == 2 * bf16.num_kv_blocks
+        assert fp8.decode_roofline_tok_s == bf16.decode_roofline_tok_s  # the weights alone: the same
+        assert fp8.decode_roofline_at_max_len_tok_s > bf16.decode_roofline_at_max_len_tok_s  # half the KV read
 
 
 def test_bf16_kv_cache_halves_kv_bytes_on_cpu():
