@@ -678,18 +678,24 @@ DOT_TARGET static void row_to_bf16(const float *x, uint16_t *o, int64_t k, int64
 }
 
 /* mr rows (bf16, row stride kp) by one re-laid panel ([kp / 2][PW][2]: channel c of k pair j at j * 2PW + 2c). */
+/* a[i] += row i's k pair j (bf16 rows, stride kp) times w's pairs, for rows i < mr. */
+DOT_TARGET static inline __attribute__((always_inline)) void dot_pair(__m512 a[DR], const uint16_t *xb, int64_t kp,
+                                                                      int64_t j, __m512bh w, const int mr) {
+    for (int i = 0; i < DR; i++)
+        if (i < mr) {
+            int32_t pair;
+            memcpy(&pair, xb + i * kp + 2 * j, sizeof(pair));
+            a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_set1_epi32(pair), w);
+        }
+}
+
 DOT_TARGET static inline __attribute__((always_inline)) void dtile(const uint16_t *xb, int64_t kp, const uint16_t *pp,
                                                                    const int mr, float c[DR][PW]) {
     __m512 a[DR];
     for (int i = 0; i < DR; i++) a[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < kp / 2; j++) {
         const __m512bh w = (__m512bh)_mm512_loadu_si512(pp + j * 2 * PW);
-        for (int i = 0; i < DR; i++)
-            if (i < mr) {
-                int32_t pair;
-                memcpy(&pair, xb + i * kp + 2 * j, sizeof(pair));
-                a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_set1_epi32(pair), w);
-            }
+        dot_pair(a, xb, kp, j, w, mr);
     }
     for (int i = 0; i < mr; i++) _mm512_storeu_ps(c[i], a[i]);
 }
@@ -715,12 +721,7 @@ DOT_TARGET static inline __attribute__((always_inline)) void dtile_stored(const 
         const __mmask32 rows = 2 * j + 1 < k ? 0xffffffffu : 0xffffu; /* an odd k pairs its last row with zeros */
         _mm_prefetch((const char *)(pb + j * 2 * PW) + DOT_PREFETCH, _MM_HINT_T0); /* this panel, then the next */
         const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(lanes, _mm512_maskz_loadu_epi16(rows, pb + j * 2 * PW));
-        for (int i = 0; i < DR; i++)
-            if (i < mr) {
-                int32_t pair;
-                memcpy(&pair, xb + i * kp + 2 * j, sizeof(pair));
-                a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_set1_epi32(pair), w);
-            }
+        dot_pair(a, xb, kp, j, w, mr);
     }
     for (int i = 0; i < mr; i++) _mm512_storeu_ps(c[i], a[i]);
 }
@@ -1425,8 +1426,8 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
  * Decode attention (flash-decoding): one item is the query heads of one token attending positions [p0, p1) of
  * its sequence (a split of its context, or all of it). Positions go by chunks of DEC_CH, read in place from
  * the block pool (block table bt; a position's row holds every kv head's d elements, kv_stride = n_kv_heads *
- * d elements apart, at k_base / v_base; fp32, bf16 or fp8), every kv head's part of a chunk in turn, so each
- * block streams in as the contiguous run it is. Per chunk and kv head, its grp query heads: the scores
+ * d elements apart, at k_base / v_base; fp32, bf16 or fp8), every kv head's part of a chunk in turn (the
+ * chunk's rows stay in the caches between them). Per chunk and kv head, its grp query heads: the scores
  * (each K row loaded once for all of them), an online softmax (per head a running max m and sum l, the
  * output accumulated so far rescaled when the max grows), then P V with each V row loaded once for all of
  * them. Leaves acc [nh][d] (not divided by l), m [nh] and l [nh]; s [grp][DEC_CH] and corr [grp] are
