@@ -1982,12 +1982,8 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
     const int grp = n_heads / n_kv_heads;
     const int fp8 = kv_type == KV_FP8_E4M3 || kv_type == KV_FP8_E5M2;
     const float qk_scale = fp8 ? scale * k_scale : scale, out_scale = fp8 ? v_scale : 1.0f;
-    int max_len = 8;
-    for (int r = 0; r < n_reqs; r++)
-        if (seq_lens[r] > max_len) max_len = seq_lens[r];
-    const int ld = (max_len + 7) & ~7;
     /* prefill runs (a request with ATT_MIN_QUERY tokens or more here) by tiles of ATT_QT tokens and one kv
-     * head (see "Prefill tiles"); the other tokens one by one below */
+     * head (see "Prefill tiles"); the other tokens by decode items below */
     int64_t n_tiles = 0, tiled_tokens = 0;
     for (int r = 0; r < n_reqs; r++)
         if (qsl[r + 1] - qsl[r] >= ATT_MIN_QUERY) {
