@@ -20,10 +20,21 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +profile=cpu model=tiny_random")
 
 
+class _Parser(argparse.ArgumentParser):
+    """``@FILE`` stands for a deployment file's overrides (``#`` comments, shell quoting)."""
+
+    def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
+        from appliance.config.review_dump import overrides_from_text
+
+        return overrides_from_text(arg_line)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="appliance",
-        description="Declarative LLM serving: every verb takes Hydra overrides of the config tree.",
+        description="Declarative LLM serving: every verb takes Hydra overrides of the config tree "
+                    "(@FILE: those of a deployment file, one or more a line).",
+        fromfile_prefix_chars="@",
     )
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
@@ -48,6 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("b")
 
     sub.add_parser("profiles", help="list profiles and whether they can run here")
+
+    p = sub.add_parser("review", help="what a change to the config tree does to every deployment, between two "
+                                      "git revisions (a pull request's review)")
+    p.add_argument("--base", required=True, help="the revision to compare against (e.g. origin/main)")
+    p.add_argument("--head", default=None, help="the revision under review (default: the working tree as it is)")
+    p.add_argument("--deployments", action="append", default=[], metavar="GLOB",
+                   help="deployment files to review besides the profiles (repeatable; relative to the checkout): "
+                        "a resolved config, or overrides as `appliance run @FILE` reads them")
+    p.add_argument("--format", choices=("markdown", "json"), default="markdown")
 
     p = sub.add_parser("lock", help="regenerate the committed resolved configs (resolved/)")
     p.add_argument("--check", action="store_true", help="fail with the semantic diff if they drifted")
@@ -128,6 +148,12 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_review(args: argparse.Namespace) -> int:
+    from appliance.config.review import run_review
+
+    return run_review(args.base, args.head, args.deployments, args.format)
+
+
 def cmd_lock(args: argparse.Namespace) -> int:
     from appliance.config.lock import check_locks, write_locks
 
@@ -184,6 +210,7 @@ VERBS = {
     "config": cmd_config,
     "diff": cmd_diff,
     "profiles": cmd_profiles,
+    "review": cmd_review,
     "lock": cmd_lock,
     "generate": cmd_generate,
     "bench": cmd_bench,
