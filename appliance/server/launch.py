@@ -31,7 +31,9 @@ from appliance.config.deployment import Deployment, ExpertGroupAddress
 
 if TYPE_CHECKING:
     from appliance.server.core_proc import BuildEngine
+    from appliance.server.metrics import Metrics
     from appliance.server.state import ServerState
+    from appliance.server.tracing import Tracing
 
 log = logging.getLogger("appliance.server")
 
@@ -98,6 +100,22 @@ def _lower_priority() -> None:
         pass
 
 
+def _tracing(deployment: Deployment, metrics: Metrics) -> Optional[Tracing]:
+    """The deployment's tracer when server.otlp_traces_endpoint is set."""
+    endpoint = deployment.cfg.server.otlp_traces_endpoint
+    if endpoint is None:
+        return None
+    from appliance.server.tracing import Tracing
+
+    cfg = deployment.cfg
+    tracing = Tracing(endpoint, {"appliance.deployment": deployment.fingerprint,
+                                 "appliance.config_hash": deployment.resolved.hash, "appliance.profile": cfg.profile,
+                                 "appliance.model": deployment.model_name},
+                      dropped=metrics.trace_spans_dropped.inc)
+    log.info("tracing: a span per request to %s", endpoint)
+    return tracing
+
+
 async def _serve(deployment: Deployment, build_engine: BuildEngine,
                  make_segment: Optional[Callable[[int], ExpertGroupAddress]]) -> int:
     import uvicorn
@@ -136,7 +154,7 @@ async def _serve(deployment: Deployment, build_engine: BuildEngine,
         await client.shutdown()
         return 1
     state = ServerState(deployment=deployment, client=client, tokenizer=tokenizer, metrics=metrics, api_keys=api_keys,
-                        internal_key=internal_key,
+                        internal_key=internal_key, tracing=_tracing(deployment, metrics),
                         tokenize_pool=ThreadPoolExecutor(cfg.server.tokenizer_threads,
                                                          thread_name_prefix="appliance-tokenize",
                                                          initializer=_lower_priority))
@@ -174,6 +192,8 @@ async def _serve(deployment: Deployment, build_engine: BuildEngine,
         state.shutting_down = True
         await client.shutdown(timeout_s=cfg.server.shutdown_timeout_s)
         state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        if state.tracing is not None:
+            state.tracing.shutdown()
     if fatal:
         log.error("exiting 1: the engine core could not be kept up: %s", fatal[0])
         return 1

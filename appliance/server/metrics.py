@@ -109,6 +109,9 @@ class Metrics:
                                          "of its layer, when a rebalance reads the window", EPLB_RATIO_BUCKETS, True)
         # what the front end measures of each request, by the engine core that served it
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed", by_engine=False)
+        self.trace_spans_dropped = counter("trace_spans_dropped", "Trace spans not exported (server.otlp_traces_"
+                                           "endpoint): the export queue was full or the collector failed",
+                                           by_engine=False)
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self._success = Counter("appliance:request_success", "Finished requests by finish reason",
                                 per_engine + ["finished_reason"], registry=r)

@@ -69,11 +69,12 @@ from litestar.response import Stream
 
 from appliance.errors import ConfigError
 from appliance.server.auth import SIGNATURE_HEADER, load_internal_key, sign_request
+from appliance.server.tracing import TRACE_HEADERS, RequestSpan, Tracing
 
 log = logging.getLogger("appliance.router")
 
 POLICIES = ("round_robin", "least_load", "kv_aware", "pd")
-FORWARDED_HEADERS = ("authorization", "x-request-id", "x-data-parallel-rank")
+FORWARDED_HEADERS = ("authorization", "x-request-id", "x-data-parallel-rank", *TRACE_HEADERS)
 REPLAY_TIMEOUT_MS = 2000
 
 
@@ -331,6 +332,8 @@ class Router:
                                 for e, inst, r in zip(kv_events, self.instances, replays)]
         self.client: Optional[httpx.AsyncClient] = None
         self._poller: Optional[asyncio.Task] = None
+        self.tracing: Optional[Tracing] = None  # server.otlp_traces_endpoint: a span per request, its context sent on
+        self.trace_spans_dropped = 0
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -401,7 +404,26 @@ class Router:
 
     # -- proxying -----------------------------------------------------------------
     async def forward(self, path: str, body: dict, headers: dict) -> tuple[int, dict, Any]:
-        """(status, headers, content): bytes, or an async iterator of bytes for a stream."""
+        """(status, headers, content): bytes, or an async iterator of bytes for a stream. Traced, the
+        request's span is the parent of the instances' (its context replaces the caller's in what is sent)
+        and ends with the answer (a stream's, with its last event)."""
+        if self.tracing is None:
+            return await self._forward(path, body, headers, None)
+        span = self.tracing.start(f"POST {path}", headers, {"http.request.method": "POST", "http.route": path,
+                                                            "appliance.router.policy": self.policy})
+        headers = {**{k: v for k, v in headers.items() if k.lower() not in TRACE_HEADERS}, **span.headers()}
+        try:
+            status, out_headers, content = await self._forward(path, body, headers, span)
+        except BaseException as e:
+            span.end(500, type(e).__name__)
+            raise
+        if isinstance(content, (bytes, bytearray)):
+            span.end(status)
+            return status, out_headers, content
+        return status, out_headers, _ending(content, span, status)
+
+    async def _forward(self, path: str, body: dict, headers: dict,
+                       span: Optional[RequestSpan]) -> tuple[int, dict, Any]:
         if "kv_transfer_params" in body:  # a client's: only the router says whose KV a consumer takes
             body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
         if self.policy == "pd":
@@ -419,6 +441,8 @@ class Router:
                 return 503, {"content-type": "application/json"}, \
                     b'{"error": {"message": "no healthy instance", "type": "ServiceUnavailable", "code": 503}}'
             tried.add(inst.url)
+            if span is not None:
+                span.set_attribute("appliance.instance", inst.url)
             fwd = {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
             req = self.client.build_request("POST", f"{inst.url}{path}", **self._post(body, fwd))
             inst.in_flight += 1
@@ -542,11 +566,23 @@ class Router:
         lines.append("# TYPE appliance_router_in_flight gauge")
         for i in every:
             lines.append(f'appliance_router_in_flight{{instance="{i.url}"}} {i.in_flight}')
+        if self.tracing is not None:
+            lines.append("# TYPE appliance_router_trace_spans_dropped counter")
+            lines.append(f"appliance_router_trace_spans_dropped_total {self.trace_spans_dropped}")
         lines.append("# TYPE appliance_router_upstream_failures counter")
         for i in every:
             for kind, n in (("stream", i.failed_streams), ("response", i.failed_responses)):
                 lines.append(f'appliance_router_upstream_failures_total{{instance="{i.url}",kind="{kind}"}} {n}')
         return "\n".join(lines) + "\n"
+
+
+async def _ending(stream: AsyncIterator[bytes], span: RequestSpan, status: int) -> AsyncIterator[bytes]:
+    """``stream``, the span ended when it ends (or the client leaves it)."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        span.end(status)
 
 
 def _upstream_failed(inst: Instance, e: httpx.TransportError, stream: bool = False) -> tuple[int, dict, bytes]:
@@ -639,6 +675,18 @@ def route_forever(cfg: Any) -> int:
                         list(r.prefill_instances), list(r.kv_events_replay), load_internal_key(cfg.server), curve)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    endpoint = cfg.server.otlp_traces_endpoint
+    if endpoint is not None:
+
+        def dropped(n: int) -> None:
+            router.trace_spans_dropped += n
+
+        router.tracing = Tracing(endpoint, {"appliance.router.policy": r.policy}, dropped,
+                                 service_name="appliance-router")
     print(f"routing {len(router.instances)} instance(s) by {r.policy} on http://{r.host}:{r.port}")
-    uvicorn.run(build_app(router), host=r.host, port=r.port, log_level="warning")
+    try:
+        uvicorn.run(build_app(router), host=r.host, port=r.port, log_level="warning")
+    finally:
+        if router.tracing is not None:
+            router.tracing.shutdown()
     return 0

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from appliance.server.generation import Generation
+    from appliance.server.tracing import Tracing
 
 
 @dataclass
@@ -33,6 +34,7 @@ class ServerState:
     tokenize_pool: Optional[Executor] = None  # tokenization and chat templates (None: the loop's default executor)
     generations: set[Generation] = field(default_factory=set)  # running generations (a drain cuts them)
     cut_reason: Optional[str] = None  # set when a drain has cut running generations
+    tracing: Optional[Tracing] = None  # server.otlp_traces_endpoint: a span per request
 
     @property
     def resolved(self) -> ResolvedConfig:

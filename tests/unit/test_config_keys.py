@@ -65,7 +65,7 @@ RUN_TIME_KEYS = {
         "tenant_isolation", "max_queue_len", "max_body_bytes", "request_timeout_s", "shutdown_timeout_s",
         "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "max_connections", "tokenizer_threads",
         "max_core_restarts", "core_restart_window_s", "core_restart_backoff_s", "core_start_timeout_s",
-        "core_heartbeat_timeout_s", "cors_origins", "dev_mode")),
+        "core_heartbeat_timeout_s", "cors_origins", "dev_mode", "otlp_traces_endpoint")),
     # how output constraints are bounded: checked at the boundary and in the trial compile (server/structured.py)
     *(f"structured_output.{k}" for k in ("max_schema_bytes", "max_schema_depth", "compile_timeout_s",
                                          "compile_memory_mib")),
@@ -105,6 +105,7 @@ ALTERNATIVES = {
     "hardware.supported_dtypes": ["float32"],
     "hardware.fp8": False,
     "server.host": "0.0.0.0",
+    "server.otlp_traces_endpoint": "http://127.0.0.1:4318",
     "speculative.method": "ngram",
     "speculative.num_speculative_tokens": 2,
     "attention.backend": "torch_sdpa",

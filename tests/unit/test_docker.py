@@ -212,3 +212,10 @@ def dashboard_metric_names() -> set[str]:
     base = REPO / "docker"
     text = (base / "grafana" / "dashboards" / "appliance.json").read_text() + (base / "prometheus.yml").read_text()
     return set(re.findall(r"appliance:[a-z][a-z0-9_]*", text))
+
+
+def test_every_image_can_trace():
+    """server.otlp_traces_endpoint works in each image: the tracing extra's packages, pinned."""
+    text = (REPO / "Dockerfile").read_text()
+    for package in ("opentelemetry-sdk==", "opentelemetry-exporter-otlp-proto-http=="):
+        assert text.count(f'"{package}') == 3  # cpu, cuda, rocm
