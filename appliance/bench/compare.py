@@ -1,12 +1,19 @@
 """Side-by-side table of `appliance bench serve` runs against one baseline
-server (``scripts/bench_vs_llamacpp.sh``): per concurrency level, each
-server's output tok/s and TTFT p50 and its same-run ratios to the baseline,
-with the host they ran on.
+server (``scripts/bench_vs_llamacpp.sh``, ``scripts/bench_vs_peers.sh``):
+per concurrency level, each server's output tok/s and TTFT p50 and its
+same-run ratios to the baseline; a long prompt alone (its TTFT and the
+speed-up over the baseline's); the mixed load; the host they ran on.
 
     python -m appliance.bench.compare OUT_DIR BASELINE_LABEL LABEL...
 
 reads ``OUT_DIR/serve-LABEL.json`` and writes ``OUT_DIR/compare.json`` and
 ``OUT_DIR/compare.md``.
+
+    python -m appliance.bench.compare merge OUT_DIR LABEL PART...
+
+folds the runs ``serve-PART.json`` of one server into ``serve-LABEL.json``:
+their levels, and a run of the long prompt with no streams as the prompt
+alone (``prefill_alone``).
 """
 
 from __future__ import annotations
@@ -14,10 +21,31 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 
 def _file(label: str) -> str:
     return f"serve-{label.replace('/', '_').replace(':', '_')}.json"
+
+
+def merge(out_dir: Path, label: str, parts: list[str]) -> dict:
+    """``serve-LABEL.json`` with the levels of each part, and a part's long prompt run alone (no streams)
+    as ``prefill_alone``; written back."""
+    path = out_dir / _file(label)
+    run = json.loads(path.read_text())
+    for part in parts:
+        p = json.loads((out_dir / _file(part)).read_text())
+        run["levels"] = sorted(run.get("levels", []) + p.get("levels", []), key=lambda lv: lv["max_concurrency"])
+        mixed = p.get("mixed_load")
+        if mixed is not None and mixed.get("streams") == 0:
+            run["prefill_alone"] = mixed
+    path.write_text(json.dumps(run, indent=2))
+    return run
+
+
+def _alone(run: dict) -> Optional[dict]:
+    alone = run.get("prefill_alone")
+    return None if alone is None or "error" in alone else alone
 
 
 def compare(out_dir: Path, baseline: str, labels: list[str]) -> dict:
@@ -39,8 +67,18 @@ def compare(out_dir: Path, baseline: str, labels: list[str]) -> dict:
             })
     mixed = [{"server": lb, **runs[lb]["mixed_load"]} for lb in [baseline, *labels]
              if "error" not in runs[lb].get("mixed_load", {"error": None})]
+    prefill = []
+    base_alone = _alone(runs[baseline])
+    for lb in [baseline, *labels]:
+        a = _alone(runs[lb])
+        if a is not None:
+            ratio = base_alone["long_prompt_ttft_ms"] / a["long_prompt_ttft_ms"] if base_alone else None
+            prefill.append({"server": lb, "prompt_tokens": a["long_prompt_len"], "ttft_ms": a["long_prompt_ttft_ms"],
+                            "prompt_tok_s": a["long_prompt_len"] / a["long_prompt_ttft_ms"] * 1e3,
+                            "speedup_over_baseline": ratio})
     return {"baseline": baseline, "host": runs[baseline].get("host"), "input_len": runs[baseline].get("input_len"),
-            "output_len": runs[baseline].get("output_len"), "rows": rows, "mixed_load": mixed}
+            "output_len": runs[baseline].get("output_len"), "rows": rows, "prefill_alone": prefill,
+            "mixed_load": mixed}
 
 
 def markdown(result: dict) -> str:
@@ -54,6 +92,14 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['server']} | {r['max_concurrency']} | {r['output_tok_s']:.1f} | "
                      f"{r['baseline_output_tok_s']:.1f} | {r['tok_s_ratio']:.2f}x | {r['ttft_p50_ms']:.0f} | "
                      f"{r['baseline_ttft_p50_ms']:.0f} | {r['ttft_ratio']:.2f} |")
+    if result.get("prefill_alone"):
+        lines += ["", "A long prompt alone (`bench serve --long-prompt N --long-streams 0`):", "",
+                  "| server | prompt tokens | TTFT ms | prompt tok/s | speed-up over the baseline |",
+                  "|---|---|---|---|---|"]
+        for a in result["prefill_alone"]:
+            ratio = f"{a['speedup_over_baseline']:.2f}x" if a["speedup_over_baseline"] else "-"
+            lines.append(f"| {a['server']} | {a['prompt_tokens']} | {a['ttft_ms']:.0f} | {a['prompt_tok_s']:.0f} | "
+                         f"{ratio} |")
     if result.get("mixed_load"):
         lines += ["", "A long prompt arriving while streams decode (`bench serve --long-prompt`):", "",
                   "| server | long prompt tokens | its TTFT ms | streams | their ITL p50 ms | worst gap ms | "
@@ -69,6 +115,9 @@ def main(argv: list[str]) -> int:
     if len(argv) < 3:
         print(__doc__, file=sys.stderr)
         return 2
+    if argv[0] == "merge":
+        merge(Path(argv[1]), argv[2], argv[3:])
+        return 0
     out_dir = Path(argv[0])
     result = compare(out_dir, argv[1], argv[2:])
     (out_dir / "compare.json").write_text(json.dumps(result, indent=2))

@@ -28,3 +28,31 @@ def test_ratios_are_per_level_against_the_baseline(tmp_path):
     assert main([str(tmp_path), "llama.cpp", "appliance-cpu"]) == 0
     md = (tmp_path / "compare.md").read_text()
     assert "| appliance-cpu | 1 | 160.0 | 80.0 | 2.00x |" in md and "avx2 fma" in md
+
+
+def test_runs_of_one_server_merge_and_the_prompt_alone_compares(tmp_path):
+    from appliance.bench.compare import merge
+
+    def write(label, levels, mixed=None):
+        run = serve_json(label, levels)
+        if mixed is not None:
+            run["mixed_load"] = mixed
+        (tmp_path / f"serve-{label}.json").write_text(json.dumps(run))
+
+    alone = lambda ms: {"streams": 0, "long_prompt_len": 4500, "output_len": 2048,  # noqa: E731
+                        "long_prompt_ttft_ms": ms, "stream_itl_p50_ms_before": None, "worst_stream_gap_ms": 0.0,
+                        "worst_gap_over_itl": None, "stream_tokens_during_prefill": 0}
+    for label, ms, tok in (("vllm", 30000.0, 50.0), ("appliance-bf16", 20000.0, 80.0)):
+        write(label, {8: (tok, 500.0)})
+        write(f"{label}-c1", {1: (tok / 5, 100.0)})
+        write(f"{label}-alone", {}, alone(ms))
+        merged = merge(tmp_path, label, [f"{label}-c1", f"{label}-alone"])
+        assert [lv["max_concurrency"] for lv in merged["levels"]] == [1, 8]
+        assert merged["prefill_alone"]["long_prompt_ttft_ms"] == ms
+    result = compare(tmp_path, "vllm", ["appliance-bf16"])
+    assert {r["max_concurrency"]: r["tok_s_ratio"] for r in result["rows"]} == {1: 1.6, 8: 1.6}
+    [base, ours] = result["prefill_alone"]
+    assert base["speedup_over_baseline"] == 1.0 and ours["speedup_over_baseline"] == 1.5
+    assert ours["prompt_tok_s"] == 225.0
+    assert main([str(tmp_path), "vllm", "appliance-bf16"]) == 0
+    assert "| appliance-bf16 | 4500 | 20000 | 225 | 1.50x |" in (tmp_path / "compare.md").read_text()
