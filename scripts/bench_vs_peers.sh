@@ -178,7 +178,6 @@ for model in $MODELS; do
     declare -A deploy=([default]="model.path=$hf" [bf16]="+profile=cpu model.path=$hf"
                        [int8]="+profile=cpu_int8 model.path=$hf" [int4]="+profile=cpu_int4 model.path=$hf")
   fi
-  labels=()
   for peer in $PEERS; do
     log="$out/$peer.log"
     if [ "$peer" = vllm ]; then
@@ -204,8 +203,17 @@ for model in $MODELS; do
     wait_up $pid "$log"
     bench "appliance-$d" "$out"
     kill $pid; wait $pid 2>/dev/null || true
-    labels+=("appliance-$d")
   done
+  # the appliance's runs in $out, this sitting's or an earlier one's (DEPLOYMENTS= runs only the peers)
+  labels=()
+  for f in "$out"/serve-appliance-*.json; do
+    [ -e "$f" ] || continue
+    label=$(basename "$f" .json)
+    label=${label#serve-}
+    case $label in *-c1 | *-alone) continue ;; esac
+    labels+=("$label")
+  done
+  [ ${#labels[@]} -gt 0 ] || continue
   for peer in $PEERS; do
     "$PY" -m appliance.bench.compare "$out" "$peer" "${labels[@]}"
     mv "$out/compare.json" "$out/compare-vs-$peer.json"

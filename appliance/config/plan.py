@@ -21,7 +21,7 @@ import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from appliance.config.checkpoint import gguf_file, gguf_head_bits, gguf_header
+from appliance.config.checkpoint import gguf_embedding_in_head, gguf_file, gguf_head_bits, gguf_header
 from appliance.config.execution import Execution, kv_dtype, resolve_execution
 from appliance.config.schema import ApplianceConfig, ModelConfig
 from appliance.config.sizes import parameter_counts, pipeline_partition, sparse_layers
@@ -70,6 +70,8 @@ def _target_weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
     if method in ("fp8", "int8_wo", "w8a8_int8"):  # per-output-channel fp32 scales
         linear += 4 * output_channels(cfg.model)
     head = lm_head_bytes(cfg)
+    if head is not None and embedding_read_from_head(cfg):  # one table: the head's blocks, looked up too
+        return linear + head + counts["other"] * full
     if head is not None:  # a quantized head (a tied model keeps its embedding for lookups)
         return linear + head + (counts["embedding"] + counts["other"]) * full
     return linear + (counts["embedding"] + counts["lm_head"] + counts["other"]) * full
@@ -91,6 +93,19 @@ def lm_head_bytes(cfg: ApplianceConfig) -> Optional[int]:
     except (OSError, ValueError, struct.error):
         return None  # resolving the deployment has said why
     return None if bits is None else int(m.vocab_size * m.hidden_size * bits / 8)
+
+
+def embedding_read_from_head(cfg: ApplianceConfig) -> bool:
+    """A GGUF file's embedding tied to grouped-int8 head blocks, on one rank: held once, the head's blocks
+    (``checkpoint.gguf_embedding_in_head``)."""
+    par = cfg.parallel
+    if cfg.quantization.method != "gguf" or par.tensor_parallel_size * par.pipeline_parallel_size != 1 \
+            or (path := gguf_file(cfg.model.path)) is None:
+        return False
+    try:
+        return gguf_embedding_in_head(gguf_header(path)[1])
+    except (OSError, ValueError, struct.error):
+        return False
 
 
 def output_channels(m: ModelConfig) -> int:

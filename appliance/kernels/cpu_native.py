@@ -509,8 +509,10 @@ class NativeForward:
         else:  # tied: the embedding stays row-major for lookups, so pack a copy
             self._lm_head = NativeLinear.from_weight(weights.embed)
         cos, sin = weights.rope_cos, weights.rope_sin  # fp32, like the activations
-        # The embedding is read one row per token, widened in the kernel: a bf16 table stays bf16.
+        # The embedding is read one row per token, widened in the kernel: a bf16 table stays bf16. An embedding
+        # that is no table (read from the tied head's blocks) hands its rows in, as a later pipeline stage's do.
         embed = weights.embed if first else None  # a later stage starts from the rows handed on
+        self._embed_rows = weights.embed_rows if first and embed is None else None
         if embed is not None:
             if embed.dtype not in WEIGHT_DTYPES:
                 raise ValueError(f"cpu_native needs an fp32 or bf16 embedding; it is {embed.dtype}")
@@ -630,5 +632,5 @@ class NativeForward:
             return out
 
         if self.pp is None:
-            return stage(None, True)
+            return stage(None if self._embed_rows is None else self._embed_rows(ids).float().contiguous(), True)
         return self.pp.run(stage, (t, self.arch.hidden_size), torch.float32, torch.device("cpu"))

@@ -540,6 +540,7 @@ class ModelWeights:
 
     arch: ModelArch
     embed: Optional[torch.Tensor]  # [vocab, hidden], looked up one row per token; None on a middle pipeline stage
+    # (or where the model looks its rows up itself: ``embed_rows``)
     final_norm: Optional[torch.Tensor]  # None on a pipeline stage before the last
     layers: tuple[LayerWeights, ...]
     lm_head: Optional[nn.Module]  # the LM head's own projection (untied or quantized); None: tied to ``embed``
@@ -549,6 +550,8 @@ class ModelWeights:
     vocab_size: int
     tp: Optional[TensorParallel] = None
     pp: Optional[PipelineParallel] = None  # a pipeline stage's: ``layers`` are its own
+    # ids -> their rows, where the embedding is no table (``quant.TiedBlockEmbedding``: read from the head's blocks)
+    embed_rows: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -665,10 +668,12 @@ class LlamaForCausalLM(nn.Module):
             lm_head = self.lm_head_q
         else:
             lm_head = None if self.arch.tie_word_embeddings else self.lm_head
-        return ModelWeights(arch=self.arch, embed=self.model.embed_tokens.weight.data if self.holds_embedding else None,
+        embed = self.model.embed_tokens if self.holds_embedding else None
+        table = isinstance(embed, nn.Embedding)
+        return ModelWeights(arch=self.arch, embed=embed.weight.data if table else None,
                             final_norm=self.model.norm.weight.data if self.holds_head else None, layers=tuple(layers),
                             lm_head=lm_head, rope_cos=cos, rope_sin=sin, vocab_size=self.vocab_size, tp=self.tp,
-                            pp=self.pp)
+                            pp=self.pp, embed_rows=embed if embed is not None and not table else None)
 
     def forward(
         self,

@@ -277,6 +277,39 @@ class GroupedInt8Linear(_GroupedLinear):
 
         return self._through(x, lambda rows: int8_gemm(rows, self.weight_q8, self.q_scale, self.q_min, self.bias))
 
+    def rows(self, channels: torch.Tensor) -> torch.Tensor:
+        """The dequantized weight's rows (d q + m, fp32, as ``dequantize_int4`` computes them) of the given
+        output channels, read from the blocks as stored: row-major, or in the native backend's panels
+        (``weight_packed`` [panels, in, 16], ``qparams_packed`` [panels, groups, 2, 16]) once it packed them
+        and let the row-major copy go. An embedding tied to this head looks its tokens up here."""
+        if self.in_perm is not None:
+            raise ValueError("rows of an act-order (GPTQ g_idx) linear are stored in another input order")
+        c = channels.reshape(-1).to(torch.int64)
+        if self.weight_q8.numel():
+            q, d, m = self.weight_q8[c], self.q_scale[c], self.q_min[c]
+        else:
+            panel, lane = c // 16, c % 16
+            q = self.weight_packed[panel, :, lane]
+            d, m = self.qparams_packed[panel, :, 0, lane], self.qparams_packed[panel, :, 1, lane]
+        return q.float() * d.repeat_interleave(self.group, dim=1) + m.repeat_interleave(self.group, dim=1)
+
+
+class TiedBlockEmbedding(nn.Module):
+    """The lookups of an embedding tied to a grouped-int8 LM head (a GGUF's
+    Q8_0 ``token_embd`` kept at its width): each token's row read from the
+    head's blocks and cast to the model dtype, so the table is held once, as
+    the file stores it, instead of a dequantized copy beside the head's
+    blocks. The head is not a submodule (it is the model's ``lm_head_q``)."""
+
+    def __init__(self, head: GroupedInt8Linear, dtype: torch.dtype):
+        super().__init__()
+        self._head = (head,)  # a tuple: not registered twice
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._head[0].rows(ids).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
 
 def _input_order(target: str, parts: list[tuple]) -> torch.Tensor | None:
     """The input order (``perm``, a 4th block entry) the fused parts share;
@@ -431,7 +464,13 @@ def keep_gguf_blocks(model: nn.Module, blocks: dict[str, tuple], others: dict[st
         raise ValueError(f"quantization=gguf keeps block-quantized projections ({', '.join(KEPT_TYPES)}); this file's "
                          f"{', '.join(wide[:4])}{' ...' if len(wide) > 4 else ''} are not built at their width yet: "
                          f"serve it with quantization=none (dequantized at load)")
-    return install_int4(model, blocks, "gguf")
+    filled = install_int4(model, blocks, "gguf")
+    embed = getattr(model.model, "embed_tokens", None)
+    if arch.tie_word_embeddings and isinstance(model.lm_head_q, GroupedInt8Linear) and isinstance(embed, nn.Embedding) \
+            and model.tp is None and model.pp is None:
+        # the table once, at the file's width: lookups read the head's blocks (the loaded dense copy is dropped)
+        model.model.embed_tokens = TiedBlockEmbedding(model.lm_head_q, embed.weight.dtype)
+    return filled
 
 
 def quantize_int4_weight_only(model: nn.Module, group: int = 32) -> nn.Module:

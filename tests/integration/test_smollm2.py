@@ -216,3 +216,24 @@ def test_smollm2_drafting_for_itself_accepts_its_own_tokens():
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     s = llm.engine.stats()
     assert s.spec_drafts > 10 and s.spec_accepted_tokens >= 0.95 * s.spec_draft_tokens
+
+
+def test_a_tied_q8_0_embedding_is_held_once_at_the_files_width():
+    """The default model's tied Q8_0 token_embd: lookups read the LM head's blocks (its native panels once
+    packed), equal to the file's dequantized table in the model dtype; no dense table is held beside them."""
+    from appliance.models.gguf import dequant_q8_0, read_gguf
+    from appliance.models.loader import find_wheel_gguf
+    from appliance.models.quant import TiedBlockEmbedding
+
+    llm = LLM(overrides=["+profile=cpu", "cache.kv_cache_memory_gib=0.25", "model.max_model_len=2048"])
+    assert "Paris" in llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                               SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text
+    model = llm.engine.runner.model
+    emb = model.model.embed_tokens
+    assert isinstance(emb, TiedBlockEmbedding) and model.lm_head_q.weight_q8.numel() == 0  # the native panels
+    assert not any(isinstance(mod, torch.nn.Embedding) for mod in model.modules())
+    _, tensors = read_gguf(find_wheel_gguf())
+    t = next(t for t in tensors if t.name == "token_embd.weight")
+    table = torch.from_numpy(dequant_q8_0(t.data)).reshape(t.shape)
+    ids = torch.tensor([0, 1, 2, 17, 12345, 49151])
+    assert torch.equal(emb(ids), table[ids].to(emb.dtype))

@@ -360,12 +360,16 @@ def test_w8a8_int8_plan_bytes_and_note():
 def test_gguf_plan_bytes():
     """4-bit blocks with an fp16 scale and min per 32; the tied LM head the
     Q8_0 embedding's blocks (int8 with an fp32 scale and min per 32: 10 bits
-    a weight); embedding and norms in the compute dtype."""
+    a weight), which lookups read too on one rank (over tensor-parallel
+    ranks the embedding is held in the compute dtype besides); norms in the
+    compute dtype."""
     q = make_plan(resolve(["+profile=cpu", "quantization=gguf"]).cfg)  # auto: bf16
     counts = parameter_counts(resolve(["+profile=cpu"]).cfg.model)
     head = 49152 * 576 * 10 // 8
-    assert q.weight_bytes_total == counts["linear"] * 5 // 8 + head + (counts["embedding"] + counts["other"]) * 2
+    assert q.weight_bytes_total == counts["linear"] * 5 // 8 + head + counts["other"] * 2
     assert (q.weight_bits, q.lm_head_bits) == (5.0, 10.0)
+    tp = make_plan(resolve(["+profile=cpu", "quantization=gguf", "parallel=tp3"]).cfg)
+    assert tp.weight_bytes_total == q.weight_bytes_total + counts["embedding"] * 2
 
 
 def test_the_cpu_profile_serves_the_builtin_gguf_at_its_own_width(monkeypatch):

@@ -87,3 +87,25 @@ def test_tiny_model_runs_int4_wo():
     prompts = ["Hello", "The quick brown fox jumps over the lazy dog."] * 4
     q = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in q)
+
+
+def test_grouped_int8_rows_read_the_blocks_row_major_and_from_the_native_panels():
+    """What an embedding tied to a grouped-int8 head looks its tokens up with: the dequantized weight's rows,
+    exactly, before and after the native backend packs the blocks and lets the row-major copy go."""
+    from appliance.kernels.cpu_native import NativeLinear
+    from appliance.models.quant import GroupedInt8Linear, TiedBlockEmbedding
+
+    g = torch.Generator().manual_seed(0)
+    n, k, group = 37, 64, 32  # rows past a whole panel of 16
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    d, m = torch.rand(n, k // group, generator=g), torch.randn(n, k // group, generator=g)
+    lin = GroupedInt8Linear((q, d, m), None)
+    table = lin.dequantized()
+    ids = torch.tensor([[0, 15, 16], [36, 17, 0]])
+    emb = TiedBlockEmbedding(lin, torch.bfloat16)
+    assert torch.equal(lin.rows(ids), table[ids.reshape(-1)])
+    assert torch.equal(emb(ids), table[ids].to(torch.bfloat16))
+    NativeLinear(lin, release=True)
+    assert lin.weight_q8.numel() == 0  # held once: the panels
+    assert torch.equal(lin.rows(ids), table[ids.reshape(-1)]) and torch.equal(emb(ids), table[ids].to(torch.bfloat16))
+    assert not list(emb.parameters()) and not list(emb.buffers())  # the head's blocks, not a copy
