@@ -33,8 +33,11 @@ A=${APPLIANCE:-.venv/bin/appliance}
 OUT=${OUT:-bench-results/vs-peers}
 CACHE=${APPLIANCE_CACHE_DIR:-$HOME/.cache/appliance}
 MODELS=${MODELS:-smollm2 1b}
-PEERS=${PEERS:-vllm llama.cpp}
-DEPLOYMENTS=${DEPLOYMENTS:-default bf16 int8 int4}  # the appliance's, per model (below)
+PEERS=${PEERS-vllm llama.cpp}  # PEERS= runs none (the appliance alone, compared with runs on record)
+DEPLOYMENTS=${DEPLOYMENTS-default bf16 int8 int4}  # the appliance's, per model (below)
+# overrides added to each of them, and what their labels say of it (e.g. "scheduler.target_itl_ms=null" / "fixed")
+APPLIANCE_EXTRA=${APPLIANCE_EXTRA:-}
+LABEL_SUFFIX=${LABEL_SUFFIX:+-$LABEL_SUFFIX}
 THREADS=${THREADS:-$(nproc)}
 LEVELS=${LEVELS:-1,8,32,64}
 PROMPTS_ONE=${PROMPTS_ONE:-4}  # requests at concurrency 1
@@ -195,13 +198,13 @@ for model in $MODELS; do
     kill $pid; wait $pid 2>/dev/null || true
   done
   for d in $DEPLOYMENTS; do
-    log="$out/appliance-$d.log"
+    log="$out/appliance-$d$LABEL_SUFFIX.log"
     # shellcheck disable=SC2086  # the deployment's overrides split into arguments
-    "$A" run ${deploy[$d]} "model.max_model_len=$MAX_LEN" "cache.kv_cache_memory_gib=$KV_GIB" \
+    "$A" run ${deploy[$d]} $APPLIANCE_EXTRA "model.max_model_len=$MAX_LEN" "cache.kv_cache_memory_gib=$KV_GIB" \
       "server.port=$PORT" >"$log" 2>&1 &
     pid=$!
     wait_up $pid "$log"
-    bench "appliance-$d" "$out"
+    bench "appliance-$d$LABEL_SUFFIX" "$out"
     kill $pid; wait $pid 2>/dev/null || true
   done
   # the appliance's runs in $out, this sitting's or an earlier one's (DEPLOYMENTS= runs only the peers)
