@@ -200,7 +200,8 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
     plan = deployment.plan
     budget = None
     if s.target_itl_ms is not None:
-        budget = TokenBudget(s.target_itl_ms, plan.token_budget, s.max_num_batched_tokens)
+        budget = TokenBudget(s.target_itl_ms, plan.token_budget, s.max_num_batched_tokens,
+                             min_prefill_share=s.min_prefill_share)
     scheduler = Scheduler(
         kv,
         max_num_batched_tokens=plan.token_budget,

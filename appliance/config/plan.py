@@ -532,7 +532,8 @@ def token_budget(cfg: ApplianceConfig, prefill_tok_s: float) -> dict[str, Any]:
     """The tokens a step may schedule: ``scheduler.max_num_batched_tokens``,
     or, with ``scheduler.target_itl_ms``, the prefill tokens the prefill
     roofline fits in that time (a first estimate: the engine refits it to
-    measured step times, at most the cap)."""
+    measured step times, at most the cap, and never starving a prompt below
+    ``scheduler.min_prefill_share`` of a step)."""
     s = cfg.scheduler
     cap = s.max_num_batched_tokens
     if s.target_itl_ms is None:
@@ -541,7 +542,9 @@ def token_budget(cfg: ApplianceConfig, prefill_tok_s: float) -> dict[str, Any]:
     return {"token_budget": first,
             "token_budget_reason": f"first estimate for scheduler.target_itl_ms={s.target_itl_ms:g} at the "
                                    f"{prefill_tok_s:.0f} tok/s prefill roofline; refitted to measured step times, "
-                                   f"at most {cap} (max_num_batched_tokens)"}
+                                   f"at most {cap} (max_num_batched_tokens); where the running decodes alone "
+                                   f"overrun it, a waiting prompt still gets {s.min_prefill_share:.0%} of each "
+                                   f"step (scheduler.min_prefill_share)"}
 
 
 def _widths(p: Plan) -> str:

@@ -16,7 +16,8 @@ from appliance.config.execution import choose_dtype
 from appliance.config.plan import (GIB, activation_bytes, kv_bytes_per_token, max_model_len, offload_medium,
                                    weight_bytes)
 from appliance.config.checkpoint import MOE_KEYS
-from appliance.config.schema import ApplianceConfig, EplbConfig, KVEventsConfig, KVTransferConfig, ModelConfig
+from appliance.config.schema import (ApplianceConfig, EplbConfig, KVEventsConfig, KVTransferConfig, ModelConfig,
+                                     SchedulerConfig)
 from appliance.kernels.registry import BACKENDS
 
 FP8_HARDWARE = "h100, h200, b200 or mi300x"
@@ -455,6 +456,13 @@ def validate(cfg: ApplianceConfig) -> list[str]:
         if not s.enable_chunked_prefill:
             problems.append("scheduler.target_itl_ms needs scheduler.enable_chunked_prefill=true (a prompt must be "
                             "able to prefill in chunks of any budget)")
+    if not 0.0 <= s.min_prefill_share < 1.0:
+        problems.append(f"scheduler.min_prefill_share={s.min_prefill_share} must be in [0, 1) (a share of a step's "
+                        f"time; the decodes keep the rest)")
+    elif s.target_itl_ms is None and s.min_prefill_share != SchedulerConfig.min_prefill_share:
+        problems.append(f"scheduler.min_prefill_share={s.min_prefill_share} has an effect only with "
+                        f"scheduler.target_itl_ms (without an objective every step may use "
+                        f"scheduler.max_num_batched_tokens)")
     if q.activations and q.method not in ("fp8", "w8a8_int8"):
         problems.append(f"quantization.activations=true (W8A8) is built for quantization=fp8 and w8a8_int8; "
                         f"quantization={q.method} quantizes weights only")

@@ -9,9 +9,16 @@ to its whole context, so a long prompt's later chunks cost more).
 ``TokenBudget`` fits ``step seconds = a + b * tokens + c * pairs`` by least
 squares over the last steps and, before each step, sets the budget to the
 largest that fits the objective given the running decodes and the context
-the next prefill chunk starts from, between the running decodes plus one
-prefill token (every stream advances, and so does the prompt) and ``cap``
+the next prefill chunk starts from, at most ``cap``
 (``scheduler.max_num_batched_tokens``).
+When the running decodes alone take longer than the objective (a large model
+on a few cores, or many streams), no chunk fits it; the objective is missed
+either way, and starving the prompts would only add their wait to it. So a
+waiting prompt always gets ``min_prefill_share`` of the step's time
+(``scheduler.min_prefill_share``): the step may last up to the decodes'
+time / (1 - share), at 0.5 twice the decodes alone. At 0 the objective holds
+prompts to one token a step beside the decodes; the budget never falls below
+the running decodes plus one (every stream advances, and so does the prompt).
 While the last steps do not pin a cost down (a stretch of decode-only
 steps of one size) it keeps the last fit they did give. Before any fit it
 keeps the plan's first estimate (never below the running decodes plus
@@ -37,10 +44,14 @@ def attention_pairs(num_new: int, context_after: int) -> int:
 class TokenBudget:
     MIN_SAMPLES = 4
 
-    def __init__(self, target_itl_ms: float, initial: int, cap: int, window: int = 32):
+    def __init__(self, target_itl_ms: float, initial: int, cap: int, window: int = 32,
+                 min_prefill_share: float = 0.5):
         if cap < 1:
             raise ValueError(f"the token budget needs a cap of at least 1, got {cap}")
+        if not 0.0 <= min_prefill_share < 1.0:
+            raise ValueError(f"the prefill's share of a step must be in [0, 1), got {min_prefill_share}")
         self.target_s = target_itl_ms / 1e3
+        self.min_prefill_share = min_prefill_share
         self.cap = cap
         self.budget = self._clamp(initial, 1)
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)  # (tokens, pairs, seconds)
@@ -98,8 +109,10 @@ class TokenBudget:
             self.budget = self._clamp(self.budget, decodes + 1)
             return self.budget
         a, b, c = fitted
-        # a + b (decodes + x) + c (decode_pairs + x chunk_context + x (x + 1) / 2) = target, for the chunk x
-        rest = self.target_s - a - b * decodes - c * decode_pairs
+        # a + b (decodes + x) + c (decode_pairs + x chunk_context + x (x + 1) / 2) = step, for the chunk x
+        decodes_s = a + b * decodes + c * decode_pairs
+        step_s = max(self.target_s, decodes_s / (1.0 - self.min_prefill_share))
+        rest = step_s - decodes_s
         lin = b + c * (chunk_context + 0.5)
         if rest <= 0:
             x = 0.0

@@ -90,10 +90,41 @@ def test_a_budget_every_step_fills_exactly_grows_until_the_fit_returns():
 @pytest.mark.parametrize("target_ms,expected", [(1, 17), (10_000, 1024)])
 def test_the_budget_stays_between_the_decodes_and_the_cap(target_ms, expected):
     """At least every running decode plus one prefill token; at most the cap."""
-    tb = TokenBudget(target_itl_ms=target_ms, initial=100, cap=1024)
+    tb = TokenBudget(target_itl_ms=target_ms, initial=100, cap=1024, min_prefill_share=0.0)
     for tokens in (16, 200, 16, 400, 16):
         tb.observe(tokens, 0, 0.020 + 0.001 * tokens)
     assert tb.next_budget(16, 1600, 0) == expected
+
+
+@pytest.mark.parametrize("share,chunk", [(0.5, 36), (0.25, 12), (0.0, 1)])
+def test_decodes_that_overrun_the_objective_leave_a_prompt_its_share(share, chunk):
+    """16 decodes alone take 36 ms against a 10 ms objective: the step is
+    missed anyway, and a waiting prompt still gets ``share`` of it (the step
+    lasts 36 ms / (1 - share)) instead of one token a step."""
+    tb = TokenBudget(target_itl_ms=10, initial=100, cap=1024, min_prefill_share=share)
+    for tokens in (16, 200, 16, 400, 16):
+        tb.observe(tokens, 0, 0.020 + 0.001 * tokens)
+    budget = tb.next_budget(16, 1600, 0)
+    assert budget == 16 + chunk
+    step = 0.020 + 0.001 * budget
+    assert (budget - 16) * 0.001 <= max(0.001, share * step) + 1e-9  # one token a step at the least
+
+
+def test_the_share_applies_only_where_the_decodes_overrun_the_objective():
+    """Decodes that fit the objective leave the chunk what fits it, with or without a share."""
+    budgets = []
+    for share in (0.0, 0.5, 0.9):
+        tb = TokenBudget(target_itl_ms=50, initial=100, cap=1024, min_prefill_share=share)
+        for tokens in (4, 200, 4, 400, 4):
+            tb.observe(tokens, 0, 0.010 + 0.0005 * tokens)
+        budgets.append(tb.next_budget(4, 40, 0))
+    assert budgets[0] == budgets[1] == 80 and budgets[2] > 80  # at 0.9, 12 ms of decodes allow a 120 ms step
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.0])
+def test_a_share_outside_zero_to_one_is_refused(share):
+    with pytest.raises(ValueError, match="share"):
+        TokenBudget(target_itl_ms=50, initial=10, cap=100, min_prefill_share=share)
 
 
 def test_a_cap_below_one_is_refused():
@@ -112,10 +143,19 @@ def test_the_plan_derives_the_first_budget_from_the_prefill_roofline():
 @pytest.mark.parametrize("override,message", [
     ("scheduler.target_itl_ms=0", "must be positive"),
     ("scheduler.enable_chunked_prefill=false", "needs scheduler.enable_chunked_prefill=true"),
+    ("scheduler.min_prefill_share=1.0", r"must be in \[0, 1\)"),
+    ("scheduler.min_prefill_share=-0.5", r"must be in \[0, 1\)"),
 ])
 def test_impossible_objectives_are_refused(override, message):
     with pytest.raises(ConfigError, match=message):
         resolve(BASE + ["scheduler.target_itl_ms=50", "model.max_model_len=2048", override])
+
+
+def test_a_prefill_share_without_an_objective_is_refused():
+    with pytest.raises(ConfigError, match="has an effect only with scheduler.target_itl_ms"):
+        resolve(BASE + ["scheduler.target_itl_ms=null", "scheduler.min_prefill_share=0.2"])
+    assert "gets 20% of each step" in compose(resolve(BASE + ["scheduler.min_prefill_share=0.2"]),
+                                              here=False).plan.token_budget_reason
 
 
 def test_with_no_stream_decoding_a_prompt_prefills_at_the_cap():
