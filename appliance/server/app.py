@@ -203,7 +203,7 @@ async def _completions(request: Request, st: ServerState, span: Optional[Request
     reject_unsupported(body, chat=False)
     params, lp_mode = sampling_from_body(body, chat=False, vocab_size=st.cfg.model.vocab_size)
     params.structured_outputs = await _constraint(request, body, None)
-    stream, include_usage = stream_options(body)
+    stream, include_usage, continuous_usage = stream_options(body)
     priority, salt = common_extensions(body)
     echo = typed(body, "echo", (bool,), False)
     prompts, texts = await tokenize(st, completion_prompts, body, chat=False)
@@ -211,7 +211,7 @@ async def _completions(request: Request, st: ServerState, span: Optional[Request
         check_length(st, len(ids), params, "prompt")
     await _check_kv_transfer(request, st, params, stream, len(prompts))
     g = GenerationRequest(prompts, texts, params, stream, include_usage, priority, salt, echo, lp_mode,
-                          body.get("prompt_logprobs") is not None, _pinned_rank(request, st, body))
+                          body.get("prompt_logprobs") is not None, _pinned_rank(request, st, body), continuous_usage)
     gen = Generation(st, g, new_id("cmpl"), "n" if len(prompts) == 1 else "prompt", span)
     created = now()
     echo_text = [(texts[i] if texts[i] is not None else st.tokenizer.decode(prompts[i])) if echo else ""
@@ -234,13 +234,13 @@ async def _chat_completions(request: Request, st: ServerState, span: Optional[Re
     params, lp_mode = sampling_from_body(body, chat=True, vocab_size=st.cfg.model.vocab_size)
     tools = parse_tools(body)
     params.structured_outputs = await _constraint(request, body, tools)
-    stream, include_usage = stream_options(body)
+    stream, include_usage, continuous_usage = stream_options(body)
     priority, salt = common_extensions(body)
     ids, text = await tokenize(st, chat_prompt, body, True, tools.tools if tools is not None else None)
     check_length(st, len(ids), params, "messages")
     await _check_kv_transfer(request, st, params, stream, 1)
     g = GenerationRequest([ids], [text], params, stream, include_usage, priority, salt, False, lp_mode,
-                          body.get("prompt_logprobs") is not None, _pinned_rank(request, st, body))
+                          body.get("prompt_logprobs") is not None, _pinned_rank(request, st, body), continuous_usage)
     gen = Generation(st, g, new_id("chatcmpl"), span=span)
     created = now()
     calls = tool_output(tools, st.cfg.server.tool_parser)

@@ -283,6 +283,7 @@ class GenerationRequest:
     logprobs_mode: Optional[str] = None  # "completion" | "chat" | None
     prompt_logprobs: bool = False  # the body asked for them: the response carries 'prompt_logprobs'
     data_parallel_rank: Optional[int] = None  # the engine core the client pinned (None: the least loaded)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: the usage so far on every chunk
 
 
 def sampling_from_body(body: dict, *, chat: bool, vocab_size: int) -> tuple[SamplingParams, Optional[str]]:
@@ -386,20 +387,27 @@ def check_kv_transfer(params: SamplingParams, stream: bool, num_prompts: int, co
         raise OpenAIError(400, f"'kv_transfer_params' {problem}", param="kv_transfer_params")
 
 
-def stream_options(body: dict) -> tuple[bool, bool]:
+def stream_options(body: dict) -> tuple[bool, bool, bool]:
+    """``stream``, ``stream_options.include_usage`` (a last chunk with the
+    usage) and ``stream_options.continuous_usage_stats`` (the usage so far on
+    every chunk too, as vLLM's servers send it: a client that stops reading
+    early still knows the prompt's tokens and what it got)."""
     stream = typed(body, "stream", (bool,), False)
     opts = typed(body, "stream_options", (dict,), {})
     if opts and not stream:
         raise OpenAIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
-    for key, v in opts.items():
-        if key == "include_usage" or (key == "continuous_usage_stats" and v in (None, False)):
-            continue
-        raise OpenAIError(400, f"'stream_options.{key[:40]}' is not supported; 'include_usage' is",
-                          param="stream_options")
-    include_usage = opts.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise OpenAIError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
-    return stream, bool(include_usage)
+    for key in opts:
+        if key not in ("include_usage", "continuous_usage_stats"):
+            raise OpenAIError(400, f"'stream_options.{key[:40]}' is not supported; 'include_usage' and "
+                                   f"'continuous_usage_stats' are", param="stream_options")
+    include_usage, continuous = opts.get("include_usage"), opts.get("continuous_usage_stats")
+    for key, v in (("include_usage", include_usage), ("continuous_usage_stats", continuous)):
+        if v is not None and not isinstance(v, bool):
+            raise OpenAIError(400, f"'stream_options.{key}' must be a boolean", param="stream_options")
+    if continuous and not include_usage:
+        raise OpenAIError(400, "'stream_options.continuous_usage_stats' needs 'include_usage': true (the usage "
+                               "goes on every chunk as well as the last)", param="stream_options")
+    return stream, bool(include_usage), bool(continuous)
 
 
 def common_extensions(body: dict) -> tuple[int, Optional[str]]:

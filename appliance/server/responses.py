@@ -5,7 +5,7 @@ every error is an error event, then ``[DONE]``."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Iterable, Optional, Sequence, Union
 
 from appliance.engine.core import TokenLogprob
@@ -142,15 +142,31 @@ def completion_body(st: ServerState, gen: Generation, created: int, children: li
     }
 
 
+@dataclass
+class _UsageSoFar:
+    """``stream_options.continuous_usage_stats``: the prompt's tokens and
+    each choice's output tokens so far, for the usage every chunk carries."""
+
+    prompt_tokens: int
+    tokens: dict[int, int] = field(default_factory=dict)  # choice index -> its output tokens so far
+
+
+def _usage_field(so_far: Optional[_UsageSoFar]) -> dict:
+    return {} if so_far is None else {"usage": usage(so_far.prompt_tokens, sum(so_far.tokens.values()))}
+
+
 async def completion_events(st: ServerState, gen: Generation, created: int, echo_text: list[str]) -> AsyncIterator[str]:
     g = gen.request
     head = _head(st, gen, "text_completion", created)
     prompt_tokens = sum(len(p) for p in g.prompts)
     completion_tokens = 0
+    so_far = _UsageSoFar(prompt_tokens) if g.continuous_usage else None
     sent_echo: set[int] = set()
     offsets: dict[int, int] = {}
     try:
         async for child, d in gen.deltas():
+            if so_far is not None:
+                so_far.tokens[child.index] = d.num_output_tokens
             text = d.new_text
             off = offsets.get(child.index, 0)
             # the prompt is echoed with the first delta that has its logprobs (when the request wants them)
@@ -169,7 +185,7 @@ async def completion_events(st: ServerState, gen: Generation, created: int, echo
                 "index": child.index, "text": text,
                 "logprobs": _completion_logprobs(st, g, child.prompt_index, d.logprobs, d.prompt_logprobs,
                                                  off + len(echo_text[child.prompt_index]) if echoed else off, echoed),
-                "finish_reason": d.finish_reason if d.finished else None}]})
+                "finish_reason": d.finish_reason if d.finished else None}], **_usage_field(so_far)})
         if g.include_usage:
             yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
     except Exception as e:  # after the 200 headers every error is an event, then [DONE]
@@ -247,13 +263,16 @@ async def chat_events(st: ServerState, gen: Generation, created: int,
                       calls: Optional[ToolOutput] = None) -> AsyncIterator[str]:
     g = gen.request
     head = _head(st, gen, "chat.completion.chunk", created)
+    so_far = _UsageSoFar(len(g.prompts[0])) if g.continuous_usage else None
     for k in range(g.params.n):
         yield sse({**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]})
+                                        "logprobs": None, "finish_reason": None}], **_usage_field(so_far)})
     completion_tokens = 0
     streams = {k: calls.stream() for k in range(g.params.n)} if calls else {}
     try:
         async for child, d in gen.deltas():
+            if so_far is not None:
+                so_far.tokens[child.index] = d.num_output_tokens
             if d.finished:
                 completion_tokens += d.num_output_tokens
             stream = streams.get(child.index)
@@ -270,7 +289,7 @@ async def chat_events(st: ServerState, gen: Generation, created: int,
                     "index": child.index, "delta": delta,
                     "logprobs": format_logprobs(st.tokenizer, "chat", d.logprobs, 0) if g.logprobs_mode and j == 0
                     else None,
-                    "finish_reason": reason if d.finished and last else None}]})
+                    "finish_reason": reason if d.finished and last else None}], **_usage_field(so_far)})
         if g.include_usage:
             yield sse({**head, "choices": [], "usage": usage(len(g.prompts[0]), completion_tokens)})
     except Exception as e:  # after the 200 headers every error is an event, then [DONE]

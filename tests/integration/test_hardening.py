@@ -183,6 +183,10 @@ def test_deep_nesting_is_400(server, depth):
     (CMPL, '{"prompt": "Hi", "presence_penalty": 2.5}', "presence_penalty"),
     (CMPL, '{"prompt": "Hi", "stream": true, "stream_options": {"include_usage": "no"}}', "stream_options"),
     (CMPL, '{"prompt": "Hi", "stream": true, "stream_options": {"continuous_usage_stats": true}}', "stream_options"),
+    (CMPL, '{"prompt": "Hi", "stream": true, "stream_options": {"include_usage": true, "continuous_usage_stats": 1}}',
+     "stream_options"),
+    (CMPL, '{"prompt": "Hi", "stream": true, "stream_options": {"include_usage": true, "usage_every": true}}',
+     "stream_options"),
     (CHAT, '{"messages": [{"role": "user", "content": "Hi"}], "model": ["x"]}', "model"),
     (CHAT, '{"messages": [{"role": "user", "content": "Hi"}], "min_tokens": 5000}', "min_tokens"),
 ])

@@ -97,6 +97,28 @@ def test_streaming_deltas_concatenate_to_full_text(client, model):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == full
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, model):
+    """vLLM's ``stream_options.continuous_usage_stats``: a client that stops
+    reading early still knows the prompt's tokens and how many it got."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    kw = dict(model=model, prompt="Counting: one two three", max_tokens=6, temperature=0, n=2)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options=opts))
+    assert all(c.usage is not None for c in chunks)
+    prompt_tokens = chunks[-1].usage.prompt_tokens
+    assert {c.usage.prompt_tokens for c in chunks} == {prompt_tokens}
+    so_far = [c.usage.completion_tokens for c in chunks]
+    assert so_far == sorted(so_far) and so_far[0] >= 1 and so_far[-1] == 12  # 6 tokens each of n=2
+    assert all(c.usage.total_tokens == prompt_tokens + c.usage.completion_tokens for c in chunks)
+    chat = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=5, temperature=0, stream=True, stream_options=opts))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    assert [c.usage.completion_tokens for c in chat][-2:] == [5, 5]  # the last token's chunk, then the usage chunk
+    plain = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=5, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
 def test_cut_inside_a_character_streams_and_returns_the_same_text(client, model):
     """max_tokens ends the request inside a multi-byte character: no U+FFFD, the
     same text streamed and whole, and the cut token still counted."""
