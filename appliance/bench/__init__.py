@@ -12,6 +12,7 @@ KINDS = {
     "serve": "appliance.bench.serve",
     "latency": "appliance.bench.latency",
     "long-context": "appliance.bench.long_context",
+    "mix": "appliance.bench.mix",
     "prefix": "appliance.bench.prefix",
     "spec": "appliance.bench.spec",
     "structured": "appliance.bench.structured",

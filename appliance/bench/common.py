@@ -106,6 +106,17 @@ def percentiles(xs: list[float]) -> dict[str, float]:
             "p99": float(np.percentile(a, 99))}
 
 
+def server_under_test(base_url: str | None, overrides: list[str]) -> tuple[str, Any]:
+    """The URL a load client sends to: ``base_url``, or a loopback `appliance run`
+    started with ``overrides`` (returned second, for the caller to stop; else None)."""
+    if base_url:
+        return base_url.rstrip("/"), None
+    from appliance.server.local import LocalServer
+
+    own = LocalServer(overrides, ready_path="/ready")
+    return own.url, own
+
+
 def split_overrides(parser, argv: list[str]):
     """argparse options plus Hydra overrides (the remaining key=value words)."""
     args, rest = parser.parse_known_args(argv)

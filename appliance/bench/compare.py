@@ -2,7 +2,10 @@
 server (``scripts/bench_vs_llamacpp.sh``, ``scripts/bench_vs_peers.sh``):
 per concurrency level, each server's output tok/s and TTFT p50 and its
 same-run ratios to the baseline; a long prompt alone (its TTFT and the
-speed-up over the baseline's); the mixed load; the host they ran on.
+speed-up over the baseline's); the mixed load; the request mix (`appliance
+bench mix`, ``mix-LABEL.json`` where a server has one: its requests, prompt
+and generated tokens against the baseline's in the same time); the host they
+ran on.
 
     python -m appliance.bench.compare OUT_DIR BASELINE_LABEL LABEL...
 
@@ -24,8 +27,25 @@ from pathlib import Path
 from typing import Optional
 
 
-def _file(label: str) -> str:
-    return f"serve-{label.replace('/', '_').replace(':', '_')}.json"
+def _file(label: str, bench: str = "serve") -> str:
+    return f"{bench}-{label.replace('/', '_').replace(':', '_')}.json"
+
+
+def request_mix(out_dir: Path, baseline: str, labels: list[str]) -> list[dict]:
+    """Each server's `bench mix` totals (where it ran one) and their ratios to the baseline's."""
+    runs = {lb: json.loads((out_dir / _file(lb, "mix")).read_text()) for lb in [baseline, *labels]
+            if (out_dir / _file(lb, "mix")).exists()}
+    base = runs.get(baseline, {}).get("totals")
+    rows = []
+    for lb, run in runs.items():
+        t = run["totals"]
+        ratio = {k: t[k] / base[k] if base and base[k] else None
+                 for k in ("requests", "prompt_tokens", "generated_tokens")}
+        verify = run.get("verify") or {}
+        rows.append({"server": lb, "duration_s": run["duration_s"], "clients": run["clients"],
+                     **{k: t[k] for k in ("requests", "prompt_tokens", "generated_tokens", "errors")},
+                     "ratio": ratio, "answers_checked": verify.get("checked"), "answers_equal": verify.get("equal")})
+    return rows
 
 
 def merge(out_dir: Path, label: str, parts: list[str]) -> dict:
@@ -78,7 +98,7 @@ def compare(out_dir: Path, baseline: str, labels: list[str]) -> dict:
                             "speedup_over_baseline": ratio})
     return {"baseline": baseline, "host": runs[baseline].get("host"), "input_len": runs[baseline].get("input_len"),
             "output_len": runs[baseline].get("output_len"), "rows": rows, "prefill_alone": prefill,
-            "mixed_load": mixed}
+            "mixed_load": mixed, "request_mix": request_mix(out_dir, baseline, labels)}
 
 
 def markdown(result: dict) -> str:
@@ -108,6 +128,21 @@ def markdown(result: dict) -> str:
             lines.append(f"| {m['server']} | {m['long_prompt_len']} | {m['long_prompt_ttft_ms']:.0f} | {m['streams']} | "
                          f"{m['stream_itl_p50_ms_before'] or 0:.1f} | {m['worst_stream_gap_ms']:.0f} | "
                          f"{m['worst_gap_over_itl'] or 0:.1f}x | {m['stream_tokens_during_prefill']} |")
+    if result.get("request_mix"):
+        lines += ["", "The request mix (`bench mix`; ratios to the baseline in the same time):", "",
+                  "| server | clients x seconds | requests | prompt tokens | generated tokens | errors | "
+                  "answers equal alone |", "|---|---|---|---|---|---|---|"]
+
+        def cell(n: int, ratio: Optional[float]) -> str:
+            return f"{n} ({ratio:.2f}x)" if ratio is not None else str(n)
+
+        for m in result["request_mix"]:
+            checked = f"{m['answers_equal']} of {m['answers_checked']}" if m["answers_checked"] else "-"
+            lines.append(f"| {m['server']} | {m['clients']} x {m['duration_s']:g} | "
+                         f"{cell(m['requests'], m['ratio']['requests'])} | "
+                         f"{cell(m['prompt_tokens'], m['ratio']['prompt_tokens'])} | "
+                         f"{cell(m['generated_tokens'], m['ratio']['generated_tokens'])} | {m['errors']} | "
+                         f"{checked} |")
     return "\n".join(lines) + "\n"
 
 

@@ -37,7 +37,8 @@ from typing import Any, Optional
 import httpx
 from tqdm import tqdm
 
-from appliance.bench.common import percentiles, plot_lines, random_prompts, split_overrides, write_results
+from appliance.bench.common import (percentiles, plot_lines, random_prompts, server_under_test, split_overrides,
+                                    write_results)
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: Optional[str], prompt: list[int], output_len: int,
@@ -313,13 +314,7 @@ def main(argv: list[str]) -> int:
     a, overrides = split_overrides(p, argv)
     if a.oversized_repeats < 1:
         p.error("--oversized-repeats must be at least 1")
-    own = None
-    url = a.base_url.rstrip("/") if a.base_url else None
-    if url is None:
-        from appliance.server.local import LocalServer
-
-        own = LocalServer(overrides, ready_path="/ready")
-        url = own.url
+    url, own = server_under_test(a.base_url, overrides)
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     try:
         models = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"]

@@ -172,6 +172,22 @@ def test_serve_starts_its_own_server(out, cli):
         assert set(lv["ttft_ms"]) == {"mean", "p50", "p90", "p99"} and lv["tpot_ms"]["mean"] > 0
 
 
+def test_mix_starts_its_own_server(out, cli):
+    r = cli("bench", "mix", "--clients", "2", "--duration", "6", "--scale", "0.05", "--verify", "3",
+            "--out", str(out), *TINY)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = load(out, "mix")
+    t = res["totals"]
+    assert res["continuous_usage"] is True and t["errors"] == 0 and t["requests"] >= 2
+    assert t["requests"] == sum(k["requests"] for k in res["by_kind"].values())
+    assert t["prompt_tokens"] == sum(k["prompt_tokens"] for k in res["by_kind"].values()) > 0
+    assert all(k["prompt_tokens_unknown"] == 0 for k in res["by_kind"].values())  # cut streams counted too
+    assert t["generated_tok_s"] == pytest.approx(t["generated_tokens"] / t["elapsed_s"])
+    assert res["json_schema"]["kept_to_schema"] <= res["json_schema"]["finished"]
+    assert 0 < res["verify"]["checked"] <= 3 and res["verify"]["equal"] <= res["verify"]["checked"]
+    assert (out / "mix.png").stat().st_size > 0
+
+
 def test_spec(out, cli):
     r = cli("bench", "spec", *TINY, "--output-len", "12", "--concurrency", "1,2", "--repeat", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr

@@ -56,3 +56,21 @@ def test_runs_of_one_server_merge_and_the_prompt_alone_compares(tmp_path):
     assert ours["prompt_tok_s"] == 225.0
     assert main([str(tmp_path), "vllm", "appliance-bf16"]) == 0
     assert "| appliance-bf16 | 4500 | 20000 | 225 | 1.50x |" in (tmp_path / "compare.md").read_text()
+
+
+def test_the_request_mix_compares_where_servers_ran_it(tmp_path):
+    def mix(requests, prompt, generated):
+        return {"clients": 8, "duration_s": 240.0, "verify": {"checked": 16, "equal": 16},
+                "totals": {"requests": requests, "prompt_tokens": prompt, "generated_tokens": generated, "errors": 0}}
+
+    for label in ("vllm", "appliance-default", "appliance-bf16"):
+        (tmp_path / f"serve-{label}.json").write_text(json.dumps(serve_json(label, {8: (100.0, 500.0)})))
+    (tmp_path / "mix-vllm.json").write_text(json.dumps(mix(800, 200_000, 16_000)))
+    (tmp_path / "mix-appliance-default.json").write_text(json.dumps(mix(1000, 260_000, 20_000)))
+    result = compare(tmp_path, "vllm", ["appliance-default", "appliance-bf16"])  # bf16 ran no mix
+    rows = {m["server"]: m for m in result["request_mix"]}
+    assert set(rows) == {"vllm", "appliance-default"}
+    assert rows["appliance-default"]["ratio"] == {"requests": 1.25, "prompt_tokens": 1.3, "generated_tokens": 1.25}
+    assert main([str(tmp_path), "vllm", "appliance-default", "appliance-bf16"]) == 0
+    md = (tmp_path / "compare.md").read_text()
+    assert "| appliance-default | 8 x 240 | 1000 (1.25x) | 260000 (1.30x) | 20000 (1.25x) | 0 | 16 of 16 |" in md
