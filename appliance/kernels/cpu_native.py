@@ -96,6 +96,8 @@ _LIB.appl_phase_times.argtypes = [ctypes.POINTER(ctypes.c_double), ctypes.c_int]
 _LIB.appl_phase_times.restype = ctypes.c_int
 _LIB.appl_bf16_dot.argtypes = [ctypes.c_int]
 _LIB.appl_bf16_dot.restype = ctypes.c_int
+_LIB.appl_bf16_attention.argtypes = [ctypes.c_int]
+_LIB.appl_bf16_attention.restype = ctypes.c_int
 _LIB.appl_avx512.argtypes = [ctypes.c_int]
 _LIB.appl_avx512.restype = ctypes.c_int
 _LIB.appl_vnni.argtypes = [ctypes.c_int]
@@ -126,6 +128,19 @@ def bf16_dot(enabled: Optional[bool] = None) -> bool:
     values, bit for bit); on is refused, returning False, where the CPU
     lacks it."""
     return bool(_LIB.appl_bf16_dot(-1 if enabled is None else int(enabled)))
+
+
+def bf16_attention(enabled: Optional[bool] = None) -> bool:
+    """Whether prefill attention tiles over a bf16 or fp8 KV cache run on
+    AVX512-BF16 (vdpbf16ps for both Q K^T and P V; the queries and the
+    softmax weights rounded to bf16, sums and the normaliser fp32: the output
+    moves by at most 2^-9 of the largest |v| from attention over the rounded
+    queries) rather than in fp32. On by default on AMD CPUs that have it
+    (Zen 4 on: vdpbf16ps there does twice the multiply-adds a cycle of fp32
+    FMAs), off on Intel's (one port for it, two for FMAs: no faster there);
+    ``APPLIANCE_CPU_BF16_ATTENTION=0`` or ``=1`` sets it. ``enabled``
+    switches it; on is refused, returning False, where the CPU lacks it."""
+    return bool(_LIB.appl_bf16_attention(-1 if enabled is None else int(enabled)))
 
 
 def avx512(enabled: Optional[bool] = None) -> bool:
@@ -189,6 +204,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
 
 if os.environ.get("APPLIANCE_CPU_BF16_DOT") == "0":
     bf16_dot(False)
+if os.environ.get("APPLIANCE_CPU_BF16_ATTENTION") in ("0", "1"):
+    bf16_attention(os.environ["APPLIANCE_CPU_BF16_ATTENTION"] == "1")
 if os.environ.get("APPLIANCE_CPU_AVX512") == "0":
     avx512(False)
 if os.environ.get("APPLIANCE_CPU_VNNI") == "0":

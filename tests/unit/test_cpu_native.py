@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from appliance import LLM, SamplingParams
-from appliance.kernels.cpu_native import CpuNativeBackend, NativeLinear, amx, avx512, bf16_dot, pack_q4_panels, vnni
+from appliance.kernels.cpu_native import (CpuNativeBackend, NativeLinear, amx, avx512, bf16_attention, bf16_dot,
+                                          pack_q4_panels, vnni)
 from appliance.kernels.registry import Selection
 from appliance.models.quant import (GroupedInt8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4,
                                     int8_matmul, quantize_int8_weight_only, quantize_rows_int8)
@@ -46,7 +47,7 @@ needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU (or its OS) has no 
 
 @contextlib.contextmanager
 def _pinned(switch, enabled):
-    """Pin a run-time kernel choice (bf16_dot, avx512, vnni or amx) for a block."""
+    """Pin a run-time kernel choice (bf16_dot, bf16_attention, avx512, vnni or amx) for a block."""
     before = switch()
     switch(enabled)
     try:
@@ -402,7 +403,8 @@ def test_bf16_kv_cache_matches_sdpa_on_the_rounded_values(num_heads, num_kv_head
     common, q, k, v, cache = make_problem(specs, 16, num_heads, num_kv_heads, 64, seed=7)
     bf_cache = cache.to(torch.bfloat16)
     b = CpuNativeBackend(num_heads, num_kv_heads, 64, 0.125, kv_cache_dtype="bfloat16")
-    out = b.forward(q, k, v, bf_cache, b.build_metadata(common))
+    with _pinned(bf16_attention, False):  # the fp32 tiles (the vdpbf16ps ones: test_bf16_attention_...)
+        out = b.forward(q, k, v, bf_cache, b.build_metadata(common))
     # The reference attends over exactly the values the bf16 cache holds (round to nearest even).
     kq, vq = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
     ref_out, ref_cache = reference(common, q, kq, vq, bf_cache.float(), num_heads, num_kv_heads, 64)
@@ -435,7 +437,8 @@ def test_bf16_kv_cache_whole_model_matches_torch_path():
     ref = ref_llm.generate(PROMPTS, p, use_tqdm=False)
     nat_llm = LLM(overrides=overrides)
     assert nat_llm.engine.runner.kv_caches[0].dtype == torch.bfloat16
-    nat = nat_llm.generate(PROMPTS, p, use_tqdm=False)
+    with _pinned(bf16_attention, False):  # fp32 prefill tiles over the bf16 values (vdpbf16ps ones round q, P)
+        nat = nat_llm.generate(PROMPTS, p, use_tqdm=False)
     fp32 = LLM(overrides=overrides[:-1]).generate(PROMPTS, p, use_tqdm=False)
     same_as_fp32 = 0
     for a, b, c in zip(ref, nat, fp32):
@@ -508,17 +511,65 @@ def test_fp8_kv_cache_matches_sdpa_on_the_rounded_values(kind, num_heads, num_kv
     b = CpuNativeBackend(num_heads, num_kv_heads, 64, 0.125, kv_cache_dtype=kind, k_scale=k_scale, v_scale=v_scale)
     scales = torch.tensor([k_scale, v_scale]).view(2, 1, 1, 1, 1)
     before = fp8_cache.float() * scales  # what the cache means
-    out = b.forward(q, k, v, fp8_cache, b.build_metadata(common))
+    with _pinned(bf16_attention, False):  # the fp32 tiles (the vdpbf16ps ones: test_bf16_attention_...)
+        out = b.forward(q, k, v, fp8_cache, b.build_metadata(common))
     kq, vq = (to_fp8(x / s, FP8[kind]).float() * s for x, s in ((k, k_scale), (v, v_scale)))
     ref_out, ref_cache = reference(common, q, kq, vq, before, num_heads, num_kv_heads, 64)
     torch.testing.assert_close(fp8_cache.float() * scales, ref_cache, rtol=0, atol=0)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5 * v_scale)
 
 
+def _tile_rounded_q(q, specs):
+    """q as the prefill tiles on vdpbf16ps read it: the tokens of runs of 8 or more (ATT_MIN_QUERY) rounded to bf16."""
+    out, t = q.clone(), 0
+    for _, n in specs:
+        if n >= 8:
+            out[t:t + n] = q[t:t + n].to(torch.bfloat16).float()
+        t += n
+    return out
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (9, 3), (16, 2)])
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_bf16_attention_tiles_stay_within_the_rounding_of_q_and_p(kv, num_heads, num_kv_heads, head_dim,
+                                                                    block_size):
+    """Over a bf16 or fp8 cache (bf16 values exactly) the prefill tiles run on vdpbf16ps: keys in chunks of 32
+    (runs that end inside a chunk, odd counts, chunks across shuffled blocks), query groups of 4 to 8 heads, head
+    sizes with an 8-lane tail. Against the reference on the bf16-rounded queries, the output moves by no more
+    than rounding each softmax weight to bf16 can move it: 2^-9 of the largest |v|."""
+    from appliance.kernels.base import to_fp8
+
+    dtype = {"bfloat16": torch.bfloat16, **FP8}[kv]
+    k_scale, v_scale = (1.0, 1.0) if kv == "bfloat16" else (0.05, 3.0)
+    common, q, k, v, cache = make_problem(PREFILL, block_size, num_heads, num_kv_heads, head_dim, seed=block_size)
+    scales = torch.tensor([k_scale, v_scale]).view(2, 1, 1, 1, 1)
+    stored = (cache / scales).to(dtype) if kv != "bfloat16" else cache.to(dtype)
+    before = stored.float() * scales
+    b = CpuNativeBackend(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, kv_cache_dtype=kv, k_scale=k_scale,
+                         v_scale=v_scale)
+    md = b.build_metadata(common)
+    outs = {}
+    for dot in (False, True):
+        with _pinned(bf16_attention, dot):
+            outs[dot] = b.forward(q, k, v, stored.clone(), md)
+    if kv == "bfloat16":
+        kq, vq = k.to(dtype).float(), v.to(dtype).float()
+    else:
+        kq, vq = (to_fp8(x / s, dtype).float() * s for x, s in ((k, k_scale), (v, v_scale)))
+    ref_out, _ = reference(common, _tile_rounded_q(q, PREFILL), kq, vq, before, num_heads, num_kv_heads, head_dim)
+    v_max = max(vq.abs().max(), before[1].abs().max())
+    assert (outs[True] - ref_out).abs().max() <= 2.0 ** -9 * v_max + 1e-5
+    assert not torch.equal(outs[True], outs[False])  # the vdpbf16ps tiles ran
+
+
 @pytest.mark.parametrize("kind", list(FP8))
 def test_fp8_kv_cache_whole_model_matches_torch_path(kind):
     """The native whole-step forward (C write, table or fp16 reads) against
-    torch_sdpa over the same fp8 cache: the same tokens."""
+    torch_sdpa over the same fp8 cache: the same tokens (fp32 prefill tiles;
+    the vdpbf16ps ones round q and the softmax weights to bf16)."""
     overrides = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", f"cache.kv_cache_dtype={kind}"]
     p = SamplingParams(max_tokens=16, temperature=0, logprobs=3)
     ref_llm = LLM(overrides=overrides, selection=Selection(chosen="torch_sdpa"))
@@ -526,7 +577,8 @@ def test_fp8_kv_cache_whole_model_matches_torch_path(kind):
     ref = ref_llm.generate(PROMPTS, p, use_tqdm=False)
     nat_llm = LLM(overrides=overrides)
     assert nat_llm.engine.runner.kv_caches[0].dtype == FP8[kind]
-    nat = nat_llm.generate(PROMPTS, p, use_tqdm=False)
+    with _pinned(bf16_attention, False):
+        nat = nat_llm.generate(PROMPTS, p, use_tqdm=False)
     for a, b in zip(ref, nat):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -674,7 +726,7 @@ def test_bf16_smollm2_matches_fp32_on_the_rounded_weights(smollm2_bf16):
     llm.engine.scheduler.kv.reset_prefix_cache()
     with _bf16_dot(False):
         nat = llm.generate(prompts, p, use_tqdm=False)
-    fp32 = _bf16_rounded_fp32(SMOLLM2_BF16, False).generate(prompts, p, use_tqdm=False)
+        fp32 = _bf16_rounded_fp32(SMOLLM2_BF16, False).generate(prompts, p, use_tqdm=False)
     for b, c in zip(nat, fp32):
         assert b.outputs[0].token_ids == c.outputs[0].token_ids
         assert [lb.top for lb in b.outputs[0].logprobs] == [lc.top for lc in c.outputs[0].logprobs]
@@ -688,11 +740,16 @@ def test_bf16_dot_smollm2_stays_close_to_fp32_on_the_rounded_weights(smollm2_bf1
     with _bf16_dot(True):
         nat = llm.generate(prompts, p, use_tqdm=False)
     _assert_greedy_close(ref, nat)
+    llm.engine.scheduler.kv.reset_prefix_cache()
+    with _bf16_dot(True), _pinned(bf16_attention, True):  # the prefill tiles on vdpbf16ps too (q and P in bf16)
+        _assert_greedy_close(ref, llm.generate(prompts, p, use_tqdm=False))
     assert "Paris" in llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                                SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text
 
 
 @pytest.mark.parametrize("switch,variable", [pytest.param("bf16_dot", "APPLIANCE_CPU_BF16_DOT", marks=needs_bf16_dot),
+                                             pytest.param("bf16_attention", "APPLIANCE_CPU_BF16_ATTENTION",
+                                                          marks=needs_bf16_dot),
                                              pytest.param("vnni", "APPLIANCE_CPU_VNNI", marks=needs_vnni),
                                              pytest.param("amx", "APPLIANCE_CPU_AMX", marks=needs_amx)])
 def test_environment_switches_a_cpu_feature_path_off(switch, variable):

@@ -632,7 +632,7 @@ static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out
 #define DOT_PREFETCH 8192 /* bytes ahead of a stored panel's stream (weights come from memory, not a cache) */
 #endif
 
-static int g_has_avx512, g_avx512, g_has_bf16_dot, g_bf16_dot;
+static int g_has_avx512, g_avx512, g_has_bf16_dot, g_bf16_dot, g_has_bf16_att, g_bf16_att;
 
 /* AVX512F and AVX512BW in CPUID with the OS saving zmm and mask state (XCR0): 1; with AVX512-BF16 too: 2. */
 static int cpu_avx512_level(void) {
@@ -645,16 +645,33 @@ static int cpu_avx512_level(void) {
     return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5)) ? 2 : 1;
 }
 
+/* CPUID's vendor is AMD ("AuthenticAMD"). */
+static int cpu_is_amd(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;
+}
+
 static void __attribute__((constructor)) probe_avx512(void) {
     const int level = cpu_avx512_level();
     g_has_avx512 = g_avx512 = level >= 1;
     g_has_bf16_dot = g_bf16_dot = level >= 2;
+    /* The prefill attention tiles on vdpbf16ps (see "The same tile on AVX512-BF16") by default where it does
+     * twice the multiply-adds a cycle of fp32 FMAs: AMD's (Zen 4 on). Intel's AVX512-BF16 CPUs issue it on one
+     * port where FMAs take two, the same multiply-adds a cycle, and there the fp32 tiles ran faster. */
+    g_has_bf16_att = level >= 2;
+    g_bf16_att = g_has_bf16_att && cpu_is_amd();
 }
 
 /* The vdpbf16ps path: set < 0 asks, 0 turns it off, 1 on (where the CPU has it). Returns the state. */
 int appl_bf16_dot(int set) {
     if (set >= 0) g_bf16_dot = set && g_has_bf16_dot;
     return g_bf16_dot;
+}
+
+/* Prefill attention tiles on vdpbf16ps over a bf16 or fp8 cache, the same way. */
+int appl_bf16_attention(int set) {
+    if (set >= 0) g_bf16_att = set && g_has_bf16_att;
+    return g_bf16_att;
 }
 
 /* The AVX-512F int4 GEMV (see "AVX-512 int4 rows") and prefill attention tiles, the same way. */
@@ -1444,6 +1461,14 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     case 2: F(__VA_ARGS__, 2); break;         \
     default: F(__VA_ARGS__, 1); break;        \
     }
+#define UPTO8_CASE(n, F, ...)                 \
+    switch (n) {                              \
+    case 8: F(__VA_ARGS__, 8); break;         \
+    case 7: F(__VA_ARGS__, 7); break;         \
+    case 6: F(__VA_ARGS__, 6); break;         \
+    case 5: F(__VA_ARGS__, 5); break;         \
+    default: UPTO4_CASE(n, F, __VA_ARGS__)    \
+    }
 
 /* Where position pos's row starts (kv head 0), in elements from the cache's start. */
 static inline int64_t dec_row(const int32_t *bt, int bs, int64_t kv_stride, int pos) {
@@ -1685,6 +1710,16 @@ DEFINE_ATT_WIDEN(e5m2, uint8_t, load_e5m2)
 /* Scratch floats for a tile of `rows` query rows of head size d. */
 static inline int64_t att_tile_floats(int rows, int d) { return (int64_t)rows * (2 * d + ATT_KC + 3); }
 
+/* A tile's O rows normalised into out: row i (token i / grp, head i % grp) times v_scale / sum[i]. */
+static void att_tile_finish(const float *o, const float *sum, float *out, int64_t ldo, int rows, int grp, int d,
+                            float v_scale) {
+    for (int i = 0; i < rows; i++) {
+        const __m256 fv = _mm256_set1_ps(v_scale / sum[i]);
+        float *oi = out + (int64_t)(i / grp) * ldo + (i % grp) * d;
+        for (int c = 0; c < d; c += 8) _mm256_storeu_ps(oi + c, _mm256_mul_ps(_mm256_loadu_ps(o + i * d + c), fv));
+    }
+}
+
 /* One tile: ntok tokens (q, out rows ldq / ldo apart, at the group's first head) of a request whose first token
  * here sees n_vis0 positions; kt, vb: that kv head's widened K and V. */
 static void attend_tile(const float *q, int64_t ldq, float *out, int64_t ldo, const float *kt, const float *vb,
@@ -1748,11 +1783,7 @@ static void attend_tile(const float *q, int64_t ldq, float *out, int64_t ldo, co
             }
         }
     }
-    for (int i = 0; i < rows; i++) {
-        const __m256 fv = _mm256_set1_ps(v_scale / sum[i]);
-        float *oi = out + (int64_t)(i / grp) * ldo + (i % grp) * d;
-        for (int c = 0; c < d; c += 8) _mm256_storeu_ps(oi + c, _mm256_mul_ps(_mm256_loadu_ps(o + i * d + c), fv));
-    }
+    att_tile_finish(o, sum, out, ldo, rows, grp, d, v_scale);
 }
 
 /*
@@ -1794,6 +1825,34 @@ AVX512_TARGET static inline __attribute__((always_inline)) void att_pv4_512(cons
         for (int v = 0; v < nv; v++) _mm512_mask_storeu_ps(o + i * d + c0 + 16 * v, v == nv - 1 ? tail : 0xffff, a[i][v]);
 }
 
+/* P V over the columns of d on AVX-512, up to 64 lanes (NV vectors) at a time, a masked 8-lane tail (d is a
+ * multiple of 8); ROWS(NV) runs one block of rows. */
+#define ATT_PV512_COLUMNS(ROWS)                                                                     \
+    for (int c0 = 0; c0 < d; c0 += 64) {                                                            \
+        const int left = d - c0, nv = left >= 64 ? 4 : (left + 15) / 16;                            \
+        const __mmask16 tail = left >= 64 || left % 16 == 0 ? 0xffff : 0x00ff;                      \
+        switch (nv) {                                                                               \
+        case 4: ROWS(4) break;                                                                      \
+        case 3: ROWS(3) break;                                                                      \
+        case 2: ROWS(2) break;                                                                      \
+        default: ROWS(1) break;                                                                     \
+        }                                                                                           \
+    }
+
+/* A row's running max raised to bm where bm is larger, its O and sum scaled to match, on AVX-512. */
+AVX512_TARGET static inline void att_raise_max512(float *o, int d, float *mx, float *sum, float bm) {
+    if (!(bm > *mx)) return;
+    if (*mx != -INFINITY) {
+        const float corr = expf(*mx - bm);
+        const __m512 cv = _mm512_set1_ps(corr);
+        *sum *= corr;
+        int c = 0;
+        for (; c + 16 <= d; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), cv));
+        if (c < d) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), _mm256_set1_ps(corr)));
+    }
+    *mx = bm;
+}
+
 #define ATT_PV512_ROWS(NV)                                                                          \
     switch (nr) {                                                                                   \
     case 4: att_pv4_512(sc + i0 * ATT_KC, vc, d, c0, o + i0 * d, cnt, tail, NV, 4); break;          \
@@ -1823,16 +1882,7 @@ AVX512_TARGET static void attend_tile512(const float *q, int64_t ldq, float *out
         const float *kc = kt + (int64_t)(j0 / ATT_KC) * d * ATT_KC, *vc = vb + (int64_t)j0 * d;
         for (int i0 = 0; i0 < rows; i0 += 8) {
             const int nr = rows - i0 < 8 ? rows - i0 : 8;
-            switch (nr) {
-            case 8: att_scores8_512(qs + i0 * d, d, kc, sc + i0 * ATT_KC, 8); break;
-            case 7: att_scores8_512(qs + i0 * d, d, kc, sc + i0 * ATT_KC, 7); break;
-            case 6: att_scores8_512(qs + i0 * d, d, kc, sc + i0 * ATT_KC, 6); break;
-            case 5: att_scores8_512(qs + i0 * d, d, kc, sc + i0 * ATT_KC, 5); break;
-            case 4: att_scores8_512(qs + i0 * d, d, kc, sc + i0 * ATT_KC, 4); break;
-            case 3: att_scores8_512(qs + i0 * d, d, kc, sc + i0 * ATT_KC, 3); break;
-            case 2: att_scores8_512(qs + i0 * d, d, kc, sc + i0 * ATT_KC, 2); break;
-            default: att_scores8_512(qs + i0 * d, d, kc, sc + i0 * ATT_KC, 1); break;
-            }
+            UPTO8_CASE(nr, att_scores8_512, qs + i0 * d, d, kc, sc + i0 * ATT_KC)
         }
         for (int i = 0; i < rows; i++) { /* scale, mask, online softmax */
             float *si = sc + i * ATT_KC;
@@ -1844,40 +1894,177 @@ AVX512_TARGET static void attend_tile512(const float *q, int64_t ldq, float *out
             const __mmask16 m = _mm512_cmp_ps_mask(lanes, _mm512_set1_ps((float)lim), _CMP_LT_OQ);
             const __m512 sm = _mm512_mask_blend_ps(m, ninf, _mm512_mul_ps(_mm512_loadu_ps(si), sv));
             const float bm = _mm512_reduce_max_ps(sm);
-            if (bm > mx[i]) {
-                if (mx[i] != -INFINITY) {
-                    const float corr = expf(mx[i] - bm);
-                    sum[i] *= corr;
-                    const __m512 cv = _mm512_set1_ps(corr);
-                    int c = 0;
-                    for (; c + 16 <= d; c += 16) _mm512_storeu_ps(o + i * d + c, _mm512_mul_ps(_mm512_loadu_ps(o + i * d + c), cv));
-                    if (c < d) _mm256_storeu_ps(o + i * d + c, _mm256_mul_ps(_mm256_loadu_ps(o + i * d + c), _mm256_set1_ps(corr)));
-                }
-                mx[i] = bm;
-            }
+            att_raise_max512(o + i * d, d, mx + i, sum + i, bm);
             const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(sm, _mm512_set1_ps(mx[i]))));
             _mm512_storeu_ps(si, e);
             sum[i] += _mm512_reduce_add_ps(e);
         }
         for (int i0 = 0; i0 < rows; i0 += 4) {
             const int nr = rows - i0 < 4 ? rows - i0 : 4;
-            for (int c0 = 0; c0 < d; c0 += 64) {
-                const int left = d - c0, nv = left >= 64 ? 4 : (left + 15) / 16;
-                const __mmask16 tail = left >= 64 || left % 16 == 0 ? 0xffff : 0x00ff; /* d is a multiple of 8 */
-                switch (nv) {
-                case 4: ATT_PV512_ROWS(4) break;
-                case 3: ATT_PV512_ROWS(3) break;
-                case 2: ATT_PV512_ROWS(2) break;
-                default: ATT_PV512_ROWS(1) break;
-                }
-            }
+            ATT_PV512_COLUMNS(ATT_PV512_ROWS)
         }
     }
-    for (int i = 0; i < rows; i++) {
-        const __m256 fv = _mm256_set1_ps(v_scale / sum[i]);
-        float *oi = out + (int64_t)(i / grp) * ldo + (i % grp) * d;
-        for (int c = 0; c < d; c += 8) _mm256_storeu_ps(oi + c, _mm256_mul_ps(_mm256_loadu_ps(o + i * d + c), fv));
+    att_tile_finish(o, sum, out, ldo, rows, grp, d, v_scale);
+}
+
+/*
+ * The same tile on AVX512-BF16 (the bf16_attention switch) over a bf16 or fp8 cache, whose K and V are
+ * bf16 values exactly: S and P V on vdpbf16ps, two products a lane an instruction. The query rows and the
+ * softmax weights P are rounded to bf16 (nearest even) on the way in; sums, the running max and the
+ * normaliser stay fp32 (the normaliser sums the unrounded weights). K and V go in pairs, as vdpbf16ps takes
+ * them: K per chunk of 32 keys as [d / 2][32] words (a word: channels 2p and 2p + 1 of one key, as the cache
+ * row holds them), V as [pos / 2][d] words (a word: one channel of keys 2jp and 2jp + 1), so a 32-key chunk
+ * is d / 2 zmm of K for eight score rows a pass, and 16 key pairs for P V over four rows by up to 64 lanes.
+ */
+#define ATB_KC 32 /* key positions per chunk */
+
+/* Positions [0, n) of one kv head as bf16 pairs: kt [ceil(n / 32)][d / 2][32], vb [ceil(n / 32) * 16][d]
+ * (zero past n). The cache's values are bf16 values exactly (bf16, or fp8 widened), so nothing rounds. */
+#define DEFINE_ATT_PAIRS(SUFFIX, KT, LOADKV)                                                                          \
+static void att_pairs_##SUFFIX(const KT *k_base, const KT *v_base, const int32_t *bt, int bs, int64_t kv_stride,     \
+                               int n, int d, uint32_t *kt, uint32_t *vb) {                                            \
+    const int chunks = (n + ATB_KC - 1) / ATB_KC, dp = d / 2;                                                         \
+    uint16_t k16[d], v16[d];                                                                                          \
+    _Pragma("omp for schedule(static)")                                                                               \
+    for (int ch = 0; ch < chunks; ch++) {                                                                             \
+        uint32_t *kc = kt + (int64_t)ch * dp * ATB_KC, *vc = vb + (int64_t)ch * (ATB_KC / 2) * d;                     \
+        for (int j = 0; j < ATB_KC; j++) {                                                                            \
+            const int pos = ch * ATB_KC + j;                                                                          \
+            if (pos < n) {                                                                                            \
+                const int64_t slot = (int64_t)bt[pos / bs] * bs + pos % bs;                                           \
+                const KT *kr = k_base + slot * kv_stride, *vr = v_base + slot * kv_stride;                            \
+                for (int c = 0; c < d; c += 8) {                                                                      \
+                    uint32_t tk[8], tv[8];                                                                            \
+                    _mm256_storeu_si256((__m256i *)tk, _mm256_castps_si256(LOADKV(kr + c)));                          \
+                    _mm256_storeu_si256((__m256i *)tv, _mm256_castps_si256(LOADKV(vr + c)));                          \
+                    for (int l = 0; l < 8; l++) k16[c + l] = (uint16_t)(tk[l] >> 16), v16[c + l] = (uint16_t)(tv[l] >> 16); \
+                }                                                                                                     \
+            } else {                                                                                                  \
+                memset(k16, 0, sizeof(uint16_t) * (size_t)d);                                                         \
+                memset(v16, 0, sizeof(uint16_t) * (size_t)d);                                                         \
+            }                                                                                                         \
+            for (int p = 0; p < dp; p++) kc[p * ATB_KC + j] = (uint32_t)k16[2 * p] | (uint32_t)k16[2 * p + 1] << 16;   \
+            uint32_t *vp = vc + (int64_t)(j / 2) * d;                                                                 \
+            if (j % 2 == 0)                                                                                           \
+                for (int c = 0; c < d; c++) vp[c] = v16[c];                                                           \
+            else                                                                                                      \
+                for (int c = 0; c < d; c++) vp[c] |= (uint32_t)v16[c] << 16;                                          \
+        }                                                                                                             \
+    }                                                                                                                 \
+}
+
+DEFINE_ATT_PAIRS(bf16, uint16_t, load_bf16)
+DEFINE_ATT_PAIRS(e4m3, uint8_t, load_e4m3)
+DEFINE_ATT_PAIRS(e5m2, uint8_t, load_e5m2)
+
+/* S[i][0..32) = q_i . k_j over d / 2 channel pairs for rows i < nr (<= 8); q rows dp words apart. */
+DOT_TARGET static inline __attribute__((always_inline)) void atb_scores8(const uint32_t *qs, int dp, const uint32_t *kt,
+                                                                         float *s, const int nr) {
+    __m512 a0[8], a1[8];
+    for (int i = 0; i < 8; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int p = 0; p < dp; p++) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * ATB_KC);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + p * ATB_KC + 16);
+        for (int i = 0; i < 8; i++)
+            if (i < nr) {
+                const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qs[i * dp + p]);
+                a0[i] = _mm512_dpbf16_ps(a0[i], qb, k0);
+                a1[i] = _mm512_dpbf16_ps(a1[i], qb, k1);
+            }
     }
+    for (int i = 0; i < nr; i++) {
+        _mm512_storeu_ps(s + i * ATB_KC, a0[i]);
+        _mm512_storeu_ps(s + i * ATB_KC + 16, a1[i]);
+    }
+}
+
+/* O[i][c0 .. c0 + 16 nv) += sum over key pairs of P[i] V for rows i < nr (<= 4); P rows 16 words apart; the last
+ * vector's lanes by tail. */
+DOT_TARGET static inline __attribute__((always_inline)) void atb_pv4(const uint32_t *p, const uint32_t *vb, int d,
+                                                                     int c0, float *o, int npairs, __mmask16 tail,
+                                                                     const int nv, const int nr) {
+    __m512 a[4][4];
+    for (int i = 0; i < nr; i++)
+        for (int v = 0; v < nv; v++)
+            a[i][v] = _mm512_maskz_loadu_ps(v == nv - 1 ? tail : 0xffff, o + i * d + c0 + 16 * v);
+    for (int jp = 0; jp < npairs; jp++) {
+        __m512bh vv[4];
+        for (int v = 0; v < nv; v++)
+            vv[v] = (__m512bh)_mm512_maskz_loadu_epi32(v == nv - 1 ? tail : 0xffff, vb + (int64_t)jp * d + c0 + 16 * v);
+        for (int i = 0; i < 4; i++)
+            if (i < nr) {
+                const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)p[i * (ATB_KC / 2) + jp]);
+                for (int v = 0; v < nv; v++) a[i][v] = _mm512_dpbf16_ps(a[i][v], pb, vv[v]);
+            }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int v = 0; v < nv; v++) _mm512_mask_storeu_ps(o + i * d + c0 + 16 * v, v == nv - 1 ? tail : 0xffff, a[i][v]);
+}
+
+#define ATB_PV_ROWS(NV)                                                                             \
+    switch (nr) {                                                                                   \
+    case 4: atb_pv4(pp + i0 * (ATB_KC / 2), vc, d, c0, o + i0 * d, npairs, tail, NV, 4); break;     \
+    case 3: atb_pv4(pp + i0 * (ATB_KC / 2), vc, d, c0, o + i0 * d, npairs, tail, NV, 3); break;     \
+    case 2: atb_pv4(pp + i0 * (ATB_KC / 2), vc, d, c0, o + i0 * d, npairs, tail, NV, 2); break;     \
+    default: atb_pv4(pp + i0 * (ATB_KC / 2), vc, d, c0, o + i0 * d, npairs, tail, NV, 1); break;    \
+    }
+
+/* Scratch floats for a bf16 tile of `rows` query rows of head size d: q pairs, O, S, P pairs, max, sum, n_vis. */
+static inline int64_t atb_tile_floats(int rows, int d) { return (int64_t)rows * (d / 2 + d + ATB_KC + ATB_KC / 2 + 3); }
+
+DOT_TARGET static void attend_tile_bf16(const float *q, int64_t ldq, float *out, int64_t ldo, const uint32_t *kt,
+                                        const uint32_t *vb, int ntok, int n_vis0, int grp, int d, float scale,
+                                        float v_scale, float *scr) {
+    const int rows = ntok * grp, dp = d / 2;
+    uint32_t *qs = (uint32_t *)scr;
+    float *o = scr + (int64_t)rows * dp, *sc = o + rows * d;
+    uint32_t *pp = (uint32_t *)(sc + rows * ATB_KC);
+    float *mx = (float *)(pp + rows * (ATB_KC / 2)), *sum = mx + rows;
+    int *vis = (int *)(sum + rows);
+    for (int i = 0; i < rows; i++) {
+        row_to_bf16(q + (int64_t)(i / grp) * ldq + (i % grp) * d, (uint16_t *)(qs + i * dp), d, d);
+        mx[i] = -INFINITY;
+        sum[i] = 0.0f;
+        vis[i] = n_vis0 + i / grp;
+    }
+    memset(o, 0, sizeof(float) * (size_t)(rows * d));
+    const __m512 lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 lanes_hi = _mm512_add_ps(lanes, _mm512_set1_ps(16.0f));
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), sv = _mm512_set1_ps(scale);
+    const int n_max = n_vis0 + ntok - 1;
+    for (int j0 = 0; j0 < n_max; j0 += ATB_KC) {
+        const int cnt = n_max - j0 < ATB_KC ? n_max - j0 : ATB_KC, npairs = (cnt + 1) / 2;
+        const uint32_t *kc = kt + (int64_t)(j0 / ATB_KC) * dp * ATB_KC, *vc = vb + (int64_t)(j0 / 2) * d;
+        for (int i0 = 0; i0 < rows; i0 += 8) {
+            const int nr = rows - i0 < 8 ? rows - i0 : 8;
+            UPTO8_CASE(nr, atb_scores8, qs + i0 * dp, dp, kc, sc + i0 * ATB_KC)
+        }
+        for (int i = 0; i < rows; i++) { /* scale, mask, online softmax; P rounded to bf16 pairs */
+            const float *si = sc + i * ATB_KC;
+            uint32_t *pi = pp + i * (ATB_KC / 2);
+            const int lim = vis[i] - j0 < cnt ? vis[i] - j0 : cnt;
+            if (lim <= 0) {
+                _mm512_storeu_si512(pi, _mm512_setzero_si512());
+                continue;
+            }
+            const __m512 lv = _mm512_set1_ps((float)lim);
+            const __mmask16 m0 = _mm512_cmp_ps_mask(lanes, lv, _CMP_LT_OQ), m1 = _mm512_cmp_ps_mask(lanes_hi, lv, _CMP_LT_OQ);
+            const __m512 s0 = _mm512_mask_blend_ps(m0, ninf, _mm512_mul_ps(_mm512_loadu_ps(si), sv));
+            const __m512 s1 = _mm512_mask_blend_ps(m1, ninf, _mm512_mul_ps(_mm512_loadu_ps(si + 16), sv));
+            const float bm = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+            att_raise_max512(o + i * d, d, mx + i, sum + i, bm);
+            const __m512 mv = _mm512_set1_ps(mx[i]);
+            const __m512 e0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(s0, mv)));
+            const __m512 e1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(s1, mv)));
+            sum[i] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+            _mm512_storeu_si512(pi, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)); /* keys 0-15 low, 16-31 high */
+        }
+        for (int i0 = 0; i0 < rows; i0 += 4) {
+            const int nr = rows - i0 < 4 ? rows - i0 : 4;
+            ATT_PV512_COLUMNS(ATB_PV_ROWS)
+        }
+    }
+    att_tile_finish(o, sum, out, ldo, rows, grp, d, v_scale);
 }
 
 /* fp32 -> fp8 with `ebits` exponent and `mbits` mantissa bits, round to nearest even, saturating at the
@@ -1994,20 +2181,34 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
         int max_keys = 0; /* a request's last token sees all its positions */
         for (int r = 0; r < n_reqs; r++)
             if (qsl[r + 1] - qsl[r] >= ATT_MIN_QUERY && seq_lens[r] > max_keys) max_keys = seq_lens[r];
-        const int64_t kv_stride = (int64_t)n_kv_heads * d, key_chunks = (max_keys + ATT_KC - 1) / ATT_KC;
-        float *kt = (float *)malloc(sizeof(float) * (size_t)(key_chunks * ATT_KC * d));
-        float *vb = (float *)malloc(sizeof(float) * (size_t)((int64_t)max_keys * d));
+        const int64_t kv_stride = (int64_t)n_kv_heads * d, key_chunks = (max_keys + ATB_KC - 1) / ATB_KC;
+        /* a bf16 or fp8 cache holds bf16 values exactly: its tiles run on vdpbf16ps where the switch is on */
+        const int pairs = g_bf16_att && kv_type != KV_F32;
+        /* widened K and V: fp32 [chunks of 16][d][16] and [pos][d], or bf16 pairs (as many words) */
+        float *kt = (float *)malloc(sizeof(float) * (size_t)(key_chunks * ATB_KC * d));
+        float *vb = (float *)malloc(sizeof(float) * (size_t)(key_chunks * ATB_KC * d));
         if (!kt || !vb) abort();
 #pragma omp parallel
         {
-            float *scr = (float *)malloc(sizeof(float) * (size_t)att_tile_floats(ATT_QT * grp, d));
+            const int64_t scr_floats = pairs ? atb_tile_floats(ATT_QT * grp, d) : att_tile_floats(ATT_QT * grp, d);
+            float *scr = (float *)malloc(sizeof(float) * (size_t)scr_floats);
+            if (!scr) abort();
             for (int r = 0; r < n_reqs; r++) {
                 const int qlen = qsl[r + 1] - qsl[r];
                 if (qlen < ATT_MIN_QUERY) continue;
                 const int32_t *bt = block_table + (int64_t)r * bt_stride;
                 for (int g = 0; g < n_kv_heads; g++) { /* widen this kv head's K and V, then run its tiles */
                     const int64_t off = (int64_t)g * d;
-                    if (kv_type == KV_BF16)
+                    if (pairs && kv_type == KV_BF16)
+                        att_pairs_bf16((const uint16_t *)k_cache + off, (const uint16_t *)v_cache + off, bt, bs,
+                                       kv_stride, seq_lens[r], d, (uint32_t *)kt, (uint32_t *)vb);
+                    else if (pairs && kv_type == KV_FP8_E4M3)
+                        att_pairs_e4m3((const uint8_t *)k_cache + off, (const uint8_t *)v_cache + off, bt, bs,
+                                       kv_stride, seq_lens[r], d, (uint32_t *)kt, (uint32_t *)vb);
+                    else if (pairs)
+                        att_pairs_e5m2((const uint8_t *)k_cache + off, (const uint8_t *)v_cache + off, bt, bs,
+                                       kv_stride, seq_lens[r], d, (uint32_t *)kt, (uint32_t *)vb);
+                    else if (kv_type == KV_BF16)
                         att_widen_bf16((const uint16_t *)k_cache + off, (const uint16_t *)v_cache + off, bt, bs,
                                        kv_stride, seq_lens[r], d, kt, vb);
                     else if (kv_type == KV_FP8_E4M3)
@@ -2023,9 +2224,14 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
                     for (int ti = (qlen + ATT_QT - 1) / ATT_QT - 1; ti >= 0; ti--) { /* the longest first */
                         const int t0 = qsl[r] + ti * ATT_QT, ntok = qsl[r + 1] - t0 < ATT_QT ? qsl[r + 1] - t0 : ATT_QT;
                         const int n_vis0 = seq_lens[r] - (qsl[r + 1] - 1 - t0);
-                        (g_avx512 ? attend_tile512 : attend_tile)(q + (int64_t)t0 * ldq + off * grp, ldq,
-                                                                  out + (int64_t)t0 * ldo + off * grp, ldo, kt, vb,
-                                                                  ntok, n_vis0, grp, d, qk_scale, out_scale, scr);
+                        const float *qt = q + (int64_t)t0 * ldq + off * grp;
+                        float *ot = out + (int64_t)t0 * ldo + off * grp;
+                        if (pairs)
+                            attend_tile_bf16(qt, ldq, ot, ldo, (const uint32_t *)kt, (const uint32_t *)vb, ntok,
+                                             n_vis0, grp, d, qk_scale, out_scale, scr);
+                        else
+                            (g_avx512 ? attend_tile512 : attend_tile)(qt, ldq, ot, ldo, kt, vb, ntok, n_vis0, grp, d,
+                                                                      qk_scale, out_scale, scr);
                     }
                 }
             }
