@@ -176,6 +176,31 @@ def amx(enabled: Optional[bool] = None) -> bool:
     return bool(_LIB.appl_amx(-1 if enabled is None else int(enabled)))
 
 
+# Weight formats whose GEMMs over six rows take vdpbf16ps (and AMX-BF16 from 16 rows) while bf16_dot is on:
+# bf16 weights, and int8 weight-only, grouped int8 and int4 ones (their panels converted to bf16 per call).
+_BF16_DOT_QUANT = ("none", "int8_wo", "gguf", "awq", "gptq", "int4_wo")
+
+
+def host_notes(cfg: Any, dtype: str) -> list[str]:
+    """What the native kernels run on this CPU for a deployment of compute ``dtype``, as the run-time
+    switches stand (CPUID, then the APPLIANCE_CPU_* variables): for ``appliance plan``."""
+    q = cfg.quantization.method
+    kv = dtype if cfg.cache.kv_cache_dtype == "auto" else cfg.cache.kv_cache_dtype
+    if q == "w8a8_int8":
+        gemm = ("W8A8 GEMMs on AMX-INT8 tiles (tdpbssd) from 16 rows, " if amx() else "W8A8 GEMMs ") + \
+               ("on AVX512-VNNI (vpdpbusd)" if vnni() else "on AVX2 (vpmaddwd)") + ", exact in int32"
+    elif (dtype == "bfloat16" or q != "none") and q in _BF16_DOT_QUANT and bf16_dot():
+        gemm = ("GEMMs of more than six rows on vdpbf16ps" + (", on AMX tiles (tdpbf16ps) from 16 rows" if amx() else "")
+                + ", the rows rounded to bf16")
+    else:
+        gemm = "GEMMs in fp32 FMAs" + (" over weights widened to fp32" if dtype != "float32" or q != "none" else "")
+    if kv != "float32" and bf16_attention():
+        att = "prefill attention tiles on vdpbf16ps (q and the softmax weights rounded to bf16)"
+    else:
+        att = f"prefill attention tiles in fp32 FMAs ({'AVX-512F' if avx512() else 'AVX2'})"
+    return [f"on this CPU: {gemm}; {att}; decode attention in fp32 FMAs (AVX2)"]
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[tuple[int, int]],
                         vocab_size: int) -> None:
     """Structured outputs' mask, in place: for each (logits row, bitmask

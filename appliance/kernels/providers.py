@@ -23,8 +23,9 @@ import importlib.util
 import mmap
 import os
 import shutil
+import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 # feature -> the message a flash-attention (hopper/) build holds when it was compiled without it
 FA3_MISSING = {
@@ -116,6 +117,13 @@ def _probe(module: str, needs: frozenset[str]) -> Optional[str]:
 def probe(module: str, needs: frozenset[str] = frozenset()) -> Optional[str]:
     """None when ``module`` provides its kernel here with every feature in ``needs``, else why not."""
     return _probe(module, frozenset(needs))
+
+
+def host_notes(module: str, cfg: Any, dtype: str) -> list[str]:
+    """What a provider the probe found serving here (and so imported) says it runs on this machine for
+    ``cfg`` (its ``host_notes``, where it has one): how the run-time choices of its kernels stand."""
+    notes = getattr(sys.modules.get(module), "host_notes", None)
+    return notes(cfg, dtype) if notes is not None else []
 
 
 def first_usable(modules: tuple[str, ...], needs: frozenset[str] = frozenset()) -> tuple[Optional[str], list[str]]:

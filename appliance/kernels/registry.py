@@ -342,7 +342,7 @@ def select_backend(cfg: ApplianceConfig, dtype: str, check_import: bool) -> Sele
                 break
             continue
         sel.chosen, sel.provider, sel.fallback_used = name, provider, i > 0
-        sel.notes = BACKENDS[name].notes(cfg, dtype)
+        sel.notes = BACKENDS[name].notes(cfg, dtype) + (providers.host_notes(provider, cfg, dtype) if provider else [])
         return sel
     return sel
 

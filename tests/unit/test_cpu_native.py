@@ -793,3 +793,26 @@ def test_out_of_vocabulary_ids_raise_instead_of_reading_past_the_table():
     vocab = llm.resolved.cfg.model.vocab_size
     with pytest.raises(ValueError, match="token id.* outside the vocabulary"):
         llm.generate([[1, 2, vocab]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_the_plan_says_which_kernels_run_on_this_cpu():
+    """`appliance plan` reads the native kernels' run-time switches as they stand on this host."""
+    from appliance.config.compose import resolve
+    from appliance.runner import compose
+
+    def note(*overrides):
+        notes = compose(resolve(["+profile=cpu", *overrides]), here=False).execution.selection.notes
+        return next(n for n in notes if n.startswith("on this CPU: "))
+
+    with _pinned(bf16_attention, False):
+        assert "prefill attention tiles in fp32 FMAs" in note()
+    with _bf16_dot(False):
+        assert "GEMMs in fp32 FMAs over weights widened to fp32;" in note("quantization=none")
+    if HAS_BF16_DOT:
+        with _pinned(bf16_attention, True):
+            assert "prefill attention tiles on vdpbf16ps" in note()
+        with _bf16_dot(True):
+            assert "GEMMs of more than six rows on vdpbf16ps" in note("quantization=none")
+    assert "W8A8 GEMMs" in note("quantization=w8a8_int8", "quantization.activations=true")
+    fp32 = note("model.dtype=float32", "quantization=none", "cache.kv_cache_dtype=auto")
+    assert fp32.startswith("on this CPU: GEMMs in fp32 FMAs;") and "attention tiles in fp32" in fp32
