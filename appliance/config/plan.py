@@ -542,9 +542,9 @@ def token_budget(cfg: ApplianceConfig, prefill_tok_s: float) -> dict[str, Any]:
     return {"token_budget": first,
             "token_budget_reason": f"first estimate for scheduler.target_itl_ms={s.target_itl_ms:g} at the "
                                    f"{prefill_tok_s:.0f} tok/s prefill roofline; refitted to measured step times, "
-                                   f"at most {cap} (max_num_batched_tokens); where the running decodes alone "
-                                   f"overrun it, a waiting prompt still gets {s.min_prefill_share:.0%} of each "
-                                   f"step (scheduler.min_prefill_share)"}
+                                   f"at most {cap} (max_num_batched_tokens); a waiting prompt gets at least "
+                                   f"{s.min_prefill_share:.0%} of each step (scheduler.min_prefill_share), the "
+                                   f"step running past the objective where the decodes leave it less"}
 
 
 def _widths(p: Plan) -> str:

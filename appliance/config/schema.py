@@ -205,10 +205,11 @@ class SchedulerConfig:
     # the plan estimates it from the prefill roofline, the engine refits it
     # to measured step times. null: every step may use max_num_batched_tokens.
     target_itl_ms: Optional[float] = None
-    # With target_itl_ms: when the running decodes alone take longer than the
-    # objective, a waiting prompt still gets this share of each step's time
-    # (the step lasts up to the decodes' time / (1 - share)); 0 holds it to
-    # one token a step until the decodes fit the objective again.
+    # With target_itl_ms: a waiting prompt gets at least this share of each
+    # step's time; where the objective leaves it less (the running decodes
+    # take most of it, or alone overrun it) the step lasts the decodes' time /
+    # (1 - share). 0: the objective alone decides (one token a step where the
+    # decodes overrun it).
     min_prefill_share: float = 0.5
 
 

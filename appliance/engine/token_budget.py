@@ -11,14 +11,15 @@ squares over the last steps and, before each step, sets the budget to the
 largest that fits the objective given the running decodes and the context
 the next prefill chunk starts from, at most ``cap``
 (``scheduler.max_num_batched_tokens``).
-When the running decodes alone take longer than the objective (a large model
-on a few cores, or many streams), no chunk fits it; the objective is missed
-either way, and starving the prompts would only add their wait to it. So a
-waiting prompt always gets ``min_prefill_share`` of the step's time
-(``scheduler.min_prefill_share``): the step may last up to the decodes'
-time / (1 - share), at 0.5 twice the decodes alone. At 0 the objective holds
-prompts to one token a step beside the decodes; the budget never falls below
-the running decodes plus one (every stream advances, and so does the prompt).
+A waiting prompt always gets at least ``min_prefill_share`` of a step's time
+(``scheduler.min_prefill_share``): where the objective leaves it less (the
+running decodes take more than 1 - share of it, or alone take longer than it:
+a large model on a few cores, or many streams), the step lasts the decodes'
+time / (1 - share), at 0.5 twice the decodes alone. Starving the prompts there
+would only add their wait to an objective missed either way. At 0 the
+objective holds prompts to one token a step beside decodes that overrun it;
+the budget never falls below the running decodes plus one (every stream
+advances, and so does the prompt).
 While the last steps do not pin a cost down (a stretch of decode-only
 steps of one size) it keeps the last fit they did give. Before any fit it
 keeps the plan's first estimate (never below the running decodes plus

@@ -679,7 +679,9 @@ def test_bf16_model_matches_fp32_on_the_rounded_weights(variant, int8):
     nat_llm = LLM(overrides=overrides + ["model.dtype=bfloat16"] + (["quantization=int8_wo"] if int8 else []))
     assert nat_llm.engine.runner.backend.name == "cpu_native"
     assert nat_llm.engine.runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
-    with _bf16_dot(False):  # int8 GEMMs take vdpbf16ps too where the CPU has it, whatever the model's dtype
+    # int8 GEMMs take vdpbf16ps too where the CPU has it, whatever the model's dtype; the prefill
+    # attention tiles take it over the bf16 cache on AMD
+    with _bf16_dot(False), _pinned(bf16_attention, False):
         nat = nat_llm.generate(PROMPTS, p, use_tqdm=False)
         fp32 = _bf16_rounded_fp32(overrides, int8).generate(PROMPTS, p, use_tqdm=False)
     ref = _bf16_rounded_fp32(overrides, int8, Selection(chosen="torch_sdpa")).generate(PROMPTS, p, use_tqdm=False)
