@@ -210,7 +210,6 @@ def keeps_to_schema(text: str) -> bool:
 class Sent:
     request: MixRequest
     outcome: Outcome
-    done_in_time: bool
 
 
 async def run_mix(url: str, model: Optional[str], clients: int, duration_s: float, seed: int, scale: float,
@@ -238,7 +237,7 @@ async def run_mix(url: str, model: Optional[str], clients: int, duration_s: floa
                     except asyncio.CancelledError:
                         pass
                     return
-                sent.append(Sent(req, task.result(), True))
+                sent.append(Sent(req, task.result()))
 
         await asyncio.gather(*(one_client(k) for k in range(clients)))
         elapsed = time.perf_counter() - t0

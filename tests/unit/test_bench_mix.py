@@ -56,11 +56,11 @@ def test_an_answer_that_is_not_json_does_not_keep_to_the_schema():
 def test_the_summary_counts_what_finished_and_its_tokens():
     rng = random.Random(0)
     sent = [
-        Sent(draw(rng), Outcome("completion", True, 0.5, 30, 8, text="x"), True),
-        Sent(draw(rng), Outcome("stream", True, 0.2, 400, 2, 0.1, [0.05], "ab", "cut"), True),
-        Sent(draw(rng), Outcome("stream", False, 0.1, error="HTTP 500: boom"), True),
+        Sent(draw(rng), Outcome("completion", True, 0.5, 30, 8, text="x")),
+        Sent(draw(rng), Outcome("stream", True, 0.2, 400, 2, 0.1, [0.05], "ab", "cut")),
+        Sent(draw(rng), Outcome("stream", False, 0.1, error="HTTP 500: boom")),
         Sent(draw(rng), Outcome("json_chat", True, 1.0, 50, 20, text='{"name": "a", "age": 1, "tags": []}',
-                                finish_reason="stop"), True),
+                                finish_reason="stop")),
     ]
     res = summarize(sent, cut_at_deadline=1, elapsed=10.0)
     t = res["totals"]
