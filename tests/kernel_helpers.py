@@ -1,11 +1,30 @@
 """Random paged-attention problems, faked backend packages and a captured
 native step, shared by backend tests."""
 
+import contextlib
+
 import numpy as np
 import torch
 
 import appliance.kernels.registry as reg
 from appliance.kernels.base import CommonAttentionMetadata, write_kv
+
+
+@contextlib.contextmanager
+def float_rows():
+    """The native GEMMs' rows kept fp32 in this process for the block, as the torch layer path computes them:
+    no bf16 rounding on vdpbf16ps, no int8 rows on VNNI (where the CPU has them, batched rows would otherwise
+    take those paths). Processes started meanwhile read APPLIANCE_CPU_BF16_DOT / APPLIANCE_CPU_INT8_ROWS."""
+    from appliance.kernels import cpu_native
+
+    before = cpu_native.bf16_dot(), cpu_native.int8_rows()
+    cpu_native.bf16_dot(False)
+    cpu_native.int8_rows(False)
+    try:
+        yield
+    finally:
+        cpu_native.bf16_dot(before[0])
+        cpu_native.int8_rows(before[1])
 
 
 def fake_packages(monkeypatch, importable):

@@ -3,7 +3,8 @@
 ``csrc/cpu_ops.c`` holds AVX2/FMA kernels: fp32-, bf16-, int8- or int4-weight
 GEMMs with the widening in registers and fp32 activations (batched bf16 GEMMs
 take bf16-rounded rows on AVX512-BF16 where the CPU has it, see
-``bf16_dot``), W8A8 int8 GEMMs with int32 sums (AVX512-VNNI where the CPU
+``bf16_dot``; 4- and 8-bit weights' on int8 rows and VNNI, see
+``int8_rows``), W8A8 int8 GEMMs with int32 sums (AVX512-VNNI where the CPU
 has it, see ``vnni``), AMX tiles for both from 16 rows (``amx``), paged attention that reads K/V blocks in
 place (no gather), fused RMSNorm/rope/KV-write/SiLU, and ``appl_forward``,
 which runs a whole Llama-family step in one call so a decode step pays no
@@ -32,6 +33,7 @@ import torch
 
 from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
 from appliance.kernels.cpu_build import build_library
+from appliance.kernels.registry import BACKENDS
 
 # Load after torch so the library's libgomp.so.1 resolves to the one torch loaded.
 _LIB = ctypes.CDLL(str(build_library()))
@@ -43,7 +45,7 @@ _i32, _i64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 class Linear(ctypes.Structure):
     _fields_ = [("w", _p), ("scale", _p), ("bias", _p), ("qparams", _p), ("perm", _p), ("n", _i32), ("k", _i32),
-                ("wtype", _i32), ("group", _i32), ("qparams_f32", _i32), ("_pad", _i32)]
+                ("wtype", _i32), ("group", _i32), ("qparams_f32", _i32), ("float_rows", _i32)]
 
 
 class Moe(ctypes.Structure):
@@ -102,6 +104,8 @@ _LIB.appl_avx512.argtypes = [ctypes.c_int]
 _LIB.appl_avx512.restype = ctypes.c_int
 _LIB.appl_vnni.argtypes = [ctypes.c_int]
 _LIB.appl_vnni.restype = ctypes.c_int
+_LIB.appl_int8_rows.argtypes = [ctypes.c_int]
+_LIB.appl_int8_rows.restype = ctypes.c_int
 _LIB.appl_amx.argtypes = [ctypes.c_int]
 _LIB.appl_amx.restype = ctypes.c_int
 _LIB.appl_apply_token_bitmask.argtypes = [_p, _i64, _p, _i64, _p, ctypes.c_int, _i64]
@@ -165,6 +169,24 @@ def vnni(enabled: Optional[bool] = None) -> bool:
     return bool(_LIB.appl_vnni(-1 if enabled is None else int(enabled)))
 
 
+def int8_rows(enabled: Optional[bool] = None) -> bool:
+    """Whether GEMMs over more than six rows with 4- or 8-bit weights (GGUF,
+    ``int4_wo``, ``int8_wo``, AWQ, GPTQ) run on integer dot products: each
+    row quantized to int8 per group of the weights' inputs (32 against int8
+    per channel; one scale a group, as llama.cpp quantizes its
+    activations), each group's products summed exactly in int32 on
+    AVX512-VNNI (vpdpbusd, twice the multiply-adds of vdpbf16ps) and its
+    scale and min applied once (the mins against the rows' exact group
+    sums). The native forward keeps float rows for the LM head and the
+    attention's q/k/v projection. On by default where the CPU has
+    AVX512-VNNI, unless ``APPLIANCE_CPU_INT8_ROWS=0`` (or ``vnni`` is off:
+    it needs vpdpbusd); off, these GEMMs take vdpbf16ps (``bf16_dot``) or
+    fp32. Where AMX takes 16 rows or more they
+    stay there. ``enabled`` switches it; on is refused, returning False,
+    where the CPU lacks VNNI."""
+    return bool(_LIB.appl_int8_rows(-1 if enabled is None else int(enabled)))
+
+
 def amx(enabled: Optional[bool] = None) -> bool:
     """Whether GEMMs of 16 rows or more run on AMX tiles where the CPU has
     them (Sapphire Rapids and later): bf16 and int4 weights on AMX-BF16
@@ -189,6 +211,10 @@ def host_notes(cfg: Any, dtype: str) -> list[str]:
     if q == "w8a8_int8":
         gemm = ("W8A8 GEMMs on AMX-INT8 tiles (tdpbssd) from 16 rows, " if amx() else "W8A8 GEMMs ") + \
                ("on AVX512-VNNI (vpdpbusd)" if vnni() else "on AVX2 (vpmaddwd)") + ", exact in int32"
+    elif q in BACKENDS["cpu_native"].int8_gemm_quantizations and int8_rows():
+        gemm = ("GEMMs of more than six rows on integer dot products (AVX512-VNNI vpdpbusd; the rows quantized "
+                "to int8 per group of inputs, the sums exact in int32; q/k/v and the LM head keep float rows)"
+                + (", on AMX tiles (tdpbf16ps) from 16 rows" if amx() and bf16_dot() else ""))
     elif (dtype == "bfloat16" or q != "none") and q in _BF16_DOT_QUANT and bf16_dot():
         gemm = ("GEMMs of more than six rows on vdpbf16ps" + (", on AMX tiles (tdpbf16ps) from 16 rows" if amx() else "")
                 + ", the rows rounded to bf16")
@@ -235,6 +261,8 @@ if os.environ.get("APPLIANCE_CPU_AVX512") == "0":
     avx512(False)
 if os.environ.get("APPLIANCE_CPU_VNNI") == "0":
     vnni(False)
+if os.environ.get("APPLIANCE_CPU_INT8_ROWS") == "0":
+    int8_rows(False)
 if os.environ.get("APPLIANCE_CPU_AMX") == "0":
     amx(False)
 
@@ -535,6 +563,9 @@ class NativeForward:
             L.ln2 = self._hold(lw.post_attention_norm)
             if arch.qk_norm:
                 L.q_norm, L.k_norm = self._hold(lw.q_norm), self._hold(lw.k_norm)
+            # q/k/v take the normed rows unrounded: int8 rows on every projection cost SmolLM2 1.44% perplexity,
+            # on all but q/k/v 0.68% (docs/benchmarks.md)
+            lins[0].struct.float_rows = 1
             L.qkv, L.o = lins[0].struct, lins[1].struct
             if lw.moe is None:
                 L.gate_up, L.down = lins[2].struct, lins[3].struct
@@ -548,6 +579,7 @@ class NativeForward:
             self._lm_head = None
         elif weights.lm_head is not None:
             self._lm_head = NativeLinear(weights.lm_head, release=True)
+            self._lm_head.struct.float_rows = 1  # the logits take the final rows unrounded
         else:  # tied: the embedding stays row-major for lookups, so pack a copy
             self._lm_head = NativeLinear.from_weight(weights.embed)
         cos, sin = weights.rope_cos, weights.rope_sin  # fp32, like the activations

@@ -61,6 +61,9 @@ class BackendCapabilities:
     quantizations: Optional[tuple[str, ...]] = None
     # Walks the KV cache in tiles sized to the device's shared memory (triton_kv_tile).
     shared_memory_tiles: bool = False
+    # Weight formats whose batched GEMMs it runs on int8 products (the rows quantized to int8) where the
+    # hardware has int8 dot products (hardware.peak_tflops.int8 > 0); w8a8_int8 does everywhere.
+    int8_gemm_quantizations: tuple[str, ...] = ()
 
     def supports_block_size(self, block_size: int) -> bool:
         if block_size % self.block_size_multiple:
@@ -229,6 +232,8 @@ BACKENDS: dict[str, BackendCapabilities] = {
         head_sizes=tuple(range(8, 513, 8)),
         block_size_multiple=1,
         quantizations=("none", "gguf", "int8_wo", "w8a8_int8", "int4_wo", "awq", "gptq"),  # fp8: the torch reference path
+        # 4- and 8-bit weights over more than six rows: int8 rows on AVX512-VNNI (cpu_native.int8_rows)
+        int8_gemm_quantizations=("gguf", "int8_wo", "int4_wo", "awq", "gptq"),
     ),
     "triton": BackendCapabilities(
         name="triton",

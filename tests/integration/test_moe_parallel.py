@@ -285,6 +285,7 @@ def test_checkpoint_experts_over_ranks_give_one_ranks_tokens(quantized_moe, vari
     experts; the tokens and logprobs of one rank's torch layer path (fp32
     rows in the native GEMMs, as in test_tensor_parallel)."""
     monkeypatch.setenv("APPLIANCE_CPU_BF16_DOT", "0")
+    monkeypatch.setenv("APPLIANCE_CPU_INT8_ROWS", "0")
     model = [*TINY_MOE, f"model.path={quantized_moe[variant]}", "model.dtype=float32"]
     prompts = [[5, 77, 301, 12, 9], [400, 2, 2, 2, 2, 2, 17, 250], [1, 300], [33, 44, 55, 66]]
     ref, _ = generate([*model, "attention.backend=torch_sdpa"], prompts, 12)
@@ -328,6 +329,7 @@ def test_checkpoint_experts_over_engine_cores_give_one_cores_answers(quantized_m
     from tests.integration.test_data_parallel import complete
 
     monkeypatch.setenv("APPLIANCE_CPU_BF16_DOT", "0")  # read by the engine here and by the server's cores
+    monkeypatch.setenv("APPLIANCE_CPU_INT8_ROWS", "0")
     model = [*TINY_MOE, f"model.path={quantized_moe[variant]}", "model.dtype=float32"]
     eplb = ["parallel.eplb.enabled=true", "parallel.eplb.num_redundant_experts=2", "parallel.eplb.step_interval=5",
             "parallel.eplb.window_size=5"] if variant == "gptq" else []

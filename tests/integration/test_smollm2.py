@@ -164,8 +164,7 @@ def test_a_gguf_model_runs_at_its_own_width(path):
     model = llm.engine.runner.model
     assert isinstance(model.model.layers[0].mlp.down_proj, Int4WeightOnlyLinear)
     assert isinstance(model.lm_head_q, GroupedInt8Linear)
-    assert "Paris" in llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                               SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text
+    assert paris_margin(llm) > 1
 
 
 def test_quantization_gguf_reads_the_blocks_from_the_file_never_an_fp32_copy(tmp_path, monkeypatch):
@@ -185,8 +184,7 @@ def test_quantization_gguf_reads_the_blocks_from_the_file_never_an_fp32_copy(tmp
     with safe_open(str(cache / folders[0] / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
     assert "model.embed_tokens.weight" in names and not any(n.endswith("_proj.weight") for n in names)
-    assert "Paris" in llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                               SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text
+    assert paris_margin(llm) > 1
 
 
 def test_the_q4_1_blocks_keep_perplexity_within_2_percent_of_fp32():
@@ -227,8 +225,7 @@ def test_a_tied_q8_0_embedding_is_held_once_at_the_files_width():
     from appliance.models.quant import TiedBlockEmbedding
 
     llm = LLM(overrides=["+profile=cpu", "cache.kv_cache_memory_gib=0.25", "model.max_model_len=2048"])
-    assert "Paris" in llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                               SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text
+    assert paris_margin(llm) > 1
     model = llm.engine.runner.model
     emb = model.model.embed_tokens
     assert isinstance(emb, TiedBlockEmbedding) and model.lm_head_q.weight_q8.numel() == 0  # the native panels

@@ -129,11 +129,13 @@ def test_quantized_checkpoints_split_over_ranks_equal_one_rank(tiny_quantized_ch
     rows by output, o_proj and down_proj by inputs, in whole groups) and per stage:
     the tokens and logprobs of the same checkpoint on one rank's torch layer
     path. The ranks' native linears keep fp32 rows on every CPU here
-    (APPLIANCE_CPU_BF16_DOT=0, which the rank processes inherit): where the
-    CPU has AVX512-BF16 they would otherwise take batched int4 and grouped
-    int8 rows through bf16 dot products, which round the activations past
-    this comparison's tolerance (the bf16 closeness rule covers that path)."""
+    (APPLIANCE_CPU_BF16_DOT=0 and APPLIANCE_CPU_INT8_ROWS=0, which the rank
+    processes inherit): where the CPU has AVX512-BF16 or VNNI they would
+    otherwise take batched int4 and grouped int8 rows through bf16 or int8
+    dot products, which round the activations past this comparison's
+    tolerance (the bf16 closeness rule covers that path)."""
     monkeypatch.setenv("APPLIANCE_CPU_BF16_DOT", "0")
+    monkeypatch.setenv("APPLIANCE_CPU_INT8_ROWS", "0")
     folder, method = tiny_quantized_checkpoints[variant]
     model = [*TINY, f"model.path={folder}"]
     ref, _ = generate([*model, "attention.backend=torch_sdpa"], PROMPTS[:4], 16)
@@ -172,6 +174,7 @@ def test_smollm2_gguf_blocks_split_over_three_ranks_equal_one_rank(monkeypatch):
     """The Q4_1 file's own blocks (quantization=gguf) cut over tp3, against one rank's torch layer path;
     fp32 rows in the ranks' int4 GEMMs on every CPU (see the quantized checkpoints' test)."""
     monkeypatch.setenv("APPLIANCE_CPU_BF16_DOT", "0")
+    monkeypatch.setenv("APPLIANCE_CPU_INT8_ROWS", "0")
     gguf = [*SMOL, "quantization=gguf"]
     ref, _ = generate([*gguf, "attention.backend=torch_sdpa"], PROMPTS[:2], 8)
     outs, _ = generate([*gguf, "parallel=tp3"], PROMPTS[:2], 8)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from appliance import LLM, SamplingParams
 from appliance.kernels.cpu_native import (CpuNativeBackend, NativeLinear, amx, avx512, bf16_attention, bf16_dot,
-                                          pack_q4_panels, vnni)
+                                          int8_rows, pack_q4_panels, vnni)
 from appliance.kernels.registry import Selection
 from appliance.models.quant import (GroupedInt8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4,
                                     int8_matmul, quantize_int8_weight_only, quantize_rows_int8)
@@ -38,6 +38,8 @@ needs_avx512 = pytest.mark.skipif(not HAS_AVX512, reason="this CPU lacks AVX512F
 HAS_VNNI = vnni()
 needs_vnni = pytest.mark.skipif(not HAS_VNNI, reason="this CPU lacks AVX512-VNNI: W8A8 int8 GEMMs sum on AVX2 "
                                                       "(vpmaddwd) here")
+needs_int8_rows = pytest.mark.skipif(not int8_rows(), reason="this CPU lacks AVX512-VNNI: 4- and 8-bit weights' "
+                                                            "GEMMs keep float rows here (vdpbf16ps or fp32 FMAs)")
 
 
 HAS_AMX = amx()  # on where the CPU has AMX-BF16 and AMX-INT8 and the OS grants the tile state
@@ -57,16 +59,22 @@ def _pinned(switch, enabled):
 
 
 def _bf16_dot(enabled):
-    """Pin the batched bf16 GEMM path (vdpbf16ps or widen) for a block."""
-    return _pinned(bf16_dot, enabled)
+    """Pin the batched bf16 GEMM path (vdpbf16ps or widen) for a block, the rows of 4- and 8-bit weights'
+    GEMMs kept in floating point (int8_rows off)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(_pinned(bf16_dot, enabled))
+    stack.enter_context(_pinned(int8_rows, False))
+    return stack
 
 
 def _avx2_only():
-    """The kernels an AVX2-only CPU runs: no vdpbf16ps, no AVX-512 int4 rows, no vpdpbusd, no AMX."""
+    """The kernels an AVX2-only CPU runs: no vdpbf16ps, no AVX-512 int4 rows, no vpdpbusd (W8A8 or int8
+    rows), no AMX."""
     stack = contextlib.ExitStack()
     stack.enter_context(_pinned(bf16_dot, False))
     stack.enter_context(_pinned(avx512, False))
     stack.enter_context(_pinned(vnni, False))
+    stack.enter_context(_pinned(int8_rows, False))
     stack.enter_context(_pinned(amx, False))
     return stack
 
@@ -296,7 +304,7 @@ def test_int4_avx512_rows_match_the_avx2_path(params, group, m, n):
     base = torch.randn(m, n)
     with _avx2_only():
         avx2 = NativeLinear(mod)(x)
-    with _pinned(avx512, True):
+    with _pinned(avx512, True), _pinned(int8_rows, False):  # seven rows and more: int8 rows where VNNI is
         got = NativeLinear(mod)(x)
         acc = base.clone()
         NativeLinear(mod)(x, out=acc, accumulate=True)
@@ -749,10 +757,84 @@ def test_bf16_dot_smollm2_stays_close_to_fp32_on_the_rounded_weights(smollm2_bf1
                                SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].text
 
 
+def _int8_rows_reference(x, q, d, mn, b, group):
+    """What the integer-dot path computes, in fp64: the rows quantized per group (s = amax / 127,
+    q = x / s rounded half to even), each group's exact integer sums times d * s, plus the min times
+    the row's exact group sum; and the magnitude of those terms. d = None: int8 per channel (the
+    channel's scale in mn), groups of `group` inputs."""
+    m, k = x.shape
+    n, gc = q.shape[0], k // group
+    xg = x.view(m, gc, group)
+    amax = xg.abs().amax(-1, keepdim=True)
+    qx = torch.round(xg * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))).double()
+    s = (amax / 127.0).double().squeeze(-1)
+    isum = torch.einsum("rgk,ngk->rng", qx, q.double().view(n, gc, group))
+    if d is None:
+        products, mins = torch.einsum("rng,rg->rng", isum, s) * mn.double()[None, :, None], torch.zeros(1)
+    else:
+        products = torch.einsum("rng,ng,rg->rng", isum, d.double(), s)
+        mins = torch.einsum("ng,rg->rng", mn.double(), xg.double().sum(-1))
+    bias = torch.zeros(n, dtype=torch.float64) if b is None else b.double()
+    return (products + mins).sum(-1) + bias, (products.abs() + mins.abs()).sum(-1) + bias.abs(), s
+
+
+def _int8_rows_case(kind, n, k, seed):
+    """A 4- or 8-bit linear, its integer weights, group scales and mins (None for int8 per channel, whose
+    per-channel scales stand in mn), the rows' group, and its dequantized weight and bias."""
+    if kind == "int8":
+        mod, w, b = _module("int8", n, k, bias=True, seed=seed)
+        return mod, mod.weight_int8, None, mod.scale, next(g for g in (32, 16, 8, 4) if k % g == 0), w, b
+    group = {"int4 g32": 32, "int4 g128": 128, "q8 g16": 16, "q8 g32": 32}[kind]
+    mod, w, b = (_int4 if kind.startswith("int4") else _q8g)(n, k, group, seed=seed)
+    q = mod.weight_q4 if kind.startswith("int4") else mod.weight_q8
+    return mod, q, mod.q_scale, mod.q_min, group, w, b
+
+
+@needs_int8_rows
+@pytest.mark.parametrize("kind,k", [("int4 g32", 384), ("int4 g128", 384), ("q8 g16", 256), ("q8 g32", 256),
+                                    ("int8", 256), ("int8", 200)])  # int8 per channel: rows in groups of 32 and 8
+@pytest.mark.parametrize("m", [7, 13, 40])
+@pytest.mark.parametrize("n", [7, 50, 100])
+def test_int8_rows_sum_each_group_exactly(kind, k, m, n):
+    """Over six rows, 4- and 8-bit weights run on vpdpbusd: every row quantized per group, each group's
+    integer sums exact; the result is the fp64 reference of that arithmetic up to fp32 rounding (one and
+    two panels, row tiles of six and their remainders, accumulate), and it stays within the rows'
+    rounding (half a step of each group's scale) of the fp32 GEMM of the dequantized weights."""
+    mod, q, d, mn, group, w, b = _int8_rows_case(kind, n, k, seed=m * 100 + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x[0, :8] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 3.5, -126.5])  # ties round to even (scale 1)
+    base = torch.randn(m, n)
+    with _pinned(int8_rows, True), _pinned(amx, False):
+        got = NativeLinear(mod)(x)
+        acc = base.clone()
+        NativeLinear(mod)(x, out=acc, accumulate=True)
+    with _bf16_dot(False):
+        floating = NativeLinear(mod)(x)
+    want, terms, s = _int8_rows_reference(x, q, d, mn, b, group)
+    assert ((got.double() - want).abs() <= 1e-6 * terms).all()
+    assert ((acc.double() - base.double() - want).abs() <= 1e-6 * (terms + base.abs().double())).all()
+    rounding = torch.einsum("rg,ng->rn", s / 2, w.abs().double().view(n, k // group, group).sum(-1))
+    assert ((got.double() - F.linear(x, w, b).double()).abs() <= rounding + 1e-5 * terms).all()
+    assert not torch.allclose(got, floating, rtol=1e-5, atol=1e-5)  # the path under test did run
+
+
+@needs_int8_rows
+def test_int8_rows_results_do_not_depend_on_the_batch():
+    """Each row's scales are its own: a row's outputs are the same bits whatever rows share its call (seven
+    or more) and wherever it sits in the tiles."""
+    mod, *_ = _int8_rows_case("int4 g32", 40, 384, seed=1)
+    x = torch.randn(40, 384, generator=torch.Generator().manual_seed(2))
+    with _pinned(int8_rows, True), _pinned(amx, False):
+        whole, part, moved = NativeLinear(mod)(x), NativeLinear(mod)(x[:7]), NativeLinear(mod)(x.flip(0))
+    assert torch.equal(whole[:7], part) and torch.equal(whole, moved.flip(0))
+
+
 @pytest.mark.parametrize("switch,variable", [pytest.param("bf16_dot", "APPLIANCE_CPU_BF16_DOT", marks=needs_bf16_dot),
                                              pytest.param("bf16_attention", "APPLIANCE_CPU_BF16_ATTENTION",
                                                           marks=needs_bf16_dot),
                                              pytest.param("vnni", "APPLIANCE_CPU_VNNI", marks=needs_vnni),
+                                             pytest.param("int8_rows", "APPLIANCE_CPU_INT8_ROWS",
+                                                          marks=needs_int8_rows),
                                              pytest.param("amx", "APPLIANCE_CPU_AMX", marks=needs_amx)])
 def test_environment_switches_a_cpu_feature_path_off(switch, variable):
     code = f"import appliance.kernels.cpu_native as m; print(m.{switch}())"
@@ -815,6 +897,11 @@ def test_the_plan_says_which_kernels_run_on_this_cpu():
             assert "prefill attention tiles on vdpbf16ps" in note()
         with _bf16_dot(True):
             assert "GEMMs of more than six rows on vdpbf16ps" in note("quantization=none")
+    if HAS_VNNI:  # int8 rows where the CPU has VNNI
+        with _pinned(int8_rows, True):
+            assert "GEMMs of more than six rows on integer dot products" in note("quantization=int4_wo")
+    with _bf16_dot(False):  # int8_rows off
+        assert "integer dot products" not in note("quantization=int4_wo")
     assert "W8A8 GEMMs" in note("quantization=w8a8_int8", "quantization.activations=true")
     fp32 = note("model.dtype=float32", "quantization=none", "cache.kv_cache_dtype=auto")
     assert fp32.startswith("on this CPU: GEMMs in fp32 FMAs;") and "attention tiles in fp32" in fp32

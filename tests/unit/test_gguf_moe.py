@@ -231,8 +231,8 @@ def test_a_qwen3moe_gguf_runs_its_experts_at_their_width(tmp_path):
     expert's gate|up and down are linears of the file's own blocks (int4,
     grouped int8 where a part is 8-bit), run in the native forward; greedy
     tokens and logprobs those of the same file dequantized."""
-    from appliance.kernels import cpu_native
     from appliance.models.quant import GroupedInt8Linear, Int4WeightOnlyLinear
+    from tests.kernel_helpers import float_rows
 
     folder = resolve_model_folder(resolve(TINY_MOE).cfg.model)
     path = tmp_path / "tiny-moe-q.gguf"
@@ -241,11 +241,9 @@ def test_a_qwen3moe_gguf_runs_its_experts_at_their_width(tmp_path):
     assert q.method == "gguf" and 5 < q.weight_bits < 10
     prompts = [[5, 77, 301, 12, 9], [400, 2, 2, 2, 2, 2, 17, 250], [1, 300]]
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
-    # fp32 rows in the native GEMMs: where the CPU has bf16 dot products, batched int4 and grouped int8 rows
-    # would otherwise be rounded to bf16 (this random model moves by up to 0.05 nats then)
-    bf16 = cpu_native.bf16_dot()
-    cpu_native.bf16_dot(False)
-    try:
+    # fp32 rows in the native GEMMs: where the CPU has bf16 dot products or VNNI, batched int4 and grouped int8
+    # rows would otherwise be rounded to bf16 or int8 (this random model moves by up to 0.05 nats on bf16)
+    with float_rows():
         outs = {}
         for method in ("gguf", "none"):
             llm = LLM(overrides=[*TINY_MOE, f"model.path={path}", "model.dtype=float32", f"quantization={method}"])
@@ -256,8 +254,6 @@ def test_a_qwen3moe_gguf_runs_its_experts_at_their_width(tmp_path):
                 assert experts.quantized == "gguf" and runner.uses_native_forward
                 gate_up, down = experts.projections(0)
                 assert isinstance(gate_up, Int4WeightOnlyLinear) and isinstance(down, GroupedInt8Linear)
-    finally:
-        cpu_native.bf16_dot(bf16)
     for a, b in zip(outs["gguf"], outs["none"]):
         assert a.token_ids == b.token_ids
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3

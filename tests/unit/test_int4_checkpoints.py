@@ -14,11 +14,11 @@ from safetensors.torch import load_file, save_file
 
 from appliance import LLM, SamplingParams
 from appliance.config.compose import ConfigError, resolve
-from appliance.kernels.cpu_native import bf16_dot
 from appliance.models.int4_checkpoints import (AWQ_ORDER, checkpoint_blocks, pack_awq, pack_gptq,
                                                quantize_zero_point, write_checkpoint)
 from appliance.models.quant import PROJECTIONS, GroupedInt8Linear, Int4WeightOnlyLinear, dequantize_int4
 from appliance.models.tiny import generate_tiny
+from tests.kernel_helpers import float_rows
 from tests.model_helpers import PROMPTS
 
 BASE = ["+profile=cpu", "cache.kv_cache_memory_gib=0.05"]
@@ -249,12 +249,8 @@ def test_the_checkpoint_runs_as_its_dequantized_weights(checkpoints, variant):
             assert isinstance(mod, kind) and (mod.in_perm is not None) == VARIANTS[variant][2]
             assert torch.equal(mod.dequantized(), ref_layer.get_submodule(path).weight.data)
     p = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
-    before = bf16_dot()
-    bf16_dot(False)
-    try:
+    with float_rows():
         got = llm.generate(PROMPTS, p, use_tqdm=False)
-    finally:
-        bf16_dot(before)
     ref = ref_llm.generate(PROMPTS, p, use_tqdm=False)
     for a, b in zip(ref, got):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -273,16 +269,12 @@ def test_act_order_linears_gather_their_inputs_on_the_native_path(bits):
     blocks = checkpoint_blocks("gptq", pack_gptq(q, z, s, bits, g_idx), bits)
     kind = GroupedInt8Linear(blocks[:3], None, blocks[3]) if bits == 8 else \
         Int4WeightOnlyLinear(None, None, blocks=blocks[:3], in_perm=blocks[3])
-    before = bf16_dot()
-    bf16_dot(False)  # fp32 rows throughout (the vdpbf16ps path rounds them to bf16)
-    try:
+    with float_rows():  # fp32 rows throughout (the vdpbf16ps and int8 rows paths round them)
         for m in (1, 5, 300):
             x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
             ref = F.linear(x, _reference(q, z, s, g_idx))
             torch.testing.assert_close(kind(x), ref, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(NativeLinear(kind)(x), ref, rtol=1e-4, atol=1e-4)
-    finally:
-        bf16_dot(before)
 
 
 @pytest.mark.parametrize("method,bits", [("awq", 4), ("gptq", 4), ("gptq", 8)])

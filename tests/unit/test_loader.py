@@ -268,9 +268,9 @@ def test_mixed_block_layers_generate_alike_on_both_paths():
     import torch
 
     from appliance import LLM, SamplingParams
-    from appliance.kernels.cpu_native import bf16_dot
     from appliance.kernels.registry import Selection
     from appliance.models.quant import keep_gguf_blocks
+    from tests.kernel_helpers import float_rows
 
     overrides = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.01", "model.dtype=float32"]
     outs = []
@@ -282,13 +282,9 @@ def test_mixed_block_layers_generate_alike_on_both_paths():
             torch.randint(-32, 32, (32, 64), generator=g, dtype=torch.int8).numpy(),
             (torch.rand(32, 4, generator=g) * 0.05).numpy(), torch.zeros(32, 4).numpy())
         keep_gguf_blocks(llm.engine.runner.model, blocks, {})  # before the first step builds the native forward
-        before = bf16_dot()
-        bf16_dot(False)
-        try:
+        with float_rows():
             outs.append(llm.generate(["Hello there", "The quick brown fox jumps"],
                                      SamplingParams(max_tokens=8, temperature=0, logprobs=2), use_tqdm=False))
-        finally:
-            bf16_dot(before)
     for a, b in zip(*outs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -476,8 +472,8 @@ def test_a_k_quant_gguf_runs_at_its_width(tmp_path):
     default on a CPU profile) keeps them as int4 panels and grouped int8;
     greedy tokens and logprobs those of the same file dequantized."""
     from appliance import LLM, SamplingParams
-    from appliance.kernels import cpu_native
     from appliance.models.quant import GroupedInt8Linear, Int4WeightOnlyLinear
+    from tests.kernel_helpers import float_rows
 
     path = tmp_path / "k-quants.gguf"
     _write_k_quant_gguf(path, resolve_model_folder(resolve(["+profile=cpu", "model=tiny_random"]).cfg.model))
@@ -485,9 +481,7 @@ def test_a_k_quant_gguf_runs_at_its_width(tmp_path):
     assert q.method == "gguf"
     prompts = [[5, 77, 301, 12, 9], [400, 2, 2, 2, 17, 250]]
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=1, ignore_eos=True)
-    bf16 = cpu_native.bf16_dot()
-    cpu_native.bf16_dot(False)  # fp32 rows in the native GEMMs, as in the dequantized model
-    try:
+    with float_rows():  # fp32 rows in the native GEMMs, as in the dequantized model
         outs = {}
         for method in ("gguf", "none"):
             llm = LLM(overrides=["+profile=cpu", f"model.path={path}", "model.dtype=float32",
@@ -497,8 +491,6 @@ def test_a_k_quant_gguf_runs_at_its_width(tmp_path):
                 layer = llm.engine.runner.model.model.layers[0]
                 assert isinstance(layer.self_attn.qkv_proj, Int4WeightOnlyLinear)
                 assert isinstance(layer.mlp.down_proj, GroupedInt8Linear)
-    finally:
-        cpu_native.bf16_dot(bf16)
     for a, b in zip(outs["gguf"], outs["none"]):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):

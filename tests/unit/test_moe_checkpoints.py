@@ -33,8 +33,8 @@ def checkpoints(tmp_path_factory):
 def test_experts_load_as_their_blocks_and_run_natively(checkpoints, variant):
     from safetensors.torch import load_file
 
-    from appliance.kernels import cpu_native
     from appliance.models.quant import GroupedInt8Linear, Int4WeightOnlyLinear, dequantize_int4
+    from tests.kernel_helpers import float_rows
 
     plain, folders = checkpoints
     float_weights = load_file(str(plain / "model.safetensors"))
@@ -62,14 +62,10 @@ def test_experts_load_as_their_blocks_and_run_natively(checkpoints, variant):
     prompts = [[5, 77, 301, 12, 9], [400, 2, 2, 2, 2, 2, 17, 250], [1, 300]]
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
     ref = [o.outputs[0] for o in torch_path.generate(prompts, params, use_tqdm=False)]
-    bf16 = cpu_native.bf16_dot()
-    cpu_native.bf16_dot(False)  # fp32 rows in the native GEMMs, as the torch path computes them
-    try:
+    with float_rows():  # fp32 rows in the native GEMMs, as the torch path computes them
         native = LLM(overrides=model)
         assert native.engine.runner.uses_native_forward
         outs = [o.outputs[0] for o in native.generate(prompts, params, use_tqdm=False)]
-    finally:
-        cpu_native.bf16_dot(bf16)
     for a, b in zip(outs, ref):
         assert a.token_ids == b.token_ids
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3

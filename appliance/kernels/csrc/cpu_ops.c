@@ -60,7 +60,8 @@ typedef struct {
                           * W8A8: int32 [ceil(n / 16) * 16], each channel's sum of weights */
     const int32_t *perm; /* [k] or NULL: stored input j is x[perm[j]] (a GPTQ act-order checkpoint) */
     int32_t n, k, wtype, group; /* group: int4 weights per scale along k (even, divides k), else 0 */
-    int32_t qparams_f32, _pad;  /* int4: qparams are fp32 (else fp16) */
+    int32_t qparams_f32;        /* int4: qparams are fp32 (else fp16) */
+    int32_t float_rows;         /* 1: the rows stay floating point where int8 rows would run (the LM head, q/k/v) */
 } Linear;
 
 /* A sparse (mixture-of-experts) layer's MLP: the router, then experts
@@ -962,7 +963,7 @@ AMX_TARGET static void packed_rows_amx(const Linear *L, const uint16_t *xb, int6
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #define A8_ROWS 6 /* rows per VNNI tile (by four panels: 24 zmm accumulators) */
 
-static int g_has_vnni, g_vnni;
+static int g_has_vnni, g_vnni, g_int8_rows;
 
 /* The vpdpbusd path: set < 0 asks, 0 turns it off, 1 on (where the CPU has it). Returns the state. */
 int appl_vnni(int set) {
@@ -973,7 +974,8 @@ int appl_vnni(int set) {
 /* AVX512-VNNI (CPUID 7.0 ECX bit 11) on top of AVX512F/BW with the OS saving the zmm state. */
 static void __attribute__((constructor)) probe_vnni(void) {
     unsigned a, b, c, d;
-    g_has_vnni = g_vnni = cpu_avx512_level() >= 1 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c & (1u << 11));
+    g_has_vnni = g_vnni = g_int8_rows =
+        cpu_avx512_level() >= 1 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c & (1u << 11));
 }
 
 /* Rows [0, m) of x quantized into q ([m][kq], the tail past k zero) with their scales s; offset: store q + 128
@@ -1267,6 +1269,241 @@ AVX512_TARGET static void q4_rows_passes(const Linear *L, const float *x, int64_
     }
 }
 
+/* ---------------------------------------- 4- and 8-bit weights on integer dot products */
+/*
+ * GEMMs of more than G8_MIN_ROWS rows over int4, grouped-int8 or per-channel
+ * int8 weights (GGUF's Q4_0/Q4_1/Q8_0/Q5_K/Q6_K, int4_wo, AWQ, GPTQ,
+ * int8_wo) on AVX512-VNNI where the CPU has it (appl_int8_rows): each row
+ * is quantized per group of the weights' k (32 inputs against int8 per
+ * channel), one symmetric scale a row a group (s = amax / 127,
+ * q = rint(x / s) in -127..127, llama.cpp's Q8_0 activations), and each
+ * group's products sum exactly in int32 on vpdpbusd before its scales
+ * apply: sum_k x_k (d w_k + m) ~= d s sum_k w_k q_k + m sum_k x_k, the
+ * mins against the rows' exact fp32 group sums (int8 per channel: d = 1,
+ * m = 0, the channel's scale on the way out). vpdpbusd multiplies unsigned
+ * by signed bytes, so the weights enter unsigned: int4 as stored (0..15),
+ * int8 offset by 128, each group then subtracting 128 sum_k q_k. A block of
+ * rows re-lays each panel once into k quads ([k / 4][16][4] bytes,
+ * vpdpbusd's operand order): a quarter of the bytes of the vdpbf16ps path's
+ * bf16 re-lay, and one instruction does 64 multiply-adds against
+ * vdpbf16ps's 32. Where AMX takes 16 rows or more (AMX-BF16 tiles), they
+ * stay there.
+ */
+#define G8_ROWS 6     /* rows per tile, by two panels: 12 fp32 and 12 int32 zmm accumulators */
+#define G8_MIN_ROWS 6 /* more rows than this quantize (up to this many: the fp32 GEMV and row kernels) */
+
+/* The int8 rows path: set < 0 asks, 0 turns it off, 1 on (where the CPU has AVX512-VNNI). Returns whether
+ * it runs: it needs the vpdpbusd path (appl_vnni) on too. */
+int appl_int8_rows(int set) {
+    if (set >= 0) g_int8_rows = set && g_has_vnni;
+    return g_int8_rows && g_vnni;
+}
+
+/* Rows [0, m) of x quantized per group of G (a multiple of 4 dividing k): q [m][k] int8; per row per
+ * group ([m][k / G] each) the scale s, the exact fp32 sum xsum and the sum of q, qsum. */
+static void g8_quantize(const float *x, int64_t ldx, int64_t m, int64_t k, int G, int8_t *q, float *s, float *xsum,
+                        int32_t *qsum) {
+    const int64_t groups = k / G;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+#pragma omp parallel for schedule(static) if (m * k >= 65536)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + r * ldx + g * G;
+            int8_t *qg = q + r * k + g * G;
+            const int64_t o = r * groups + g;
+            __m256 mx = _mm256_setzero_ps(), sm = _mm256_setzero_ps();
+            int i = 0;
+            for (; i + 8 <= G; i += 8) {
+                const __m256 v = _mm256_loadu_ps(xg + i);
+                mx = _mm256_max_ps(mx, _mm256_and_ps(v, absmask));
+                sm = _mm256_add_ps(sm, v);
+            }
+            float amax = hmax8(mx), t = hsum8(sm);
+            for (int j = i; j < G; j++) {
+                amax = fmaxf(amax, fabsf(xg[j]));
+                t += xg[j];
+            }
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            s[o] = amax / 127.0f;
+            xsum[o] = t;
+            const __m256 vi = _mm256_set1_ps(inv);
+            __m256i qs = _mm256_setzero_si256();
+            for (i = 0; i + 8 <= G; i += 8) {
+                const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + i), vi));
+                qs = _mm256_add_epi32(qs, a);
+                const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+                _mm_storel_epi64((__m128i *)(qg + i), _mm_packs_epi16(w, w));
+            }
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(qs), _mm256_extracti128_si256(qs, 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+            int32_t qt = _mm_cvtsi128_si32(h);
+            for (; i < G; i++) {
+                qg[i] = (int8_t)lrintf(xg[i] * inv);
+                qt += qg[i];
+            }
+            qsum[o] = qt;
+        }
+}
+
+/* Panel pn of int4 or int8 weights as unsigned k quads at u ([k / 4][16][4] bytes): int4 as stored, int8 + 128. */
+VNNI_TARGET static void g8_relay(const Linear *L, int64_t pn, uint8_t *u) {
+    const int64_t k = L->k;
+    if (L->wtype == WTYPE_Q4) { /* pair rows 2j and 2j + 1 hold k = 4j .. 4j + 3 as lo, hi, lo, hi */
+        const uint8_t *p = (const uint8_t *)L->w + pn * (k * PW / 2);
+        const __m512i lo = _mm512_set1_epi32(0x0f), hi = _mm512_set1_epi32(0xf0);
+        for (int64_t j = 0; j < k / 4; j++) {
+            const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 2 * j * PW)));
+            const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + (2 * j + 1) * PW)));
+            const __m512i v0 = _mm512_or_si512(_mm512_and_si512(b0, lo), _mm512_slli_epi32(_mm512_and_si512(b0, hi), 4));
+            const __m512i v1 = _mm512_or_si512(_mm512_and_si512(b1, lo), _mm512_slli_epi32(_mm512_and_si512(b1, hi), 4));
+            _mm512_storeu_si512(u + j * 4 * PW, _mm512_or_si512(v0, _mm512_slli_epi32(v1, 16)));
+        }
+    } else {
+        const int8_t *p = (const int8_t *)L->w + pn * k * PW;
+        const __m512i flip = _mm512_set1_epi32((int)0x80808080u);
+        for (int64_t j = 0; j < k / 4; j++) {
+            __m512i v = _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++)
+                v = _mm512_or_si512(v, _mm512_slli_epi32(
+                                           _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + (4 * j + i) * PW))), 8 * i));
+            _mm512_storeu_si512(u + j * 4 * PW, _mm512_xor_si512(v, flip));
+        }
+    }
+}
+
+#define G8_INT4 0    /* int4 weights (0..15), each group's scale and min */
+#define G8_GROUPED 1 /* grouped int8 (+ 128), each group's scale and min */
+#define G8_CHANNEL 2 /* int8 per output channel (+ 128): the channel's scale applies on the way out */
+
+/* R rows of quantized x (row stride k; s, xsum, qsum row stride k / G) by NP re-laid panels at u (panel pn
+ * first): c[r][q * PW + j] = channel j of panel pn + q for row r. */
+VNNI_TARGET static inline __attribute__((always_inline)) void g8_tile(const Linear *L, const int64_t G,
+                                                                     const int8_t *xq, const float *s,
+                                                                     const float *xsum, const int32_t *qsum,
+                                                                     const uint8_t *u, int64_t pn, const int R,
+                                                                     const int NP, const int MODE,
+                                                                     float c[G8_ROWS][2 * PW]) {
+    const int64_t k = L->k, groups = k / G, qstride = groups * 2 * PW, qp = pn * qstride;
+    __m512 acc[G8_ROWS][2];
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < NP; q++) acc[r][q] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i ia[G8_ROWS][2];
+        for (int r = 0; r < R; r++)
+            for (int q = 0; q < NP; q++) ia[r][q] = _mm512_setzero_si512();
+        const uint8_t *ug = u + g * G * PW;
+        const int8_t *xg = xq + g * G;
+        for (int64_t j = 0; j < G / 4; j++) {
+            __m512i w[2];
+            for (int q = 0; q < NP; q++) w[q] = _mm512_loadu_si512(ug + q * k * PW + j * 4 * PW);
+            for (int r = 0; r < R; r++) {
+                int32_t quad;
+                memcpy(&quad, xg + r * k + 4 * j, sizeof(quad));
+                const __m512i xb = _mm512_set1_epi32(quad);
+                for (int q = 0; q < NP; q++) ia[r][q] = _mm512_dpbusd_epi32(ia[r][q], w[q], xb);
+            }
+        }
+        for (int q = 0; q < NP; q++) {
+            const int64_t dm = qp + q * qstride + g * 2 * PW;
+            const __m512 d = MODE == G8_CHANNEL ? _mm512_setzero_ps() : load_qp512(L, dm);
+            const __m512 mn = MODE == G8_CHANNEL ? _mm512_setzero_ps() : load_qp512(L, dm + PW);
+            for (int r = 0; r < R; r++) {
+                const int64_t o = r * groups + g;
+                const __m512i t = MODE == G8_INT4 ? ia[r][q] : _mm512_sub_epi32(ia[r][q], _mm512_set1_epi32(128 * qsum[o]));
+                if (MODE == G8_CHANNEL) {
+                    acc[r][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(s[o]), acc[r][q]);
+                } else {
+                    const __m512 base = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[o]), acc[r][q]);
+                    acc[r][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, _mm512_set1_ps(s[o])), base);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < NP; q++) _mm512_storeu_ps(&c[r][q * PW], acc[r][q]);
+}
+
+#define G8_MODES(R, NP)                                                                              \
+    if (mode == G8_INT4)                                                                             \
+        g8_tile(L, G, xq, s, xsum, qsum, u, pn, R, NP, G8_INT4, c);                                  \
+    else if (mode == G8_GROUPED)                                                                     \
+        g8_tile(L, G, xq, s, xsum, qsum, u, pn, R, NP, G8_GROUPED, c);                               \
+    else                                                                                             \
+        g8_tile(L, G, xq, s, xsum, qsum, u, pn, R, NP, G8_CHANNEL, c);
+
+#define G8_CASE(R)              \
+    case R:                     \
+        if (np == 2) {          \
+            G8_MODES(R, 2)      \
+        } else {                \
+            G8_MODES(R, 1)      \
+        }                       \
+        break;
+
+VNNI_TARGET static void g8_rows(const Linear *L, int64_t G, const int8_t *xq, const float *s, const float *xsum,
+                                const int32_t *qsum, const uint8_t *u, int64_t pn, int mr, int np, int mode,
+                                float c[G8_ROWS][2 * PW]) {
+    switch (mr) {
+        G8_CASE(6) G8_CASE(5) G8_CASE(4) G8_CASE(3) G8_CASE(2) default: G8_CASE(1)
+    }
+}
+
+/* The group the rows quantize in: the weights' for grouped ones; 32 inputs (or the most of 16, 8, 4 that
+ * divide k) against int8 per channel; 0: k has no such group (the path does not apply). */
+static int64_t g8_group(const Linear *L) {
+    if (L->wtype != WTYPE_I8) return L->group % 4 == 0 ? L->group : 0;
+    for (int64_t G = 32; G >= 4; G /= 2)
+        if (L->k % G == 0) return G;
+    return 0;
+}
+
+/* appl_linear for int4 or int8 weights on the integer-dot path, the rows quantized in groups of G
+ * (g8_group): the rows quantized once, threads split the panels, each block of rows (kept in L2 as int8)
+ * passing every panel pair re-laid once. */
+static void g8_linear(const Linear *L, int64_t G, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m,
+                      int accumulate) {
+    const int64_t k = L->k, n = L->n, groups = k / G, panels = (n + PW - 1) / PW;
+    const int mode = L->wtype == WTYPE_Q4 ? G8_INT4 : L->wtype == WTYPE_Q8G ? G8_GROUPED : G8_CHANNEL;
+    int8_t *xq = (int8_t *)malloc((size_t)(m * k));
+    float *s = (float *)malloc(sizeof(float) * (size_t)(2 * m * groups));
+    int32_t *qsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(m * groups));
+    if (!xq || !s || !qsum) abort();
+    float *xsum = s + m * groups;
+    g8_quantize(x, ldx, m, k, (int)G, xq, s, xsum, qsum);
+    int64_t mc = (512 * 1024) / k;
+    mc = mc < 2 * G8_ROWS ? 2 * G8_ROWS : (mc / G8_ROWS) * G8_ROWS;
+#pragma omp parallel
+    {
+        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t per = (panels + nt - 1) / nt;
+        const int64_t p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
+        uint8_t *u = p0 < p1 ? (uint8_t *)malloc((size_t)(2 * k * PW)) : NULL;
+        float c[G8_ROWS][2 * PW];
+        for (int64_t m0 = 0; u && m0 < m; m0 += mc) {
+            const int64_t m1 = m0 + mc < m ? m0 + mc : m;
+            for (int64_t pn = p0; pn < p1; pn += 2) {
+                const int64_t n0 = pn * PW;
+                const int np = p1 - pn < 2 ? 1 : 2;
+                const int nv = (int)(n - n0 < np * PW ? n - n0 : np * PW);
+                for (int q = 0; q < np; q++) g8_relay(L, pn + q, u + q * k * PW);
+                for (int64_t r = m0, mr; r < m1; r += mr) {
+                    /* six-row tiles, a short remainder shared evenly (as packed_rows) */
+                    const int64_t left = m1 - r;
+                    mr = left >= 12 || left <= 6 ? (left < 6 ? (int)left : 6) : (int)((left + 1) / 2);
+                    g8_rows(L, G, xq + r * k, s + r * groups, xsum + r * groups, qsum + r * groups, u, pn, (int)mr,
+                            np, mode, c);
+                    for (int i = 0; i < (int)mr; i++) store_out(L, out + (r + i) * ldo + n0, n0, c[i], nv, accumulate);
+                }
+            }
+        }
+        free(u);
+    }
+    free(xq);
+    free(s);
+    free(qsum);
+}
+
 /* One row: groups of four panels. xs: the row's group sums (int4 weights). */
 static void packed_gemv(const Linear *L, const float *x, const float *xs, float *out, int64_t p0, int64_t p1,
                         int accumulate) {
@@ -1319,6 +1556,13 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
     int64_t mc = (192 * 1024 / 4) / (L->k > 0 ? L->k : 1);
     mc = mc < 6 ? 6 : (mc / 6) * 6;
     const int q4 = L->wtype == WTYPE_Q4, grouped = q4 || L->wtype == WTYPE_Q8G;
+    const int64_t g8 =
+        (grouped || L->wtype == WTYPE_I8) && g_int8_rows && g_vnni && !L->float_rows && m > G8_MIN_ROWS ? g8_group(L)
+                                                                                                           : 0;
+    if (g8 && !(g_amx && g_has_amx_bf16 && g_bf16_dot && m >= AMX_MIN_ROWS)) {
+        g8_linear(L, g8, x, ldx, out, ldo, m, accumulate);
+        return;
+    }
     const int q4_rows_here = q4 && m <= (g_avx512 ? Q4_DIRECT_MAX : Q4_DIRECT_MAX_AVX2); /* else widened panels */
     const int dot = (L->wtype == WTYPE_BF16 || L->wtype == WTYPE_I8 || grouped) && m > 6 && !q4_rows_here && g_bf16_dot;
     const int amx = dot && g_amx && g_has_amx_bf16 && m >= AMX_MIN_ROWS;
