@@ -77,6 +77,16 @@ def _target_weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
     return linear + (counts["embedding"] + counts["lm_head"] + counts["other"]) * full
 
 
+def int8_gemm(cfg: ApplianceConfig, backend: Optional[str]) -> bool:
+    """Whether the batched GEMMs (prefill) multiply int8 rows: W8A8 does everywhere, and ``backend`` does
+    for the weight formats it lists (cpu_native's 4- and 8-bit ones), on hardware with int8 dot products
+    (``hardware.peak_tflops.int8`` > 0)."""
+    method = cfg.quantization.method
+    caps = BACKENDS.get(backend) if backend else None
+    return cfg.hardware.peak_tflops.int8 > 0 and (
+        method == "w8a8_int8" or (caps is not None and method in caps.int8_gemm_quantizations))
+
+
 def lm_head_bytes(cfg: ApplianceConfig) -> Optional[int]:
     """Bytes of the LM head as loaded, parameters included, where the
     quantization keeps it quantized: int8 with an fp32 scale per row
@@ -322,7 +332,7 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
     roofline_at_max_len = bw / (read_dev + mml * per_tok) if w_dev else 0.0
     peak = cfg.hardware.peak_tflops
     fp8_gemm = cfg.quantization.method == "fp8" and cfg.quantization.activations and cfg.hardware.fp8
-    compute_dtype = "fp8" if fp8_gemm else {
+    compute_dtype = "fp8" if fp8_gemm else "int8" if int8_gemm(cfg, sel.chosen) else {
         "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
     tflops = getattr(peak, compute_dtype)
     counts = parameter_counts(cfg.model)

@@ -235,6 +235,8 @@ class PeakTflops:
     bf16: float = 0.0
     fp16: float = 0.0
     fp8: float = 0.0
+    # int8 products (tera-ops a second); 0: the hardware has no int8 dot products the kernels use
+    int8: float = 0.0
 
 
 @dataclass

@@ -323,6 +323,23 @@ def test_cli_config_and_profiles(cli):
     assert "cpu" in r.stdout and "yes" in r.stdout and "needs a CUDA device" in r.stdout
 
 
+@pytest.mark.parametrize("overrides,dtype", [([], "int8"),  # the default GGUF's 4- and 8-bit blocks
+                                             (["quantization=int4_wo"], "int8"), (["quantization=int8_wo"], "int8"),
+                                             (["quantization=w8a8_int8", "quantization.activations=true"], "int8"),
+                                             (["quantization=none"], "bf16"),  # dequantized
+                                             (["quantization=int4_wo", "attention.backend=torch_sdpa"], "bf16"),
+                                             (["hardware.peak_tflops.int8=0"], "bf16")])
+def test_the_prefill_roofline_is_the_peak_of_the_products_that_run(overrides, dtype):
+    """cpu_native multiplies int8 rows against 4- and 8-bit weights (and W8A8 does everywhere) where the
+    hardware has int8 dot products: the prefill roofline is then the int8 peak's."""
+    cfg = resolve(["+profile=cpu", *overrides]).cfg
+    p = make_plan(cfg)
+    assert p.compute_dtype == dtype
+    peak = getattr(cfg.hardware.peak_tflops, dtype)
+    assert p.prefill_roofline_tok_s == round(peak * 1e12 / (2 * parameter_counts(cfg.model)["active"]), 1)
+    assert f"({dtype} peak / 2 x parameters)" in format_plan(p)
+
+
 def test_plan_rooflines_offload_swap_and_catalog_check():
     base = make_plan(resolve(["+profile=h100_fp8", "model=llama3_1_8b"]).cfg)
     # fp8 W8A8 runs on the fp8 peak: 1979 TFLOP/s / (2 x 8.03e9 parameters)

@@ -37,7 +37,9 @@ BASES = {
     "quantization.activations": ["+profile=h100_fp8"],
     "cache.memory_utilization": FROM_MEMORY,
     "hardware.memory_gib": FROM_MEMORY,
-    "hardware.peak_tflops.fp32": [*BASE, "model.dtype=float32"],
+    # the default GGUF's prefill multiplies int8 rows (hardware.peak_tflops.int8); dequantized, fp32 or bf16
+    "hardware.peak_tflops.fp32": [*BASE, "model.dtype=float32", "quantization=none"],
+    "hardware.peak_tflops.bf16": [*BASE, "quantization=none"],
     "hardware.peak_tflops.fp16": ["+profile=h100_bf16", "model.dtype=float16"],
     "hardware.peak_tflops.fp8": ["+profile=h100_fp8"],
     "hardware.fp8": ["+profile=h100_fp8"],
