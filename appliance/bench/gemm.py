@@ -4,11 +4,14 @@ For each projection of the configured model (qkv, o, gate|up, down) and each
 row count (decode batches, prefill chunks), the native linear in the model's
 weight dtype runs with the path the kernels pick on this CPU and, as the
 same-run baseline, with AVX2 FMAs over weights widened to fp32 (the path of
-CPUs without AVX512-BF16, ``cpu_native.bf16_dot(False)``). A layer's weights
+CPUs without AVX512-BF16, ``cpu_native.bf16_dot(False)``). With
+``quantization=int4_wo`` or ``int8_wo`` the weights are those formats (random,
+quantized at the bench's start) and the baseline keeps the rows floating point
+(``cpu_native.int8_rows(False)``: vdpbf16ps, or fp32 FMAs). A layer's weights
 come from memory, not a cache: each projection is cycled through enough copies
 to hold more bytes than ``--mib``. Reported: milliseconds a call, GFLOP/s,
-weight bytes a second, and the fraction of the machine's roofline (peak bf16
-or fp32 GEMM GFLOP/s and memory bandwidth, from ``bench machine``).
+weight bytes a second, and the fraction of the machine's roofline (peak int8,
+bf16 or fp32 GEMM GFLOP/s and memory bandwidth, from ``bench machine``).
 
     appliance bench gemm model=tiny_random model.hidden_size=2048 model.intermediate_size=8192 \\
         model.num_heads=32 model.num_kv_heads=8 model.head_dim=64 model.dtype=bfloat16 --rows 1,8,32,256
@@ -22,6 +25,7 @@ import time
 import torch
 
 from appliance.bench.common import plot_lines, split_overrides, write_results
+from appliance.errors import ConfigError
 
 
 def projections(cfg) -> dict[str, tuple[int, int]]:
@@ -32,51 +36,78 @@ def projections(cfg) -> dict[str, tuple[int, int]]:
             "gate_up": (m.hidden_size, 2 * m.intermediate_size), "down": (m.intermediate_size, m.hidden_size)}
 
 
-def time_linear(k: int, n: int, rows: int, dtype: torch.dtype, mib: int, repeat: int, paths: list[bool]
-                ) -> dict[bool, float]:
-    """Best seconds a call of a [rows, k] x [k, n] product, per bf16_dot setting in ``paths``."""
-    from appliance.kernels.cpu_native import NativeLinear, bf16_dot
+# Bytes a weight of each format holds in memory (int4: a byte per two, fp16 scale and min per group of 32).
+WEIGHT_BYTES = {"int8_wo": 1.0, "int4_wo": 0.5 + 4 / 32}
 
-    copies = max(2, -(-mib * 2**20 // (k * n * dtype.itemsize)))
-    linears = [NativeLinear(torch.nn.Linear(k, n, bias=False).to(dtype)) for _ in range(copies)]
+
+def make_module(k: int, n: int, dtype: torch.dtype, method: str) -> torch.nn.Module:
+    """A random [n, k] projection in the bench's weight format."""
+    from appliance.models.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+
+    if method == "int8_wo":
+        return Int8WeightOnlyLinear(torch.randn(n, k), None)
+    if method == "int4_wo":
+        return Int4WeightOnlyLinear(torch.randn(n, k), None, 32)
+    return torch.nn.Linear(k, n, bias=False).to(dtype)
+
+
+def time_linear(k: int, n: int, rows: int, dtype: torch.dtype, mib: int, repeat: int, paths: list[bool],
+                method: str = "none") -> dict[bool, float]:
+    """Best seconds a call of a [rows, k] x [k, n] product, per path in ``paths``: the bf16_dot setting for
+    float weights, the int8_rows one for 4- and 8-bit weights (``method``)."""
+    from appliance.kernels.cpu_native import NativeLinear, bf16_dot, int8_rows
+
+    switch = int8_rows if method in WEIGHT_BYTES else bf16_dot
+    nbytes = WEIGHT_BYTES.get(method, dtype.itemsize)
+    copies = max(2, -(-mib * 2**20 // int(k * n * nbytes)))
+    linears = [NativeLinear(make_module(k, n, dtype, method)) for _ in range(copies)]
     x, out = torch.randn(rows, k), torch.empty(rows, n)
-    before = bf16_dot()
+    before = switch()
     best: dict[bool, float] = {}
     try:
         for _ in range(repeat):  # the paths interleaved, so both see the same machine
-            for dot in paths:
-                bf16_dot(dot)
+            for on in paths:
+                switch(on)
                 linears[0](x, out)
                 t = time.perf_counter()
                 for lin in linears:
                     lin(x, out)
-                best[dot] = min(best.get(dot, float("inf")), (time.perf_counter() - t) / copies)
+                best[on] = min(best.get(on, float("inf")), (time.perf_counter() - t) / copies)
     finally:
-        bf16_dot(before)
+        switch(before)
     return best
 
 
 def run(cfg, rows: list[int], mib: int, repeat: int, machine: dict) -> dict:
-    from appliance.kernels.cpu_native import bf16_dot
+    from appliance.kernels.cpu_native import bf16_dot, int8_rows
 
-    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-    peak_name = "bf16" if dtype == torch.bfloat16 and "bf16" in machine["peak_gflops"] else "fp32"
-    peak, bandwidth = machine["peak_gflops"][peak_name], machine["peak_bandwidth_GBps"]
-    paths = [True, False] if dtype == torch.bfloat16 and bf16_dot() else [False]
+    method = cfg.quantization.method
+    if method not in ("none", *WEIGHT_BYTES):
+        raise ConfigError(f"bench gemm times float, int8_wo and int4_wo weights, not quantization={method}")
+    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" and method == "none" else torch.float32
+    quantized = method in WEIGHT_BYTES
+    peaks = machine["peak_gflops"]
+    peak_name = "int8" if quantized and int8_rows() and "int8" in peaks else \
+        "bf16" if (dtype == torch.bfloat16 or quantized) and "bf16" in peaks and bf16_dot() else "fp32"
+    peak, bandwidth = peaks[peak_name], machine["peak_bandwidth_GBps"]
+    off = "int8_rows off" if quantized else "bf16_dot off"
+    paths = [True, False] if (int8_rows() if quantized else dtype == torch.bfloat16 and bf16_dot()) else [False]
+    nbytes = WEIGHT_BYTES.get(method, dtype.itemsize)
     results = []
     for name, (k, n) in projections(cfg).items():
         for m in rows:
-            best = time_linear(k, n, m, dtype, mib, repeat, paths)
-            for dot, seconds in best.items():
+            best = time_linear(k, n, m, dtype, mib, repeat, paths, method)
+            for on, seconds in best.items():
                 gflops = 2 * m * k * n / seconds / 1e9
-                weight_gbps = k * n * dtype.itemsize / seconds / 1e9
+                weight_gbps = k * n * nbytes / seconds / 1e9
                 results.append({"projection": name, "k": k, "n": n, "rows": m,
-                                "path": "default" if dot or len(paths) == 1 else "bf16_dot off",
+                                "path": "default" if on or len(paths) == 1 else off,
                                 "ms": seconds * 1e3, "gflops": gflops, "weight_GBps": weight_gbps,
                                 "share_of_peak_gflops": gflops / peak, "share_of_bandwidth": weight_gbps / bandwidth})
             if len(best) > 1:
-                results[-2]["speedup_over_widened"] = best[False] / best[True]
-    return {"dtype": str(dtype).removeprefix("torch."), "rows": rows, "mib": mib, "machine_peak_gflops": peak,
+                results[-2]["speedup_over_baseline"] = best[False] / best[True]
+    return {"dtype": str(dtype).removeprefix("torch."), "weights": method if quantized else str(dtype).removeprefix(
+        "torch."), "baseline": off, "rows": rows, "mib": mib, "machine_peak_gflops": peak,
             "machine_peak_gflops_dtype": peak_name, "machine_bandwidth_GBps": bandwidth, "results": results}
 
 
@@ -100,10 +131,10 @@ def main(argv: list[str]) -> int:
         xs, ys = series.setdefault(f"{r['projection']} ({r['path']})", ([], []))
         xs.append(r["rows"])
         ys.append(r["gflops"])
-    png = plot_lines(a.out, "gemm", f"native {res['dtype']} GEMMs: GFLOP/s by rows "
+    png = plot_lines(a.out, "gemm", f"native {res['weights']} GEMMs: GFLOP/s by rows "
                      f"(machine peak {res['machine_peak_gflops']:.0f})", "rows", "GFLOP/s", series, logx=True)
     for r in res["results"]:
-        extra = f"  {r['speedup_over_widened']:.2f}x bf16_dot off" if "speedup_over_widened" in r else ""
+        extra = f"  {r['speedup_over_baseline']:.2f}x {res['baseline']}" if "speedup_over_baseline" in r else ""
         print(f"{r['projection']:>8} k={r['k']:<6} n={r['n']:<6} rows={r['rows']:<4} {r['path']:>13}: "
               f"{r['ms']:8.3f} ms {r['gflops']:7.1f} GFLOP/s ({100 * r['share_of_peak_gflops']:3.0f}% of peak) "
               f"{r['weight_GBps']:6.1f} GB/s of weights ({100 * r['share_of_bandwidth']:3.0f}%){extra}")

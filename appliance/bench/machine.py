@@ -1,8 +1,8 @@
 """`appliance bench machine`: this machine's roofline.
 
 Memory bandwidth (a large copy, counting bytes read + written, and a large
-read) and GEMM GFLOP/s per dtype, square and at the model's decode and
-prefill shapes. Every other bench reports its figures as fractions of
+read) and GEMM GFLOP/s per dtype (int8: torch's int8 products, tera-ops
+counted as FLOPs), square and at the model's decode and prefill shapes. Every other bench reports its figures as fractions of
 these (read from ``<out>/machine.json`` when present, else measured).
 """
 
@@ -39,9 +39,14 @@ def bandwidth(mib: int = 512, repeat: int = 5) -> dict:
 
 
 def gemm(m: int, n: int, k: int, dtype: torch.dtype, repeat: int = 5) -> float:
-    a = torch.randn(m, k).to(dtype)
-    b = torch.randn(k, n).to(dtype)
-    t = _best(lambda: torch.mm(a, b), repeat)
+    """GFLOP/s of torch's [m, k] x [k, n] product (int8: torch._int_mm's int32 sums, tera-ops as FLOPs)."""
+    if dtype == torch.int8:
+        a, b = torch.randint(-127, 128, (m, k), dtype=torch.int8), torch.randint(-127, 128, (k, n), dtype=torch.int8)
+        t = _best(lambda: torch._int_mm(a, b), repeat)
+    else:
+        a = torch.randn(m, k).to(dtype)
+        b = torch.randn(k, n).to(dtype)
+        t = _best(lambda: torch.mm(a, b), repeat)
     return 2 * m * n * k / t / 1e9
 
 
@@ -53,6 +58,7 @@ def run(size: int = 2048, mib: int = 512, repeat: int = 5, hidden: int = 576, in
     dtypes = {"fp32": torch.float32}
     if torch.cuda.is_available() or cpu_has_fast_bf16():
         dtypes["bf16"] = torch.bfloat16  # emulated bf16 on other CPUs is 100x slower: not a peak worth timing
+    dtypes["int8"] = torch.int8  # the int8 rows of 4- and 8-bit weights and W8A8 (VNNI, AMX-INT8 where present)
     gemms = {}
     for name, (m, n, k) in tqdm(shapes.items(), desc="bench machine: GEMM"):
         gemms[name] = {d: gemm(m, n, k, dt, repeat) for d, dt in dtypes.items()}
@@ -78,6 +84,8 @@ def kernel_variants() -> dict[str, str]:
             if cpu_native.avx512() else "avx2+fma (GEMV; 2-6 rows widened to fp32)",
             "W8A8 int8 GEMV and GEMMs (quantization=w8a8_int8)": "avx512_vnni (vpdpbusd, 6 rows by 64 channels)"
             if cpu_native.vnni() else "avx2 (vpmaddwd, 4 rows by 16 channels)",
+            "int4 and int8 weights' GEMMs over 6 rows": "avx512_vnni (the rows in int8 per group, vpdpbusd, 6 rows "
+            "by 32 channels)" if cpu_native.int8_rows() else "float rows, as bf16 weights' above",
             "prefill attention tiles": "avx512f (16 keys a register)" if cpu_native.avx512() else "avx2+fma",
             "bf16, int4 and W8A8 GEMMs of 16 rows or more": "amx (tdpbf16ps / tdpbssd, 32 rows by 32 channels)"
             if cpu_native.amx() else "as above (no AMX tiles on this CPU)"}

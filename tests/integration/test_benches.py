@@ -32,7 +32,7 @@ def load(d, name):
 
 def test_machine(out):
     m = load(out, "machine")
-    assert m["peak_bandwidth_GBps"] > 0 and m["peak_gflops"]["fp32"] > 0
+    assert m["peak_bandwidth_GBps"] > 0 and m["peak_gflops"]["fp32"] > 0 and m["peak_gflops"]["int8"] > 0
     assert (out / "machine.png").stat().st_size > 0
     from appliance.kernels import cpu_native
 
@@ -41,6 +41,8 @@ def test_machine(out):
     assert variants["bf16 and int4 GEMMs over 6 rows"].startswith("avx512_bf16" if cpu_native.bf16_dot() else "avx2+fma")
     assert variants["int4 GEMV and GEMMs of 2-6 rows"].startswith("avx512f" if cpu_native.avx512() else "avx2+fma")
     assert variants["prefill attention tiles"].startswith("avx512f" if cpu_native.avx512() else "avx2+fma")
+    assert variants["int4 and int8 weights' GEMMs over 6 rows"].startswith(
+        "avx512_vnni" if cpu_native.int8_rows() else "float rows")
     assert variants["W8A8 int8 GEMV and GEMMs (quantization=w8a8_int8)"].startswith(
         "avx512_vnni" if cpu_native.vnni() else "avx2 (vpmaddwd")
     assert variants["bf16, int4 and W8A8 GEMMs of 16 rows or more"].startswith("amx" if cpu_native.amx() else "as above")
@@ -62,6 +64,24 @@ def test_gemm(out, cli):
         assert x["ms"] > 0 and math.isclose(x["gflops"], 2 * x["rows"] * x["k"] * x["n"] / x["ms"] / 1e6, rel_tol=1e-9)
         assert x["share_of_peak_gflops"] > 0 and x["share_of_bandwidth"] > 0
     assert (out / "gemm.png").stat().st_size > 0
+
+
+def test_gemm_of_int4_weights_against_float_rows(out, cli):
+    r = cli("bench", "gemm", "--rows", "1,8", "--mib", "1", "--repeat", "1", "--out", str(out), "model=tiny_random",
+            "quantization=int4_wo")
+    assert r.returncode == 0, r.stderr
+    g = load(out, "gemm")
+    from appliance.kernels import cpu_native
+
+    assert g["weights"] == "int4_wo" and g["baseline"] == "int8_rows off"
+    assert g["machine_peak_gflops_dtype"] == ("int8" if cpu_native.int8_rows() else
+                                              "bf16" if cpu_native.bf16_dot() else "fp32")
+    assert {x["path"] for x in g["results"]} == ({"default", "int8_rows off"} if cpu_native.int8_rows() else
+                                                {"default"})
+    assert all(x["weight_GBps"] == pytest.approx(x["k"] * x["n"] * (0.5 + 4 / 32) / x["ms"] / 1e6)
+               for x in g["results"])
+    r = cli("bench", "gemm", "--out", str(out), "model=tiny_random", "quantization=awq")
+    assert r.returncode != 0 and "not quantization=awq" in r.stderr
 
 
 def test_throughput_with_hf_baseline(out, cli):
