@@ -145,7 +145,9 @@ bench() {
     "${common[@]}"
   "$A" bench serve --label "$label" --max-concurrency "$many" --num-prompts "$PROMPTS_MANY" \
     --long-prompt "$LONG_PROMPT" --long-streams "$LONG_STREAMS" "${common[@]}"
-  "$PY" -m appliance.bench.compare merge "$out" "$label" "$label-c1" "$label-alone"
+  local parts=("$label-alone")
+  [[ ",$LEVELS," == *",1,"* ]] && parts=("$label-c1" "$label-alone")
+  "$PY" -m appliance.bench.compare merge "$out" "$label" "${parts[@]}"
   if [ "$MIX_SECONDS" != 0 ] && [ "$label" != llama.cpp ]; then
     "$A" bench mix --base-url "$url" --label "$label" --clients "$MIX_CLIENTS" --duration "$MIX_SECONDS" \
       --out "$out" || echo "bench mix: requests failed against $label (see $out/mix-$label.json)"
