@@ -170,15 +170,16 @@ def vnni(enabled: Optional[bool] = None) -> bool:
 
 
 def int8_rows(enabled: Optional[bool] = None) -> bool:
-    """Whether GEMMs over more than six rows with 4- or 8-bit weights (GGUF,
-    ``int4_wo``, ``int8_wo``, AWQ, GPTQ) run on integer dot products: each
+    """Whether GEMMs with 4- or 8-bit weights (GGUF, ``int4_wo``,
+    ``int8_wo``, AWQ, GPTQ), decode's too, run on integer dot products: each
     row quantized to int8 per group of the weights' inputs (32 against int8
     per channel; one scale a group, as llama.cpp quantizes its
     activations), each group's products summed exactly in int32 on
     AVX512-VNNI (vpdpbusd, twice the multiply-adds of vdpbf16ps) and its
     scale and min applied once (the mins against the rows' exact group
-    sums). The native forward keeps float rows for the LM head and the
-    attention's q/k/v projection. On by default where the CPU has
+    sums); a row's results do not depend on the rows beside it. The native
+    forward keeps float rows for the LM head and the attention's q/k/v
+    projection. On by default where the CPU has
     AVX512-VNNI, unless ``APPLIANCE_CPU_INT8_ROWS=0`` (or ``vnni`` is off:
     it needs vpdpbusd); off, these GEMMs take vdpbf16ps (``bf16_dot``) or
     fp32. Where AMX takes 16 rows or more they
@@ -212,7 +213,7 @@ def host_notes(cfg: Any, dtype: str) -> list[str]:
         gemm = ("W8A8 GEMMs on AMX-INT8 tiles (tdpbssd) from 16 rows, " if amx() else "W8A8 GEMMs ") + \
                ("on AVX512-VNNI (vpdpbusd)" if vnni() else "on AVX2 (vpmaddwd)") + ", exact in int32"
     elif q in BACKENDS["cpu_native"].int8_gemm_quantizations and int8_rows():
-        gemm = ("GEMMs of more than six rows on integer dot products (AVX512-VNNI vpdpbusd; the rows quantized "
+        gemm = ("GEMMs on integer dot products (AVX512-VNNI vpdpbusd; the rows quantized "
                 "to int8 per group of inputs, the sums exact in int32; q/k/v and the LM head keep float rows)"
                 + (", on AMX tiles (tdpbf16ps) from 16 rows" if amx() and bf16_dot() else ""))
     elif (dtype == "bfloat16" or q != "none") and q in _BF16_DOT_QUANT and bf16_dot():

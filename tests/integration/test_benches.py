@@ -80,7 +80,7 @@ def test_gemm_of_int4_weights_against_float_rows(out, cli):
                                                 {"default"})
     assert all(x["weight_GBps"] == pytest.approx(x["k"] * x["n"] * (0.5 + 4 / 32) / x["ms"] / 1e6)
                for x in g["results"])
-    r = cli("bench", "gemm", "--out", str(out), "model=tiny_random", "quantization=awq")
+    r = cli("bench", "gemm", "--out", str(out), "model=tiny_random", "quantization=awq", "quantization.group_size=32")
     assert r.returncode != 0 and "not quantization=awq" in r.stderr
 
 

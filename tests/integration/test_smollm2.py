@@ -92,9 +92,14 @@ def test_weight_only_keeps_next_token_log_likelihoods(variant, bound):
     against the fp32 model: next-token log-probabilities of the top
     candidates after each of 8 prompts, and Paris as the capital of France
     (``paris_margin``: not the greedy answer, whose opening is a near tie)."""
+    from appliance.kernels.cpu_native import int8_rows
+
     q = LLM(overrides=BASE + variant)
     top1, mean = _next_token_parity(LLM(overrides=BASE), q)
     assert top1 >= 7
+    # where the CPU has VNNI the 4- and 8-bit GEMMs round their rows to int8 too (measured 0.155 for the GGUF;
+    # its perplexity +0.7%, docs/benchmarks.md)
+    bound += 0.05 if int8_rows() and "fp8" not in variant[0] else 0.0
     assert mean < bound  # mean |delta log p| in nats over the shared top candidates
     assert paris_margin(q) > 1  # the fp32 model's: 4.7 nats
 

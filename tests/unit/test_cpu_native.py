@@ -793,13 +793,14 @@ def _int8_rows_case(kind, n, k, seed):
 @needs_int8_rows
 @pytest.mark.parametrize("kind,k", [("int4 g32", 384), ("int4 g128", 384), ("q8 g16", 256), ("q8 g32", 256),
                                     ("int8", 256), ("int8", 200)])  # int8 per channel: rows in groups of 32 and 8
-@pytest.mark.parametrize("m", [7, 13, 40])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 40])
 @pytest.mark.parametrize("n", [7, 50, 100])
 def test_int8_rows_sum_each_group_exactly(kind, k, m, n):
-    """Over six rows, 4- and 8-bit weights run on vpdpbusd: every row quantized per group, each group's
-    integer sums exact; the result is the fp64 reference of that arithmetic up to fp32 rounding (one and
-    two panels, row tiles of six and their remainders, accumulate), and it stays within the rows'
-    rounding (half a step of each group's scale) of the fp32 GEMM of the dequantized weights."""
+    """4- and 8-bit weights run on vpdpbusd: every row quantized per group, each group's integer sums
+    exact; the result is the fp64 reference of that arithmetic up to fp32 rounding (one and two panels;
+    up to six rows read from the stored panels, more from re-laid ones in row tiles of six and their
+    remainders; accumulate), and it stays within the rows' rounding (half a step of each group's scale)
+    of the fp32 GEMM of the dequantized weights."""
     mod, q, d, mn, group, w, b = _int8_rows_case(kind, n, k, seed=m * 100 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     x[0, :8] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 3.5, -126.5])  # ties round to even (scale 1)
@@ -820,13 +821,15 @@ def test_int8_rows_sum_each_group_exactly(kind, k, m, n):
 
 @needs_int8_rows
 def test_int8_rows_results_do_not_depend_on_the_batch():
-    """Each row's scales are its own: a row's outputs are the same bits whatever rows share its call (seven
-    or more) and wherever it sits in the tiles."""
+    """Each row's scales are its own: a row's outputs are the same bits whatever rows share its call (one row
+    alone read from the stored panels, or forty from re-laid ones) and wherever it sits in the tiles."""
     mod, *_ = _int8_rows_case("int4 g32", 40, 384, seed=1)
     x = torch.randn(40, 384, generator=torch.Generator().manual_seed(2))
     with _pinned(int8_rows, True), _pinned(amx, False):
-        whole, part, moved = NativeLinear(mod)(x), NativeLinear(mod)(x[:7]), NativeLinear(mod)(x.flip(0))
-    assert torch.equal(whole[:7], part) and torch.equal(whole, moved.flip(0))
+        whole, moved = NativeLinear(mod)(x), NativeLinear(mod)(x.flip(0))
+        parts = [NativeLinear(mod)(x[:m]) for m in (1, 5, 7)]
+    assert torch.equal(whole, moved.flip(0))
+    assert all(torch.equal(whole[:len(p)], p) for p in parts)
 
 
 @pytest.mark.parametrize("switch,variable", [pytest.param("bf16_dot", "APPLIANCE_CPU_BF16_DOT", marks=needs_bf16_dot),
@@ -899,7 +902,7 @@ def test_the_plan_says_which_kernels_run_on_this_cpu():
             assert "GEMMs of more than six rows on vdpbf16ps" in note("quantization=none")
     if HAS_VNNI:  # int8 rows where the CPU has VNNI
         with _pinned(int8_rows, True):
-            assert "GEMMs of more than six rows on integer dot products" in note("quantization=int4_wo")
+            assert "GEMMs on integer dot products" in note("quantization=int4_wo")
     with _bf16_dot(False):  # int8_rows off
         assert "integer dot products" not in note("quantization=int4_wo")
     assert "W8A8 GEMMs" in note("quantization=w8a8_int8", "quantization.activations=true")

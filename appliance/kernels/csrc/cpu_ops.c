@@ -1271,7 +1271,7 @@ AVX512_TARGET static void q4_rows_passes(const Linear *L, const float *x, int64_
 
 /* ---------------------------------------- 4- and 8-bit weights on integer dot products */
 /*
- * GEMMs of more than G8_MIN_ROWS rows over int4, grouped-int8 or per-channel
+ * GEMMs of any number of rows over int4, grouped-int8 or per-channel
  * int8 weights (GGUF's Q4_0/Q4_1/Q8_0/Q5_K/Q6_K, int4_wo, AWQ, GPTQ,
  * int8_wo) on AVX512-VNNI where the CPU has it (appl_int8_rows): each row
  * is quantized per group of the weights' k (32 inputs against int8 per
@@ -1282,15 +1282,18 @@ AVX512_TARGET static void q4_rows_passes(const Linear *L, const float *x, int64_
  * mins against the rows' exact fp32 group sums (int8 per channel: d = 1,
  * m = 0, the channel's scale on the way out). vpdpbusd multiplies unsigned
  * by signed bytes, so the weights enter unsigned: int4 as stored (0..15),
- * int8 offset by 128, each group then subtracting 128 sum_k q_k. A block of
- * rows re-lays each panel once into k quads ([k / 4][16][4] bytes,
- * vpdpbusd's operand order): a quarter of the bytes of the vdpbf16ps path's
+ * int8 offset by 128, each group then subtracting 128 sum_k q_k. Up to
+ * G8_DIRECT_ROWS rows read the stored panels, each k quad put in
+ * vpdpbusd's operand order in registers (1.15x the fp32 GEMV at one row);
+ * more rows re-lay each panel once a block of rows into k quads
+ * ([k / 4][16][4] bytes): a quarter of the bytes of the vdpbf16ps path's
  * bf16 re-lay, and one instruction does 64 multiply-adds against
- * vdpbf16ps's 32. Where AMX takes 16 rows or more (AMX-BF16 tiles), they
- * stay there.
+ * vdpbf16ps's 32. Every row is quantized alike whatever the batch, so a
+ * request's results do not depend on what shares its step. Where AMX takes
+ * 16 rows or more (AMX-BF16 tiles), they stay there.
  */
 #define G8_ROWS 6     /* rows per tile, by two panels: 12 fp32 and 12 int32 zmm accumulators */
-#define G8_MIN_ROWS 6 /* more rows than this quantize (up to this many: the fp32 GEMV and row kernels) */
+#define G8_DIRECT_ROWS 6 /* up to this many rows read the stored panels, each quad re-laid in registers */
 
 /* The int8 rows path: set < 0 asks, 0 turns it off, 1 on (where the CPU has AVX512-VNNI). Returns whether
  * it runs: it needs the vpdpbusd path (appl_vnni) on too. */
@@ -1346,43 +1349,44 @@ static void g8_quantize(const float *x, int64_t ldx, int64_t m, int64_t k, int G
         }
 }
 
-/* Panel pn of int4 or int8 weights as unsigned k quads at u ([k / 4][16][4] bytes): int4 as stored, int8 + 128. */
-VNNI_TARGET static void g8_relay(const Linear *L, int64_t pn, uint8_t *u) {
+/* Quad j (k = 4j .. 4j + 3) of panel pn of int4 or int8 weights as 16 channels of four unsigned bytes, vpdpbusd's
+ * operand: int4 as stored (pair rows 2j and 2j + 1 hold them as lo, hi, lo, hi), int8 + 128. */
+VNNI_TARGET static inline __attribute__((always_inline)) __m512i g8_quad(const Linear *L, int64_t pn, int64_t j) {
     const int64_t k = L->k;
-    if (L->wtype == WTYPE_Q4) { /* pair rows 2j and 2j + 1 hold k = 4j .. 4j + 3 as lo, hi, lo, hi */
-        const uint8_t *p = (const uint8_t *)L->w + pn * (k * PW / 2);
+    if (L->wtype == WTYPE_Q4) {
+        const uint8_t *p = (const uint8_t *)L->w + pn * (k * PW / 2) + 2 * j * PW;
         const __m512i lo = _mm512_set1_epi32(0x0f), hi = _mm512_set1_epi32(0xf0);
-        for (int64_t j = 0; j < k / 4; j++) {
-            const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 2 * j * PW)));
-            const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + (2 * j + 1) * PW)));
-            const __m512i v0 = _mm512_or_si512(_mm512_and_si512(b0, lo), _mm512_slli_epi32(_mm512_and_si512(b0, hi), 4));
-            const __m512i v1 = _mm512_or_si512(_mm512_and_si512(b1, lo), _mm512_slli_epi32(_mm512_and_si512(b1, hi), 4));
-            _mm512_storeu_si512(u + j * 4 * PW, _mm512_or_si512(v0, _mm512_slli_epi32(v1, 16)));
-        }
-    } else {
-        const int8_t *p = (const int8_t *)L->w + pn * k * PW;
-        const __m512i flip = _mm512_set1_epi32((int)0x80808080u);
-        for (int64_t j = 0; j < k / 4; j++) {
-            __m512i v = _mm512_setzero_si512();
-            for (int i = 0; i < 4; i++)
-                v = _mm512_or_si512(v, _mm512_slli_epi32(
-                                           _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + (4 * j + i) * PW))), 8 * i));
-            _mm512_storeu_si512(u + j * 4 * PW, _mm512_xor_si512(v, flip));
-        }
+        const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+        const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + PW)));
+        const __m512i v0 = _mm512_or_si512(_mm512_and_si512(b0, lo), _mm512_slli_epi32(_mm512_and_si512(b0, hi), 4));
+        const __m512i v1 = _mm512_or_si512(_mm512_and_si512(b1, lo), _mm512_slli_epi32(_mm512_and_si512(b1, hi), 4));
+        return _mm512_or_si512(v0, _mm512_slli_epi32(v1, 16));
     }
+    const int8_t *p = (const int8_t *)L->w + pn * k * PW + 4 * j * PW;
+    __m512i v = _mm512_setzero_si512();
+    for (int i = 0; i < 4; i++)
+        v = _mm512_or_si512(v, _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + i * PW))),
+                                                 8 * i));
+    return _mm512_xor_si512(v, _mm512_set1_epi32((int)0x80808080u));
+}
+
+/* Panel pn re-laid as its k quads at u ([k / 4][16][4] bytes). */
+VNNI_TARGET static void g8_relay(const Linear *L, int64_t pn, uint8_t *u) {
+    for (int64_t j = 0; j < L->k / 4; j++) _mm512_storeu_si512(u + j * 4 * PW, g8_quad(L, pn, j));
 }
 
 #define G8_INT4 0    /* int4 weights (0..15), each group's scale and min */
 #define G8_GROUPED 1 /* grouped int8 (+ 128), each group's scale and min */
 #define G8_CHANNEL 2 /* int8 per output channel (+ 128): the channel's scale applies on the way out */
 
-/* R rows of quantized x (row stride k; s, xsum, qsum row stride k / G) by NP re-laid panels at u (panel pn
- * first): c[r][q * PW + j] = channel j of panel pn + q for row r. */
+/* R rows of quantized x (row stride k; s, xsum, qsum row stride k / G) by NP panels from pn: re-laid at u, or
+ * (DIRECT) read from the stored panels, each quad re-laid in registers; c[r][q * PW + j] = channel j of panel
+ * pn + q for row r. */
 VNNI_TARGET static inline __attribute__((always_inline)) void g8_tile(const Linear *L, const int64_t G,
                                                                      const int8_t *xq, const float *s,
                                                                      const float *xsum, const int32_t *qsum,
                                                                      const uint8_t *u, int64_t pn, const int R,
-                                                                     const int NP, const int MODE,
+                                                                     const int NP, const int MODE, const int DIRECT,
                                                                      float c[G8_ROWS][2 * PW]) {
     const int64_t k = L->k, groups = k / G, qstride = groups * 2 * PW, qp = pn * qstride;
     __m512 acc[G8_ROWS][2];
@@ -1396,7 +1400,8 @@ VNNI_TARGET static inline __attribute__((always_inline)) void g8_tile(const Line
         const int8_t *xg = xq + g * G;
         for (int64_t j = 0; j < G / 4; j++) {
             __m512i w[2];
-            for (int q = 0; q < NP; q++) w[q] = _mm512_loadu_si512(ug + q * k * PW + j * 4 * PW);
+            for (int q = 0; q < NP; q++)
+                w[q] = DIRECT ? g8_quad(L, pn + q, g * G / 4 + j) : _mm512_loadu_si512(ug + q * k * PW + j * 4 * PW);
             for (int r = 0; r < R; r++) {
                 int32_t quad;
                 memcpy(&quad, xg + r * k + 4 * j, sizeof(quad));
@@ -1424,26 +1429,43 @@ VNNI_TARGET static inline __attribute__((always_inline)) void g8_tile(const Line
         for (int q = 0; q < NP; q++) _mm512_storeu_ps(&c[r][q * PW], acc[r][q]);
 }
 
-#define G8_MODES(R, NP)                                                                              \
+#define G8_MODES(R, NP, DIRECT)                                                                      \
     if (mode == G8_INT4)                                                                             \
-        g8_tile(L, G, xq, s, xsum, qsum, u, pn, R, NP, G8_INT4, c);                                  \
+        g8_tile(L, G, xq, s, xsum, qsum, u, pn, R, NP, G8_INT4, DIRECT, c);                          \
     else if (mode == G8_GROUPED)                                                                     \
-        g8_tile(L, G, xq, s, xsum, qsum, u, pn, R, NP, G8_GROUPED, c);                               \
+        g8_tile(L, G, xq, s, xsum, qsum, u, pn, R, NP, G8_GROUPED, DIRECT, c);                       \
     else                                                                                             \
-        g8_tile(L, G, xq, s, xsum, qsum, u, pn, R, NP, G8_CHANNEL, c);
+        g8_tile(L, G, xq, s, xsum, qsum, u, pn, R, NP, G8_CHANNEL, DIRECT, c);
 
-#define G8_CASE(R)              \
-    case R:                     \
-        if (np == 2) {          \
-            G8_MODES(R, 2)      \
-        } else {                \
-            G8_MODES(R, 1)      \
-        }                       \
+#define G8_CASE(R)                  \
+    case R:                         \
+        if (np == 2) {              \
+            G8_MODES(R, 2, 0)       \
+        } else {                    \
+            G8_MODES(R, 1, 0)       \
+        }                           \
+        break;
+
+/* A few rows read the stored panels directly (u unused). */
+#define G8_DIRECT_CASE(R)           \
+    case R:                         \
+        if (np == 2) {              \
+            G8_MODES(R, 2, 1)       \
+        } else {                    \
+            G8_MODES(R, 1, 1)       \
+        }                           \
         break;
 
 VNNI_TARGET static void g8_rows(const Linear *L, int64_t G, const int8_t *xq, const float *s, const float *xsum,
                                 const int32_t *qsum, const uint8_t *u, int64_t pn, int mr, int np, int mode,
                                 float c[G8_ROWS][2 * PW]) {
+    if (!u) {
+        switch (mr) {
+            G8_DIRECT_CASE(6) G8_DIRECT_CASE(5) G8_DIRECT_CASE(4) G8_DIRECT_CASE(3) G8_DIRECT_CASE(2)
+            default: G8_DIRECT_CASE(1)
+        }
+        return;
+    }
     switch (mr) {
         G8_CASE(6) G8_CASE(5) G8_CASE(4) G8_CASE(3) G8_CASE(2) default: G8_CASE(1)
     }
@@ -1460,7 +1482,7 @@ static int64_t g8_group(const Linear *L) {
 
 /* appl_linear for int4 or int8 weights on the integer-dot path, the rows quantized in groups of G
  * (g8_group): the rows quantized once, threads split the panels, each block of rows (kept in L2 as int8)
- * passing every panel pair re-laid once. */
+ * passing every panel pair re-laid once; up to G8_DIRECT_ROWS rows read the stored panels directly. */
 static void g8_linear(const Linear *L, int64_t G, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m,
                       int accumulate) {
     const int64_t k = L->k, n = L->n, groups = k / G, panels = (n + PW - 1) / PW;
@@ -1478,15 +1500,16 @@ static void g8_linear(const Linear *L, int64_t G, const float *x, int64_t ldx, f
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t per = (panels + nt - 1) / nt;
         const int64_t p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
-        uint8_t *u = p0 < p1 ? (uint8_t *)malloc((size_t)(2 * k * PW)) : NULL;
+        const int direct = m <= G8_DIRECT_ROWS;
+        uint8_t *u = p0 < p1 && !direct ? (uint8_t *)malloc((size_t)(2 * k * PW)) : NULL;
         float c[G8_ROWS][2 * PW];
-        for (int64_t m0 = 0; u && m0 < m; m0 += mc) {
+        for (int64_t m0 = 0; p0 < p1 && m0 < m; m0 += mc) {
             const int64_t m1 = m0 + mc < m ? m0 + mc : m;
             for (int64_t pn = p0; pn < p1; pn += 2) {
                 const int64_t n0 = pn * PW;
                 const int np = p1 - pn < 2 ? 1 : 2;
                 const int nv = (int)(n - n0 < np * PW ? n - n0 : np * PW);
-                for (int q = 0; q < np; q++) g8_relay(L, pn + q, u + q * k * PW);
+                for (int q = 0; u && q < np; q++) g8_relay(L, pn + q, u + q * k * PW);
                 for (int64_t r = m0, mr; r < m1; r += mr) {
                     /* six-row tiles, a short remainder shared evenly (as packed_rows) */
                     const int64_t left = m1 - r;
@@ -1557,8 +1580,7 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
     mc = mc < 6 ? 6 : (mc / 6) * 6;
     const int q4 = L->wtype == WTYPE_Q4, grouped = q4 || L->wtype == WTYPE_Q8G;
     const int64_t g8 =
-        (grouped || L->wtype == WTYPE_I8) && g_int8_rows && g_vnni && !L->float_rows && m > G8_MIN_ROWS ? g8_group(L)
-                                                                                                           : 0;
+        (grouped || L->wtype == WTYPE_I8) && g_int8_rows && g_vnni && !L->float_rows ? g8_group(L) : 0;
     if (g8 && !(g_amx && g_has_amx_bf16 && g_bf16_dot && m >= AMX_MIN_ROWS)) {
         g8_linear(L, g8, x, ldx, out, ldo, m, accumulate);
         return;
