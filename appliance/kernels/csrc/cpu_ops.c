@@ -1437,37 +1437,26 @@ VNNI_TARGET static inline __attribute__((always_inline)) void g8_tile(const Line
     else                                                                                             \
         g8_tile(L, G, xq, s, xsum, qsum, u, pn, R, NP, G8_CHANNEL, DIRECT, c);
 
-#define G8_CASE(R)                  \
+#define G8_CASE(R, DIRECT)          \
     case R:                         \
         if (np == 2) {              \
-            G8_MODES(R, 2, 0)       \
+            G8_MODES(R, 2, DIRECT)  \
         } else {                    \
-            G8_MODES(R, 1, 0)       \
-        }                           \
-        break;
-
-/* A few rows read the stored panels directly (u unused). */
-#define G8_DIRECT_CASE(R)           \
-    case R:                         \
-        if (np == 2) {              \
-            G8_MODES(R, 2, 1)       \
-        } else {                    \
-            G8_MODES(R, 1, 1)       \
+            G8_MODES(R, 1, DIRECT)  \
         }                           \
         break;
 
 VNNI_TARGET static void g8_rows(const Linear *L, int64_t G, const int8_t *xq, const float *s, const float *xsum,
                                 const int32_t *qsum, const uint8_t *u, int64_t pn, int mr, int np, int mode,
                                 float c[G8_ROWS][2 * PW]) {
-    if (!u) {
+    if (!u) { /* a few rows: the stored panels directly */
         switch (mr) {
-            G8_DIRECT_CASE(6) G8_DIRECT_CASE(5) G8_DIRECT_CASE(4) G8_DIRECT_CASE(3) G8_DIRECT_CASE(2)
-            default: G8_DIRECT_CASE(1)
+            G8_CASE(6, 1) G8_CASE(5, 1) G8_CASE(4, 1) G8_CASE(3, 1) G8_CASE(2, 1) default: G8_CASE(1, 1)
         }
         return;
     }
     switch (mr) {
-        G8_CASE(6) G8_CASE(5) G8_CASE(4) G8_CASE(3) G8_CASE(2) default: G8_CASE(1)
+        G8_CASE(6, 0) G8_CASE(5, 0) G8_CASE(4, 0) G8_CASE(3, 0) G8_CASE(2, 0) default: G8_CASE(1, 0)
     }
 }
 
