@@ -61,6 +61,8 @@ SLOT_CTX=$((LONG_PROMPT + INPUT_LEN + 2048 + 64))
 VOCAB=49152  # SmolLM2's, both models'
 PORT=$("$PY" -c "from appliance.server.local import free_port; print(free_port())")
 mkdir -p "$OUT"
+pid=""
+trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null; true' EXIT  # a failed step leaves no server behind
 
 build_llamacpp() {
   [ -x "$LLAMACPP_DIR/build/bin/llama-server" ] && [ -x "$LLAMACPP_DIR/build/bin/llama-quantize" ] && return
