@@ -7,10 +7,17 @@ with it every stream's inter-token gap, follows what is scheduled: the
 tokens (weights and MLPs) and the attention pairs (each new token attends
 to its whole context, so a long prompt's later chunks cost more).
 ``TokenBudget`` fits ``step seconds = a + b * tokens + c * pairs`` by least
-squares over the last steps and, before each step, sets the budget to the
+squares over the steps it keeps and, before each step, sets the budget to the
 largest that fits the objective given the running decodes and the context
 the next prefill chunk starts from, at most ``cap``
 (``scheduler.max_num_batched_tokens``).
+The steps kept are the last few of each shape (tokens and mean context, each
+to a power of two), the shapes seen last: a budget that meets its objective
+makes every step of a long prompt's prefill take the same time, chunks
+shrinking as their context grows, and a window of those steps alone cannot
+tell a token's cost from a pair's (it drifts to a free token and a costly
+step, then to a budget ten times too large). The decodes and the early
+chunks seen before keep both costs pinned.
 A waiting prompt always gets at least ``min_prefill_share`` of a step's time
 (``scheduler.min_prefill_share``): where the objective leaves it less (the
 running decodes take more than 1 - share of it, or alone take longer than it:
@@ -20,12 +27,12 @@ would only add their wait to an objective missed either way. At 0 the
 objective holds prompts to one token a step beside decodes that overrun it;
 the budget never falls below the running decodes plus one (every stream
 advances, and so does the prompt).
-While the last steps do not pin a cost down (a stretch of decode-only
-steps of one size) it keeps the last fit they did give. Before any fit it
+While the steps kept do not pin a cost down (decode-only steps of one
+size) it keeps the last fit they did give. Before any fit it
 keeps the plan's first estimate (never below the running decodes plus
 one), which rests on the prefill roofline and so errs large: the server's
 warm-up runs a prompt of that size first (``calibration_prompt_len``), so a
-fit exists before the first request. When every recent step was exactly as
+fit exists before the first request. When every step kept was exactly as
 large as the budget, which a budget of 1 after a stalled step makes of
 every step, the steps cannot say more, so it doubles the budget to learn.
 """
@@ -33,7 +40,7 @@ every step, the steps cannot say more, so it doubles the budget to learn.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Optional
 
 
@@ -45,7 +52,7 @@ def attention_pairs(num_new: int, context_after: int) -> int:
 class TokenBudget:
     MIN_SAMPLES = 4
 
-    def __init__(self, target_itl_ms: float, initial: int, cap: int, window: int = 32,
+    def __init__(self, target_itl_ms: float, initial: int, cap: int, shapes: int = 32, per_shape: int = 4,
                  min_prefill_share: float = 0.5):
         if cap < 1:
             raise ValueError(f"the token budget needs a cap of at least 1, got {cap}")
@@ -55,8 +62,20 @@ class TokenBudget:
         self.min_prefill_share = min_prefill_share
         self.cap = cap
         self.budget = self._clamp(initial, 1)
-        self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)  # (tokens, pairs, seconds)
+        self.shapes, self.per_shape = shapes, per_shape
+        # shape -> its last steps as (order, tokens, pairs, seconds); the shape seen last at the end
+        self._kept: OrderedDict[tuple[int, int], deque[tuple[int, int, int, float]]] = OrderedDict()
+        self._order = 0
         self.model: Optional[tuple[float, float, float]] = None  # (a, b, c): the last fit the steps gave
+
+    @property
+    def samples(self) -> list[tuple[int, int, float]]:
+        """The steps kept, oldest first: (tokens, pairs, seconds)."""
+        return [(t, p, s) for _, t, p, s in sorted(x for steps in self._kept.values() for x in steps)]
+
+    def forget(self) -> None:
+        """Drop the steps kept (the fit they gave stays until new steps give another)."""
+        self._kept.clear()
 
     def calibration_prompt_len(self) -> int:
         """The prompt a warm-up prefills alone to give the first fit: the
@@ -67,22 +86,23 @@ class TokenBudget:
         return max(min(floor, self.cap), min(self.cap, int(tokens + 1e-6)))  # 79.99999... is 80
 
     def fit(self) -> Optional[tuple[float, float, float]]:
-        """(a, b, c) of ``seconds = a + b * tokens + c * pairs`` over the window,
-        or None while the steps seen do not pin down a positive per-token cost.
+        """(a, b, c) of ``seconds = a + b * tokens + c * pairs`` over the steps
+        kept, or None while they do not pin down a positive per-token cost.
         When tokens and pairs do not vary apart, ``c`` is 0 and ``b`` carries both."""
-        if len(self.samples) < self.MIN_SAMPLES:
+        samples = self.samples
+        if len(samples) < self.MIN_SAMPLES:
             return None
-        n = len(self.samples)
-        mt = sum(t for t, _, _ in self.samples) / n
-        mp = sum(p for _, p, _ in self.samples) / n
-        ms = sum(s for _, _, s in self.samples) / n
-        tt = sum((t - mt) ** 2 for t, _, _ in self.samples)
+        n = len(samples)
+        mt = sum(t for t, _, _ in samples) / n
+        mp = sum(p for _, p, _ in samples) / n
+        ms = sum(s for _, _, s in samples) / n
+        tt = sum((t - mt) ** 2 for t, _, _ in samples)
         if tt == 0:
             return None
-        pp = sum((p - mp) ** 2 for _, p, _ in self.samples)
-        tp = sum((t - mt) * (p - mp) for t, p, _ in self.samples)
-        ts = sum((t - mt) * (s - ms) for t, _, s in self.samples)
-        ps = sum((p - mp) * (s - ms) for _, p, s in self.samples)
+        pp = sum((p - mp) ** 2 for _, p, _ in samples)
+        tp = sum((t - mt) * (p - mp) for t, p, _ in samples)
+        ts = sum((t - mt) * (s - ms) for t, _, s in samples)
+        ps = sum((p - mp) * (s - ms) for _, p, s in samples)
         det = tt * pp - tp * tp
         b, c = ((ts * pp - tp * ps) / det, (tt * ps - tp * ts) / det) if det > 1e-9 * tt * pp else (0.0, -1.0)
         if b <= 0 or c < 0:  # pairs and tokens move together here: one cost per token
@@ -93,9 +113,18 @@ class TokenBudget:
 
     def observe(self, tokens: int, pairs: int, seconds: float) -> None:
         """Record a step of ``tokens`` new tokens and ``pairs`` attention pairs."""
-        if tokens > 0 and seconds > 0:
-            self.samples.append((tokens, pairs, seconds))
-            self.model = self.fit() or self.model
+        if tokens <= 0 or seconds <= 0:
+            return
+        shape = (tokens.bit_length(), (pairs // tokens).bit_length())
+        steps = self._kept.pop(shape, None)
+        if steps is None:
+            steps = deque(maxlen=self.per_shape)
+            if len(self._kept) >= self.shapes:
+                self._kept.popitem(last=False)  # the shape seen longest ago
+        self._kept[shape] = steps
+        steps.append((self._order, tokens, pairs, seconds))
+        self._order += 1
+        self.model = self.fit() or self.model
 
     def next_budget(self, decodes: int, decode_pairs: int, chunk_context: int) -> int:
         """The budget for a step that decodes ``decodes`` streams (``decode_pairs``
@@ -103,8 +132,9 @@ class TokenBudget:
         ``chunk_context`` tokens of its prompt."""
         fitted = self.model
         if fitted is None:
-            if len(self.samples) >= self.MIN_SAMPLES and all(t == self.budget for t, _, _ in self.samples):
-                # every recent step was as large as the budget allowed and no larger: without steps of
+            samples = self.samples
+            if len(samples) >= self.MIN_SAMPLES and all(t == self.budget for t, _, _ in samples):
+                # every step kept was as large as the budget allowed and no larger: without steps of
                 # another size the cost per token stays unknown, so try twice as many
                 self.budget *= 2
             self.budget = self._clamp(self.budget, decodes + 1)

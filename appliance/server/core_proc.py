@@ -114,7 +114,7 @@ def _warm_up(engine: EngineCore, tokenizer: PreTrainedTokenizerBase) -> None:
     _run_alone(engine, "__warmup__", ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     budget = engine.token_budget
     if budget is not None:
-        budget.samples.clear()  # the first steps ran cold
+        budget.forget()  # the first steps ran cold
         sched = engine.scheduler
         room = min(sched.max_model_len, sched.kv.num_free_blocks * engine.block_size) - TokenBudget.MIN_SAMPLES - 1
         n = max(1, min(budget.calibration_prompt_len(), room))

@@ -1,6 +1,8 @@
 """scheduler.target_itl_ms: the plan's first token budget, the refit to
 measured step times, and the engine steering its scheduler with it."""
 
+import random
+
 import pytest
 
 from appliance.config.compose import resolve
@@ -56,17 +58,53 @@ def test_until_the_steps_pin_a_cost_down_the_first_estimate_holds():
 
 
 def test_a_stretch_of_decodes_alone_keeps_the_last_fit():
-    """Streams decoding with no prompt in sight fill the window with steps of
-    one size, which pin no cost down; the budget a prompt then gets comes from
-    the last fit, not from the first estimate again."""
+    """Streams decoding with no prompt in sight give steps of one shape, which
+    do not push out the prompt steps kept before; and once the steps kept pin
+    no cost down (here, after ``forget``), the budget a prompt then gets
+    comes from the last fit, not from the first estimate again."""
     tb = TokenBudget(target_itl_ms=50, initial=2048, cap=2048)
     for tokens in (1, 200, 1, 1):
         tb.observe(tokens, 0, 0.010 + 0.0005 * tokens)
     fitted = tb.next_budget(decodes=4, decode_pairs=0, chunk_context=0)
     assert fitted == 80 and tb.model == tb.fit()
-    for _ in range(tb.samples.maxlen):
+    for _ in range(100):
+        tb.observe(4, 400, 0.012)
+    assert 200 in [t for t, _, _ in tb.samples] and len(tb.samples) <= tb.shapes * tb.per_shape
+    assert tb.next_budget(decodes=4, decode_pairs=0, chunk_context=0) == fitted
+    tb.forget()
+    for _ in range(100):
         tb.observe(4, 400, 0.012)
     assert tb.fit() is None and tb.next_budget(decodes=4, decode_pairs=0, chunk_context=0) == fitted
+
+
+def test_a_long_prompts_chunks_on_the_objective_do_not_unpin_the_costs():
+    """A budget that meets its objective makes a long prompt's chunks all take
+    about the objective, fewer tokens each as their context grows: steps of
+    one time along a line of the costs, which alone cannot tell a token's
+    cost from a pair's. The decodes and early chunks kept beside them hold
+    the fit; a window of the last steps alone drifted to a step ten times
+    the objective and more."""
+    a, b, c = 0.007, 0.0006, 5e-7
+    for seed in range(10):
+        tb = TokenBudget(target_itl_ms=100, initial=312, cap=2048)
+        for tokens, context in ((312, 0), (1, 313), (1, 314), (4, 160), (140, 0), (4, 170), (130, 140), (4, 180)):
+            pairs = attention_pairs(tokens, context + tokens)
+            tb.observe(tokens, pairs, a + b * tokens + c * pairs)
+        rng, done = random.Random(seed), 270
+        for _ in range(60):  # each chunk as large as the fit allows: 100 ms, give or take 6%
+            budget = tb.next_budget(decodes=4, decode_pairs=700, chunk_context=done)
+            chunk = budget - 4
+            tb.observe(budget, 700 + attention_pairs(chunk, done + chunk), 0.1 * (1 + rng.uniform(-0.06, 0.06)))
+            done += chunk
+        budget = tb.next_budget(decodes=4, decode_pairs=700, chunk_context=done)
+        assert a + b * budget + c * (700 + attention_pairs(budget - 4, done + budget - 4)) < 0.2, seed
+
+
+def test_the_steps_kept_are_the_last_of_the_shapes_seen_last():
+    tb = TokenBudget(target_itl_ms=50, initial=100, cap=4096, shapes=4, per_shape=2)
+    for tokens in (1, 2, 4, 8, 16, 16, 16, 4):  # five shapes: the oldest (1 token) goes, 16 keeps its last two
+        tb.observe(tokens, 0, 0.01 + 0.001 * tokens)
+    assert [t for t, _, _ in tb.samples] == [2, 4, 8, 16, 16, 4]
 
 
 def test_the_budget_never_drops_below_the_running_decodes_plus_one():
