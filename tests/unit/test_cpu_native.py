@@ -304,7 +304,8 @@ def test_int4_avx512_rows_match_the_avx2_path(params, group, m, n):
     base = torch.randn(m, n)
     with _avx2_only():
         avx2 = NativeLinear(mod)(x)
-    with _pinned(avx512, True), _pinned(int8_rows, False):  # seven rows and more: int8 rows where VNNI is
+    # int8 rows where VNNI is, rows on vdpbf16ps where AVX512-BF16 is: the fp32 rows here
+    with _pinned(avx512, True), _pinned(int8_rows, False), _bf16_dot(False):
         got = NativeLinear(mod)(x)
         acc = base.clone()
         NativeLinear(mod)(x, out=acc, accumulate=True)
@@ -358,11 +359,36 @@ def test_grouped_int8_bf16_dot_gemm_runs_the_rounded_weights_and_rows(tiles, m):
     _assert_sums_close(got, F.linear(xr, wr, b), xr, wr, b)
 
 
+def _float_row_modules():
+    """(name, module, k) of each weight type the rows of which run on vdpbf16ps."""
+    yield "bf16", _module("bf16", 50, 257, bias=True, seed=1)[0], 257  # an odd k: the last pair ends in a zero
+    yield "int8", _module("int8", 50, 257, bias=False, seed=2)[0], 257
+    yield "int4 fp16", _int4(50, 256, 32, seed=3, params="fp16")[0], 256
+    yield "int4 fp32", _int4(50, 256, 32, seed=4, params="fp32")[0], 256
+    yield "grouped int8", _q8g(50, 256, 16, seed=5)[0], 256
+
+
+@needs_bf16_dot
+def test_a_rows_result_on_vdpbf16ps_does_not_depend_on_the_rows_beside_it():
+    """Every row count runs on vdpbf16ps (up to twelve rows reading the stored panels, the weights made into
+    bf16 pairs in registers; more re-laying each panel once): a row's result is the same bits alone, in a
+    decode batch and in a prefill chunk, so the load on a server does not change a greedy answer."""
+    x = torch.randn(40, 257, generator=torch.Generator().manual_seed(0))
+    for name, mod, k in _float_row_modules():
+        lin = NativeLinear(mod)
+        with _bf16_dot(True):
+            whole = lin(x[:, :k])
+            for rows in (slice(0, 1), slice(5, 6), slice(0, 3), slice(3, 15), slice(16, 28), slice(28, 40)):
+                assert torch.equal(lin(x[rows, :k]), whole[rows]), (name, rows)
+
+
 def test_linear_reads_strided_rows():
     mod, w_ref, _ = _module("int8", 24, 64, bias=False, seed=3)
     wide = torch.randn(6, 96)
     x = wide[:, 16:80]  # row stride 96, not contiguous: the wrapper makes it so
-    torch.testing.assert_close(NativeLinear(mod)(x), F.linear(x, w_ref), rtol=1e-4, atol=1e-4)
+    assert torch.equal(NativeLinear(mod)(x), NativeLinear(mod)(x.contiguous()))
+    with _bf16_dot(False):
+        torch.testing.assert_close(NativeLinear(mod)(x), F.linear(x, w_ref), rtol=1e-4, atol=1e-4)
 
 
 # (num_computed, query_len): fresh prefill, chunk after a prefix ending mid-block,
@@ -372,7 +398,7 @@ MIXED = [(0, 5), (7, 3), (16, 1), (21, 1), (3, 18), (0, 1)]
 # one whole tile, a partial one, several, chunks after a cached prefix that ends mid-block, a long
 # context, beside decodes and a run just under the threshold.
 PREFILL = [(0, 8), (5, 9), (0, 37), (100, 16), (33, 70), (17, 1), (0, 7), (230, 50), (0, 1)]
-# Decodes of contexts split across items (5,242 positions in all: splits of 704 with two threads), an odd length,
+# Decodes of contexts split across items (splits of 256 positions), an odd length,
 # a three-token chunk whose tokens see 1,000 to 1,002 positions, and a short context left whole.
 LONG = [(1499, 1), (700, 1), (999, 3), (37, 1)]
 
@@ -435,6 +461,27 @@ def test_long_decodes_split_their_context_and_merge_it(num_heads, num_kv_heads, 
     kq, vq = k.to(dtype).float(), v.to(dtype).float()
     ref_out, _ = reference(common, q, kq, vq, stored.float(), num_heads, num_kv_heads, head_dim)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+def test_a_decodes_attention_does_not_depend_on_the_decodes_beside_it(kv):
+    """A context splits into items of 256 positions whatever else the step holds: each token's output is the
+    same bits alone as in the batch (splits sized by the step's work summed in another order)."""
+    import dataclasses
+
+    specs = [(1499, 1), (700, 1), (2100, 1), (37, 1)]
+    common, q, k, v, cache = make_problem(specs, 16, 8, 2, 64, seed=7)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[kv]
+    b = CpuNativeBackend(8, 2, 64, 64 ** -0.5, kv_cache_dtype="auto" if kv == "float32" else kv)
+    whole = b.forward(q, k, v, cache.to(dtype), b.build_metadata(common))
+    for r, (c, n) in enumerate(specs):
+        alone = dataclasses.replace(
+            common, query_start_loc=torch.tensor([0, 1], dtype=torch.int32), seq_lens=common.seq_lens[r:r + 1],
+            num_computed_tokens=common.num_computed_tokens[r:r + 1], block_table=common.block_table[r:r + 1],
+            slot_mapping=common.slot_mapping[r:r + 1], num_reqs=1, num_actual_tokens=1, max_query_len=1,
+            max_seq_len=c + n, query_start_loc_cpu=[0, 1], seq_lens_cpu=[c + n])
+        out = b.forward(q[r:r + 1], k[r:r + 1], v[r:r + 1], cache.to(dtype), b.build_metadata(alone))
+        assert torch.equal(out, whole[r:r + 1]), r
 
 
 def test_bf16_kv_cache_whole_model_matches_torch_path():

@@ -615,15 +615,22 @@ static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out
 
 /* ------------------------------------------------ AVX512-BF16 batched GEMM */
 /*
- * Where the CPU has AVX512-BF16, a bf16-weight GEMM over more than six rows
- * (an int8 weight-only, int4 or grouped-int8 one too, its panels converted
- * to bf16 per call) runs on vdpbf16ps: one instruction multiplies 16 channels by two k (four
- * times the multiply-adds of an AVX2 FMA); 2.5-3x the widen path at 8-32
- * rows on an AVX512-BF16 EPYC. vdpbf16ps takes bf16 on both sides, so the
- * rows are rounded to bf16 (nearest even) once per call: products are exact
- * and sums fp32, so the result is the fp32 kernel's on the rounded rows up
- * to summation order. The GEMV (one row) keeps fp32 activations: it streams
- * its weights from memory at the same speed either way. These functions are
+ * Where the CPU has AVX512-BF16, a bf16-weight GEMM (an int8 weight-only,
+ * int4 or grouped-int8 one too, its weights made bf16 on the way: those
+ * that do not take int8 rows) runs on vdpbf16ps at every row count: one
+ * instruction multiplies 16 channels by two k (four times the
+ * multiply-adds of an AVX2 FMA); 2.5-3x the widen path at 8-32 rows on an
+ * AVX512-BF16 EPYC. vdpbf16ps takes bf16 on both sides, so the rows are
+ * rounded to bf16 (nearest even) once per call: products are exact and
+ * sums fp32, so the result is the fp32 kernel's on the rounded rows up to
+ * summation order. Up to DR rows read the stored panels, each k pair made
+ * in registers (dtile_direct); more re-lay each panel once (panel_pairs):
+ * the same bf16 values summed in the same order, so a row's result is the
+ * same bits whatever else the call holds (a decode alone, beside others,
+ * a prompt's chunk), as int8 rows' are, and the load on a server does not
+ * change what these GEMMs give a request (on AMX, 16 rows and more take
+ * the tiles, which sum in their own order). One row pays for it: on q/k/v and the LM head of a 135M GGUF, about 15% of
+ * a one-stream decode step against the fp32 GEMVs. These functions are
  * compiled for the feature by attribute and chosen at run time from CPUID,
  * so the library builds with the AVX2 flags and loads on AVX2-only CPUs.
  */
@@ -814,6 +821,130 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
                 }
             }
             for (int i = 0; i < (int)mr; i++) store_out(L, out + (m + i) * ldo + n0, n0, c[i], nv, accumulate);
+        }
+    }
+}
+
+/* Sixteen group parameters from element i of L's qparams, fp16 or fp32. */
+DOT_TARGET static inline __m512 load_qp16(const Linear *L, int64_t i) {
+    return L->qparams_f32 ? _mm512_loadu_ps((const float *)L->qparams + i)
+                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)L->qparams + i)));
+}
+
+/* mr rows (bf16, row stride kp) by np panels from pn of a bf16, int8 or grouped linear as stored: each k pair
+ * made in registers as panel_pairs makes it in memory (d * q + m rounded to fp32, then to bf16), so the sums
+ * are dtile's over the re-laid panels, bit for bit, with no copy: a row's result does not depend on how many
+ * rows share the call. Several panels give a few rows independent chains of vdpbf16ps (one chain would wait
+ * on its latency); each output's sum still runs over k in order. c: [np][DR][PW]. */
+DOT_TARGET static inline __attribute__((always_inline)) void dtile_direct(const Linear *L, int64_t pn, const int np,
+                                                                          const uint16_t *xb, int64_t kp,
+                                                                          const int mr, float c[4][DR][PW]) {
+    const int64_t k = L->k;
+    if (L->wtype == WTYPE_BF16) { /* as stored: one panel at a time */
+        for (int q = 0; q < np; q++) dtile_stored(xb, kp, (const uint16_t *)L->w + (pn + q) * k * PW, k, mr, c[q]);
+        return;
+    }
+    __m512 a[4][DR];
+    for (int q = 0; q < 4; q++)
+        for (int i = 0; i < DR; i++) a[q][i] = _mm512_setzero_ps();
+    /* 16 channels' k even (e) and k odd (o) bytes interleaved (e0 o0 e1 o1 ..), widened to int32: lo holds
+     * channels 0-7, hi 8-15, so that vcvtne2ps2bf16 lays them out as vdpbf16ps pairs them */
+#define DIRECT_PAIRS(E, O, WIDEN)                                                        \
+    const __m512 lo = _mm512_cvtepi32_ps(WIDEN(_mm_unpacklo_epi8((E), (O))));          \
+    const __m512 hi = _mm512_cvtepi32_ps(WIDEN(_mm_unpackhi_epi8((E), (O))))
+    if (L->wtype == WTYPE_I8) {
+        const int8_t *pq = (const int8_t *)L->w + pn * k * PW;
+        for (int64_t j = 0; 2 * j < k; j++)
+            for (int q = 0; q < np; q++) {
+                const int8_t *pj = pq + q * k * PW + 2 * j * PW;
+                _mm_prefetch((const char *)pj + DOT_PREFETCH, _MM_HINT_T0);
+                const __m128i e = _mm_loadu_si128((const __m128i *)pj);
+                const __m128i o = 2 * j + 1 < k ? _mm_loadu_si128((const __m128i *)(pj + PW)) /* an odd k pairs */
+                                                : _mm_setzero_si128();                      /* its last with 0 */
+                DIRECT_PAIRS(e, o, _mm512_cvtepi8_epi32);
+                dot_pair(a[q], xb, kp, j, _mm512_cvtne2ps_pbh(hi, lo), mr);
+            }
+    } else { /* grouped: k is whole groups of an even size */
+        const int64_t groups = k / L->group, qstride = groups * 2 * PW, qp = pn * qstride;
+        const int pairs = L->group / 2;
+        const int q4 = L->wtype == WTYPE_Q4;
+        const int64_t pstride = q4 ? k * PW / 2 : k * PW; /* bytes */
+        const uint8_t *base = (const uint8_t *)L->w + pn * pstride;
+        const __m128i mask = _mm_set1_epi8(0x0f);
+        /* a channel's scale and min beside each of its two values */
+        const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+        const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 dl[4], dh[4], ml[4], mh[4];
+            for (int q = 0; q < np; q++) {
+                const __m512 d = load_qp16(L, qp + q * qstride + g * 2 * PW);
+                const __m512 mn = load_qp16(L, qp + q * qstride + g * 2 * PW + PW);
+                dl[q] = _mm512_permutexvar_ps(first, d);
+                dh[q] = _mm512_permutexvar_ps(second, d);
+                ml[q] = _mm512_permutexvar_ps(first, mn);
+                mh[q] = _mm512_permutexvar_ps(second, mn);
+            }
+            for (int jj = 0; jj < pairs; jj++) {
+                const int64_t j = g * pairs + jj;
+                for (int q = 0; q < np; q++) {
+                    __m512 wl, wh;
+                    if (q4) {
+                        const uint8_t *pj = base + q * pstride + j * PW;
+                        _mm_prefetch((const char *)pj + DOT_PREFETCH, _MM_HINT_T0);
+                        const __m128i b = _mm_loadu_si128((const __m128i *)pj);
+                        DIRECT_PAIRS(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask),
+                                     _mm512_cvtepu8_epi32);
+                        wl = lo, wh = hi;
+                    } else {
+                        const int8_t *pj = (const int8_t *)(base + q * pstride) + 2 * j * PW;
+                        _mm_prefetch((const char *)pj + DOT_PREFETCH, _MM_HINT_T0);
+                        DIRECT_PAIRS(_mm_loadu_si128((const __m128i *)pj), _mm_loadu_si128((const __m128i *)(pj + PW)),
+                                     _mm512_cvtepi8_epi32);
+                        wl = lo, wh = hi;
+                    }
+                    wl = _mm512_add_ps(_mm512_mul_ps(dl[q], wl), ml[q]);
+                    wh = _mm512_add_ps(_mm512_mul_ps(dh[q], wh), mh[q]);
+                    dot_pair(a[q], xb, kp, j, _mm512_cvtne2ps_pbh(wh, wl), mr);
+                }
+            }
+        }
+    }
+#undef DIRECT_PAIRS
+    for (int q = 0; q < np; q++)
+        for (int i = 0; i < mr; i++) _mm512_storeu_ps(c[q][i], a[q][i]);
+}
+
+#define DTILE_DIRECT_CASE(R, NP) case R: dtile_direct(L, pn, NP, xb, kp, R, c); break;
+
+/* Rows [0, m) (m <= DR) of xb (bf16, row stride kp) against panels [p0, p1) as stored: four panels at a time
+ * for up to two rows, two for up to six. */
+DOT_TARGET static void packed_rows_direct(const Linear *L, const uint16_t *xb, int64_t kp, float *out, int64_t ldo,
+                                          int64_t m, int64_t p0, int64_t p1, int accumulate) {
+    float c[4][DR][PW];
+    const int64_t step = m <= 2 ? 4 : m <= 6 ? 2 : 1;
+    for (int64_t pn = p0; pn < p1; pn += step) {
+        const int np = (int)(p1 - pn < step ? p1 - pn : step);
+        if (np == 4) {
+            switch (m) { DTILE_DIRECT_CASE(2, 4) default: dtile_direct(L, pn, 4, xb, kp, 1, c); }
+        } else if (np == 2) {
+            switch (m) {
+                DTILE_DIRECT_CASE(6, 2) DTILE_DIRECT_CASE(5, 2) DTILE_DIRECT_CASE(4, 2) DTILE_DIRECT_CASE(3, 2)
+                DTILE_DIRECT_CASE(2, 2) default: dtile_direct(L, pn, 2, xb, kp, 1, c);
+            }
+        } else if (np == 3) {
+            switch (m) { DTILE_DIRECT_CASE(2, 3) default: dtile_direct(L, pn, 3, xb, kp, 1, c); }
+        } else {
+            switch (m) {
+                DTILE_DIRECT_CASE(12, 1) DTILE_DIRECT_CASE(11, 1) DTILE_DIRECT_CASE(10, 1) DTILE_DIRECT_CASE(9, 1)
+                DTILE_DIRECT_CASE(8, 1) DTILE_DIRECT_CASE(7, 1) DTILE_DIRECT_CASE(6, 1) DTILE_DIRECT_CASE(5, 1)
+                DTILE_DIRECT_CASE(4, 1) DTILE_DIRECT_CASE(3, 1) DTILE_DIRECT_CASE(2, 1)
+                default: dtile_direct(L, pn, 1, xb, kp, 1, c);
+            }
+        }
+        for (int q = 0; q < np; q++) {
+            const int64_t n0 = (pn + q) * PW;
+            const int nv = (int)(L->n - n0 < PW ? L->n - n0 : PW);
+            for (int i = 0; i < (int)m; i++) store_out(L, out + i * ldo + n0, n0, c[q][i], nv, accumulate);
         }
     }
 }
@@ -1574,8 +1705,24 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
         g8_linear(L, g8, x, ldx, out, ldo, m, accumulate);
         return;
     }
-    const int q4_rows_here = q4 && m <= (g_avx512 ? Q4_DIRECT_MAX : Q4_DIRECT_MAX_AVX2); /* else widened panels */
-    const int dot = (L->wtype == WTYPE_BF16 || L->wtype == WTYPE_I8 || grouped) && m > 6 && !q4_rows_here && g_bf16_dot;
+    /* on vdpbf16ps at every row count: up to DR rows read the stored panels, more re-lay them, the same sums */
+    const int dot_rows = (L->wtype == WTYPE_BF16 || L->wtype == WTYPE_I8 || grouped) && g_bf16_dot;
+    if (dot_rows && m <= DR) {
+        uint16_t *xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(m * kp));
+        if (!xb) abort();
+        for (int64_t r = 0; r < m; r++) row_to_bf16(x + r * ldx, xb + r * kp, L->k, kp);
+#pragma omp parallel
+        {
+            const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+            const int64_t per = (panels + nt - 1) / nt;
+            const int64_t p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
+            if (p0 < p1) packed_rows_direct(L, xb, kp, out, ldo, m, p0, p1, accumulate);
+        }
+        free(xb);
+        return;
+    }
+    const int q4_rows_here = q4 && !dot_rows && m <= (g_avx512 ? Q4_DIRECT_MAX : Q4_DIRECT_MAX_AVX2); /* else widened panels */
+    const int dot = dot_rows && m > DR;
     const int amx = dot && g_amx && g_has_amx_bf16 && m >= AMX_MIN_ROWS;
     /* the rows in bf16, row stride kx; on AMX, k padded to its tiles' 32 and zero rows up to a multiple of 16 */
     const int64_t kx = amx ? (L->k + 31) & ~(int64_t)31 : kp, mx = amx ? (m + 15) & ~(int64_t)15 : m;
@@ -1706,7 +1853,7 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
  * scratch. scale includes an fp8 cache's k_scale. d % 8 == 0.
  */
 #define DEC_CH 64          /* key positions per chunk */
-#define DEC_MIN_SPLIT 256  /* the fewest positions a split of one context takes */
+#define DEC_SPLIT 256      /* positions a split of one context takes (a multiple of DEC_CH) */
 
 /* F(args..., n) with n a constant from 1 to 4 (the register tiles' row or head counts unroll). */
 #define UPTO4_CASE(n, F, ...)                 \
@@ -2496,21 +2643,15 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
         free(vb);
         if (tiled_tokens == n_tokens) return;
     }
-    /* the other tokens (decodes, short chunks) by items of one token and a split of its context: splits of at
-     * least DEC_MIN_SPLIT positions, so that there are about four items a thread */
-    int64_t positions = 0;
-    for (int r = 0; r < n_reqs; r++) {
-        const int qlen = qsl[r + 1] - qsl[r];
-        if (!(n_tiles && qlen >= ATT_MIN_QUERY)) positions += (int64_t)qlen * seq_lens[r];
-    }
-    const int64_t per_item = positions / (4 * (int64_t)omp_get_max_threads());
-    const int split_len = (int)(((per_item > DEC_MIN_SPLIT ? per_item : DEC_MIN_SPLIT) + DEC_CH - 1) / DEC_CH * DEC_CH);
+    /* the other tokens (decodes, short chunks) by items of one token and a split of its context: splits of
+     * DEC_SPLIT positions whatever else the step holds (a context split by the step's size would sum
+     * differently alone and beside others: the load would change a greedy answer) */
     int64_t n_items = 0, n_partial = 0;
     for (int r = 0; r < n_reqs; r++) {
         const int qlen = qsl[r + 1] - qsl[r];
         if (n_tiles && qlen >= ATT_MIN_QUERY) continue;
         for (int t = qsl[r]; t < qsl[r + 1]; t++) {
-            const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t), splits = (n_vis + split_len - 1) / split_len;
+            const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t), splits = (n_vis + DEC_SPLIT - 1) / DEC_SPLIT;
             n_items += splits;
             if (splits > 1) n_partial += splits;
         }
@@ -2524,13 +2665,13 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
         const int qlen = qsl[r + 1] - qsl[r];
         if (n_tiles && qlen >= ATT_MIN_QUERY) continue;
         for (int t = qsl[r]; t < qsl[r + 1]; t++) {
-            const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t), splits = (n_vis + split_len - 1) / split_len;
+            const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t), splits = (n_vis + DEC_SPLIT - 1) / DEC_SPLIT;
             for (int sp = 0; sp < splits; sp++, i++) {
                 int32_t *it = items + 5 * i;
                 it[0] = (int32_t)r;
                 it[1] = t;
-                it[2] = sp * split_len;
-                it[3] = sp + 1 < splits ? (sp + 1) * split_len : n_vis;
+                it[2] = sp * DEC_SPLIT;
+                it[3] = sp + 1 < splits ? (sp + 1) * DEC_SPLIT : n_vis;
                 it[4] = splits > 1 ? (int32_t)slot++ : -1;
             }
         }
