@@ -318,13 +318,13 @@ def test_int4_avx512_rows_match_the_avx2_path(params, group, m, n):
 @pytest.mark.parametrize("tiles", [False, pytest.param(True, marks=needs_amx)], ids=["vdpbf16ps", "amx"])
 @pytest.mark.parametrize("params", ["fp16", "fp32"])
 @pytest.mark.parametrize("m", [16, 23, 40])
-def test_int4_bf16_dot_gemm_runs_the_rounded_weights_and_rows(tiles, params, m):
-    """Over fifteen rows on AVX512-BF16 (and on AMX) an int4 panel is widened
-    and rounded to bf16 like the rows: the fp32 GEMM of the rounded values,
-    up to order."""
+def test_int4_bf16_dot_gemm_runs_the_rounded_rows(tiles, params, m):
+    """On AVX512-BF16 the rows are rounded to bf16 and multiply the weights' integers (exact in bf16), each
+    group's scale and min applied to its sums: the fp32 GEMM of the rounded rows and the weights as they are,
+    up to order. AMX tiles widen each panel and round it to bf16 like the rows."""
     mod, w, b = _int4(50, 384, 32, seed=m, params=params)
     x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m))
-    xr, wr = x.to(torch.bfloat16).float(), w.to(torch.bfloat16).float()
+    xr, wr = x.to(torch.bfloat16).float(), (w.to(torch.bfloat16).float() if tiles else w)
     with _bf16_dot(True), _pinned(amx, tiles):
         got = NativeLinear(mod)(x)
     _assert_sums_close(got, F.linear(xr, wr, b), xr, wr, b)
@@ -350,10 +350,11 @@ def test_grouped_int8_linear_matches_its_dequantized_weights(group, m, n):
 @needs_bf16_dot
 @pytest.mark.parametrize("tiles", [False, pytest.param(True, marks=needs_amx)], ids=["vdpbf16ps", "amx"])
 @pytest.mark.parametrize("m", [7, 40])
-def test_grouped_int8_bf16_dot_gemm_runs_the_rounded_weights_and_rows(tiles, m):
+def test_grouped_int8_bf16_dot_gemm_runs_the_rounded_rows(tiles, m):
+    """As int4's: the weights as they are on vdpbf16ps, rounded to bf16 on AMX tiles."""
     mod, w, b = _q8g(50, 256, 16, seed=m)
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
-    xr, wr = x.to(torch.bfloat16).float(), w.to(torch.bfloat16).float()
+    xr, wr = x.to(torch.bfloat16).float(), (w.to(torch.bfloat16).float() if tiles else w)
     with _bf16_dot(True), _pinned(amx, tiles):
         got = NativeLinear(mod)(x)
     _assert_sums_close(got, F.linear(xr, wr, b), xr, wr, b)

@@ -352,7 +352,8 @@ DISPATCH_PTILE(bf16, uint16_t)
  * rows"); more rows go in passes of those, each unpacking the panels again,
  * which up to these counts costs less than widening them. More rows widen
  * each panel once, to fp32 (exactly d * q + m) for the fp32 tiles or to bf16
- * pairs for the AVX512-BF16 tiles.
+ * pairs for AMX tiles. Where the CPU has AVX512-BF16, every row count runs
+ * on vdpbf16ps instead (see gtile).
  */
 static inline __m256 load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
@@ -616,25 +617,34 @@ static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out
 /* ------------------------------------------------ AVX512-BF16 batched GEMM */
 /*
  * Where the CPU has AVX512-BF16, a bf16-weight GEMM (an int8 weight-only,
- * int4 or grouped-int8 one too, its weights made bf16 on the way: those
- * that do not take int8 rows) runs on vdpbf16ps at every row count: one
+ * int4 or grouped-int8 one too, those that do not take int8 rows: their
+ * integers are exact in bf16, and a group's scale and min apply to its
+ * sums, see gtile) runs on vdpbf16ps at every row count: one
  * instruction multiplies 16 channels by two k (four times the
  * multiply-adds of an AVX2 FMA); 2.5-3x the widen path at 8-32 rows on an
  * AVX512-BF16 EPYC. vdpbf16ps takes bf16 on both sides, so the rows are
  * rounded to bf16 (nearest even) once per call: products are exact and
  * sums fp32, so the result is the fp32 kernel's on the rounded rows up to
  * summation order. Up to DR rows read the stored panels, each k pair made
- * in registers (dtile_direct); more re-lay each panel once (panel_pairs):
- * the same bf16 values summed in the same order, so a row's result is the
- * same bits whatever else the call holds (a decode alone, beside others,
- * a prompt's chunk), as int8 rows' are, and the load on a server does not
- * change what these GEMMs give a request (on AMX, 16 rows and more take
- * the tiles, which sum in their own order). One row pays for it: on q/k/v and the LM head of a 135M GGUF, about 15% of
- * a one-stream decode step against the fp32 GEMVs. These functions are
- * compiled for the feature by attribute and chosen at run time from CPUID,
+ * in registers (dtile_direct); more re-lay each panel once (panel_pairs,
+ * grouped_pairs): the same bf16 values summed in the same order, so a
+ * row's result is the same bits whatever else the call holds (a decode
+ * alone, beside others, a prompt's chunk), as int8 rows' are, and the
+ * load on a server does not change what these GEMMs give a request (on
+ * AMX, 16 rows and more take the tiles, which sum in their own order). A
+ * one-stream decode of a 135M GGUF (q/k/v and the LM head here) runs 2-3%
+ * slower than on the fp32 GEMVs; eight streams 12% faster. These functions
+ * are compiled for the feature by attribute and chosen at run time from CPUID,
  * so the library builds with the AVX2 flags and loads on AVX2-only CPUs.
  */
 #define DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw")))
+
+AVX512_TARGET static inline __m512 load_qp512(const Linear *L, int64_t i) {
+    return L->qparams_f32 ? _mm512_loadu_ps((const float *)L->qparams + i)
+                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)L->qparams + i)));
+}
+
 #define DR 12 /* rows per vdpbf16ps tile: 12 zmm accumulators */
 #ifndef DOT_PREFETCH
 #define DOT_PREFETCH 8192 /* bytes ahead of a stored panel's stream (weights come from memory, not a cache) */
@@ -752,13 +762,198 @@ DOT_TARGET static inline __attribute__((always_inline)) void dtile_stored(const 
 }
 
 #define DTILE_CASE(R) case R: dtile(xr, kp, pbuf, R, c); break;
+#define GTILE_CASE(R) case R: gtile(L, pn, 1, pbuf, xr, kp, xsr, R, (float(*)[DR][PW])c); break;
 #define DTILE_STORED_CASE(R) case R: dtile_stored(xr, kp, pb, L->k, R, c); break;
+
+/* bf16 of 0 .. 15 (words 0-15; 16-31 unused): int4 weights as vdpbf16ps operands. */
+DOT_TARGET static inline __m512i bf16_of_nibbles(void) {
+    return _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130,
+                            0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+}
+
+/* One k pair of an int4 panel (16 bytes: channel c's k even in the low nibble, k odd in the high one) as
+ * vdpbf16ps pairs, exactly: each dword is a channel's (low nibble, high nibble), looked up in bf16_of_nibbles. */
+DOT_TARGET static inline __attribute__((always_inline)) __m512bh q4_pairs(const uint8_t *p, __m512i nibbles) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    /* (v | v << 12) & 0x000f000f: 0xa8 is (a | b) & c */
+    const __m512i idx = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000f000f), 0xa8);
+    return (__m512bh)_mm512_permutexvar_epi16(idx, nibbles);
+}
+
+/* One k pair of an int8 panel (16 channels' k even bytes e, k odd bytes o) as vdpbf16ps pairs, exactly
+ * (|q| <= 128 has 8 significant bits): interleaved (e0 o0 e1 o1 ..), so vcvtne2ps2bf16 lays them out pairwise. */
+DOT_TARGET static inline __attribute__((always_inline)) __m512bh i8_pairs(__m128i e, __m128i o) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(e, o)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(e, o)));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* A grouped (int4 or grouped int8) panel re-laid as vdpbf16ps pairs of its integers q, exactly. */
+DOT_TARGET static void grouped_pairs(const Linear *L, int64_t pn, uint16_t *pbuf) {
+    const int64_t k = L->k;
+    if (L->wtype == WTYPE_Q4) {
+        const __m512i nibbles = bf16_of_nibbles();
+        const uint8_t *p = (const uint8_t *)L->w + pn * (k * PW / 2);
+        for (int64_t j = 0; j < k / 2; j++) _mm512_storeu_si512(pbuf + j * 2 * PW, (__m512i)q4_pairs(p + j * PW, nibbles));
+    } else {
+        const int8_t *p = (const int8_t *)L->w + pn * k * PW;
+        for (int64_t j = 0; j < k / 2; j++)
+            _mm512_storeu_si512(pbuf + j * 2 * PW, (__m512i)i8_pairs(_mm_loadu_si128((const __m128i *)(p + 2 * j * PW)),
+                                                                      _mm_loadu_si128((const __m128i *)(p + (2 * j + 1) * PW))));
+    }
+}
+
+/* Each row's sums over each group of k of its bf16 values (xs [m][k / group]), in one order for every call. */
+DOT_TARGET static void bf16_group_sums(const uint16_t *xb, int64_t kp, int64_t m, int64_t k, int group, float *xs) {
+    const int64_t groups = k / group;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *xg = xb + r * kp + g * group;
+            __m512 s = _mm512_setzero_ps();
+            for (int i = 0; i < group; i += 16) {
+                const __mmask32 in = group - i >= 16 ? (__mmask32)0xffff : (__mmask32)((1u << (group - i)) - 1);
+                const __m512i v = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16(in, xg + i)));
+                s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+            }
+            xs[r * groups + g] = _mm512_reduce_add_ps(s);
+        }
+}
+
+/* mr rows (bf16, row stride kp; xs their group sums) by np grouped panels from pn: per group, the rows' k
+ * pairs against the weights' integers (from pbuf, re-laid by grouped_pairs, np 1; or made from the stored
+ * panels in registers: the same bf16) summed from zero, then c = d * sum + (m * xs + c), group after group.
+ * Sums of exact products (a bf16 by an integer of at most 8 bits), so they are those of
+ * sum_k x_k (d q_k + m) with no weight rounded; the same bits for a row whatever rows share the call. More
+ * panels give a row or two independent chains of vdpbf16ps. c: [np][DR][PW]. */
+DOT_TARGET static inline __attribute__((always_inline)) void gtile(const Linear *L, int64_t pn, const int np,
+                                                                   const uint16_t *pbuf, const uint16_t *xb,
+                                                                   int64_t kp, const float *xs, const int mr,
+                                                                   float c[][DR][PW]) {
+    const int64_t groups = L->k / L->group, qstride = groups * 2 * PW, qp = pn * qstride;
+    const int pairs = L->group / 2, q4 = L->wtype == WTYPE_Q4;
+    const int64_t pstride = q4 ? L->k * PW / 2 : L->k * PW; /* bytes */
+    const uint8_t *base = (const uint8_t *)L->w + pn * pstride;
+    const __m512i nibbles = bf16_of_nibbles();
+    __m512 o[4][DR];
+    for (int q = 0; q < np; q++)
+        for (int i = 0; i < DR; i++) o[q][i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 a[4][DR];
+        for (int q = 0; q < np; q++)
+            for (int i = 0; i < DR; i++) a[q][i] = _mm512_setzero_ps();
+        for (int jj = 0; jj < pairs; jj++) {
+            const int64_t j = g * pairs + jj;
+            __m512bh xj[4]; /* a row or few's k pair, broadcast once for every panel */
+            for (int i = 0; i < 4; i++)
+                if (np > 1 && i < mr) {
+                    int32_t pair;
+                    memcpy(&pair, xb + i * kp + 2 * j, sizeof(pair));
+                    xj[i] = (__m512bh)_mm512_set1_epi32(pair);
+                }
+            for (int q = 0; q < np; q++) {
+                __m512bh w;
+                if (pbuf) {
+                    w = (__m512bh)_mm512_loadu_si512(pbuf + j * 2 * PW);
+                } else if (q4) {
+                    const uint8_t *pj = base + q * pstride + j * PW;
+                    _mm_prefetch((const char *)pj + DOT_PREFETCH, _MM_HINT_T0);
+                    w = q4_pairs(pj, nibbles);
+                } else {
+                    const int8_t *pj = (const int8_t *)(base + q * pstride) + 2 * j * PW;
+                    _mm_prefetch((const char *)pj + DOT_PREFETCH, _MM_HINT_T0);
+                    w = i8_pairs(_mm_loadu_si128((const __m128i *)pj), _mm_loadu_si128((const __m128i *)(pj + PW)));
+                }
+                if (np > 1)
+                    for (int i = 0; i < 4; i++) {
+                        if (i < mr) a[q][i] = _mm512_dpbf16_ps(a[q][i], xj[i], w);
+                    }
+                else
+                    dot_pair(a[q], xb, kp, j, w, mr);
+            }
+        }
+        for (int q = 0; q < np; q++) {
+            const __m512 d = load_qp512(L, qp + q * qstride + g * 2 * PW);
+            const __m512 mn = load_qp512(L, qp + q * qstride + g * 2 * PW + PW);
+            for (int i = 0; i < DR; i++)
+                if (i < mr)
+                    o[q][i] = _mm512_fmadd_ps(d, a[q][i], _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[i * groups + g]), o[q][i]));
+        }
+    }
+    for (int q = 0; q < np; q++)
+        for (int i = 0; i < mr; i++) _mm512_storeu_ps(c[q][i], o[q][i]);
+}
+
+/* mr rows (bf16, row stride kp) by an int8 (per channel) panel as stored: each k pair made in registers
+ * as panel_pairs makes it in memory, so the sums are dtile's over the re-laid panel, bit for bit. */
+DOT_TARGET static inline __attribute__((always_inline)) void dtile_i8(const int8_t *pq, int64_t k, const uint16_t *xb,
+                                                                      int64_t kp, const int mr, float c[DR][PW]) {
+    __m512 a[DR];
+    for (int i = 0; i < DR; i++) a[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; 2 * j < k; j++) {
+        const int8_t *pj = pq + 2 * j * PW;
+        _mm_prefetch((const char *)pj + DOT_PREFETCH, _MM_HINT_T0);
+        const __m128i o = 2 * j + 1 < k ? _mm_loadu_si128((const __m128i *)(pj + PW)) /* an odd k pairs its */
+                                        : _mm_setzero_si128();                      /* last row with zeros */
+        dot_pair(a, xb, kp, j, i8_pairs(_mm_loadu_si128((const __m128i *)pj), o), mr);
+    }
+    for (int i = 0; i < mr; i++) _mm512_storeu_ps(c[i], a[i]);
+}
+
+/* mr rows by np panels from pn as stored, whatever their weights (bf16, int8, grouped). c: [np][DR][PW]. */
+DOT_TARGET static inline __attribute__((always_inline)) void dtile_direct(const Linear *L, int64_t pn, const int np,
+                                                                          const uint16_t *xb, int64_t kp,
+                                                                          const float *xs, const int mr,
+                                                                          float c[][DR][PW]) {
+    if (L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G) {
+        gtile(L, pn, np, NULL, xb, kp, xs, mr, c);
+        return;
+    }
+    for (int q = 0; q < np; q++) {
+        if (L->wtype == WTYPE_BF16) dtile_stored(xb, kp, (const uint16_t *)L->w + (pn + q) * L->k * PW, L->k, mr, c[q]);
+        else dtile_i8((const int8_t *)L->w + (pn + q) * L->k * PW, L->k, xb, kp, mr, c[q]);
+    }
+}
+
+#define DTILE_DIRECT_CASE(R, NP) case R: dtile_direct(L, pn, NP, xb, kp, xs, R, c); break;
+
+/* Rows [0, m) (m <= DR) of xb (bf16, row stride kp; xs their group sums, grouped weights) against panels
+ * [p0, p1) as stored: four panels at a time for up to two rows, two for up to four. */
+DOT_TARGET static void packed_rows_direct(const Linear *L, const uint16_t *xb, int64_t kp, const float *xs,
+                                          float *out, int64_t ldo, int64_t m, int64_t p0, int64_t p1, int accumulate) {
+    float c[4][DR][PW];
+    const int64_t most = m <= 2 ? 4 : m <= 4 ? 2 : 1;
+    for (int64_t pn = p0; pn < p1;) {
+        const int np = (int)(p1 - pn < most ? p1 - pn : most);
+        if (np == 4) {
+            switch (m) { DTILE_DIRECT_CASE(2, 4) default: dtile_direct(L, pn, 4, xb, kp, xs, 1, c); }
+        } else if (np >= 2) { /* a remainder of two or three panels: two */
+            switch (m) {
+                DTILE_DIRECT_CASE(4, 2) DTILE_DIRECT_CASE(3, 2) DTILE_DIRECT_CASE(2, 2)
+                default: dtile_direct(L, pn, 2, xb, kp, xs, 1, c);
+            }
+        } else {
+            switch (m) {
+                DTILE_DIRECT_CASE(12, 1) DTILE_DIRECT_CASE(11, 1) DTILE_DIRECT_CASE(10, 1) DTILE_DIRECT_CASE(9, 1)
+                DTILE_DIRECT_CASE(8, 1) DTILE_DIRECT_CASE(7, 1) DTILE_DIRECT_CASE(6, 1) DTILE_DIRECT_CASE(5, 1)
+                DTILE_DIRECT_CASE(4, 1) DTILE_DIRECT_CASE(3, 1) DTILE_DIRECT_CASE(2, 1)
+                default: dtile_direct(L, pn, 1, xb, kp, xs, 1, c);
+            }
+        }
+        const int done = np >= 4 ? 4 : np >= 2 ? 2 : 1;
+        for (int q = 0; q < done; q++) {
+            const int64_t n0 = (pn + q) * PW;
+            const int nv = (int)(L->n - n0 < PW ? L->n - n0 : PW);
+            for (int i = 0; i < (int)m; i++) store_out(L, out + i * ldo + n0, n0, c[q][i], nv, accumulate);
+        }
+        pn += done;
+    }
+}
 
 /* Panel pn re-laid as k pairs ([kp / 2][PW][2] bf16: channel c of pair j at j * 2PW + 2c, the operand
  * order of vdpbf16ps and of an AMX B tile), zero past k up to kp (even): a bf16 panel as it is; an int8 one
- * (weight-only, its scale applied to the sums) converted, exactly (|q| <= 128 has 8 significant bits); a
- * grouped (int4 or grouped int8) one widened to fp32 in wf ([k][PW], k even) and rounded to bf16 (nearest
- * even). */
+ * (weight-only, its scale applied to the sums) converted, exactly (|q| <= 128 has 8 significant bits); for
+ * AMX tiles, a grouped (int4 or grouped int8) one widened to fp32 in wf ([k][PW], k even) and rounded to
+ * bf16 (nearest even) (vdpbf16ps takes a grouped panel's integers: grouped_pairs). */
 DOT_TARGET static void panel_pairs(const Linear *L, int64_t pn, int64_t kp, uint16_t *pbuf, float *wf) {
     const int64_t k = L->k;
     const __m512i pairs = pair_lanes(); /* [k even | k odd] x 16 channels -> channel-major pairs */
@@ -788,12 +983,12 @@ DOT_TARGET static void panel_pairs(const Linear *L, int64_t pn, int64_t kp, uint
     if (2 * j < kp) memset(pbuf + j * 2 * PW, 0, sizeof(uint16_t) * (size_t)(kp - 2 * j) * PW);
 }
 
-/* Rows [m0, m1) of xb (bf16, row stride kp) against bf16, int8 or grouped panels [p0, p1); pbuf
- * (PW * kp bf16) takes each panel re-laid as k pairs, once for all row tiles; wf (PW * k
- * floats) an int4 panel widened on the way. */
-DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int64_t kp, float *out, int64_t ldo,
-                                       int64_t m0, int64_t m1, int64_t p0, int64_t p1, int accumulate, uint16_t *pbuf,
-                                       float *wf) {
+/* Rows [m0, m1) of xb (bf16, row stride kp; xs their group sums, grouped weights) against bf16, int8 or
+ * grouped panels [p0, p1); pbuf (PW * kp bf16) takes each panel re-laid as k pairs (a grouped one as its
+ * integers, see gtile), once for all row tiles. */
+DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int64_t kp, const float *xs, float *out,
+                                       int64_t ldo, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int accumulate,
+                                       uint16_t *pbuf) {
     const int64_t n = L->n;
     float c[DR][PW];
     for (int64_t pn = p0; pn < p1; pn++) {
@@ -802,13 +997,22 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
         /* up to two row tiles against a bf16 panel: read the stored panel directly (a second tile finds it in
          * the cache); more: re-lay it once for all of them */
         const int stored = L->wtype == WTYPE_BF16 && m1 - m0 <= 2 * DR;
+        const int grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G; /* as their integers, by group */
         const uint16_t *pb = (const uint16_t *)L->w + pn * L->k * PW;
-        if (!stored) panel_pairs(L, pn, kp, pbuf, wf);
+        if (grouped) grouped_pairs(L, pn, pbuf);
+        else if (!stored) panel_pairs(L, pn, kp, pbuf, NULL);
         for (int64_t m = m0, mr; m < m1; m += mr) {
             const int64_t left = m1 - m; /* twelve-row tiles; a short remainder shares the last 24 rows evenly */
             mr = left >= 2 * DR || left <= DR ? (left < DR ? (int)left : DR) : (int)((left + 1) / 2);
             const uint16_t *xr = xb + m * kp;
-            if (stored) {
+            if (grouped) {
+                const float *xsr = xs + m * (L->k / L->group);
+                switch (mr) {
+                    GTILE_CASE(12) GTILE_CASE(11) GTILE_CASE(10) GTILE_CASE(9) GTILE_CASE(8) GTILE_CASE(7)
+                    GTILE_CASE(6) GTILE_CASE(5) GTILE_CASE(4) GTILE_CASE(3) GTILE_CASE(2)
+                    default: gtile(L, pn, 1, pbuf, xr, kp, xsr, 1, (float(*)[DR][PW])c);
+                }
+            } else if (stored) {
                 switch (mr) {
                     DTILE_STORED_CASE(12) DTILE_STORED_CASE(11) DTILE_STORED_CASE(10) DTILE_STORED_CASE(9)
                     DTILE_STORED_CASE(8) DTILE_STORED_CASE(7) DTILE_STORED_CASE(6) DTILE_STORED_CASE(5)
@@ -821,130 +1025,6 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
                 }
             }
             for (int i = 0; i < (int)mr; i++) store_out(L, out + (m + i) * ldo + n0, n0, c[i], nv, accumulate);
-        }
-    }
-}
-
-/* Sixteen group parameters from element i of L's qparams, fp16 or fp32. */
-DOT_TARGET static inline __m512 load_qp16(const Linear *L, int64_t i) {
-    return L->qparams_f32 ? _mm512_loadu_ps((const float *)L->qparams + i)
-                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)L->qparams + i)));
-}
-
-/* mr rows (bf16, row stride kp) by np panels from pn of a bf16, int8 or grouped linear as stored: each k pair
- * made in registers as panel_pairs makes it in memory (d * q + m rounded to fp32, then to bf16), so the sums
- * are dtile's over the re-laid panels, bit for bit, with no copy: a row's result does not depend on how many
- * rows share the call. Several panels give a few rows independent chains of vdpbf16ps (one chain would wait
- * on its latency); each output's sum still runs over k in order. c: [np][DR][PW]. */
-DOT_TARGET static inline __attribute__((always_inline)) void dtile_direct(const Linear *L, int64_t pn, const int np,
-                                                                          const uint16_t *xb, int64_t kp,
-                                                                          const int mr, float c[4][DR][PW]) {
-    const int64_t k = L->k;
-    if (L->wtype == WTYPE_BF16) { /* as stored: one panel at a time */
-        for (int q = 0; q < np; q++) dtile_stored(xb, kp, (const uint16_t *)L->w + (pn + q) * k * PW, k, mr, c[q]);
-        return;
-    }
-    __m512 a[4][DR];
-    for (int q = 0; q < 4; q++)
-        for (int i = 0; i < DR; i++) a[q][i] = _mm512_setzero_ps();
-    /* 16 channels' k even (e) and k odd (o) bytes interleaved (e0 o0 e1 o1 ..), widened to int32: lo holds
-     * channels 0-7, hi 8-15, so that vcvtne2ps2bf16 lays them out as vdpbf16ps pairs them */
-#define DIRECT_PAIRS(E, O, WIDEN)                                                        \
-    const __m512 lo = _mm512_cvtepi32_ps(WIDEN(_mm_unpacklo_epi8((E), (O))));          \
-    const __m512 hi = _mm512_cvtepi32_ps(WIDEN(_mm_unpackhi_epi8((E), (O))))
-    if (L->wtype == WTYPE_I8) {
-        const int8_t *pq = (const int8_t *)L->w + pn * k * PW;
-        for (int64_t j = 0; 2 * j < k; j++)
-            for (int q = 0; q < np; q++) {
-                const int8_t *pj = pq + q * k * PW + 2 * j * PW;
-                _mm_prefetch((const char *)pj + DOT_PREFETCH, _MM_HINT_T0);
-                const __m128i e = _mm_loadu_si128((const __m128i *)pj);
-                const __m128i o = 2 * j + 1 < k ? _mm_loadu_si128((const __m128i *)(pj + PW)) /* an odd k pairs */
-                                                : _mm_setzero_si128();                      /* its last with 0 */
-                DIRECT_PAIRS(e, o, _mm512_cvtepi8_epi32);
-                dot_pair(a[q], xb, kp, j, _mm512_cvtne2ps_pbh(hi, lo), mr);
-            }
-    } else { /* grouped: k is whole groups of an even size */
-        const int64_t groups = k / L->group, qstride = groups * 2 * PW, qp = pn * qstride;
-        const int pairs = L->group / 2;
-        const int q4 = L->wtype == WTYPE_Q4;
-        const int64_t pstride = q4 ? k * PW / 2 : k * PW; /* bytes */
-        const uint8_t *base = (const uint8_t *)L->w + pn * pstride;
-        const __m128i mask = _mm_set1_epi8(0x0f);
-        /* a channel's scale and min beside each of its two values */
-        const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-        const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
-        for (int64_t g = 0; g < groups; g++) {
-            __m512 dl[4], dh[4], ml[4], mh[4];
-            for (int q = 0; q < np; q++) {
-                const __m512 d = load_qp16(L, qp + q * qstride + g * 2 * PW);
-                const __m512 mn = load_qp16(L, qp + q * qstride + g * 2 * PW + PW);
-                dl[q] = _mm512_permutexvar_ps(first, d);
-                dh[q] = _mm512_permutexvar_ps(second, d);
-                ml[q] = _mm512_permutexvar_ps(first, mn);
-                mh[q] = _mm512_permutexvar_ps(second, mn);
-            }
-            for (int jj = 0; jj < pairs; jj++) {
-                const int64_t j = g * pairs + jj;
-                for (int q = 0; q < np; q++) {
-                    __m512 wl, wh;
-                    if (q4) {
-                        const uint8_t *pj = base + q * pstride + j * PW;
-                        _mm_prefetch((const char *)pj + DOT_PREFETCH, _MM_HINT_T0);
-                        const __m128i b = _mm_loadu_si128((const __m128i *)pj);
-                        DIRECT_PAIRS(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask),
-                                     _mm512_cvtepu8_epi32);
-                        wl = lo, wh = hi;
-                    } else {
-                        const int8_t *pj = (const int8_t *)(base + q * pstride) + 2 * j * PW;
-                        _mm_prefetch((const char *)pj + DOT_PREFETCH, _MM_HINT_T0);
-                        DIRECT_PAIRS(_mm_loadu_si128((const __m128i *)pj), _mm_loadu_si128((const __m128i *)(pj + PW)),
-                                     _mm512_cvtepi8_epi32);
-                        wl = lo, wh = hi;
-                    }
-                    wl = _mm512_add_ps(_mm512_mul_ps(dl[q], wl), ml[q]);
-                    wh = _mm512_add_ps(_mm512_mul_ps(dh[q], wh), mh[q]);
-                    dot_pair(a[q], xb, kp, j, _mm512_cvtne2ps_pbh(wh, wl), mr);
-                }
-            }
-        }
-    }
-#undef DIRECT_PAIRS
-    for (int q = 0; q < np; q++)
-        for (int i = 0; i < mr; i++) _mm512_storeu_ps(c[q][i], a[q][i]);
-}
-
-#define DTILE_DIRECT_CASE(R, NP) case R: dtile_direct(L, pn, NP, xb, kp, R, c); break;
-
-/* Rows [0, m) (m <= DR) of xb (bf16, row stride kp) against panels [p0, p1) as stored: four panels at a time
- * for up to two rows, two for up to six. */
-DOT_TARGET static void packed_rows_direct(const Linear *L, const uint16_t *xb, int64_t kp, float *out, int64_t ldo,
-                                          int64_t m, int64_t p0, int64_t p1, int accumulate) {
-    float c[4][DR][PW];
-    const int64_t step = m <= 2 ? 4 : m <= 6 ? 2 : 1;
-    for (int64_t pn = p0; pn < p1; pn += step) {
-        const int np = (int)(p1 - pn < step ? p1 - pn : step);
-        if (np == 4) {
-            switch (m) { DTILE_DIRECT_CASE(2, 4) default: dtile_direct(L, pn, 4, xb, kp, 1, c); }
-        } else if (np == 2) {
-            switch (m) {
-                DTILE_DIRECT_CASE(6, 2) DTILE_DIRECT_CASE(5, 2) DTILE_DIRECT_CASE(4, 2) DTILE_DIRECT_CASE(3, 2)
-                DTILE_DIRECT_CASE(2, 2) default: dtile_direct(L, pn, 2, xb, kp, 1, c);
-            }
-        } else if (np == 3) {
-            switch (m) { DTILE_DIRECT_CASE(2, 3) default: dtile_direct(L, pn, 3, xb, kp, 1, c); }
-        } else {
-            switch (m) {
-                DTILE_DIRECT_CASE(12, 1) DTILE_DIRECT_CASE(11, 1) DTILE_DIRECT_CASE(10, 1) DTILE_DIRECT_CASE(9, 1)
-                DTILE_DIRECT_CASE(8, 1) DTILE_DIRECT_CASE(7, 1) DTILE_DIRECT_CASE(6, 1) DTILE_DIRECT_CASE(5, 1)
-                DTILE_DIRECT_CASE(4, 1) DTILE_DIRECT_CASE(3, 1) DTILE_DIRECT_CASE(2, 1)
-                default: dtile_direct(L, pn, 1, xb, kp, 1, c);
-            }
-        }
-        for (int q = 0; q < np; q++) {
-            const int64_t n0 = (pn + q) * PW;
-            const int nv = (int)(L->n - n0 < PW ? L->n - n0 : PW);
-            for (int i = 0; i < (int)m; i++) store_out(L, out + i * ldo + n0, n0, c[q][i], nv, accumulate);
         }
     }
 }
@@ -1295,13 +1375,6 @@ static void a8_linear(const Linear *L, const float *x, int64_t ldx, float *out, 
  * panels, five or six rows (a speculative step's verification) over two
  * panels, each weight widened once for every row.
  */
-#define AVX512_TARGET __attribute__((target("avx512f,avx512bw")))
-
-AVX512_TARGET static inline __m512 load_qp512(const Linear *L, int64_t i) {
-    return L->qparams_f32 ? _mm512_loadu_ps((const float *)L->qparams + i)
-                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)L->qparams + i)));
-}
-
 AVX512_TARGET static inline __attribute__((always_inline)) void q4_rows512(const Linear *L, const float *x,
                                                                             int64_t ldx, const float *xs, int64_t pn,
                                                                             const int np, const int R, float *c) {
@@ -1711,14 +1784,21 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
         uint16_t *xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(m * kp));
         if (!xb) abort();
         for (int64_t r = 0; r < m; r++) row_to_bf16(x + r * ldx, xb + r * kp, L->k, kp);
+        float *xsb = NULL; /* grouped weights: the rows' group sums */
+        if (grouped) {
+            xsb = (float *)malloc(sizeof(float) * (size_t)(m * (L->k / L->group)));
+            if (!xsb) abort();
+            bf16_group_sums(xb, kp, m, L->k, L->group, xsb);
+        }
 #pragma omp parallel
         {
             const int nt = omp_get_num_threads(), id = omp_get_thread_num();
             const int64_t per = (panels + nt - 1) / nt;
             const int64_t p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
-            if (p0 < p1) packed_rows_direct(L, xb, kp, out, ldo, m, p0, p1, accumulate);
+            if (p0 < p1) packed_rows_direct(L, xb, kp, xsb, out, ldo, m, p0, p1, accumulate);
         }
         free(xb);
+        free(xsb);
         return;
     }
     const int q4_rows_here = q4 && !dot_rows && m <= (g_avx512 ? Q4_DIRECT_MAX : Q4_DIRECT_MAX_AVX2); /* else widened panels */
@@ -1735,8 +1815,11 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
         mc = (512 * 1024 / 2) / kx;
         mc = mc < 2 * DR ? 2 * DR : (mc / DR) * DR;
     }
-    float *xs = NULL; /* the rows' group sums */
-    if (q4_rows_here || (grouped && m == 1)) {
+    float *xs = NULL; /* the rows' group sums (on vdpbf16ps, of the rows in bf16) */
+    if (grouped && dot && !amx) {
+        xs = (float *)malloc(sizeof(float) * (size_t)(m * (L->k / L->group)));
+        if (!xs) abort();
+    } else if (q4_rows_here || (grouped && m == 1)) {
         const int64_t groups = L->k / L->group;
         xs = (float *)malloc(sizeof(float) * (size_t)(m * groups));
         for (int64_t r = 0; r < m; r++) q4_group_sums(x + r * ldx, L->k, L->group, xs + r * groups);
@@ -1756,12 +1839,17 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
             if (dot) {
 #pragma omp for schedule(static)
                 for (int64_t r = 0; r < m; r++) row_to_bf16(x + r * ldx, xb + r * kx, L->k, kx);
+                if (grouped && !amx) {
+#pragma omp for schedule(static)
+                    for (int64_t r = 0; r < m; r++)
+                        bf16_group_sums(xb + r * kx, kx, 1, L->k, L->group, xs + r * (L->k / L->group));
+                }
             }
             /* a widened panel (PW * k floats), or a re-laid bf16 one (PW * kx halves; two on AMX); a
-             * grouped one on the vdpbf16ps or AMX path takes both */
+             * grouped one on the AMX path takes both */
             const int widen = grouped || (L->wtype != WTYPE_F32 && m > 6);
             const int64_t relaid = amx ? PW * kx : PW * kx / 2; /* floats */
-            float *wbuf = widen ? (float *)malloc(sizeof(float) * (size_t)(grouped && dot ? relaid + PW * kx : (dot ? relaid : PW * kx))) : NULL;
+            float *wbuf = widen ? (float *)malloc(sizeof(float) * (size_t)(grouped && amx ? relaid + PW * kx : (dot ? relaid : PW * kx))) : NULL;
             if (amx && p0 < p1) amx_begin();
             for (int64_t m0 = 0; m0 < m; m0 += mc) {
                 const int64_t m1 = m0 + mc < m ? m0 + mc : m;
@@ -1770,8 +1858,7 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
                     packed_rows_amx(L, xb, kx, out, ldo, m0, m1, p0, p1, accumulate, (uint16_t *)wbuf,
                                     grouped ? wbuf + relaid : NULL);
                 else if (dot) /* every row of the call, so all are rounded alike */
-                    packed_rows_dot(L, xb, kx, out, ldo, m0, m1, p0, p1, accumulate, (uint16_t *)wbuf,
-                                    grouped ? wbuf + relaid : NULL);
+                    packed_rows_dot(L, xb, kx, xs, out, ldo, m0, m1, p0, p1, accumulate, (uint16_t *)wbuf);
                 else
                     packed_rows(L, x, ldx, out, ldo, m0, m1, p0, p1, accumulate, wbuf);
             }
