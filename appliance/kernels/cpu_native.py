@@ -123,14 +123,16 @@ def phase_times(reset: bool = False) -> dict[str, float]:
 
 
 def bf16_dot(enabled: Optional[bool] = None) -> bool:
-    """Whether bf16-weight GEMMs over more than six rows run on AVX512-BF16
-    (vdpbf16ps, the rows rounded to bf16 on the way in) rather than widening
-    the weights to fp32; on by default where the CPU has it, unless
-    ``APPLIANCE_CPU_BF16_DOT=0`` (results then do not depend on how many
-    tokens share a step, and benchmarks see what an AVX2-only CPU runs).
-    ``enabled`` switches it (off: the same sums as fp32 weights of the bf16
-    values, bit for bit); on is refused, returning False, where the CPU
-    lacks it."""
+    """Whether bf16-weight GEMMs (and those of int8 weight-only, int4 and
+    grouped int8 weights that do not take int8 rows: their integers exact in
+    bf16, a group's scale and min applied to its sums) run on AVX512-BF16 at
+    every row count (vdpbf16ps, the rows rounded to bf16 on the way in; a
+    row's result the same bits whatever shares its step) rather than in fp32
+    FMAs; on by default where the CPU has it, unless
+    ``APPLIANCE_CPU_BF16_DOT=0`` (benchmarks then see what an AVX2-only CPU
+    runs). ``enabled`` switches it (off: bf16 weights give the same sums as
+    fp32 weights of the bf16 values, bit for bit); on is refused, returning
+    False, where the CPU lacks it."""
     return bool(_LIB.appl_bf16_dot(-1 if enabled is None else int(enabled)))
 
 
@@ -199,8 +201,8 @@ def amx(enabled: Optional[bool] = None) -> bool:
     return bool(_LIB.appl_amx(-1 if enabled is None else int(enabled)))
 
 
-# Weight formats whose GEMMs over six rows take vdpbf16ps (and AMX-BF16 from 16 rows) while bf16_dot is on:
-# bf16 weights, and int8 weight-only, grouped int8 and int4 ones (their panels converted to bf16 per call).
+# Weight formats whose GEMMs take vdpbf16ps (and AMX-BF16 from 16 rows) while bf16_dot is on: bf16 weights,
+# and int8 weight-only, grouped int8 and int4 ones (their integers as bf16).
 _BF16_DOT_QUANT = ("none", "int8_wo", "gguf", "awq", "gptq", "int4_wo")
 
 
@@ -214,10 +216,11 @@ def host_notes(cfg: Any, dtype: str) -> list[str]:
                ("on AVX512-VNNI (vpdpbusd)" if vnni() else "on AVX2 (vpmaddwd)") + ", exact in int32"
     elif q in BACKENDS["cpu_native"].int8_gemm_quantizations and int8_rows():
         gemm = ("GEMMs on integer dot products (AVX512-VNNI vpdpbusd; the rows quantized "
-                "to int8 per group of inputs, the sums exact in int32; q/k/v and the LM head keep float rows)"
+                "to int8 per group of inputs, the sums exact in int32; q/k/v and the LM head keep float rows"
+                + (", on vdpbf16ps" if bf16_dot() else "") + ")"
                 + (", on AMX tiles (tdpbf16ps) from 16 rows" if amx() and bf16_dot() else ""))
     elif (dtype == "bfloat16" or q != "none") and q in _BF16_DOT_QUANT and bf16_dot():
-        gemm = ("GEMMs of more than six rows on vdpbf16ps" + (", on AMX tiles (tdpbf16ps) from 16 rows" if amx() else "")
+        gemm = ("GEMMs on vdpbf16ps" + (", on AMX tiles (tdpbf16ps) from 16 rows" if amx() else "")
                 + ", the rows rounded to bf16")
     else:
         gemm = "GEMMs in fp32 FMAs" + (" over weights widened to fp32" if dtype != "float32" or q != "none" else "")
@@ -225,7 +228,7 @@ def host_notes(cfg: Any, dtype: str) -> list[str]:
         att = "prefill attention tiles on vdpbf16ps (q and the softmax weights rounded to bf16)"
     else:
         att = f"prefill attention tiles in fp32 FMAs ({'AVX-512F' if avx512() else 'AVX2'})"
-    return [f"on this CPU: {gemm}; {att}; decode attention in fp32 FMAs (AVX2)"]
+    return [f"on this CPU: {gemm}; {att}; decode attention in fp32 FMAs (AVX2), a context split every 256 positions"]
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[tuple[int, int]],

@@ -232,7 +232,7 @@ BACKENDS: dict[str, BackendCapabilities] = {
         head_sizes=tuple(range(8, 513, 8)),
         block_size_multiple=1,
         quantizations=("none", "gguf", "int8_wo", "w8a8_int8", "int4_wo", "awq", "gptq"),  # fp8: the torch reference path
-        # 4- and 8-bit weights over more than six rows: int8 rows on AVX512-VNNI (cpu_native.int8_rows)
+        # 4- and 8-bit weights' GEMMs: int8 rows on AVX512-VNNI (cpu_native.int8_rows)
         int8_gemm_quantizations=("gguf", "int8_wo", "int4_wo", "awq", "gptq"),
     ),
     "triton": BackendCapabilities(

@@ -947,7 +947,7 @@ def test_the_plan_says_which_kernels_run_on_this_cpu():
         with _pinned(bf16_attention, True):
             assert "prefill attention tiles on vdpbf16ps" in note()
         with _bf16_dot(True):
-            assert "GEMMs of more than six rows on vdpbf16ps" in note("quantization=none")
+            assert "GEMMs on vdpbf16ps" in note("quantization=none")
     if HAS_VNNI:  # int8 rows where the CPU has VNNI
         with _pinned(int8_rows, True):
             assert "GEMMs on integer dot products" in note("quantization=int4_wo")
