@@ -281,14 +281,21 @@ def max_model_len(cfg: ApplianceConfig) -> int:
     return cfg.model.max_model_len or cfg.model.max_position_embeddings
 
 
-def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Plan:
-    """The plan for the target hardware, or, given an ``Execution`` resolved on
-    this machine, for what this machine will run."""
-    ex = execution or resolve_execution(cfg)
-    dtype = ex.dtype
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One device's memory (a CPU host: one rank's share of it), as the memory
+    model above sizes it: the one account that validation and the plan read."""
+    usable: int  # what the deployment may use of the device
+    weights: int  # its shard of the weights, its experts, a whole draft, less what cache.cpu_offload_gib moves
+    offloaded: int  # weight bytes of the device's shard held in host memory instead
+    activations: int
+    kv_cache: int  # the KV pool: cache.kv_cache_memory_gib, or what the rest leaves
+    num_kv_blocks: int
+
+
+def device_memory(cfg: ApplianceConfig, dtype: str) -> DeviceMemory:
     par = cfg.parallel
     shards = par.tensor_parallel_size * par.pipeline_parallel_size
-    devices = shards * par.data_parallel_size
     total_w = weight_bytes(cfg, dtype)
     # cache.cpu_offload_gib of each device's weights live in host memory (vLLM's --cpu-offload-gb).
     offload = min(int(cfg.cache.cpu_offload_gib * GIB), total_w // shards)
@@ -299,16 +306,33 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         w_dev = (total_w - draft_w - expert_bytes(cfg, dtype)) // shards + experts["expert_bytes_per_rank"] \
             + draft_w - offload
     act = activation_bytes(cfg, dtype)
+    usable = int(cfg.hardware.memory_gib * GIB * cfg.cache.memory_utilization)
+    if cfg.hardware.device_kind == "cpu":  # a CPU host's ranks share its memory
+        usable //= shards * par.data_parallel_size
     if cfg.cache.kv_cache_memory_gib is not None:
         kv_bytes = int(cfg.cache.kv_cache_memory_gib * GIB)
     else:
-        usable = int(cfg.hardware.memory_gib * GIB * cfg.cache.memory_utilization)
-        if cfg.hardware.device_kind == "cpu":  # a CPU host's ranks share its memory
-            usable //= devices
         kv_bytes = max(0, usable - w_dev - act)
+    per_block = cfg.cache.block_size * kv_bytes_per_token(cfg, dtype)
+    return DeviceMemory(usable=usable, weights=w_dev, offloaded=offload, activations=act, kv_cache=kv_bytes,
+                        num_kv_blocks=kv_bytes // per_block if per_block else 0)
+
+
+def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Plan:
+    """The plan for the target hardware, or, given an ``Execution`` resolved on
+    this machine, for what this machine will run."""
+    ex = execution or resolve_execution(cfg)
+    dtype = ex.dtype
+    par = cfg.parallel
+    shards = par.tensor_parallel_size * par.pipeline_parallel_size
+    devices = shards * par.data_parallel_size
+    total_w = weight_bytes(cfg, dtype)
+    experts = experts_plan(cfg, dtype)
+    mem = device_memory(cfg, dtype)
+    w_dev, offload, act, kv_bytes, num_blocks = mem.weights, mem.offloaded, mem.activations, mem.kv_cache, \
+        mem.num_kv_blocks
     per_tok = kv_bytes_per_token(cfg, dtype)
     bs = cfg.cache.block_size
-    num_blocks = kv_bytes // (bs * per_tok) if per_tok else 0
     mml = max_model_len(cfg)
     sel = ex.selection
     notes = []

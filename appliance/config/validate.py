@@ -13,8 +13,7 @@ import math
 from typing import Any, Optional
 
 from appliance.config.execution import choose_dtype
-from appliance.config.plan import (GIB, activation_bytes, kv_bytes_per_token, max_model_len, offload_medium,
-                                   weight_bytes)
+from appliance.config.plan import GIB, device_memory, max_model_len, offload_medium
 from appliance.config.checkpoint import MOE_KEYS
 from appliance.config.schema import (ApplianceConfig, EplbConfig, KVEventsConfig, KVTransferConfig, ModelConfig,
                                      SchedulerConfig)
@@ -632,28 +631,22 @@ def validate(cfg: ApplianceConfig) -> list[str]:
             problems.append(f"speculative.disable_by_batch_size={spec.disable_by_batch_size} must be at least 1 "
                             f"(or null: speculate at every batch size)")
 
-    # Memory: weights must fit, and the pool must hold one full-length request.
+    # Memory (the plan's account of a device): weights must fit, and the pool must hold one full-length request.
     if dtype in ("float32", "bfloat16", "float16") and not problems:
-        shards = par.tensor_parallel_size * par.pipeline_parallel_size
-        w_dev = weight_bytes(cfg, dtype) // shards
-        usable = hw.memory_gib * GIB * cache.memory_utilization
-        if w_dev + activation_bytes(cfg, dtype) > usable:
+        mem = device_memory(cfg, dtype)
+        if mem.weights + mem.activations > mem.usable:
+            ranks = par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
+            shared = f", shared by {ranks} ranks" if hw.device_kind == "cpu" and ranks > 1 else ""
             problems.append(
-                f"weights ({w_dev / GIB:.1f} GiB per device) and activations do not fit in "
-                f"{usable / GIB:.1f} GiB ({hw.memory_gib} GiB x cache.memory_utilization={cache.memory_utilization}); "
-                f"use more tensor parallelism, a quantization, or bigger hardware"
+                f"weights ({mem.weights / GIB:.1f} GiB per device) and activations do not fit in "
+                f"{mem.usable / GIB:.1f} GiB ({hw.memory_gib} GiB x cache.memory_utilization={cache.memory_utilization}"
+                f"{shared}); use more tensor parallelism, a quantization, or bigger hardware"
             )
         else:
-            if cache.kv_cache_memory_gib is not None:
-                kv_bytes = cache.kv_cache_memory_gib * GIB
-            else:
-                kv_bytes = usable - w_dev - activation_bytes(cfg, dtype)
-            per_block = bs * kv_bytes_per_token(cfg, dtype)
-            blocks = int(kv_bytes // per_block)
             need = -(-mml // bs)
-            if blocks < need:
+            if mem.num_kv_blocks < need:
                 problems.append(
-                    f"the KV cache holds {blocks} blocks ({blocks * bs} tokens) but one max_model_len={mml} "
-                    f"request needs {need}; lower model.max_model_len or give the cache more memory"
+                    f"the KV cache holds {mem.num_kv_blocks} blocks ({mem.num_kv_blocks * bs} tokens) but one "
+                    f"max_model_len={mml} request needs {need}; lower model.max_model_len or give the cache more memory"
                 )
     return problems

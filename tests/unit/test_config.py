@@ -6,7 +6,7 @@ import pytest
 
 from appliance.config.compose import ConfigError, list_options, list_profiles, resolve
 from appliance.config.detect import DeviceDescription, pick_profile
-from appliance.config.plan import GIB, format_plan, make_plan, parameter_counts
+from appliance.config.plan import GIB, device_memory, format_plan, make_plan, parameter_counts
 from appliance.config.validate import validate
 from appliance.runner import compose
 
@@ -261,6 +261,20 @@ def test_plan_splits_a_cpu_hosts_memory_between_its_ranks():
     assert dp2.engine_cores == 2 and one.engine_cores == 1
     assert dp2.kv_cache_bytes < one.kv_cache_bytes / 2  # each core gets half the host, less its own weights
     assert "in each of 2 engine cores" in format_plan(dp2)
+
+
+def test_validation_checks_the_plans_kv_pool():
+    """Validation reads the plan's account of a device (device_memory): a CPU host's data-parallel ranks share
+    its memory, so half a GiB holds a max_model_len request in one engine core but not in each of two (counted
+    over the whole host, the pair passed validation and started with a pool too small for one request)."""
+    base = ["+profile=cpu", "cache.kv_cache_memory_gib=null", "model.max_model_len=8192", "hardware.memory_gib=0.5"]
+    cfg = resolve(base).cfg
+    one = make_plan(cfg)
+    assert device_memory(cfg, one.dtype).num_kv_blocks == one.num_kv_blocks >= 8192 // one.block_size
+    with pytest.raises(ConfigError, match=r"the KV cache holds \d+ blocks \(\d+ tokens\) but one max_model_len=8192"):
+        resolve(base + ["parallel=dp2"])
+    dp2 = make_plan(resolve(base + ["parallel=dp2"], check=False).cfg)
+    assert dp2.num_kv_blocks < 8192 // dp2.block_size
 
 
 def test_fp8_kv_doubles_capacity_per_byte():
