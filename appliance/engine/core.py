@@ -136,7 +136,8 @@ class EngineDeadError(RuntimeError):
     """The model side cannot run steps any more (a worker process died, or
     a step outlasted its timeout, e.g. a hung collective): no request's
     fault, and no retry helps; the engine stops (a server's supervisor
-    starts a new core)."""
+    starts a new core). A server's client raises it too, to the requests
+    of a core that died (``EngineRestartingError`` while a new one starts)."""
 
 
 class Lockstep(Protocol):

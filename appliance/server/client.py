@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, Union
 
 from appliance.config.deployment import Deployment
-from appliance.engine.core import RequestOutputDelta, StepStats
+from appliance.engine.core import EngineDeadError, RequestOutputDelta, StepStats
 from appliance.sampling_params import SamplingParams
 from appliance.server.core_proc import BuildEngine, run_core
 from appliance.server.messages import (
@@ -94,10 +94,6 @@ def process_ending(pid: int) -> bool:
         if line.startswith(b"ShdPnd:"):
             return bool(int(line.split()[1], 16) & SIGKILL_BIT)
     return False
-
-
-class EngineDeadError(RuntimeError):
-    pass
 
 
 class EngineRestartingError(EngineDeadError):
