@@ -201,7 +201,8 @@ class EngineCore:
         self.last_stats = StepStats()
         self._suspects: list[str] = []  # requests to run alone, after a failed step
         self._strikes: dict[str, int] = {}
-        self.token_budget = token_budget  # None: the scheduler's budget stays as configured
+        self.token_budget = token_budget  # None: every step may take the scheduler's configured budget
+        self._objective_budget: Optional[int] = None  # the objective's, refitted before each step; None: configured
         # (preemptions, prefix queries, prefix hits, corrupt offload tier files) at reset_stats()
         self._counted_from = (0, 0, 0, 0)
         self._spec = [0, 0, 0]  # drafts, draft tokens, accepted tokens since reset_stats()
@@ -295,12 +296,18 @@ class EngineCore:
     def block_size(self) -> int:
         return self.scheduler.kv.block_size
 
+    @property
+    def step_token_budget(self) -> int:
+        """The tokens a step may schedule: under a latency objective (``token_budget``)
+        its budget for the next step, else the scheduler's configured one."""
+        return self.scheduler.max_num_batched_tokens if self._objective_budget is None else self._objective_budget
+
     def stats(self, iteration_tokens: int = 0) -> StepStats:
         """Gauges now; counters since the engine was built or ``reset_stats``."""
         s, kv = self.scheduler, self.scheduler.kv
         p0, q0, h0, c0 = self._counted_from
         stats = StepStats(len(s.running), len(s.waiting), kv.usage(), s.num_preemptions - p0,
-                          kv.stats.queries - q0, kv.stats.hits - h0, iteration_tokens, s.max_num_batched_tokens,
+                          kv.stats.queries - q0, kv.stats.hits - h0, iteration_tokens, self.step_token_budget,
                           *self._spec, list(self._spec_per_pos),
                           self.grammars.take_compile_seconds() if self.grammars is not None else [])
         stats.kv_offload_corrupt_blocks = self._corrupt_tier_blocks() - c0
@@ -372,9 +379,9 @@ class EngineCore:
         """The next step (``alone``: only that request; ``in_flight``: requests of steps
         not collected yet), its structured-output masks made."""
         if self.token_budget is not None and alone is None:
-            self.scheduler.max_num_batched_tokens = self._next_budget()
+            self._objective_budget = self._next_budget()
         sched_out = (self._schedule_alone(alone) if alone is not None
-                     else self.scheduler.schedule(max_reqs, in_flight))
+                     else self.scheduler.schedule(max_reqs, in_flight, token_budget=self._objective_budget))
         carried = self._carried
         if carried.finished_req_ids or carried.preempted_req_ids:
             sched_out.finished_req_ids |= carried.finished_req_ids
@@ -660,7 +667,7 @@ class EngineCore:
             s.waiting.add(req)
             s.running = []
         try:
-            return s.schedule()
+            return s.schedule(token_budget=self._objective_budget)
         finally:
             s.running = [r for r in running if r is not req] + s.running
             for r in s.waiting:

@@ -178,7 +178,8 @@ class Scheduler:
         return bool(self.running) or bool(len(self.waiting))
 
     # ------------------------------------------------------------------------
-    def schedule(self, max_reqs: Optional[int] = None, in_flight: Iterable[str] = ()) -> SchedulerOutput:
+    def schedule(self, max_reqs: Optional[int] = None, in_flight: Iterable[str] = (),
+                 token_budget: Optional[int] = None) -> SchedulerOutput:
         """Decide one step: tokens per request, blocks allocated, victims preempted.
 
         With steps in flight (pipeline stages working on several), a
@@ -186,9 +187,11 @@ class Scheduler:
         (unless it has prompt left to compute), and the ones in ``in_flight``
         are never preempted: their outputs are still to come. ``max_reqs``
         caps the requests the step takes (None: no cap but ``max_num_seqs``'s
-        on running requests)."""
+        on running requests); ``token_budget`` the tokens it schedules (None:
+        ``max_num_batched_tokens``; a latency objective sets it per step)."""
         out = SchedulerOutput()
-        budget = _Budget(tokens=self.max_num_batched_tokens, partial_slots=self.max_num_partial_prefills,
+        tokens = self.max_num_batched_tokens if token_budget is None else token_budget
+        budget = _Budget(tokens=tokens, partial_slots=self.max_num_partial_prefills,
                          long_partial_slots=self.max_long_partial_prefills,
                          long_threshold=self.long_prefill_token_threshold)
         if max_reqs is not None:
@@ -214,7 +217,7 @@ class Scheduler:
         # A victim readmitted later in the step is running again.
         out.preempted_req_ids = {r.request_id for r in budget.preempted if r.status == RequestStatus.PREEMPTED}
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
-        assert out.total_num_scheduled_tokens <= self.max_num_batched_tokens
+        assert out.total_num_scheduled_tokens <= tokens
         assert len(self.running) <= self.max_num_seqs
         # Advance computed tokens now, as if the step already ran (vLLM V1).
         for rid, n in budget.num_scheduled.items():

@@ -112,7 +112,7 @@ def test_engine_core_reports_its_kv_pool_and_counts_from_a_reset():
     assert engine.stats().prefix_queries == 9
     assert engine.reset_prefix_cache()
     engine.reset_stats()
-    budget = engine.scheduler.max_num_batched_tokens
+    budget = engine.step_token_budget
     assert engine.stats() == engine.last_stats == StepStats(token_budget=budget)
     _run(engine, "a", prompt)
     _run(engine, "b", prompt)  # hits the two full blocks "a" left in the cache

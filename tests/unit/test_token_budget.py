@@ -210,14 +210,14 @@ def test_with_no_stream_decoding_a_prompt_prefills_at_the_cap():
     scheduled = []
     while engine.has_unfinished_requests():
         engine.step()
-        scheduled.append(engine.scheduler.max_num_batched_tokens)
+        scheduled.append(engine.step_token_budget)
     assert scheduled[:2] == [256, 256]  # the prompt's chunks, nothing decoding beside them
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()  # "a" prefills alone, then decodes
     engine.add_request("b", [5 + i % 400 for i in range(600)], SamplingParams(max_tokens=1, ignore_eos=True))
     engine.step()
     # "a" decodes: the objective's budget holds "b"'s chunks back
-    assert engine.scheduler.max_num_batched_tokens == engine.token_budget.budget < 256
+    assert engine.step_token_budget == engine.token_budget.budget < 256
 
 
 def test_the_engine_steers_its_scheduler_by_measured_steps():
@@ -226,12 +226,13 @@ def test_the_engine_steers_its_scheduler_by_measured_steps():
     llm = LLM(overrides=BASE + ["model=tiny_random", "scheduler.target_itl_ms=5", "scheduler.max_num_seqs=4"])
     engine = llm.engine
     plan = llm.deployment.plan
-    assert engine.scheduler.max_num_batched_tokens == plan.token_budget
+    assert engine.step_token_budget == engine.scheduler.max_num_batched_tokens == plan.token_budget
     llm.generate([[5 + i % 400 for i in range(n)] for n in (300, 20, 700, 9)], SamplingParams(max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
     tb = engine.token_budget
     assert len(tb.samples) > tb.MIN_SAMPLES and tb.fit() is not None  # prefill chunks and decodes were timed
-    assert engine.scheduler.max_num_batched_tokens == tb.budget and 1 <= tb.budget <= 2048
+    assert engine.step_token_budget == tb.budget and 1 <= tb.budget <= 2048
+    assert engine.scheduler.max_num_batched_tokens == plan.token_budget  # the configured one stays as it was
     assert engine.stats().token_budget == tb.budget
 
 
