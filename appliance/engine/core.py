@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union
 import msgspec
 
 from appliance.engine.detokenizer import IncrementalDetokenizer
+from appliance.engine.kv_connector import KVConnectorOutput
 from appliance.engine.kv_p2p import kv_transfer_problem
 from appliance.engine.request import Request, RequestStatus
 from appliance.engine.scheduler import Scheduler, SchedulerOutput
@@ -103,6 +104,8 @@ class StepOutput(Protocol):
     spec_token_ids: dict[str, list[int]]  # drafts proposed for the next step (speculative decoding)
     # (the prompt index of the first token scored, logprobs from it on) for requests asking for prompt logprobs
     prompt_logprobs: dict[str, tuple[int, list[SampledLogprob]]]
+    expert_stats: Optional[dict]  # expert load balancing's figures (models/eplb.py Eplb.stats); None: no balancer
+    kv_connector_output: Optional[KVConnectorOutput]  # what a KV connector's worker side finished; None: none
 
 
 class RequestGrammar(Protocol):
@@ -472,10 +475,10 @@ class EngineCore:
         """A step's output: tokens appended, stops found, text detokenized."""
         connector = self.scheduler.connector
         if connector is not None:
-            self.scheduler.update_from_connector_output(getattr(runner_out, "kv_connector_output", None))
+            self.scheduler.update_from_connector_output(runner_out.kv_connector_output)
             if not sched_out.num_scheduled_tokens and connector.has_transfers:
                 time.sleep(0.002)  # nothing runs until remote KV arrives: do not spin
-        experts = getattr(runner_out, "expert_stats", None)
+        experts = runner_out.expert_stats
         if experts is not None:
             self._experts = experts
             self._slot_ratios += experts["slot_load_ratios"]
@@ -484,7 +487,7 @@ class EngineCore:
         if self._prompt_lps:
             requests = self.scheduler.requests
             self._gather_prompt_logprobs({rid: scored for rid, scored in
-                                          (getattr(runner_out, "prompt_logprobs", None) or {}).items()
+                                          runner_out.prompt_logprobs.items()
                                           if rid in requests and requests[rid].status == RequestStatus.RUNNING})
         stopped: dict[str, tuple[int, Union[str, int, None]]] = {}
         failed: dict[str, Request] = {}
@@ -507,7 +510,7 @@ class EngineCore:
                 failed[rid] = req
         self._count_spec(sched_out, runner_out.sampled_token_ids)
         updates = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids, stopped,
-                                                    getattr(runner_out, "spec_token_ids", None))
+                                                    runner_out.spec_token_ids)
         for u in updates:
             req = u.request
             if req.grammar is not None and req.spec_token_ids and not u.finished:

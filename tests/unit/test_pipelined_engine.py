@@ -22,8 +22,11 @@ def next_token(tokens):
 
 
 class _Out:
+    """A step's output (engine.core.StepOutput): the tokens sampled, nothing else."""
+
     def __init__(self, sampled):
         self.sampled_token_ids, self.logprobs = sampled, {}
+        self.spec_token_ids, self.prompt_logprobs, self.expert_stats, self.kv_connector_output = {}, {}, None, None
 
 
 class TwoStages:
