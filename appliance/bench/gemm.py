@@ -4,7 +4,7 @@ For each projection of the configured model (qkv, o, gate|up, down) and each
 row count (decode batches, prefill chunks), the native linear in the model's
 weight dtype runs with the path the kernels pick on this CPU and, as the
 same-run baseline, with AVX2 FMAs over weights widened to fp32 (the path of
-CPUs without AVX512-BF16, ``cpu_native.bf16_dot(False)``). With
+AVX2-only CPUs: ``cpu_native.bf16_dot(False)`` and ``fma_rows(False)``). With
 ``quantization=int4_wo`` or ``int8_wo`` the weights are those formats (random,
 quantized at the bench's start) and the baseline keeps the rows floating point
 (``cpu_native.int8_rows(False)``: vdpbf16ps, or fp32 FMAs). A layer's weights
@@ -53,33 +53,36 @@ def make_module(k: int, n: int, dtype: torch.dtype, method: str) -> torch.nn.Mod
 
 def time_linear(k: int, n: int, rows: int, dtype: torch.dtype, mib: int, repeat: int, paths: list[bool],
                 method: str = "none") -> dict[bool, float]:
-    """Best seconds a call of a [rows, k] x [k, n] product, per path in ``paths``: the bf16_dot setting for
-    float weights, the int8_rows one for 4- and 8-bit weights (``method``)."""
-    from appliance.kernels.cpu_native import NativeLinear, bf16_dot, int8_rows
+    """Best seconds a call of a [rows, k] x [k, n] product, per path in ``paths``: the int8_rows setting for
+    4- and 8-bit weights (``method``); for float weights, on: the paths this CPU picks, off: the widened
+    AVX2 one (bf16_dot and fma_rows off)."""
+    from appliance.kernels.cpu_native import NativeLinear, bf16_dot, fma_rows, int8_rows
 
-    switch = int8_rows if method in WEIGHT_BYTES else bf16_dot
+    switches = [int8_rows] if method in WEIGHT_BYTES else [bf16_dot, fma_rows]
+    before = [switch() for switch in switches]
     nbytes = WEIGHT_BYTES.get(method, dtype.itemsize)
     copies = max(2, -(-mib * 2**20 // int(k * n * nbytes)))
     linears = [NativeLinear(make_module(k, n, dtype, method)) for _ in range(copies)]
     x, out = torch.randn(rows, k), torch.empty(rows, n)
-    before = switch()
     best: dict[bool, float] = {}
     try:
         for _ in range(repeat):  # the paths interleaved, so both see the same machine
             for on in paths:
-                switch(on)
+                for switch, default in zip(switches, before):
+                    switch(on and default)
                 linears[0](x, out)
                 t = time.perf_counter()
                 for lin in linears:
                     lin(x, out)
                 best[on] = min(best.get(on, float("inf")), (time.perf_counter() - t) / copies)
     finally:
-        switch(before)
+        for switch, default in zip(switches, before):
+            switch(default)
     return best
 
 
 def run(cfg, rows: list[int], mib: int, repeat: int, machine: dict) -> dict:
-    from appliance.kernels.cpu_native import bf16_dot, int8_rows
+    from appliance.kernels.cpu_native import avx512, bf16_dot, fma_rows, int8_rows
 
     method = cfg.quantization.method
     if method not in ("none", *WEIGHT_BYTES):
@@ -87,11 +90,13 @@ def run(cfg, rows: list[int], mib: int, repeat: int, machine: dict) -> dict:
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" and method == "none" else torch.float32
     quantized = method in WEIGHT_BYTES
     peaks = machine["peak_gflops"]
+    fma = dtype == torch.bfloat16 and fma_rows() and avx512()  # bf16 weights in fp32 FMAs, ahead of vdpbf16ps
     peak_name = "int8" if quantized and int8_rows() and "int8" in peaks else \
-        "bf16" if (dtype == torch.bfloat16 or quantized) and "bf16" in peaks and bf16_dot() else "fp32"
+        "bf16" if (dtype == torch.bfloat16 or quantized) and "bf16" in peaks and bf16_dot() and not fma else "fp32"
     peak, bandwidth = peaks[peak_name], machine["peak_bandwidth_GBps"]
-    off = "int8_rows off" if quantized else "bf16_dot off"
-    paths = [True, False] if (int8_rows() if quantized else dtype == torch.bfloat16 and bf16_dot()) else [False]
+    off = "int8_rows off" if quantized else "widened (AVX2)"
+    paths = [True, False] if (int8_rows() if quantized else dtype == torch.bfloat16 and (bf16_dot() or fma)) \
+        else [False]
     nbytes = WEIGHT_BYTES.get(method, dtype.itemsize)
     results = []
     for name, (k, n) in projections(cfg).items():

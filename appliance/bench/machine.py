@@ -78,7 +78,10 @@ def kernel_variants() -> dict[str, str]:
         return {"cpu_native": f"unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"}
     return {"cpu_native": "available",
             "fp32/int8/bf16 GEMV and small GEMMs": "avx2+fma",
-            "bf16 and int4 GEMMs over 6 rows": "avx512_bf16 (vdpbf16ps)" if cpu_native.bf16_dot()
+            "bf16 GEMMs": "avx512f (fp32 FMAs, the weights widened in registers, the rows fp32)"
+            if cpu_native.fma_rows() and cpu_native.avx512() else "avx512_bf16 (vdpbf16ps)" if cpu_native.bf16_dot()
+            else "avx2+fma (widened to fp32)",
+            "int4 GEMMs over 6 rows": "avx512_bf16 (vdpbf16ps)" if cpu_native.bf16_dot()
             else "avx2+fma (widened to fp32)",
             "int4 GEMV and GEMMs of 2-6 rows": "avx512f (16 channels a register, up to 4 rows a pass)"
             if cpu_native.avx512() else "avx2+fma (GEMV; 2-6 rows widened to fp32)",

@@ -1,10 +1,10 @@
 """Native CPU execution (``attention.backend=cpu_native``).
 
 ``csrc/cpu_ops.c`` holds AVX2/FMA kernels: fp32-, bf16-, int8- or int4-weight
-GEMMs with the widening in registers and fp32 activations (batched bf16 GEMMs
-take bf16-rounded rows on AVX512-BF16 where the CPU has it, see
-``bf16_dot``; 4- and 8-bit weights' on int8 rows and VNNI, see
-``int8_rows``), W8A8 int8 GEMMs with int32 sums (AVX512-VNNI where the CPU
+GEMMs with the widening in registers and fp32 activations (bf16 GEMMs in
+AVX-512 FMAs on Intel's CPUs, see ``fma_rows``, or on bf16-rounded rows on
+AVX512-BF16, see ``bf16_dot``; 4- and 8-bit weights' on int8 rows and VNNI,
+see ``int8_rows``), W8A8 int8 GEMMs with int32 sums (AVX512-VNNI where the CPU
 has it, see ``vnni``), AMX tiles for both from 16 rows (``amx``), paged attention that reads K/V blocks in
 place (no gather), fused RMSNorm/rope/KV-write/SiLU, and ``appl_forward``,
 which runs a whole Llama-family step in one call so a decode step pays no
@@ -98,6 +98,8 @@ _LIB.appl_phase_times.argtypes = [ctypes.POINTER(ctypes.c_double), ctypes.c_int]
 _LIB.appl_phase_times.restype = ctypes.c_int
 _LIB.appl_bf16_dot.argtypes = [ctypes.c_int]
 _LIB.appl_bf16_dot.restype = ctypes.c_int
+_LIB.appl_fma_rows.argtypes = [ctypes.c_int]
+_LIB.appl_fma_rows.restype = ctypes.c_int
 _LIB.appl_bf16_attention.argtypes = [ctypes.c_int]
 _LIB.appl_bf16_attention.restype = ctypes.c_int
 _LIB.appl_avx512.argtypes = [ctypes.c_int]
@@ -130,10 +132,26 @@ def bf16_dot(enabled: Optional[bool] = None) -> bool:
     row's result the same bits whatever shares its step) rather than in fp32
     FMAs; on by default where the CPU has it, unless
     ``APPLIANCE_CPU_BF16_DOT=0`` (benchmarks then see what an AVX2-only CPU
-    runs). ``enabled`` switches it (off: bf16 weights give the same sums as
+    runs). bf16 weights take ``fma_rows`` first where that is on.
+    ``enabled`` switches it (off: bf16 weights give the same sums as
     fp32 weights of the bf16 values, bit for bit); on is refused, returning
     False, where the CPU lacks it."""
     return bool(_LIB.appl_bf16_dot(-1 if enabled is None else int(enabled)))
+
+
+def fma_rows(enabled: Optional[bool] = None) -> bool:
+    """Whether bf16-weight GEMMs run in AVX-512 fp32 FMAs at every row count
+    (the rows fp32 as they come, each weight widened exactly in registers,
+    one chain per row and channel: a row's result the same bits whatever
+    shares its step), ahead of ``bf16_dot``, while ``avx512`` is on. On by
+    default where the CPU has AVX-512F, except where vdpbf16ps does more
+    multiply-adds a cycle (AMD's AVX512-BF16 CPUs: twice the FMAs') or AMX-BF16
+    takes 16 rows and more (it shares vdpbf16ps's rounding of the rows);
+    Intel's AVX512-BF16 CPUs issue vdpbf16ps once every two cycles, half the
+    FMAs' multiply-adds. ``APPLIANCE_CPU_FMA_ROWS=0`` or ``=1`` sets it.
+    ``enabled`` switches it; on is refused, returning False, where the CPU
+    lacks AVX-512F."""
+    return bool(_LIB.appl_fma_rows(-1 if enabled is None else int(enabled)))
 
 
 def bf16_attention(enabled: Optional[bool] = None) -> bool:
@@ -219,6 +237,8 @@ def host_notes(cfg: Any, dtype: str) -> list[str]:
                 "to int8 per group of inputs, the sums exact in int32; q/k/v and the LM head keep float rows"
                 + (", on vdpbf16ps" if bf16_dot() else "") + ")"
                 + (", on AMX tiles (tdpbf16ps) from 16 rows" if amx() and bf16_dot() else ""))
+    elif dtype == "bfloat16" and q == "none" and fma_rows() and avx512():
+        gemm = "GEMMs in AVX-512 fp32 FMAs, the bf16 weights widened in registers, the rows fp32"
     elif (dtype == "bfloat16" or q != "none") and q in _BF16_DOT_QUANT and bf16_dot():
         gemm = ("GEMMs on vdpbf16ps" + (", on AMX tiles (tdpbf16ps) from 16 rows" if amx() else "")
                 + ", the rows rounded to bf16")
@@ -259,6 +279,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
 
 if os.environ.get("APPLIANCE_CPU_BF16_DOT") == "0":
     bf16_dot(False)
+if os.environ.get("APPLIANCE_CPU_FMA_ROWS") in ("0", "1"):
+    fma_rows(os.environ["APPLIANCE_CPU_FMA_ROWS"] == "1")
 if os.environ.get("APPLIANCE_CPU_BF16_ATTENTION") in ("0", "1"):
     bf16_attention(os.environ["APPLIANCE_CPU_BF16_ATTENTION"] == "1")
 if os.environ.get("APPLIANCE_CPU_AVX512") == "0":

@@ -38,7 +38,9 @@ def test_machine(out):
 
     variants = m["kernel_variants"]  # chosen from CPUID on this machine, whichever it is
     assert variants["cpu_native"] == "available"
-    assert variants["bf16 and int4 GEMMs over 6 rows"].startswith("avx512_bf16" if cpu_native.bf16_dot() else "avx2+fma")
+    assert variants["bf16 GEMMs"].startswith("avx512f" if cpu_native.fma_rows() and cpu_native.avx512() else
+                                             "avx512_bf16" if cpu_native.bf16_dot() else "avx2+fma")
+    assert variants["int4 GEMMs over 6 rows"].startswith("avx512_bf16" if cpu_native.bf16_dot() else "avx2+fma")
     assert variants["int4 GEMV and GEMMs of 2-6 rows"].startswith("avx512f" if cpu_native.avx512() else "avx2+fma")
     assert variants["prefill attention tiles"].startswith("avx512f" if cpu_native.avx512() else "avx2+fma")
     assert variants["int4 and int8 weights' GEMMs over 6 rows"].startswith(
@@ -59,7 +61,8 @@ def test_gemm(out, cli):
     shapes = {(x["projection"], x["k"], x["n"]) for x in g["results"]}
     assert shapes == {("qkv", 64, 128), ("o", 64, 64), ("gate_up", 64, 256), ("down", 128, 64)}
     paths = {x["path"] for x in g["results"]}
-    assert paths == ({"default", "bf16_dot off"} if cpu_native.bf16_dot() else {"default"})
+    fast = cpu_native.bf16_dot() or (cpu_native.fma_rows() and cpu_native.avx512())
+    assert paths == ({"default", "widened (AVX2)"} if fast else {"default"})
     for x in g["results"]:
         assert x["ms"] > 0 and math.isclose(x["gflops"], 2 * x["rows"] * x["k"] * x["n"] / x["ms"] / 1e6, rel_tol=1e-9)
         assert x["share_of_peak_gflops"] > 0 and x["share_of_bandwidth"] > 0

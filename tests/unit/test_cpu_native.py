@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from appliance import LLM, SamplingParams
-from appliance.kernels.cpu_native import (CpuNativeBackend, NativeLinear, amx, avx512, bf16_attention, bf16_dot,
+from appliance.kernels.cpu_native import (CpuNativeBackend, NativeLinear, amx, avx512, bf16_attention, bf16_dot, fma_rows,
                                           int8_rows, pack_q4_panels, vnni)
 from appliance.kernels.registry import Selection
 from appliance.models.quant import (GroupedInt8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4,
@@ -49,7 +49,7 @@ needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU (or its OS) has no 
 
 @contextlib.contextmanager
 def _pinned(switch, enabled):
-    """Pin a run-time kernel choice (bf16_dot, bf16_attention, avx512, vnni or amx) for a block."""
+    """Pin a run-time kernel choice (bf16_dot, fma_rows, bf16_attention, avx512, vnni or amx) for a block."""
     before = switch()
     switch(enabled)
     try:
@@ -60,9 +60,10 @@ def _pinned(switch, enabled):
 
 def _bf16_dot(enabled):
     """Pin the batched bf16 GEMM path (vdpbf16ps or widen) for a block, the rows of 4- and 8-bit weights'
-    GEMMs kept in floating point (int8_rows off)."""
+    GEMMs kept in floating point (int8_rows off), bf16 weights off AVX-512 FMAs (fma_rows off)."""
     stack = contextlib.ExitStack()
     stack.enter_context(_pinned(bf16_dot, enabled))
+    stack.enter_context(_pinned(fma_rows, False))
     stack.enter_context(_pinned(int8_rows, False))
     return stack
 
@@ -72,6 +73,7 @@ def _avx2_only():
     rows), no AMX."""
     stack = contextlib.ExitStack()
     stack.enter_context(_pinned(bf16_dot, False))
+    stack.enter_context(_pinned(fma_rows, False))
     stack.enter_context(_pinned(avx512, False))
     stack.enter_context(_pinned(vnni, False))
     stack.enter_context(_pinned(int8_rows, False))
@@ -228,6 +230,44 @@ def test_bf16_dot_gemm_matches_the_widen_path_on_rounded_rows(tiles, kind, m, n,
     for a, want in ((got, widen), (got, F.linear(xr, w_ref, b)), (acc, base + widen)):
         assert ((a - want).abs() <= 1e-5 * (terms + base.abs())).all()
     assert not torch.allclose(got, unrounded, rtol=1e-5, atol=1e-5)  # the path under test did run
+
+
+@needs_avx512
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 12, 13, 23, 25, 100])
+@pytest.mark.parametrize("n,k", [(7, 13), (12, 16), (50, 40), (33, 200), (9, 1000), (20, 1), (200, 96)])
+def test_bf16_gemm_in_avx512_fmas_matches_torch_on_fp32_rows(m, n, k):
+    """With fma_rows on, bf16 weights are widened in registers and the rows stay fp32: torch's product of
+    the same values up to summation order, the rows not rounded (vdpbf16ps's would be), every tile shape
+    (one row by eight panels, up to three by four, six by two, twelve by one, the remainders; panels left
+    over at the end of a thread's share); accumulate adds into the output."""
+    mod, w_ref, b = _module("bf16", n, k, bias=(n % 2 == 1), seed=m * 1000 + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    base = torch.randn(m, n)
+    with _pinned(avx512, True), _pinned(fma_rows, True), _pinned(bf16_dot, False):
+        got = NativeLinear(mod)(x)
+        acc = base.clone()
+        NativeLinear(mod)(x, out=acc, accumulate=True)
+    terms = x.abs() @ w_ref.abs().T + (0 if b is None else b.abs())
+    want = F.linear(x, w_ref, b)
+    for a, ref in ((got, want), (acc, base + want)):
+        assert ((a - ref).abs() <= 1e-5 * (terms + base.abs())).all()
+    if HAS_BF16_DOT and k > 1:  # the rows were not rounded to bf16 on the way in
+        with _bf16_dot(True), _pinned(amx, False):
+            assert not torch.allclose(got, NativeLinear(mod)(x), rtol=1e-6, atol=1e-6)
+
+
+@needs_avx512
+def test_a_rows_result_in_avx512_fmas_does_not_depend_on_the_rows_beside_it():
+    """fma_rows sums each row and channel in one chain, k in order, at every row count: a row's result is
+    the same bits alone, by two, by three, in a decode batch and in a prefill chunk."""
+    mod, _, _ = _module("bf16", 70, 300, bias=True, seed=1)
+    lin = NativeLinear(mod)
+    x = torch.randn(60, 300, generator=torch.Generator().manual_seed(0))
+    with _pinned(avx512, True), _pinned(fma_rows, True):
+        whole = lin(x)
+        for rows in (slice(0, 1), slice(5, 6), slice(0, 2), slice(0, 3), slice(3, 9), slice(9, 17), slice(17, 41),
+                     slice(41, 60)):
+            assert torch.equal(lin(x[rows]), whole[rows]), rows
 
 
 def _int4(n, k, group, seed, params="fp16"):
@@ -882,6 +922,7 @@ def test_int8_rows_results_do_not_depend_on_the_batch():
 
 
 @pytest.mark.parametrize("switch,variable", [pytest.param("bf16_dot", "APPLIANCE_CPU_BF16_DOT", marks=needs_bf16_dot),
+                                             pytest.param("fma_rows", "APPLIANCE_CPU_FMA_ROWS", marks=needs_avx512),
                                              pytest.param("bf16_attention", "APPLIANCE_CPU_BF16_ATTENTION",
                                                           marks=needs_bf16_dot),
                                              pytest.param("vnni", "APPLIANCE_CPU_VNNI", marks=needs_vnni),
@@ -949,6 +990,9 @@ def test_the_plan_says_which_kernels_run_on_this_cpu():
             assert "prefill attention tiles on vdpbf16ps" in note()
         with _bf16_dot(True):
             assert "GEMMs on vdpbf16ps" in note("quantization=none")
+    if HAS_AVX512:
+        with _pinned(fma_rows, True):
+            assert "GEMMs in AVX-512 fp32 FMAs, the bf16 weights widened" in note("quantization=none")
     if HAS_VNNI:  # int8 rows where the CPU has VNNI
         with _pinned(int8_rows, True):
             assert "GEMMs on integer dot products" in note("quantization=int4_wo")

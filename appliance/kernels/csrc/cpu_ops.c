@@ -622,7 +622,8 @@ static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out
  * sums, see gtile) runs on vdpbf16ps at every row count: one
  * instruction multiplies 16 channels by two k (four times the
  * multiply-adds of an AVX2 FMA); 2.5-3x the widen path at 8-32 rows on an
- * AVX512-BF16 EPYC. vdpbf16ps takes bf16 on both sides, so the rows are
+ * AVX512-BF16 EPYC. (Intel's issue it at half the rate of zmm FMAs: there
+ * bf16 weights take "bf16 weights in AVX-512 FMAs" below.) vdpbf16ps takes bf16 on both sides, so the rows are
  * rounded to bf16 (nearest even) once per call: products are exact and
  * sums fp32, so the result is the fp32 kernel's on the rounded rows up to
  * summation order. Up to DR rows read the stored panels, each k pair made
@@ -650,7 +651,7 @@ AVX512_TARGET static inline __m512 load_qp512(const Linear *L, int64_t i) {
 #define DOT_PREFETCH 8192 /* bytes ahead of a stored panel's stream (weights come from memory, not a cache) */
 #endif
 
-static int g_has_avx512, g_avx512, g_has_bf16_dot, g_bf16_dot, g_has_bf16_att, g_bf16_att;
+static int g_has_avx512, g_avx512, g_has_bf16_dot, g_bf16_dot, g_has_bf16_att, g_bf16_att, g_has_fma_rows, g_fma_rows;
 
 /* AVX512F and AVX512BW in CPUID with the OS saving zmm and mask state (XCR0): 1; with AVX512-BF16 too: 2. */
 static int cpu_avx512_level(void) {
@@ -669,21 +670,39 @@ static int cpu_is_amd(void) {
     return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;
 }
 
+/* CPUID lists AMX-BF16. */
+static int cpu_has_amx_bf16(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1);
+}
+
 static void __attribute__((constructor)) probe_avx512(void) {
     const int level = cpu_avx512_level();
     g_has_avx512 = g_avx512 = level >= 1;
     g_has_bf16_dot = g_bf16_dot = level >= 2;
     /* The prefill attention tiles on vdpbf16ps (see "The same tile on AVX512-BF16") by default where it does
-     * twice the multiply-adds a cycle of fp32 FMAs: AMD's (Zen 4 on). Intel's AVX512-BF16 CPUs issue it on one
-     * port where FMAs take two, the same multiply-adds a cycle, and there the fp32 tiles ran faster. */
+     * twice the multiply-adds a cycle of fp32 FMAs: AMD's (Zen 4 on). Intel's AVX512-BF16 CPUs issue it once
+     * every two cycles where zmm FMAs issue twice a cycle, half the multiply-adds, and there the fp32 tiles
+     * ran faster. */
     g_has_bf16_att = level >= 2;
     g_bf16_att = g_has_bf16_att && cpu_is_amd();
+    /* bf16-weight GEMMs in AVX-512 FMAs (see "bf16 weights in AVX-512 FMAs") by default where vdpbf16ps does
+     * fewer multiply-adds a cycle than the FMAs (Intel's CPUs) or is absent; not where AMX-BF16 takes 16 rows
+     * and more, whose rounding of the rows vdpbf16ps shares. */
+    g_has_fma_rows = level >= 1;
+    g_fma_rows = g_has_fma_rows && !(level >= 2 && cpu_is_amd()) && !cpu_has_amx_bf16();
 }
 
 /* The vdpbf16ps path: set < 0 asks, 0 turns it off, 1 on (where the CPU has it). Returns the state. */
 int appl_bf16_dot(int set) {
     if (set >= 0) g_bf16_dot = set && g_has_bf16_dot;
     return g_bf16_dot;
+}
+
+/* bf16-weight GEMMs in AVX-512 FMAs over fp32 rows (ahead of vdpbf16ps, while avx512 is on), the same way. */
+int appl_fma_rows(int set) {
+    if (set >= 0) g_fma_rows = set && g_has_fma_rows;
+    return g_fma_rows;
 }
 
 /* Prefill attention tiles on vdpbf16ps over a bf16 or fp8 cache, the same way. */
@@ -1025,6 +1044,103 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
                 }
             }
             for (int i = 0; i < (int)mr; i++) store_out(L, out + (m + i) * ldo + n0, n0, c[i], nv, accumulate);
+        }
+    }
+}
+
+/* ------------------------------------------- bf16 weights in AVX-512 FMAs */
+/*
+ * On Intel's AVX512-BF16 CPUs without AMX vdpbf16ps issues once every two cycles where zmm FMAs issue
+ * twice a cycle: half the multiply-adds a cycle (a 2-vCPU Emerald Rapids: 92 against 187 GFLOP/s a core;
+ * AMD's Zen 4 issues it as often as its FMAs, twice their multiply-adds). There a bf16-weight GEMM runs
+ * in fp32 FMAs over the rows as they come, fp32 (not rounded), each panel's k row widened in registers: a
+ * masked vpermw puts the 16 bf16 weights in the high halves of 16 fp32 lanes, exactly. Every (row,
+ * channel) sums in one chain, k in order, whatever the tile it falls in (FR rows by one panel; fewer rows
+ * by more panels, for chains enough to cover the FMA latency): a row's result is the same bits whatever
+ * else the call holds, as on vdpbf16ps. Rows are blocked so a block's fp32 rows stay in L2 while the
+ * panels pass over them; a panel comes from memory once a block, prefetched ahead.
+ */
+#define FR 12 /* rows per fp32 tile: 12 zmm accumulators */
+
+/* vpermw indices (with mask 0xaaaaaaaa) putting word c of 16 in the high half of dword c. */
+AVX512_TARGET static inline __m512i bf16_high_lanes(void) {
+    return _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2,
+                            0, 1, 0, 0, 0);
+}
+
+/* mr rows (fp32, stride ldx) by np bf16 panels as stored from pb ([k][PW] each, panel stride pstride):
+ * c[q][i] = sum_k x[i][k] * w_q[k], one fp32 FMA chain per row and channel, k in order. */
+AVX512_TARGET static inline __attribute__((always_inline)) void ftile(const float *x, int64_t ldx,
+                                                                      const uint16_t *pb, int64_t pstride,
+                                                                      int64_t k, const int mr, const int np,
+                                                                      float c[][FR][PW]) {
+    const __m512i lanes = bf16_high_lanes();
+    __m512 a[8][FR];
+    for (int q = 0; q < np; q++)
+        for (int i = 0; i < FR; i++) a[q][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j++) {
+        __m512 w[8];
+        for (int q = 0; q < np; q++) {
+            const uint16_t *pj = pb + q * pstride + j * PW;
+            if (!(j & 1)) _mm_prefetch((const char *)pj + DOT_PREFETCH, _MM_HINT_T0); /* a line is two k rows */
+            w[q] = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
+                0xaaaaaaaau, lanes, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)pj))));
+        }
+        for (int i = 0; i < FR; i++)
+            if (i < mr) {
+                const __m512 xi = _mm512_set1_ps(x[i * ldx + j]);
+                for (int q = 0; q < np; q++) a[q][i] = _mm512_fmadd_ps(xi, w[q], a[q][i]);
+            }
+    }
+    for (int q = 0; q < np; q++)
+        for (int i = 0; i < mr; i++) _mm512_storeu_ps(c[q][i], a[q][i]);
+}
+
+#define FTILE_CASE(R, NP) case R: ftile(xr, ldx, pb, pstride, k, R, NP, c); break;
+
+/* Rows [0, m) of x (fp32, stride ldx) against bf16 panels [p0, p1), in blocks of rows that stay in L2
+ * while the panels pass over them: FR-row tiles by one panel (a short remainder shares the last 2 FR rows
+ * evenly); a call of up to six rows takes its rows by two panels at a time, up to three by four, one by
+ * eight (chains enough to cover the FMA latency). */
+AVX512_TARGET static void packed_rows_fma(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo,
+                                          int64_t m, int64_t p0, int64_t p1, int accumulate) {
+    float c[8][FR][PW];
+    const int64_t k = L->k, pstride = k * PW;
+    int64_t mc = (1024 * 1024 / 4) / (k > 0 ? k : 1); /* a MiB of fp32 rows */
+    mc = mc < 2 * FR ? 2 * FR : (mc / FR) * FR;
+    const int most = m <= 1 ? 8 : m <= 3 ? 4 : m <= 6 ? 2 : 1;
+    for (int64_t m0 = 0; m0 < m; m0 += mc) {
+        const int64_t m1 = m0 + mc < m ? m0 + mc : m;
+        for (int64_t pn = p0; pn < p1;) {
+            const int np = p1 - pn >= most ? most : p1 - pn >= 4 && most >= 4 ? 4 : p1 - pn >= 2 && most >= 2 ? 2 : 1;
+            const uint16_t *pb = (const uint16_t *)L->w + pn * pstride;
+            for (int64_t r = m0, mr; r < m1; r += mr) {
+                const int64_t left = m1 - r;
+                mr = left >= 2 * FR || left <= FR ? (left < FR ? left : FR) : (left + 1) / 2;
+                const float *xr = x + r * ldx;
+                if (np == 8) {
+                    ftile(xr, ldx, pb, pstride, k, 1, 8, c);
+                } else if (np == 4) {
+                    switch (mr) { FTILE_CASE(3, 4) FTILE_CASE(2, 4) default: ftile(xr, ldx, pb, pstride, k, 1, 4, c); }
+                } else if (np == 2) {
+                    switch (mr) {
+                        FTILE_CASE(6, 2) FTILE_CASE(5, 2) FTILE_CASE(4, 2) FTILE_CASE(3, 2) FTILE_CASE(2, 2)
+                        default: ftile(xr, ldx, pb, pstride, k, 1, 2, c);
+                    }
+                } else {
+                    switch (mr) {
+                        FTILE_CASE(12, 1) FTILE_CASE(11, 1) FTILE_CASE(10, 1) FTILE_CASE(9, 1) FTILE_CASE(8, 1)
+                        FTILE_CASE(7, 1) FTILE_CASE(6, 1) FTILE_CASE(5, 1) FTILE_CASE(4, 1) FTILE_CASE(3, 1)
+                        FTILE_CASE(2, 1) default: ftile(xr, ldx, pb, pstride, k, 1, 1, c);
+                    }
+                }
+                for (int q = 0; q < np; q++) {
+                    const int64_t n0 = (pn + q) * PW;
+                    const int nv = (int)(L->n - n0 < PW ? L->n - n0 : PW);
+                    for (int i = 0; i < (int)mr; i++) store_out(L, out + (r + i) * ldo + n0, n0, c[q][i], nv, accumulate);
+                }
+            }
+            pn += np;
         }
     }
 }
@@ -1769,6 +1885,16 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
         return;
     }
     const int64_t panels = (L->n + PW - 1) / PW, kp = L->k + (L->k & 1);
+    if (L->wtype == WTYPE_BF16 && g_fma_rows && g_avx512) { /* at every row count, the same sums */
+#pragma omp parallel
+        {
+            const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+            const int64_t per = (panels + nt - 1) / nt;
+            const int64_t p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
+            if (p0 < p1) packed_rows_fma(L, x, ldx, out, ldo, m, p0, p1, accumulate);
+        }
+        return;
+    }
     int64_t mc = (192 * 1024 / 4) / (L->k > 0 ? L->k : 1);
     mc = mc < 6 ? 6 : (mc / 6) * 6;
     const int q4 = L->wtype == WTYPE_Q4, grouped = q4 || L->wtype == WTYPE_Q8G;
