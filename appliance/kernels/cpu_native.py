@@ -140,10 +140,12 @@ def bf16_dot(enabled: Optional[bool] = None) -> bool:
 
 
 def fma_rows(enabled: Optional[bool] = None) -> bool:
-    """Whether bf16-weight GEMMs run in AVX-512 fp32 FMAs at every row count
-    (the rows fp32 as they come, each weight widened exactly in registers,
-    one chain per row and channel: a row's result the same bits whatever
-    shares its step), ahead of ``bf16_dot``, while ``avx512`` is on. On by
+    """Whether bf16-weight GEMMs (and int8 per-channel ones that keep float
+    rows: ``int8_wo``'s q/k/v and LM head, or all of them with ``int8_rows``
+    off) run in AVX-512 fp32 FMAs at every row count (the rows fp32 as they
+    come, each weight widened exactly in registers, one chain per row and
+    channel: a row's result the same bits whatever shares its step), ahead
+    of ``bf16_dot``, while ``avx512`` is on. On by
     default where the CPU has AVX-512F, except where vdpbf16ps does more
     multiply-adds a cycle (AMD's AVX512-BF16 CPUs: twice the FMAs') or AMX-BF16
     takes 16 rows and more (it shares vdpbf16ps's rounding of the rows);
@@ -235,7 +237,8 @@ def host_notes(cfg: Any, dtype: str) -> list[str]:
     elif q in BACKENDS["cpu_native"].int8_gemm_quantizations and int8_rows():
         gemm = ("GEMMs on integer dot products (AVX512-VNNI vpdpbusd; the rows quantized "
                 "to int8 per group of inputs, the sums exact in int32; q/k/v and the LM head keep float rows"
-                + (", on vdpbf16ps" if bf16_dot() else "") + ")"
+                + (", in AVX-512 fp32 FMAs" if q == "int8_wo" and fma_rows() and avx512()
+                   else ", on vdpbf16ps" if bf16_dot() else "") + ")"
                 + (", on AMX tiles (tdpbf16ps) from 16 rows" if amx() and bf16_dot() else ""))
     elif dtype == "bfloat16" and q == "none" and fma_rows() and avx512():
         gemm = "GEMMs in AVX-512 fp32 FMAs, the bf16 weights widened in registers, the rows fp32"

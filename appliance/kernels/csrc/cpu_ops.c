@@ -686,9 +686,9 @@ static void __attribute__((constructor)) probe_avx512(void) {
      * ran faster. */
     g_has_bf16_att = level >= 2;
     g_bf16_att = g_has_bf16_att && cpu_is_amd();
-    /* bf16-weight GEMMs in AVX-512 FMAs (see "bf16 weights in AVX-512 FMAs") by default where vdpbf16ps does
-     * fewer multiply-adds a cycle than the FMAs (Intel's CPUs) or is absent; not where AMX-BF16 takes 16 rows
-     * and more, whose rounding of the rows vdpbf16ps shares. */
+    /* bf16 and int8 GEMMs of float rows in AVX-512 FMAs (see "bf16 weights in AVX-512 FMAs") by default
+     * where vdpbf16ps does fewer multiply-adds a cycle than the FMAs (Intel's CPUs) or is absent; not where
+     * AMX-BF16 takes 16 rows and more, whose rounding of the rows vdpbf16ps shares. */
     g_has_fma_rows = level >= 1;
     g_fma_rows = g_has_fma_rows && !(level >= 2 && cpu_is_amd()) && !cpu_has_amx_bf16();
 }
@@ -699,7 +699,7 @@ int appl_bf16_dot(int set) {
     return g_bf16_dot;
 }
 
-/* bf16-weight GEMMs in AVX-512 FMAs over fp32 rows (ahead of vdpbf16ps, while avx512 is on), the same way. */
+/* bf16- and int8-weight GEMMs of float rows in AVX-512 FMAs (ahead of vdpbf16ps, while avx512 is on), the same way. */
 int appl_fma_rows(int set) {
     if (set >= 0) g_fma_rows = set && g_has_fma_rows;
     return g_fma_rows;
@@ -1052,13 +1052,15 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
 /*
  * On Intel's AVX512-BF16 CPUs without AMX vdpbf16ps issues once every two cycles where zmm FMAs issue
  * twice a cycle: half the multiply-adds a cycle (a 2-vCPU Emerald Rapids: 92 against 187 GFLOP/s a core;
- * AMD's Zen 4 issues it as often as its FMAs, twice their multiply-adds). There a bf16-weight GEMM runs
- * in fp32 FMAs over the rows as they come, fp32 (not rounded), each panel's k row widened in registers: a
- * masked vpermw puts the 16 bf16 weights in the high halves of 16 fp32 lanes, exactly. Every (row,
- * channel) sums in one chain, k in order, whatever the tile it falls in (FR rows by one panel; fewer rows
- * by more panels, for chains enough to cover the FMA latency): a row's result is the same bits whatever
- * else the call holds, as on vdpbf16ps. Rows are blocked so a block's fp32 rows stay in L2 while the
- * panels pass over them; a panel comes from memory once a block, prefetched ahead.
+ * AMD's Zen 4 issues it as often as its FMAs, twice their multiply-adds). There a bf16-weight GEMM (and
+ * an int8 per-channel one that keeps float rows: the q/k/v projection and LM head of int8_wo) runs in
+ * fp32 FMAs over the rows as they come, fp32 (not rounded), each panel's k row widened in registers,
+ * exactly: a masked vpermw puts 16 bf16 weights in the high halves of 16 fp32 lanes (int8: vpmovsxbd,
+ * vcvtdq2ps). Every (row, channel) sums in one chain, k in order, whatever the tile it falls in (FR rows
+ * by one panel; fewer rows by more panels, for chains enough to cover the FMA latency): a row's result
+ * is the same bits whatever else the call holds, as on vdpbf16ps. Rows are blocked so a block's fp32
+ * rows stay in L2 while the panels pass over them; a panel comes from memory once a block, prefetched
+ * ahead.
  */
 #define FR 12 /* rows per fp32 tile: 12 zmm accumulators */
 
@@ -1068,23 +1070,27 @@ AVX512_TARGET static inline __m512i bf16_high_lanes(void) {
                             0, 1, 0, 0, 0);
 }
 
-/* mr rows (fp32, stride ldx) by np bf16 panels as stored from pb ([k][PW] each, panel stride pstride):
- * c[q][i] = sum_k x[i][k] * w_q[k], one fp32 FMA chain per row and channel, k in order. */
-AVX512_TARGET static inline __attribute__((always_inline)) void ftile(const float *x, int64_t ldx,
-                                                                      const uint16_t *pb, int64_t pstride,
-                                                                      int64_t k, const int mr, const int np,
+/* mr rows (fp32, stride ldx) by np panels as stored from pb ([k][PW] each, panel stride pstride elements),
+ * bf16 (i8 0: each k row widened in registers by a masked vpermw) or int8 (i8 1: sign-extended and
+ * converted, exact): c[q][i] = sum_k x[i][k] * w_q[k], one fp32 FMA chain per row and channel, k in order
+ * (an int8 panel's channel scale is applied on the way out). */
+AVX512_TARGET static inline __attribute__((always_inline)) void ftile(const float *x, int64_t ldx, const void *pb,
+                                                                      int64_t pstride, int64_t k, const int mr,
+                                                                      const int np, const int i8,
                                                                       float c[][FR][PW]) {
     const __m512i lanes = bf16_high_lanes();
+    const int64_t line = i8 ? 3 : 1; /* a cache line holds four int8 k rows, two bf16 ones */
     __m512 a[8][FR];
     for (int q = 0; q < np; q++)
         for (int i = 0; i < FR; i++) a[q][i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < k; j++) {
         __m512 w[8];
         for (int q = 0; q < np; q++) {
-            const uint16_t *pj = pb + q * pstride + j * PW;
-            if (!(j & 1)) _mm_prefetch((const char *)pj + DOT_PREFETCH, _MM_HINT_T0); /* a line is two k rows */
-            w[q] = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
-                0xaaaaaaaau, lanes, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)pj))));
+            const char *pj = (const char *)pb + (q * pstride + j * PW) * (i8 ? 1 : 2);
+            if (!(j & line)) _mm_prefetch(pj + DOT_PREFETCH, _MM_HINT_T0);
+            w[q] = i8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)pj)))
+                      : _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
+                            0xaaaaaaaau, lanes, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)pj))));
         }
         for (int i = 0; i < FR; i++)
             if (i < mr) {
@@ -1096,14 +1102,16 @@ AVX512_TARGET static inline __attribute__((always_inline)) void ftile(const floa
         for (int i = 0; i < mr; i++) _mm512_storeu_ps(c[q][i], a[q][i]);
 }
 
-#define FTILE_CASE(R, NP) case R: ftile(xr, ldx, pb, pstride, k, R, NP, c); break;
+#define FTILE_CASE(R, NP) case R: ftile(xr, ldx, pb, pstride, k, R, NP, I8, c); break;
 
-/* Rows [0, m) of x (fp32, stride ldx) against bf16 panels [p0, p1), in blocks of rows that stay in L2
+/* Rows [0, m) of x (fp32, stride ldx) against bf16 or int8 panels [p0, p1), in blocks of rows that stay in L2
  * while the panels pass over them: FR-row tiles by one panel (a short remainder shares the last 2 FR rows
  * evenly); a call of up to six rows takes its rows by two panels at a time, up to three by four, one by
  * eight (chains enough to cover the FMA latency). */
-AVX512_TARGET static void packed_rows_fma(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo,
-                                          int64_t m, int64_t p0, int64_t p1, int accumulate) {
+AVX512_TARGET static inline __attribute__((always_inline)) void rows_fma(const Linear *L, const float *x, int64_t ldx,
+                                                                         float *out, int64_t ldo, int64_t m,
+                                                                         int64_t p0, int64_t p1, int accumulate,
+                                                                         const int I8) {
     float c[8][FR][PW];
     const int64_t k = L->k, pstride = k * PW;
     int64_t mc = (1024 * 1024 / 4) / (k > 0 ? k : 1); /* a MiB of fp32 rows */
@@ -1113,25 +1121,25 @@ AVX512_TARGET static void packed_rows_fma(const Linear *L, const float *x, int64
         const int64_t m1 = m0 + mc < m ? m0 + mc : m;
         for (int64_t pn = p0; pn < p1;) {
             const int np = p1 - pn >= most ? most : p1 - pn >= 4 && most >= 4 ? 4 : p1 - pn >= 2 && most >= 2 ? 2 : 1;
-            const uint16_t *pb = (const uint16_t *)L->w + pn * pstride;
+            const char *pb = (const char *)L->w + pn * pstride * (I8 ? 1 : 2);
             for (int64_t r = m0, mr; r < m1; r += mr) {
                 const int64_t left = m1 - r;
                 mr = left >= 2 * FR || left <= FR ? (left < FR ? left : FR) : (left + 1) / 2;
                 const float *xr = x + r * ldx;
                 if (np == 8) {
-                    ftile(xr, ldx, pb, pstride, k, 1, 8, c);
+                    ftile(xr, ldx, pb, pstride, k, 1, 8, I8, c);
                 } else if (np == 4) {
-                    switch (mr) { FTILE_CASE(3, 4) FTILE_CASE(2, 4) default: ftile(xr, ldx, pb, pstride, k, 1, 4, c); }
+                    switch (mr) { FTILE_CASE(3, 4) FTILE_CASE(2, 4) default: ftile(xr, ldx, pb, pstride, k, 1, 4, I8, c); }
                 } else if (np == 2) {
                     switch (mr) {
                         FTILE_CASE(6, 2) FTILE_CASE(5, 2) FTILE_CASE(4, 2) FTILE_CASE(3, 2) FTILE_CASE(2, 2)
-                        default: ftile(xr, ldx, pb, pstride, k, 1, 2, c);
+                        default: ftile(xr, ldx, pb, pstride, k, 1, 2, I8, c);
                     }
                 } else {
                     switch (mr) {
                         FTILE_CASE(12, 1) FTILE_CASE(11, 1) FTILE_CASE(10, 1) FTILE_CASE(9, 1) FTILE_CASE(8, 1)
                         FTILE_CASE(7, 1) FTILE_CASE(6, 1) FTILE_CASE(5, 1) FTILE_CASE(4, 1) FTILE_CASE(3, 1)
-                        FTILE_CASE(2, 1) default: ftile(xr, ldx, pb, pstride, k, 1, 1, c);
+                        FTILE_CASE(2, 1) default: ftile(xr, ldx, pb, pstride, k, 1, 1, I8, c);
                     }
                 }
                 for (int q = 0; q < np; q++) {
@@ -1143,6 +1151,12 @@ AVX512_TARGET static void packed_rows_fma(const Linear *L, const float *x, int64
             pn += np;
         }
     }
+}
+
+AVX512_TARGET static void packed_rows_fma(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo,
+                                          int64_t m, int64_t p0, int64_t p1, int accumulate) {
+    if (L->wtype == WTYPE_I8) rows_fma(L, x, ldx, out, ldo, m, p0, p1, accumulate, 1);
+    else rows_fma(L, x, ldx, out, ldo, m, p0, p1, accumulate, 0);
 }
 
 /* ------------------------------------------------------------- AMX tiles */
@@ -1885,16 +1899,6 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
         return;
     }
     const int64_t panels = (L->n + PW - 1) / PW, kp = L->k + (L->k & 1);
-    if (L->wtype == WTYPE_BF16 && g_fma_rows && g_avx512) { /* at every row count, the same sums */
-#pragma omp parallel
-        {
-            const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-            const int64_t per = (panels + nt - 1) / nt;
-            const int64_t p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
-            if (p0 < p1) packed_rows_fma(L, x, ldx, out, ldo, m, p0, p1, accumulate);
-        }
-        return;
-    }
     int64_t mc = (192 * 1024 / 4) / (L->k > 0 ? L->k : 1);
     mc = mc < 6 ? 6 : (mc / 6) * 6;
     const int q4 = L->wtype == WTYPE_Q4, grouped = q4 || L->wtype == WTYPE_Q8G;
@@ -1902,6 +1906,16 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
         (grouped || L->wtype == WTYPE_I8) && g_int8_rows && g_vnni && !L->float_rows ? g8_group(L) : 0;
     if (g8 && !(g_amx && g_has_amx_bf16 && g_bf16_dot && m >= AMX_MIN_ROWS)) {
         g8_linear(L, g8, x, ldx, out, ldo, m, accumulate);
+        return;
+    }
+    if ((L->wtype == WTYPE_BF16 || L->wtype == WTYPE_I8) && g_fma_rows && g_avx512) { /* every row count, one order */
+#pragma omp parallel
+        {
+            const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+            const int64_t per = (panels + nt - 1) / nt;
+            const int64_t p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
+            if (p0 < p1) packed_rows_fma(L, x, ldx, out, ldo, m, p0, p1, accumulate);
+        }
         return;
     }
     /* on vdpbf16ps at every row count: up to DR rows read the stored panels, more re-lay them, the same sums */
