@@ -235,13 +235,14 @@ def test_bf16_dot_gemm_matches_the_widen_path_on_rounded_rows(tiles, kind, m, n,
 @needs_avx512
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 12, 13, 23, 25, 100])
-@pytest.mark.parametrize("n,k", [(7, 13), (12, 16), (50, 40), (33, 200), (9, 1000), (20, 1), (200, 96)])
+@pytest.mark.parametrize("n,k", [(7, 13), (12, 16), (50, 40), (33, 200), (9, 1000), (20, 1), (200, 96), (48, 600)])
 def test_gemm_in_avx512_fmas_matches_torch_on_fp32_rows(kind, m, n, k):
     """With fma_rows on, bf16 and int8 (per channel, float rows) weights are widened in registers and the
     rows stay fp32: torch's product of the same values up to summation order, the rows not rounded
     (vdpbf16ps's would be), every tile shape (one row by eight panels, up to three by four, six by two,
-    twelve by one, the remainders; panels left over at the end of a thread's share); accumulate adds into
-    the output."""
+    twelve by one, the remainders; panels left over at the end of a thread's share; from 96 rows, chunks of
+    256 k of two panels widened once, a lone last panel paired with zeros); accumulate adds into the
+    output."""
     mod, w_ref, b = _module(kind, n, k, bias=(n % 2 == 1), seed=m * 1000 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     base = torch.randn(m, n)
@@ -265,11 +266,11 @@ def test_a_rows_result_in_avx512_fmas_does_not_depend_on_the_rows_beside_it(kind
     the same bits alone, by two, by three, in a decode batch and in a prefill chunk."""
     mod, _, _ = _module(kind, 70, 300, bias=True, seed=1)
     lin = NativeLinear(mod)
-    x = torch.randn(60, 300, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(130, 300, generator=torch.Generator().manual_seed(0))
     with _pinned(avx512, True), _pinned(fma_rows, True), _pinned(int8_rows, False):
-        whole = lin(x)
+        whole = lin(x)  # 96 rows and more: chunks of the panels widened once for the block's tiles
         for rows in (slice(0, 1), slice(5, 6), slice(0, 2), slice(0, 3), slice(3, 9), slice(9, 17), slice(17, 41),
-                     slice(41, 60)):
+                     slice(41, 60), slice(30, 130)):
             assert torch.equal(lin(x[rows]), whole[rows]), rows
 
 
