@@ -622,8 +622,9 @@ static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out
  * sums, see gtile) runs on vdpbf16ps at every row count: one
  * instruction multiplies 16 channels by two k (four times the
  * multiply-adds of an AVX2 FMA); 2.5-3x the widen path at 8-32 rows on an
- * AVX512-BF16 EPYC. (Intel's issue it at half the rate of zmm FMAs: there
- * bf16 weights take "bf16 weights in AVX-512 FMAs" below.) vdpbf16ps takes bf16 on both sides, so the rows are
+ * AVX512-BF16 EPYC (Intel's issue it at half the rate of zmm FMAs: there
+ * bf16 and int8 weights take "bf16 weights in AVX-512 FMAs" below).
+ * vdpbf16ps takes bf16 on both sides, so the rows are
  * rounded to bf16 (nearest even) once per call: products are exact and
  * sums fp32, so the result is the fp32 kernel's on the rounded rows up to
  * summation order. Up to DR rows read the stored panels, each k pair made
