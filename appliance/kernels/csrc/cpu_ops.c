@@ -294,6 +294,14 @@ DEFINE_PGEMV(f32, float, pload_f32)
 DEFINE_PGEMV(i8, int8_t, pload_i8)
 DEFINE_PGEMV(bf16, uint16_t, pload_bf16)
 
+/* This OpenMP thread's share [p0, p1) of panels [0, panels): contiguous, in thread order (empty past the end). */
+static inline void thread_panels(int64_t panels, int64_t *p0, int64_t *p1) {
+    const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t per = (panels + nt - 1) / nt;
+    *p0 = id * per < panels ? id * per : panels;
+    *p1 = *p0 + per < panels ? *p0 + per : panels;
+}
+
 static inline void store_out(const Linear *L, float *o, int64_t n0, const float *c, int nv, int accumulate) {
     int j = 0;
     for (; j + 8 <= nv; j += 8) {
@@ -1071,6 +1079,15 @@ AVX512_TARGET static inline __m512i bf16_high_lanes(void) {
                             0, 1, 0, 0, 0);
 }
 
+/* One k row of a panel (16 channels at p: bf16, or int8 where i8) widened to fp32, exactly: a masked vpermw
+ * (lanes: bf16_high_lanes) puts each bf16 weight in the high half of its lane; int8 is sign-extended and
+ * converted. */
+AVX512_TARGET static inline __attribute__((always_inline)) __m512 widen16(const void *p, const int i8, __m512i lanes) {
+    return i8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)))
+              : _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
+                    0xaaaaaaaau, lanes, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p))));
+}
+
 /* mr rows (fp32, stride ldx) by np panels as stored from pb ([k][PW] each, panel stride pstride elements),
  * bf16 (i8 0: each k row widened in registers by a masked vpermw) or int8 (i8 1: sign-extended and
  * converted, exact): c[q][i] = sum_k x[i][k] * w_q[k], one fp32 FMA chain per row and channel, k in order
@@ -1089,9 +1106,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void ftile(const floa
         for (int q = 0; q < np; q++) {
             const char *pj = (const char *)pb + (q * pstride + j * PW) * (i8 ? 1 : 2);
             if (!(j & line)) _mm_prefetch(pj + DOT_PREFETCH, _MM_HINT_T0);
-            w[q] = i8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)pj)))
-                      : _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
-                            0xaaaaaaaau, lanes, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)pj))));
+            w[q] = widen16(pj, i8, lanes);
         }
         for (int i = 0; i < FR; i++)
             if (i < mr) {
@@ -1167,15 +1182,9 @@ AVX512_TARGET static void chunk_widen(const Linear *L, int64_t pn, int64_t p1, i
             memset(o, 0, sizeof(float) * (size_t)(kc * PW));
             continue;
         }
-        const int64_t base = ((pn + q) * L->k + k0) * PW;
-        for (int64_t j = 0; j < kc; j++)
-            _mm512_storeu_ps(o + j * PW,
-                             L->wtype == WTYPE_I8
-                                 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                       _mm_loadu_si128((const __m128i *)((const int8_t *)L->w + base + j * PW))))
-                                 : _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
-                                       0xaaaaaaaau, lanes, _mm512_castsi256_si512(_mm256_loadu_si256(
-                                                               (const __m256i *)((const uint16_t *)L->w + base + j * PW))))));
+        const int i8 = L->wtype == WTYPE_I8;
+        const char *pb = (const char *)L->w + ((pn + q) * L->k + k0) * PW * (i8 ? 1 : 2);
+        for (int64_t j = 0; j < kc; j++) _mm512_storeu_ps(o + j * PW, widen16(pb + j * PW * (i8 ? 1 : 2), i8, lanes));
     }
 }
 
@@ -1540,9 +1549,8 @@ static void a8_linear(const Linear *L, const float *x, int64_t ldx, float *out, 
     const int32_t *wsum = (const int32_t *)L->qparams;
 #pragma omp parallel
     {
-        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t per = (panels + nt - 1) / nt;
-        const int64_t p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
+        int64_t p0, p1;
+        thread_panels(panels, &p0, &p1);
         int32_t c[32][4 * PW]; /* A8_ROWS by four panels, or 32 rows by two (AMX) */
         float f[4 * PW];
         /* AMX: each panel's last quads (past the whole 64-k blocks) copied into zero-padded tiles */
@@ -1912,9 +1920,8 @@ static void g8_linear(const Linear *L, int64_t G, const float *x, int64_t ldx, f
     mc = mc < 2 * G8_ROWS ? 2 * G8_ROWS : (mc / G8_ROWS) * G8_ROWS;
 #pragma omp parallel
     {
-        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t per = (panels + nt - 1) / nt;
-        const int64_t p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
+        int64_t p0, p1;
+        thread_panels(panels, &p0, &p1);
         const int direct = m <= G8_DIRECT_ROWS;
         uint8_t *u = p0 < p1 && !direct ? (uint8_t *)malloc((size_t)(2 * k * PW)) : NULL;
         float c[G8_ROWS][2 * PW];
@@ -2003,9 +2010,8 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
     if ((L->wtype == WTYPE_BF16 || L->wtype == WTYPE_I8) && g_fma_rows && g_avx512) { /* every row count, one order */
 #pragma omp parallel
         {
-            const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-            const int64_t per = (panels + nt - 1) / nt;
-            const int64_t p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
+            int64_t p0, p1;
+            thread_panels(panels, &p0, &p1);
             if (p0 < p1 && m >= FMA_CHUNK_ROWS) {
                 const int64_t mc = fma_block_rows(L->k);
                 float *wf = (float *)malloc(sizeof(float) * (size_t)(2 * FKC * PW + (m < mc ? m : mc) * 2 * PW));
@@ -2032,9 +2038,8 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
         }
 #pragma omp parallel
         {
-            const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-            const int64_t per = (panels + nt - 1) / nt;
-            const int64_t p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
+            int64_t p0, p1;
+            thread_panels(panels, &p0, &p1);
             if (p0 < p1) packed_rows_direct(L, xb, kp, xsb, out, ldo, m, p0, p1, accumulate);
         }
         free(xb);
@@ -2066,9 +2071,8 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
     }
 #pragma omp parallel
     {
-        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t per = (panels + nt - 1) / nt;
-        const int64_t p0 = id * per < panels ? id * per : panels, p1 = p0 + per < panels ? p0 + per : panels;
+        int64_t p0, p1;
+        thread_panels(panels, &p0, &p1);
         if (q4_rows_here && g_avx512) {
             if (p0 < p1) q4_rows_passes(L, x, ldx, xs, out, ldo, m, p0, p1, accumulate);
         } else if (q4_rows_here && m > 1) {
