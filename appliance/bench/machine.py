@@ -90,7 +90,9 @@ def kernel_variants() -> dict[str, str]:
             "int4 and int8 weights' GEMMs over 6 rows": "avx512_vnni (the rows in int8 per group, vpdpbusd, 6 rows "
             "by 32 channels)" if cpu_native.int8_rows() else "float rows, as bf16 weights' above",
             "prefill attention tiles": "avx512f (16 keys a register)" if cpu_native.avx512() else "avx2+fma",
-            "bf16, int4 and W8A8 GEMMs of 16 rows or more": "amx (tdpbf16ps / tdpbssd, 32 rows by 32 channels)"
+            "GEMMs on AMX tiles": f"amx (tdpbf16ps: bf16 and int8 weights from {cpu_native.amx_min_rows()} rows, "
+            f"int4 from {cpu_native.amx_min_rows(grouped=True)}; tdpbssd: W8A8 from "
+            f"{cpu_native.amx_min_rows(int8=True)}; 32 rows by 32 channels)"
             if cpu_native.amx() else "as above (no AMX tiles on this CPU)"}
 
 

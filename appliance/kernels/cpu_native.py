@@ -110,6 +110,8 @@ _LIB.appl_int8_rows.argtypes = [ctypes.c_int]
 _LIB.appl_int8_rows.restype = ctypes.c_int
 _LIB.appl_amx.argtypes = [ctypes.c_int]
 _LIB.appl_amx.restype = ctypes.c_int
+_LIB.appl_amx_min_rows.argtypes = [ctypes.c_int, ctypes.c_int]
+_LIB.appl_amx_min_rows.restype = ctypes.c_int
 _LIB.appl_apply_token_bitmask.argtypes = [_p, _i64, _p, _i64, _p, ctypes.c_int, _i64]
 _LIB.appl_apply_token_bitmask.restype = None
 
@@ -145,10 +147,10 @@ def fma_rows(enabled: Optional[bool] = None) -> bool:
     off) run in AVX-512 fp32 FMAs at every row count (the rows fp32 as they
     come, each weight widened exactly in registers, one chain per row and
     channel: a row's result the same bits whatever shares its step), ahead
-    of ``bf16_dot``, while ``avx512`` is on. On by
+    of ``bf16_dot``, while ``avx512`` is on; where AMX-BF16 tiles take the
+    larger row counts (``amx_min_rows()``), below those. On by
     default where the CPU has AVX-512F, except where vdpbf16ps does more
-    multiply-adds a cycle (AMD's AVX512-BF16 CPUs: twice the FMAs') or AMX-BF16
-    takes 16 rows and more (it shares vdpbf16ps's rounding of the rows);
+    multiply-adds a cycle (AMD's AVX512-BF16 CPUs: twice the FMAs');
     Intel's AVX512-BF16 CPUs issue vdpbf16ps once every two cycles, half the
     FMAs' multiply-adds. ``APPLIANCE_CPU_FMA_ROWS=0`` or ``=1`` sets it.
     ``enabled`` switches it; on is refused, returning False, where the CPU
@@ -204,26 +206,35 @@ def int8_rows(enabled: Optional[bool] = None) -> bool:
     projection. On by default where the CPU has
     AVX512-VNNI, unless ``APPLIANCE_CPU_INT8_ROWS=0`` (or ``vnni`` is off:
     it needs vpdpbusd); off, these GEMMs take vdpbf16ps (``bf16_dot``) or
-    fp32. Where AMX takes 16 rows or more they
+    fp32. Where AMX-BF16 tiles take the rows (``amx_min_rows``) they
     stay there. ``enabled`` switches it; on is refused, returning False,
     where the CPU lacks VNNI."""
     return bool(_LIB.appl_int8_rows(-1 if enabled is None else int(enabled)))
 
 
 def amx(enabled: Optional[bool] = None) -> bool:
-    """Whether GEMMs of 16 rows or more run on AMX tiles where the CPU has
-    them (Sapphire Rapids and later): bf16 and int4 weights on AMX-BF16
-    (tdpbf16ps; only while ``bf16_dot`` is on, whose rounding of the rows it
-    shares), W8A8 int8 on AMX-INT8 (tdpbssd, the same bits as every W8A8
-    path); on by default where the CPU and the OS grant them, unless
+    """Whether GEMMs of ``amx_min_rows()`` rows or more run on AMX tiles where
+    the CPU has them (Sapphire Rapids and later): bf16, int8 and int4 weights
+    on AMX-BF16 (tdpbf16ps; only while ``bf16_dot`` is on, whose rounding of
+    the rows it shares), W8A8 int8 on AMX-INT8 (tdpbssd, the same bits as
+    every W8A8 path); on by default where the CPU and the OS grant them, unless
     ``APPLIANCE_CPU_AMX=0``. ``enabled`` switches them; on is refused,
     returning False, where the CPU lacks AMX."""
     return bool(_LIB.appl_amx(-1 if enabled is None else int(enabled)))
 
 
-# Weight formats whose GEMMs take vdpbf16ps (and AMX-BF16 from 16 rows) while bf16_dot is on: bf16 weights,
+def amx_min_rows(int8: bool = False, grouped: bool = False) -> int:
+    """The row count from which AMX tiles take a GEMM (where ``amx`` is on): W8A8 on AMX-INT8 (``int8``), or
+    AMX-BF16 over grouped panels (int4, grouped int8: widened and rounded per call, so from more rows) or
+    bf16 and int8 per-channel ones."""
+    return int(_LIB.appl_amx_min_rows(int(int8), int(grouped)))
+
+
+# Weight formats whose GEMMs take vdpbf16ps (and AMX-BF16 tiles from amx_min_rows) while bf16_dot is on: bf16 weights,
 # and int8 weight-only, grouped int8 and int4 ones (their integers as bf16).
 _BF16_DOT_QUANT = ("none", "int8_wo", "gguf", "awq", "gptq", "int4_wo")
+# Those of them with grouped weights (int4, GGUF's grouped int8), which AMX takes from more rows.
+_GROUPED_QUANT = ("gguf", "awq", "gptq", "int4_wo")
 
 
 def host_notes(cfg: Any, dtype: str) -> list[str]:
@@ -231,20 +242,21 @@ def host_notes(cfg: Any, dtype: str) -> list[str]:
     switches stand (CPUID, then the APPLIANCE_CPU_* variables): for ``appliance plan``."""
     q = cfg.quantization.method
     kv = dtype if cfg.cache.kv_cache_dtype == "auto" else cfg.cache.kv_cache_dtype
+    tiles = (f", on AMX tiles (tdpbf16ps, the rows rounded to bf16) from "
+             f"{amx_min_rows(grouped=q in _GROUPED_QUANT)} rows" if amx() and bf16_dot() else "")
     if q == "w8a8_int8":
-        gemm = ("W8A8 GEMMs on AMX-INT8 tiles (tdpbssd) from 16 rows, " if amx() else "W8A8 GEMMs ") + \
+        gemm = (f"W8A8 GEMMs on AMX-INT8 tiles (tdpbssd) from {amx_min_rows(int8=True)} rows, " if amx()
+                else "W8A8 GEMMs ") + \
                ("on AVX512-VNNI (vpdpbusd)" if vnni() else "on AVX2 (vpmaddwd)") + ", exact in int32"
     elif q in BACKENDS["cpu_native"].int8_gemm_quantizations and int8_rows():
         gemm = ("GEMMs on integer dot products (AVX512-VNNI vpdpbusd; the rows quantized "
                 "to int8 per group of inputs, the sums exact in int32; q/k/v and the LM head keep float rows"
                 + (", in AVX-512 fp32 FMAs" if q == "int8_wo" and fma_rows() and avx512()
-                   else ", on vdpbf16ps" if bf16_dot() else "") + ")"
-                + (", on AMX tiles (tdpbf16ps) from 16 rows" if amx() and bf16_dot() else ""))
+                   else ", on vdpbf16ps" if bf16_dot() else "") + ")" + tiles)
     elif dtype == "bfloat16" and q == "none" and fma_rows() and avx512():
-        gemm = "GEMMs in AVX-512 fp32 FMAs, the bf16 weights widened in registers, the rows fp32"
+        gemm = "GEMMs in AVX-512 fp32 FMAs, the bf16 weights widened in registers, the rows fp32" + tiles
     elif (dtype == "bfloat16" or q != "none") and q in _BF16_DOT_QUANT and bf16_dot():
-        gemm = ("GEMMs on vdpbf16ps" + (", on AMX tiles (tdpbf16ps) from 16 rows" if amx() else "")
-                + ", the rows rounded to bf16")
+        gemm = "GEMMs on vdpbf16ps, the rows rounded to bf16" + tiles
     else:
         gemm = "GEMMs in fp32 FMAs" + (" over weights widened to fp32" if dtype != "float32" or q != "none" else "")
     if kv != "float32" and bf16_attention():

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from appliance import LLM, SamplingParams
-from appliance.kernels.cpu_native import (CpuNativeBackend, NativeLinear, amx, avx512, bf16_attention, bf16_dot, fma_rows,
+from appliance.kernels.cpu_native import (CpuNativeBackend, NativeLinear, amx, amx_min_rows, avx512, bf16_attention, bf16_dot, fma_rows,
                                           int8_rows, pack_q4_panels, vnni)
 from appliance.kernels.registry import Selection
 from appliance.models.quant import (GroupedInt8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4,
@@ -209,7 +209,7 @@ def test_w8a8_rows_quantize_per_token_round_half_even():
 @pytest.mark.parametrize("m", [7, 8, 12, 13, 16, 23, 24, 25, 33, 100])
 @pytest.mark.parametrize("n,k", [(7, 13), (12, 16), (50, 40), (33, 200), (9, 1000), (20, 1), (40, 96)])
 def test_bf16_dot_gemm_matches_the_widen_path_on_rounded_rows(tiles, kind, m, n, k):
-    """vdpbf16ps (or from 16 rows AMX's tdpbf16ps) rounds the rows to bf16
+    """vdpbf16ps (or from 13 rows AMX's tdpbf16ps) rounds the rows to bf16
     and sums exact products in fp32 (bf16 weights, or int8 ones converted
     exactly, their scale applied to the sums): the widen path's result on
     the rounded rows, up to summation order. Row tiles of 12 and their
@@ -263,11 +263,12 @@ def test_gemm_in_avx512_fmas_matches_torch_on_fp32_rows(kind, m, n, k):
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 def test_a_rows_result_in_avx512_fmas_does_not_depend_on_the_rows_beside_it(kind):
     """fma_rows sums each row and channel in one chain, k in order, at every row count: a row's result is
-    the same bits alone, by two, by three, in a decode batch and in a prefill chunk."""
+    the same bits alone, by two, by three, in a decode batch and in a prefill chunk. (AMX tiles, where the
+    CPU has them, take 13 rows and more: off here.)"""
     mod, _, _ = _module(kind, 70, 300, bias=True, seed=1)
     lin = NativeLinear(mod)
     x = torch.randn(130, 300, generator=torch.Generator().manual_seed(0))
-    with _pinned(avx512, True), _pinned(fma_rows, True), _pinned(int8_rows, False):
+    with _pinned(avx512, True), _pinned(fma_rows, True), _pinned(int8_rows, False), _pinned(amx, False):
         whole = lin(x)  # 96 rows and more: chunks of the panels widened once for the block's tiles
         for rows in (slice(0, 1), slice(5, 6), slice(0, 2), slice(0, 3), slice(3, 9), slice(9, 17), slice(17, 41),
                      slice(41, 60), slice(30, 130)):
@@ -361,14 +362,15 @@ def test_int4_avx512_rows_match_the_avx2_path(params, group, m, n):
 @needs_bf16_dot
 @pytest.mark.parametrize("tiles", [False, pytest.param(True, marks=needs_amx)], ids=["vdpbf16ps", "amx"])
 @pytest.mark.parametrize("params", ["fp16", "fp32"])
-@pytest.mark.parametrize("m", [16, 23, 40])
+@pytest.mark.parametrize("m", [16, 23, 40])  # AMX tiles from 32 rows
 def test_int4_bf16_dot_gemm_runs_the_rounded_rows(tiles, params, m):
     """On AVX512-BF16 the rows are rounded to bf16 and multiply the weights' integers (exact in bf16), each
     group's scale and min applied to its sums: the fp32 GEMM of the rounded rows and the weights as they are,
-    up to order. AMX tiles widen each panel and round it to bf16 like the rows."""
+    up to order. AMX tiles, from 32 rows, widen each panel and round it to bf16 like the rows."""
     mod, w, b = _int4(50, 384, 32, seed=m, params=params)
     x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m))
-    xr, wr = x.to(torch.bfloat16).float(), (w.to(torch.bfloat16).float() if tiles else w)
+    rounded = tiles and m >= amx_min_rows(grouped=True)
+    xr, wr = x.to(torch.bfloat16).float(), (w.to(torch.bfloat16).float() if rounded else w)
     with _bf16_dot(True), _pinned(amx, tiles):
         got = NativeLinear(mod)(x)
     _assert_sums_close(got, F.linear(xr, wr, b), xr, wr, b)
@@ -395,11 +397,12 @@ def test_grouped_int8_linear_matches_its_dequantized_weights(group, m, n):
 @pytest.mark.parametrize("tiles", [False, pytest.param(True, marks=needs_amx)], ids=["vdpbf16ps", "amx"])
 @pytest.mark.parametrize("m", [7, 40])
 def test_grouped_int8_bf16_dot_gemm_runs_the_rounded_rows(tiles, m):
-    """As int4's: the weights as they are on vdpbf16ps, rounded to bf16 on AMX tiles, which take 16 rows and
-    more (seven stay on vdpbf16ps with AMX on)."""
+    """As int4's: the weights as they are on vdpbf16ps, rounded to bf16 on AMX tiles, which take grouped
+    weights from 32 rows (seven stay on vdpbf16ps with AMX on)."""
     mod, w, b = _q8g(50, 256, 16, seed=m)
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
-    xr, wr = x.to(torch.bfloat16).float(), (w.to(torch.bfloat16).float() if tiles and m >= 16 else w)
+    rounded = tiles and m >= amx_min_rows(grouped=True)
+    xr, wr = x.to(torch.bfloat16).float(), (w.to(torch.bfloat16).float() if rounded else w)
     with _bf16_dot(True), _pinned(amx, tiles):
         got = NativeLinear(mod)(x)
     _assert_sums_close(got, F.linear(xr, wr, b), xr, wr, b)
@@ -412,6 +415,32 @@ def _float_row_modules():
     yield "int4 fp16", _int4(50, 256, 32, seed=3, params="fp16")[0], 256
     yield "int4 fp32", _int4(50, 256, 32, seed=4, params="fp32")[0], 256
     yield "grouped int8", _q8g(50, 256, 16, seed=5)[0], 256
+
+
+@needs_amx
+@needs_avx512
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_amx_takes_the_rows_from_its_row_count_and_the_fmas_below(kind):
+    """Where the CPU has AMX-BF16 the FMAs run below amx_min_rows() rows (the same bits as with the tiles
+    off) and the tiles from there: the rows rounded to bf16, the widen path's sums up to order, and a row's
+    result the same bits in any batch the tiles take (blocks of 32 rows, their remainders)."""
+    n, k = 70, 300
+    mod, w, b = _module(kind, n, k, bias=True, seed=2)
+    lin = NativeLinear(mod)
+    x = torch.randn(100, k, generator=torch.Generator().manual_seed(1))
+    first = amx_min_rows()
+    with _pinned(avx512, True), _pinned(fma_rows, True), _pinned(int8_rows, False), _pinned(bf16_dot, True):
+        with _pinned(amx, False):
+            fmas = lin(x)
+        with _pinned(amx, True):
+            assert torch.equal(lin(x[:first - 1]), fmas[:first - 1])
+            tiles = lin(x[:first])
+            assert not torch.equal(tiles, fmas[:first])
+            xr = x[:first].to(torch.bfloat16).float()
+            _assert_sums_close(tiles, F.linear(xr, w, b), xr, w, b)
+            whole = lin(x)
+            for rows in (slice(0, first), slice(0, 32), slice(20, 53), slice(40, 100)):
+                assert torch.equal(lin(x[rows]), whole[rows]), rows
 
 
 @needs_bf16_dot
@@ -998,6 +1027,13 @@ def test_the_plan_says_which_kernels_run_on_this_cpu():
     if HAS_AVX512:
         with _pinned(fma_rows, True):
             assert "GEMMs in AVX-512 fp32 FMAs, the bf16 weights widened" in note("quantization=none")
+    if HAS_AMX and HAS_AVX512:
+        with _pinned(fma_rows, True), _pinned(bf16_dot, True), _pinned(amx, True):
+            tiles = f"on AMX tiles (tdpbf16ps, the rows rounded to bf16) from {amx_min_rows()} rows"
+            assert tiles in note("quantization=none")
+            assert f"from {amx_min_rows(grouped=True)} rows" in note("quantization=int4_wo")
+        with _pinned(amx, False):
+            assert "AMX" not in note("quantization=none")
     if HAS_VNNI:  # int8 rows where the CPU has VNNI
         with _pinned(int8_rows, True):
             assert "GEMMs on integer dot products" in note("quantization=int4_wo")

@@ -641,7 +641,7 @@ static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out
  * row's result is the same bits whatever else the call holds (a decode
  * alone, beside others, a prompt's chunk), as int8 rows' are, and the
  * load on a server does not change what these GEMMs give a request (on
- * AMX, 16 rows and more take the tiles, which sum in their own order). A
+ * AMX, the tiles take the larger row counts and sum in their own order). A
  * one-stream decode of a 135M GGUF (q/k/v and the LM head here) runs 2-3%
  * slower than on the fp32 GEMVs; eight streams 12% faster. These functions
  * are compiled for the feature by attribute and chosen at run time from CPUID,
@@ -679,12 +679,6 @@ static int cpu_is_amd(void) {
     return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;
 }
 
-/* CPUID lists AMX-BF16. */
-static int cpu_has_amx_bf16(void) {
-    unsigned a, b, c, d;
-    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1);
-}
-
 static void __attribute__((constructor)) probe_avx512(void) {
     const int level = cpu_avx512_level();
     g_has_avx512 = g_avx512 = level >= 1;
@@ -696,10 +690,11 @@ static void __attribute__((constructor)) probe_avx512(void) {
     g_has_bf16_att = level >= 2;
     g_bf16_att = g_has_bf16_att && cpu_is_amd();
     /* bf16 and int8 GEMMs of float rows in AVX-512 FMAs (see "bf16 weights in AVX-512 FMAs") by default
-     * where vdpbf16ps does fewer multiply-adds a cycle than the FMAs (Intel's CPUs) or is absent; not where
-     * AMX-BF16 takes 16 rows and more, whose rounding of the rows vdpbf16ps shares. */
+     * where vdpbf16ps does fewer multiply-adds a cycle than the FMAs (Intel's CPUs) or is absent; on AMX
+     * CPUs for the row counts below the tiles' (1.1-1.25x vdpbf16ps at 1-12 rows on a Sapphire Rapids
+     * class Xeon). */
     g_has_fma_rows = level >= 1;
-    g_fma_rows = g_has_fma_rows && !(level >= 2 && cpu_is_amd()) && !cpu_has_amx_bf16();
+    g_fma_rows = g_has_fma_rows && !(level >= 2 && cpu_is_amd());
 }
 
 /* The vdpbf16ps path: set < 0 asks, 0 turns it off, 1 on (where the CPU has it). Returns the state. */
@@ -1059,7 +1054,7 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
 
 /* ------------------------------------------- bf16 weights in AVX-512 FMAs */
 /*
- * On Intel's AVX512-BF16 CPUs without AMX vdpbf16ps issues once every two cycles where zmm FMAs issue
+ * On Intel's AVX512-BF16 CPUs vdpbf16ps issues once every two cycles where zmm FMAs issue
  * twice a cycle: half the multiply-adds a cycle (a 2-vCPU Emerald Rapids: 92 against 187 GFLOP/s a core;
  * AMD's Zen 4 issues it as often as its FMAs, twice their multiply-adds). There a bf16-weight GEMM (and
  * an int8 per-channel one that keeps float rows: the q/k/v projection and LM head of int8_wo) runs in
@@ -1067,7 +1062,8 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
  * exactly: a masked vpermw puts 16 bf16 weights in the high halves of 16 fp32 lanes (int8: vpmovsxbd,
  * vcvtdq2ps). Every (row, channel) sums in one chain, k in order, whatever the tile it falls in (FR rows
  * by one panel; fewer rows by more panels, for chains enough to cover the FMA latency): a row's result
- * is the same bits whatever else the call holds, as on vdpbf16ps. Rows are blocked so a block's fp32
+ * is the same bits whatever else the call holds, as on vdpbf16ps (on AMX CPUs, up to the row count the
+ * tiles take from: AMX_MIN_ROWS). Rows are blocked so a block's fp32
  * rows stay in L2 while the panels pass over them; a panel comes from memory once a block, prefetched
  * ahead.
  */
@@ -1276,9 +1272,25 @@ AVX512_TARGET static void packed_rows_fma(const Linear *L, const float *x, int64
  * thread loads the tile configuration for a call and releases it after.
  */
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512bf16")))
-#define AMX_MIN_ROWS 16
+/* From how many rows the tiles run: bf16 and int8 per-channel panels from 13 (past DR, where they beat
+ * vdpbf16ps' tiles and the FMAs'), grouped ones from 32 (each widened and rounded per call; below, int8 rows
+ * on VNNI are faster), W8A8 from 16. */
+#define AMX_MIN_ROWS 13
+#define AMX_MIN_ROWS_GROUPED 32
+#define AMX_INT8_MIN_ROWS 16
+/* Bytes of bf16 rows a block of rows holds: each block re-lays every panel, so the weights are read once a
+ * block; 1 MiB (half of a Sapphire Rapids core's L2) ran GEMMs of 128-2048 rows 1.3-2x faster than 256 KiB. */
+#define AMX_ROW_BYTES (1024 * 1024)
 
 static int g_has_amx_bf16, g_has_amx_int8, g_amx;
+
+/* Whether a GEMM of m rows against L's panels runs on AMX-BF16 tiles (on only with vdpbf16ps, whose
+ * rounding of the rows the tiles share). */
+static int amx_bf16_takes(const Linear *L, int64_t m) {
+    const int grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G;
+    return g_amx && g_has_amx_bf16 && g_bf16_dot && (grouped || L->wtype == WTYPE_BF16 || L->wtype == WTYPE_I8) &&
+           m >= (grouped ? AMX_MIN_ROWS_GROUPED : AMX_MIN_ROWS);
+}
 
 /* AMX-TILE (CPUID 7.0 EDX bit 24) with AMX-BF16 (bit 22) and/or AMX-INT8 (bit 25), the OS saving the tile
  * state (XCR0 bits 17 and 18), and Linux granting this process the tile data. */
@@ -1292,6 +1304,11 @@ static void __attribute__((constructor)) probe_amx(void) {
     g_has_amx_bf16 = (d >> 22) & 1;
     g_has_amx_int8 = (d >> 25) & 1;
     g_amx = g_has_amx_bf16 || g_has_amx_int8;
+}
+
+/* The row count from which AMX tiles take a GEMM: W8A8 (int8), or AMX-BF16 over grouped or other panels. */
+int appl_amx_min_rows(int int8, int grouped) {
+    return int8 ? AMX_INT8_MIN_ROWS : grouped ? AMX_MIN_ROWS_GROUPED : AMX_MIN_ROWS;
 }
 
 /* The AMX paths: set < 0 asks, 0 turns them off, 1 on (where the CPU has them). Returns the state. */
@@ -1534,7 +1551,7 @@ static void a8_linear(const Linear *L, const float *x, int64_t ldx, float *out, 
                       int accumulate) {
     const int64_t k = L->k, n = L->n, kq = (k + 3) & ~(int64_t)3, panels = (n + PW - 1) / PW;
     if (m <= 0) return;
-    const int amx = g_amx && g_has_amx_int8 && m >= AMX_MIN_ROWS;
+    const int amx = g_amx && g_has_amx_int8 && m >= AMX_INT8_MIN_ROWS;
     const int vnni = g_vnni && !amx, tile_rows = amx ? 32 : vnni ? A8_ROWS : 4, step = amx ? 2 : vnni ? 4 : 1;
     /* the quantized rows, row stride kx; on AMX, k padded to its tiles' 64 and zero rows up to a multiple of 16 */
     const int64_t kx = amx ? (k + 63) & ~(int64_t)63 : kq, mx = amx ? (m + 15) & ~(int64_t)15 : m;
@@ -1723,8 +1740,9 @@ AVX512_TARGET static void q4_rows_passes(const Linear *L, const float *x, int64_
  * ([k / 4][16][4] bytes): a quarter of the bytes of the vdpbf16ps path's
  * bf16 re-lay, and one instruction does 64 multiply-adds against
  * vdpbf16ps's 32. Every row is quantized alike whatever the batch, so a
- * request's results do not depend on what shares its step. Where AMX takes
- * 16 rows or more (AMX-BF16 tiles), they stay there.
+ * request's results do not depend on what shares its step. Where AMX-BF16
+ * tiles take the rows (from AMX_MIN_ROWS; grouped panels from
+ * AMX_MIN_ROWS_GROUPED), they stay there.
  */
 #define G8_ROWS 6     /* rows per tile, by two panels: 12 fp32 and 12 int32 zmm accumulators */
 #define G8_DIRECT_ROWS 6 /* up to this many rows read the stored panels, each quad re-laid in registers */
@@ -2003,11 +2021,12 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
     const int q4 = L->wtype == WTYPE_Q4, grouped = q4 || L->wtype == WTYPE_Q8G;
     const int64_t g8 =
         (grouped || L->wtype == WTYPE_I8) && g_int8_rows && g_vnni && !L->float_rows ? g8_group(L) : 0;
-    if (g8 && !(g_amx && g_has_amx_bf16 && g_bf16_dot && m >= AMX_MIN_ROWS)) {
+    if (g8 && !amx_bf16_takes(L, m)) {
         g8_linear(L, g8, x, ldx, out, ldo, m, accumulate);
         return;
     }
-    if ((L->wtype == WTYPE_BF16 || L->wtype == WTYPE_I8) && g_fma_rows && g_avx512) { /* every row count, one order */
+    /* every row count below AMX's, one order */
+    if ((L->wtype == WTYPE_BF16 || L->wtype == WTYPE_I8) && g_fma_rows && g_avx512 && !amx_bf16_takes(L, m)) {
 #pragma omp parallel
         {
             int64_t p0, p1;
@@ -2048,13 +2067,13 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
     }
     const int q4_rows_here = q4 && !dot_rows && m <= (g_avx512 ? Q4_DIRECT_MAX : Q4_DIRECT_MAX_AVX2); /* else widened panels */
     const int dot = dot_rows && m > DR;
-    const int amx = dot && g_amx && g_has_amx_bf16 && m >= AMX_MIN_ROWS;
+    const int amx = dot && amx_bf16_takes(L, m);
     /* the rows in bf16, row stride kx; on AMX, k padded to its tiles' 32 and zero rows up to a multiple of 16 */
     const int64_t kx = amx ? (L->k + 31) & ~(int64_t)31 : kp, mx = amx ? (m + 15) & ~(int64_t)15 : m;
     uint16_t *xb = dot ? (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(mx * kx)) : NULL;
     if (amx) {
         memset(xb + m * kx, 0, sizeof(uint16_t) * (size_t)((mx - m) * kx));
-        mc = (256 * 1024 / 2) / kx;
+        mc = (AMX_ROW_BYTES / 2) / kx;
         mc = mc < 32 ? 32 : (mc / 32) * 32;
     } else if (dot) { /* each block of rows re-lays every panel: as many rows as 512 KiB of bf16 holds */
         mc = (512 * 1024 / 2) / kx;
