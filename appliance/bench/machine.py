@@ -89,6 +89,9 @@ def kernel_variants() -> dict[str, str]:
             if cpu_native.vnni() else "avx2 (vpmaddwd, 4 rows by 16 channels)",
             "int4 and int8 weights' GEMMs over 6 rows": "avx512_vnni (the rows in int8 per group, vpdpbusd, 6 rows "
             "by 32 channels)" if cpu_native.int8_rows() else "float rows, as bf16 weights' above",
+            "prefill attention tiles over a bf16 or fp8 cache": "amx (tdpbf16ps, head sizes a multiple of 32)"
+            if cpu_native.bf16_attention() and cpu_native.amx() else "avx512_bf16 (vdpbf16ps)"
+            if cpu_native.bf16_attention() else "as below",
             "prefill attention tiles": "avx512f (16 keys a register)" if cpu_native.avx512() else "avx2+fma",
             "GEMMs on AMX tiles": f"amx (tdpbf16ps: bf16 and int8 weights from {cpu_native.amx_min_rows()} rows, "
             f"int4 from {cpu_native.amx_min_rows(grouped=True)}; tdpbssd: W8A8 from "

@@ -160,12 +160,15 @@ def fma_rows(enabled: Optional[bool] = None) -> bool:
 
 def bf16_attention(enabled: Optional[bool] = None) -> bool:
     """Whether prefill attention tiles over a bf16 or fp8 KV cache run on
-    AVX512-BF16 (vdpbf16ps for both Q K^T and P V; the queries and the
-    softmax weights rounded to bf16, sums and the normaliser fp32: the output
-    moves by at most 2^-9 of the largest |v| from attention over the rounded
-    queries) rather than in fp32. On by default on AMD CPUs that have it
-    (Zen 4 on: vdpbf16ps there does twice the multiply-adds a cycle of fp32
-    FMAs), off on Intel's (one port for it, two for FMAs: no faster there);
+    bf16 products (Q K^T and P V; the queries and the softmax weights
+    rounded to bf16, sums and the normaliser fp32: the output moves by at
+    most 2^-9 of the largest |v| from attention over the rounded queries)
+    rather than in fp32: on AMX tiles (tdpbf16ps) where ``amx`` is on and
+    the head size is a multiple of 32, else on AVX512-BF16 (vdpbf16ps). On
+    by default on CPUs with AMX-BF16 (2.5x the fp32 tiles) and on AMD CPUs
+    with AVX512-BF16 (Zen 4 on: vdpbf16ps there does twice the multiply-adds
+    a cycle of fp32 FMAs), off on Intel's without AMX (one port for
+    vdpbf16ps, two for FMAs: no faster there);
     ``APPLIANCE_CPU_BF16_ATTENTION=0`` or ``=1`` sets it. ``enabled``
     switches it; on is refused, returning False, where the CPU lacks it."""
     return bool(_LIB.appl_bf16_attention(-1 if enabled is None else int(enabled)))
@@ -242,8 +245,8 @@ def host_notes(cfg: Any, dtype: str) -> list[str]:
     switches stand (CPUID, then the APPLIANCE_CPU_* variables): for ``appliance plan``."""
     q = cfg.quantization.method
     kv = dtype if cfg.cache.kv_cache_dtype == "auto" else cfg.cache.kv_cache_dtype
-    tiles = (f", on AMX tiles (tdpbf16ps, the rows rounded to bf16) from "
-             f"{amx_min_rows(grouped=q in _GROUPED_QUANT)} rows" if amx() and bf16_dot() else "")
+    tiles = (f", and from {amx_min_rows(grouped=q in _GROUPED_QUANT)} rows on AMX tiles (tdpbf16ps, the rows "
+             "rounded to bf16)" if amx() and bf16_dot() else "")
     if q == "w8a8_int8":
         gemm = (f"W8A8 GEMMs on AMX-INT8 tiles (tdpbssd) from {amx_min_rows(int8=True)} rows, " if amx()
                 else "W8A8 GEMMs ") + \
@@ -259,7 +262,11 @@ def host_notes(cfg: Any, dtype: str) -> list[str]:
         gemm = "GEMMs on vdpbf16ps, the rows rounded to bf16" + tiles
     else:
         gemm = "GEMMs in fp32 FMAs" + (" over weights widened to fp32" if dtype != "float32" or q != "none" else "")
-    if kv != "float32" and bf16_attention():
+    m = cfg.model
+    head_dim = m.head_dim or (m.hidden_size // m.num_heads if m.hidden_size and m.num_heads else 0)
+    if kv != "float32" and bf16_attention() and amx() and head_dim and head_dim % 32 == 0:
+        att = "prefill attention tiles on AMX tiles (tdpbf16ps; q and the softmax weights rounded to bf16)"
+    elif kv != "float32" and bf16_attention():
         att = "prefill attention tiles on vdpbf16ps (q and the softmax weights rounded to bf16)"
     else:
         att = f"prefill attention tiles in fp32 FMAs ({'AVX-512F' if avx512() else 'AVX2'})"

@@ -661,16 +661,18 @@ def _tile_rounded_q(q, specs):
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize("tiles", [False, pytest.param(True, marks=needs_amx)], ids=["vdpbf16ps", "amx"])
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (9, 3), (16, 2)])
 @pytest.mark.parametrize("head_dim", [40, 64, 128])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_bf16_attention_tiles_stay_within_the_rounding_of_q_and_p(kv, num_heads, num_kv_heads, head_dim,
+def test_bf16_attention_tiles_stay_within_the_rounding_of_q_and_p(tiles, kv, num_heads, num_kv_heads, head_dim,
                                                                     block_size):
-    """Over a bf16 or fp8 cache (bf16 values exactly) the prefill tiles run on vdpbf16ps: keys in chunks of 32
-    (runs that end inside a chunk, odd counts, chunks across shuffled blocks), query groups of 4 to 8 heads, head
-    sizes with an 8-lane tail. Against the reference on the bf16-rounded queries, the output moves by no more
-    than rounding each softmax weight to bf16 can move it: 2^-9 of the largest |v|."""
+    """Over a bf16 or fp8 cache (bf16 values exactly) the prefill tiles run on vdpbf16ps or, where amx is on and
+    the head size a multiple of 32, AMX tiles (query rows padded to 16): keys in chunks of 32 (runs that end
+    inside a chunk, odd counts, chunks across shuffled blocks), query groups of 4 to 8 heads, head sizes with an
+    8-lane tail. Against the reference on the bf16-rounded queries, the output moves by no more than rounding
+    each softmax weight to bf16 can move it: 2^-9 of the largest |v|."""
     from appliance.kernels.base import to_fp8
 
     dtype = {"bfloat16": torch.bfloat16, **FP8}[kv]
@@ -684,7 +686,7 @@ def test_bf16_attention_tiles_stay_within_the_rounding_of_q_and_p(kv, num_heads,
     md = b.build_metadata(common)
     outs = {}
     for dot in (False, True):
-        with _pinned(bf16_attention, dot):
+        with _pinned(bf16_attention, dot), _pinned(amx, tiles):
             outs[dot] = b.forward(q, k, v, stored.clone(), md)
     if kv == "bfloat16":
         kq, vq = k.to(dtype).float(), v.to(dtype).float()
@@ -693,7 +695,10 @@ def test_bf16_attention_tiles_stay_within_the_rounding_of_q_and_p(kv, num_heads,
     ref_out, _ = reference(common, _tile_rounded_q(q, PREFILL), kq, vq, before, num_heads, num_kv_heads, head_dim)
     v_max = max(vq.abs().max(), before[1].abs().max())
     assert (outs[True] - ref_out).abs().max() <= 2.0 ** -9 * v_max + 1e-5
-    assert not torch.equal(outs[True], outs[False])  # the vdpbf16ps tiles ran
+    assert not torch.equal(outs[True], outs[False])  # the bf16 tiles ran
+    if tiles and head_dim % 32 == 0:  # the AMX tiles, summing in their own order
+        with _pinned(bf16_attention, True), _pinned(amx, False):
+            assert not torch.equal(outs[True], b.forward(q, k, v, stored.clone(), md))
 
 
 @pytest.mark.parametrize("kind", list(FP8))
@@ -1020,7 +1025,7 @@ def test_the_plan_says_which_kernels_run_on_this_cpu():
     with _bf16_dot(False):
         assert "GEMMs in fp32 FMAs over weights widened to fp32;" in note("quantization=none")
     if HAS_BF16_DOT:
-        with _pinned(bf16_attention, True):
+        with _pinned(bf16_attention, True), _pinned(amx, False):
             assert "prefill attention tiles on vdpbf16ps" in note()
         with _bf16_dot(True):
             assert "GEMMs on vdpbf16ps" in note("quantization=none")
@@ -1029,9 +1034,11 @@ def test_the_plan_says_which_kernels_run_on_this_cpu():
             assert "GEMMs in AVX-512 fp32 FMAs, the bf16 weights widened" in note("quantization=none")
     if HAS_AMX and HAS_AVX512:
         with _pinned(fma_rows, True), _pinned(bf16_dot, True), _pinned(amx, True):
-            tiles = f"on AMX tiles (tdpbf16ps, the rows rounded to bf16) from {amx_min_rows()} rows"
+            tiles = f"from {amx_min_rows()} rows on AMX tiles (tdpbf16ps, the rows rounded to bf16)"
             assert tiles in note("quantization=none")
-            assert f"from {amx_min_rows(grouped=True)} rows" in note("quantization=int4_wo")
+            assert f"from {amx_min_rows(grouped=True)} rows on AMX tiles" in note("quantization=int4_wo")
+            with _pinned(bf16_attention, True):
+                assert "prefill attention tiles on AMX tiles" in note()  # SmolLM2: head size 64
         with _pinned(amx, False):
             assert "AMX" not in note("quantization=none")
     if HAS_VNNI:  # int8 rows where the CPU has VNNI

@@ -679,14 +679,14 @@ static int cpu_is_amd(void) {
     return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;
 }
 
-static void __attribute__((constructor)) probe_avx512(void) {
+static void __attribute__((constructor(101))) probe_avx512(void) { /* before probe_amx */
     const int level = cpu_avx512_level();
     g_has_avx512 = g_avx512 = level >= 1;
     g_has_bf16_dot = g_bf16_dot = level >= 2;
     /* The prefill attention tiles on vdpbf16ps (see "The same tile on AVX512-BF16") by default where it does
      * twice the multiply-adds a cycle of fp32 FMAs: AMD's (Zen 4 on). Intel's AVX512-BF16 CPUs issue it once
      * every two cycles where zmm FMAs issue twice a cycle, half the multiply-adds, and there the fp32 tiles
-     * ran faster. */
+     * ran faster, except on AMX tiles (probe_amx). */
     g_has_bf16_att = level >= 2;
     g_bf16_att = g_has_bf16_att && cpu_is_amd();
     /* bf16 and int8 GEMMs of float rows in AVX-512 FMAs (see "bf16 weights in AVX-512 FMAs") by default
@@ -1294,7 +1294,7 @@ static int amx_bf16_takes(const Linear *L, int64_t m) {
 
 /* AMX-TILE (CPUID 7.0 EDX bit 24) with AMX-BF16 (bit 22) and/or AMX-INT8 (bit 25), the OS saving the tile
  * state (XCR0 bits 17 and 18), and Linux granting this process the tile data. */
-static void __attribute__((constructor)) probe_amx(void) {
+static void __attribute__((constructor(102))) probe_amx(void) {
     unsigned a, b, c, d;
     if (cpu_avx512_level() < 2 || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return;
     unsigned xlo, xhi;
@@ -1304,6 +1304,9 @@ static void __attribute__((constructor)) probe_amx(void) {
     g_has_amx_bf16 = (d >> 22) & 1;
     g_has_amx_int8 = (d >> 25) & 1;
     g_amx = g_has_amx_bf16 || g_has_amx_int8;
+    /* the prefill attention tiles on bf16 products by default where they run on AMX tiles (2.5x the fp32
+     * tiles on a 2-vCPU AMX Xeon, 1B shapes) */
+    if (g_has_amx_bf16) g_bf16_att = g_has_bf16_att;
 }
 
 /* The row count from which AMX tiles take a GEMM: W8A8 (int8), or AMX-BF16 over grouped or other panels. */
@@ -2764,25 +2767,74 @@ DOT_TARGET static inline __attribute__((always_inline)) void atb_pv4(const uint3
 /* Scratch floats for a bf16 tile of `rows` query rows of head size d: q pairs, O, S, P pairs, max, sum, n_vis. */
 static inline int64_t atb_tile_floats(int rows, int d) { return (int64_t)rows * (d / 2 + d + ATB_KC + ATB_KC / 2 + 3); }
 
+/* One chunk's scores (sc, ATB_KC a row: keys j0 .. j0 + cnt) of rows [0, rows): scaled, masked past each row's
+ * n_vis, the online softmax (running max and sum, O rescaled when the max grows), P rounded to bf16 pairs. */
+DOT_TARGET static inline void atb_softmax(const float *sc, uint32_t *pp, float *o, float *mx, float *sum, const int *vis,
+                                         int rows, int d, int j0, int cnt, float scale) {
+    const __m512 lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 lanes_hi = _mm512_add_ps(lanes, _mm512_set1_ps(16.0f));
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), sv = _mm512_set1_ps(scale);
+    for (int i = 0; i < rows; i++) { /* scale, mask, online softmax; P rounded to bf16 pairs */
+        const float *si = sc + i * ATB_KC;
+        uint32_t *pi = pp + i * (ATB_KC / 2);
+        const int lim = vis[i] - j0 < cnt ? vis[i] - j0 : cnt;
+        if (lim <= 0) {
+            _mm512_storeu_si512(pi, _mm512_setzero_si512());
+            continue;
+        }
+        const __m512 lv = _mm512_set1_ps((float)lim);
+        const __mmask16 m0 = _mm512_cmp_ps_mask(lanes, lv, _CMP_LT_OQ), m1 = _mm512_cmp_ps_mask(lanes_hi, lv, _CMP_LT_OQ);
+        const __m512 s0 = _mm512_mask_blend_ps(m0, ninf, _mm512_mul_ps(_mm512_loadu_ps(si), sv));
+        const __m512 s1 = _mm512_mask_blend_ps(m1, ninf, _mm512_mul_ps(_mm512_loadu_ps(si + 16), sv));
+        const float bm = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+        att_raise_max512(o + i * d, d, mx + i, sum + i, bm);
+        const __m512 mv = _mm512_set1_ps(mx[i]);
+        const __m512 e0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(s0, mv)));
+        const __m512 e1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(s1, mv)));
+        sum[i] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+        _mm512_storeu_si512(pi, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)); /* keys 0-15 low, 16-31 high */
+    }
+}
+
+/* A bf16 tile's scratch (scr) for `rows` query rows with room for `cap` >= rows: q pairs, O, S, P pairs,
+ * running max, sum and n_vis; the rows past `rows` zero (q, P, O). Row i is token i / grp, head i % grp. */
+typedef struct {
+    uint32_t *qs, *pp;
+    float *o, *sc, *mx, *sum;
+    int *vis;
+} AtbScratch;
+
+DOT_TARGET static AtbScratch atb_begin(const float *q, int64_t ldq, int rows, int cap, int n_vis0, int grp, int d,
+                                       float *scr) {
+    const int dp = d / 2;
+    AtbScratch t;
+    t.qs = (uint32_t *)scr;
+    t.o = scr + (int64_t)cap * dp;
+    t.sc = t.o + cap * d;
+    t.pp = (uint32_t *)(t.sc + cap * ATB_KC);
+    t.mx = (float *)(t.pp + cap * (ATB_KC / 2));
+    t.sum = t.mx + cap;
+    t.vis = (int *)(t.sum + cap);
+    for (int i = 0; i < rows; i++) {
+        row_to_bf16(q + (int64_t)(i / grp) * ldq + (i % grp) * d, (uint16_t *)(t.qs + i * dp), d, d);
+        t.mx[i] = -INFINITY;
+        t.sum[i] = 0.0f;
+        t.vis[i] = n_vis0 + i / grp;
+    }
+    memset(t.qs + rows * dp, 0, sizeof(uint32_t) * (size_t)((cap - rows) * dp));
+    memset(t.pp + rows * (ATB_KC / 2), 0, sizeof(uint32_t) * (size_t)((cap - rows) * (ATB_KC / 2)));
+    memset(t.o, 0, sizeof(float) * (size_t)(cap * d));
+    return t;
+}
+
 DOT_TARGET static void attend_tile_bf16(const float *q, int64_t ldq, float *out, int64_t ldo, const uint32_t *kt,
                                         const uint32_t *vb, int ntok, int n_vis0, int grp, int d, float scale,
                                         float v_scale, float *scr) {
     const int rows = ntok * grp, dp = d / 2;
-    uint32_t *qs = (uint32_t *)scr;
-    float *o = scr + (int64_t)rows * dp, *sc = o + rows * d;
-    uint32_t *pp = (uint32_t *)(sc + rows * ATB_KC);
-    float *mx = (float *)(pp + rows * (ATB_KC / 2)), *sum = mx + rows;
-    int *vis = (int *)(sum + rows);
-    for (int i = 0; i < rows; i++) {
-        row_to_bf16(q + (int64_t)(i / grp) * ldq + (i % grp) * d, (uint16_t *)(qs + i * dp), d, d);
-        mx[i] = -INFINITY;
-        sum[i] = 0.0f;
-        vis[i] = n_vis0 + i / grp;
-    }
-    memset(o, 0, sizeof(float) * (size_t)(rows * d));
-    const __m512 lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 lanes_hi = _mm512_add_ps(lanes, _mm512_set1_ps(16.0f));
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), sv = _mm512_set1_ps(scale);
+    const AtbScratch t = atb_begin(q, ldq, rows, rows, n_vis0, grp, d, scr);
+    uint32_t *qs = t.qs, *pp = t.pp;
+    float *o = t.o, *sc = t.sc, *mx = t.mx, *sum = t.sum;
+    const int *vis = t.vis;
     const int n_max = n_vis0 + ntok - 1;
     for (int j0 = 0; j0 < n_max; j0 += ATB_KC) {
         const int cnt = n_max - j0 < ATB_KC ? n_max - j0 : ATB_KC, npairs = (cnt + 1) / 2;
@@ -2791,31 +2843,66 @@ DOT_TARGET static void attend_tile_bf16(const float *q, int64_t ldq, float *out,
             const int nr = rows - i0 < 8 ? rows - i0 : 8;
             UPTO8_CASE(nr, atb_scores8, qs + i0 * dp, dp, kc, sc + i0 * ATB_KC)
         }
-        for (int i = 0; i < rows; i++) { /* scale, mask, online softmax; P rounded to bf16 pairs */
-            const float *si = sc + i * ATB_KC;
-            uint32_t *pi = pp + i * (ATB_KC / 2);
-            const int lim = vis[i] - j0 < cnt ? vis[i] - j0 : cnt;
-            if (lim <= 0) {
-                _mm512_storeu_si512(pi, _mm512_setzero_si512());
-                continue;
-            }
-            const __m512 lv = _mm512_set1_ps((float)lim);
-            const __mmask16 m0 = _mm512_cmp_ps_mask(lanes, lv, _CMP_LT_OQ), m1 = _mm512_cmp_ps_mask(lanes_hi, lv, _CMP_LT_OQ);
-            const __m512 s0 = _mm512_mask_blend_ps(m0, ninf, _mm512_mul_ps(_mm512_loadu_ps(si), sv));
-            const __m512 s1 = _mm512_mask_blend_ps(m1, ninf, _mm512_mul_ps(_mm512_loadu_ps(si + 16), sv));
-            const float bm = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-            att_raise_max512(o + i * d, d, mx + i, sum + i, bm);
-            const __m512 mv = _mm512_set1_ps(mx[i]);
-            const __m512 e0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(s0, mv)));
-            const __m512 e1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(s1, mv)));
-            sum[i] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-            _mm512_storeu_si512(pi, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)); /* keys 0-15 low, 16-31 high */
-        }
+        atb_softmax(sc, pp, o, mx, sum, vis, rows, d, j0, cnt, scale);
         for (int i0 = 0; i0 < rows; i0 += 4) {
             const int nr = rows - i0 < 4 ? rows - i0 : 4;
             ATT_PV512_COLUMNS(ATB_PV_ROWS)
         }
     }
+    att_tile_finish(o, sum, out, ldo, rows, grp, d, v_scale);
+}
+
+/*
+ * The same tile on AMX-BF16 tiles (head sizes a multiple of 32), over the same pairs: S = Q K^T as one row
+ * tile of 16 query rows (bf16, d / 2 words) by a K tile of 16 channel pairs by 16 keys, read in place from
+ * the chunk's [d / 2][32] words (rows 128 bytes apart), two S tiles a chunk; P V as a P tile (16 rows by the
+ * chunk's 16 key pairs, the softmax's own words) by a V tile of 16 key pairs by 16 channels of [pos / 2][d],
+ * accumulated into O in memory 16 channels at a time (the online softmax rescales O between chunks). The
+ * query rows are padded with zero rows to a multiple of 16 (their P rows zero). Sums in the tiles' order:
+ * within the vdpbf16ps tile's bound, not its bits.
+ */
+AMX_TARGET static void attend_tile_amx(const float *q, int64_t ldq, float *out, int64_t ldo, const uint32_t *kt,
+                                       const uint32_t *vb, int ntok, int n_vis0, int grp, int d, float scale,
+                                       float v_scale, float *scr) {
+    const int rows = ntok * grp, rows16 = (rows + 15) & ~15, dp = d / 2;
+    const AtbScratch t = atb_begin(q, ldq, rows, rows16, n_vis0, grp, d, scr);
+    uint32_t *qs = t.qs, *pp = t.pp;
+    float *o = t.o, *sc = t.sc, *mx = t.mx, *sum = t.sum;
+    const int *vis = t.vis;
+    amx_begin();
+    const int n_max = n_vis0 + ntok - 1;
+    for (int j0 = 0; j0 < n_max; j0 += ATB_KC) {
+        const int cnt = n_max - j0 < ATB_KC ? n_max - j0 : ATB_KC;
+        const uint32_t *kc = kt + (int64_t)(j0 / ATB_KC) * dp * ATB_KC, *vc = vb + (int64_t)(j0 / 2) * d;
+        __asm__ volatile("" ::: "memory"); /* the tile loads read what C code wrote: no asm says so */
+        for (int i0 = 0; i0 < rows16; i0 += 16) {
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int p0 = 0; p0 < dp; p0 += 16) {
+                _tile_loadd(4, qs + i0 * dp + p0, dp * 4);
+                _tile_loadd(6, kc + p0 * ATB_KC, ATB_KC * 4);
+                _tile_loadd(7, kc + p0 * ATB_KC + 16, ATB_KC * 4);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            _tile_stored(0, sc + i0 * ATB_KC, ATB_KC * 4);
+            _tile_stored(1, sc + i0 * ATB_KC + 16, ATB_KC * 4);
+        }
+        __asm__ volatile("" ::: "memory"); /* and C code reads what the tile stores wrote */
+        atb_softmax(sc, pp, o, mx, sum, vis, rows, d, j0, cnt, scale);
+        __asm__ volatile("" ::: "memory");
+        for (int i0 = 0; i0 < rows16; i0 += 16) {
+            _tile_loadd(4, pp + i0 * (ATB_KC / 2), (ATB_KC / 2) * 4);
+            for (int c0 = 0; c0 < d; c0 += 16) {
+                _tile_loadd(0, o + i0 * d + c0, d * 4);
+                _tile_loadd(6, vc + c0, d * 4);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_stored(0, o + i0 * d + c0, d * 4);
+            }
+        }
+        __asm__ volatile("" ::: "memory");
+    }
+    amx_end();
     att_tile_finish(o, sum, out, ldo, rows, grp, d, v_scale);
 }
 
@@ -2934,15 +3021,17 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
         for (int r = 0; r < n_reqs; r++)
             if (qsl[r + 1] - qsl[r] >= ATT_MIN_QUERY && seq_lens[r] > max_keys) max_keys = seq_lens[r];
         const int64_t kv_stride = (int64_t)n_kv_heads * d, key_chunks = (max_keys + ATB_KC - 1) / ATB_KC;
-        /* a bf16 or fp8 cache holds bf16 values exactly: its tiles run on vdpbf16ps where the switch is on */
-        const int pairs = g_bf16_att && kv_type != KV_F32;
+        /* a bf16 or fp8 cache holds bf16 values exactly: its tiles run on bf16 products where the switch is
+         * on, AMX tiles where amx is on too and the head size a multiple of 32, else vdpbf16ps */
+        const int pairs = g_bf16_att && kv_type != KV_F32, tiles = pairs && g_amx && g_has_amx_bf16 && d % 32 == 0;
         /* widened K and V: fp32 [chunks of 16][d][16] and [pos][d], or bf16 pairs (as many words) */
         float *kt = (float *)malloc(sizeof(float) * (size_t)(key_chunks * ATB_KC * d));
         float *vb = (float *)malloc(sizeof(float) * (size_t)(key_chunks * ATB_KC * d));
         if (!kt || !vb) abort();
 #pragma omp parallel
         {
-            const int64_t scr_floats = pairs ? atb_tile_floats(ATT_QT * grp, d) : att_tile_floats(ATT_QT * grp, d);
+            const int64_t scr_floats = pairs ? atb_tile_floats((ATT_QT * grp + 15) & ~15, d) /* AMX: rows by 16 */
+                                             : att_tile_floats(ATT_QT * grp, d);
             float *scr = (float *)malloc(sizeof(float) * (size_t)scr_floats);
             if (!scr) abort();
             for (int r = 0; r < n_reqs; r++) {
@@ -2979,8 +3068,9 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
                         const float *qt = q + (int64_t)t0 * ldq + off * grp;
                         float *ot = out + (int64_t)t0 * ldo + off * grp;
                         if (pairs)
-                            attend_tile_bf16(qt, ldq, ot, ldo, (const uint32_t *)kt, (const uint32_t *)vb, ntok,
-                                             n_vis0, grp, d, qk_scale, out_scale, scr);
+                            (tiles ? attend_tile_amx : attend_tile_bf16)(qt, ldq, ot, ldo, (const uint32_t *)kt,
+                                                                         (const uint32_t *)vb, ntok, n_vis0, grp, d,
+                                                                         qk_scale, out_scale, scr);
                         else
                             (g_avx512 ? attend_tile512 : attend_tile)(qt, ldq, ot, ldo, kt, vb, ntok, n_vis0, grp, d,
                                                                       qk_scale, out_scale, scr);
