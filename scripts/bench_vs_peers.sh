@@ -62,7 +62,7 @@ VOCAB=49152  # SmolLM2's, both models'
 PORT=$("$PY" -c "from appliance.server.local import free_port; print(free_port())")
 mkdir -p "$OUT"
 pid=""
-trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null; true' EXIT  # a failed step leaves no server behind
+trap '{ [ -n "$pid" ] && kill "$pid" 2>/dev/null; } || true' EXIT  # a failed step leaves no server behind (and a finished run exits 0: under set -e a failed kill of the last, already stopped server was the exit status)
 
 build_llamacpp() {
   [ -x "$LLAMACPP_DIR/build/bin/llama-server" ] && [ -x "$LLAMACPP_DIR/build/bin/llama-quantize" ] && return
