@@ -2765,34 +2765,47 @@ DOT_TARGET static inline __attribute__((always_inline)) void atb_pv4(const uint3
     }
 
 /* Scratch floats for a bf16 tile of `rows` query rows of head size d: q pairs, O, S, P pairs, max, sum, n_vis. */
-static inline int64_t atb_tile_floats(int rows, int d) { return (int64_t)rows * (d / 2 + d + ATB_KC + ATB_KC / 2 + 3); }
+#define ATA_KC 128 /* key positions per chunk of the AMX tile: four of the pairs' 32-key chunks */
 
-/* One chunk's scores (sc, ATB_KC a row: keys j0 .. j0 + cnt) of rows [0, rows): scaled, masked past each row's
- * n_vis, the online softmax (running max and sum, O rescaled when the max grows), P rounded to bf16 pairs. */
-DOT_TARGET static inline void atb_softmax(const float *sc, uint32_t *pp, float *o, float *mx, float *sum, const int *vis,
-                                         int rows, int d, int j0, int cnt, float scale) {
+/* Scratch floats for a bf16 tile of `rows` query rows of head size d, chunks of kc keys: q pairs, O, S, P pairs,
+ * max, sum, n_vis. */
+static inline int64_t atb_tile_floats(int rows, int d, int kc) { return (int64_t)rows * (d / 2 + d + kc + kc / 2 + 3); }
+
+/* One chunk's scores (sc, nk a row: 32 or 128; keys j0 .. j0 + cnt) of rows [0, rows): scaled, masked past each
+ * row's n_vis, the online softmax (running max and sum, O rescaled when the max grows), P rounded to bf16 pairs
+ * (nk / 2 words a row, keys in order). */
+DOT_TARGET static inline __attribute__((always_inline)) void atb_softmax(const float *sc, uint32_t *pp, float *o,
+                                                                         float *mx, float *sum, const int *vis,
+                                                                         int rows, int d, int j0, int cnt, float scale,
+                                                                         const int nk) {
     const __m512 lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 lanes_hi = _mm512_add_ps(lanes, _mm512_set1_ps(16.0f));
     const __m512 ninf = _mm512_set1_ps(-INFINITY), sv = _mm512_set1_ps(scale);
     for (int i = 0; i < rows; i++) { /* scale, mask, online softmax; P rounded to bf16 pairs */
-        const float *si = sc + i * ATB_KC;
-        uint32_t *pi = pp + i * (ATB_KC / 2);
+        const float *si = sc + i * nk;
+        uint32_t *pi = pp + i * (nk / 2);
         const int lim = vis[i] - j0 < cnt ? vis[i] - j0 : cnt;
         if (lim <= 0) {
-            _mm512_storeu_si512(pi, _mm512_setzero_si512());
+            for (int u = 0; u < nk / 32; u++) _mm512_storeu_si512(pi + 16 * u, _mm512_setzero_si512());
             continue;
         }
-        const __m512 lv = _mm512_set1_ps((float)lim);
-        const __mmask16 m0 = _mm512_cmp_ps_mask(lanes, lv, _CMP_LT_OQ), m1 = _mm512_cmp_ps_mask(lanes_hi, lv, _CMP_LT_OQ);
-        const __m512 s0 = _mm512_mask_blend_ps(m0, ninf, _mm512_mul_ps(_mm512_loadu_ps(si), sv));
-        const __m512 s1 = _mm512_mask_blend_ps(m1, ninf, _mm512_mul_ps(_mm512_loadu_ps(si + 16), sv));
-        const float bm = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-        att_raise_max512(o + i * d, d, mx + i, sum + i, bm);
+        __m512 sx[ATA_KC / 16], mxv = ninf;
+        __mmask16 mk[ATA_KC / 16];
+        for (int v = 0; v < nk / 16; v++) {
+            mk[v] = _mm512_cmp_ps_mask(_mm512_add_ps(lanes, _mm512_set1_ps((float)(16 * v))),
+                                       _mm512_set1_ps((float)lim), _CMP_LT_OQ);
+            sx[v] = _mm512_mask_blend_ps(mk[v], ninf, _mm512_mul_ps(_mm512_loadu_ps(si + 16 * v), sv));
+            mxv = _mm512_max_ps(mxv, sx[v]);
+        }
+        att_raise_max512(o + i * d, d, mx + i, sum + i, _mm512_reduce_max_ps(mxv));
         const __m512 mv = _mm512_set1_ps(mx[i]);
-        const __m512 e0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(s0, mv)));
-        const __m512 e1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(s1, mv)));
-        sum[i] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-        _mm512_storeu_si512(pi, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)); /* keys 0-15 low, 16-31 high */
+        __m512 acc = _mm512_setzero_ps();
+        for (int v = 0; v < nk / 16; v++) {
+            sx[v] = _mm512_maskz_mov_ps(mk[v], exp16(_mm512_sub_ps(sx[v], mv)));
+            acc = _mm512_add_ps(acc, sx[v]);
+        }
+        sum[i] += _mm512_reduce_add_ps(acc);
+        for (int u = 0; u < nk / 32; u++) /* keys 32u .. 32u + 15 low, 32u + 16 .. 32u + 31 high */
+            _mm512_storeu_si512(pi + 16 * u, (__m512i)_mm512_cvtne2ps_pbh(sx[2 * u + 1], sx[2 * u]));
     }
 }
 
@@ -2805,14 +2818,14 @@ typedef struct {
 } AtbScratch;
 
 DOT_TARGET static AtbScratch atb_begin(const float *q, int64_t ldq, int rows, int cap, int n_vis0, int grp, int d,
-                                       float *scr) {
+                                       int kc, float *scr) {
     const int dp = d / 2;
     AtbScratch t;
     t.qs = (uint32_t *)scr;
     t.o = scr + (int64_t)cap * dp;
     t.sc = t.o + cap * d;
-    t.pp = (uint32_t *)(t.sc + cap * ATB_KC);
-    t.mx = (float *)(t.pp + cap * (ATB_KC / 2));
+    t.pp = (uint32_t *)(t.sc + cap * kc);
+    t.mx = (float *)(t.pp + cap * (kc / 2));
     t.sum = t.mx + cap;
     t.vis = (int *)(t.sum + cap);
     for (int i = 0; i < rows; i++) {
@@ -2822,7 +2835,7 @@ DOT_TARGET static AtbScratch atb_begin(const float *q, int64_t ldq, int rows, in
         t.vis[i] = n_vis0 + i / grp;
     }
     memset(t.qs + rows * dp, 0, sizeof(uint32_t) * (size_t)((cap - rows) * dp));
-    memset(t.pp + rows * (ATB_KC / 2), 0, sizeof(uint32_t) * (size_t)((cap - rows) * (ATB_KC / 2)));
+    memset(t.pp + rows * (kc / 2), 0, sizeof(uint32_t) * (size_t)((cap - rows) * (kc / 2)));
     memset(t.o, 0, sizeof(float) * (size_t)(cap * d));
     return t;
 }
@@ -2831,7 +2844,7 @@ DOT_TARGET static void attend_tile_bf16(const float *q, int64_t ldq, float *out,
                                         const uint32_t *vb, int ntok, int n_vis0, int grp, int d, float scale,
                                         float v_scale, float *scr) {
     const int rows = ntok * grp, dp = d / 2;
-    const AtbScratch t = atb_begin(q, ldq, rows, rows, n_vis0, grp, d, scr);
+    const AtbScratch t = atb_begin(q, ldq, rows, rows, n_vis0, grp, d, ATB_KC, scr);
     uint32_t *qs = t.qs, *pp = t.pp;
     float *o = t.o, *sc = t.sc, *mx = t.mx, *sum = t.sum;
     const int *vis = t.vis;
@@ -2843,7 +2856,7 @@ DOT_TARGET static void attend_tile_bf16(const float *q, int64_t ldq, float *out,
             const int nr = rows - i0 < 8 ? rows - i0 : 8;
             UPTO8_CASE(nr, atb_scores8, qs + i0 * dp, dp, kc, sc + i0 * ATB_KC)
         }
-        atb_softmax(sc, pp, o, mx, sum, vis, rows, d, j0, cnt, scale);
+        atb_softmax(sc, pp, o, mx, sum, vis, rows, d, j0, cnt, scale, ATB_KC);
         for (int i0 = 0; i0 < rows; i0 += 4) {
             const int nr = rows - i0 < 4 ? rows - i0 : 4;
             ATT_PV512_COLUMNS(ATB_PV_ROWS)
@@ -2865,41 +2878,44 @@ AMX_TARGET static void attend_tile_amx(const float *q, int64_t ldq, float *out, 
                                        const uint32_t *vb, int ntok, int n_vis0, int grp, int d, float scale,
                                        float v_scale, float *scr) {
     const int rows = ntok * grp, rows16 = (rows + 15) & ~15, dp = d / 2;
-    const AtbScratch t = atb_begin(q, ldq, rows, rows16, n_vis0, grp, d, scr);
+    const AtbScratch t = atb_begin(q, ldq, rows, rows16, n_vis0, grp, d, ATA_KC, scr);
     uint32_t *qs = t.qs, *pp = t.pp;
     float *o = t.o, *sc = t.sc, *mx = t.mx, *sum = t.sum;
     const int *vis = t.vis;
     amx_begin();
     const int n_max = n_vis0 + ntok - 1;
-    for (int j0 = 0; j0 < n_max; j0 += ATB_KC) {
-        const int cnt = n_max - j0 < ATB_KC ? n_max - j0 : ATB_KC;
-        const uint32_t *kc = kt + (int64_t)(j0 / ATB_KC) * dp * ATB_KC, *vc = vb + (int64_t)(j0 / 2) * d;
+    for (int j0 = 0; j0 < n_max; j0 += ATA_KC) {
+        const int cnt = n_max - j0 < ATA_KC ? n_max - j0 : ATA_KC, nsub = (cnt + ATB_KC - 1) / ATB_KC;
+        const uint32_t *vc = vb + (int64_t)(j0 / 2) * d;
         __asm__ volatile("" ::: "memory"); /* the tile loads read what C code wrote: no asm says so */
-        for (int i0 = 0; i0 < rows16; i0 += 16) {
-            _tile_zero(0);
-            _tile_zero(1);
-            for (int p0 = 0; p0 < dp; p0 += 16) {
-                _tile_loadd(4, qs + i0 * dp + p0, dp * 4);
-                _tile_loadd(6, kc + p0 * ATB_KC, ATB_KC * 4);
-                _tile_loadd(7, kc + p0 * ATB_KC + 16, ATB_KC * 4);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
+        for (int i0 = 0; i0 < rows16; i0 += 16)
+            for (int u = 0; u < nsub; u++) { /* S of the chunk's 32-key sub-chunks (past nsub: masked) */
+                const uint32_t *kc = kt + (int64_t)(j0 / ATB_KC + u) * dp * ATB_KC;
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int p0 = 0; p0 < dp; p0 += 16) {
+                    _tile_loadd(4, qs + i0 * dp + p0, dp * 4);
+                    _tile_loadd(6, kc + p0 * ATB_KC, ATB_KC * 4);
+                    _tile_loadd(7, kc + p0 * ATB_KC + 16, ATB_KC * 4);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                _tile_stored(0, sc + i0 * ATA_KC + ATB_KC * u, ATA_KC * 4);
+                _tile_stored(1, sc + i0 * ATA_KC + ATB_KC * u + 16, ATA_KC * 4);
             }
-            _tile_stored(0, sc + i0 * ATB_KC, ATB_KC * 4);
-            _tile_stored(1, sc + i0 * ATB_KC + 16, ATB_KC * 4);
-        }
         __asm__ volatile("" ::: "memory"); /* and C code reads what the tile stores wrote */
-        atb_softmax(sc, pp, o, mx, sum, vis, rows, d, j0, cnt, scale);
+        atb_softmax(sc, pp, o, mx, sum, vis, rows, d, j0, cnt, scale, ATA_KC);
         __asm__ volatile("" ::: "memory");
-        for (int i0 = 0; i0 < rows16; i0 += 16) {
-            _tile_loadd(4, pp + i0 * (ATB_KC / 2), (ATB_KC / 2) * 4);
+        for (int i0 = 0; i0 < rows16; i0 += 16)
             for (int c0 = 0; c0 < d; c0 += 16) {
                 _tile_loadd(0, o + i0 * d + c0, d * 4);
-                _tile_loadd(6, vc + c0, d * 4);
-                _tile_dpbf16ps(0, 4, 6);
+                for (int u = 0; u < nsub; u++) { /* P's 16 key pairs of sub-chunk u by V's */
+                    _tile_loadd(4, pp + i0 * (ATA_KC / 2) + 16 * u, (ATA_KC / 2) * 4);
+                    _tile_loadd(6, vc + (int64_t)16 * u * d + c0, d * 4);
+                    _tile_dpbf16ps(0, 4, 6);
+                }
                 _tile_stored(0, o + i0 * d + c0, d * 4);
             }
-        }
         __asm__ volatile("" ::: "memory");
     }
     amx_end();
@@ -3030,8 +3046,9 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
         if (!kt || !vb) abort();
 #pragma omp parallel
         {
-            const int64_t scr_floats = pairs ? atb_tile_floats((ATT_QT * grp + 15) & ~15, d) /* AMX: rows by 16 */
-                                             : att_tile_floats(ATT_QT * grp, d);
+            const int64_t scr_floats = tiles ? atb_tile_floats((ATT_QT * grp + 15) & ~15, d, ATA_KC) /* rows by 16 */
+                                       : pairs ? atb_tile_floats(ATT_QT * grp, d, ATB_KC)
+                                               : att_tile_floats(ATT_QT * grp, d);
             float *scr = (float *)malloc(sizeof(float) * (size_t)scr_floats);
             if (!scr) abort();
             for (int r = 0; r < n_reqs; r++) {
