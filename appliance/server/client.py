@@ -373,6 +373,13 @@ class EngineClient:
         return (f"the {self.core_name} has made no progress for {self.silent_s():.1f} s "
                 f"(server.core_heartbeat_timeout_s={self.heartbeat_timeout_s:g})")
 
+    def silence(self) -> Optional[str]:
+        """Why the running core counts as unresponsive (None: it does not). The stall is logged the first time
+        it is seen, by a probe or by the watchdog's round, whichever comes first: a probe can see it between two
+        rounds, and the core can be heard from again before the next."""
+        self._log_silence()
+        return self.unresponsive_reason() if self.unresponsive else None
+
     def _log_silence(self) -> None:
         silent = self.unresponsive
         if silent and not self._silence_logged:

@@ -123,7 +123,7 @@ class DataParallelClient:
 
     def unresponsive_reason(self) -> Optional[str]:
         """Why ``/health`` fails while the cores run: the ranks not heard from in time (None: none)."""
-        silent = [c.unresponsive_reason() for c in self.clients if c.unresponsive]
+        silent = [reason for reason in (c.silence() for c in self.clients) if reason]
         return "; ".join(silent) if silent else None
 
     @property

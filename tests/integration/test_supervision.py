@@ -110,8 +110,9 @@ def test_a_frozen_core_fails_the_probes_until_it_resumes(probed):
                    timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert s.core_pid() == pid  # resumed, not replaced
-    # the watchdog logs the stall and the recovery on its rounds (every 0.1 s), and the server's output reaches
-    # the test through a reader thread: either may follow the probes' answers on a busy host
+    # the stall is logged when first seen (by the failing probe here, or a watchdog round), the recovery on a
+    # watchdog round (every 0.1 s); the server's output reaches the test through a reader thread, after the
+    # probes' answers on a busy host
     wait_for(lambda: "the engine core has made no progress for" in s.output(), 10, "the stall logged")
     wait_for(lambda: "the engine core is heard from again" in s.output(), 10, "the recovery logged")
 

@@ -23,6 +23,9 @@ class FakeCore:
     def unresponsive_reason(self):
         return "the engine core 1 has made no progress for 2.0 s (server.core_heartbeat_timeout_s=1)"
 
+    def silence(self):
+        return self.unresponsive_reason() if self.unresponsive else None
+
     def check_up(self):
         if self.restarting:
             raise EngineRestartingError("the engine core 1 is restarting", 3)
