@@ -2866,11 +2866,12 @@ DOT_TARGET static void attend_tile_bf16(const float *q, int64_t ldq, float *out,
 }
 
 /*
- * The same tile on AMX-BF16 tiles (head sizes a multiple of 32), over the same pairs: S = Q K^T as one row
- * tile of 16 query rows (bf16, d / 2 words) by a K tile of 16 channel pairs by 16 keys, read in place from
- * the chunk's [d / 2][32] words (rows 128 bytes apart), two S tiles a chunk; P V as a P tile (16 rows by the
- * chunk's 16 key pairs, the softmax's own words) by a V tile of 16 key pairs by 16 channels of [pos / 2][d],
- * accumulated into O in memory 16 channels at a time (the online softmax rescales O between chunks). The
+ * The same tile on AMX-BF16 tiles (head sizes a multiple of 32), over the same pairs, a softmax step per
+ * chunk of ATA_KC keys (four of the pairs' 32-key chunks): S = Q K^T as one row tile of 16 query rows (bf16,
+ * d / 2 words) by a K tile of 16 channel pairs by 16 keys, read in place from a 32-key chunk's [d / 2][32]
+ * words (rows 128 bytes apart), two S tiles a 32-key chunk; P V as P tiles (16 rows by 16 key pairs, the
+ * softmax's own words) by V tiles of 16 key pairs by 16 channels of [pos / 2][d], accumulated into O in
+ * memory 16 channels at a time (the online softmax rescales O between chunks). The
  * query rows are padded with zero rows to a multiple of 16 (their P rows zero). Sums in the tiles' order:
  * within the vdpbf16ps tile's bound, not its bits.
  */
