@@ -93,6 +93,8 @@ def kernel_variants() -> dict[str, str]:
             if cpu_native.bf16_attention() and cpu_native.amx() else "avx512_bf16 (vdpbf16ps)"
             if cpu_native.bf16_attention() else "as below",
             "prefill attention tiles": "avx512f (16 keys a register)" if cpu_native.avx512() else "avx2+fma",
+            "decode attention": "avx512f (16 lanes, head sizes a multiple of 32; the context's rows prefetched "
+            "into L2)" if cpu_native.avx512() else "avx2+fma (the context's rows prefetched into L2)",
             "GEMMs on AMX tiles": f"amx (tdpbf16ps: bf16 and int8 weights from {cpu_native.amx_min_rows()} rows, "
             f"int4 from {cpu_native.amx_min_rows(grouped=True)}; tdpbssd: W8A8 from "
             f"{cpu_native.amx_min_rows(int8=True)}; 32 rows by 32 channels)"

@@ -270,7 +270,9 @@ def host_notes(cfg: Any, dtype: str) -> list[str]:
         att = "prefill attention tiles on vdpbf16ps (q and the softmax weights rounded to bf16)"
     else:
         att = f"prefill attention tiles in fp32 FMAs ({'AVX-512F' if avx512() else 'AVX2'})"
-    return [f"on this CPU: {gemm}; {att}; decode attention in fp32 FMAs (AVX2), a context split every 256 positions"]
+    wide = avx512() and head_dim and head_dim % 32 == 0  # the 16-lane decode items (appl_attention)
+    dec = f"decode attention in fp32 FMAs ({'AVX-512F' if wide else 'AVX2'}), a context split every 256 positions"
+    return [f"on this CPU: {gemm}; {att}; {dec}"]
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[tuple[int, int]],

@@ -43,6 +43,7 @@ def test_machine(out):
     assert variants["int4 GEMMs over 6 rows"].startswith("avx512_bf16" if cpu_native.bf16_dot() else "avx2+fma")
     assert variants["int4 GEMV and GEMMs of 2-6 rows"].startswith("avx512f" if cpu_native.avx512() else "avx2+fma")
     assert variants["prefill attention tiles"].startswith("avx512f" if cpu_native.avx512() else "avx2+fma")
+    assert variants["decode attention"].startswith("avx512f" if cpu_native.avx512() else "avx2+fma")
     assert variants["prefill attention tiles over a bf16 or fp8 cache"].startswith(
         ("amx" if cpu_native.amx() else "avx512_bf16") if cpu_native.bf16_attention() else "as below")
     assert variants["int4 and int8 weights' GEMMs over 6 rows"].startswith(

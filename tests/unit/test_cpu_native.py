@@ -522,25 +522,35 @@ def test_bf16_kv_cache_matches_sdpa_on_the_rounded_values(num_heads, num_kv_head
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (9, 3), (16, 2)])
-@pytest.mark.parametrize("head_dim", [64, 40])
-@pytest.mark.parametrize("kv", ["float32", "bfloat16", "fp8_e4m3"])
-def test_long_decodes_split_their_context_and_merge_it(num_heads, num_kv_heads, head_dim, kv):
+WIDE = pytest.mark.parametrize("wide", [False, pytest.param(True, marks=needs_avx512)], ids=["avx2", "avx512"])
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
+             "fp8_e5m2": torch.float8_e5m2}
+
+
+@WIDE
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (9, 3), (16, 2), (14, 2)])
+@pytest.mark.parametrize("head_dim", [64, 40, 128])
+@pytest.mark.parametrize("kv", list(KV_DTYPES))
+def test_long_decodes_split_their_context_and_merge_it(wide, num_heads, num_kv_heads, head_dim, kv):
     """Decodes over contexts longer than a split (256 positions or more each, about four items a thread):
-    splits that end inside a block of 48, the last shorter, merged by their maxima; beside a short one."""
+    splits that end inside a block of 48, the last shorter, merged by their maxima; beside a short one. On
+    AVX-512F, head sizes that are a multiple of 32 take the 16-lane items (a bf16 row's even and odd
+    elements widened apart, the query laid to match), others the AVX2 ones."""
     common, q, k, v, cache = make_problem(LONG, 48, num_heads, num_kv_heads, head_dim, seed=5)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[kv]
+    dtype = KV_DTYPES[kv]
     stored = cache.to(dtype)
     b = CpuNativeBackend(num_heads, num_kv_heads, head_dim, head_dim ** -0.5,
                          kv_cache_dtype="auto" if kv == "float32" else kv)
-    out = b.forward(q, k, v, stored, b.build_metadata(common))
+    with _pinned(avx512, wide):
+        out = b.forward(q, k, v, stored, b.build_metadata(common))
     kq, vq = k.to(dtype).float(), v.to(dtype).float()
     ref_out, _ = reference(common, q, kq, vq, stored.float(), num_heads, num_kv_heads, head_dim)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
 
 
+@WIDE
 @pytest.mark.parametrize("kv", ["float32", "bfloat16"])
-def test_a_decodes_attention_does_not_depend_on_the_decodes_beside_it(kv):
+def test_a_decodes_attention_does_not_depend_on_the_decodes_beside_it(wide, kv):
     """A context splits into items of 256 positions whatever else the step holds: each token's output is the
     same bits alone as in the batch (splits sized by the step's work summed in another order)."""
     import dataclasses
@@ -549,15 +559,16 @@ def test_a_decodes_attention_does_not_depend_on_the_decodes_beside_it(kv):
     common, q, k, v, cache = make_problem(specs, 16, 8, 2, 64, seed=7)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[kv]
     b = CpuNativeBackend(8, 2, 64, 64 ** -0.5, kv_cache_dtype="auto" if kv == "float32" else kv)
-    whole = b.forward(q, k, v, cache.to(dtype), b.build_metadata(common))
-    for r, (c, n) in enumerate(specs):
-        alone = dataclasses.replace(
-            common, query_start_loc=torch.tensor([0, 1], dtype=torch.int32), seq_lens=common.seq_lens[r:r + 1],
-            num_computed_tokens=common.num_computed_tokens[r:r + 1], block_table=common.block_table[r:r + 1],
-            slot_mapping=common.slot_mapping[r:r + 1], num_reqs=1, num_actual_tokens=1, max_query_len=1,
-            max_seq_len=c + n, query_start_loc_cpu=[0, 1], seq_lens_cpu=[c + n])
-        out = b.forward(q[r:r + 1], k[r:r + 1], v[r:r + 1], cache.to(dtype), b.build_metadata(alone))
-        assert torch.equal(out, whole[r:r + 1]), r
+    with _pinned(avx512, wide):
+        whole = b.forward(q, k, v, cache.to(dtype), b.build_metadata(common))
+        for r, (c, n) in enumerate(specs):
+            alone = dataclasses.replace(
+                common, query_start_loc=torch.tensor([0, 1], dtype=torch.int32), seq_lens=common.seq_lens[r:r + 1],
+                num_computed_tokens=common.num_computed_tokens[r:r + 1], block_table=common.block_table[r:r + 1],
+                slot_mapping=common.slot_mapping[r:r + 1], num_reqs=1, num_actual_tokens=1, max_query_len=1,
+                max_seq_len=c + n, query_start_loc_cpu=[0, 1], seq_lens_cpu=[c + n])
+            out = b.forward(q[r:r + 1], k[r:r + 1], v[r:r + 1], cache.to(dtype), b.build_metadata(alone))
+            assert torch.equal(out, whole[r:r + 1]), r
 
 
 def test_bf16_kv_cache_whole_model_matches_torch_path():
@@ -1022,6 +1033,10 @@ def test_the_plan_says_which_kernels_run_on_this_cpu():
 
     with _pinned(bf16_attention, False):
         assert "prefill attention tiles in fp32 FMAs" in note()
+    with _pinned(avx512, False):
+        assert "decode attention in fp32 FMAs (AVX2)" in note()
+    if HAS_AVX512:  # SmolLM2's head size 64 takes the 16-lane items
+        assert "decode attention in fp32 FMAs (AVX-512F)" in note()
     with _bf16_dot(False):
         assert "GEMMs in fp32 FMAs over weights widened to fp32;" in note("quantization=none")
     if HAS_BF16_DOT:

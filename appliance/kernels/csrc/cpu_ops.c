@@ -2238,6 +2238,75 @@ static inline void dec_start(float *acc, float *m, float *l, int nh, int d) {
     memset(acc, 0, sizeof(float) * (size_t)nh * d);
 }
 
+/* The online softmax of one chunk for grp heads: s [grp][DEC_CH] (cnt scores each) becomes the chunk's
+ * numerators, m and l the running max and sum, corr [grp] what the output so far must be scaled by. */
+static void dec_softmax(float *s, int cnt, int grp, float *m, float *l, float *corr) {
+    for (int h = 0; h < grp; h++) {
+        float *sh = s + h * DEC_CH, mx = m[h];
+        __m256 mx8 = _mm256_set1_ps(mx);
+        int o = 0;
+        for (; o + 8 <= cnt; o += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sh + o));
+        for (; o < cnt; o++) mx = sh[o] > mx ? sh[o] : mx;
+        mx = fmaxf(mx, hmax8(mx8));
+        const __m256 mv = _mm256_set1_ps(mx);
+        __m256 sum8 = _mm256_setzero_ps();
+        for (o = 0; o + 8 <= cnt; o += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + o), mv));
+            _mm256_storeu_ps(sh + o, e);
+            sum8 = _mm256_add_ps(sum8, e);
+        }
+        float sum = hsum8(sum8);
+        for (; o < cnt; o++) {
+            sh[o] = expf(sh[o] - mx);
+            sum += sh[o];
+        }
+        corr[h] = m[h] == -INFINITY ? 0.0f : expf(m[h] - mx);
+        l[h] = l[h] * corr[h] + sum;
+        m[h] = mx;
+    }
+}
+
+/* Positions [p0, p1) of a context's K and V rows (every kv head; elt bytes an element) asked into L2 before an
+ * item reads them: a split is at most DEC_SPLIT positions (512 KiB of K and V in a bf16 cache with 1 KiB of K
+ * a position), and the requests, issued at once, are in flight together where the item's own loads would
+ * wait for one chunk's rows after another (1.2-1.6x on a cache read from memory). */
+static void dec_prefetch(const void *k_base, const void *v_base, int64_t elt, const int32_t *bt, int bs,
+                         int64_t kv_stride, int p0, int p1) {
+    const int64_t row = kv_stride * elt;
+    for (int pos = p0; pos < p1;) {
+        const int n = bs - pos % bs < p1 - pos ? bs - pos % bs : p1 - pos; /* the run in this block */
+        const int64_t off = dec_row(bt, bs, kv_stride, pos) * elt;
+        const char *kp = (const char *)k_base + off, *vp = (const char *)v_base + off;
+        for (int64_t b = 0; b < n * row; b += 64) {
+            _mm_prefetch(kp + b, _MM_HINT_T1);
+            _mm_prefetch(vp + b, _MM_HINT_T1);
+        }
+        pos += n;
+    }
+}
+
+/* A split's body: its rows asked for (dec_prefetch), then chunk after chunk, each kv head's part in turn
+ * (CHUNK: a dec_chunk function; QV: the query as it reads it; the names of decode_split's parameters). */
+#define DEC_SPLIT_CHUNKS(KT, CHUNK, QV)                                                                               \
+    const KT *kr[DEC_CH], *vr[DEC_CH], *krg[DEC_CH], *vrg[DEC_CH];                                                    \
+    dec_prefetch(k_base, v_base, sizeof(KT), bt, bs, kv_stride, p0, p1);                                              \
+    for (int c0 = p0; c0 < p1; c0 += DEC_CH) {                                                                        \
+        const int cnt = p1 - c0 < DEC_CH ? p1 - c0 : DEC_CH;                                                          \
+        for (int o = 0; o < cnt; o++) {                                                                               \
+            const int64_t off = dec_row(bt, bs, kv_stride, c0 + o);                                                   \
+            kr[o] = k_base + off;                                                                                     \
+            vr[o] = v_base + off;                                                                                     \
+        }                                                                                                             \
+        for (int g = 0; g < nkv; g++) {                                                                               \
+            for (int o = 0; o < cnt; o++) {                                                                           \
+                krg[o] = kr[o] + (int64_t)g * d;                                                                      \
+                vrg[o] = vr[o] + (int64_t)g * d;                                                                      \
+            }                                                                                                         \
+            const int64_t h0 = (int64_t)g * grp;                                                                      \
+            CHUNK(QV + h0 * d, krg, vrg, cnt, grp, d, scale, acc + h0 * d, m + h0, l + h0, s, corr);                  \
+        }                                                                                                             \
+    }
+
 /* acc[h][c0 .. c0 + 8 w) = acc * corr[h] + sum_o s[h][o] V[o][c0 ..] for heads h < nh (<= 4), w 1 or 2 vectors. */
 #define DEFINE_DEC_PV(SUFFIX, KT, LOADKV)                                                                             \
 static inline __attribute__((always_inline)) void dec_pv_##SUFFIX(const KT *const *vr, int cnt, const float *s,      \
@@ -2294,29 +2363,7 @@ static void dec_chunk_##SUFFIX(const float *qg, const KT *const *kr, const KT *c
             else dec_qk4_##SUFFIX(qg + h * d, quad, d, scale, s + h * DEC_CH + o, 1);                                  \
         }                                                                                                             \
     }                                                                                                                 \
-    for (int h = 0; h < grp; h++) { /* online softmax: the chunk's numerators in place */                             \
-        float *sh = s + h * DEC_CH, mx = m[h];                                                                        \
-        __m256 mx8 = _mm256_set1_ps(mx);                                                                              \
-        int o = 0;                                                                                                    \
-        for (; o + 8 <= cnt; o += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sh + o));                               \
-        for (; o < cnt; o++) mx = sh[o] > mx ? sh[o] : mx;                                                            \
-        mx = fmaxf(mx, hmax8(mx8));                                                                                   \
-        const __m256 mv = _mm256_set1_ps(mx);                                                                         \
-        __m256 sum8 = _mm256_setzero_ps();                                                                            \
-        for (o = 0; o + 8 <= cnt; o += 8) {                                                                           \
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + o), mv));                                        \
-            _mm256_storeu_ps(sh + o, e);                                                                              \
-            sum8 = _mm256_add_ps(sum8, e);                                                                            \
-        }                                                                                                             \
-        float sum = hsum8(sum8);                                                                                      \
-        for (; o < cnt; o++) {                                                                                        \
-            sh[o] = expf(sh[o] - mx);                                                                                 \
-            sum += sh[o];                                                                                             \
-        }                                                                                                             \
-        corr[h] = m[h] == -INFINITY ? 0.0f : expf(m[h] - mx);                                                         \
-        l[h] = l[h] * corr[h] + sum;                                                                                  \
-        m[h] = mx;                                                                                                    \
-    }                                                                                                                 \
+    dec_softmax(s, cnt, grp, m, l, corr);                                                                             \
     for (int h = 0; h < grp; h += 4) {                                                                                \
         const int nh = grp - h < 4 ? grp - h : 4;                                                                     \
         for (int c = 0; c < d; c += 16) {                                                                             \
@@ -2334,24 +2381,8 @@ static void dec_chunk_##SUFFIX(const float *qg, const KT *const *kr, const KT *c
 static void decode_split_##SUFFIX(const float *q, const KT *k_base, const KT *v_base, const int32_t *bt, int bs,      \
                                   int64_t kv_stride, int p0, int p1, int nkv, int grp, int d, float scale,            \
                                   float *acc, float *m, float *l, float *s, float *corr) {                            \
-    const KT *kr[DEC_CH], *vr[DEC_CH], *krg[DEC_CH], *vrg[DEC_CH];                                                    \
     dec_start(acc, m, l, nkv * grp, d);                                                                               \
-    for (int c0 = p0; c0 < p1; c0 += DEC_CH) {                                                                        \
-        const int cnt = p1 - c0 < DEC_CH ? p1 - c0 : DEC_CH;                                                          \
-        for (int o = 0; o < cnt; o++) {                                                                               \
-            const int64_t off = dec_row(bt, bs, kv_stride, c0 + o);                                                   \
-            kr[o] = k_base + off;                                                                                     \
-            vr[o] = v_base + off;                                                                                     \
-        }                                                                                                             \
-        for (int g = 0; g < nkv; g++) {                                                                               \
-            for (int o = 0; o < cnt; o++) {                                                                           \
-                krg[o] = kr[o] + (int64_t)g * d;                                                                      \
-                vrg[o] = vr[o] + (int64_t)g * d;                                                                      \
-            }                                                                                                         \
-            const int64_t h0 = (int64_t)g * grp;                                                                      \
-            dec_chunk_##SUFFIX(q + h0 * d, krg, vrg, cnt, grp, d, scale, acc + h0 * d, m + h0, l + h0, s, corr);      \
-        }                                                                                                             \
-    }                                                                                                                 \
+    DEC_SPLIT_CHUNKS(KT, dec_chunk_##SUFFIX, q)                                                                       \
 }
 
 /* fp8 -> fp32 through fp16. e5m2 is an fp16's top byte. An e4m3 byte's seven bits below the sign, put seven
@@ -2372,6 +2403,151 @@ DEFINE_DEC_PV(f32, float, load_kv_f32)
 DEFINE_DEC_PV(bf16, uint16_t, load_bf16)
 DEFINE_DEC_PV(e4m3, uint8_t, load_e4m3)
 DEFINE_DEC_PV(e5m2, uint8_t, load_e5m2)
+
+/*
+ * Decode items on AVX-512F (head size a multiple of 32): the same items, chunks and online softmax as above,
+ * 16 lanes wide. A 32-element slice of a K or V row widens to two fp32 vectors; a bf16 slice with one load
+ * and two integer operations, its even elements (x << 16) in the first vector and its odd ones (x with the
+ * low half cleared) in the second. The query is laid in that order once per item (qp) and the output sums
+ * stay in it until the split ends (dec512_unlay), so no lane is moved per key. fp32 and fp8 slices keep
+ * their order (elements 0-15, 16-31). Scores: four keys by up to four heads a pass, each K slice loaded once
+ * for all of them; P V: up to four heads by 64 lanes of d, each V slice loaded once.
+ */
+AVX512_TARGET static inline __attribute__((always_inline)) void dwiden_bf16(const uint16_t *p, __m512 *a, __m512 *b) {
+    const __m512i x = _mm512_loadu_si512((const void *)p);
+    *a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    *b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+}
+AVX512_TARGET static inline __attribute__((always_inline)) void dwiden_f32(const float *p, __m512 *a, __m512 *b) {
+    *a = _mm512_loadu_ps(p);
+    *b = _mm512_loadu_ps(p + 16);
+}
+/* fp8 as in load_e4m3 / load_e5m2, 32 bytes at a time */
+AVX512_TARGET static inline __attribute__((always_inline)) void dwiden_e4m3(const uint8_t *p, __m512 *a, __m512 *b) {
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi16(0x7f));
+    __m512i h = _mm512_or_si512(_mm512_slli_epi16(mag, 7),
+                                _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8));
+    h = _mm512_or_si512(h, _mm512_maskz_mov_epi16(_mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)),
+                                                  _mm512_set1_epi16(0x7e00)));
+    const __m512 s256 = _mm512_set1_ps(256.0f);
+    *a = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), s256);
+    *b = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), s256);
+}
+AVX512_TARGET static inline __attribute__((always_inline)) void dwiden_e5m2(const uint8_t *p, __m512 *a, __m512 *b) {
+    const __m512i h = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p)), 8);
+    *a = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    *b = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+/* The lanes of a bf16 slice's two vectors: even elements, then odd (permutex2var indices over q[0..16), q[16..32)),
+ * and back. */
+AVX512_TARGET static inline void dec512_lay(const float *q, float *qp, int n, int evenodd) {
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int i = 0; i < n; i += 32) {
+        const __m512 lo = _mm512_loadu_ps(q + i), hi = _mm512_loadu_ps(q + i + 16);
+        _mm512_storeu_ps(qp + i, evenodd ? _mm512_permutex2var_ps(lo, ev, hi) : lo);
+        _mm512_storeu_ps(qp + i + 16, evenodd ? _mm512_permutex2var_ps(lo, od, hi) : hi);
+    }
+}
+AVX512_TARGET static inline void dec512_unlay(float *acc, int n) {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int i = 0; i < n; i += 32) {
+        const __m512 e = _mm512_loadu_ps(acc + i), o = _mm512_loadu_ps(acc + i + 16);
+        _mm512_storeu_ps(acc + i, _mm512_permutex2var_ps(e, lo, o));
+        _mm512_storeu_ps(acc + i + 16, _mm512_permutex2var_ps(e, hi, o));
+    }
+}
+
+/* A 16-lane vector's sum folded to 8 lanes (hsum4 then takes four of them). */
+AVX512_TARGET static inline __m256 fold8(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+#define DEFINE_DEC512(SUFFIX, KT, WIDEN, EVENODD)                                                                     \
+/* s[h][o .. o + 4) = q_h . K[o ..] * scale for heads h < nh (<= 4); qp laid as the slices widen. */                 \
+AVX512_TARGET static inline __attribute__((always_inline)) void dec512_qk4_##SUFFIX(                                 \
+    const float *qp, const KT *const *kr, int d, float scale, float *s, const int nh) {                               \
+    __m512 a[4][4];                                                                                                   \
+    for (int h = 0; h < nh; h++)                                                                                      \
+        for (int x = 0; x < 4; x++) a[h][x] = _mm512_setzero_ps();                                                    \
+    for (int i = 0; i < d; i += 32) {                                                                                 \
+        __m512 ke[4], ko[4];                                                                                          \
+        for (int x = 0; x < 4; x++) WIDEN(kr[x] + i, &ke[x], &ko[x]);                                                 \
+        for (int h = 0; h < nh; h++) {                                                                                \
+            const __m512 qe = _mm512_loadu_ps(qp + h * d + i), qo = _mm512_loadu_ps(qp + h * d + i + 16);             \
+            for (int x = 0; x < 4; x++) a[h][x] = _mm512_fmadd_ps(qo, ko[x], _mm512_fmadd_ps(qe, ke[x], a[h][x]));   \
+        }                                                                                                             \
+    }                                                                                                                 \
+    for (int h = 0; h < nh; h++)                                                                                      \
+        _mm_storeu_ps(s + h * DEC_CH, _mm_mul_ps(hsum4(fold8(a[h][0]), fold8(a[h][1]), fold8(a[h][2]),                \
+                                                       fold8(a[h][3])), _mm_set1_ps(scale)));                         \
+}                                                                                                                     \
+                                                                                                                      \
+/* acc[h][c0 .. c0 + 32 w) = acc * corr[h] + sum_o s[h][o] V[o][c0 ..] for heads h < nh (<= 4), w 1 or 2 slices. */  \
+AVX512_TARGET static inline __attribute__((always_inline)) void dec512_pv_##SUFFIX(                                  \
+    const KT *const *vr, int cnt, const float *s, const float *corr, float *acc, int d, int c0, const int w,          \
+    const int nh) {                                                                                                   \
+    __m512 a[4][4];                                                                                                   \
+    for (int h = 0; h < nh; h++) {                                                                                    \
+        const __m512 cv = _mm512_set1_ps(corr[h]);                                                                    \
+        for (int x = 0; x < 2 * w; x++) a[h][x] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * d + c0 + 16 * x), cv);     \
+    }                                                                                                                 \
+    for (int o = 0; o < cnt; o++) {                                                                                   \
+        __m512 v[4];                                                                                                  \
+        for (int x = 0; x < w; x++) WIDEN(vr[o] + c0 + 32 * x, &v[2 * x], &v[2 * x + 1]);                             \
+        for (int h = 0; h < nh; h++) {                                                                                \
+            const __m512 pb = _mm512_set1_ps(s[h * DEC_CH + o]);                                                      \
+            for (int x = 0; x < 2 * w; x++) a[h][x] = _mm512_fmadd_ps(pb, v[x], a[h][x]);                             \
+        }                                                                                                             \
+    }                                                                                                                 \
+    for (int h = 0; h < nh; h++)                                                                                      \
+        for (int x = 0; x < 2 * w; x++) _mm512_storeu_ps(acc + h * d + c0 + 16 * x, a[h][x]);                         \
+}                                                                                                                     \
+                                                                                                                      \
+AVX512_TARGET static void dec512_chunk_##SUFFIX(const float *qp, const KT *const *kr, const KT *const *vr, int cnt,  \
+                                                int grp, int d, float scale, float *acc, float *m, float *l, float *s,\
+                                                float *corr) {                                                        \
+    for (int o = 0; o < cnt; o += 4) {                                                                                \
+        const KT *quad[4];                                                                                            \
+        for (int x = 0; x < 4; x++) quad[x] = kr[o + x < cnt ? o + x : cnt - 1]; /* a ragged end repeats a key */     \
+        for (int h = 0; h < grp; h += 4) {                                                                            \
+            const int nh = grp - h < 4 ? grp - h : 4;                                                                 \
+            UPTO4_CASE(nh, dec512_qk4_##SUFFIX, qp + h * d, quad, d, scale, s + h * DEC_CH + o)                       \
+        }                                                                                                             \
+    }                                                                                                                 \
+    dec_softmax(s, cnt, grp, m, l, corr);                                                                             \
+    for (int h = 0; h < grp; h += 4) {                                                                                \
+        const int nh = grp - h < 4 ? grp - h : 4;                                                                     \
+        float *ah = acc + (int64_t)h * d;                                                                             \
+        const float *sh = s + h * DEC_CH, *ch = corr + h;                                                             \
+        for (int c = 0; c < d; c += 64) {                                                                             \
+            if (d - c >= 64) {                                                                                        \
+                UPTO4_CASE(nh, dec512_pv_##SUFFIX, vr, cnt, sh, ch, ah, d, c, 2)                                      \
+            } else {                                                                                                  \
+                UPTO4_CASE(nh, dec512_pv_##SUFFIX, vr, cnt, sh, ch, ah, d, c, 1)                                      \
+            }                                                                                                         \
+        }                                                                                                             \
+    }                                                                                                                 \
+}                                                                                                                     \
+                                                                                                                      \
+/* decode_split_<type>'s item on AVX-512F; qp: n_heads * d floats of scratch. */                                     \
+AVX512_TARGET static void decode_split512_##SUFFIX(const float *q, const KT *k_base, const KT *v_base,                \
+                                                   const int32_t *bt, int bs, int64_t kv_stride, int p0, int p1,      \
+                                                   int nkv, int grp, int d, float scale, float *acc, float *m,        \
+                                                   float *l, float *s, float *corr, float *qp) {                      \
+    dec_start(acc, m, l, nkv * grp, d);                                                                               \
+    dec512_lay(q, qp, nkv * grp * d, EVENODD);                                                                        \
+    DEC_SPLIT_CHUNKS(KT, dec512_chunk_##SUFFIX, qp)                                                                   \
+    if (EVENODD) dec512_unlay(acc, nkv * grp * d);                                                                    \
+}
+
+DEFINE_DEC512(f32, float, dwiden_f32, 0)
+DEFINE_DEC512(bf16, uint16_t, dwiden_bf16, 1)
+DEFINE_DEC512(e4m3, uint8_t, dwiden_e4m3, 0)
+DEFINE_DEC512(e5m2, uint8_t, dwiden_e5m2, 0)
 
 /*
  * Prefill tiles: a run of ATT_QT consecutive query tokens of one request, with the grp query heads that share
@@ -3135,7 +3311,10 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
         }
     }
     const int64_t kv_stride = (int64_t)n_kv_heads * d;
-    const int64_t scr_floats = part_floats + (int64_t)grp * (DEC_CH + 1); /* acc, m, l; s [grp][DEC_CH]; corr */
+    /* items 16 lanes wide where the CPU has AVX-512F and the head size is a multiple of 32 */
+    const int wide = g_avx512 && d % 32 == 0;
+    /* acc, m, l; s [grp][DEC_CH]; corr; the laid query of a wide item */
+    const int64_t scr_floats = part_floats + (int64_t)grp * (DEC_CH + 1) + (wide ? (int64_t)n_heads * d : 0);
 #pragma omp parallel if (n_items > 1)
     {
         float *scr = (float *)malloc(sizeof(float) * (size_t)scr_floats);
@@ -3147,8 +3326,20 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
             const float *qt = q + (int64_t)it[1] * ldq;
             /* a split's sums in its partial slot, a whole context's in the scratch */
             float *acc = it[4] >= 0 ? partial + it[4] * part_floats : scr, *m = acc + (int64_t)n_heads * d;
-            float *l = m + n_heads, *s = scr + part_floats, *corr = s + grp * DEC_CH;
-            if (kv_type == KV_BF16)
+            float *l = m + n_heads, *s = scr + part_floats, *corr = s + grp * DEC_CH, *qp = corr + grp;
+            if (wide && kv_type == KV_BF16)
+                decode_split512_bf16(qt, (const uint16_t *)k_cache, (const uint16_t *)v_cache, bt, bs, kv_stride,
+                                     it[2], it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr, qp);
+            else if (wide && kv_type == KV_FP8_E4M3)
+                decode_split512_e4m3(qt, (const uint8_t *)k_cache, (const uint8_t *)v_cache, bt, bs, kv_stride,
+                                     it[2], it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr, qp);
+            else if (wide && kv_type == KV_FP8_E5M2)
+                decode_split512_e5m2(qt, (const uint8_t *)k_cache, (const uint8_t *)v_cache, bt, bs, kv_stride,
+                                     it[2], it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr, qp);
+            else if (wide)
+                decode_split512_f32(qt, (const float *)k_cache, (const float *)v_cache, bt, bs, kv_stride, it[2],
+                                    it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr, qp);
+            else if (kv_type == KV_BF16)
                 decode_split_bf16(qt, (const uint16_t *)k_cache, (const uint16_t *)v_cache, bt, bs, kv_stride, it[2],
                                   it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr);
             else if (kv_type == KV_FP8_E4M3)
