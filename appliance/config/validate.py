@@ -12,6 +12,7 @@ import ipaddress
 import math
 from typing import Any, Optional
 
+from appliance.config.architectures import ARCHITECTURES, support
 from appliance.config.execution import choose_dtype
 from appliance.config.plan import GIB, device_memory, max_model_len, offload_medium
 from appliance.config.checkpoint import MOE_KEYS
@@ -84,7 +85,20 @@ def _quantization_problems(cfg: ApplianceConfig) -> list[str]:
     return out
 
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+def _architecture_problems(cfg: ApplianceConfig) -> list[str]:
+    """model.architecture must be one the registry serves (config/architectures.py), and the parallelism
+    asked for one its row supports."""
+    m, par = cfg.model, cfg.parallel
+    row, why = support(m.architecture, f"model.architecture={m.architecture}")
+    if row is None:
+        return [why]
+    problems = []
+    for key, size, able in [("tensor_parallel_size", par.tensor_parallel_size, row.tensor_parallel),
+                            ("pipeline_parallel_size", par.pipeline_parallel_size, row.pipeline_parallel)]:
+        if size > 1 and not able:
+            problems.append(f"parallel.{key}={size}: {m.architecture} has no {key.split('_')[0]}-parallel "
+                            f"implementation yet; use parallel.{key}=1")
+    return problems
 
 
 def _moe_problems(cfg: ApplianceConfig) -> list[str]:
@@ -92,7 +106,8 @@ def _moe_problems(cfg: ApplianceConfig) -> list[str]:
     m, par = cfg.model, cfg.parallel
     eplb = par.eplb
     problems = []
-    moe_arch = m.architecture in MOE_ARCHITECTURES
+    row = ARCHITECTURES.get(m.architecture)  # an unserved name is _architecture_problems'
+    moe_arch = row is not None and row.moe
     if m.num_experts <= 0:
         if m.num_experts < 0:
             problems.append(f"model.num_experts={m.num_experts} must not be negative (0: a dense model)")
@@ -106,17 +121,18 @@ def _moe_problems(cfg: ApplianceConfig) -> list[str]:
             problems.append(f"parallel.enable_expert_parallel=true needs a mixture-of-experts model; "
                             f"model={m.name} is dense")
     else:
-        if not moe_arch:
+        if row is not None and not moe_arch:
+            moe_names = ", ".join(a.name for a in ARCHITECTURES.values() if a.moe)
             problems.append(f"model.num_experts={m.num_experts} on model.architecture={m.architecture}, which is "
-                            f"dense; mixture-of-experts architectures: {', '.join(MOE_ARCHITECTURES)}")
+                            f"dense; mixture-of-experts architectures: {moe_names}")
         if not 1 <= m.num_experts_per_tok <= m.num_experts:
             problems.append(f"model.num_experts_per_tok={m.num_experts_per_tok} must be in 1..{m.num_experts} "
                             f"(model.num_experts)")
         if m.moe_intermediate_size < 1:
             problems.append(f"model.moe_intermediate_size={m.moe_intermediate_size} must be positive")
-        if m.architecture == "MixtralForCausalLM" and (m.intermediate_size != m.moe_intermediate_size
-                                                        or m.decoder_sparse_step != 1 or list(m.mlp_only_layers)):
-            problems.append(f"model.architecture=MixtralForCausalLM has only sparse layers whose experts are "
+        if row is not None and row.experts == "every" and (m.intermediate_size != m.moe_intermediate_size
+                                                            or m.decoder_sparse_step != 1 or list(m.mlp_only_layers)):
+            problems.append(f"model.architecture={m.architecture} has only sparse layers whose experts are "
                             f"intermediate_size wide: model.moe_intermediate_size ({m.moe_intermediate_size}) must "
                             f"equal model.intermediate_size ({m.intermediate_size}), with "
                             f"model.decoder_sparse_step=1 and model.mlp_only_layers=[]")
@@ -573,6 +589,7 @@ def validate(cfg: ApplianceConfig) -> list[str]:
     if par.cpu_collectives != "shm" and hw.device_kind != "cpu":
         problems.append(f"parallel.cpu_collectives={par.cpu_collectives} has no effect on hardware={hw.name} "
                         f"({hw.device_kind} ranks use {'RCCL' if hw.device_kind == 'rocm' else 'NCCL'}); leave it shm")
+    problems += _architecture_problems(cfg)
     problems += _moe_problems(cfg)
     problems += _kv_events_problems(cfg)
     problems += _kv_transfer_problems(cfg)

@@ -30,7 +30,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from appliance.config.checkpoint import FAMILIES, GGUF_FAMILIES, read_gguf_layout
+from appliance.config.architectures import ARCHITECTURES, by_gguf, gguf_names
+from appliance.config.checkpoint import read_gguf_layout
 
 QK = 32
 # in the converted folders' cache key: 2 keeps a Qwen file's Q and K rows as stored, and converts qwen3moe
@@ -255,9 +256,6 @@ LAYER_MAP = {
     "ffn_gate_inp": "mlp.gate",  # a sparse layer's router
 }
 EXPERT_MAP = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-PERMUTED_ARCHS = ("LlamaForCausalLM", "MixtralForCausalLM")  # whose Q and K rows llama.cpp's converter interleaves
-
-ARCH_MAP = GGUF_FAMILIES  # general.architecture -> HF architecture
 
 
 def expert_tensor(gguf_name: str) -> Optional[tuple[int, str]]:
@@ -326,27 +324,28 @@ def gguf_config(meta: dict[str, Any], tensors: list[GGUFTensor]) -> dict:
         return meta.get(key, default)
 
     arch = field("general.architecture")
-    if arch not in ARCH_MAP:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(ARCH_MAP)}")
+    row = by_gguf(arch, bool(field(f"{arch}.expert_count")))
+    if row is None:
+        raise ValueError(f"GGUF architecture {arch!r} {'with' if field(f'{arch}.expert_count') else 'without'} "
+                         f"experts is not supported; GGUF architectures: {gguf_names()}")
     heads = int(field(f"{arch}.attention.head_count"))
     hidden = int(field(f"{arch}.embedding_length"))
     names = {t.name for t in tensors}
     vocab = field(f"{arch}.vocab_size") or field("tokenizer.ggml.tokens")  # the array's length
     layers = int(field(f"{arch}.block_count"))
-    moe, architecture = {}, ARCH_MAP[arch]
-    if field(f"{arch}.expert_count") and arch == "llama":  # Mixtral: every layer sparse, experts ffn-wide
-        architecture = FAMILIES["mixtral"]
+    moe = {}
+    if row.experts == "every":  # Mixtral: every layer sparse, experts ffn-wide
         moe = {"num_local_experts": int(field(f"{arch}.expert_count")),
                "num_experts_per_tok": int(field(f"{arch}.expert_used_count"))}
-    elif field(f"{arch}.expert_count"):  # qwen3moe: a router in every sparse layer, top-k weights renormalized
+    elif row.moe:  # qwen3moe: a router in every sparse layer, top-k weights renormalized
         moe = {"num_experts": int(field(f"{arch}.expert_count")),
                "num_experts_per_tok": int(field(f"{arch}.expert_used_count")),
                "moe_intermediate_size": int(field(f"{arch}.expert_feed_forward_length")),
                "norm_topk_prob": bool(field(f"{arch}.expert_weights_norm", True)), "decoder_sparse_step": 1,
                "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]}
     return {
-        "architectures": [architecture],
-        "model_type": next(t for t, a in FAMILIES.items() if a == architecture),
+        "architectures": [row.name],
+        "model_type": row.model_type,
         "num_hidden_layers": layers,
         "hidden_size": hidden,
         "intermediate_size": int(field(f"{arch}.feed_forward_length")),
@@ -384,9 +383,9 @@ def read_block_tensors(gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str
     dequantized)."""
     meta, tensors = read_gguf(gguf_path)
     config = gguf_config(meta, tensors)
+    permuted = ARCHITECTURES[config["architectures"][0]].gguf_permuted_qk  # Q and K rows interleaved by llama.cpp
     heads = ({"self_attn.q_proj.weight": config["num_attention_heads"],
-              "self_attn.k_proj.weight": config["num_key_value_heads"]} if config["architectures"][0] in PERMUTED_ARCHS
-             else {})
+              "self_attn.k_proj.weight": config["num_key_value_heads"]} if permuted else {})
     blocks, others = {}, {}
     for t in tensors:
         kind, shape = t.kind, t.shape
@@ -429,7 +428,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Optional[Callable[[in
     config = gguf_config(meta, stored)
     tensors = {}
     total = len(stored)
-    permuted = config["architectures"][0] in PERMUTED_ARCHS
+    permuted = ARCHITECTURES[config["architectures"][0]].gguf_permuted_qk
     for i, t in enumerate(stored):
         shape = t.shape
         experts = expert_tensor(t.name)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from appliance.config.architectures import support
 from appliance.models.moe import ExpertParallel, SparseMoe
 
 if TYPE_CHECKING:  # the config and the backend are handed in; the model never picks one
@@ -355,16 +356,6 @@ def shard_blocks(arch: ModelArch, rank: int, tp_size: int, blocks: dict[str, tup
     return out
 
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
-}
-
-
 def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
     dim = arch.head_dim
     inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -564,10 +555,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
                  pp: Optional[PipelineParallel] = None, ep: Optional[ExpertParallel] = None):
         super().__init__()
-        if arch.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch.architecture}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+        row, why = support(arch.architecture)
+        if row is None or row.family != "llama":
+            raise ValueError(why or f"{arch.architecture} is built by the {row.family} implementation, not this one")
         self.tp, self.pp, self.ep = tp, pp, ep
         self.vocab_size = arch.vocab_size  # the logits' width
         if tp is not None:

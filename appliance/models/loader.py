@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from appliance.config.architectures import support
 from appliance.config.checkpoint import (MOE_KEYS, checkpoint_quant_method, hf_facts, quantization_facts, same, shown,
                                          wheel_gguf)
 from appliance.config.schema import ModelConfig
@@ -169,13 +170,9 @@ def check_checkpoint(m: ModelConfig, hf: dict, folder: Path) -> None:
     """Defence behind resolve-time reading: every fact the folder's config.json
     states must match the model config (a Hugging Face id or ``check=False``
     reaches here unchecked)."""
-    from appliance.models.llama import SUPPORTED_ARCHITECTURES
-
-    arch = (hf.get("architectures") or ["?"])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{folder}: architecture {arch} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
+    row, why = support((hf.get("architectures") or ["?"])[0])
+    if row is None:
+        raise ModelLoadError(f"{folder}: {why}")
     facts, problems = hf_facts(hf)
     for f in facts:
         ours = m
@@ -343,7 +340,8 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
 
     from appliance.models.fp8 import CHECKPOINT_TENSORS as FP8_TENSORS
     from appliance.models.int4_checkpoints import UNPACK
-    from appliance.models.llama import LlamaForCausalLM, ModelArch, canonical_name, packed_target, tensor_shard
+    from appliance.models.llama import ModelArch, canonical_name, packed_target, tensor_shard
+    from appliance.models.registry import model_class
 
     folder = resolve_model_folder(m, quantization)
     hf = read_hf_config(folder)
@@ -360,7 +358,7 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     if redundant_experts:
         full_arch = dataclasses.replace(full_arch, num_physical_experts=m.num_experts + redundant_experts)
     with init_empty_weights():
-        model = LlamaForCausalLM(full_arch, backend, tp, pp, ep)
+        model = model_class(full_arch.architecture)(full_arch, backend, tp, pp, ep)
     arch = model.arch  # the dimensions this model holds (one rank's, with tp)
     expected = dict(model.named_parameters())
     loaded: set[str] = set()

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from appliance.config.architectures import ARCHITECTURES
+
 if TYPE_CHECKING:
     from appliance.config.schema import ModelConfig
 
@@ -72,10 +74,11 @@ def hf_config_dict(m: ModelConfig, vocab_size: int) -> dict:
         "attention_bias": m.qkv_bias,
         "torch_dtype": "float32",
     }
-    if m.architecture == "MixtralForCausalLM":  # every layer sparse; its experts' size is intermediate_size
+    row = ARCHITECTURES[m.architecture]
+    if row.experts == "every":  # Mixtral: every layer sparse; its experts' size is intermediate_size
         cfg.update(num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
                    intermediate_size=m.moe_intermediate_size)
-    elif m.architecture == "Qwen3MoeForCausalLM":
+    elif row.moe:
         cfg.update(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
                    moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob,
                    decoder_sparse_step=m.decoder_sparse_step, mlp_only_layers=list(m.mlp_only_layers))
@@ -95,9 +98,7 @@ def generate_tiny(m: ModelConfig, out_dir: Path) -> Path:
     tok = build_tokenizer(m.vocab_size)
     if len(tok) != m.vocab_size:
         raise ValueError(f"tokenizer came out with {len(tok)} tokens, the config says {m.vocab_size}")
-    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                  "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                  "MixtralForCausalLM": "mixtral"}[m.architecture]
+    model_type = ARCHITECTURES[m.architecture].model_type
     raw = hf_config_dict(m, m.vocab_size)
     raw.pop("architectures")
     if model_type in ("qwen2", "mixtral"):

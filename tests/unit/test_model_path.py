@@ -123,6 +123,33 @@ def test_local_paths_that_cannot_be_read(tmp_path):
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_layer": 2}))
     with pytest.raises(ConfigError, match="architecture GPT2LMHeadModel is not supported"):
         resolve(BASE + [f"model.path={tmp_path}/gpt2"])
+    (tmp_path / "gemma").mkdir()  # a known architecture not served yet: what it needs
+    (tmp_path / "gemma" / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "num_hidden_layers": 2,
+                                                                "architectures": ["Gemma3ForCausalLM"]}))
+    with pytest.raises(ConfigError, match="architecture Gemma3ForCausalLM is not built yet: it needs sliding-window"):
+        resolve(BASE + [f"model.path={tmp_path}/gemma"])
+
+
+def test_validation_and_the_plan_read_the_architecture_registry(monkeypatch):
+    """model.architecture set by hand must be served; the parallelism asked for must be one its row
+    supports; the plan shows the row."""
+    import dataclasses
+
+    from appliance.config import architectures
+    from appliance.config.validate import validate
+
+    with pytest.raises(ConfigError, match="model.architecture=DeepseekV3ForCausalLM is not built yet: it needs "
+                                          "multi-head latent attention"):
+        resolve(BASE + ["model.architecture=DeepseekV3ForCausalLM"])
+    cfg = resolve(["+profile=cpu", "model=tiny_random", "parallel.tensor_parallel_size=2"]).cfg
+    assert make_plan(cfg).implementation == ("LlamaForCausalLM (llama implementation): dense; full attention; "
+                                             "tensor, pipeline parallel")
+    row = architectures.ARCHITECTURES["LlamaForCausalLM"]
+    monkeypatch.setitem(architectures.ARCHITECTURES, "LlamaForCausalLM",
+                        dataclasses.replace(row, tensor_parallel=False))
+    assert ("parallel.tensor_parallel_size=2: LlamaForCausalLM has no tensor-parallel implementation yet; use "
+            "parallel.tensor_parallel_size=1") in validate(cfg)
+    assert "pipeline parallel" in make_plan(cfg).implementation and "tensor" not in make_plan(cfg).implementation
 
 
 def test_catalog_options_and_special_paths_keep_their_numbers():
@@ -150,11 +177,19 @@ def test_gguf_facts_are_read():
     check_checkpoint(m, gguf_config(*read_gguf(path)), path)
 
 
-def test_architecture_lists_agree():
-    from appliance.config.checkpoint import FAMILIES
-    from appliance.models.llama import SUPPORTED_ARCHITECTURES
+def test_every_served_architecture_has_an_implementation_and_a_valid_row():
+    from appliance.config.architectures import ARCHITECTURES, EXPERT_LAYOUTS, NOT_BUILT, QKV_BIAS
+    from appliance.models.registry import MODEL_CLASSES, model_class
 
-    assert set(FAMILIES.values()) == SUPPORTED_ARCHITECTURES
+    for name, row in ARCHITECTURES.items():
+        assert row.name == name and row.family in MODEL_CLASSES and model_class(name) is MODEL_CLASSES[row.family]
+        assert row.experts in EXPERT_LAYOUTS and row.qkv_bias in QKV_BIAS and row.attention
+    assert len({a.model_type for a in ARCHITECTURES.values()}) == len(ARCHITECTURES)
+    assert not set(NOT_BUILT) & set(ARCHITECTURES)
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM is not built yet: it needs multi-head latent"):
+        model_class("DeepseekV3ForCausalLM")
+    with pytest.raises(ValueError, match="FooForCausalLM is not supported; served: LlamaForCausalLM, "):
+        model_class("FooForCausalLM")
 
 
 def test_cli_plan_and_config_show_the_folder(folders, tmp_path):

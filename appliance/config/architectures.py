@@ -1,0 +1,122 @@
+"""The architectures the appliance serves, as data: one row each, read by
+checkpoint reading (``config/checkpoint.py``), validation, ``appliance plan``,
+the GGUF converter, the tiny-checkpoint generator and the model loader, so an
+architecture is added here and in its implementation, nowhere else.
+
+A row names the Hugging Face ``architectures`` entry and ``model_type`` it
+answers to, the implementation that builds it (``family``: a class in
+``models/registry.py``), the GGUF ``general.architecture`` values that
+convert to it, and its capabilities: how its layers hold experts, its q/k/v
+bias and q/k norm, the parallelism it supports, the attention kinds its
+layers use, whether it pools. ``NOT_BUILT`` lists architectures people bring
+that are not served yet, each with what it needs; ``support`` answers for any
+name, with the reason when it is not served.
+
+Torch-free, like the rest of ``config/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+EXPERT_LAYOUTS = ("none", "some", "every")
+QKV_BIAS = ("never", "always")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # Hugging Face ``architectures[0]``
+    model_type: str  # config.json's ``model_type``
+    family: str  # the implementation that builds it (models/registry.py)
+    # "none": dense; "some": sparse layers chosen by decoder_sparse_step and mlp_only_layers (Qwen3-MoE);
+    # "every": every layer sparse, experts intermediate_size wide, top-k weights renormalized (Mixtral)
+    experts: str = "none"
+    qkv_bias: str = "never"  # "always": on q, k and v whatever config.json says (Qwen2); "never": none (a
+    # checkpoint with attention_bias is refused: its output projection would carry one too)
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before rope
+    gguf: tuple[str, ...] = ()  # GGUF general.architecture values of its dense checkpoints
+    gguf_experts: tuple[str, ...] = ()  # ... and of its checkpoints with experts
+    gguf_permuted_qk: bool = False  # llama.cpp's converter interleaves its Q and K rows
+    tensor_parallel: bool = True
+    pipeline_parallel: bool = True
+    attention: tuple[str, ...] = ("full",)  # its layers' attention kinds
+    pooling: bool = False  # an embedding, reranking or classification head
+
+    @property
+    def moe(self) -> bool:
+        return self.experts != "none"
+
+    def capabilities(self) -> str:
+        """One line for ``appliance plan``."""
+        parallel = [k for k, on in (("tensor", self.tensor_parallel), ("pipeline", self.pipeline_parallel),
+                                    ("expert", self.moe)) if on]
+        experts = {"none": "dense", "some": "mixture of experts (sparse layers by step)",
+                   "every": "mixture of experts (every layer sparse)"}[self.experts]
+        return (f"{self.name} ({self.family} implementation): {experts}; {', '.join(self.attention)} attention; "
+                f"{', '.join(parallel)} parallel" + ("; pooling" if self.pooling else ""))
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
+    Architecture("LlamaForCausalLM", "llama", "llama", gguf=("llama",), gguf_permuted_qk=True),
+    Architecture("MistralForCausalLM", "mistral", "llama"),
+    Architecture("Qwen2ForCausalLM", "qwen2", "llama", qkv_bias="always", gguf=("qwen2",)),
+    Architecture("Qwen3ForCausalLM", "qwen3", "llama", qk_norm=True, gguf=("qwen3",)),
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "llama", experts="some", qk_norm=True, gguf_experts=("qwen3moe",)),
+    # llama.cpp writes Mixtral as general.architecture=llama with experts
+    Architecture("MixtralForCausalLM", "mixtral", "llama", experts="every", gguf_experts=("llama",),
+                 gguf_permuted_qk=True),
+)}
+
+# Architectures people bring that are not served yet, and what each needs.
+NOT_BUILT: dict[str, str] = {
+    "Gemma2ForCausalLM": "sliding-window KV-cache groups, soft-capped attention and final logits, GeGLU MLPs and "
+                         "norms after attention and MLP",
+    "Gemma3ForCausalLM": "sliding-window KV-cache groups with their own rope base, GeGLU MLPs and norms after "
+                         "attention and MLP",
+    "Gemma3ForConditionalGeneration": "an image encoder, and Gemma 3's sliding-window KV-cache groups",
+    "GptOssForCausalLM": "attention sinks, sliding-window KV-cache groups, YaRN rope scaling and MXFP4 experts",
+    "Phi3ForCausalLM": "Phi-3's fused q/k/v and gate/up checkpoint tensors and LongRoPE scaling",
+    "Olmo2ForCausalLM": "norms after attention and MLP, and q/k norms over all heads",
+    "GraniteForCausalLM": "Granite's embedding, attention, residual and logit multipliers",
+    "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) and DeepSeek's shared experts",
+    "DeepseekV3ForCausalLM": "multi-head latent attention (MLA), DeepSeek's shared experts and grouped top-k routing",
+    "Qwen2VLForConditionalGeneration": "an image encoder and multimodal rotary embeddings",
+    "Qwen2_5_VLForConditionalGeneration": "an image encoder and multimodal rotary embeddings",
+    "LlavaForConditionalGeneration": "an image encoder and its projector",
+    "BertModel": "an encoder-only model and pooling",
+    "XLMRobertaModel": "an encoder-only model and pooling",
+}
+
+
+def by_model_type(model_type: Optional[str]) -> Optional[Architecture]:
+    return next((a for a in ARCHITECTURES.values() if a.model_type == model_type), None)
+
+
+def by_gguf(general_architecture: Optional[str], experts: bool) -> Optional[Architecture]:
+    """The row a GGUF file converts to: its general.architecture, dense or with experts."""
+    return next((a for a in ARCHITECTURES.values()
+                 if general_architecture in (a.gguf_experts if experts else a.gguf)), None)
+
+
+def gguf_names() -> list[str]:
+    return sorted({g for a in ARCHITECTURES.values() for g in a.gguf + a.gguf_experts})
+
+
+def support(name: str, subject: str = "") -> tuple[Optional[Architecture], str]:
+    """(row, "") for a served architecture; (None, why) for any other name:
+    what it needs where it is known, and what is served. ``subject`` names it
+    in the message (default: "architecture NAME")."""
+    if name in ARCHITECTURES:
+        return ARCHITECTURES[name], ""
+    subject = subject or f"architecture {name}"
+    served = ", ".join(ARCHITECTURES)
+    if name in NOT_BUILT:
+        return None, f"{subject} is not built yet: it needs {NOT_BUILT[name]}; served: {served}"
+    return None, f"{subject} is not supported; served: {served}"
+
+
+def describe(name: str) -> str:
+    """A served architecture's capabilities, or why it is not served (``appliance plan``)."""
+    row, why = support(name)
+    return row.capabilities() if row is not None else why

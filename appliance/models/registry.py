@@ -1,0 +1,17 @@
+"""The implementations behind the architecture registry's ``family`` column
+(``config/architectures.py``): which class builds a served architecture."""
+
+from __future__ import annotations
+
+from appliance.config.architectures import support
+from appliance.models.llama import LlamaForCausalLM
+
+MODEL_CLASSES: dict[str, type] = {"llama": LlamaForCausalLM}
+
+
+def model_class(architecture: str) -> type:
+    """The class that builds ``architecture``; ValueError saying why for an unserved one."""
+    row, why = support(architecture)
+    if row is None:
+        raise ValueError(why)
+    return MODEL_CLASSES[row.family]
