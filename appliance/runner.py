@@ -399,7 +399,7 @@ def _lockstep_runner(deployment: Deployment) -> tuple[Any, Any, Any]:
     rank, with its share of the experts, exchanging rows with the other
     cores over the front end's segment (``deployment.expert_group``); the
     runner and the lock-step its loop follows (``worker/lockstep.py``)."""
-    from appliance.models.moe import ExpertParallel
+    from appliance.models.layers.moe import ExpertParallel
     from appliance.worker.lockstep import Lockstep, LockstepRunner
 
     group = _core_group(deployment)
@@ -460,8 +460,8 @@ def build_rank_runner(deployment: Deployment, rank: int, comms: Any) -> Any:
     runs the exchanges) and the cache of its layers' KV heads; one rank
     alone, the whole model. Runs in that rank's worker process."""
     from appliance.config.sizes import pipeline_partition
-    from appliance.models.llama import PipelineParallel, StageLink, TensorParallel
-    from appliance.models.moe import ExpertParallel
+    from appliance.models.layers.parallel import PipelineParallel, StageLink, TensorParallel
+    from appliance.models.layers.moe import ExpertParallel
     from appliance.worker.executor import rank_position
 
     layout, cfg = deployment.layout, deployment.cfg
@@ -503,7 +503,8 @@ def _model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
 
     from appliance.kernels.registry import load_backend
     from appliance.models.loader import load_model
-    from appliance.models.llama import ModelArch, shard_arch
+    from appliance.models.arch import ModelArch
+    from appliance.models.layers.parallel import shard_arch
     from appliance.worker.model_runner import ModelRunner
 
     cfg, ex = deployment.cfg, deployment.execution

@@ -205,7 +205,7 @@ def moe_case(kernel: str, tokens: int, experts: int = 64, top_k: int = 8, hidden
     Triton fused MoE or FlashInfer's, against the grouped torch path."""
     from appliance.kernels import flashinfer_moe
     from appliance.kernels.triton_moe import fused_experts
-    from appliance.models.moe import FusedExperts, route
+    from appliance.models.layers.moe import FusedExperts, route
 
     g = torch.Generator().manual_seed(tokens)
     ex = FusedExperts(experts, hidden, inter).to("cuda")

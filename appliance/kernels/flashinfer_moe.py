@@ -1,7 +1,7 @@
 """FlashInfer's CUTLASS fused mixture-of-experts, for a sparse layer's
 float experts (bf16 / fp16) on the GPUs its kernels are built for (SM89,
 Hopper SM90, Blackwell SM100/103/110/120) where ``flashinfer`` is
-importable: ``models.moe.FusedExperts`` prefers it to the Triton kernel
+importable: ``models.layers.moe.FusedExperts`` prefers it to the Triton kernel
 (``appliance/kernels/triton_moe.py``) there.
 
 Its contract (``flashinfer.fused_moe.cutlass_fused_moe``): ``input`` [T,

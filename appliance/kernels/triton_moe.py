@@ -1,6 +1,6 @@
 """A Triton fused mixture-of-experts: grouped GEMMs over the (token,
 expert) pairs sorted by expert, for the GPU profiles' sparse layers
-(``models.moe.FusedExperts`` calls it on CUDA/ROCm tensors).
+(``models.layers.moe.FusedExperts`` calls it on CUDA/ROCm tensors).
 
 ``align_by_expert`` sorts the pairs a rank holds (flat index ``p = token x
 top_k + slot``) by expert, each expert's run padded to a multiple of

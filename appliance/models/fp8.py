@@ -184,7 +184,7 @@ def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], act
     ``block`` = weight_block_size, ``weight_scale_inv`` per block) as
     Fp8Linear modules; a fused projection stacks its parts with each part's
     scales on its rows and the largest static input scale (as vLLM takes).
-    With ``tp`` (a ``llama.TensorParallel``; ``full_arch`` the whole
+    With ``tp`` (a ``layers.parallel.TensorParallel``; ``full_arch`` the whole
     model's), each part is cut to the rank's rows or inputs as
     ``llama.tensor_shard`` cuts a dense weight, its scales with it (block
     scales by whole blocks of inputs). Experts' projections
@@ -192,7 +192,8 @@ def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], act
     (``install_fp8_experts``): each rank's slice of every expert, or with
     expert parallelism (``ep``) its whole experts. Returns the module
     weight names replaced."""
-    from appliance.models.llama import fused_parts, replace_linear, tensor_shard
+    from appliance.models.layers.linear import fused_parts, replace_linear
+    from appliance.models.layers.parallel import tensor_shard
 
     experts = {name: p for name, p in parts.items() if ".mlp.experts." in name}
     if "lm_head.weight" in parts:
@@ -258,7 +259,7 @@ def install_fp8_experts(model: nn.Module, parts: dict[str, dict[str, torch.Tenso
     stacked into one Fp8Linear, down another, each part as ``cut(name)``
     gives it (weight, scales on its rows: whole, or a rank's slice).
     Returns the module weights filled."""
-    from appliance.models.moe import install_checkpoint_experts
+    from appliance.models.layers.moe import install_checkpoint_experts
 
     def build(names: list[str]) -> Fp8Linear:
         return _stacked_fp8([cut(n) for n in names], [parts[n] for n in names], activations, block, None)

@@ -260,7 +260,7 @@ def _rank_blocks(blocks: dict[str, tuple], full_arch: Any, tp: Any, ep: Any = No
     """Whole projections' blocks cut to a tensor-parallel rank's part (as is
     without ``tp``); with expert parallelism (``ep``) the experts stay whole
     (a rank takes its own experts' blocks, ``quant.install_expert_blocks``)."""
-    from appliance.models.llama import shard_blocks
+    from appliance.models.layers.parallel import shard_blocks
 
     if tp is None:
         return blocks
@@ -296,7 +296,7 @@ def _load_expert(model: Any, sf: Any, stored: str, name: str, full_arch: Any, tp
     import torch
     from accelerate.utils import set_module_tensor_to_device
 
-    from appliance.models.llama import tensor_shard
+    from appliance.models.layers.parallel import tensor_shard
 
     targets = model.expert_targets(name)
     if not targets:
@@ -326,9 +326,9 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     """(model, tokenizer, folder) for the model config ``m``; ``quantization``
     is the configured method, which must agree with a checkpoint's own
     quantization_config (AWQ/GPTQ projections load as int4 linears). With
-    ``tp`` (``llama.TensorParallel``) the model is that rank's part, and only
+    ``tp`` (``layers.parallel.TensorParallel``) the model is that rank's part, and only
     its rows and columns of each tensor are read; with ``pp``
-    (``llama.PipelineParallel``) only its stage's tensors; with ``ep``
+    (``layers.parallel.PipelineParallel``) only its stage's tensors; with ``ep``
     (``moe.ExpertParallel``) only its experts, whole. Expert tensors fill
     the stacked ``w13`` / ``w2`` of their layer (with ``redundant_experts``
     extra slots for load balancing, filled as ``eplb.initial_placement``
@@ -340,7 +340,10 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
 
     from appliance.models.fp8 import CHECKPOINT_TENSORS as FP8_TENSORS
     from appliance.models.int4_checkpoints import UNPACK
-    from appliance.models.llama import ModelArch, canonical_name, packed_target, tensor_shard
+    from appliance.models.arch import ModelArch
+    from appliance.models.layers.linear import packed_target
+    from appliance.models.layers.parallel import tensor_shard
+    from appliance.models.llama import canonical_name
     from appliance.models.registry import model_class
 
     folder = resolve_model_folder(m, quantization)

@@ -393,7 +393,7 @@ def install_int4(model: nn.Module, blocks: dict[str, tuple], method: str = "int4
     become their layers' experts (``install_expert_blocks``, labelled
     ``method``). Returns the module weight names replaced (every part of a
     fused projection must be given)."""
-    from appliance.models.llama import fused_parts, replace_linear
+    from appliance.models.layers.linear import fused_parts, replace_linear
 
     experts = {name: b for name, b in blocks.items() if ".mlp.experts." in name}
     filled = install_expert_blocks(model, experts, method) if experts else set()
@@ -442,7 +442,7 @@ def install_expert_blocks(model: nn.Module, blocks: dict[str, tuple], method: st
     ``...mlp.experts.E.gate_proj.weight``): gate|up stacked into one
     linear, down another (``block_linear``), the experts ``quantized`` as
     ``method``. Returns the module weights filled."""
-    from appliance.models.moe import install_checkpoint_experts
+    from appliance.models.layers.moe import install_checkpoint_experts
 
     return install_checkpoint_experts(model, blocks, method,
                                       lambda names: block_linear([blocks[n] for n in names], names[0], None))

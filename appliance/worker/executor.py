@@ -10,7 +10,7 @@ ranks, else torch.distributed, gloo on CPUs and NCCL on CUDA) and builds
 its rank's model runner with the function the composition root hands down.
 Every step's ``SchedulerOutput`` goes to every rank; each runs the same
 forward on its part of the model (the collectives inside it, see
-``models.llama.TensorParallel`` and ``PipelineParallel``) and answers with
+``models.layers.parallel.TensorParallel`` and ``PipelineParallel``) and answers with
 its ``RunnerOutput``. The last pipeline stage's ranks sample, from the same
 logits with the same seeded generator; the executor returns the first one's
 output and checks that they all sampled the same tokens, so their

@@ -16,7 +16,8 @@ import torch
 
 from appliance import LLM, SamplingParams
 from appliance.engine.core import EngineDeadError
-from appliance.models.llama import ModelArch, padded_vocab, shard_arch, tensor_shard
+from appliance.models.arch import ModelArch
+from appliance.models.layers.parallel import padded_vocab, shard_arch, tensor_shard
 from appliance.worker.placement import cpu_share, numa_nodes, parse_cpulist
 from tests.integration.server_helpers import ServerProcess
 from tests.model_helpers import check_logprobs_close, greedy_top_logprobs, write_fp8_checkpoint
@@ -273,7 +274,7 @@ def test_quantized_blocks_are_cut_as_their_dense_weights():
     whole dequantized weight; an LM head's rows past the vocabulary are zero;
     act-order row-parallel blocks and groups cut by a rank are refused."""
     from appliance.models.int4_checkpoints import quantize_zero_point
-    from appliance.models.llama import shard_blocks
+    from appliance.models.layers.parallel import shard_blocks
     from appliance.models.quant import dequantize_int4
 
     def quantize_groups_int4(w, group):  # blocks (q, d, m) of a zero-point grid, any group size
@@ -310,7 +311,8 @@ def test_quantized_blocks_are_cut_as_their_dense_weights():
 
 def test_stages_split_the_layers_and_read_their_own_tensors():
     from appliance.config.sizes import pipeline_partition
-    from appliance.models.llama import LlamaForCausalLM, PipelineParallel
+    from appliance.models.layers.parallel import PipelineParallel
+    from appliance.models.llama import LlamaForCausalLM
     from appliance.kernels.torch_sdpa import TorchSDPABackend
 
     assert pipeline_partition(30, 4) == [7, 8, 8, 7]  # the remainder to the stages before the last

@@ -12,7 +12,7 @@ import torch
 
 from appliance.kernels import flashinfer_moe
 from appliance.kernels.flashinfer_moe import fused_experts, reference, up_first, usable
-from appliance.models.moe import FusedExperts, expert_range, route
+from appliance.models.layers.moe import FusedExperts, expert_range, route
 
 
 def _experts(e, h, i, first=0, num_slots=None, seed=0, dtype=torch.float32):

@@ -16,7 +16,7 @@ from appliance.config.plan import format_plan, make_plan
 from appliance.config.sizes import parameter_counts, sparse_layers
 from appliance.config.validate import validate
 from appliance.models.loader import resolve_model_folder
-from appliance.models.moe import FusedExperts, dispatch_order, expert_range, route
+from appliance.models.layers.moe import FusedExperts, dispatch_order, expert_range, route
 from tests.kernel_helpers import float_rows
 from tests.model_helpers import PROMPTS, check_logprobs_close, greedy_top_logprobs, hf_greedy, hf_greedy_top_logprobs
 
@@ -222,9 +222,9 @@ def test_a_rank_reads_only_its_experts_or_its_slice_of_each(ep):
     from safetensors import safe_open
 
     from appliance.kernels.torch_sdpa import TorchSDPABackend
-    from appliance.models.llama import TensorParallel
+    from appliance.models.layers.parallel import TensorParallel
     from appliance.models.loader import load_model
-    from appliance.models.moe import ExpertParallel
+    from appliance.models.layers.moe import ExpertParallel
 
     m = resolve(BASE).cfg.model
     tp = TensorParallel(1, 2, comm=None)
@@ -254,7 +254,7 @@ def _dispatching_rank(rank, port, q):
 
     import torch.distributed as dist
 
-    from appliance.models.moe import ExpertParallel, SparseMoe
+    from appliance.models.layers.moe import ExpertParallel, SparseMoe
     from appliance.worker.executor import TorchDistributedComm
 
     torch.set_num_threads(1)

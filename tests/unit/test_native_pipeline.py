@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from appliance import LLM, SamplingParams
-from appliance.models.llama import PipelineParallel, StageLink
+from appliance.models.layers.parallel import PipelineParallel, StageLink
 from tests.kernel_helpers import captured_native_step
 
 cpu_native = pytest.importorskip("appliance.kernels.cpu_native")

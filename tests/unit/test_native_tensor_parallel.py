@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from appliance import LLM, SamplingParams
-from appliance.models.llama import TensorParallel
+from appliance.models.layers.parallel import TensorParallel
 from tests.kernel_helpers import captured_native_step
 
 cpu_native = pytest.importorskip("appliance.kernels.cpu_native")
@@ -105,7 +105,7 @@ def test_which_ranks_run_the_native_forward():
     all-reduce is the whole exchange); expert parallelism across engine
     cores (tokens exchanged inside a sparse layer) or under the load
     balancer (pairs moved to slots) keeps the torch forward."""
-    from appliance.models.moe import ExpertParallel
+    from appliance.models.layers.moe import ExpertParallel
     from appliance.worker.model_runner import runs_native_forward
 
     dense = LLM(overrides=BASE).engine.runner

@@ -125,7 +125,7 @@ def test_refuses_what_it_cannot_reduce():
 
 
 def _core_rank(paths, core, rank, q):
-    from appliance.models.moe import CoresOfRanks
+    from appliance.models.layers.moe import CoresOfRanks
 
     torch.set_num_threads(1)
     group = CoresOfRanks(ShmComm(paths["cores"][rank], core, 2, timeout_s=30),

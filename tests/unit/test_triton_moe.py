@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 from appliance.kernels.registry import triton_interpreter_on  # noqa: E402
 from appliance.kernels.triton_moe import align_by_expert, fused_experts  # noqa: E402
-from appliance.models.moe import FusedExperts, expert_range, route  # noqa: E402
+from appliance.models.layers.moe import FusedExperts, expert_range, route  # noqa: E402
 
 assert triton_interpreter_on()
 

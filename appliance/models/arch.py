@@ -1,0 +1,76 @@
+"""The dimensions and features of one model as the layers build it
+(``ModelArch``), made from the config's ``model`` section; a tensor-parallel
+rank's part of it is ``layers.parallel.shard_arch``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: Optional[dict] = None
+    # Mixture of experts: the layers in ``sparse_layers`` route each token to
+    # ``num_experts_per_tok`` of ``num_experts`` experts (see models/layers/moe.py).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    sparse_layers: tuple[int, ...] = ()
+    num_physical_experts: int = 0  # expert slots per sparse layer with redundant ones (0: num_experts)
+
+    @staticmethod
+    def from_model_config(m: ModelConfig) -> "ModelArch":
+        from appliance.config.sizes import sparse_layers
+
+        rs = m.rope_scaling
+        rs_type = rs.type
+        scaling = None
+        if rs_type != "none":
+            scaling = {
+                "rope_type": rs_type,
+                "factor": rs.factor,
+                "low_freq_factor": rs.low_freq_factor,
+                "high_freq_factor": rs.high_freq_factor,
+                "original_max_position_embeddings": rs.original_max_position_embeddings,
+            }
+        return ModelArch(
+            architecture=m.architecture,
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            intermediate_size=m.intermediate_size,
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            vocab_size=m.vocab_size,
+            max_position_embeddings=m.max_position_embeddings,
+            rope_theta=m.rope_theta,
+            rms_norm_eps=m.rms_norm_eps,
+            tie_word_embeddings=m.tie_word_embeddings,
+            qkv_bias=m.qkv_bias,
+            qk_norm=m.qk_norm,
+            rope_scaling=scaling,
+            num_experts=m.num_experts,
+            num_experts_per_tok=m.num_experts_per_tok,
+            moe_intermediate_size=m.moe_intermediate_size,
+            norm_topk_prob=m.norm_topk_prob,
+            sparse_layers=tuple(sparse_layers(m)),
+        )

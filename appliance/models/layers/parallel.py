@@ -1,0 +1,215 @@
+"""Tensor and pipeline parallelism: which part of the model a rank holds
+(``shard_arch``: its dimensions; ``tensor_shard``/``shard_blocks``: the
+rows or columns of each checkpoint tensor, column-parallel q/k/v and
+gate/up, row-parallel o/down, vocabulary-parallel embedding and LM head),
+and a pipeline stage's hand-offs (``PipelineParallel``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from appliance.models.arch import ModelArch
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's part of a tensor-parallel model (as vLLM splits one):
+    q heads and the gate/up rows split across the ranks (column-parallel),
+    o_proj and down_proj split along their inputs (row-parallel, their
+    partial sums all-reduced), KV heads split, or each replicated on
+    ``size / num_kv_heads`` ranks when there are fewer KV heads than ranks;
+    the embedding and the LM head split by vocabulary rows (the vocabulary
+    padded to a multiple of 64 x size; an id outside a rank's rows gives a
+    zero row there, then all-reduce; the logits of every rank gathered, so
+    every rank samples from the whole row). ``comm`` runs the collectives:
+    ``all_reduce(t)`` sums in place over the ranks, ``all_gather(t)``
+    returns every rank's ``t`` in rank order."""
+
+    rank: int
+    size: int
+    comm: Any
+
+
+@dataclass(frozen=True)
+class StageLink:
+    """A hand-off between pipeline stages: ``comm.broadcast(t, src)`` copies
+    rank ``src``'s ``t`` into the other ranks' ``t``, over the sending
+    stage's first rank and every rank of the stage after it (and no other
+    rank, so the stages need not meet)."""
+
+    comm: Any
+    src: int
+
+
+_OK, _FAILED = 0.0, 1.0  # the last element of a hand-off: whether the stage before ran
+
+
+@dataclass(eq=False)
+class PipelineParallel:
+    """This rank's stage of a pipeline-parallel model: layers ``start`` to
+    ``end`` (exclusive) of the whole model; the first stage also embeds, the
+    last also norms and projects the logits (and keeps the embedding when
+    the LM head is tied to it). A forward receives the stage before's rows
+    over ``receive`` (None: the first stage), runs this stage's layers, and
+    hands its rows on over ``send`` (its first rank's only; None elsewhere
+    and on the last stage); only the last stage has logits, so only its
+    ranks sample. No rank waits for a later stage: the first can run the
+    next batch while the last still works on this one (``parallel.
+    pipeline_parallel_size`` batches in flight, see ``engine/core.py``).
+
+    Every step makes exactly one hand-off on each link, failed or not: a
+    hand-off is the rows in fp32 and a last element saying whether the
+    stage ran (a stage that failed sends that instead, so the next one
+    fails the step too rather than waiting or taking the next step's rows);
+    ``begin`` before a step and ``abandon`` after a failure keep that
+    count when a step fails before or inside ``run``."""
+
+    stage: int
+    size: int
+    start: int
+    end: int
+    receive: Optional[StageLink] = None
+    send: Optional[StageLink] = None
+    _received: bool = field(default=False, repr=False)
+    _sent: bool = field(default=False, repr=False)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.size - 1
+
+    def begin(self) -> None:
+        """A step starts: none of its hand-offs made yet."""
+        self._received = self._sent = False
+
+    def run(self, stage: Callable[[Optional[torch.Tensor], bool], torch.Tensor], rows: tuple[int, int],
+            rows_dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+        """This rank's part of one forward: ``stage(x, last)`` runs this
+        stage's layers on ``x`` (the rows received, ``rows`` [tokens,
+        hidden] in ``rows_dtype``; None on the first stage: it embeds the
+        ids) and returns its output rows or, on the last stage (``last``),
+        its logits. Returns the logits on the last stage, else None (the
+        rows went on)."""
+        x = None
+        try:
+            if self.receive is not None:
+                x = self._receive(rows, device, check=True).view(rows).to(rows_dtype)
+            out = stage(x, self.last)
+        except BaseException:
+            self.abandon(rows, device)
+            raise
+        if self.last:
+            return out
+        if self.send is not None:
+            self._hand_on(out.reshape(-1), _OK)
+        return None
+
+    def abandon(self, rows: tuple[int, int], device: torch.device) -> None:
+        """After a failed step: the hand-offs it has not made (the rows
+        received and dropped, a failure handed on)."""
+        if self.receive is not None and not self._received:
+            self._receive(rows, device, check=False)
+        if self.send is not None and not self._sent:
+            self._hand_on(torch.zeros(rows[0] * rows[1], device=device), _FAILED)
+
+    def _receive(self, rows: tuple[int, int], device: torch.device, check: bool) -> torch.Tensor:
+        buf = torch.empty(rows[0] * rows[1] + 1, dtype=torch.float32, device=device)
+        self._received = True
+        self.receive.comm.broadcast(buf, self.receive.src)
+        if check and float(buf[-1]) != _OK:
+            raise RuntimeError(f"pipeline stage {self.stage - 1} failed this step; stage {self.stage} cannot run it")
+        return buf[:-1]
+
+    def _hand_on(self, flat: torch.Tensor, status: float) -> None:
+        buf = torch.empty(flat.numel() + 1, dtype=torch.float32, device=flat.device)
+        buf[:-1] = flat
+        buf[-1] = status
+        self._sent = True
+        self.send.comm.broadcast(buf, self.send.src)
+
+
+def padded_vocab(vocab_size: int, tp_size: int) -> int:
+    unit = 64 * tp_size
+    return -(-vocab_size // unit) * unit
+
+
+def shard_arch(arch: ModelArch, tp_size: int, expert_parallel: bool = False) -> ModelArch:
+    """The dimensions one rank holds: its heads, KV heads, MLP rows and
+    vocabulary rows, and its slice of every expert's rows (whole experts
+    under expert parallelism, ``models/layers/moe.py``)."""
+    kv = arch.num_kv_heads // tp_size if arch.num_kv_heads % tp_size == 0 else 1
+    moe_inter = arch.moe_intermediate_size if expert_parallel else arch.moe_intermediate_size // tp_size
+    return dataclasses.replace(arch, num_heads=arch.num_heads // tp_size, num_kv_heads=kv,
+                               intermediate_size=arch.intermediate_size // tp_size, moe_intermediate_size=moe_inter,
+                               vocab_size=padded_vocab(arch.vocab_size, tp_size) // tp_size)
+
+
+_COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "inter", "up_proj": "inter"}
+_ROW = {"o_proj": "q", "down_proj": "inter"}
+
+
+def tensor_shard(arch: ModelArch, rank: int, tp_size: int, name: str) -> Optional[tuple[int, int, int]]:
+    """(dim, start, stop) of the checkpoint tensor ``name`` (full ``arch``)
+    that rank ``rank`` of ``tp_size`` holds; None: every rank holds it whole
+    (norms). Vocabulary rows may stop past the checkpoint's (padding)."""
+    local = shard_arch(arch, tp_size)
+    d = arch.head_dim
+    kv_start = (rank * local.num_kv_heads if arch.num_kv_heads % tp_size == 0
+                else rank * arch.num_kv_heads // tp_size)
+    spans = {"q": (rank * local.num_heads * d, local.num_heads * d), "kv": (kv_start * d, local.num_kv_heads * d),
+             "inter": (rank * local.intermediate_size, local.intermediate_size)}
+    module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+    if name.startswith(("model.embed_tokens.", "lm_head.")):
+        return 0, rank * local.vocab_size, (rank + 1) * local.vocab_size
+    if ".mlp.experts." in name:  # every rank's slice of each expert's intermediate rows (no expert parallelism)
+        spans["inter"] = (rank * local.moe_intermediate_size, local.moe_intermediate_size)
+    if module in _COLUMN:
+        start, n = spans[_COLUMN[module]]
+        return 0, start, start + n
+    if module in _ROW and name.endswith(".weight"):
+        start, n = spans[_ROW[module]]
+        return 1, start, start + n
+    return None
+
+
+def shard_blocks(arch: ModelArch, rank: int, tp_size: int, blocks: dict[str, tuple]) -> dict[str, tuple]:
+    """Rank ``rank``'s part of quantized projections given whole as blocks
+    ((q, d, m) or (q, d, m, perm) by checkpoint weight name, weight d * q + m
+    per group of inputs; ``arch`` the full model's), as ``tensor_shard`` cuts
+    their dense weights: column-parallel ones by output rows (an LM head's
+    rows past the vocabulary padded with zero weights), row-parallel ones by
+    inputs, which must fall on whole groups. Act-order blocks (perm: inputs
+    stored out of order) of a row-parallel projection cannot be cut that
+    way: ValueError, as for groups that straddle the ranks."""
+    out = {}
+    for name, b in blocks.items():
+        span = tensor_shard(arch, rank, tp_size, name)
+        if span is None:
+            out[name] = b
+            continue
+        dim, start, stop = span
+        q, d, m = (torch.as_tensor(x) for x in b[:3])
+        perm = b[3] if len(b) > 3 else None
+        if dim == 0:
+            q, d, m = q[start:stop], d[start:stop], m[start:stop]
+            pad = stop - start - q.shape[0]
+            if pad > 0:  # vocabulary padding: zero weights, logits trimmed away after the gather
+                q, d, m = (torch.cat([x, x.new_zeros((pad, x.shape[1]))]) for x in (q, d, m))
+        else:
+            if perm is not None:
+                raise ValueError(f"{name}: its inputs are stored in act-order (GPTQ desc_act), so a row-parallel "
+                                 f"split of them is not built; serve it with parallel.tensor_parallel_size=1")
+            group = q.shape[1] // d.shape[1]
+            if start % group or stop % group:
+                raise ValueError(f"{name}: rank {rank} of {tp_size} holds inputs {start}..{stop}, which cut its "
+                                 f"groups of {group}; use a tensor-parallel size that splits whole groups")
+            q, d, m = q[:, start:stop], d[:, start // group : stop // group], m[:, start // group : stop // group]
+        out[name] = (q.contiguous(), d.contiguous(), m.contiguous()) + ((perm,) if perm is not None else ())
+    return out
