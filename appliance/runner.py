@@ -16,17 +16,17 @@ import dataclasses
 import importlib.util
 import os
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from appliance.config.compose import ResolvedConfig
 from appliance.config.deployment import PROMPT_CHARS_PER_TOKEN, Deployment, ExecutorLayout, ExpertGroupAddress
 from appliance.config.detect import DeviceDescription, detect_device
 from appliance.config.execution import Execution, resolve_execution
-from appliance.config.plan import format_plan, make_plan, max_model_len, offload_medium
+from appliance.config.kv_connectors import DISAGGREGATED_PREFILL, OFFLOAD, connector_of, offload_medium
+from appliance.config.plan import format_plan, make_plan, max_model_len
 from appliance.config.schema import ApplianceConfig
 from appliance.config.unbuilt import not_built
-from appliance.engine.kv_p2p import DISAGGREGATED_PREFILL
 from appliance.errors import ConfigError
 from appliance.kernels.registry import BackendSelectionError, Selection
 
@@ -170,7 +170,8 @@ def build_engine(deployment: Deployment) -> tuple[EngineCore, PreTrainedTokenize
 
     cfg = deployment.cfg
     place_data_parallel_rank(deployment)
-    if cfg.kv_transfer.connector in DISAGGREGATED_PREFILL and deployment.kv_engine_id is None:  # one for its ranks
+    row = connector_of(cfg)
+    if row is not None and row.disaggregated and deployment.kv_engine_id is None:  # one for its ranks
         deployment = replace(deployment, kv_engine_id=uuid.uuid4().hex)
     if deployment.layout.executor in ("mp", "ray"):
         from appliance.models.loader import load_tokenizer
@@ -236,21 +237,28 @@ def _kv_connector(deployment: Deployment, runner: Any) -> Optional[tuple[Any, An
     own: a producer listens on ``_p2p_port`` (``p2p.port + r``, times its
     ranks); a tier keeps ``core<r>`` under the folder and ``offload.max_gib
     / n`` of it (split again over its ranks)."""
-    kt, cfg = deployment.cfg.kv_transfer, deployment.cfg
-    if kt.connector is None:
-        return None
-    ranks = _worker_ranks(deployment)
-    if kt.connector in DISAGGREGATED_PREFILL:
-        from appliance.engine.kv_p2p import P2PConnector
+    row = connector_of(deployment.cfg)
+    return CONNECTOR_BUILDS[row.flow].sides(deployment, runner) if row is not None else None
 
-        p = kt.p2p
-        worker = None if ranks is not None else _p2p_worker(deployment, _kv_layout(deployment, runner.kv_caches))
-        # at most half the pool waits for consumers: a flood of unfetched prefills cannot take it all
-        return P2PConnector(kt.role, deployment.kv_engine_id, p.host or p.bind_host, _p2p_port(deployment),
-                            cfg.cache.block_size, p.timeout_s, deployment.num_kv_blocks // 2, ranks or 1,
-                            name=kt.connector), worker
+
+def _disaggregated_sides(deployment: Deployment, runner: Any) -> tuple[Any, Any]:
+    from appliance.engine.kv_p2p import P2PConnector
+
+    kt, cfg = deployment.cfg.kv_transfer, deployment.cfg
+    ranks = _worker_ranks(deployment)
+    p = kt.p2p
+    worker = None if ranks is not None else _p2p_worker(deployment, _kv_layout(deployment, runner.kv_caches))
+    # at most half the pool waits for consumers: a flood of unfetched prefills cannot take it all
+    return P2PConnector(kt.role, deployment.kv_engine_id, p.host or p.bind_host, _p2p_port(deployment),
+                        cfg.cache.block_size, p.timeout_s, deployment.num_kv_blocks // 2, ranks or 1,
+                        name=kt.connector), worker
+
+
+def _offload_sides(deployment: Deployment, runner: Any) -> tuple[Any, Any]:
     from appliance.engine.kv_connector import OffloadConnector
 
+    cfg = deployment.cfg
+    ranks = _worker_ranks(deployment)
     on_disk = offload_medium(cfg) == "disk"  # else host memory: nothing there at start
     if ranks is not None:
         folder = _tier_folder(deployment, _ranks_kv_layout(deployment)) if on_disk else None
@@ -358,6 +366,24 @@ def _ranks_offload(deployment: Deployment, rank: int, comms: Any) -> Any:
     if offload_medium(deployment.cfg) == "disk":
         folder = rank_folder(_tier_folder(deployment, _ranks_kv_layout(deployment)), rank)
     return _offload_worker(deployment, folder, agree if comms.tp is not None else None)
+
+
+@dataclass(frozen=True)
+class ConnectorBuild:
+    """How a KV connector flow (``config/kv_connectors.py``) is built: ``sides(deployment, runner)`` its
+    scheduler side and, with the model in this process, its worker side (else None); ``rank_worker(deployment,
+    rank, comms)`` a worker process's rank's side."""
+
+    sides: Callable[[Deployment, Any], tuple[Any, Any]]
+    rank_worker: Callable[[Deployment, int, Any], Any]
+
+
+CONNECTOR_BUILDS = {
+    OFFLOAD: ConnectorBuild(_offload_sides, _ranks_offload),
+    DISAGGREGATED_PREFILL: ConnectorBuild(
+        _disaggregated_sides, lambda deployment, rank, comms: _p2p_worker(deployment, _ranks_kv_layout(deployment),
+                                                                          rank)),
+}
 
 
 # Model keys that change neither K/V values nor their layout: engines that differ only in these share KV.
@@ -483,10 +509,9 @@ def build_rank_runner(deployment: Deployment, rank: int, comms: Any) -> Any:
                               receive=StageLink(*comms.receive) if comms.receive is not None else None,
                               send=StageLink(*comms.send) if comms.send is not None else None)
     runner = _model_runner(deployment, tp, pp, ep)[0]
-    if cfg.kv_transfer.connector == "offload":
-        runner.kv_connector = _ranks_offload(deployment, rank, comms)
-    elif cfg.kv_transfer.connector in DISAGGREGATED_PREFILL:
-        runner.kv_connector = _p2p_worker(deployment, _ranks_kv_layout(deployment), rank)
+    row = connector_of(cfg)
+    if row is not None:
+        runner.kv_connector = CONNECTOR_BUILDS[row.flow].rank_worker(deployment, rank, comms)
     if layout.experts_across_cores:
         from appliance.worker.lockstep import LockstepRunner
 
@@ -644,7 +669,8 @@ def serve(resolved: ResolvedConfig) -> int:
     cfg = resolved.cfg
     check_exposure(cfg.server, load_api_keys(cfg.server))
     # the keys read before anything starts: an unreadable file or a missing key leaves nothing half-started
-    if cfg.kv_transfer.connector in DISAGGREGATED_PREFILL:
+    row = connector_of(cfg)
+    if row is not None and row.disaggregated:
         _connector_key(cfg)
     else:
         load_internal_key(cfg.server)

@@ -27,6 +27,7 @@ import statistics
 import time
 
 from appliance.bench.common import plot_bars, random_prompts, split_overrides, write_results
+from appliance.config.kv_connectors import KV_CONNECTORS
 
 
 def _timed(llm, prompt: list[int], params) -> tuple[float, object]:
@@ -44,8 +45,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default="bench-results")
     a, overrides = split_overrides(p, argv)
     connectors = [c for c in a.connectors.split(",") if c]
-    if not connectors or any(c not in ("p2p", "nixl") for c in connectors):
-        p.error(f"--connectors {a.connectors!r}: p2p and / or nixl")
+    built = [c.name for c in KV_CONNECTORS.values() if c.disaggregated]
+    if not connectors or any(c not in built for c in connectors):
+        p.error(f"--connectors {a.connectors!r}: {' and / or '.join(built)}")
     from appliance import LLM, SamplingParams
     from appliance.server.auth import INTERNAL_KEY_ENV
     from appliance.server.local import free_port_run

@@ -24,6 +24,7 @@ from typing import Any, Optional
 from appliance.config.architectures import describe
 from appliance.config.checkpoint import gguf_embedding_in_head, gguf_file, gguf_head_bits, gguf_header
 from appliance.config.execution import Execution, kv_dtype, resolve_execution
+from appliance.config.kv_connectors import describe_kv_transfer
 from appliance.config.schema import ApplianceConfig, ModelConfig
 from appliance.config.sizes import parameter_counts, pipeline_partition, sparse_layers
 from appliance.config.unbuilt import not_built
@@ -490,42 +491,6 @@ def describe_kv_events(cfg: ApplianceConfig) -> str:
     tokens = "with the blocks' token ids" if ev.include_token_ids else "hashes only (no token ids)"
     who = "CURVE: authorized subscribers only" if ev.curve_secret_key_file else "no subscriber authentication"
     return f"block events in vLLM's format on {where}, topic {ev.topic!r}; {replay}; {tokens}; {who}"
-
-
-def offload_medium(cfg: ApplianceConfig) -> str:
-    """Where the offload tier keeps blocks: ``disk`` or ``host`` (``auto``:
-    host memory on GPU profiles, disk on CPU ones)."""
-    medium = cfg.kv_transfer.offload.medium
-    if medium == "auto":
-        return "disk" if cfg.hardware.device_kind == "cpu" else "host"
-    return medium
-
-
-def describe_kv_transfer(cfg: ApplianceConfig) -> str:
-    kt = cfg.kv_transfer
-    if kt.connector is None:
-        return "off"
-    if kt.connector in ("p2p", "nixl"):
-        p = kt.p2p
-        how = ("over ZeroMQ/TCP" if kt.connector == "p2p" else
-               f"straight from the producer's KV cache through NIXL ({', '.join(kt.nixl.backends)}), asked for "
-               f"over ZeroMQ/TCP")
-        produce = (f"produces: holds a prefill's KV (requests with kv_transfer_params do_remote_decode) for its "
-                   f"consumer at {p.host or p.bind_host}:{p.port} (listening on {p.bind_host}), freed once fetched "
-                   f"or after {p.timeout_s:g} s")
-        consume = (f"consumes: fetches a producer's KV (kv_transfer_params do_remote_prefill) in the background "
-                   f"{how}, then runs the last prompt token; a fetch failed or over {p.timeout_s:g} s "
-                   f"computes the prompt here")
-        parts = {"producer": [produce], "consumer": [consume], "both": [produce, consume]}.get(kt.role, [])
-        return f"{kt.connector} (disaggregated prefill): " + "; ".join(parts)
-    if offload_medium(cfg) == "host":
-        return (f"offload: full blocks copied to host memory as they fill (pinned on GPUs), at most "
-                f"{kt.offload.max_gib:g} GiB, least recently used dropped first; a prefix found there loads instead "
-                f"of being recomputed (gone at a restart: kv_transfer.offload.medium=disk keeps it)")
-    where = kt.offload.path or "kv_offload in the appliance's cache folder"
-    return (f"offload: full blocks saved to {where} as they fill (a subfolder per model and KV layout), at most "
-            f"{kt.offload.max_gib:g} GiB, least recently used dropped first; a prefix found there loads instead "
-            f"of being recomputed, after a restart too")
 
 
 def describe_structured_output(cfg: ApplianceConfig) -> str:

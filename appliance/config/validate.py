@@ -10,14 +10,14 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import math
-from typing import Any, Optional
+from typing import Optional
 
 from appliance.config.architectures import ARCHITECTURES, support
 from appliance.config.execution import choose_dtype
-from appliance.config.plan import GIB, device_memory, max_model_len, offload_medium
+from appliance.config.kv_connectors import kv_transfer_problems
+from appliance.config.plan import GIB, device_memory, max_model_len
 from appliance.config.checkpoint import MOE_KEYS
-from appliance.config.schema import (ApplianceConfig, EplbConfig, KVEventsConfig, KVTransferConfig, ModelConfig,
-                                     SchedulerConfig)
+from appliance.config.schema import ApplianceConfig, EplbConfig, KVEventsConfig, ModelConfig, SchedulerConfig
 from appliance.kernels.registry import BACKENDS
 
 FP8_HARDWARE = "h100, h200, b200 or mi300x"
@@ -232,114 +232,6 @@ def _loopback_endpoint(endpoint: str) -> bool:
     """Whether only this machine can reach a ZeroMQ endpoint (ipc, inproc, or tcp on a loopback address)."""
     scheme, _, rest = endpoint.partition("://")
     return scheme != "tcp" or is_loopback(rest.rpartition(":")[0].strip("[]"))
-
-
-OFFLOAD_MEDIA = ("auto", "disk", "host")
-KV_CONNECTORS = ("offload", "p2p", "nixl")  # built
-# each connector's sections of kv_transfer (nixl's side channel is p2p's)
-KV_CONNECTOR_SECTIONS = {"offload": ("offload",), "p2p": ("p2p",), "nixl": ("p2p", "nixl")}
-
-
-def _kv_transfer_problems(cfg: ApplianceConfig) -> list[str]:
-    kt, par = cfg.kv_transfer, cfg.parallel
-    problems = []
-    if kt.connector is None:
-        defaults = KVTransferConfig()
-        if kt.role != defaults.role:
-            problems.append(f"kv_transfer.role={kt.role} has no effect without a connector (kv_transfer.connector)")
-        problems += _unused_keys(kt, defaults, None)
-        return problems
-    if kt.connector not in KV_CONNECTORS:
-        problems.append(f"kv_transfer.connector={kt.connector} is unknown; built: {', '.join(KV_CONNECTORS)}")
-        return problems
-    if kt.role not in ("producer", "consumer", "both"):
-        problems.append(f"kv_transfer.role={kt.role} must be producer, consumer or both")
-    defaults = KVTransferConfig()
-    problems += _unused_keys(kt, defaults, kt.connector)
-    if kt.connector == "offload":
-        if kt.offload.medium not in OFFLOAD_MEDIA:
-            problems.append(f"kv_transfer.offload.medium={kt.offload.medium} must be one of {', '.join(OFFLOAD_MEDIA)}")
-        elif offload_medium(cfg) == "host" and kt.offload.path is not None:
-            problems.append(f"kv_transfer.offload.path={kt.offload.path} has no effect with the tier in host memory "
-                            f"(kv_transfer.offload.medium={kt.offload.medium}); set medium=disk for a folder")
-        if kt.role != "both":
-            problems.append(f"kv_transfer.role={kt.role}: an offload tier saves and loads (role both); producer and "
-                            f"consumer are disaggregated prefill's roles (kv_transfer.connector=p2p)")
-        if not kt.offload.max_gib > 0:
-            problems.append(f"kv_transfer.offload.max_gib={kt.offload.max_gib} must be positive")
-        if not cfg.cache.enable_prefix_caching:
-            problems.append("kv_transfer.connector=offload keys blocks by their prefix hashes; it needs "
-                            "cache.enable_prefix_caching=true")
-        if cfg.cache.prefix_caching_hash_algo == "builtin" and offload_medium(cfg) == "disk":
-            problems.append("kv_transfer.connector=offload needs hashes that stay the same across processes "
-                            "(cache.prefix_caching_hash_algo=sha256 or sha256_cbor); builtin hashes change per "
-                            "process")
-    else:
-        if kt.connector == "nixl" and (not kt.nixl.backends or not all(isinstance(b, str) and b
-                                                                       for b in kt.nixl.backends)):
-            problems.append(f"kv_transfer.nixl.backends={kt.nixl.backends} must name NIXL backends (e.g. [UCX])")
-        p2p = kt.p2p
-        if not 0 < p2p.port < 65536:
-            problems.append(f"kv_transfer.p2p.port={p2p.port} must be a TCP port (1..65535)")
-        if not p2p.timeout_s > 0:
-            problems.append(f"kv_transfer.p2p.timeout_s={p2p.timeout_s} must be positive")
-        for key in ("host", "bind_host"):
-            v = getattr(p2p, key)
-            if v is not None and (not v or any(c in v for c in "/ ")):
-                problems.append(f"kv_transfer.p2p.{key}={v!r} must be a host name or address")
-        if kt.role != "consumer" and p2p.host is None and p2p.bind_host in ("0.0.0.0", "::", "*"):
-            problems.append(f"kv_transfer.p2p.bind_host={p2p.bind_host} listens everywhere; consumers need an "
-                            f"address to reach this producer at: set kv_transfer.p2p.host")
-        for entry in p2p.trusted_producers:
-            if not _is_producer_entry(entry):
-                problems.append(f"kv_transfer.p2p.trusted_producers: {str(entry)[:100]!r} must be host:port "
-                                f"([v6addr]:port), or a host alone for any of its ports")
-        if kt.role == "producer" and p2p.trusted_producers:
-            problems.append("kv_transfer.p2p.trusted_producers has no effect with kv_transfer.role=producer (it "
-                            "names the producers a consumer fetches from)")
-        if kt.role == "consumer":  # a consumer only connects
-            for key in ("host", "bind_host", "port"):
-                if getattr(p2p, key) != getattr(defaults.p2p, key):
-                    problems.append(f"kv_transfer.p2p.{key}={getattr(p2p, key)} has no effect with "
-                                    f"kv_transfer.role=consumer (it fetches from the producers it is told of)")
-    if par.executor == "ray":
-        where = ("each rank's part of the tier is on its node's disk, the engine core reads them on its own"
-                 if kt.connector == "offload" else "each rank serves and pulls its part from its own node")
-        problems.append(f"kv_transfer.connector={kt.connector} on parallel.executor=ray is not built yet ({where}); "
-                        f"use parallel.executor=mp or auto on one host")
-    if par.enable_expert_parallel and par.data_parallel_size > 1:
-        problems.append(f"kv_transfer.connector={kt.connector} with expert parallelism across engine cores is not "
-                        f"built yet (the cores step together; a step waiting for remote KV would hold them all)")
-    return problems
-
-
-def _is_producer_entry(entry: Any) -> bool:
-    """Whether ``entry`` reads as ``kv_transfer.p2p.trusted_producers`` takes
-    them: host:port, [v6addr]:port, a host, or [v6addr]."""
-    if not isinstance(entry, str) or not entry or any(c in entry for c in "/ @"):
-        return False
-    if entry.startswith("["):
-        addr, _, rest = entry[1:].partition("]")
-        return bool(addr) and (rest == "" or (rest[:1] == ":" and rest[1:].isdigit() and 0 < int(rest[1:]) < 65536))
-    host, sep, port = entry.rpartition(":")
-    if not sep:
-        return True
-    return bool(host) and ":" not in host and port.isdigit() and 0 < int(port) < 65536
-
-
-def _unused_keys(kt: KVTransferConfig, defaults: KVTransferConfig, connector: Optional[str]) -> list[str]:
-    """Keys of sections the configured connector (None: none) does not
-    read, set away from their defaults."""
-    problems = []
-    used = KV_CONNECTOR_SECTIONS.get(connector, ())
-    for group in sorted({g for sections in KV_CONNECTOR_SECTIONS.values() for g in sections} - set(used)):
-        ours, default = getattr(kt, group), getattr(defaults, group)
-        readers = " or ".join(c for c, sections in KV_CONNECTOR_SECTIONS.items() if group in sections)
-        for key in dataclasses.asdict(default):
-            if getattr(ours, key) != getattr(default, key):
-                problems.append(f"kv_transfer.{group}.{key}={getattr(ours, key)} has no effect without "
-                                f"kv_transfer.connector={readers}")
-    return problems
 
 
 ROUTER_POLICIES = ("round_robin", "least_load", "kv_aware", "pd")  # built
@@ -592,7 +484,7 @@ def validate(cfg: ApplianceConfig) -> list[str]:
     problems += _architecture_problems(cfg)
     problems += _moe_problems(cfg)
     problems += _kv_events_problems(cfg)
-    problems += _kv_transfer_problems(cfg)
+    problems += kv_transfer_problems(cfg)
     problems += _router_problems(cfg)
     parts = par.pp_layer_partition
     if parts is not None:

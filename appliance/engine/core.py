@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import msgspec
 
@@ -176,6 +176,45 @@ class StepRunner(Protocol):
     def execute(self, sched_out: SchedulerOutput) -> StepOutput: ...
 
 
+@runtime_checkable
+class KVConnectorScheduler(Protocol):
+    """A KV connector's scheduler side (vLLM V1's scheduler-role connector),
+    which the scheduler and the core call: ``engine/kv_connector.
+    OffloadConnector`` and ``engine/kv_p2p.P2PConnector``; the runner builds
+    one per ``kv_transfer.connector`` (``config/kv_connectors.py``), with
+    its worker side beside the model. Every step it answers which tokens it
+    can supply past the pool's hits, takes the blocks allocated for them,
+    turns the step into instructions for its worker side, and learns what
+    the worker side finished; a finished request's blocks may stay held
+    while a peer still needs them."""
+
+    name: str  # kv_transfer.connector
+    role: str  # kv_transfer.role
+    recving: dict[str, int]  # requests loading in the background -> their computed tokens once the load is in
+    first_loaded_block: dict[str, int]  # this step's synchronous loads: each request's first loaded block
+    corrupt_blocks: int  # stored blocks that failed their checks on load (recomputed)
+    has_pending_meta: bool  # instructions not handed to the worker side yet: one more step is due
+    has_transfers: bool  # KV moving (or held for a peer) that an idle engine must keep stepping for
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]: ...
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_tokens: int,
+                                 num_external_tokens: int) -> None: ...
+
+    def build_connector_meta(self, scheduled: dict[str, int], requests: dict[str, Request],
+                             block_ids: Any) -> Any: ...
+
+    def update_connector_output(self, output: Optional[KVConnectorOutput]) -> None: ...
+
+    def combine_ranks(self, output: KVConnectorOutput) -> KVConnectorOutput: ...
+
+    def overdue(self) -> Optional[KVConnectorOutput]: ...
+
+    def step_failed(self, meta: Any) -> None: ...
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]: ...
+
+
 def _token_logprobs(lps: Sequence[Optional[SampledLogprob]]) -> list[Optional[TokenLogprob]]:
     return [lp if lp is None or type(lp) is TokenLogprob else TokenLogprob(lp.token_id, lp.logprob, lp.rank, lp.top)
             for lp in lps]
@@ -324,7 +363,8 @@ class EngineCore:
 
     def _corrupt_tier_blocks(self) -> int:
         """Offload tier files that failed their checks on load since the engine was built."""
-        return getattr(self.scheduler.connector, "corrupt_blocks", 0)  # 0: no connector, or one without a tier
+        c = self.scheduler.connector
+        return c.corrupt_blocks if c is not None else 0
 
     def reset_prefix_cache(self) -> bool:
         """Drop every prefix-cache entry; False (nothing dropped) while requests hold blocks."""

@@ -168,6 +168,7 @@ class OffloadConnector:
         self.first_loaded_block: dict[str, int] = {}  # this step's loads: each request's first loaded block
         self.hit_tokens = 0  # tokens loaded from the tier instead of computed
         self.corrupt_blocks = 0  # tier files that failed their checks on load (removed, their blocks recomputed)
+        self.recving: dict[str, int] = {}  # none: its loads run with the step that needs them
 
     # -- scheduling ---------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:

@@ -247,6 +247,7 @@ class P2PConnector:
         self.loaded_tokens = 0  # tokens whose KV came from producers
         self.failed_loads = 0
         self.first_loaded_block: dict[str, int] = {}  # a step's loads (none here: they run between steps)
+        self.corrupt_blocks = 0  # none: nothing is stored (a failed pull is failed_loads, recomputed)
 
     @property
     def has_pending_meta(self) -> bool:

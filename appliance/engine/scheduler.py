@@ -21,11 +21,14 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
 from appliance.engine.kv_cache.manager import KVCacheManager
 from appliance.engine.request import Request, RequestStatus
 from appliance.engine.request_queue import FCFSQueue, PriorityQueue
+
+if TYPE_CHECKING:  # the protocol sits beside the engine's others; the core imports this module
+    from appliance.engine.core import KVConnectorScheduler
 
 _rank = attrgetter("priority", "arrival_time")  # preemption victims: the largest first
 
@@ -128,7 +131,8 @@ class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True,
                  long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1,
-                 max_long_partial_prefills: int = 1, num_lookahead_tokens: int = 0, connector: Any = None):
+                 max_long_partial_prefills: int = 1, num_lookahead_tokens: int = 0,
+                 connector: Optional[KVConnectorScheduler] = None):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.kv = kv_cache_manager

@@ -609,3 +609,19 @@ def test_a_load_over_ranks_ends_when_every_rank_has():
     assert (got.finished_recving, got.failed_recving, got.finished_sending) == ([], [], [])
     got = whole({}, {"finished_recving": ["a", "b"], "finished_sending": ["s"]})
     assert (got.finished_recving, got.failed_recving, got.finished_sending) == (["a"], ["b"], ["s"])
+
+
+def test_the_connectors_registry_and_the_engines_protocol_agree(tmp_path):
+    """Every KV connector's scheduler side has what the scheduler and the core call
+    (``KVConnectorScheduler``), and the engine's disaggregated-prefill connectors are the registry's."""
+    from appliance.config.kv_connectors import KV_CONNECTORS
+    from appliance.engine.core import KVConnectorScheduler
+    from appliance.engine.kv_connector import OffloadConnector
+    from appliance.engine.kv_p2p import DISAGGREGATED_PREFILL, P2PConnector
+
+    assert isinstance(OffloadConnector(tmp_path, 16), KVConnectorScheduler)
+    assert isinstance(P2PConnector("both", "e", "127.0.0.1", 9000, 16, 5.0, 100), KVConnectorScheduler)
+    assert not isinstance(object(), KVConnectorScheduler)
+    assert set(DISAGGREGATED_PREFILL) == {c.name for c in KV_CONNECTORS.values() if c.disaggregated}
+    for c in KV_CONNECTORS.values():  # each row's roles are ones validation takes
+        assert c.roles and set(c.roles) <= {"producer", "consumer", "both"} and c.sections
