@@ -33,11 +33,10 @@ import asyncio
 import json
 import os
 import random
-import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import httpx
 

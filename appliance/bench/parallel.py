@@ -188,7 +188,7 @@ def main(argv: list[str]) -> int:
         runs["pp2 (shm)"]["vs_one_step_in_flight"] = (runs["pp2 (shm)"]["output_tok_s"]
                                                       / runs["pp2 (shm; 1 step in flight)"]["output_tok_s"])
     torch_path = runs["1 rank (torch layer path)"]
-    for label, r in runs.items():
+    for r in runs.values():
         if r.get("ranks", 1) > 1 and r.get("collectives"):
             comm_ms = r["collectives_per_step"] * latency[f"{r['collectives']}/{r['ranks']}"] / 1e3
             r["comm_ms_per_step"] = comm_ms  # estimate: calls x measured latency

@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, Union, cast, runtime_checkable
 
 import msgspec
 
@@ -176,6 +176,18 @@ class StepRunner(Protocol):
     def execute(self, sched_out: SchedulerOutput) -> StepOutput: ...
 
 
+class PipelinedStepRunner(StepRunner, Protocol):
+    """A step runner over pipeline stages (``worker.executor``): the core keeps up to
+    ``max_batches_in_flight`` steps submitted and collects them oldest first."""
+
+    num_stages: int
+    max_batches_in_flight: int
+
+    def submit(self, sched_out: SchedulerOutput) -> None: ...
+
+    def collect(self) -> StepOutput: ...
+
+
 @runtime_checkable
 class KVConnectorScheduler(Protocol):
     """A KV connector's scheduler side (vLLM V1's scheduler-role connector),
@@ -202,7 +214,7 @@ class KVConnectorScheduler(Protocol):
                                  num_external_tokens: int) -> None: ...
 
     def build_connector_meta(self, scheduled: dict[str, int], requests: dict[str, Request],
-                             block_ids: Any) -> Any: ...
+                             block_ids: Callable[[str], list[int]]) -> object: ...
 
     def update_connector_output(self, output: Optional[KVConnectorOutput]) -> None: ...
 
@@ -210,7 +222,7 @@ class KVConnectorScheduler(Protocol):
 
     def overdue(self) -> Optional[KVConnectorOutput]: ...
 
-    def step_failed(self, meta: Any) -> None: ...
+    def step_failed(self, meta: object) -> None: ...  # what its build_connector_meta made for the step
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]: ...
 
@@ -348,9 +360,10 @@ class EngineCore:
         """Gauges now; counters since the engine was built or ``reset_stats``."""
         s, kv = self.scheduler, self.scheduler.kv
         p0, q0, h0, c0 = self._counted_from
+        drafts, draft_tokens, accepted = self._spec
         stats = StepStats(len(s.running), len(s.waiting), kv.usage(), s.num_preemptions - p0,
                           kv.stats.queries - q0, kv.stats.hits - h0, iteration_tokens, self.step_token_budget,
-                          *self._spec, list(self._spec_per_pos),
+                          drafts, draft_tokens, accepted, list(self._spec_per_pos),
                           self.grammars.take_compile_seconds() if self.grammars is not None else [])
         stats.kv_offload_corrupt_blocks = self._corrupt_tier_blocks() - c0
         if self._experts is not None:
@@ -431,6 +444,7 @@ class EngineCore:
             sched_out.preempted_req_ids |= carried.preempted_req_ids
             self._carried = SchedulerOutput()
         if not sched_out.num_scheduled_tokens and self._compiling and not self._in_flight:
+            assert self.grammars is not None  # requests compile only where there are grammars
             self.grammars.wait(0.005)  # nothing to run but grammars to wait for: do not spin
         if self.grammars is not None:
             try:
@@ -459,7 +473,7 @@ class EngineCore:
                                        in_flight)
             if sched_out.num_scheduled_tokens:
                 self._ran_alone_from = None if self._in_flight else time.perf_counter()
-                self.runner.submit(sched_out)
+                cast(PipelinedStepRunner, self.runner).submit(sched_out)
                 self._in_flight.append(sched_out)
                 if len(self._in_flight) < self.max_in_flight:
                     return []
@@ -472,7 +486,7 @@ class EngineCore:
             return []
         sched_out = self._in_flight.popleft()
         try:
-            runner_out = self.runner.collect()
+            runner_out = cast(PipelinedStepRunner, self.runner).collect()
         except EngineDeadError:
             raise
         except Exception as e:
@@ -492,7 +506,7 @@ class EngineCore:
         while self._in_flight:
             so = self._in_flight.popleft()
             try:
-                later.append((so, self.runner.collect()))
+                later.append((so, cast(PipelinedStepRunner, self.runner).collect()))
             except EngineDeadError:
                 raise
             except Exception as e:  # noqa: BLE001 (applied below, in order)
@@ -616,10 +630,12 @@ class EngineCore:
         that failed to compile ends with an error (the cause is logged)."""
         failed = []
         for rid, req in list(self._compiling.items()):
-            if req.is_finished or req.grammar.ready():
+            g = req.grammar
+            assert g is not None  # a compiling request has its grammar
+            if req.is_finished or g.ready():
                 del self._compiling[rid]
-                if not req.is_finished and req.grammar.error is not None:
-                    log.error("request %s: its grammar did not compile: %s", rid, req.grammar.error)
+                if not req.is_finished and g.error is not None:
+                    log.error("request %s: its grammar did not compile: %s", rid, g.error)
                     failed.append(req)
         return self._fail(failed) if failed else []
 
@@ -634,6 +650,7 @@ class EngineCore:
                 entries.append((rid, req.grammar, req.output_token_ids,
                                 sched_out.scheduled_spec_decode_tokens.get(rid, [])))
         if entries:
+            assert self.grammars is not None  # a request has a grammar only where there are grammars
             sched_out.grammar_bitmask = self.grammars.bitmask(entries)
 
     @staticmethod
@@ -642,6 +659,7 @@ class EngineCore:
         it keeps when the grammar terminates among them (the request then
         ends there, finish_reason stop), else 0."""
         g = req.grammar
+        assert g is not None  # called for requests with a grammar
         for j, tok in enumerate(tokens, 1):
             if g.accept([tok]) != 1:
                 raise RuntimeError(f"the grammar refused token {tok}, which its own mask allowed")
@@ -679,14 +697,15 @@ class EngineCore:
                 pairs += attention_pairs(n, req.num_computed_tokens + n)
             elif not chunk_context:
                 chunk_context = req.num_computed_tokens
-        if not decodes:
-            return self.token_budget.cap
-        return self.token_budget.next_budget(decodes, pairs, chunk_context)
+        budget = self.token_budget
+        assert budget is not None  # called with an objective only
+        return budget.cap if not decodes else budget.next_budget(decodes, pairs, chunk_context)
 
     def _observe_step(self, sched_out: SchedulerOutput, seconds: float) -> None:
         requests = self.scheduler.requests
         pairs = sum(attention_pairs(n, requests[rid].num_computed_tokens)
                     for rid, n in sched_out.num_scheduled_tokens.items() if rid in requests)
+        assert self.token_budget is not None  # called with an objective only
         self.token_budget.observe(sched_out.total_num_scheduled_tokens, pairs, seconds)
 
     def _next_suspect(self) -> Optional[str]:
@@ -739,7 +758,8 @@ class EngineCore:
             s.connector.step_failed(sched_out.kv_connector_metadata)
         if alone is not None and not batch:
             self._suspects.remove(alone)
-        ended, retry = [], []
+        ended: list[Request] = []
+        retry: list[Request] = []
         if retry_all:  # no request is to blame: every one runs again, without a strike
             retry = batch
         elif alone is not None or len(batch) == 1:

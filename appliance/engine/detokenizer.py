@@ -11,7 +11,7 @@ never streamed in part.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence, cast
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -20,7 +20,7 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded as context so the first output token
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], stop: list[str] = (),
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], stop: Sequence[str] = (),
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         ctx = list(prompt_token_ids[-CONTEXT_TOKENS:])
@@ -35,8 +35,8 @@ class IncrementalDetokenizer:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                               clean_up_tokenization_spaces=False))  # one sequence: one str
 
     def add_tokens(self, new_ids: list[int]) -> Optional[str]:
         """Decode ``new_ids``; returns the stop string hit, if any."""

@@ -32,7 +32,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Callable, Hashable, Optional
 
 from appliance.engine.request import Request
 
@@ -84,9 +84,9 @@ class RankTally:
 
     def __init__(self, ranks: int):
         self.ranks = ranks
-        self._seen: dict[Any, set[int]] = {}
+        self._seen: dict[Hashable, set[int]] = {}
 
-    def add(self, key: Any, rank: int) -> bool:
+    def add(self, key: Hashable, rank: int) -> bool:
         seen = self._seen.setdefault(key, set())
         seen.add(rank)
         if len(seen) < self.ranks:
@@ -94,18 +94,18 @@ class RankTally:
         del self._seen[key]
         return True
 
-    def forget(self, key: Any) -> None:
+    def forget(self, key: Hashable) -> None:
         self._seen.pop(key, None)
 
 
-def layout_key(layout: dict[str, Any]) -> str:
+def layout_key(layout: dict[str, object]) -> str:
     """A short digest of a KV layout (the model's identity, its KV shape per
     block, the cache dtype, ...): two engines exchange KV blocks only when
     their keys are equal."""
     return hashlib.sha256(json.dumps(layout, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def tier_folder(root: str, layout: dict[str, Any]) -> Path:
+def tier_folder(root: str, layout: dict[str, object]) -> Path:
     """The tier's folder for one model and KV layout (``layout_key``; with
     the hash algorithm in ``layout``): blocks of another layout never load
     into this one."""
@@ -197,7 +197,7 @@ class OffloadConnector:
         self.hit_tokens += num_external_tokens
 
     def build_connector_meta(self, scheduled: dict[str, int], requests: dict[str, Request],
-                             block_ids: Any) -> OffloadMetadata:
+                             block_ids: Callable[[str], list[int]]) -> OffloadMetadata:
         """This step's loads, and its saves: each scheduled request's full
         blocks whose K/V the step completes (of its known tokens: not draft
         positions) and that the tier does not hold. ``block_ids(rid)``: a
@@ -236,12 +236,13 @@ class OffloadConnector:
         saved once every rank has written its part since any rank last
         dropped it; a part any rank dropped drops the block; every rank's
         files that failed their checks count."""
-        dropped = sorted({h for o in output.by_rank for h in o.dropped})
+        by_rank = output.by_rank or []
+        dropped = sorted({h for o in by_rank for h in o.dropped})
         for h in dropped:
             self._written.forget(h)
-        saved = [h for rank, o in enumerate(output.by_rank) for h in o.saved if self._written.add(h, rank)]
+        saved = [h for rank, o in enumerate(by_rank) for h in o.saved if self._written.add(h, rank)]
         return KVConnectorOutput(saved=[h for h in saved if h not in dropped], dropped=dropped,
-                                 corrupt=sum(o.corrupt for o in output.by_rank))
+                                 corrupt=sum(o.corrupt for o in by_rank))
 
     def overdue(self) -> None:
         """Nothing: the tier's writes report themselves, and loads run in the step."""

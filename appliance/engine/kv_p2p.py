@@ -48,10 +48,11 @@ import secrets
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from appliance.engine.kv_connector import KVConnectorOutput, RankTally
 from appliance.engine.request import Request, RequestStatus
+from appliance.sampling_params import SamplingParams
 
 log = logging.getLogger("appliance.kv_p2p")
 
@@ -75,7 +76,7 @@ def _mac(key: bytes, kind: bytes, body: bytes) -> bytes:
     return hmac.new(key, MAC_DOMAIN + kind + b"\0" + body, hashlib.sha256).digest()
 
 
-def seal(key: bytes, kind: bytes, body: bytes, *extras: Any) -> list:
+def seal(key: bytes, kind: bytes, body: bytes, *extras: object) -> list:
     """The frames of one message between a producer and a consumer:
     ``[kind, body, *extras, mac]``; the MAC covers the kind and the body
     (whose fields give the digest of any extra frame that matters)."""
@@ -123,7 +124,8 @@ def kv_transfer_trust_problem(params: dict, internal: bool, trusted_producers: S
 KV_TRANSFER_KEYS = ("do_remote_decode", "do_remote_prefill", *REMOTE_PREFILL_KEYS, "tp_size")
 
 
-def kv_transfer_problem(params: Any, connector: Optional[str], role: str, block_size: int) -> Optional[str]:
+def kv_transfer_problem(params: SamplingParams, connector: Optional[str], role: str,
+                        block_size: int) -> Optional[str]:
     """Why a request's ``kv_transfer_params`` (in ``params``, its sampling
     parameters) cannot run on an engine with this KV connector and role, or
     None. They are either ``do_remote_decode: true`` (a prefill for a
@@ -163,7 +165,7 @@ def kv_transfer_problem(params: Any, connector: Optional[str], role: str, block_
         v = p.get(key)
         if not isinstance(v, kind) or isinstance(v, bool):
             return f"{key} must be {'an integer' if kind is int else 'a ' + kind.__name__.replace('str', 'string')}"
-        if kind is str and not 0 < len(v) <= MAX_ID_CHARS:
+        if isinstance(v, str) and not 0 < len(v) <= MAX_ID_CHARS:
             return f"{key} must hold 1 to {MAX_ID_CHARS} characters"
     if not 0 < p["remote_port"] < 65536:
         return "remote_port must be in 1..65535"
@@ -283,6 +285,7 @@ class P2PConnector:
         if num_external_tokens <= 0:
             return
         p, bs, rid = request.sampling_params.kv_transfer_params, self.block_size, request.request_id
+        assert p is not None  # get_num_new_matched_tokens offered tokens for its remote prefill
         first, end = num_local_tokens // bs, num_local_tokens + num_external_tokens
         last = -(-end // bs)
         self._meta.recvs.append(RecvSpec(
@@ -294,16 +297,17 @@ class P2PConnector:
 
     def _release(self, request: Request) -> None:
         p = request.sampling_params.kv_transfer_params
+        assert p is not None  # a request that asked for its remote prefill
         self._tried.add(request.request_id)
         self._meta.releases.append((p["remote_host"], p["remote_port"], p["remote_request_id"]))
 
     # -- both -----------------------------------------------------------------------
     def build_connector_meta(self, scheduled: dict[str, int], requests: dict[str, Request],
-                             block_ids: Any) -> P2PMetadata:
+                             block_ids: Callable[[str], list[int]]) -> P2PMetadata:
         meta, self._meta = self._meta, P2PMetadata()
         return meta
 
-    def update_connector_output(self, output: Any) -> None:
+    def update_connector_output(self, output: Optional[KVConnectorOutput]) -> None:
         if output is None:
             return
         for rid in output.finished_recving:
@@ -326,7 +330,7 @@ class P2PConnector:
         failed if any part failed (so no rank still writes into blocks a
         failed load gives back); a transfer ends once every rank's has."""
         whole = KVConnectorOutput()
-        for rank, o in enumerate(output.by_rank):
+        for rank, o in enumerate(output.by_rank or []):
             self._failed_on.update(o.failed_recving)
             for rid in [*o.finished_recving, *o.failed_recving]:
                 if self._ended.add(("recv", rid), rank):

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from appliance.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the protocol sits with the engine's others; the core imports this module
+    from appliance.engine.core import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -55,7 +58,7 @@ class Request:
         cache_salt: Optional[str] = None,
         lora_id: Optional[int] = None,
         mm_hashes: Optional[list[tuple[int, int, str]]] = None,
-        grammar: Optional[Any] = None,
+        grammar: Optional[RequestGrammar] = None,
     ):
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")

@@ -23,6 +23,7 @@ from functools import partial
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
+from appliance.engine.kv_connector import KVConnectorOutput
 from appliance.engine.kv_cache.manager import KVCacheManager
 from appliance.engine.request import Request, RequestStatus
 from appliance.engine.request_queue import FCFSQueue, PriorityQueue
@@ -272,6 +273,7 @@ class Scheduler:
                 skipped.append(self.waiting.pop())
                 continue
             if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                assert req.grammar is not None  # it waits for its grammar
                 if not req.grammar.ready():
                     skipped.append(self.waiting.pop())
                     continue
@@ -304,6 +306,7 @@ class Scheduler:
                 break
             self.kv.allocate_slots(*args)
             if num_external:
+                assert self.connector is not None  # only a connector supplies external tokens
                 self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), num_local_hits,
                                                         num_external)
             self.waiting.pop()
@@ -334,6 +337,7 @@ class Scheduler:
         if not self.kv.can_allocate(*args):
             return False
         self.kv.allocate_slots(*args, delay_cache_blocks=True)
+        assert self.connector is not None  # only a connector loads in the background
         self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), num_hit_tokens,
                                                 num_external)
         req.num_computed_tokens = num_hit_tokens
@@ -354,7 +358,7 @@ class Scheduler:
             self.waiting.remove(req)
             self.waiting.prepend(req)
 
-    def update_from_connector_output(self, output: Any) -> None:
+    def update_from_connector_output(self, output: Optional[KVConnectorOutput]) -> None:
         """What the KV connector's worker side finished: a request whose
         remote KV arrived is waiting to run its last prompt token; one whose
         load failed gives its blocks back and computes its prompt; a
@@ -366,26 +370,28 @@ class Scheduler:
         if late is not None:
             self._apply_connector_report(late)
 
-    def _apply_connector_report(self, output: Any) -> None:
-        if getattr(output, "by_rank", None) is not None:  # an engine core's ranks each reported
-            output = self.connector.combine_ranks(output)
-        for rid in getattr(output, "finished_recving", ()):
+    def _apply_connector_report(self, output: Optional[KVConnectorOutput]) -> None:
+        connector = self.connector
+        assert connector is not None  # reports come from a connector's worker side
+        if output is not None and output.by_rank is not None:  # an engine core's ranks each reported
+            output = connector.combine_ranks(output)
+        for rid in output.finished_recving if output is not None else ():
             req = self.requests.get(rid)
             if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                req.num_computed_tokens = self.connector.recving[rid]
+                req.num_computed_tokens = connector.recving[rid]
                 req.status = RequestStatus.WAITING
                 self._fetched[rid] = None
             self._release(rid)
-        for rid in getattr(output, "failed_recving", ()):
+        for rid in output.failed_recving if output is not None else ():
             req = self.requests.get(rid)
             if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.kv.free(req)
                 req.num_computed_tokens, req.num_cached_tokens, req.num_external_tokens = 0, -1, 0
                 req.status = RequestStatus.WAITING
             self._release(rid)
-        for rid in getattr(output, "finished_sending", ()):
+        for rid in output.finished_sending if output is not None else ():
             self._release(rid)
-        self.connector.update_connector_output(output)
+        connector.update_connector_output(output)
 
     def _release(self, rid: str) -> None:
         """Free a finished request's blocks that a KV connector held."""

@@ -7,11 +7,9 @@ disaggregated prefill (pd) between a producer and a consumer."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import msgspec

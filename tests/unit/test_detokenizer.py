@@ -23,7 +23,7 @@ def test_streamed_deltas_are_valid_and_equal_full_decode(tokenizer, text):
     ids = tokenizer.encode(text)
     d = IncrementalDetokenizer(tokenizer, prompt)
     deltas = []
-    for i, t in enumerate(ids):
+    for t in ids:
         d.add_tokens([t])
         deltas.append(d.take_delta(finished=False))
     d.flush()

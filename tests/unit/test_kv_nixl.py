@@ -121,7 +121,7 @@ def test_descriptors_address_each_layers_k_and_v_of_the_blocks():
     assert runs == [(3, 0, 2), (5, 7, 1), (9, 8, 1), (1, 2, 1)]
     d = block_descs(g["regions"], g["num_blocks"], g["block_bytes"], 0, [r[0] for r in runs], [r[2] for r in runs])
     assert d.shape == (3 * 2 * 4, 3) and d.dtype == np.uint64
-    for i, (layer, kv, (first, _, count)) in enumerate((l, kv, r) for l in range(3) for kv in range(2) for r in runs):
+    for i, (layer, kv, (first, _, count)) in enumerate((n, kv, r) for n in range(3) for kv in range(2) for r in runs):
         block = caches[layer][kv, first:first + count]
         assert (int(d[i, 0]), int(d[i, 1]), int(d[i, 2])) == (block.data_ptr(), block.nbytes, 0)
 

@@ -31,6 +31,7 @@ from appliance.worker.executor import free_port
 PROMPT = " ".join(str(i) for i in range(200))
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
 KEY = "a-test-internal-key-0123456789"  # the deployment's internal key: producers and consumers sign with it
+KEY_BYTES = KEY.encode()
 BASE = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "model.dtype=float32",
         f"server.internal_key={KEY}"]
 
@@ -244,14 +245,14 @@ def test_hostile_messages_do_not_stop_the_producer(pair, reference):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://127.0.0.1:{params['remote_port']}")
 
-    def ask(*frames, key=KEY.encode()):
+    def ask(*frames, key=KEY_BYTES):
         """The producer's answer, its MAC checked (None: not signed with ``key``)."""
         sock.send_multipart(list(frames))
         assert sock.poll(5000)
         answer = unseal(key, sock.recv_multipart())
         return None if answer is None else [answer[0], answer[1], *answer[2]]
 
-    def signed(kind, body, key=KEY.encode()):
+    def signed(kind, body, key=KEY_BYTES):
         return ask(*seal(key, kind, body))
 
     pull = {"transfer": params["remote_request_id"], "engine": params["remote_engine_id"], "layout": "?",

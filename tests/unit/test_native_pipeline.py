@@ -103,7 +103,7 @@ def test_a_failed_stage_hands_its_failure_on_and_the_next_step_is_in_step():
         return pp.run(stage, rows, torch.float32, torch.device("cpu"))
 
     for kind in ("inside", "before"):
-        got, errors = side_by_side(lambda: run(first, fail=kind == "inside", before=kind == "before"),
+        got, errors = side_by_side(lambda kind=kind: run(first, fail=kind == "inside", before=kind == "before"),
                                    lambda: run(last))
         assert len(errors) == 2, errors
         assert any("pipeline stage 0 failed this step" in str(e) for e in errors)

@@ -227,7 +227,7 @@ def test_the_router_replays_what_its_subscription_missed():
         _until(lambda: min(s.batches for s in subs) > 0, poke=lambda: pub.publish(third))
         assert index.match(list(range(1, 13))) == 12 and subs[0].replayed >= 2 and subs[0].missed == 0
         assert plain.match(list(range(1, 13))) == 0 and subs[1].missed >= 2  # it never saw the first two
-        for i in range(200):  # far past what the restarted instance sends before the router reconnects
+        for _ in range(200):  # far past what the restarted instance sends before the router reconnects
             pub.publish([PoolEvent("BlockRemoved", (bytes([9]) * 32,))])
         _until(lambda: subs[0]._next > 200)
         pub.close()

@@ -115,7 +115,8 @@ class BlockPool:
             return None  # miss, or a hash collision that must not serve wrong KV
         return block
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: Sequence[int], parent: Any) -> None:
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: Sequence[int],
+                         parent: Optional[BlockHash]) -> None:
         """Register a full block under its hash; a hash already served by
         another block keeps that block (this one stays uncached)."""
         if block.block_hash is not None or block_hash in self.cached_block_hash_to_block:

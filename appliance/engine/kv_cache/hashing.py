@@ -30,7 +30,7 @@ BlockHash = Any  # bytes for sha256*, int for builtin
 HashFn = Callable[[tuple], BlockHash]
 
 
-def _cbor(obj: Any, out: bytearray) -> None:
+def _cbor(obj: object, out: bytearray) -> None:
     """Canonical CBOR (RFC 8949 §4.2.1) of ints, bytes, str, None, bools, tuples/lists."""
 
     def head(major: int, n: int) -> None:
@@ -76,7 +76,7 @@ def _cbor(obj: Any, out: bytearray) -> None:
         raise TypeError(f"cannot CBOR-encode {type(obj).__name__}")
 
 
-def cbor_dumps(obj: Any) -> bytes:
+def cbor_dumps(obj: object) -> bytes:
     out = bytearray()
     _cbor(obj, out)
     return bytes(out)
