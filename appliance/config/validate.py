@@ -307,20 +307,10 @@ def _router_problems(cfg: ApplianceConfig) -> list[str]:
     return problems
 
 
-def validate(cfg: ApplianceConfig) -> list[str]:
+def _range_problems(cfg: ApplianceConfig) -> list[str]:
+    """Numeric ranges, and the keys that need another to mean something."""
+    q, cache, s, par = cfg.quantization, cfg.cache, cfg.scheduler, cfg.parallel
     problems: list[str] = []
-    m, hw, q, cache, s, par, spec = (
-        cfg.model,
-        cfg.hardware,
-        cfg.quantization,
-        cfg.cache,
-        cfg.scheduler,
-        cfg.parallel,
-        cfg.speculative,
-    )
-    dtype = choose_dtype(cfg)[0]
-
-    # Numeric ranges.
     for key, value, low in [
         ("scheduler.max_num_batched_tokens", s.max_num_batched_tokens, 1),
         ("scheduler.max_num_seqs", s.max_num_seqs, 1),
@@ -387,8 +377,13 @@ def validate(cfg: ApplianceConfig) -> list[str]:
     if cfg.server.core_restart_backoff_s < 0:
         problems.append(f"server.core_restart_backoff_s={cfg.server.core_restart_backoff_s} must not be negative")
     problems += _tracing_problems(cfg.server.otlp_traces_endpoint)
+    return problems
 
-    # dtype and fp8.
+
+def _dtype_problems(cfg: ApplianceConfig, dtype: str) -> list[str]:
+    """The compute and KV dtypes, and the quantization method, against the hardware."""
+    hw, q, cache = cfg.hardware, cfg.quantization, cfg.cache
+    problems: list[str] = []
     if dtype not in hw.supported_dtypes:
         problems.append(
             f"model.dtype={dtype} is not supported by hardware={hw.name} (supported: {list(hw.supported_dtypes)}); "
@@ -412,8 +407,13 @@ def validate(cfg: ApplianceConfig) -> list[str]:
         )
     if kv == "fp8_e5m2" and hw.device_kind == "rocm":
         problems.append("cache.kv_cache_dtype=fp8_e5m2 is not available on ROCm; use fp8_e4m3")
+    return problems
 
-    # Block size: the hardware's limits and at least one backend of its list.
+
+def _block_size_problems(cfg: ApplianceConfig) -> list[str]:
+    """The block size: the hardware's limits and at least one backend of its list."""
+    hw, cache = cfg.hardware, cfg.cache
+    problems: list[str] = []
     bs = cache.block_size
     if not hw.min_block_size <= bs <= hw.max_block_size:
         problems.append(
@@ -431,8 +431,13 @@ def validate(cfg: ApplianceConfig) -> list[str]:
         )
     if cfg.attention.backend != "auto" and cfg.attention.backend not in BACKENDS:
         problems.append(f"attention.backend={cfg.attention.backend} is unknown; use auto or one of {sorted(BACKENDS)}")
+    return problems
 
-    # Lengths and budgets.
+
+def _length_problems(cfg: ApplianceConfig) -> list[str]:
+    """Lengths and token budgets."""
+    m, s = cfg.model, cfg.scheduler
+    problems: list[str] = []
     mml = max_model_len(cfg)
     if mml > m.max_position_embeddings:
         problems.append(
@@ -452,8 +457,13 @@ def validate(cfg: ApplianceConfig) -> list[str]:
         )
     if s.long_prefill_token_threshold < 0:
         problems.append("scheduler.long_prefill_token_threshold must be 0 (no cap) or positive")
+    return problems
 
-    # Parallelism.
+
+def _parallel_problems(cfg: ApplianceConfig) -> list[str]:
+    """Parallelism: the devices, the executor, and how the model splits over the ranks."""
+    m, hw, par = cfg.model, cfg.hardware, cfg.parallel
+    problems: list[str] = []
     world = par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
     if world > hw.num_devices:
         problems.append(
@@ -481,11 +491,6 @@ def validate(cfg: ApplianceConfig) -> list[str]:
     if par.cpu_collectives != "shm" and hw.device_kind != "cpu":
         problems.append(f"parallel.cpu_collectives={par.cpu_collectives} has no effect on hardware={hw.name} "
                         f"({hw.device_kind} ranks use {'RCCL' if hw.device_kind == 'rocm' else 'NCCL'}); leave it shm")
-    problems += _architecture_problems(cfg)
-    problems += _moe_problems(cfg)
-    problems += _kv_events_problems(cfg)
-    problems += kv_transfer_problems(cfg)
-    problems += _router_problems(cfg)
     parts = par.pp_layer_partition
     if parts is not None:
         if len(parts) != par.pipeline_parallel_size or sum(parts) != m.num_layers or min(parts, default=0) < 1:
@@ -505,8 +510,13 @@ def validate(cfg: ApplianceConfig) -> list[str]:
         problems.append(f"model.moe_intermediate_size={m.moe_intermediate_size} is not divisible by "
                         f"parallel.tensor_parallel_size={tp} (each rank holds a slice of every expert; or set "
                         f"parallel.enable_expert_parallel=true to split whole experts)")
+    return problems
 
-    # Speculative decoding.
+
+def _speculative_problems(cfg: ApplianceConfig) -> list[str]:
+    """Speculative decoding."""
+    m, hw, spec = cfg.model, cfg.hardware, cfg.speculative
+    problems: list[str] = []
     if spec.method == "off":
         for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
                     "draft_model", "draft_dtype"):
@@ -539,9 +549,14 @@ def validate(cfg: ApplianceConfig) -> list[str]:
         if spec.disable_by_batch_size is not None and spec.disable_by_batch_size < 1:
             problems.append(f"speculative.disable_by_batch_size={spec.disable_by_batch_size} must be at least 1 "
                             f"(or null: speculate at every batch size)")
+    return problems
 
-    # Memory (the plan's account of a device): weights must fit, and the pool must hold one full-length request.
-    if dtype in ("float32", "bfloat16", "float16") and not problems:
+
+def _memory_problems(cfg: ApplianceConfig, dtype: str) -> list[str]:
+    """Memory (the plan's account of a device): weights must fit, and the pool must hold one full-length request."""
+    hw, cache, par = cfg.hardware, cfg.cache, cfg.parallel
+    problems: list[str] = []
+    if dtype in ("float32", "bfloat16", "float16"):
         mem = device_memory(cfg, dtype)
         if mem.weights + mem.activations > mem.usable:
             ranks = par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
@@ -552,10 +567,26 @@ def validate(cfg: ApplianceConfig) -> list[str]:
                 f"{shared}); use more tensor parallelism, a quantization, or bigger hardware"
             )
         else:
+            mml, bs = max_model_len(cfg), cache.block_size
             need = -(-mml // bs)
             if mem.num_kv_blocks < need:
                 problems.append(
                     f"the KV cache holds {mem.num_kv_blocks} blocks ({mem.num_kv_blocks * bs} tokens) but one "
                     f"max_model_len={mml} request needs {need}; lower model.max_model_len or give the cache more memory"
                 )
+    return problems
+
+
+def validate(cfg: ApplianceConfig) -> list[str]:
+    dtype = choose_dtype(cfg)[0]
+    problems = [*_range_problems(cfg), *_dtype_problems(cfg, dtype), *_block_size_problems(cfg),
+                *_length_problems(cfg), *_parallel_problems(cfg)]
+    problems += _architecture_problems(cfg)
+    problems += _moe_problems(cfg)
+    problems += _kv_events_problems(cfg)
+    problems += kv_transfer_problems(cfg)
+    problems += _router_problems(cfg)
+    problems += _speculative_problems(cfg)
+    if not problems:  # the memory account needs a config that holds together
+        problems += _memory_problems(cfg, dtype)
     return problems
