@@ -548,19 +548,9 @@ def _model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
                                      eplb.num_redundant_experts if eplb.enabled else 0)
     if eplb.enabled:
         model.enable_eplb(eplb.window_size, eplb.step_interval)
-    if cfg.quantization.method in ("int8_wo", "w8a8_int8"):
-        from appliance.models.quant import quantize_int8_weight_only
+    from appliance.models.quant import quantize_at_load
 
-        quantize_int8_weight_only(model, activations=cfg.quantization.method == "w8a8_int8")
-    elif cfg.quantization.method == "int4_wo":
-        from appliance.models.quant import quantize_int4_weight_only
-
-        quantize_int4_weight_only(model, cfg.quantization.group_size)
-    elif cfg.quantization.method == "fp8":
-        from appliance.models.fp8 import Fp8Linear, quantize_fp8
-
-        if not isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear):  # an fp8 checkpoint loads as fp8
-            quantize_fp8(model, cfg.quantization.activations)
+    quantize_at_load(model, cfg.quantization)
     if device.type != "cpu":  # int4 weights travel packed (4 bits a weight), as the GPU GEMM reads them
         from appliance.models.quant import Int4WeightOnlyLinear
 

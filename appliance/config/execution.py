@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from appliance.config.detect import CpuInfo, DeviceDescription, cpu_info
+from appliance.config.quantization import QUANTIZATION_METHODS
 from appliance.config.schema import ApplianceConfig
 from appliance.kernels import registry
 from appliance.kernels.registry import BACKENDS, Selection, select_backend
@@ -52,7 +53,7 @@ def cpu_dtype_preference(backend: str, cpu: CpuInfo, quantization: str = "none")
     SmolLM2's Q4_1 file. The Triton interpreter computes in fp32 whatever
     the dtype."""
     if backend == "cpu_native":
-        return ("float32", "bfloat16") if quantization in ("int8_wo", "w8a8_int8", "int4_wo") else ("bfloat16", "float32")
+        return ("float32", "bfloat16") if QUANTIZATION_METHODS[quantization].cpu_at_load else ("bfloat16", "float32")
     if backend == "triton" or not cpu.fast_bf16:
         return ("float32", "bfloat16", "float16")
     return ("bfloat16", "float32", "float16")

@@ -25,6 +25,7 @@ from appliance.config.architectures import describe
 from appliance.config.checkpoint import gguf_embedding_in_head, gguf_file, gguf_head_bits, gguf_header
 from appliance.config.execution import Execution, kv_dtype, resolve_execution
 from appliance.config.kv_connectors import describe_kv_transfer
+from appliance.config.quantization import fp8_gemm, method_of
 from appliance.config.schema import ApplianceConfig, ModelConfig
 from appliance.config.sizes import parameter_counts, pipeline_partition, sparse_layers
 from appliance.config.unbuilt import not_built
@@ -59,17 +60,15 @@ def draft_weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
 def _target_weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
     counts = parameter_counts(cfg.model)
     full = DTYPE_BYTES[dtype]
-    q = cfg.quantization
-    method = q.method
-    if method == "none":
+    q, row = cfg.quantization, method_of(cfg)
+    if row.scales == "none":
         return counts["total"] * full
     bits = q.weight_bits
-    if q.group_size > 0 and method != "gguf":
+    if q.group_size > 0 and row.scales != "blocks":  # a GGUF file's weight_bits count its blocks' parameters
         # fp8: an fp16 scale; int4_wo: an fp16 scale and min; AWQ/GPTQ: an fp32 scale and -scale x zero
-        per_group = {"fp8": 16, "awq": 64, "gptq": 64}.get(method, 32)
-        bits += per_group / q.group_size
+        bits += row.group_param_bits / q.group_size
     linear = int(counts["linear"] * bits / 8)
-    if method in ("fp8", "int8_wo", "w8a8_int8"):  # per-output-channel fp32 scales
+    if row.scales == "channel":  # per-output-channel fp32 scales
         linear += 4 * output_channels(cfg.model)
     head = lm_head_bytes(cfg)
     if head is not None and embedding_read_from_head(cfg):  # one table: the head's blocks, looked up too
@@ -86,7 +85,7 @@ def int8_gemm(cfg: ApplianceConfig, backend: Optional[str]) -> bool:
     method = cfg.quantization.method
     caps = BACKENDS.get(backend) if backend else None
     return cfg.hardware.peak_tflops.int8 > 0 and (
-        method == "w8a8_int8" or (caps is not None and method in caps.int8_gemm_quantizations))
+        method_of(cfg).activation_dtype == "int8" or (caps is not None and method in caps.int8_gemm_quantizations))
 
 
 def lm_head_bytes(cfg: ApplianceConfig) -> Optional[int]:
@@ -95,10 +94,10 @@ def lm_head_bytes(cfg: ApplianceConfig) -> Optional[int]:
     (int8_wo, w8a8_int8, int4_wo), or a GGUF file's head blocks at their
     width (gguf; ``checkpoint.gguf_head_bits``). None: the head is in the
     model dtype (also when a GGUF file is not here to read)."""
-    m, method = cfg.model, cfg.quantization.method
-    if method in ("int8_wo", "w8a8_int8", "int4_wo"):
+    m, row = cfg.model, method_of(cfg)
+    if row.cpu_at_load:
         return m.vocab_size * (m.hidden_size + 4)
-    if method != "gguf" or (path := gguf_file(m.path)) is None:
+    if row.scales != "blocks" or (path := gguf_file(m.path)) is None:
         return None
     try:
         bits = gguf_head_bits(gguf_header(path)[1])
@@ -111,7 +110,7 @@ def embedding_read_from_head(cfg: ApplianceConfig) -> bool:
     """A GGUF file's embedding tied to grouped-int8 head blocks, on one rank: held once, the head's blocks
     (``checkpoint.gguf_embedding_in_head``)."""
     par = cfg.parallel
-    if cfg.quantization.method != "gguf" or par.tensor_parallel_size * par.pipeline_parallel_size != 1 \
+    if method_of(cfg).scales != "blocks" or par.tensor_parallel_size * par.pipeline_parallel_size != 1 \
             or (path := gguf_file(cfg.model.path)) is None:
         return False
     try:
@@ -358,8 +357,7 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
     # a sequence at max_model_len: its decode step reads that much KV besides the weights
     roofline_at_max_len = bw / (read_dev + mml * per_tok) if w_dev else 0.0
     peak = cfg.hardware.peak_tflops
-    fp8_gemm = cfg.quantization.method == "fp8" and cfg.quantization.activations and cfg.hardware.fp8
-    compute_dtype = "fp8" if fp8_gemm else "int8" if int8_gemm(cfg, sel.chosen) else {
+    compute_dtype = "fp8" if fp8_gemm(cfg) else "int8" if int8_gemm(cfg, sel.chosen) else {
         "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
     tflops = getattr(peak, compute_dtype)
     counts = parameter_counts(cfg.model)
@@ -370,13 +368,7 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
     if offload:
         notes.append(f"{offload / GIB:.2f} GiB of weights per device offloaded to host memory (cache.cpu_offload_gib)")
     notes += [f"not built yet, serving refuses it: {u}" for u in not_built(cfg)]
-    if cfg.quantization.method == "fp8" and not fp8_gemm:
-        notes.append("fp8 weights without fp8 activations, or on hardware without fp8, run the reference path "
-                     "(dequantized per GEMM): correct, not fast; the decode roofline above assumes fp8 bytes")
-    if cfg.quantization.method == "w8a8_int8":
-        notes.append("w8a8_int8: each projection quantizes its rows to int8 per token (dynamic) and sums the "
-                     "products in int32, on AVX512-VNNI (vpdpbusd) where the CPU has it, else on AVX2 "
-                     "(vpmaddwd), with the same results; the LM head keeps fp32 activations")
+    notes += method_of(cfg).plan_notes(cfg)
     swap_blocks = int(cfg.cache.swap_space_gib * GIB) // (bs * per_tok) if per_tok else 0
     comm = communication(cfg, dtype, w_dev)
     if comm["collectives_per_step"] and comm["decode_comm_share"] is None:

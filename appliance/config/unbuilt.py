@@ -8,9 +8,9 @@ and every entry point that runs a model (``appliance run``, the offline
 
 from __future__ import annotations
 
+from appliance.config.quantization import method_of
 from appliance.config.schema import ApplianceConfig
 
-RUNNABLE_QUANTIZATION = ("none", "gguf", "int8_wo", "w8a8_int8", "int4_wo", "awq", "gptq", "fp8")  # methods whose weights run
 
 
 def not_built(cfg: ApplianceConfig) -> list[str]:
@@ -23,7 +23,7 @@ def not_built(cfg: ApplianceConfig) -> list[str]:
     if par.enable_expert_parallel and par.data_parallel_size > 1 and par.executor == "ray":
         out.append(f"parallel execution ({layout}): expert parallelism across data-parallel engine cores is built "
                    f"on the uni and mp executors (e.g. parallel=dp2_ep, dp8_ep); on Ray it is not built yet")
-    if q.method not in RUNNABLE_QUANTIZATION:
+    if not method_of(cfg).runnable:
         out.append(f"quantization={q.method} can be planned but its weight kernels are not built yet; serve with "
                    f"quantization=none (or int4_wo / int8_wo on a CPU)")
     for key, value, what in [("swap_space_gib", cache.swap_space_gib, "swapping preempted requests' KV to host memory"),

@@ -9,80 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import math
 from typing import Optional
 
 from appliance.config.architectures import ARCHITECTURES, support
 from appliance.config.execution import choose_dtype
 from appliance.config.kv_connectors import kv_transfer_problems
 from appliance.config.plan import GIB, device_memory, max_model_len
+from appliance.config.quantization import FP8_HARDWARE, quantization_problems
 from appliance.config.checkpoint import MOE_KEYS
 from appliance.config.schema import ApplianceConfig, EplbConfig, KVEventsConfig, ModelConfig, SchedulerConfig
 from appliance.kernels.registry import BACKENDS
 
-FP8_HARDWARE = "h100, h200, b200 or mi300x"
 DEFAULTS = ApplianceConfig()
-
-
-INT4_GROUP_SIZES = (32, 64, 128)  # the native int4 kernels' groups along k
-
-
-def _quantization_problems(cfg: ApplianceConfig) -> list[str]:
-    """int8_wo and w8a8_int8 are per output channel at 8 bits; int4_wo is 4 bits in groups
-    that tile every projection's input; gguf keeps a GGUF file's blocks
-    (weight_bits: their loaded bits per weight, read from the file); awq and
-    gptq checkpoints are 4-bit (gptq also 8-bit) in even groups that tile
-    the inputs (their quantization_config sets these keys)."""
-    q, m = cfg.quantization, cfg.model
-    out = []
-    bits = {"int8_wo": 8.0, "w8a8_int8": 8.0, "int4_wo": 4.0, "awq": 4.0, "fp8": 8.0}.get(q.method)
-    if q.method == "gptq":
-        bits = q.weight_bits if q.weight_bits in (4.0, 8.0) else 4.0
-    if q.method == "gguf":
-        if m.path != "smollm2_gguf" and not m.path.endswith(".gguf"):
-            out.append(f"quantization=gguf keeps the blocks of a GGUF file, and model.path={m.path} is not one; "
-                       f"point model.path at a .gguf file, or use quantization=int4_wo to quantize at load")
-        if q.group_size != 32:
-            out.append(f"quantization.group_size={q.group_size}: GGUF blocks hold 32 weights; set "
-                       f"quantization.group_size=32")
-        if not 0 < q.weight_bits <= 32:
-            out.append(f"quantization.weight_bits={q.weight_bits:g}: a GGUF file's loaded bits per weight are "
-                       f"between 0 and 32 (read from the file when model.path is one)")
-        return out
-    if bits is None:
-        return out
-    if q.method in ("awq", "gptq") and q.group_size != -1:
-        bad = [v for v in (m.hidden_size, m.num_heads * m.head_dim, m.intermediate_size) if v % q.group_size]
-        if q.group_size < 2 or q.group_size % 2 or bad:
-            common = math.gcd(m.hidden_size, m.num_heads * m.head_dim, m.intermediate_size)
-            even = [g for g in range(2, common + 1, 2) if common % g == 0]
-            out.append(f"quantization.group_size={q.group_size} must be even and divide the model's projection "
-                       f"inputs ({m.hidden_size}, {m.num_heads * m.head_dim}, {m.intermediate_size}), or -1 "
-                       f"(one group per output channel); supported for this model: {[-1, *even]}")
-        elif cfg.hardware.device_kind != "cpu" and q.group_size % 32:
-            out.append(f"quantization.group_size={q.group_size}: the GPU int4 GEMM steps k by 32, so groups must be "
-                       f"multiples of 32 there (CPU profiles take any even group)")
-    if q.weight_bits != bits:
-        out.append(f"quantization.weight_bits={q.weight_bits:g} does not match quantization.method={q.method}, which "
-                   f"stores {bits:g}-bit weights; set quantization.weight_bits={bits:g} (the option "
-                   f"quantization={q.method} sets both)")
-    if q.method in ("int8_wo", "w8a8_int8", "fp8") and q.group_size != -1:
-        out.append(f"quantization.group_size={q.group_size}: {q.method} has one scale per output channel; "
-                   f"set quantization.group_size=-1 (or use quantization=int4_wo for groups)")
-    if q.method == "int4_wo":
-        if q.group_size not in INT4_GROUP_SIZES:
-            out.append(f"quantization.group_size={q.group_size} is not built for int4_wo; supported: "
-                       f"{list(INT4_GROUP_SIZES)}")
-        else:
-            inputs = {"hidden_size": m.hidden_size, "num_heads x head_dim": m.num_heads * m.head_dim,
-                      "intermediate_size": m.intermediate_size}
-            if m.num_experts > 0:
-                inputs["moe_intermediate_size"] = m.moe_intermediate_size
-            bad = [f"{name}={v}" for name, v in inputs.items() if v % q.group_size]
-            if bad:
-                out.append(f"quantization.group_size={q.group_size} does not divide the model's projection inputs "
-                           f"({', '.join(bad)}); use a group size that does, or quantization=int8_wo")
-    return out
 
 
 def _architecture_problems(cfg: ApplianceConfig) -> list[str]:
@@ -309,7 +247,7 @@ def _router_problems(cfg: ApplianceConfig) -> list[str]:
 
 def _range_problems(cfg: ApplianceConfig) -> list[str]:
     """Numeric ranges, and the keys that need another to mean something."""
-    q, cache, s, par = cfg.quantization, cfg.cache, cfg.scheduler, cfg.parallel
+    cache, s, par = cfg.cache, cfg.scheduler, cfg.parallel
     problems: list[str] = []
     for key, value, low in [
         ("scheduler.max_num_batched_tokens", s.max_num_batched_tokens, 1),
@@ -360,12 +298,6 @@ def _range_problems(cfg: ApplianceConfig) -> list[str]:
         problems.append(f"scheduler.min_prefill_share={s.min_prefill_share} has an effect only with "
                         f"scheduler.target_itl_ms (without an objective every step may use "
                         f"scheduler.max_num_batched_tokens)")
-    if q.activations and q.method not in ("fp8", "w8a8_int8"):
-        problems.append(f"quantization.activations=true (W8A8) is built for quantization=fp8 and w8a8_int8; "
-                        f"quantization={q.method} quantizes weights only")
-    if q.method == "w8a8_int8" and not q.activations:
-        problems.append("quantization=w8a8_int8 quantizes the activations (quantization.activations=true); for "
-                        "int8 weights with unquantized activations use quantization=int8_wo")
     if not 0 < cfg.server.port < 65536:
         problems.append(f"server.port={cfg.server.port} must be in 1..65535")
     for key in ("request_timeout_s", "shutdown_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s",
@@ -382,23 +314,14 @@ def _range_problems(cfg: ApplianceConfig) -> list[str]:
 
 def _dtype_problems(cfg: ApplianceConfig, dtype: str) -> list[str]:
     """The compute and KV dtypes, and the quantization method, against the hardware."""
-    hw, q, cache = cfg.hardware, cfg.quantization, cfg.cache
+    hw, cache = cfg.hardware, cfg.cache
     problems: list[str] = []
     if dtype not in hw.supported_dtypes:
         problems.append(
             f"model.dtype={dtype} is not supported by hardware={hw.name} (supported: {list(hw.supported_dtypes)}); "
             f"set model.dtype to one of those"
         )
-    if q.method == "fp8" and not hw.fp8 and hw.device_kind != "cpu":  # CPUs run fp8 through the reference path
-        problems.append(
-            f"quantization=fp8 (W8A8) needs native fp8 and hardware={hw.name} has none; "
-            f"use quantization=none, or a profile on {FP8_HARDWARE}"
-        )
-    if q.method in ("int8_wo", "w8a8_int8", "int4_wo") and hw.device_kind != "cpu":
-        problems.append(
-            f"quantization={q.method} is a CPU path; on hardware={hw.name} use quantization=fp8, awq or gptq"
-        )
-    problems += _quantization_problems(cfg)
+    problems += quantization_problems(cfg)
     kv = cache.kv_cache_dtype
     if kv.startswith("fp8") and not hw.fp8 and hw.device_kind != "cpu":  # CPU kernels convert in software
         problems.append(
