@@ -548,7 +548,7 @@ def _model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
                                      eplb.num_redundant_experts if eplb.enabled else 0)
     if eplb.enabled:
         model.enable_eplb(eplb.window_size, eplb.step_interval)
-    from appliance.models.quant import quantize_at_load
+    from appliance.models.loader import quantize_at_load
 
     quantize_at_load(model, cfg.quantization)
     if device.type != "cpu":  # int4 weights travel packed (4 bits a weight), as the GPU GEMM reads them

@@ -3,7 +3,7 @@ per method with what it stores (bits per weight, where its scales go), what
 it may do to activations, where it runs, how the plan counts its bytes, the
 rules validation applies to its keys and the notes ``appliance plan`` adds.
 Validation, the plan, the dtype choice and the model loader
-(``models/quant.quantize_at_load``) read the rows; how a method is read
+(``models/loader.quantize_at_load``) read the rows; how a method is read
 from a checkpoint's ``quantization_config`` is ``config/checkpoint.py``'s
 (``CHECKPOINT_QUANT_METHODS``), how its weights load and shard the loader's.
 

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 from appliance.config.architectures import support
 from appliance.config.checkpoint import (MOE_KEYS, checkpoint_quant_method, hf_facts, quantization_facts, same, shown,
                                          wheel_gguf)
-from appliance.config.schema import ModelConfig
+from appliance.config.quantization import QUANTIZATION_METHODS
+from appliance.config.schema import ModelConfig, QuantizationConfig
 from appliance.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -467,3 +468,25 @@ def load_tokenizer(m: ModelConfig, quantization: str = "none"):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(resolve_model_folder(m, quantization)))
+
+
+def quantize_at_load(model: Any, q: QuantizationConfig) -> None:
+    """What ``q``'s method (its row in ``config/quantization.py``) does to a
+    model loaded with float weights: the CPU methods quantize every
+    projection and the LM head (int8 per output channel, with int8 rows
+    where the method quantizes activations; int4 in groups), fp8 quantizes
+    the projections unless the checkpoint already held fp8 weights; the
+    others keep what the loader installed (float, a GGUF file's blocks, an
+    AWQ/GPTQ checkpoint's int4 blocks)."""
+    from appliance.models.quant import quantize_int4_weight_only, quantize_int8_weight_only
+
+    row = QUANTIZATION_METHODS[str(q.method)]
+    if row.cpu_at_load and row.scales == "channel":
+        quantize_int8_weight_only(model, activations=row.activations_required)
+    elif row.cpu_at_load:
+        quantize_int4_weight_only(model, q.group_size)
+    elif row.fp8_weights:
+        from appliance.models.fp8 import Fp8Linear, quantize_fp8
+
+        if not isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear):  # an fp8 checkpoint loads as fp8
+            quantize_fp8(model, q.activations)

@@ -31,8 +31,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from appliance.config.quantization import INT4_GROUP_SIZES, QUANTIZATION_METHODS
-from appliance.config.schema import QuantizationConfig
+from appliance.config.quantization import INT4_GROUP_SIZES
 
 INT8_KERNEL_MAX_ROWS = 4
 
@@ -481,22 +480,3 @@ def quantize_int4_weight_only(model: nn.Module, group: int = 32) -> nn.Module:
     _int8_lm_head(model)
     return model
 
-
-def quantize_at_load(model: nn.Module, q: QuantizationConfig) -> None:
-    """What ``q``'s method (its row in ``config/quantization.py``) does to a
-    model loaded with float weights: the CPU methods quantize every
-    projection and the LM head (int8 per output channel, with int8 rows
-    where the method quantizes activations; int4 in groups), fp8 quantizes
-    the projections unless the checkpoint already held fp8 weights; the
-    others keep what the loader installed (float, a GGUF file's blocks, an
-    AWQ/GPTQ checkpoint's int4 blocks)."""
-    row = QUANTIZATION_METHODS[str(q.method)]
-    if row.cpu_at_load and row.scales == "channel":
-        quantize_int8_weight_only(model, activations=row.activations_required)
-    elif row.cpu_at_load:
-        quantize_int4_weight_only(model, q.group_size)
-    elif row.fp8_weights:
-        from appliance.models.fp8 import Fp8Linear, quantize_fp8
-
-        if not isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear):  # an fp8 checkpoint loads as fp8
-            quantize_fp8(model, q.activations)
