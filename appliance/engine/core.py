@@ -350,6 +350,21 @@ class EngineCore:
     def block_size(self) -> int:
         return self.scheduler.kv.block_size
 
+    def begin_budget_calibration(self) -> Optional[int]:
+        """Under a latency objective, before the first request: the steps the
+        token budget kept (a warm-up's, cold) are dropped, and the length of
+        the prompt to prefill alone so that its step times give the budget
+        its first fit is returned: the budget's first estimate, within what
+        one request may hold now (``max_model_len`` and the free KV, with room
+        for the decodes that follow). None without an objective."""
+        budget = self.token_budget
+        if budget is None:
+            return None
+        budget.forget()
+        s = self.scheduler
+        room = min(s.max_model_len, s.kv.num_free_blocks * self.block_size) - TokenBudget.MIN_SAMPLES - 1
+        return max(1, min(budget.calibration_prompt_len(), room))
+
     @property
     def step_token_budget(self) -> int:
         """The tokens a step may schedule: under a latency objective (``token_budget``)

@@ -112,12 +112,8 @@ def _warm_up(engine: EngineCore, tokenizer: PreTrainedTokenizerBase) -> None:
     cache and counters from zero."""
     ids = tokenizer.encode(WARMUP_PROMPT)
     _run_alone(engine, "__warmup__", ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-    budget = engine.token_budget
-    if budget is not None:
-        budget.forget()  # the first steps ran cold
-        sched = engine.scheduler
-        room = min(sched.max_model_len, sched.kv.num_free_blocks * engine.block_size) - TokenBudget.MIN_SAMPLES - 1
-        n = max(1, min(budget.calibration_prompt_len(), room))
+    n = engine.begin_budget_calibration()  # the first steps ran cold: the budget forgets them
+    if n is not None:
         prompt = (ids * (n // max(1, len(ids)) + 1))[:n]
         _run_alone(engine, "__calibrate__", prompt,
                    SamplingParams(max_tokens=TokenBudget.MIN_SAMPLES, temperature=0, ignore_eos=True))

@@ -254,3 +254,13 @@ def test_the_servers_warm_up_gives_the_budget_its_first_fit():
     assert first > engine.scheduler.max_model_len
     assert [t for t, _, _ in tb.samples][:2] == [engine.scheduler.max_model_len - tb.MIN_SAMPLES - 1, 1]
     assert not engine.has_unfinished_requests() and engine.scheduler.kv.num_free_blocks == free
+    # the core sizes the calibration prompt and drops the steps kept (here the model's length caps it)
+    assert engine.begin_budget_calibration() == engine.scheduler.max_model_len - tb.MIN_SAMPLES - 1
+    assert tb.samples == [] and tb.model is not None  # the fit stays until new steps give another
+
+
+def test_no_objective_no_budget_calibration():
+    from appliance import LLM
+
+    llm = LLM(overrides=BASE + ["model=tiny_random", "scheduler.target_itl_ms=null"])
+    assert llm.engine.token_budget is None and llm.engine.begin_budget_calibration() is None
