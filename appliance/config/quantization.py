@@ -77,7 +77,8 @@ def _gguf_blocks(cfg: ApplianceConfig) -> list[str]:
     return out
 
 
-def _no_problems(cfg: ApplianceConfig) -> list[str]:
+def _nothing(cfg: ApplianceConfig) -> list[str]:
+    """No rules of its own, no notes."""
     return []
 
 
@@ -112,8 +113,8 @@ class QuantizationMethod:
     # int8 with an fp32 scale per row: CPU profiles only
     cpu_at_load: bool = False
     fp8_weights: bool = False  # fp8 weights: native fp8 on GPU hardware, a reference path on CPUs
-    problems: Callable[[ApplianceConfig], list[str]] = _no_problems  # its own keys' rules
-    plan_notes: Callable[[ApplianceConfig], list[str]] = _no_problems  # what ``appliance plan`` says of it
+    problems: Callable[[ApplianceConfig], list[str]] = _nothing  # its own keys' rules
+    plan_notes: Callable[[ApplianceConfig], list[str]] = _nothing  # what ``appliance plan`` says of it
     runnable: bool = True  # its weight kernels are built (else it plans and serving refuses it)
 
 

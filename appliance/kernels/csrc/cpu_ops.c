@@ -2303,7 +2303,7 @@ static void dec_prefetch(const void *k_base, const void *v_base, int64_t elt, co
                 vrg[o] = vr[o] + (int64_t)g * d;                                                                      \
             }                                                                                                         \
             const int64_t h0 = (int64_t)g * grp;                                                                      \
-            CHUNK(QV + h0 * d, krg, vrg, cnt, grp, d, scale, acc + h0 * d, m + h0, l + h0, s, corr);                  \
+            CHUNK((QV) + h0 * d, krg, vrg, cnt, grp, d, scale, acc + h0 * d, m + h0, l + h0, s, corr);                  \
         }                                                                                                             \
     }
 
@@ -2442,13 +2442,13 @@ AVX512_TARGET static inline __attribute__((always_inline)) void dwiden_e5m2(cons
 
 /* The lanes of a bf16 slice's two vectors: even elements, then odd (permutex2var indices over q[0..16), q[16..32)),
  * and back. */
-AVX512_TARGET static inline void dec512_lay(const float *q, float *qp, int n, int evenodd) {
+AVX512_TARGET static inline void dec512_lay(const float *q, float *qp, int n) {
     const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     for (int i = 0; i < n; i += 32) {
         const __m512 lo = _mm512_loadu_ps(q + i), hi = _mm512_loadu_ps(q + i + 16);
-        _mm512_storeu_ps(qp + i, evenodd ? _mm512_permutex2var_ps(lo, ev, hi) : lo);
-        _mm512_storeu_ps(qp + i + 16, evenodd ? _mm512_permutex2var_ps(lo, od, hi) : hi);
+        _mm512_storeu_ps(qp + i, _mm512_permutex2var_ps(lo, ev, hi));
+        _mm512_storeu_ps(qp + i + 16, _mm512_permutex2var_ps(lo, od, hi));
     }
 }
 AVX512_TARGET static inline void dec512_unlay(float *acc, int n) {
@@ -2533,14 +2533,15 @@ AVX512_TARGET static void dec512_chunk_##SUFFIX(const float *qp, const KT *const
     }                                                                                                                 \
 }                                                                                                                     \
                                                                                                                       \
-/* decode_split_<type>'s item on AVX-512F; qp: n_heads * d floats of scratch. */                                     \
+/* decode_split_<type>'s item on AVX-512F; qp: n_heads * d floats of scratch (the query laid for a bf16 cache; other \
+ * caches read q as it is). */                                                                                        \
 AVX512_TARGET static void decode_split512_##SUFFIX(const float *q, const KT *k_base, const KT *v_base,                \
                                                    const int32_t *bt, int bs, int64_t kv_stride, int p0, int p1,      \
                                                    int nkv, int grp, int d, float scale, float *acc, float *m,        \
                                                    float *l, float *s, float *corr, float *qp) {                      \
     dec_start(acc, m, l, nkv * grp, d);                                                                               \
-    dec512_lay(q, qp, nkv * grp * d, EVENODD);                                                                        \
-    DEC_SPLIT_CHUNKS(KT, dec512_chunk_##SUFFIX, qp)                                                                   \
+    if (EVENODD) dec512_lay(q, qp, nkv * grp * d);                                                                    \
+    DEC_SPLIT_CHUNKS(KT, dec512_chunk_##SUFFIX, (EVENODD ? qp : q))                                                   \
     if (EVENODD) dec512_unlay(acc, nkv * grp * d);                                                                    \
 }
 
