@@ -15,19 +15,29 @@ supported dtype.
 ``probe=True`` asks this machine (serving, and plan/config/profiles for a
 profile of this machine's kind). The config hash stays the hash of the
 declarative config; ``Execution.fingerprint`` adds what was resolved here.
+
+``check_runnable`` is the serving gate: the execution this machine will
+run, or every reason it cannot (``device_problems``: the device kind,
+compute capability and device count; the executor's package; no attention
+backend). ``executor_kind`` says what runs an engine core's ranks.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from appliance.config.detect import CpuInfo, DeviceDescription, cpu_info
+from appliance.config.detect import CpuInfo, DeviceDescription, cpu_info, detect_device
 from appliance.config.quantization import QUANTIZATION_METHODS
 from appliance.config.schema import ApplianceConfig
 from appliance.kernels import registry
-from appliance.kernels.registry import BACKENDS, Selection, select_backend
+from appliance.errors import ConfigError
+from appliance.kernels.registry import BACKENDS, BackendSelectionError, Selection, select_backend
+
+if TYPE_CHECKING:
+    from appliance.config.compose import ResolvedConfig
 
 
 def kv_dtype(cfg: ApplianceConfig, dtype: str) -> str:
@@ -188,3 +198,72 @@ def _why(backend: str, cpu: CpuInfo) -> str:
     if backend == "torch_sdpa":
         return f"fastest on {backend} on a CPU {'with' if cpu.fast_bf16 else 'without'} native bf16"
     return f"fastest on {backend}"
+
+
+def device_problems(cfg: ApplianceConfig, device: DeviceDescription) -> list[str]:
+    """Why this machine cannot run ``cfg`` (empty when it can)."""
+    hw = cfg.hardware
+    want = hw.device_kind
+    if want == "cpu":
+        return []
+    if device.kind != want:
+        kind = {"cuda": "a CUDA", "rocm": "a ROCm"}[want]
+        return [
+            f"profile {cfg.profile} needs {kind} device (hardware={hw.name}"
+            + (f", compute capability {hw.compute_capability}" if want == "cuda" else "")
+            + f"); this machine has {'none' if device.kind == 'cpu' else device.kind}. "
+            "Use +profile=cpu, or +profile=auto to pick what this machine can run"
+        ]
+    problems = []
+    if want == "cuda" and hw.compute_capability and device.capability:
+        have = f"{device.capability[0]}.{device.capability[1]}"
+        if have != hw.compute_capability:
+            problems.append(
+                f"profile {cfg.profile} targets compute capability {hw.compute_capability} but "
+                f"{device.name} has {have}; use +profile=auto"
+            )
+    needed = cfg.parallel.tensor_parallel_size * cfg.parallel.pipeline_parallel_size * cfg.parallel.data_parallel_size
+    # Ray places the ranks on its cluster's nodes (and says when it cannot); otherwise they are this machine's
+    if device.count and needed > device.count and executor_kind(cfg) != "ray":
+        problems.append(f"the parallel layout needs {needed} devices; this machine has {device.count}")
+    return problems
+
+
+def execution_here(resolved: ResolvedConfig, device: DeviceDescription | None = None) -> Execution:
+    """What ``resolved`` runs as on this machine when the profile is of this
+    machine's kind (probed: importable backends only); the target hardware's
+    plan otherwise."""
+    device = device or detect_device()
+    if resolved.cfg.hardware.device_kind != device.kind:
+        return resolve_execution(resolved.cfg)
+    return resolve_execution(resolved.cfg, probe=True, device=device)
+
+
+def check_runnable(resolved: ResolvedConfig, device: DeviceDescription | None = None) -> Execution:
+    """The execution this machine will run, or ConfigError with every reason it cannot."""
+    device = device or detect_device()
+    problems = device_problems(resolved.cfg, device)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    ex = resolve_execution(resolved.cfg, probe=True, device=device)
+    if executor_kind(resolved.cfg) == "ray" and importlib.util.find_spec("ray") is None:
+        raise ConfigError("parallel.executor=ray needs the ray package, which is not installed here: "
+                          "pip install 'appliance[ray]' (or use parallel.executor=mp)")
+    sel = ex.selection
+    if sel.chosen is None:
+        raise BackendSelectionError(
+            "no attention backend can serve this deployment:\n" + "\n".join(f"  - {ln}" for ln in sel.explain())
+            + ("\n  (attention.fallback=allow lets the profile fall back to the next backend)"
+               if resolved.cfg.attention.fallback == "deny" else "")
+        )
+    return ex
+
+
+def executor_kind(cfg: ApplianceConfig) -> str:
+    """What runs an engine core's ranks (tensor x pipeline; each
+    data-parallel rank is a core of its own): ``parallel.executor``, where
+    ``auto`` is ``uni`` for one rank and ``mp`` for more."""
+    par = cfg.parallel
+    if par.executor != "auto":
+        return par.executor
+    return "uni" if par.tensor_parallel_size * par.pipeline_parallel_size == 1 else "mp"

@@ -3,7 +3,7 @@ connector, with the ``kv_transfer`` sections it reads, the roles it takes,
 its flow (an offload tier the engine saves to and loads from, or
 disaggregated prefill between a producer and a consumer engine), the rules
 validation applies to its keys and the line ``appliance plan`` prints. The
-runner builds each flow's scheduler and worker sides (``runner.py``,
+runner builds each flow's scheduler and worker sides (``runner/kv.py``,
 ``CONNECTOR_BUILDS``); the engine's side of disaggregated prefill names its
 connectors in ``engine/kv_p2p.DISAGGREGATED_PREFILL``, which a test holds
 equal to this registry's.

@@ -2,7 +2,7 @@
 
 ``parallel.data_parallel_size`` engine cores run behind one server, each
 with the whole model (over its own ``tp x pp`` ranks), its own KV cache
-and prefix cache, on its share of the host (``runner.place_data_parallel_rank``).
+and prefix cache, on its share of the host (``runner.ranks.place_data_parallel_rank``).
 Each core has its own ``EngineClient`` and supervisor: a core that dies is
 restarted while the others keep serving.
 

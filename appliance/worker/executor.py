@@ -5,7 +5,7 @@ split across tensor- and pipeline-parallel ranks: it starts one worker
 process per rank on this host (a fresh interpreter, ``python -m
 appliance.worker.executor``, talking over a socket pair, so nothing of the
 engine's process is inherited or re-imported), each of which joins the
-collectives (``init_rank``: shared-memory segments between a CPU host's
+collectives (``rank_group.init_rank``: shared-memory segments between a CPU host's
 ranks, else torch.distributed, gloo on CPUs and NCCL on CUDA) and builds
 its rank's model runner with the function the composition root hands down.
 Every step's ``SchedulerOutput`` goes to every rank; each runs the same
@@ -48,135 +48,16 @@ import sys
 import time
 import traceback
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional
 
 from appliance.engine.core import EngineDeadError
-from appliance.worker.placement import pin_cpu_rank
+from appliance.worker.rank_group import RankGroup, create_segments, free_port, init_rank, unlink_segments
 
 log = logging.getLogger("appliance.executor")
 
 LOAD_TIMEOUT_S = 600.0  # the longest the ranks may take to start and load, unless the step timeout is longer
-# builds rank r's model runner: (deployment, rank, RankCollectives) -> ModelRunner (module level: it is pickled)
-BuildRank = Callable[[Any, int, Any], Any]
-
-
-class TorchDistributedComm:
-    """The collectives a model runs, over a ``torch.distributed`` process
-    group (``group``; None: every rank) whose backend moves tensors on
-    ``device`` (``cuda`` for NCCL, ``cpu`` for gloo). ``broadcast`` names its
-    source by its rank in the whole world."""
-
-    def __init__(self, world_size: int, group: Any = None, device: str = "cpu"):
-        self.world_size, self.group, self.device = world_size, group, device
-
-    def _here(self, t: Any) -> Any:
-        """``t`` on the group's device (NCCL moves only GPU tensors: a host flag, counter or count list
-        goes there and its result comes back)."""
-        return t if t.device.type == self.device else t.to(self.device)
-
-    def all_reduce(self, t: Any) -> None:
-        """In place, wherever ``t`` is."""
-        import torch.distributed as dist
-
-        staged = self._here(t)
-        dist.all_reduce(staged, group=self.group)
-        if staged is not t:
-            t.copy_(staged)
-
-    def all_gather(self, t: Any) -> list:
-        """Every rank's ``t``, in rank order, where ``t`` is."""
-        import torch
-        import torch.distributed as dist
-
-        staged = self._here(t.contiguous())
-        out = [torch.empty_like(staged) for _ in range(self.world_size)]
-        dist.all_gather(out, staged, group=self.group)
-        return out if staged.device == t.device else [o.to(t.device) for o in out]
-
-    def broadcast(self, t: Any, src: int) -> None:
-        """In place, wherever ``t`` is."""
-        import torch.distributed as dist
-
-        staged = self._here(t)
-        dist.broadcast(staged, src, group=self.group)
-        if staged is not t:
-            t.copy_(staged)
-
-    has_all_to_all = True
-
-    def all_to_all(self, t: Any, send_counts: list[int], recv_counts: Optional[list[int]] = None) -> tuple:
-        """Rows ``t`` (in rank order, ``send_counts[r]`` of them to rank r) to
-        their ranks: (the rows this rank received, in rank order, and how
-        many from each; ``recv_counts`` when already known), where ``t`` is."""
-        import torch
-        import torch.distributed as dist
-
-        rows = self._here(t.contiguous())
-        if recv_counts is None:
-            sent = torch.tensor(send_counts, dtype=torch.int64, device=rows.device)
-            got = torch.empty_like(sent)
-            dist.all_to_all_single(got, sent, group=self.group)
-            recv_counts = got.tolist()
-        out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows, recv_counts, send_counts, group=self.group)
-        return out.to(t.device), recv_counts
-
-
-@dataclass(frozen=True)
-class RankCollectives:
-    """What a rank's model exchanges over: ``tp`` among its pipeline stage's
-    tensor-parallel ranks (None: one); ``receive`` (the stage before's rows)
-    and ``send`` (its rows to the next stage, its first rank only), each a
-    (comm, source rank as the comm numbers it) pair whose broadcast spans
-    the sending stage's first rank and the receiving stage's ranks (None:
-    no such hand-off); ``experts``, with expert parallelism across
-    data-parallel engine cores, this rank's peers of its tensor-parallel
-    index in every core (rank = core)."""
-
-    tp: Any = None
-    receive: Optional[tuple[Any, int]] = None
-    send: Optional[tuple[Any, int]] = None
-    experts: Any = None
-
-
-def rank_position(rank: int, tp_size: int) -> tuple[int, int]:
-    """(pipeline stage, tensor-parallel rank) of world rank ``rank``: a stage's
-    tensor-parallel ranks are consecutive, as vLLM numbers them."""
-    return divmod(rank, tp_size)
-
-
-def link_ranks(stage: int, tp_size: int) -> list[int]:
-    """The world ranks of the hand-off from ``stage`` to the next: the
-    stage's first rank, then the next stage's ranks."""
-    return [stage * tp_size, *range((stage + 1) * tp_size, (stage + 2) * tp_size)]
-
-
-def create_segments(tp_size: int, pp_size: int) -> dict[str, str]:
-    """The shared-memory segments a layout's collectives need: one per stage
-    for its tensor-parallel ranks (``tp<stage>``), one per hand-off between
-    stages (``link<stage>``: that stage's first rank and the next stage's
-    ranks)."""
-    from appliance.kernels.shm_comm import create_segment
-
-    out = {f"tp{stage}": create_segment(tp_size) for stage in range(pp_size)} if tp_size > 1 else {}
-    out.update({f"link{stage}": create_segment(tp_size + 1) for stage in range(pp_size - 1)})
-    return out
-
-
-def unlink_segments(segments: Optional[dict[str, str]]) -> None:
-    for path in (segments or {}).values():
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -185,92 +66,6 @@ def _die_with_parent() -> None:
 
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def init_rank(deployment: Any, build_rank: BuildRank, rank: int, world_size: int, init_method: str,
-              segments: Optional[dict[str, str]], timeout_s: float, local_rank: Optional[int] = None,
-              local_world_size: Optional[int] = None) -> Any:
-    """Make this process rank ``rank``: take its cores (CPUs: its share of this
-    host's, by ``local_rank`` of ``local_world_size`` ranks here) or its GPU,
-    join the collectives (the shared-memory ``segments`` of
-    ``create_segments``, else torch.distributed at ``init_method``: gloo on
-    CPUs, NCCL on CUDA, a group per pipeline stage and per hand-off between
-    stages), then build its model
-    runner with its ``RankCollectives``."""
-    import torch
-
-    local_rank = rank if local_rank is None else local_rank
-    local_world_size = world_size if local_world_size is None else local_world_size
-    if deployment.device == "cpu":
-        pin_cpu_rank(local_rank, local_world_size)
-        backend = "gloo"
-    else:
-        torch.cuda.set_device(local_rank if torch.cuda.device_count() > 1 else 0)
-        backend = "nccl"
-    tp, pp = deployment.layout.tensor_parallel_size, deployment.layout.pipeline_parallel_size
-    stage, tp_rank = rank_position(rank, tp)
-    sends = stage < pp - 1 and tp_rank == 0
-    cores = None  # expert parallelism across data-parallel cores: (how many, which, where their ranks meet)
-    if deployment.layout.experts_across_cores:
-        if deployment.expert_group is None or not deployment.expert_group.ranks:
-            raise RuntimeError("expert parallelism across engine cores with their ranks in worker processes needs "
-                               "the ranks' addresses the front end makes (Deployment.expert_group.ranks)")
-        cores = (deployment.layout.data_parallel_size, deployment.data_parallel_rank, deployment.expert_group.ranks)
-    if cores is not None and cores[2][0].startswith("tcp://"):  # one world of every core's ranks
-        comms = _torch_comms(backend, cores[2][0], tp, pp, stage, tp_rank, timeout_s, cores[:2])
-    elif segments is not None or (cores is not None and tp * pp == 1):  # one rank: no segments of its core
-        from appliance.kernels.shm_comm import ShmComm
-
-        def link(s: int, member: int) -> tuple[Any, int]:
-            return ShmComm(segments[f"link{s}"], member, tp + 1, timeout_s), 0
-
-        comms = RankCollectives(tp=ShmComm(segments[f"tp{stage}"], tp_rank, tp, timeout_s) if tp > 1 else None,
-                                receive=link(stage - 1, 1 + tp_rank) if stage > 0 else None,
-                                send=link(stage, 0) if sends else None)
-        if cores is not None:  # this rank's peers in the other cores: a segment per stage and tensor-parallel index
-            comms = replace(comms, experts=ShmComm(cores[2][stage * tp + tp_rank], cores[1], cores[0],
-                                                               timeout_s))
-    elif cores is not None:
-        raise RuntimeError("the cores' ranks meet over shared memory but this core's ranks do not")
-    else:
-        comms = _torch_comms(backend, init_method, tp, pp, stage, tp_rank, timeout_s)
-    return build_rank(deployment, rank, comms)
-
-
-def _torch_comms(backend: str, init_method: str, tp: int, pp: int, stage: int, tp_rank: int, timeout_s: float,
-                 cores: tuple[int, int] = (1, 0)) -> RankCollectives:
-    """A rank's collectives over torch.distributed at ``init_method``: a
-    group per pipeline stage's tensor-parallel ranks and per hand-off
-    between stages. With ``cores`` (how many data-parallel engine cores,
-    which is this rank's) that split the experts, one world of every core's
-    ranks (world rank = core x tp x pp + rank in the core), every core's
-    groups, and a group per stage and tensor-parallel index across the
-    cores (``RankCollectives.experts``)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    n, (num_cores, core) = tp * pp, cores
-    base = core * n
-    dist.init_process_group(backend, init_method=init_method, rank=base + stage * tp + tp_rank,
-                            world_size=num_cores * n, timeout=datetime.timedelta(seconds=timeout_s))
-    # every rank makes every group, in one order
-    if num_cores == 1 and pp == 1:
-        stages = [[None]]  # the whole world
-    else:
-        stages = [[dist.new_group([c * n + s * tp + t for t in range(tp)]) if tp > 1 else None for s in range(pp)]
-                  for c in range(num_cores)]
-    links = [[dist.new_group([c * n + r for r in link_ranks(s, tp)]) for s in range(pp - 1)] for c in range(num_cores)]
-    across = ([[dist.new_group([c * n + s * tp + t for c in range(num_cores)]) for t in range(tp)] for s in range(pp)]
-              if num_cores > 1 else None)
-    device = "cuda" if backend == "nccl" else "cpu"
-    return RankCollectives(
-        tp=TorchDistributedComm(tp, stages[core][stage], device) if tp > 1 else None,
-        receive=(TorchDistributedComm(tp + 1, links[core][stage - 1], device), base + (stage - 1) * tp)
-        if stage > 0 else None,
-        send=(TorchDistributedComm(tp + 1, links[core][stage], device), base + stage * tp)
-        if stage < pp - 1 and tp_rank == 0 else None,
-        experts=TorchDistributedComm(num_cores, across[stage][tp_rank], device) if across is not None else None)
 
 
 @dataclass(frozen=True)
@@ -355,11 +150,11 @@ def combine_replies(replies: list[tuple], dead: Callable[[str], Any], tp_size: i
 def _worker(conn: Connection) -> None:
     """A rank's process: join the group, build the runner, then run every step it is sent."""
     _die_with_parent()
-    deployment, build_rank, rank, world_size, port, segments, timeout_s = pickle.loads(conn.recv_bytes())
+    group, rank, port, segments = pickle.loads(conn.recv_bytes())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's process owns shutdown
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the core ignores it, and an ignored signal survives exec
     try:
-        runner = init_rank(deployment, build_rank, rank, world_size, f"tcp://127.0.0.1:{port}", segments, timeout_s)
+        runner = init_rank(group, rank, f"tcp://127.0.0.1:{port}", segments)
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
         return
@@ -376,17 +171,16 @@ def _worker(conn: Connection) -> None:
 
 
 class MultiprocExecutor:
-    """A step runner over ``world_size`` worker processes; see the module docstring."""
+    """A step runner over ``group``'s ranks, a worker process each; see the module docstring."""
 
-    def __init__(self, deployment: Any, build_rank: BuildRank, world_size: int, timeout_s: float):
+    def __init__(self, group: RankGroup):
         port = free_port()
-        self.collectives = collectives(deployment, world_size)
-        layout = deployment.layout
-        segments = (create_segments(layout.tensor_parallel_size, layout.pipeline_parallel_size)
+        self.collectives = group.collectives
+        segments = (create_segments(group.tensor_parallel_size, group.pipeline_parallel_size)
                     if self.collectives == "shm" else None)
-        self.world_size = world_size
-        self.timeout_s = timeout_s
-        self._tp_size, self._pp_size = layout.tensor_parallel_size, layout.pipeline_parallel_size
+        self.world_size = world_size = group.world_size
+        self.timeout_s = timeout_s = group.step_timeout_s
+        self._tp_size, self._pp_size = group.tensor_parallel_size, group.pipeline_parallel_size
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
         self._sentinels: list[int] = []  # pidfds: readable once the process exits
@@ -396,7 +190,7 @@ class MultiprocExecutor:
                                     pass_fds=(theirs.fileno(),))
             theirs.close()
             conn = Connection(ours.detach())
-            conn.send_bytes(pickle.dumps((deployment, build_rank, rank, world_size, port, segments, timeout_s)))
+            conn.send_bytes(pickle.dumps((group, rank, port, segments)))
             self._procs.append(proc)
             self._conns.append(conn)
             self._sentinels.append(os.pidfd_open(proc.pid))
@@ -476,23 +270,6 @@ class MultiprocExecutor:
 
     def close(self) -> None:
         self._finalizer()
-
-
-def collectives(deployment: Any, world_size: int) -> str:
-    """How the ranks exchange: ``shm`` (one host's CPU ranks, where the
-    shared-memory collectives build; else gloo with a warning), ``gloo``
-    or ``nccl``."""
-    if deployment.device != "cpu":
-        return "nccl"
-    if deployment.cfg.parallel.cpu_collectives != "shm" or world_size == 1:
-        return "gloo"
-    try:
-        import appliance.kernels.shm_comm  # noqa: F401  (builds the library once, here)
-    except ImportError as e:
-        log.warning("parallel.cpu_collectives=shm: the shared-memory collectives cannot load (%s); the ranks use "
-                    "gloo", e)
-        return "gloo"
-    return "shm"
 
 
 def _stop(procs: list, conns: list, sentinels: list, segments: Optional[dict[str, str]] = None) -> None:

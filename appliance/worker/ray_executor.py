@@ -7,7 +7,7 @@ executor; ``auto``: the cluster ``ray start`` or ``RAY_ADDRESS`` names; or
 an address), reserves a placement group of one bundle per rank (a CPU, and
 a GPU on GPU profiles; ``PACK``: a node's ranks together), and starts an
 actor per bundle. Each actor becomes its rank as a worker process of the
-``mp`` executor does (``executor.init_rank``): CPU ranks take their share
+``mp`` executor does (``rank_group.init_rank``): CPU ranks take their share
 of their node's cores, the ranks of one CPU node share a memory segment for
 their collectives (``parallel.cpu_collectives=shm``), others join
 torch.distributed at rank 0's node (gloo, or NCCL on CUDA).
@@ -32,17 +32,8 @@ import time
 from typing import Any, Optional
 
 from appliance.engine.core import EngineDeadError
-from appliance.worker.executor import (
-    LOAD_TIMEOUT_S,
-    BuildRank,
-    collectives,
-    combine_replies,
-    create_segments,
-    init_rank,
-    leave_group,
-    run_step,
-    unlink_segments,
-)
+from appliance.worker.executor import LOAD_TIMEOUT_S, combine_replies, leave_group, run_step
+from appliance.worker.rank_group import RankGroup, create_segments, init_rank, unlink_segments
 
 log = logging.getLogger("appliance.executor")
 
@@ -70,11 +61,10 @@ class RankActor:
     def unlink_segments(self, segments: dict[str, str]) -> None:
         unlink_segments(segments)
 
-    def init(self, deployment: Any, build_rank: BuildRank, rank: int, world_size: int, init_method: str,
-             segments: Optional[dict[str, str]], timeout_s: float, local_rank: int, local_world_size: int) -> tuple:
+    def init(self, group: RankGroup, rank: int, init_method: str, segments: Optional[dict[str, str]],
+             local_rank: int, local_world_size: int) -> tuple:
         try:
-            self.runner = init_rank(deployment, build_rank, rank, world_size, init_method, segments, timeout_s,
-                                    local_rank, local_world_size)
+            self.runner = init_rank(group, rank, init_method, segments, local_rank, local_world_size)
         except Exception as e:
             import traceback
 
@@ -89,19 +79,19 @@ class RankActor:
 
 
 class RayExecutor:
-    """A step runner over ``world_size`` Ray actors; see the module docstring."""
+    """A step runner over ``group``'s ranks, a Ray actor each; see the module docstring."""
 
-    def __init__(self, deployment: Any, build_rank: BuildRank, world_size: int, timeout_s: float):
+    def __init__(self, group: RankGroup):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._ray, self._remove_pg = ray, remove_placement_group
-        self.world_size, self.timeout_s = world_size, timeout_s
-        layout = deployment.layout
-        self._tp_size, self._pp_size = layout.tensor_parallel_size, layout.pipeline_parallel_size
+        self.world_size = world_size = group.world_size
+        self.timeout_s = timeout_s = group.step_timeout_s
+        self._tp_size, self._pp_size = group.tensor_parallel_size, group.pipeline_parallel_size
         self._in_flight: collections.deque[list] = collections.deque()  # each step's replies, oldest first
-        address = deployment.cfg.parallel.ray_address
+        address = group.ray_address
         self._started = False  # a local instance this executor started (and stops)
         if not ray.is_initialized():
             ignored = signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
@@ -113,7 +103,7 @@ class RayExecutor:
                 ray.init(address=address, log_to_driver=False)
             if ignored:  # ray.init installs its own handler; the engine core leaves shutdown to its front end
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        gpu = deployment.device != "cpu"
+        gpu = group.device != "cpu"
         bundle = {"CPU": 1.0, **({"GPU": 1.0} if gpu else {})}
         self._pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
         self._actors: list[Any] = []
@@ -136,15 +126,13 @@ class RayExecutor:
             local_rank = [nodes[:r].count(nodes[r]) for r in range(world_size)]
             local_size = [nodes.count(nodes[r]) for r in range(world_size)]
             segments = None
-            if len(set(nodes)) == 1 and collectives(deployment, world_size) == "shm":
-                layout = deployment.layout
+            if len(set(nodes)) == 1 and group.collectives == "shm":
                 segments = self._get([self._actors[0].create_segments.remote(
-                    layout.tensor_parallel_size, layout.pipeline_parallel_size)], "memory segments")[0]
+                    group.tensor_parallel_size, group.pipeline_parallel_size)], "memory segments")[0]
             port = self._get([self._actors[0].free_port.remote()], "a port")[0]
             init_method = f"tcp://{where[0][1]}:{port}"
             try:
-                replies = self._get([a.init.remote(deployment, build_rank, r, world_size, init_method, segments,
-                                                   timeout_s, local_rank[r], local_size[r])
+                replies = self._get([a.init.remote(group, r, init_method, segments, local_rank[r], local_size[r])
                                      for r, a in enumerate(self._actors)],
                                     "loading the model", max(timeout_s, LOAD_TIMEOUT_S))
             finally:

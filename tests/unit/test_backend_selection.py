@@ -6,7 +6,7 @@ import appliance.kernels.registry as reg
 from appliance.config.compose import ConfigError, resolve
 from appliance.config.detect import DeviceDescription
 from appliance.config.plan import make_plan
-from appliance.runner import check_runnable
+from appliance.config.execution import check_runnable
 from tests.kernel_helpers import fake_packages
 
 EXPECTED = {

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from appliance.server.local import free_port
-from appliance.worker.executor import TorchDistributedComm
+from appliance.worker.rank_group import TorchDistributedComm
 
 
 @pytest.fixture

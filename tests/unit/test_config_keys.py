@@ -2,8 +2,9 @@
 from a runnable deployment, either changes what is composed (plan,
 execution, KV blocks, limits, layout), or is refused (by validation, or by
 the composition root as not built yet), or is read where the engine is
-built or served (``runner.py``, ``engine/``, ``worker/``, ``models/``,
-``server/``; config code that only validates or plans does not count).
+built or served (``runner/`` and its gate ``config/execution.py``,
+``engine/``, ``worker/``, ``models/``, ``server/``; config code that only
+validates or plans does not count).
 
 A key added to the schema is covered the moment it exists: give it a
 valid alternative value in ``ALTERNATIVES`` when the generic one is out of
@@ -24,8 +25,9 @@ from appliance.errors import ConfigError
 from appliance.runner import compose
 
 ROOT = Path(__file__).resolve().parents[2] / "appliance"
-CONSUMERS = [ROOT / "runner.py", *(ROOT / "engine").rglob("*.py"), *(ROOT / "worker").rglob("*.py"),
-             *(ROOT / "models").rglob("*.py"), *(ROOT / "server").rglob("*.py")]
+CONSUMERS = [*(ROOT / "runner").rglob("*.py"), *(ROOT / "engine").rglob("*.py"), *(ROOT / "worker").rglob("*.py"),
+             *(ROOT / "models").rglob("*.py"), *(ROOT / "server").rglob("*.py"),
+             ROOT / "config" / "execution.py"]  # check_runnable: the composition root's gate before it serves
 BASE = ["+profile=cpu"]
 # Keys that matter only beside other values (another profile, a pool sized
 # from memory): compared from there.

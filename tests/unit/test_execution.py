@@ -12,7 +12,7 @@ from appliance.config.compose import resolve
 from appliance.config.detect import DeviceDescription, parse_cpuinfo
 from appliance.config.execution import resolve_execution
 from appliance.config.plan import make_plan
-from appliance.runner import check_runnable
+from appliance.config.execution import check_runnable
 from tests.kernel_helpers import fake_packages
 
 BASE_FLAGS = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c"

@@ -26,7 +26,7 @@ from appliance.engine.kv_p2p import kv_transfer_problem, kv_transfer_trust_probl
 from appliance.engine.request import RequestStatus
 from appliance.errors import ConfigError
 from appliance.server.local import free_port_run
-from appliance.worker.executor import free_port
+from appliance.worker.rank_group import free_port
 
 PROMPT = " ".join(str(i) for i in range(200))
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)

@@ -255,7 +255,7 @@ def _dispatching_rank(rank, port, q):
     import torch.distributed as dist
 
     from appliance.models.layers.moe import ExpertParallel, SparseMoe
-    from appliance.worker.executor import TorchDistributedComm
+    from appliance.worker.rank_group import TorchDistributedComm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -287,7 +287,7 @@ def test_all_to_all_dispatch_gives_each_core_its_rows_experts():
     import multiprocessing as mp
     import pickle
 
-    from appliance.worker.executor import free_port
+    from appliance.worker.rank_group import free_port
 
     ctx, port = mp.get_context("spawn"), free_port()
     q = ctx.Queue()
