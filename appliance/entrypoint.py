@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from appliance.config.compose import ResolvedConfig, resolve
 from appliance.config.execution import Execution
-from appliance.engine.core import TokenLogprob
+from appliance.engine.outputs import TokenLogprob
 from appliance.engine.parallel_sampling import ParentRequest
 from appliance.errors import ConfigError
 from appliance.sampling_params import SamplingParams, StructuredOutputsParams

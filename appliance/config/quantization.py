@@ -2,20 +2,26 @@
 per method with what it stores (bits per weight, where its scales go), what
 it may do to activations, where it runs, how the plan counts its bytes, the
 rules validation applies to its keys and the notes ``appliance plan`` adds.
+A row also says how the method is read from a checkpoint's
+``quantization_config`` (``checkpoint_readers``: per ``quant_method`` value
+it reads, the ``quantization`` keys that config states and what of it
+cannot run; ``checkpoint_method`` finds the row), which
+``config/checkpoint.py`` applies.
 Validation, the plan, the dtype choice and the model loader
-(``models/loader.quantize_at_load``) read the rows; how a method is read
-from a checkpoint's ``quantization_config`` is ``config/checkpoint.py``'s
-(``CHECKPOINT_QUANT_METHODS``), how its weights load and shard the loader's.
+(``models/loader.quantize_at_load``) read the rows; how its weights load
+and shard is the loader's.
 
 Torch-free, like the rest of ``config/``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
+from appliance.config.facts import Fact
 from appliance.config.schema import ApplianceConfig
 
 INT4_GROUP_SIZES = (32, 64, 128)  # the native int4 kernels' groups along k
@@ -95,6 +101,95 @@ def _w8a8_notes(cfg: ApplianceConfig) -> list[str]:
             "(vpmaddwd), with the same results; the LM head keeps fp32 activations"]
 
 
+# -- reading a checkpoint's quantization_config: (facts, problems) ---------------------------------------------------
+CheckpointFacts = tuple[list[Fact], list[str]]
+
+
+def _fp8_checkpoint(qc: dict) -> CheckpointFacts:
+    """``quant_method: fp8`` (per-tensor or per-channel scales, or blocks with dynamic activations)."""
+    scheme = qc.get("activation_scheme")
+    facts = [Fact("weight_bits", 8.0, "quantization_config.quant_method=fp8"),
+             Fact("group_size", -1, "quantization_config.quant_method=fp8 (per-tensor or per-channel scales)"),
+             Fact("activations", scheme is not None, f"quantization_config.activation_scheme={scheme}")]
+    problems = []
+    if scheme not in (None, "dynamic", "static"):
+        problems.append(f"fp8 activation_scheme={scheme} is not supported (dynamic or static)")
+    block = qc.get("weight_block_size")
+    if block is not None:
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            problems.append(f"fp8 weight_block_size={block} must be two positive integers [rows, inputs]")
+        elif scheme == "static":
+            problems.append("fp8 weight_block_size with activation_scheme=static is not supported (block-wise "
+                            "fp8 checkpoints quantize activations per token group, dynamic)")
+    return facts, problems
+
+
+def _compressed_tensors_schemes(qc: dict) -> tuple[bool, list[str]]:
+    """A compressed-tensors quantization_config (llm-compressor) whose every
+    scheme is 8-bit float weights: (whether activations are quantized too,
+    problems). Other schemes (int4 pack-quantized, 2:4 sparse, ...) are
+    problems."""
+    groups = list((qc.get("config_groups") or {}).values())
+    if not groups:
+        return False, ["compressed-tensors quantization_config has no config_groups"]
+    activations, problems = False, []
+    for g in groups:
+        w, a = g.get("weights") or {}, g.get("input_activations")
+        if (w.get("type"), w.get("num_bits")) != ("float", 8) or w.get("strategy") not in ("tensor", "channel"):
+            problems.append(f"compressed-tensors weights {json.dumps(w, sort_keys=True)} are not built "
+                            f"(fp8 weights with a per-tensor or per-channel scale only)")
+        if a:
+            if (a.get("type"), a.get("num_bits")) != ("float", 8) or a.get("strategy") not in ("tensor", "token"):
+                problems.append(f"compressed-tensors input activations {json.dumps(a, sort_keys=True)} are not "
+                                f"built (fp8, per tensor or per token)")
+            activations = True
+    if qc.get("format") not in (None, "float-quantized", "naive-quantized"):
+        problems.append(f"compressed-tensors format {qc.get('format')} is not supported (float-quantized)")
+    return activations, problems
+
+
+def _compressed_tensors_checkpoint(qc: dict) -> CheckpointFacts:
+    """llm-compressor's fp8 checkpoints: fp8 weights per tensor or channel,
+    fp8 or no input activations, at most one fp8 KV scale per layer."""
+    activations, problems = _compressed_tensors_schemes(qc)
+    kv = qc.get("kv_cache_scheme")
+    if kv and (kv.get("type", "float"), kv.get("num_bits", 8), kv.get("strategy", "tensor")) != ("float", 8, "tensor"):
+        problems.append(f"compressed-tensors kv_cache_scheme type={kv.get('type')} num_bits={kv.get('num_bits')} "
+                        f"strategy={kv.get('strategy')} is not supported (fp8 with one k_scale and v_scale per "
+                        f"layer: type=float, num_bits=8, strategy=tensor)")
+    return [Fact("weight_bits", 8.0, "compressed-tensors fp8 weights"),
+            Fact("group_size", -1, "compressed-tensors fp8 (per-tensor or per-channel scales)"),
+            Fact("activations", activations, f"compressed-tensors input activations "
+                                             f"{'quantized' if activations else 'unquantized'}")], problems
+
+
+def _int_groups_checkpoint(method: str, bits_built: tuple[int, ...]) -> Callable[[dict], CheckpointFacts]:
+    """AWQ's and GPTQ's integer weights: bits and group size (AutoAWQ's
+    w_bit and q_group_size too), each method's own layout rules."""
+
+    def read(qc: dict) -> CheckpointFacts:
+        bits = qc.get("bits", qc.get("w_bit"))
+        group = qc.get("group_size", qc.get("q_group_size", -1))
+        if not isinstance(bits, int) or not isinstance(group, int):  # the method stands; its width cannot be read
+            return [], [f"quantization_config of {method} needs integer bits and group_size; it has "
+                        f"bits={bits}, group_size={group}"]
+        facts = [Fact("weight_bits", float(bits), f"quantization_config bits={bits}"),
+                 Fact("group_size", group, f"quantization_config group_size={group}")]
+        problems = []
+        if bits not in bits_built:
+            problems.append(f"{method} with {bits}-bit weights is not supported; supported: "
+                            f"{', '.join(map(str, bits_built))}-bit")
+        if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
+            problems.append(f"AWQ version {qc.get('version')} is not supported (the GEMM layout only)")
+        if method == "awq" and not qc.get("zero_point", True):
+            problems.append("AWQ without zero points is not supported")
+        if method == "gptq" and qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v1"):
+            problems.append(f"GPTQ checkpoint_format={qc.get('checkpoint_format')} is not supported (gptq only)")
+        return facts, problems
+
+    return read
+
+
 @dataclass(frozen=True)
 class QuantizationMethod:
     name: str  # quantization.method
@@ -116,15 +211,24 @@ class QuantizationMethod:
     problems: Callable[[ApplianceConfig], list[str]] = _nothing  # its own keys' rules
     plan_notes: Callable[[ApplianceConfig], list[str]] = _nothing  # what ``appliance plan`` says of it
     runnable: bool = True  # its weight kernels are built (else it plans and serving refuses it)
+    # the quantization_config.quant_method values it reads from a checkpoint, each with its reader: the
+    # quantization keys the config states besides the method (dotted below ``quantization``), and what of the
+    # config cannot run
+    checkpoint_readers: tuple[tuple[str, Callable[[dict], CheckpointFacts]], ...] = ()
 
 
 QUANTIZATION_METHODS: dict[str, QuantizationMethod] = {q.name: q for q in (
     QuantizationMethod("none", (), "none"),
     QuantizationMethod("fp8", (8.0,), "channel", group_param_bits=16, activation_dtype="fp8", fp8_weights=True,
-                       plan_notes=_fp8_notes),
+                       plan_notes=_fp8_notes,
+                       # llm-compressor's fp8 checkpoints too: the same weights, their own quantization_config
+                       checkpoint_readers=(("fp8", _fp8_checkpoint),
+                                           ("compressed-tensors", _compressed_tensors_checkpoint))),
     QuantizationMethod("gguf", (), "blocks", problems=_gguf_blocks),
-    QuantizationMethod("awq", (4.0,), "channel or group", group_param_bits=64, problems=_checkpoint_groups),
-    QuantizationMethod("gptq", (4.0, 8.0), "channel or group", group_param_bits=64, problems=_checkpoint_groups),
+    QuantizationMethod("awq", (4.0,), "channel or group", group_param_bits=64, problems=_checkpoint_groups,
+                       checkpoint_readers=(("awq", _int_groups_checkpoint("awq", (4,))),)),
+    QuantizationMethod("gptq", (4.0, 8.0), "channel or group", group_param_bits=64, problems=_checkpoint_groups,
+                       checkpoint_readers=(("gptq", _int_groups_checkpoint("gptq", (4, 8))),)),
     QuantizationMethod("int8_wo", (8.0,), "channel", cpu_at_load=True),
     QuantizationMethod("w8a8_int8", (8.0,), "channel", activation_dtype="int8", activations_required=True,
                        cpu_at_load=True, plan_notes=_w8a8_notes),
@@ -170,3 +274,27 @@ def quantization_problems(cfg: ApplianceConfig) -> list[str]:
                    f"set quantization.group_size=-1 (or use quantization=int4_wo for groups)")
     return out + row.problems(cfg)
 
+
+# quantization_config.quant_method (lower case) -> (the method's row, its reader)
+_CHECKPOINT_READERS = {name: (row, read) for row in QUANTIZATION_METHODS.values()
+                       for name, read in row.checkpoint_readers}
+
+
+def checkpoint_method(quant_method: str) -> Optional[QuantizationMethod]:
+    """The method that reads a checkpoint whose quantization_config names ``quant_method`` (None: none does)."""
+    found = _CHECKPOINT_READERS.get(quant_method.lower())
+    return found[0] if found is not None else None
+
+
+def checkpoint_quantization(qc: dict) -> CheckpointFacts:
+    """The ``quantization`` keys a checkpoint's ``quantization_config`` states
+    (the method first), and what of it cannot run."""
+    name = str(qc.get("quant_method", "")).lower()
+    found = _CHECKPOINT_READERS.get(name)
+    if found is None:
+        return [], [f"quantization_config.quant_method={name or '(none)'} is not supported; supported: "
+                    f"{', '.join(_CHECKPOINT_READERS)}"]
+    row, read = found
+    facts, problems = read(qc)
+    source = f"quantization_config.quant_method={name}" + (f" ({row.name} weights)" if name != row.name else "")
+    return [Fact("method", row.name, source), *facts], problems

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
-from appliance.engine.core import RequestOutputDelta, TokenLogprob
+from appliance.engine.outputs import RequestOutputDelta, TokenLogprob
 from appliance.sampling_params import SamplingParams
 
 

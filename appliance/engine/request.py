@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from appliance.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the protocol sits with the engine's others; the core imports this module
-    from appliance.engine.core import RequestGrammar
+    from appliance.engine.interfaces import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):

@@ -29,7 +29,7 @@ from appliance.engine.request import Request, RequestStatus
 from appliance.engine.request_queue import FCFSQueue, PriorityQueue
 
 if TYPE_CHECKING:  # the protocol sits beside the engine's others; the core imports this module
-    from appliance.engine.core import KVConnectorScheduler
+    from appliance.engine.interfaces import KVConnectorScheduler
 
 _rank = attrgetter("priority", "arrival_time")  # preemption victims: the largest first
 

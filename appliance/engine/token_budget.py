@@ -41,7 +41,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from typing import Optional
+from typing import TYPE_CHECKING, Iterable, Optional
+
+if TYPE_CHECKING:
+    from appliance.engine.request import Request
+    from appliance.engine.scheduler import SchedulerOutput
 
 
 def attention_pairs(num_new: int, context_after: int) -> int:
@@ -153,3 +157,31 @@ class TokenBudget:
             x = rest / lin
         self.budget = self._clamp(decodes + x, decodes + 1)
         return self.budget
+
+    def budget_for(self, running: Iterable[Request]) -> int:
+        """The token budget for the next step over the ``running`` requests:
+        the decodes (with their drafts) first, the rest for a prefill chunk
+        from where the first unfinished prompt stands; with no stream decoding
+        nobody waits for a next token, so prompts prefill at the cap."""
+        decodes, pairs, chunk_context = 0, 0, 0
+        for req in running:
+            if req.num_computed_tokens >= req.num_tokens - 1:
+                n = 1 + len(req.spec_token_ids)
+                decodes += n
+                pairs += attention_pairs(n, req.num_computed_tokens + n)
+            elif not chunk_context:
+                chunk_context = req.num_computed_tokens
+        return self.cap if not decodes else self.next_budget(decodes, pairs, chunk_context)
+
+    def observe_step(self, sched_out: SchedulerOutput, requests: dict[str, Request], seconds: float) -> None:
+        """A step's time with what it ran (``requests``: the scheduler's, computed counts before the step)."""
+        pairs = sum(attention_pairs(n, requests[rid].num_computed_tokens)
+                    for rid, n in sched_out.num_scheduled_tokens.items() if rid in requests)
+        self.observe(sched_out.total_num_scheduled_tokens, pairs, seconds)
+
+    def calibration_prompt_within(self, max_model_len: int, free_tokens: int) -> int:
+        """The calibration prompt's length (``calibration_prompt_len``) within what one
+        request may hold now: ``max_model_len`` and ``free_tokens`` of KV, with room
+        for the decodes that follow."""
+        room = min(max_model_len, free_tokens) - self.MIN_SAMPLES - 1
+        return max(1, min(self.calibration_prompt_len(), room))

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from appliance.config.architectures import ARCHITECTURES, by_gguf, gguf_names
-from appliance.config.checkpoint import read_gguf_layout
+from appliance.config.gguf_header import read_gguf_layout
 
 QK = 32
 # in the converted folders' cache key: 2 keeps a Qwen file's Q and K rows as stored, and converts qwen3moe

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from appliance.config.architectures import support
-from appliance.config.checkpoint import (MOE_KEYS, checkpoint_quant_method, hf_facts, quantization_facts, same, shown,
-                                         wheel_gguf)
+from appliance.config.checkpoint import MOE_KEYS, checkpoint_quant_method, hf_facts, quantization_facts, wheel_gguf
+from appliance.config.facts import same, shown
 from appliance.config.quantization import QUANTIZATION_METHODS
 from appliance.config.schema import ModelConfig, QuantizationConfig
 from appliance.errors import ConfigError

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, Union
 
 from appliance.config.deployment import Deployment
-from appliance.engine.core import EngineDeadError, RequestOutputDelta, StepStats
+from appliance.engine.outputs import RequestOutputDelta, StepStats
+from appliance.engine.interfaces import EngineDeadError
 from appliance.sampling_params import SamplingParams
 from appliance.server.core_proc import BuildEngine, run_core
 from appliance.server.messages import (

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Callable
 import msgspec
 
 from appliance.config.deployment import Deployment
-from appliance.engine.core import EngineCore, RequestOutputDelta
+from appliance.engine.core import EngineCore
+from appliance.engine.outputs import RequestOutputDelta
 from appliance.engine.token_budget import TokenBudget
 from appliance.sampling_params import SamplingParams
 from appliance.server.messages import (

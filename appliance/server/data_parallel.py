@@ -42,7 +42,7 @@ import os
 from typing import AsyncIterator, Callable, Optional
 
 from appliance.config.deployment import Deployment, ExpertGroupAddress
-from appliance.engine.core import RequestOutputDelta, StepStats
+from appliance.engine.outputs import RequestOutputDelta, StepStats
 from appliance.sampling_params import SamplingParams
 from appliance.server.client import EngineClient, EngineDeadError
 from appliance.server.core_proc import BuildEngine

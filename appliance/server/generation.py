@@ -12,7 +12,7 @@ from typing import AsyncIterator, Optional, Union
 
 from litestar import Request
 
-from appliance.engine.core import RequestOutputDelta
+from appliance.engine.outputs import RequestOutputDelta
 from appliance.engine.parallel_sampling import Child, ParentRequest
 from appliance.server.client import EngineDeadError, EngineRestartingError, RequestRejected
 from appliance.server.metrics import RequestSeries

@@ -26,7 +26,7 @@ from typing import Optional, Union
 
 import msgspec
 
-from appliance.engine.core import RequestOutputDelta, StepStats
+from appliance.engine.outputs import RequestOutputDelta, StepStats
 from appliance.sampling_params import SamplingParams
 
 

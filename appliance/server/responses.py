@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Iterable, Optional, Sequence, Union
 
-from appliance.engine.core import TokenLogprob
+from appliance.engine.outputs import TokenLogprob
 from appliance.engine.parallel_sampling import Child
 from appliance.server.generation import Generation, map_engine_error
 from appliance.server.protocol import GenerationRequest, usage

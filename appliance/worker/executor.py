@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional
 
-from appliance.engine.core import EngineDeadError
+from appliance.engine.interfaces import EngineDeadError
 from appliance.worker.rank_group import RankGroup, create_segments, free_port, init_rank, unlink_segments
 
 log = logging.getLogger("appliance.executor")

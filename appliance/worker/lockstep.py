@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from appliance.engine.core import EngineDeadError
+from appliance.engine.interfaces import EngineDeadError
 
 IDLE_POLL_MS = 5  # how long an idle core waits for input between agreements
 

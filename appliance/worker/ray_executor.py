@@ -31,7 +31,7 @@ import socket
 import time
 from typing import Any, Optional
 
-from appliance.engine.core import EngineDeadError
+from appliance.engine.interfaces import EngineDeadError
 from appliance.worker.executor import LOAD_TIMEOUT_S, combine_replies, leave_group, run_step
 from appliance.worker.rank_group import RankGroup, create_segments, init_rank, unlink_segments
 

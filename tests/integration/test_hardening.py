@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from appliance import LLM, SamplingParams
+from appliance.engine.failures import Suspects
 from appliance.server.protocol import PER_DEPLOYMENT_SPECULATIVE
 from appliance.worker.sampler import SampleRequest, sample
 from tests.integration.server_helpers import ServerProcess, metric
@@ -441,7 +442,7 @@ def test_core_ends_only_the_request_whose_sampling_fails(llm, monkeypatch):
     assert [o.outputs[0].text for o in outs[:3]] == ref
     assert [o.outputs[0].finish_reason for o in outs] == ["length", "length", "length", "error"]
     engine = llm.engine
-    assert not engine.has_unfinished_requests() and not engine._suspects and not engine._strikes
+    assert not engine.has_unfinished_requests() and not engine._suspects and not engine._suspects.strikes
     assert engine.scheduler.kv.usage() == 0
     engine.scheduler.kv.check_integrity()
     assert [o.outputs[0].text for o in _run(llm, prompts, [greedy, seeded, greedy])] == ref
@@ -468,9 +469,9 @@ def test_core_retries_a_failed_batch_one_request_at_a_time(llm, monkeypatch):
     assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 3
     outs = _run(llm, prompts, SamplingParams(max_tokens=8, temperature=0))
     assert [o.outputs[0].finish_reason for o in outs] == ["error"] * 3
-    assert [len(o.outputs[0].token_ids) for o in outs] == [llm.engine.MAX_STRIKES - 1] * 3
+    assert [len(o.outputs[0].token_ids) for o in outs] == [Suspects.MAX_STRIKES - 1] * 3
     monkeypatch.setattr(runner, "execute", real)
-    assert not llm.engine._suspects and not llm.engine._strikes and llm.engine.scheduler.kv.usage() == 0
+    assert not llm.engine._suspects and not llm.engine._suspects.strikes and llm.engine.scheduler.kv.usage() == 0
     llm.engine.scheduler.kv.check_integrity()
     assert [o.outputs[0].text for o in _run(llm, prompts, greedy)] == ref
 
@@ -520,7 +521,7 @@ class ScriptedClient:
     exception in it is raised there)."""
 
     def __init__(self, script, dead=False):
-        from appliance.engine.core import StepStats
+        from appliance.engine.outputs import StepStats
         from appliance.server.messages import Ready
 
         self.script, self.dead = script, dead
@@ -534,7 +535,7 @@ class ScriptedClient:
 
     async def generate(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None,
                        data_parallel_rank=None):
-        from appliance.engine.core import RequestOutputDelta
+        from appliance.engine.outputs import RequestOutputDelta
 
         for item in self.script:
             if isinstance(item, Exception):

@@ -157,7 +157,7 @@ def test_fuzz_the_routers_subscription_keeps_its_index():
     """Hostile batches on an instance's event socket: undecodable ones are
     skipped, the subscriber keeps running, and a real batch still lands."""
     from appliance.server.kv_events import BlockStored, KVEventBatch
-    from appliance.server.router import EventSubscriber, PrefixIndex
+    from appliance.server.router_events import EventSubscriber, PrefixIndex
 
     port = free_port()
     pub = zmq.Context.instance().socket(zmq.PUB)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from appliance import SamplingParams
-from appliance.engine.core import EngineDeadError
+from appliance.engine.interfaces import EngineDeadError
 from tests.integration.test_tensor_parallel import PROMPTS, TINY, assert_same, generate
 
 ray = pytest.importorskip("ray", reason="parallel.executor=ray needs the ray package (pip install 'appliance[ray]')")

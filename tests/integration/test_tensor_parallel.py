@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from appliance import LLM, SamplingParams
-from appliance.engine.core import EngineDeadError
+from appliance.engine.interfaces import EngineDeadError
 from appliance.models.arch import ModelArch
 from appliance.models.layers.parallel import padded_vocab, shard_arch, tensor_shard
 from appliance.worker.placement import cpu_share, numa_nodes, parse_cpulist

@@ -5,7 +5,7 @@ pin a request."""
 
 import pytest
 
-from appliance.engine.core import StepStats
+from appliance.engine.outputs import StepStats
 from appliance.server.client import EngineDeadError, EngineRestartingError
 from appliance.server.data_parallel import DataParallelClient, balance_score
 from appliance.server.protocol import OpenAIError, data_parallel_rank

@@ -5,7 +5,7 @@ tests/integration/test_moe_parallel.py)."""
 
 import torch
 
-from appliance.engine.core import StepStats
+from appliance.engine.outputs import StepStats
 from appliance.models.eplb import LayerPlacement, balancedness, initial_placement, pack, rebalance, replicate
 from appliance.server.metrics import Metrics
 from tests.integration.server_helpers import metric

@@ -217,7 +217,7 @@ def certificates(tmp_path_factory):
 def test_with_curve_only_authorized_subscribers_hear_anything(certificates):
     import zmq.auth
 
-    from appliance.server.router import curve_client_keys
+    from appliance.server.router_events import curve_client_keys
 
     root = certificates
     port, replay_port = free_port(), free_port()
@@ -264,7 +264,7 @@ def test_a_certificate_that_cannot_be_used_is_a_clear_error(certificates):
 
 def test_a_router_index_without_token_ids_matches_nothing_and_says_so(caplog):
     from appliance.server.kv_events import BlockStored as WireStored
-    from appliance.server.router import EventSubscriber, PrefixIndex
+    from appliance.server.router_events import EventSubscriber, PrefixIndex
 
     index = PrefixIndex()
     sub = EventSubscriber("tcp://127.0.0.1:1", index)

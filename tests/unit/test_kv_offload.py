@@ -18,7 +18,7 @@ import torch
 from appliance import LLM, SamplingParams
 from appliance.config.compose import resolve
 from appliance.config.plan import make_plan
-from appliance.engine.core import StepStats
+from appliance.engine.outputs import StepStats
 from appliance.engine.kv_connector import OffloadMetadata
 from appliance.errors import ConfigError
 from appliance.server.metrics import Metrics

@@ -616,7 +616,7 @@ def test_the_connectors_registry_and_the_engines_protocol_agree(tmp_path):
     """Every KV connector's scheduler side has what the scheduler and the core call
     (``KVConnectorScheduler``), and the engine's disaggregated-prefill connectors are the registry's."""
     from appliance.config.kv_connectors import KV_CONNECTORS
-    from appliance.engine.core import KVConnectorScheduler
+    from appliance.engine.interfaces import KVConnectorScheduler
     from appliance.engine.kv_connector import OffloadConnector
     from appliance.engine.kv_p2p import DISAGGREGATED_PREFILL, P2PConnector
 

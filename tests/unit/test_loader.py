@@ -108,7 +108,7 @@ def test_the_plan_counts_a_gguf_files_own_widths(tmp_path):
     """quantization=gguf reads the loaded bits per projection weight from the
     file, each fused projection as the loader builds it: q (Q4_1) and k
     (Q4_0) beside v (Q8_0) all load as int8 with fp32 parameters per 32."""
-    from appliance.config.checkpoint import gguf_projection_bits
+    from appliance.config.gguf_header import gguf_projection_bits
 
     _write_gguf(tmp_path / "t.gguf")
     q = resolve(["+profile=cpu", f"model.path={tmp_path / 't.gguf'}", "quantization=gguf"], check=False).cfg.quantization

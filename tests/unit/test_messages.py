@@ -7,7 +7,7 @@ from typing import get_args
 import msgspec
 import pytest
 
-from appliance.engine.core import RequestOutputDelta, StepStats, TokenLogprob
+from appliance.engine.outputs import RequestOutputDelta, StepStats, TokenLogprob
 from appliance.sampling_params import SamplingParams
 from appliance.server.messages import (
     AbortRequests,

@@ -2,7 +2,7 @@
 
 import logging
 
-from appliance.engine.core import StepStats
+from appliance.engine.outputs import StepStats
 from appliance.server.metrics import Metrics, describe_interval
 
 

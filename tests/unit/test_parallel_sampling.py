@@ -4,7 +4,8 @@ server's core process uses."""
 
 import pytest
 
-from appliance.engine.core import EngineCore, RequestOutputDelta, StepStats, TokenLogprob
+from appliance.engine.core import EngineCore
+from appliance.engine.outputs import RequestOutputDelta, StepStats, TokenLogprob
 from appliance.engine.parallel_sampling import ParentRequest, child_params, child_request_id
 from appliance.sampling_params import SamplingParams
 from tests.unit.engine_helpers import make_scheduler

@@ -197,7 +197,7 @@ def test_an_abort_while_in_flight():
 
 
 def test_the_ranks_replies_combine_by_stage():
-    from appliance.engine.core import EngineDeadError
+    from appliance.engine.interfaces import EngineDeadError
     from appliance.worker.executor import RankError, combine_replies
 
     def dead(why):
@@ -224,7 +224,7 @@ def test_the_ranks_kv_tier_reports_combine():
     """Each rank's KV connector report kept apart by rank; a failed step
     carries them, and whether its requests are to be recomputed (a tier
     block a rank could not read)."""
-    from appliance.engine.core import EngineDeadError
+    from appliance.engine.interfaces import EngineDeadError
     from appliance.engine.kv_connector import KVConnectorOutput
     from appliance.worker.executor import RankError, StepFailed, combine_replies
 

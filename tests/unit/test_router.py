@@ -15,7 +15,8 @@ from appliance.engine.kv_cache.block_pool import KVCacheEvent as PoolEvent
 from appliance.server.auth import SIGNATURE_HEADER, verify_request
 from appliance.server.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
 from appliance.server.local import free_port
-from appliance.server.router import EventSubscriber, PrefixIndex, Router, parse_load
+from appliance.server.router import Router, parse_load
+from appliance.server.router_events import EventSubscriber, PrefixIndex
 
 KEY = b"a-test-internal-key-0123456789"
 
