@@ -283,7 +283,7 @@ def summarize(level: dict, concurrency: int, rate: float, ttft_slo_ms: float, it
     }
 
 
-def main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="appliance bench serve")
     p.add_argument("--base-url", default=None, help="an OpenAI-compatible server; default: start appliance run")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
@@ -311,6 +311,37 @@ def main(argv: list[str]) -> int:
                    help="tokens each running stream asks for (it must outlast the long prompt's prefill)")
     p.add_argument("--label", default=None, help="name of the server under test in the results")
     p.add_argument("--out", default="bench-results")
+    return p
+
+
+def _report(levels: list[dict], rejection: Optional[dict], mixed: Optional[dict]) -> None:
+    """Each level's figures, then the oversized-rejection and mixed-load measurements, one line each."""
+    for lv in levels:
+        print(f"c={lv['max_concurrency']:>3}: {lv['output_tok_s']:7.1f} out tok/s, TTFT p50 {lv['ttft_ms']['p50']:.0f} ms "
+              f"p99 {lv['ttft_ms']['p99']:.0f} ms, TPOT p50 {lv['tpot_ms']['p50']:.1f} ms, ITL p99 {lv['itl_ms']['p99']:.1f} ms, "
+              f"goodput {lv['goodput_requests_s']:.2f} req/s, failed {lv['failed']}")
+    if rejection is not None:
+        if "error" in rejection:
+            print(f"oversized rejection test failed: {rejection['error']}")
+        else:
+            print(f"largest inter-token gap (median of {rejection['repeats']}): {rejection['max_itl_ms_alone']:.1f} ms "
+                  f"alone, {rejection['max_itl_ms_while_rejecting']:.1f} ms while {rejection['concurrent_oversized']} "
+                  f"clients sent {rejection['oversized_chars']}-character prompts ({rejection['rejected']} refused with "
+                  f"400/413; ratio {rejection['ratio'] or float('nan'):.2f}), "
+                  f"{rejection['max_itl_ms_beside_sink']:.1f} ms while they sent them to a sink on this host "
+                  f"(ratio to it {rejection['ratio_to_sink'] or float('nan'):.2f})")
+    if mixed is not None:
+        if "error" in mixed:
+            print(f"mixed-load test failed: {mixed['error']}")
+        else:
+            print(f"{mixed['long_prompt_len']}-token prompt beside {mixed['streams']} streams: TTFT "
+                  f"{mixed['long_prompt_ttft_ms']:.0f} ms; the streams' worst gap {mixed['worst_stream_gap_ms']:.0f} ms "
+                  f"({mixed['worst_gap_over_itl'] or float('nan'):.1f}x their {mixed['stream_itl_p50_ms_before'] or 0:.1f} ms "
+                  f"ITL), {mixed['stream_tokens_during_prefill']} tokens meanwhile")
+
+
+def main(argv: list[str]) -> int:
+    p = _parser()
     a, overrides = split_overrides(p, argv)
     if a.oversized_repeats < 1:
         p.error("--oversized-repeats must be at least 1")
@@ -354,27 +385,6 @@ def main(argv: list[str]) -> int:
     png = plot_lines(a.out, path.stem, f"{label}: output tok/s by concurrency", "max concurrency", "output tok/s",
                      {label: ([lv["max_concurrency"] for lv in levels], [lv["output_tok_s"] for lv in levels])},
                      logx=True) if levels else None
-    for lv in levels:
-        print(f"c={lv['max_concurrency']:>3}: {lv['output_tok_s']:7.1f} out tok/s, TTFT p50 {lv['ttft_ms']['p50']:.0f} ms "
-              f"p99 {lv['ttft_ms']['p99']:.0f} ms, TPOT p50 {lv['tpot_ms']['p50']:.1f} ms, ITL p99 {lv['itl_ms']['p99']:.1f} ms, "
-              f"goodput {lv['goodput_requests_s']:.2f} req/s, failed {lv['failed']}")
-    if rejection is not None:
-        if "error" in rejection:
-            print(f"oversized rejection test failed: {rejection['error']}")
-        else:
-            print(f"largest inter-token gap (median of {rejection['repeats']}): {rejection['max_itl_ms_alone']:.1f} ms "
-                  f"alone, {rejection['max_itl_ms_while_rejecting']:.1f} ms while {rejection['concurrent_oversized']} "
-                  f"clients sent {rejection['oversized_chars']}-character prompts ({rejection['rejected']} refused with "
-                  f"400/413; ratio {rejection['ratio'] or float('nan'):.2f}), "
-                  f"{rejection['max_itl_ms_beside_sink']:.1f} ms while they sent them to a sink on this host "
-                  f"(ratio to it {rejection['ratio_to_sink'] or float('nan'):.2f})")
-    if mixed is not None:
-        if "error" in mixed:
-            print(f"mixed-load test failed: {mixed['error']}")
-        else:
-            print(f"{mixed['long_prompt_len']}-token prompt beside {mixed['streams']} streams: TTFT "
-                  f"{mixed['long_prompt_ttft_ms']:.0f} ms; the streams' worst gap {mixed['worst_stream_gap_ms']:.0f} ms "
-                  f"({mixed['worst_gap_over_itl'] or float('nan'):.1f}x their {mixed['stream_itl_p50_ms_before'] or 0:.1f} ms "
-                  f"ITL), {mixed['stream_tokens_during_prefill']} tokens meanwhile")
+    _report(levels, rejection, mixed)
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     return 1 if any(x is not None and "error" in x for x in (rejection, mixed)) else 0

@@ -183,6 +183,28 @@ def compile_times(llm: Any, n: int) -> dict:
             "cached_recompiles": recompiled}
 
 
+def _level(llm: Any, prompts: list[str], c: int, max_tokens: int, repeat: int, variants: dict[str, Any], plan: Any,
+           machine: dict) -> dict[str, Any]:
+    """One concurrency level: each variant run ``repeat`` times, interleaved;
+    the fastest run of each, and json's ratios to plain."""
+    tries: dict[str, list[dict]] = {name: [] for name in variants}
+    for _ in range(repeat):
+        for name, schema in variants.items():
+            tries[name].append(run(llm, prompts, c, max_tokens, schema))
+    both: dict[str, Any] = {}
+    for name, runs in tries.items():
+        best = dict(min(runs, key=lambda r: r["elapsed_s"] / max(1, r["output_tokens"])))
+        best["runs_output_tok_s"] = [r["output_tok_s"] for r in runs]
+        best["weight_GBps"] = best["steps"] * plan.weight_bytes_per_device / best["elapsed_s"] / 1e9
+        best["bandwidth_fraction"] = best["weight_GBps"] / machine["peak_bandwidth_GBps"]
+        both[name] = best
+    both["ratio"] = both["json"]["output_tok_s"] / both["plain"]["output_tok_s"]
+    dj, dp = both["json"]["decode_tok_s"], both["plain"]["decode_tok_s"]
+    both["decode_ratio"] = dj / dp if dj and dp else None
+    both["loss"] = 1 - both["ratio"]
+    return both
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="appliance bench structured")
     p.add_argument("--max-tokens", type=int, default=200)
@@ -215,21 +237,7 @@ def main(argv: list[str]) -> int:
     for c in levels:
         n = max(c, a.num_prompts)
         prompts = (PROMPTS * -(-n // len(PROMPTS)))[:n]
-        tries: dict[str, list[dict]] = {name: [] for name in variants}
-        for _ in range(a.repeat):
-            for name, schema in variants.items():
-                tries[name].append(run(llm, prompts, c, a.max_tokens, schema))
-        both: dict[str, Any] = {}
-        for name, runs in tries.items():
-            best = dict(min(runs, key=lambda r: r["elapsed_s"] / max(1, r["output_tokens"])))
-            best["runs_output_tok_s"] = [r["output_tok_s"] for r in runs]
-            best["weight_GBps"] = best["steps"] * plan.weight_bytes_per_device / best["elapsed_s"] / 1e9
-            best["bandwidth_fraction"] = best["weight_GBps"] / machine["peak_bandwidth_GBps"]
-            both[name] = best
-        both["ratio"] = both["json"]["output_tok_s"] / both["plain"]["output_tok_s"]
-        dj, dp = both["json"]["decode_tok_s"], both["plain"]["decode_tok_s"]
-        both["decode_ratio"] = dj / dp if dj and dp else None
-        both["loss"] = 1 - both["ratio"]
+        both = _level(llm, prompts, c, a.max_tokens, a.repeat, variants, plan, machine)
         result["runs"][f"c={c}"] = both
     target = result["runs"].get("c=8")
     result["target"] = {"concurrency": 8, "max_loss": 0.10,

@@ -1,218 +1,23 @@
-"""What a resolved deployment would run, computed without a GPU.
-
-All figures are per device (one tensor/pipeline shard; a CPU host's rank)
-unless named otherwise. Memory model, in the order vLLM's worker sizes the
-KV pool:
-
-    usable      = memory_gib * memory_utilization      (or cache.kv_cache_memory_gib)
-                  (a CPU host's ranks share it: divided by tp x pp x dp)
-    kv_bytes    = usable - weight_bytes - activation_bytes
-    num_blocks  = kv_bytes // (block_size * kv_bytes_per_token)
-
-``activation_bytes`` is an estimate of the forward pass's peak for one
-``max_num_batched_tokens`` step; vLLM measures it with a profiling run and
-the model runner does the same at start-up where it can.
-"""
+"""What a resolved deployment would run, computed without a GPU: the
+``Plan`` that ``appliance plan`` prints and the composition root sizes the
+engine from. Its memory figures are ``config/memory.py``'s account."""
 
 from __future__ import annotations
 
-import dataclasses
-import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from appliance.config.architectures import describe
-from appliance.config.checkpoint import gguf_file
-from appliance.config.gguf_header import gguf_embedding_in_head, gguf_head_bits, gguf_header
-from appliance.config.execution import Execution, kv_dtype, resolve_execution
+from appliance.config.execution import Execution, resolve_execution
 from appliance.config.kv_connectors import describe_kv_transfer
+from appliance.config.memory import (DTYPE_BYTES, GIB, active_weight_bytes, device_memory, draft_model, expert_bytes,
+                                     experts_plan, int8_gemm, kv_bytes_per_token, lm_head_bytes, max_model_len,
+                                     weight_bytes)
 from appliance.config.quantization import fp8_gemm, method_of
 from appliance.config.schema import ApplianceConfig, ModelConfig
-from appliance.config.sizes import parameter_counts, pipeline_partition, sparse_layers
+from appliance.config.sizes import parameter_counts, pipeline_partition
 from appliance.config.unbuilt import not_built
 from appliance.kernels.registry import BACKENDS
-
-GIB = 1024**3
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-KV_DTYPE_BYTES = {"fp8_e4m3": 1, "fp8_e5m2": 1}
-
-
-def weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
-    """Bytes of all weights (before sharding).
-
-    Quantized methods store the decoder's linear layers at
-    ``quantization.weight_bits`` plus their group parameters (gguf's
-    weight_bits already counts them: the file's own widths as loaded, see
-    ``checkpoint.gguf_projection_bits``); embeddings, the LM head and norms
-    stay in the compute dtype, as vLLM keeps them. A draft model's weights
-    (unquantized, in the compute dtype) are added.
-    """
-    return _target_weight_bytes(cfg, dtype) + draft_weight_bytes(cfg, dtype)
-
-
-def draft_weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
-    """A draft model's weights (0 without one): every rank that samples (all
-    of them, or the last pipeline stage's) holds the whole draft."""
-    draft = draft_model(cfg)
-    return parameter_counts(draft)["total"] * DTYPE_BYTES[draft_dtype(cfg, dtype)] if draft is not None else 0
-
-
-def _target_weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
-    counts = parameter_counts(cfg.model)
-    full = DTYPE_BYTES[dtype]
-    q, row = cfg.quantization, method_of(cfg)
-    if row.scales == "none":
-        return counts["total"] * full
-    bits = q.weight_bits
-    if q.group_size > 0 and row.scales != "blocks":  # a GGUF file's weight_bits count its blocks' parameters
-        # fp8: an fp16 scale; int4_wo: an fp16 scale and min; AWQ/GPTQ: an fp32 scale and -scale x zero
-        bits += row.group_param_bits / q.group_size
-    linear = int(counts["linear"] * bits / 8)
-    if row.scales == "channel":  # per-output-channel fp32 scales
-        linear += 4 * output_channels(cfg.model)
-    head = lm_head_bytes(cfg)
-    if head is not None and embedding_read_from_head(cfg):  # one table: the head's blocks, looked up too
-        return linear + head + counts["other"] * full
-    if head is not None:  # a quantized head (a tied model keeps its embedding for lookups)
-        return linear + head + (counts["embedding"] + counts["other"]) * full
-    return linear + (counts["embedding"] + counts["lm_head"] + counts["other"]) * full
-
-
-def int8_gemm(cfg: ApplianceConfig, backend: Optional[str]) -> bool:
-    """Whether the batched GEMMs (prefill) multiply int8 rows: W8A8 does everywhere, and ``backend`` does
-    for the weight formats it lists (cpu_native's 4- and 8-bit ones), on hardware with int8 dot products
-    (``hardware.peak_tflops.int8`` > 0)."""
-    method = cfg.quantization.method
-    caps = BACKENDS.get(backend) if backend else None
-    return cfg.hardware.peak_tflops.int8 > 0 and (
-        method_of(cfg).activation_dtype == "int8" or (caps is not None and method in caps.int8_gemm_quantizations))
-
-
-def lm_head_bytes(cfg: ApplianceConfig) -> Optional[int]:
-    """Bytes of the LM head as loaded, parameters included, where the
-    quantization keeps it quantized: int8 with an fp32 scale per row
-    (int8_wo, w8a8_int8, int4_wo), or a GGUF file's head blocks at their
-    width (gguf; ``checkpoint.gguf_head_bits``). None: the head is in the
-    model dtype (also when a GGUF file is not here to read)."""
-    m, row = cfg.model, method_of(cfg)
-    if row.cpu_at_load:
-        return m.vocab_size * (m.hidden_size + 4)
-    if row.scales != "blocks" or (path := gguf_file(m.path)) is None:
-        return None
-    try:
-        bits = gguf_head_bits(gguf_header(path)[1])
-    except (OSError, ValueError, struct.error):
-        return None  # resolving the deployment has said why
-    return None if bits is None else int(m.vocab_size * m.hidden_size * bits / 8)
-
-
-def embedding_read_from_head(cfg: ApplianceConfig) -> bool:
-    """A GGUF file's embedding tied to grouped-int8 head blocks, on one rank: held once, the head's blocks
-    (``checkpoint.gguf_embedding_in_head``)."""
-    par = cfg.parallel
-    if method_of(cfg).scales != "blocks" or par.tensor_parallel_size * par.pipeline_parallel_size != 1 \
-            or (path := gguf_file(cfg.model.path)) is None:
-        return False
-    try:
-        return gguf_embedding_in_head(gguf_header(path)[1])
-    except (OSError, ValueError, struct.error):
-        return False
-
-
-def output_channels(m: ModelConfig) -> int:
-    """Output channels of every decoder projection (one scale each under a per-channel method)."""
-    attention = m.num_heads * m.head_dim + 2 * m.num_kv_heads * m.head_dim + m.hidden_size
-    sparse = len(sparse_layers(m))
-    dense_mlp = 2 * m.intermediate_size + m.hidden_size
-    experts = m.num_experts * (2 * m.moe_intermediate_size + m.hidden_size)
-    return m.num_layers * attention + (m.num_layers - sparse) * dense_mlp + sparse * experts
-
-
-def expert_bytes(cfg: ApplianceConfig, dtype: str) -> int:
-    """Bytes of every expert of every sparse layer (0 for a dense model)."""
-    m = cfg.model
-    if not m.num_experts:
-        return 0
-    dense = dataclasses.replace(m, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0)
-    return _target_weight_bytes(cfg, dtype) - _target_weight_bytes(dataclasses.replace(cfg, model=dense), dtype)
-
-
-def active_weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
-    """Bytes one token reads: every weight but the experts it is not routed
-    to (all weights for a dense model)."""
-    m = cfg.model
-    if not m.num_experts:
-        return _target_weight_bytes(cfg, dtype)
-    active = dataclasses.replace(m, num_experts=m.num_experts_per_tok)
-    return _target_weight_bytes(dataclasses.replace(cfg, model=active), dtype)
-
-
-def experts_plan(cfg: ApplianceConfig, dtype: str) -> Optional[dict[str, Any]]:
-    """Where a mixture-of-experts model's experts live: per sparse layer,
-    how many each rank holds (all, a slice of each under tensor
-    parallelism, or whole ones split over tp x dp ranks with expert
-    parallelism), redundant slots, and the expert bytes per rank."""
-    m, par = cfg.model, cfg.parallel
-    if not m.num_experts:
-        return None
-    ep = par.tensor_parallel_size * par.data_parallel_size if par.enable_expert_parallel else 1
-    redundant = par.eplb.num_redundant_experts if par.eplb.enabled else 0
-    slots = m.num_experts + redundant
-    stages = par.pipeline_parallel_size
-    held = expert_bytes(cfg, dtype) * slots // m.num_experts
-    per_rank = held // (ep * stages) if ep > 1 else held // (par.tensor_parallel_size * stages)
-    return {"num_experts": m.num_experts, "top_k": m.num_experts_per_tok, "sparse_layers": len(sparse_layers(m)),
-            "expert_parallel_size": ep, "experts_per_rank": slots // ep, "redundant_experts": redundant,
-            "expert_bytes_per_rank": per_rank, "active_parameter_count": parameter_counts(m)["active"]}
-
-
-def draft_model(cfg: ApplianceConfig) -> Optional[ModelConfig]:
-    """The draft model of ``speculative.method=draft_model`` (None otherwise, or unresolvable)."""
-    if cfg.speculative.method != "draft_model":
-        return None
-    from appliance.config.draft import draft_model_config
-
-    return draft_model_config(cfg)[0]
-
-
-def kv_bytes_per_token(cfg: ApplianceConfig, dtype: str) -> int:
-    """K and V of every layer for one token, per device (a draft model's too:
-    its cache shares the target's blocks; every rank that samples holds all
-    its KV heads: the worst device's figure)."""
-    draft = draft_model(cfg)
-    return _kv_bytes(cfg, cfg.model, dtype) + (_kv_bytes(cfg, draft, draft_dtype(cfg, dtype), whole=True)
-                                               if draft is not None else 0)
-
-
-def draft_dtype(cfg: ApplianceConfig, dtype: str) -> str:
-    """The dtype the draft model runs at: ``speculative.draft_dtype``, or the target's ``dtype``."""
-    return dtype if cfg.speculative.draft_dtype == "auto" else str(cfg.speculative.draft_dtype)
-
-
-def _kv_bytes(cfg: ApplianceConfig, m: ModelConfig, dtype: str, whole: bool = False) -> int:
-    """``m``'s K and V per token on one device: its share of the KV heads and
-    its stage's layers, or (``whole``: a draft model each rank holds) all of them."""
-    tp = 1 if whole else cfg.parallel.tensor_parallel_size
-    pp = 1 if whole else cfg.parallel.pipeline_parallel_size
-    kv_heads = max(1, m.num_kv_heads // tp)  # kv heads replicate when tp > num_kv_heads
-    partition = None if whole else cfg.parallel.pp_layer_partition
-    layers = max(pipeline_partition(m.num_layers, pp, partition))  # the stage holding the most
-    elem = KV_DTYPE_BYTES.get(kv_dtype(cfg, dtype), DTYPE_BYTES.get(kv_dtype(cfg, dtype), 2))
-    return 2 * layers * kv_heads * m.head_dim * elem
-
-
-def activation_bytes(cfg: ApplianceConfig, dtype: str) -> int:
-    """Peak activations of one step: the widest intermediate tensors of one
-    layer for ``max_num_batched_tokens`` tokens plus fp32 logits for the
-    sampled rows (one per sequence)."""
-    m = cfg.model
-    s = cfg.scheduler
-    tp = cfg.parallel.tensor_parallel_size
-    per_token = (4 * m.hidden_size + 3 * m.intermediate_size // tp) * DTYPE_BYTES[dtype]
-    logits = min(s.max_num_seqs, s.max_num_batched_tokens) * m.vocab_size * 4 // tp
-    return s.max_num_batched_tokens * per_token + logits
-
 
 @dataclass
 class Plan:
@@ -280,45 +85,65 @@ def describe_architecture(m: ModelConfig) -> str:
             + (f"; {', '.join(extras)}" if extras else ""))
 
 
-def max_model_len(cfg: ApplianceConfig) -> int:
-    return cfg.model.max_model_len or cfg.model.max_position_embeddings
+def _provider_here(cfg: ApplianceConfig, ex: Execution) -> tuple[Optional[str], list[str]]:
+    """The chosen backend's package on this machine (probed here when the
+    execution was resolved for the target), and a note when it has none."""
+    sel = ex.selection
+    if not sel.chosen or ex.probed:
+        return sel.provider, []
+    from appliance.kernels.registry import probe_provider
+
+    provider, err = probe_provider(sel.chosen, ex.dtype, cfg.cache.kv_cache_dtype)
+    if provider is None:
+        return None, [f"{sel.chosen} has no usable package on this machine ({err}); it is chosen for the target "
+                      "hardware"]
+    return provider, []
 
 
-@dataclass(frozen=True)
-class DeviceMemory:
-    """One device's memory (a CPU host: one rank's share of it), as the memory
-    model above sizes it: the one account that validation and the plan read."""
-    usable: int  # what the deployment may use of the device
-    weights: int  # its shard of the weights, its experts, a whole draft, less what cache.cpu_offload_gib moves
-    offloaded: int  # weight bytes of the device's shard held in host memory instead
-    activations: int
-    kv_cache: int  # the KV pool: cache.kv_cache_memory_gib, or what the rest leaves
-    num_kv_blocks: int
-
-
-def device_memory(cfg: ApplianceConfig, dtype: str) -> DeviceMemory:
+def _rooflines(cfg: ApplianceConfig, dtype: str, backend: Optional[str], w_dev: int, per_tok: int) -> dict[str, Any]:
+    """Decode tokens/s at the device's memory bandwidth (a step reads the
+    weights a token touches, and at ``max_model_len`` that much KV too) and
+    prefill tokens/s at its peak in the GEMMs' compute dtype."""
     par = cfg.parallel
     shards = par.tensor_parallel_size * par.pipeline_parallel_size
-    total_w = weight_bytes(cfg, dtype)
-    # cache.cpu_offload_gib of each device's weights live in host memory (vLLM's --cpu-offload-gb).
-    offload = min(int(cfg.cache.cpu_offload_gib * GIB), total_w // shards)
+    bw = cfg.hardware.memory_bandwidth_gbps * 1e9
+    read_dev = w_dev
     experts = experts_plan(cfg, dtype)
-    draft_w = draft_weight_bytes(cfg, dtype)  # not split: each rank holds the whole draft
-    w_dev = (total_w - draft_w) // shards + draft_w - offload
-    if experts is not None and experts["expert_parallel_size"] > 1:  # whole experts split over tp x dp ranks
-        w_dev = (total_w - draft_w - expert_bytes(cfg, dtype)) // shards + experts["expert_bytes_per_rank"] \
-            + draft_w - offload
-    act = activation_bytes(cfg, dtype)
-    usable = int(cfg.hardware.memory_gib * GIB * cfg.cache.memory_utilization)
-    if cfg.hardware.device_kind == "cpu":  # a CPU host's ranks share its memory
-        usable //= shards * par.data_parallel_size
-    if cfg.cache.kv_cache_memory_gib is not None:
-        kv_bytes = int(cfg.cache.kv_cache_memory_gib * GIB)
-    else:
-        kv_bytes = max(0, usable - w_dev - act)
-    per_block = cfg.cache.block_size * kv_bytes_per_token(cfg, dtype)
-    return DeviceMemory(usable=usable, weights=w_dev, offloaded=offload, activations=act, kv_cache=kv_bytes,
-                        num_kv_blocks=kv_bytes // per_block if per_block else 0)
+    if experts is not None:  # a token reads the non-expert weights and its top-k experts (spread over the ranks)
+        nonexpert = weight_bytes(cfg, dtype) - expert_bytes(cfg, dtype)
+        split = experts["expert_parallel_size"] if experts["expert_parallel_size"] > 1 else par.tensor_parallel_size
+        read_dev = nonexpert // shards + (active_weight_bytes(cfg, dtype) - nonexpert) // (
+            split * par.pipeline_parallel_size)
+    compute_dtype = "fp8" if fp8_gemm(cfg) else "int8" if int8_gemm(cfg, backend) else {
+        "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+    tflops = getattr(cfg.hardware.peak_tflops, compute_dtype)
+    prefill = tflops * 1e12 * shards / (2 * parameter_counts(cfg.model)["active"]) if tflops else 0.0
+    return {
+        "decode_roofline_tok_s": round(bw / read_dev, 1) if w_dev else 0.0,
+        "decode_roofline_at_max_len_tok_s": round(bw / (read_dev + max_model_len(cfg) * per_tok), 1) if w_dev
+        else 0.0,
+        "prefill_roofline_tok_s": prefill,  # rounded in the plan
+        "compute_dtype": compute_dtype,
+    }
+
+
+def _notes(cfg: ApplianceConfig, offloaded: int, comm: dict[str, Any]) -> list[str]:
+    """What the plan says besides its figures: a parameter count the catalog
+    contradicts, offloaded weights, what is not built yet, the quantization
+    method's own notes, a communication share it cannot estimate."""
+    notes = []
+    counts = parameter_counts(cfg.model)
+    if cfg.model.param_count_b and abs(counts["total"] / 1e9 - cfg.model.param_count_b) > 0.02 * cfg.model.param_count_b:
+        notes.append(f"the architecture counts {counts['total'] / 1e9:.3f} B parameters but the catalog says "
+                     f"{cfg.model.param_count_b} B: check the model.* facts")
+    if offloaded:
+        notes.append(f"{offloaded / GIB:.2f} GiB of weights per device offloaded to host memory (cache.cpu_offload_gib)")
+    notes += [f"not built yet, serving refuses it: {u}" for u in not_built(cfg)]
+    notes += method_of(cfg).plan_notes(cfg)
+    if comm["collectives_per_step"] and comm["decode_comm_share"] is None:
+        notes.append(f"hardware={cfg.hardware.name} sets no interconnect_gbps / collective_latency_us: the "
+                     f"communication share of a decode step is not estimated")
+    return notes
 
 
 def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Plan:
@@ -327,54 +152,20 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
     ex = execution or resolve_execution(cfg)
     dtype = ex.dtype
     par = cfg.parallel
-    shards = par.tensor_parallel_size * par.pipeline_parallel_size
-    devices = shards * par.data_parallel_size
+    devices = par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
     total_w = weight_bytes(cfg, dtype)
     experts = experts_plan(cfg, dtype)
     mem = device_memory(cfg, dtype)
-    w_dev, offload, act, kv_bytes, num_blocks = mem.weights, mem.offloaded, mem.activations, mem.kv_cache, \
-        mem.num_kv_blocks
+    w_dev, act, kv_bytes, num_blocks = mem.weights, mem.activations, mem.kv_cache, mem.num_kv_blocks
     per_tok = kv_bytes_per_token(cfg, dtype)
     bs = cfg.cache.block_size
     mml = max_model_len(cfg)
     sel = ex.selection
-    notes = []
-    provider_here = sel.provider
-    if sel.chosen and not ex.probed:
-        from appliance.kernels.registry import probe_provider
-
-        provider_here, err = probe_provider(sel.chosen, dtype, cfg.cache.kv_cache_dtype)
-        if provider_here is None:
-            notes.append(f"{sel.chosen} has no usable package on this machine ({err}); it is chosen for the target "
-                         "hardware")
-    bw = cfg.hardware.memory_bandwidth_gbps * 1e9
-    read_dev = w_dev
-    if experts is not None:  # a token reads the non-expert weights and its top-k experts (spread over the ranks)
-        nonexpert = total_w - expert_bytes(cfg, dtype)
-        split = experts["expert_parallel_size"] if experts["expert_parallel_size"] > 1 else par.tensor_parallel_size
-        read_dev = nonexpert // shards + (active_weight_bytes(cfg, dtype) - nonexpert) // (
-            split * par.pipeline_parallel_size)
-    roofline = bw / read_dev if w_dev else 0.0
-    # a sequence at max_model_len: its decode step reads that much KV besides the weights
-    roofline_at_max_len = bw / (read_dev + mml * per_tok) if w_dev else 0.0
-    peak = cfg.hardware.peak_tflops
-    compute_dtype = "fp8" if fp8_gemm(cfg) else "int8" if int8_gemm(cfg, sel.chosen) else {
-        "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
-    tflops = getattr(peak, compute_dtype)
-    counts = parameter_counts(cfg.model)
-    prefill_roofline = tflops * 1e12 * shards / (2 * counts["active"]) if tflops else 0.0
-    if cfg.model.param_count_b and abs(counts["total"] / 1e9 - cfg.model.param_count_b) > 0.02 * cfg.model.param_count_b:
-        notes.append(f"the architecture counts {counts['total'] / 1e9:.3f} B parameters but the catalog says "
-                     f"{cfg.model.param_count_b} B: check the model.* facts")
-    if offload:
-        notes.append(f"{offload / GIB:.2f} GiB of weights per device offloaded to host memory (cache.cpu_offload_gib)")
-    notes += [f"not built yet, serving refuses it: {u}" for u in not_built(cfg)]
-    notes += method_of(cfg).plan_notes(cfg)
+    provider_here, notes = _provider_here(cfg, ex)
+    rates = _rooflines(cfg, dtype, sel.chosen, w_dev, per_tok)
     swap_blocks = int(cfg.cache.swap_space_gib * GIB) // (bs * per_tok) if per_tok else 0
     comm = communication(cfg, dtype, w_dev)
-    if comm["collectives_per_step"] and comm["decode_comm_share"] is None:
-        notes.append(f"hardware={cfg.hardware.name} sets no interconnect_gbps / collective_latency_us: the "
-                     f"communication share of a decode step is not estimated")
+    notes += _notes(cfg, mem.offloaded, comm)
     return Plan(
         profile=cfg.profile,
         model=cfg.model.name,
@@ -412,12 +203,9 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         kv_tokens=num_blocks * bs,
         max_model_len=mml,
         max_concurrency_at_max_len=round(num_blocks * bs / mml, 2) if mml else 0.0,
-        decode_roofline_tok_s=round(roofline, 1),
-        decode_roofline_at_max_len_tok_s=round(roofline_at_max_len, 1),
-        prefill_roofline_tok_s=round(prefill_roofline, 1),
-        compute_dtype=compute_dtype,
+        **{**rates, "prefill_roofline_tok_s": round(rates["prefill_roofline_tok_s"], 1)},
         swap_kv_blocks=swap_blocks,
-        **token_budget(cfg, prefill_roofline),
+        **token_budget(cfg, rates["prefill_roofline_tok_s"]),
         engine_cores=par.data_parallel_size,
         experts=experts,
         **comm,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from appliance.engine.interfaces import GrammarSource
     from appliance.engine.request import Request
-    from appliance.engine.scheduler import SchedulerOutput
+    from appliance.engine.scheduler_output import SchedulerOutput
 
 
 def mask_step(grammars: GrammarSource, requests: dict[str, Request], sched_out: SchedulerOutput) -> None:

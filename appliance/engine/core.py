@@ -31,7 +31,8 @@ from appliance.engine.interfaces import (
 from appliance.engine.kv_p2p import kv_transfer_problem
 from appliance.engine.outputs import RequestOutputDelta, StepStats
 from appliance.engine.request import Request, RequestStatus
-from appliance.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from appliance.engine.scheduler import Scheduler
+from appliance.engine.scheduler_output import RequestUpdate, SchedulerOutput
 from appliance.engine.step_accounting import PromptLogprobs, StepCounters, token_logprobs
 from appliance.engine.token_budget import TokenBudget
 from appliance.sampling_params import SamplingParams

@@ -20,7 +20,8 @@ from appliance.engine.request import RequestStatus
 
 if TYPE_CHECKING:
     from appliance.engine.request import Request
-    from appliance.engine.scheduler import Scheduler, SchedulerOutput
+    from appliance.engine.scheduler import Scheduler
+    from appliance.engine.scheduler_output import SchedulerOutput
 
 
 class Suspects:

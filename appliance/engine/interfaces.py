@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol, runtime_checkabl
 if TYPE_CHECKING:
     from appliance.engine.kv_connector import KVConnectorOutput
     from appliance.engine.request import Request
-    from appliance.engine.scheduler import SchedulerOutput
+    from appliance.engine.scheduler_output import SchedulerOutput
     from appliance.sampling_params import SamplingParams
 
 

@@ -12,7 +12,8 @@ from appliance.engine.outputs import StepStats, TokenLogprob
 if TYPE_CHECKING:
     from appliance.engine.interfaces import SampledLogprob
     from appliance.engine.request import Request
-    from appliance.engine.scheduler import Scheduler, SchedulerOutput
+    from appliance.engine.scheduler import Scheduler
+    from appliance.engine.scheduler_output import SchedulerOutput
 
 
 def token_logprobs(lps: Sequence[Optional[SampledLogprob]]) -> list[Optional[TokenLogprob]]:

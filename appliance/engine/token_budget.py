@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 
 if TYPE_CHECKING:
     from appliance.engine.request import Request
-    from appliance.engine.scheduler import SchedulerOutput
+    from appliance.engine.scheduler_output import SchedulerOutput
 
 
 def attention_pairs(num_new: int, context_after: int) -> int:

@@ -24,20 +24,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from appliance.config.architectures import support
-from appliance.config.checkpoint import MOE_KEYS, checkpoint_quant_method, hf_facts, quantization_facts, wheel_gguf
+from appliance.config.checkpoint import MOE_KEYS, checkpoint_quant_method, hf_facts, wheel_gguf
 from appliance.config.facts import same, shown
 from appliance.config.quantization import QUANTIZATION_METHODS
 from appliance.config.schema import ModelConfig, QuantizationConfig
-from appliance.errors import ConfigError
+from appliance.errors import ModelLoadError
 
 if TYPE_CHECKING:
     import torch
 
     from appliance.kernels.base import AttentionBackend
-
-
-class ModelLoadError(ConfigError):
-    pass
 
 
 def cache_dir() -> Path:
@@ -189,138 +185,6 @@ def check_checkpoint(m: ModelConfig, hf: dict, folder: Path) -> None:
         )
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / n for n in names]
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{folder}: no .safetensors files")
-    return files
-
-
-def _checkpoint_activations(hf: dict) -> bool:
-    """Whether an fp8 checkpoint quantizes activations (W8A8), as its quantization_config says."""
-    facts, _ = quantization_facts(hf)
-    return any(f.key == "activations" and f.value for f in facts)
-
-
-# A checkpoint's fp8 KV cache scales, by the name's tail below model.layers.N: which scales each sets.
-KV_SCALE_TENSORS = {
-    "self_attn.k_scale": "k", "self_attn.v_scale": "v",  # vLLM's fp8 checkpoints
-    "self_attn.kv_scale": "kv",  # one scale for both (older checkpoints)
-    "self_attn.k_proj.output_scale": "k", "self_attn.v_proj.output_scale": "v",  # compressed-tensors kv_cache_scheme
-    "self_attn.k_proj.k_scale": "k", "self_attn.v_proj.v_scale": "v",  # ModelOpt
-}
-
-
-def _kv_scale_target(name: str) -> tuple[int, str] | None:
-    """(layer, "k" | "v" | "kv") when ``name`` is a KV cache scale tensor."""
-    head, sep, rest = name.partition("model.layers.")
-    index, _, tail = rest.partition(".")
-    if head or not sep or not index.isdigit() or tail not in KV_SCALE_TENSORS:
-        return None
-    return int(index), KV_SCALE_TENSORS[tail]
-
-
-def _set_kv_scales(model: Any, scales: dict[int, dict[str, torch.Tensor]], folder: Path) -> None:
-    """Each layer's KV cache scales (1.0 where the checkpoint has none); one
-    scale per layer and tensor (per-tensor), as vLLM reads them."""
-    layers = model.model.layers
-    for index, given in sorted(scales.items()):
-        values = {}
-        for which, t in given.items():
-            if t.numel() != 1:
-                raise ModelLoadError(f"{folder}: layer {index} has a {which} KV cache scale of shape {tuple(t.shape)}; "
-                                     f"one scale per layer (per-tensor) is supported")
-            values[which] = float(t.float().reshape(()))
-        if index >= len(layers):
-            raise ModelLoadError(f"{folder}: a KV cache scale for layer {index}, and the model has {len(layers)} layers")
-        try:
-            layers[index].self_attn.set_kv_scales(values.get("k", 1.0), values.get("v", 1.0))
-        except ValueError as e:
-            raise ModelLoadError(f"{folder}: layer {index}: {e}") from None
-
-
-def _install_int4_checkpoint(model: Any, method: str, parts: dict[str, dict], folder: Path, bits: int,
-                             full_arch: Any, tp: Any, ep: Any) -> set[str]:
-    """The AWQ/GPTQ projections as int4 (or, 8-bit, grouped int8) linears
-    (with ``tp``, this rank's part of each); the module weights they fill."""
-    from appliance.models.int4_checkpoints import checkpoint_blocks
-    from appliance.models.quant import install_int4
-
-    try:
-        blocks = {name: checkpoint_blocks(method, p, bits) for name, p in parts.items()}
-        return install_int4(model, _rank_blocks(blocks, full_arch, tp, ep), method)
-    except ValueError as e:
-        raise ModelLoadError(f"{folder}: {e}") from None
-
-
-def _rank_blocks(blocks: dict[str, tuple], full_arch: Any, tp: Any, ep: Any = None) -> dict[str, tuple]:
-    """Whole projections' blocks cut to a tensor-parallel rank's part (as is
-    without ``tp``); with expert parallelism (``ep``) the experts stay whole
-    (a rank takes its own experts' blocks, ``quant.install_expert_blocks``)."""
-    from appliance.models.layers.parallel import shard_blocks
-
-    if tp is None:
-        return blocks
-    whole = {name: b for name, b in blocks.items() if ep is not None and ".mlp.experts." in name}
-    return {**shard_blocks(full_arch, tp.rank, tp.size, {n: b for n, b in blocks.items() if n not in whole}), **whole}
-
-
-def _read_shard(sf: Any, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
-    """The tensor ``name``, or only its rows / columns ``shard`` (dim, start,
-    stop) read from the file; rows past the tensor's (a padded vocabulary)
-    are zeros."""
-    if shard is None:
-        return sf.get_tensor(name)
-    import torch
-
-    dim, start, stop = shard
-    sl = sf.get_slice(name)
-    size = sl.get_shape()[dim]
-    t = sl[start:min(stop, size)] if dim == 0 else sl[:, start:min(stop, size)]
-    if stop > size:
-        pad = list(t.shape)
-        pad[dim] = stop - max(start, size)
-        t = torch.cat([t, torch.zeros(pad, dtype=t.dtype)], dim=dim)
-    return t
-
-
-def _load_expert(model: Any, sf: Any, stored: str, name: str, full_arch: Any, tp: Any, ep: Any,
-                 expected: dict, dtype: Any, device: Any, filled: dict[str, int]) -> set[str]:
-    """Copy one expert projection into every slot of its layer's stacked
-    weight that holds the expert (this rank's slice of it under tensor
-    parallelism; nothing for an expert other ranks hold); the stacked
-    weights this completed."""
-    import torch
-    from accelerate.utils import set_module_tensor_to_device
-
-    from appliance.models.layers.parallel import tensor_shard
-
-    targets = model.expert_targets(name)
-    if not targets:
-        return set()
-    shard = tensor_shard(full_arch, tp.rank, tp.size, name) if tp is not None and ep is None else None
-    t = _read_shard(sf, stored, shard)
-    done = set()
-    for target, slot, start, rows in targets:
-        full = expected[target].shape
-        want = (rows, full[2]) if target.endswith(".w13") else tuple(full[1:])
-        if tuple(t.shape) != want:
-            raise ModelLoadError(f"tensor {stored} has shape {tuple(t.shape)}, the model expects {want}")
-        if target not in filled:
-            set_module_tensor_to_device(model, target, device, dtype=dtype, value=torch.empty(full, dtype=dtype))
-            filled[target] = 0
-        with torch.no_grad():
-            model.get_parameter(target)[slot, start:start + rows].copy_(t.to(dtype))
-        filled[target] += rows
-        if filled[target] == full[0] * full[1]:
-            done.add(target)
-    return done
-
-
 def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: Any = "cpu",
                quantization: str = "none", tp: Any = None, pp: Any = None, ep: Any = None,
                redundant_experts: int = 0):
@@ -334,125 +198,32 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     the stacked ``w13`` / ``w2`` of their layer (with ``redundant_experts``
     extra slots for load balancing, filled as ``eplb.initial_placement``
     places them); routers load in fp32."""
-    import torch
     from accelerate import init_empty_weights
-    from accelerate.utils import set_module_tensor_to_device
-    from safetensors import safe_open
 
-    from appliance.models.fp8 import CHECKPOINT_TENSORS as FP8_TENSORS
-    from appliance.models.int4_checkpoints import UNPACK
     from appliance.models.arch import ModelArch
-    from appliance.models.layers.linear import packed_target
-    from appliance.models.layers.parallel import tensor_shard
-    from appliance.models.llama import canonical_name
+    from appliance.models.checkpoint_tensors import CheckpointTensors
+    from appliance.models.int4_checkpoints import UNPACK
     from appliance.models.registry import model_class
 
     folder = resolve_model_folder(m, quantization)
     hf = read_hf_config(folder)
     check_checkpoint(m, hf, folder)
-    gguf_blocks = None  # quantization=gguf: the file's projections as blocks, read from the file
-    if quantization == "gguf":
-        from appliance.models.gguf import read_block_tensors
-
-        source = gguf_source(m)
-        if source is None:
-            raise ModelLoadError(f"model.path={m.path}: quantization=gguf needs a .gguf file")
-        gguf_blocks = read_block_tensors(source)
+    gguf_blocks = _gguf_blocks(m) if quantization == "gguf" else None  # the file's projections as blocks
     full_arch = ModelArch.from_model_config(m)
     if redundant_experts:
         full_arch = dataclasses.replace(full_arch, num_physical_experts=m.num_experts + redundant_experts)
     with init_empty_weights():
         model = model_class(full_arch.architecture)(full_arch, backend, tp, pp, ep)
-    arch = model.arch  # the dimensions this model holds (one rank's, with tp)
-    expected = dict(model.named_parameters())
-    loaded: set[str] = set()
-    packed_rows: dict[str, int] = {}  # packed parameter -> rows filled so far
     checkpoint_method = checkpoint_quant_method(hf)
     quantized = (*UNPACK, "fp8")  # checkpoint formats whose tensors load as quantized modules
     if (checkpoint_method in quantized or quantization in UNPACK) and checkpoint_method != quantization:
         raise ModelLoadError(
             f"{folder}: quantization={quantization} but the checkpoint's quantization_config says "
             f"{checkpoint_method or 'none (unquantized)'}; set quantization={checkpoint_method or 'none'}")
-    int4_parts: dict[str, dict[str, torch.Tensor]] = {}  # AWQ/GPTQ projection weight name -> its tensors
-    fp8_parts: dict[str, dict[str, torch.Tensor]] = {}  # an fp8 checkpoint's projections, the same way
-    kv_scales: dict[int, dict[str, torch.Tensor]] = {}  # layer -> "k" / "v" -> its fp8 KV cache scale
-    for f in _safetensors_files(folder):
-        with safe_open(str(f), framework="pt") as sf:
-            for stored in sf.keys():
-                name = model.local_name(canonical_name(stored))
-                if name is None or (name == "lm_head.weight" and arch.tie_word_embeddings):
-                    continue  # another pipeline stage's, or tied to the embedding
-                kv_scale = _kv_scale_target(name)
-                if kv_scale is not None:
-                    t = sf.get_tensor(stored)
-                    for which in kv_scale[1]:
-                        kv_scales.setdefault(kv_scale[0], {})[which] = t
-                    continue
-                prefix, _, suffix = name.rpartition(".")
-                if checkpoint_method in UNPACK and suffix in UNPACK[checkpoint_method][1]:
-                    int4_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(stored)
-                    continue
-                if checkpoint_method == "fp8" and suffix in FP8_TENSORS and (
-                        suffix != "weight" or sf.get_slice(stored).get_dtype() == "F8_E4M3"):
-                    fp8_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(stored)
-                    continue
-                if ".mlp.experts." in name:
-                    loaded |= _load_expert(model, sf, stored, name, full_arch, tp, ep, expected, dtype, device,
-                                           packed_rows)
-                    continue
-                packed = packed_target(arch, name)
-                target = packed[0] if packed else name
-                if target not in expected:
-                    if "rotary_emb" in name:
-                        continue
-                    raise ModelLoadError(f"{f.name}: unexpected tensor {name} for {arch.architecture}")
-                t = _read_shard(sf, stored, tensor_shard(full_arch, tp.rank, tp.size, name) if tp else None)
-                want = tuple(expected[target].shape)
-                if packed:
-                    want = (packed[2],) + want[1:]
-                if tuple(t.shape) != want:
-                    raise ModelLoadError(f"{f.name}: tensor {name} has shape {tuple(t.shape)}, the model expects {want}")
-                if packed:
-                    # Materialize the packed parameter once, then fill its rows in place.
-                    if target not in packed_rows:
-                        set_module_tensor_to_device(model, target, device, dtype=dtype,
-                                                    value=torch.empty(expected[target].shape, dtype=dtype))
-                        packed_rows[target] = 0
-                    param = model.get_parameter(target)
-                    with torch.no_grad():
-                        param[packed[1] : packed[1] + packed[2]].copy_(t.to(dtype))
-                    packed_rows[target] += packed[2]
-                    if packed_rows[target] == expected[target].shape[0]:
-                        loaded.add(target)
-                    continue
-                router = name.endswith(".mlp.gate.weight")  # routers stay fp32
-                set_module_tensor_to_device(model, name, device, value=t, dtype=torch.float32 if router else dtype)
-                loaded.add(name)
-    if gguf_blocks is not None:
-        from appliance.models.quant import keep_gguf_blocks
-
-        # a pipeline stage's tensors by its own names; a tensor-parallel rank's part of each
-        blocks, others = ({local: v for name, v in d.items() if (local := model.local_name(name)) is not None}
-                          for d in gguf_blocks)
-        try:
-            loaded |= keep_gguf_blocks(model, _rank_blocks(blocks, full_arch, tp, ep), others)
-        except ValueError as e:
-            raise ModelLoadError(f"model.path={m.path}: {e}") from None
-    if int4_parts:
-        qc = hf.get("quantization_config") or {}
-        bits = qc.get("bits", qc.get("w_bit", 4))
-        loaded |= _install_int4_checkpoint(model, checkpoint_method, int4_parts, folder, bits, full_arch, tp, ep)
-    if fp8_parts:
-        from appliance.models.fp8 import install_fp8
-
-        activations = _checkpoint_activations(hf)
-        block = (hf.get("quantization_config") or {}).get("weight_block_size")
-        try:
-            loaded |= install_fp8(model, fp8_parts, activations, block, full_arch, tp, ep)
-        except ValueError as e:
-            raise ModelLoadError(f"{folder}: {e}") from None
-    _set_kv_scales(model, kv_scales, folder)
-    missing = sorted(set(expected) - loaded)
+    tensors = CheckpointTensors(model, full_arch, tp, ep, dtype, device, checkpoint_method)
+    tensors.read(folder)
+    tensors.install(folder, hf, gguf_blocks, m.path)
+    missing = sorted(set(tensors.expected) - tensors.loaded)
     if missing:
         raise ModelLoadError(f"{folder}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     model.eval()
@@ -460,6 +231,16 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return model, tokenizer, folder
+
+
+def _gguf_blocks(m: ModelConfig) -> Any:
+    """quantization=gguf: the GGUF file's projections as blocks, read from the file."""
+    from appliance.models.gguf import read_block_tensors
+
+    source = gguf_source(m)
+    if source is None:
+        raise ModelLoadError(f"model.path={m.path}: quantization=gguf needs a .gguf file")
+    return read_block_tensors(source)
 
 
 def load_tokenizer(m: ModelConfig, quantization: str = "none"):

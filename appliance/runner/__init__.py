@@ -31,7 +31,8 @@ from appliance.config.deployment import PROMPT_CHARS_PER_TOKEN, Deployment, Exec
 from appliance.config.detect import DeviceDescription
 from appliance.config.execution import check_runnable, execution_here, executor_kind, resolve_execution
 from appliance.config.kv_connectors import connector_of
-from appliance.config.plan import format_plan, make_plan, max_model_len
+from appliance.config.memory import max_model_len
+from appliance.config.plan import format_plan, make_plan
 from appliance.config.unbuilt import not_built
 from appliance.errors import ConfigError
 from appliance.kernels.registry import Selection

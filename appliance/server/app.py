@@ -41,7 +41,7 @@ from appliance.server.protocol import (
 )
 from appliance.server.responses import chat_body, chat_events, completion_body, completion_events, tool_output
 from appliance.server.structured import ConstraintChecker, constraint_from_body
-from appliance.server.tools import ToolRequest, parse_tools
+from appliance.server.tool_requests import ToolRequest, parse_tools
 from appliance.server.state import ServerState
 from appliance.server.tracing import RequestSpan
 

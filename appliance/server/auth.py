@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional
 
-from appliance.config.validate import is_loopback
+from appliance.config.validate_serving import is_loopback
 from appliance.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from appliance.config.deployment import Deployment, ExpertGroupAddress
 
@@ -116,9 +116,46 @@ def _tracing(deployment: Deployment, metrics: Metrics) -> Optional[Tracing]:
     return tracing
 
 
+def _uvicorn_server(cfg: Any, app: Any, state: Any, drain: Drain, fatal: list[str]) -> Any:
+    """The HTTP server over ``app``: connection limits and timeouts from
+    ``server.*``, a signal starting the drain instead of stopping it at once,
+    and its loop ending once drained or on a fatal engine error."""
+    import uvicorn
+
+    from appliance.server.transport import ConnectionLimits, guarded_protocol
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+            # Not uvicorn's: it would stop listening at once, so a load balancer
+            # would never see /ready turn 503. The tick below ends the drain (and
+            # no signal is captured for uvicorn to re-raise: a drained SIGTERM exits 0).
+            drain.begin(sig)
+
+        async def on_tick(self, counter: int) -> bool:
+            if await super().on_tick(counter) or fatal:
+                return True
+            return drain.finished(len(self.server_state.tasks))
+
+    limits = ConnectionLimits(header_timeout_s=cfg.server.header_timeout_s, body_timeout_s=cfg.server.body_timeout_s,
+                              max_connections=cfg.server.max_connections, draining=lambda: state.shutting_down)
+    return Server(uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level="warning",
+                                 http=guarded_protocol(limits), timeout_keep_alive=cfg.server.keep_alive_timeout_s,
+                                 timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="off"))
+
+
+def _log_start(deployment: Deployment, ready: Any) -> None:
+    cfg, ex = deployment.cfg, deployment.execution
+    dp = deployment.layout.data_parallel_size
+    log.info("profile %s (config %s, deployment %s), model %s, backend %s, dtype %s, kv cache %s, host %s",
+             cfg.profile, deployment.resolved.hash, deployment.fingerprint, deployment.model_name, ex.backend, ex.dtype,
+             ex.kv_cache_dtype, ex.host)
+    log.info("KV cache: %d blocks x %d tokens%s, max_model_len %d", ready.num_kv_blocks, ready.block_size,
+             f" in each of {dp} data-parallel engine cores" if dp > 1 else "", deployment.max_model_len)
+    log.info("serving on http://%s:%d/v1", cfg.server.host, cfg.server.port)
+
+
 async def _serve(deployment: Deployment, build_engine: BuildEngine,
                  make_segment: Optional[Callable[[int], ExpertGroupAddress]]) -> int:
-    import uvicorn
     from transformers import AutoTokenizer
 
     from appliance.models.loader import resolve_model_folder
@@ -128,9 +165,8 @@ async def _serve(deployment: Deployment, build_engine: BuildEngine,
     from appliance.server.data_parallel import DataParallelClient
     from appliance.server.metrics import Metrics
     from appliance.server.state import ServerState
-    from appliance.server.transport import ConnectionLimits, guarded_protocol
 
-    cfg, ex = deployment.cfg, deployment.execution
+    cfg = deployment.cfg
     # prepare (convert/generate) once, before the core starts
     folder = resolve_model_folder(cfg.model, cfg.quantization.method)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -158,34 +194,8 @@ async def _serve(deployment: Deployment, build_engine: BuildEngine,
                         tokenize_pool=ThreadPoolExecutor(cfg.server.tokenizer_threads,
                                                          thread_name_prefix="appliance-tokenize",
                                                          initializer=_lower_priority))
-    app = create_app(state)
-    drain = Drain(state, cfg.server.shutdown_timeout_s)
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
-            # Not uvicorn's: it would stop listening at once, so a load balancer
-            # would never see /ready turn 503. The tick below ends the drain (and
-            # no signal is captured for uvicorn to re-raise: a drained SIGTERM exits 0).
-            drain.begin(sig)
-
-        async def on_tick(self, counter: int) -> bool:
-            if await super().on_tick(counter) or fatal:
-                return True
-            return drain.finished(len(self.server_state.tasks))
-
-    limits = ConnectionLimits(header_timeout_s=cfg.server.header_timeout_s, body_timeout_s=cfg.server.body_timeout_s,
-                              max_connections=cfg.server.max_connections, draining=lambda: state.shutting_down)
-    config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level="warning",
-                            http=guarded_protocol(limits), timeout_keep_alive=cfg.server.keep_alive_timeout_s,
-                            timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="off")
-    server = Server(config)
-    log.info("profile %s (config %s, deployment %s), model %s, backend %s, dtype %s, kv cache %s, host %s",
-             cfg.profile, deployment.resolved.hash, deployment.fingerprint, deployment.model_name, ex.backend, ex.dtype,
-             ex.kv_cache_dtype, ex.host)
-    log.info("KV cache: %d blocks x %d tokens%s, max_model_len %d", client.ready_info.num_kv_blocks,
-             client.ready_info.block_size, f" in each of {dp} data-parallel engine cores" if dp > 1 else "",
-             deployment.max_model_len)
-    log.info("serving on http://%s:%d/v1", cfg.server.host, cfg.server.port)
+    server = _uvicorn_server(cfg, create_app(state), state, Drain(state, cfg.server.shutdown_timeout_s), fatal)
+    _log_start(deployment, client.ready_info)
     try:
         await server.serve()
     finally:

@@ -13,7 +13,8 @@ from appliance.engine.parallel_sampling import Child
 from appliance.server.generation import Generation, map_engine_error
 from appliance.server.protocol import GenerationRequest, usage
 from appliance.server.state import ServerState
-from appliance.server.tools import ContentDelta, ToolCallStream, ToolRequest, extract_tool_calls
+from appliance.server.tool_requests import ToolRequest
+from appliance.server.tools import ContentDelta, ToolCallStream, extract_tool_calls
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

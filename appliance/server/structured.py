@@ -27,7 +27,7 @@ from typing import Any, Optional
 from appliance.config.schema import StructuredOutputConfig
 from appliance.sampling_params import STRUCTURED_KINDS, SamplingParamsError, StructuredOutputsParams
 from appliance.server.protocol import OpenAIError
-from appliance.server.tools import ToolRequest
+from appliance.server.tool_requests import ToolRequest
 from appliance.structured_output import (CONSTRAINT_NAMES, CompileRefused, CompileSandbox, ConstraintLimits,
                                          TokenSpelling, check, check_writable, effective_constraint, tokenizer_info)
 

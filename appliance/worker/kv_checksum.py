@@ -9,7 +9,9 @@ SHA-256 of each layer's K and V bytes, hashed on a pool of threads, then
 the SHA-256 of those in layer order), so a producer and a consumer get the
 same digest whether the blocks were gathered into one message (p2p) or are
 gathered layer by layer where they lie (NIXL), and the hashing and the
-check for NaN and infinity (``layers_problem``) run on every core."""
+check for NaN and infinity (``layers_problem``) run on every core.
+``gather_blocks`` lays blocks out as those bytes; ``dtype_name`` is how
+the connectors' headers name a cache dtype."""
 
 from __future__ import annotations
 
@@ -100,3 +102,25 @@ def cached_layers(caches: list[torch.Tensor], block_ids: list[int]) -> list[Laye
     ``block_ids`` (in that order) gathered as bytes when hashed."""
     ids = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
     return [lambda c=c: c.view(torch.uint8).index_select(1, ids) for c in caches]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A cache dtype as the connectors' headers name it (``bfloat16``, ``float8_e4m3fn``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def gather_blocks(caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+    """The blocks' K and V of every layer as host bytes, ``[layers, 2,
+    blocks, ..., last dim x element size]`` uint8, in ``block_ids`` order:
+    what a producer sends and what a checksum covers."""
+    like = caches[0]
+    ids = torch.tensor(block_ids, dtype=torch.long, device=like.device)
+    shape = [len(caches), like.shape[0], len(block_ids), *like.shape[2:]]
+    data = torch.empty((*shape[:-1], shape[-1] * like.element_size()), dtype=torch.uint8)
+    for layer, c in enumerate(caches):  # one copy into the host buffer, as bytes
+        raw = c.view(torch.uint8)  # any cache dtype (CPU kernels lack fp8 indexing)
+        if c.device.type == "cpu":
+            torch.index_select(raw, 1, ids, out=data[layer])
+        else:
+            data[layer].copy_(raw.index_select(1, ids))
+    return data

@@ -39,7 +39,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from appliance.engine.kv_connector import BLOCK_SUFFIX, KVConnectorOutput, OffloadMetadata, stored_hashes
-from appliance.worker.kv_checksum import kv_digest
+from appliance.worker.kv_checksum import dtype_name, kv_digest
 from appliance.worker.kv_connector import KVConnectorWorker
 
 log = logging.getLogger("appliance.kv_offload")
@@ -217,7 +217,7 @@ class OffloadWorker(_Tier):
         """Block ``h``'s file header: what its payload ``block`` belongs to
         and its checksum, padded so that the payload starts aligned."""
         meta = json.dumps({"block": h.hex(), "tier": self.identity, "shape": list(block.shape),
-                           "dtype": _dtype_name(block.dtype), "sha256": kv_digest(block)}).encode()
+                           "dtype": dtype_name(block.dtype), "sha256": kv_digest(block)}).encode()
         size = len(MAGIC) + 4 + len(meta)
         meta += b" " * (-size % PAYLOAD_ALIGN)
         return MAGIC + struct.pack("<I", len(meta)) + meta
@@ -288,9 +288,9 @@ class OffloadWorker(_Tier):
         if header.get("tier") != self.identity:
             raise self._reject(h, f"it was written for another model or KV layout (tier {header.get('tier')!r}, "
                                   f"this is {self.identity!r})")
-        if header.get("shape") != shape or header.get("dtype") != _dtype_name(dtype):
+        if header.get("shape") != shape or header.get("dtype") != dtype_name(dtype):
             raise self._reject(h, f"its payload is {header.get('dtype')} {header.get('shape')}, this layout's "
-                                  f"{_dtype_name(dtype)} {shape}")
+                                  f"{dtype_name(dtype)} {shape}")
         payload = memoryview(raw)[start + meta_len : size]
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         if len(payload) != nbytes:
@@ -368,7 +368,3 @@ class OffloadWorker(_Tier):
                 log.exception("writing KV block %s to the offload tier failed", h.hex()[:16])
             finally:
                 self._queue.task_done()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -61,7 +61,7 @@ import torch
 
 from appliance.engine.kv_connector import KVConnectorOutput
 from appliance.engine.kv_p2p import P2PMetadata, RecvSpec, SendSpec, seal, token_digest, unseal
-from appliance.worker.kv_checksum import gathered_layers, layers_digest, layers_problem
+from appliance.worker.kv_checksum import dtype_name, gather_blocks, gathered_layers, layers_digest, layers_problem
 from appliance.worker.kv_connector import KVConnectorWorker
 
 log = logging.getLogger("appliance.kv_p2p")
@@ -89,27 +89,6 @@ class _Load:
 
 
 READING: Any = object()  # a load whose answer started moving its blocks: not ended yet
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def gather_blocks(caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
-    """The blocks' K and V of every layer as host bytes, ``[layers, 2,
-    blocks, ..., last dim x element size]`` uint8, in ``block_ids`` order:
-    what a producer sends and what a checksum covers."""
-    like = caches[0]
-    ids = torch.tensor(block_ids, dtype=torch.long, device=like.device)
-    shape = [len(caches), like.shape[0], len(block_ids), *like.shape[2:]]
-    data = torch.empty((*shape[:-1], shape[-1] * like.element_size()), dtype=torch.uint8)
-    for layer, c in enumerate(caches):  # one copy into the host buffer, as bytes
-        raw = c.view(torch.uint8)  # any cache dtype (CPU kernels lack fp8 indexing)
-        if c.device.type == "cpu":
-            torch.index_select(raw, 1, ids, out=data[layer])
-        else:
-            data[layer].copy_(raw.index_select(1, ids))
-    return data
 
 
 _OPEN: "weakref.WeakSet[P2PWorker]" = weakref.WeakSet()  # workers whose threads run
@@ -316,7 +295,7 @@ class P2PWorker(KVConnectorWorker):
         data = gather_blocks(caches, spec.block_ids[first:first + count])
         shape = [len(caches), caches[0].shape[0], count, *caches[0].shape[2:]]
         header = msgspec.msgpack.encode({"transfer": spec.transfer_id, "digest": token_digest(spec.token_ids[:tokens]),
-                                         "shape": shape, "dtype": _dtype_name(caches[0].dtype),
+                                         "shape": shape, "dtype": dtype_name(caches[0].dtype),
                                          "checksum": layers_digest(gathered_layers(data))})
         return seal(self._key, b"ok", header, memoryview(data.numpy()))
 
@@ -464,9 +443,9 @@ class P2PWorker(KVConnectorWorker):
         spec, caches = load.spec, self._caches
         like = caches[0]
         shape = [len(caches), like.shape[0], len(spec.block_ids), *like.shape[2:]]
-        if header.get("shape") != shape or header.get("dtype") != _dtype_name(like.dtype):
+        if header.get("shape") != shape or header.get("dtype") != dtype_name(like.dtype):
             log.debug("request %s: the producer sent blocks of shape %s %s, not %s %s", spec.request_id,
-                      header.get("shape"), header.get("dtype"), shape, _dtype_name(like.dtype))
+                      header.get("shape"), header.get("dtype"), shape, dtype_name(like.dtype))
             return "blocks of another KV layout"
         payload = payload_frame.buffer
         if payload.nbytes != like.element_size() * int(torch.Size(shape).numel()):

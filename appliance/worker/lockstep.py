@@ -91,7 +91,7 @@ class LockstepRunner:
         """This core's part of a step it has no requests for: the model's
         exchanges with no rows, here or on every rank (an empty step)."""
         if not self.in_process:
-            from appliance.engine.scheduler import SchedulerOutput
+            from appliance.engine.scheduler_output import SchedulerOutput
 
             self.execute(SchedulerOutput())
             return

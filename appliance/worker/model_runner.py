@@ -49,7 +49,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from appliance.engine.scheduler import SchedulerOutput
+from appliance.engine.scheduler_output import SchedulerOutput
 from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
 from appliance.sampling_params import SamplingParams
 from appliance.worker.kv_memory import zeroed_kv_cache

@@ -6,7 +6,9 @@ import pytest
 
 from appliance.config.compose import ConfigError, list_options, list_profiles, resolve
 from appliance.config.detect import DeviceDescription, pick_profile
-from appliance.config.plan import GIB, device_memory, format_plan, make_plan, parameter_counts
+from appliance.config.memory import GIB, device_memory
+from appliance.config.plan import format_plan, make_plan
+from appliance.config.sizes import parameter_counts
 from appliance.config.validate import validate
 from appliance.runner import compose
 

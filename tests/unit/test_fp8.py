@@ -239,7 +239,7 @@ def test_kv_scales_load_under_each_naming(tmp_path, naming, fp8_checkpoint):
 @pytest.mark.parametrize("value,message", [(torch.ones(4), r"a k KV cache scale of shape \(4,\); one scale per layer"),
                                            (torch.tensor(0.0), "KV cache scales must be positive and finite")])
 def test_kv_scales_that_cannot_run_are_refused(tmp_path, fp8_checkpoint, value, message):
-    from appliance.models.loader import ModelLoadError
+    from appliance.errors import ModelLoadError
 
     folder, _ = fp8_checkpoint
     bad = shutil.copytree(folder, tmp_path / "bad")

@@ -197,7 +197,8 @@ def test_the_checkpoint_sets_the_quantization_keys(checkpoints, method):
 
 
 def test_the_plan_counts_fp32_group_parameters(checkpoints):
-    from appliance.config.plan import make_plan, parameter_counts
+    from appliance.config.plan import make_plan
+    from appliance.config.sizes import parameter_counts
 
     cfg = resolve(BASE + [f"model.path={checkpoints['awq']}"]).cfg
     counts = parameter_counts(cfg.model)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from appliance.worker.kv_checksum import cached_layers, gathered_layers, has_nonfinite, layers_digest, layers_problem
-from appliance.worker.kv_p2p import gather_blocks
+from appliance.worker.kv_checksum import gather_blocks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
 

@@ -7,7 +7,8 @@ import pytest
 
 from appliance.config.compose import ConfigError, resolve
 from appliance.models import gguf as our
-from appliance.models.loader import ModelLoadError, check_checkpoint, resolve_model_folder
+from appliance.errors import ModelLoadError
+from appliance.models.loader import check_checkpoint, resolve_model_folder
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16"])

@@ -11,7 +11,8 @@ from safetensors import safe_open
 from appliance import LLM, SamplingParams
 from appliance.config.compose import ConfigError, resolve
 from appliance.config.plan import format_plan, make_plan
-from appliance.models.loader import ModelLoadError, find_wheel_gguf, check_checkpoint
+from appliance.errors import ModelLoadError
+from appliance.models.loader import check_checkpoint, find_wheel_gguf
 from appliance.models.tiny import generate_tiny
 from tests.conftest import run_cli
 from tests.model_helpers import PROMPTS, check_logprobs_close, greedy_top_logprobs, hf_greedy, hf_greedy_top_logprobs

@@ -6,7 +6,7 @@ import dataclasses
 from appliance.config import quantization
 from appliance.config.compose import resolve
 from appliance.config.quantization import QUANTIZATION_METHODS, quantization_problems
-from appliance.config.schema import QuantMethod
+from appliance.config.enums import QuantMethod
 from appliance.config.unbuilt import not_built
 
 
@@ -33,3 +33,25 @@ def test_validation_and_serving_read_the_rows(monkeypatch):
     monkeypatch.setitem(QUANTIZATION_METHODS, "int4_wo", dataclasses.replace(row, activation_dtype="int8"))
     assert quantization_problems(act) == []
     assert quantization.fp8_gemm(act) is False
+
+
+def test_a_checkpoints_quantization_config_is_read_by_its_methods_row():
+    read = quantization.checkpoint_quantization
+    assert quantization.checkpoint_method("GPTQ").name == "gptq"
+    assert quantization.checkpoint_method("compressed-tensors").name == "fp8"
+    assert quantization.checkpoint_method("bitsandbytes") is None
+    facts, problems = read({"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemv"})
+    assert [(f.key, f.value) for f in facts] == [("method", "awq"), ("weight_bits", 4.0), ("group_size", 64)]
+    assert problems == ["AWQ version gemv is not supported (the GEMM layout only)"]
+    facts, problems = read({"quant_method": "gptq", "bits": "4"})  # the method stands; its width cannot be read
+    assert [f.key for f in facts] == ["method"] and "needs integer bits and group_size" in problems[0]
+    group = {"weights": {"type": "float", "num_bits": 8, "strategy": "channel"},
+             "input_activations": {"type": "float", "num_bits": 8, "strategy": "token"}}
+    facts, problems = read({"quant_method": "compressed-tensors", "config_groups": {"g": group}})
+    assert facts[0].value == "fp8" and "compressed-tensors (fp8 weights)" in facts[0].source and problems == []
+    assert ("activations", True) in [(f.key, f.value) for f in facts]
+    facts, problems = read({"quant_method": "bitsandbytes"})
+    assert facts == [] and problems == ["quantization_config.quant_method=bitsandbytes is not supported; supported: "
+                                        "fp8, compressed-tensors, awq, gptq"]
+    # the quant_method values are matched lower-cased
+    assert all(name == name.lower() for row in QUANTIZATION_METHODS.values() for name, _ in row.checkpoint_readers)

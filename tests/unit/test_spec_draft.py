@@ -49,7 +49,8 @@ def test_the_plan_counts_the_draft():
 
 def test_the_plan_puts_the_whole_draft_on_every_tensor_parallel_rank():
     """Each rank holds the target's share and the whole draft, weights and K/V."""
-    from appliance.config.plan import draft_weight_bytes, kv_bytes_per_token, make_plan
+    from appliance.config.memory import draft_weight_bytes, kv_bytes_per_token
+    from appliance.config.plan import make_plan
 
     one = resolve(BASE + OTHER + ["hardware.num_devices=2"]).cfg
     two = resolve(BASE + OTHER + ["hardware.num_devices=2", "parallel=tp2"]).cfg

@@ -6,9 +6,8 @@ import jsonschema
 import pytest
 
 from appliance.server.protocol import OpenAIError
-from appliance.server.tools import (
-    TOOL_PARSERS, ContentDelta, ToolCall, ToolCallDelta, ToolCallStream, ToolRequest, extract_tool_calls, parse_tools,
-)
+from appliance.server.tool_requests import TOOL_PARSERS, ToolRequest, parse_tools
+from appliance.server.tools import ContentDelta, ToolCall, ToolCallDelta, ToolCallStream, extract_tool_calls
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

@@ -1,0 +1,278 @@
+"""A checkpoint's tensors read into a model built on the meta device
+(``loader.load_model``): each tensor materialized in the target dtype
+straight from its safetensors file (a tensor-parallel rank reads only its
+rows or columns), fused projections filled row block by row block, experts
+into their layer's stacked weights, quantized projections (AWQ/GPTQ,
+fp8, a GGUF file's blocks) gathered and installed as their modules, and
+fp8 KV cache scales set on their layers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from appliance.config.checkpoint import quantization_facts
+from appliance.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
+
+
+class CheckpointTensors:
+    """One pass over a checkpoint's tensors into ``model`` (``read``), then
+    the quantized projections installed (``install``). ``expected`` are the
+    model's parameters, ``loaded`` those filled; ``method`` the checkpoint's
+    quantization (``checkpoint.checkpoint_quant_method``)."""
+
+    def __init__(self, model: Any, full_arch: Any, tp: Any, ep: Any, dtype: Any, device: Any, method: str):
+        self.model, self.arch, self.full_arch = model, model.arch, full_arch  # arch: this rank's dimensions
+        self.tp, self.ep, self.dtype, self.device, self.method = tp, ep, dtype, device, method
+        self.expected = dict(model.named_parameters())
+        self.loaded: set[str] = set()
+        self.packed_rows: dict[str, int] = {}  # packed (or stacked expert) parameter -> rows filled so far
+        self.int4_parts: dict[str, dict[str, torch.Tensor]] = {}  # AWQ/GPTQ projection weight name -> its tensors
+        self.fp8_parts: dict[str, dict[str, torch.Tensor]] = {}  # an fp8 checkpoint's projections, the same way
+        self.kv_scales: dict[int, dict[str, torch.Tensor]] = {}  # layer -> "k" / "v" -> its fp8 KV cache scale
+
+    def read(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        for f in _safetensors_files(folder):
+            with safe_open(str(f), framework="pt") as sf:
+                for stored in sf.keys():
+                    self._take(sf, stored, f.name)
+
+    def _take(self, sf: Any, stored: str, file_name: str) -> None:
+        """One stored tensor: set aside (KV scales, quantized parts), into an
+        expert's slots, into its rows of a fused projection, or materialized."""
+        from accelerate.utils import set_module_tensor_to_device
+
+        from appliance.models.fp8 import CHECKPOINT_TENSORS as FP8_TENSORS
+        from appliance.models.int4_checkpoints import UNPACK
+        from appliance.models.layers.linear import packed_target
+        from appliance.models.layers.parallel import tensor_shard
+        from appliance.models.llama import canonical_name
+
+        model, arch, tp = self.model, self.arch, self.tp
+        name = model.local_name(canonical_name(stored))
+        if name is None or (name == "lm_head.weight" and arch.tie_word_embeddings):
+            return  # another pipeline stage's, or tied to the embedding
+        kv_scale = _kv_scale_target(name)
+        if kv_scale is not None:
+            t = sf.get_tensor(stored)
+            for which in kv_scale[1]:
+                self.kv_scales.setdefault(kv_scale[0], {})[which] = t
+            return
+        prefix, _, suffix = name.rpartition(".")
+        if self.method in UNPACK and suffix in UNPACK[self.method][1]:
+            self.int4_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(stored)
+            return
+        if self.method == "fp8" and suffix in FP8_TENSORS and (
+                suffix != "weight" or sf.get_slice(stored).get_dtype() == "F8_E4M3"):
+            self.fp8_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(stored)
+            return
+        if ".mlp.experts." in name:
+            self.loaded |= _load_expert(model, sf, stored, name, self.full_arch, tp, self.ep, self.expected,
+                                        self.dtype, self.device, self.packed_rows)
+            return
+        packed = packed_target(arch, name)
+        target = packed[0] if packed else name
+        if target not in self.expected:
+            if "rotary_emb" in name:
+                return
+            raise ModelLoadError(f"{file_name}: unexpected tensor {name} for {arch.architecture}")
+        t = _read_shard(sf, stored, tensor_shard(self.full_arch, tp.rank, tp.size, name) if tp else None)
+        want = tuple(self.expected[target].shape)
+        if packed:
+            want = (packed[2],) + want[1:]
+        if tuple(t.shape) != want:
+            raise ModelLoadError(f"{file_name}: tensor {name} has shape {tuple(t.shape)}, the model expects {want}")
+        if packed:
+            self._fill_rows(target, packed[1], packed[2], t)
+            return
+        router = name.endswith(".mlp.gate.weight")  # routers stay fp32
+        import torch
+
+        set_module_tensor_to_device(model, name, self.device, value=t,
+                                    dtype=torch.float32 if router else self.dtype)
+        self.loaded.add(name)
+
+    def _fill_rows(self, target: str, first: int, rows: int, t: Any) -> None:
+        """Rows ``first:first + rows`` of the fused parameter ``target``,
+        materialized once, then filled in place."""
+        import torch
+        from accelerate.utils import set_module_tensor_to_device
+
+        shape = self.expected[target].shape
+        if target not in self.packed_rows:
+            set_module_tensor_to_device(self.model, target, self.device, dtype=self.dtype,
+                                        value=torch.empty(shape, dtype=self.dtype))
+            self.packed_rows[target] = 0
+        with torch.no_grad():
+            self.model.get_parameter(target)[first : first + rows].copy_(t.to(self.dtype))
+        self.packed_rows[target] += rows
+        if self.packed_rows[target] == shape[0]:
+            self.loaded.add(target)
+
+    def install(self, folder: Path, hf: dict, gguf_blocks: Any, model_path: str) -> None:
+        """The quantized projections read aside as their modules (a GGUF
+        file's blocks, AWQ/GPTQ int4, fp8), and the layers' KV cache scales."""
+        model, full_arch, tp, ep = self.model, self.full_arch, self.tp, self.ep
+        if gguf_blocks is not None:
+            from appliance.models.quant import keep_gguf_blocks
+
+            # a pipeline stage's tensors by its own names; a tensor-parallel rank's part of each
+            blocks, others = ({local: v for name, v in d.items() if (local := model.local_name(name)) is not None}
+                              for d in gguf_blocks)
+            try:
+                self.loaded |= keep_gguf_blocks(model, _rank_blocks(blocks, full_arch, tp, ep), others)
+            except ValueError as e:
+                raise ModelLoadError(f"model.path={model_path}: {e}") from None
+        if self.int4_parts:
+            qc = hf.get("quantization_config") or {}
+            bits = qc.get("bits", qc.get("w_bit", 4))
+            self.loaded |= _install_int4_checkpoint(model, self.method, self.int4_parts, folder, bits, full_arch,
+                                                    tp, ep)
+        if self.fp8_parts:
+            from appliance.models.fp8 import install_fp8
+
+            block = (hf.get("quantization_config") or {}).get("weight_block_size")
+            try:
+                self.loaded |= install_fp8(model, self.fp8_parts, _checkpoint_activations(hf), block, full_arch,
+                                           tp, ep)
+            except ValueError as e:
+                raise ModelLoadError(f"{folder}: {e}") from None
+        _set_kv_scales(model, self.kv_scales, folder)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no .safetensors files")
+    return files
+
+
+def _checkpoint_activations(hf: dict) -> bool:
+    """Whether an fp8 checkpoint quantizes activations (W8A8), as its quantization_config says."""
+    facts, _ = quantization_facts(hf)
+    return any(f.key == "activations" and f.value for f in facts)
+
+
+# A checkpoint's fp8 KV cache scales, by the name's tail below model.layers.N: which scales each sets.
+KV_SCALE_TENSORS = {
+    "self_attn.k_scale": "k", "self_attn.v_scale": "v",  # vLLM's fp8 checkpoints
+    "self_attn.kv_scale": "kv",  # one scale for both (older checkpoints)
+    "self_attn.k_proj.output_scale": "k", "self_attn.v_proj.output_scale": "v",  # compressed-tensors kv_cache_scheme
+    "self_attn.k_proj.k_scale": "k", "self_attn.v_proj.v_scale": "v",  # ModelOpt
+}
+
+
+def _kv_scale_target(name: str) -> tuple[int, str] | None:
+    """(layer, "k" | "v" | "kv") when ``name`` is a KV cache scale tensor."""
+    head, sep, rest = name.partition("model.layers.")
+    index, _, tail = rest.partition(".")
+    if head or not sep or not index.isdigit() or tail not in KV_SCALE_TENSORS:
+        return None
+    return int(index), KV_SCALE_TENSORS[tail]
+
+
+def _set_kv_scales(model: Any, scales: dict[int, dict[str, torch.Tensor]], folder: Path) -> None:
+    """Each layer's KV cache scales (1.0 where the checkpoint has none); one
+    scale per layer and tensor (per-tensor), as vLLM reads them."""
+    layers = model.model.layers
+    for index, given in sorted(scales.items()):
+        values = {}
+        for which, t in given.items():
+            if t.numel() != 1:
+                raise ModelLoadError(f"{folder}: layer {index} has a {which} KV cache scale of shape {tuple(t.shape)}; "
+                                     f"one scale per layer (per-tensor) is supported")
+            values[which] = float(t.float().reshape(()))
+        if index >= len(layers):
+            raise ModelLoadError(f"{folder}: a KV cache scale for layer {index}, and the model has {len(layers)} layers")
+        try:
+            layers[index].self_attn.set_kv_scales(values.get("k", 1.0), values.get("v", 1.0))
+        except ValueError as e:
+            raise ModelLoadError(f"{folder}: layer {index}: {e}") from None
+
+
+def _install_int4_checkpoint(model: Any, method: str, parts: dict[str, dict], folder: Path, bits: int,
+                             full_arch: Any, tp: Any, ep: Any) -> set[str]:
+    """The AWQ/GPTQ projections as int4 (or, 8-bit, grouped int8) linears
+    (with ``tp``, this rank's part of each); the module weights they fill."""
+    from appliance.models.int4_checkpoints import checkpoint_blocks
+    from appliance.models.quant import install_int4
+
+    try:
+        blocks = {name: checkpoint_blocks(method, p, bits) for name, p in parts.items()}
+        return install_int4(model, _rank_blocks(blocks, full_arch, tp, ep), method)
+    except ValueError as e:
+        raise ModelLoadError(f"{folder}: {e}") from None
+
+
+def _rank_blocks(blocks: dict[str, tuple], full_arch: Any, tp: Any, ep: Any = None) -> dict[str, tuple]:
+    """Whole projections' blocks cut to a tensor-parallel rank's part (as is
+    without ``tp``); with expert parallelism (``ep``) the experts stay whole
+    (a rank takes its own experts' blocks, ``quant.install_expert_blocks``)."""
+    from appliance.models.layers.parallel import shard_blocks
+
+    if tp is None:
+        return blocks
+    whole = {name: b for name, b in blocks.items() if ep is not None and ".mlp.experts." in name}
+    return {**shard_blocks(full_arch, tp.rank, tp.size, {n: b for n, b in blocks.items() if n not in whole}), **whole}
+
+
+def _read_shard(sf: Any, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
+    """The tensor ``name``, or only its rows / columns ``shard`` (dim, start,
+    stop) read from the file; rows past the tensor's (a padded vocabulary)
+    are zeros."""
+    if shard is None:
+        return sf.get_tensor(name)
+    import torch
+
+    dim, start, stop = shard
+    sl = sf.get_slice(name)
+    size = sl.get_shape()[dim]
+    t = sl[start:min(stop, size)] if dim == 0 else sl[:, start:min(stop, size)]
+    if stop > size:
+        pad = list(t.shape)
+        pad[dim] = stop - max(start, size)
+        t = torch.cat([t, torch.zeros(pad, dtype=t.dtype)], dim=dim)
+    return t
+
+
+def _load_expert(model: Any, sf: Any, stored: str, name: str, full_arch: Any, tp: Any, ep: Any,
+                 expected: dict, dtype: Any, device: Any, filled: dict[str, int]) -> set[str]:
+    """Copy one expert projection into every slot of its layer's stacked
+    weight that holds the expert (this rank's slice of it under tensor
+    parallelism; nothing for an expert other ranks hold); the stacked
+    weights this completed."""
+    import torch
+    from accelerate.utils import set_module_tensor_to_device
+
+    from appliance.models.layers.parallel import tensor_shard
+
+    targets = model.expert_targets(name)
+    if not targets:
+        return set()
+    shard = tensor_shard(full_arch, tp.rank, tp.size, name) if tp is not None and ep is None else None
+    t = _read_shard(sf, stored, shard)
+    done = set()
+    for target, slot, start, rows in targets:
+        full = expected[target].shape
+        want = (rows, full[2]) if target.endswith(".w13") else tuple(full[1:])
+        if tuple(t.shape) != want:
+            raise ModelLoadError(f"tensor {stored} has shape {tuple(t.shape)}, the model expects {want}")
+        if target not in filled:
+            set_module_tensor_to_device(model, target, device, dtype=dtype, value=torch.empty(full, dtype=dtype))
+            filled[target] = 0
+        with torch.no_grad():
+            model.get_parameter(target)[slot, start:start + rows].copy_(t.to(dtype))
+        filled[target] += rows
+        if filled[target] == full[0] * full[1]:
+            done.add(target)
+    return done
