@@ -27,6 +27,9 @@ TINY_VARIANTS = {
     # Llama 3 rope scaling with a short original context, so every frequency band is exercised.
     "llama3_rope": ["model.rope_scaling.type=llama3", "model.rope_scaling.factor=8.0",
                     "model.rope_scaling.original_max_position_embeddings=32", "model.rope_theta=500000.0"],
+    # YaRN (Qwen2.5's long-context scaling): a ramp over the first dimensions, cos/sin scaled by 0.1 ln 4 + 1
+    "yarn_rope": ["model.rope_scaling.type=yarn", "model.rope_scaling.factor=4.0",
+                  "model.rope_scaling.original_max_position_embeddings=256"],
 }
 
 

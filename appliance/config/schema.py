@@ -38,6 +38,14 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn (as transformers reads a checkpoint's rope_scaling): the ramp between extrapolated and interpolated
+    # frequencies, and the cos/sin scale (attention_factor; null: from factor, and mscale / mscale_all_dim)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    attention_factor: Optional[float] = None
+    truncate: bool = True
 
 
 @dataclass

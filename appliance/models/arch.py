@@ -52,6 +52,10 @@ class ModelArch:
                 "high_freq_factor": rs.high_freq_factor,
                 "original_max_position_embeddings": rs.original_max_position_embeddings,
             }
+            if rs_type == "yarn":
+                scaling.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, mscale=rs.mscale,
+                               mscale_all_dim=rs.mscale_all_dim, attention_factor=rs.attention_factor,
+                               truncate=rs.truncate)
         return ModelArch(
             architecture=m.architecture,
             num_layers=m.num_layers,

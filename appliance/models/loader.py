@@ -57,6 +57,9 @@ def _facts_hash(m: ModelConfig) -> str:
     if rs.type != "none":
         facts["rope_scaling"] = [rs.type, rs.factor, rs.low_freq_factor, rs.high_freq_factor,
                                  rs.original_max_position_embeddings]
+        if rs.type == "yarn":  # other scalings' hashes stay what they were
+            facts["rope_scaling"] += [rs.beta_fast, rs.beta_slow, rs.mscale, rs.mscale_all_dim, rs.attention_factor,
+                                      rs.truncate]
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
 
 

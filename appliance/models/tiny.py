@@ -88,6 +88,10 @@ def hf_config_dict(m: ModelConfig, vocab_size: int) -> dict:
         cfg["rope_scaling"] = {"rope_type": rs_type, "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
                                "high_freq_factor": rs.high_freq_factor,
                                "original_max_position_embeddings": rs.original_max_position_embeddings}
+        if rs_type == "yarn":
+            cfg["rope_scaling"].update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, truncate=rs.truncate,
+                                       **{k: v for k in ("mscale", "mscale_all_dim", "attention_factor")
+                                          if (v := getattr(rs, k)) is not None})
     return cfg
 
 

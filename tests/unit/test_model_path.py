@@ -24,7 +24,8 @@ FOLDERS = {
     "qwen2": {"architecture": "Qwen2ForCausalLM", "qkv_bias": True, "qk_norm": False, "tie_word_embeddings": False,
               "num_layers": 2, "hidden_size": 64, "intermediate_size": 96, "num_heads": 4, "num_kv_heads": 2,
               "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 4096, "rope_theta": 1000000.0,
-              "rms_norm_eps": 1e-6},
+              "rms_norm_eps": 1e-6, "rope_scaling.type": "yarn", "rope_scaling.factor": 4.0,
+              "rope_scaling.original_max_position_embeddings": 1024, "rope_scaling.beta_fast": 16.0},
     "qwen3": {"architecture": "Qwen3ForCausalLM", "qkv_bias": False, "qk_norm": True, "tie_word_embeddings": True,
               "num_layers": 3, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 2,
               "head_dim": 32, "vocab_size": 384, "max_position_embeddings": 2048, "rope_theta": 500000.0,
@@ -100,10 +101,14 @@ def test_overrides_against_the_checkpoint(folders, tmp_path):
         resolve(BASE + [f"model.path={q2}", "++model.qkv_bias=false"])
     with pytest.raises(ConfigError, match=r"model.rope_scaling.type=none but the checkpoint .* rope scaling linear"):
         resolve(BASE + [f"model.path={folders['qwen3']}", "model.rope_scaling.type=none"])
+    with pytest.raises(ConfigError, match=r"model.rope_scaling.beta_fast=32.0 but the checkpoint .* beta_fast=16.0"):
+        resolve(BASE + [f"model.path={q2}", "model.rope_scaling.beta_fast=32.0"])
     # Agreeing facts and non-architectural keys are free to set.
     m = resolve(BASE + [f"model.path={q2}", "model.num_layers=2", "model.name=mine", "model.max_model_len=512",
                         "model.dtype=float32", "model=llama3_1_8b"]).cfg.model
-    assert (m.name, m.max_model_len, m.num_layers, m.rope_scaling.type) == ("mine", 512, 2, "none")
+    # the checkpoint's rope scaling (YaRN) replaces the option's (llama3), its unset keys at their defaults
+    assert (m.name, m.max_model_len, m.num_layers, m.rope_scaling.type) == ("mine", 512, 2, "yarn")
+    assert (m.rope_scaling.beta_fast, m.rope_scaling.beta_slow, m.rope_scaling.low_freq_factor) == (16.0, 1.0, 1.0)
     # check=False keeps the explicit value; the loader's check still stops it.
     m = resolve(BASE + [f"model.path={q2}", "model.qkv_bias=false"], check=False).cfg.model
     hf = json.loads((q2 / "config.json").read_text())

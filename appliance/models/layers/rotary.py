@@ -1,5 +1,6 @@
 """Rotary position embeddings: the inverse frequencies (with a checkpoint's
-rope scaling), the cos/sin tables, and the rotation."""
+rope scaling: linear, llama3 or YaRN, as transformers computes them), the
+cos/sin tables (YaRN's scaled by its attention factor), and the rotation."""
 
 from __future__ import annotations
 
@@ -29,7 +30,49 @@ def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if rs["rope_type"] == "yarn":
+        return _yarn_inv_freq(arch)
     raise ValueError(f"unsupported rope scaling {rs['rope_type']!r}")
+
+
+def _yarn_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): the frequencies that turn fewer than
+    ``beta_slow`` times over the original context are interpolated (divided by
+    ``factor``), those that turn more than ``beta_fast`` times kept, and a
+    linear ramp over the dimensions between."""
+    rs, dim, base = arch.rope_scaling, arch.head_dim, arch.rope_theta
+    assert rs is not None
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rs["original_max_position_embeddings"] / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rs["beta_fast"]), correction_dim(rs["beta_slow"])
+    if rs["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    keep = 1 - ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # share extrapolated
+    return 1.0 / (rs["factor"] * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+
+
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(arch: ModelArch) -> float:
+    """What the cos/sin tables are scaled by: YaRN's attention factor (given,
+    else from ``factor``, with ``mscale`` / ``mscale_all_dim`` where both are
+    set), 1 otherwise."""
+    rs = arch.rope_scaling
+    if rs is None or rs["rope_type"] != "yarn":
+        return 1.0
+    if rs["attention_factor"] is not None:
+        return float(rs["attention_factor"])
+    if rs["mscale"] and rs["mscale_all_dim"]:
+        return _mscale(rs["factor"], rs["mscale"]) / _mscale(rs["factor"], rs["mscale_all_dim"])
+    return _mscale(rs["factor"])
 
 
 def rope_tables(arch: ModelArch, positions: int, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +80,10 @@ def rope_tables(arch: ModelArch, positions: int, device: Any = "cpu") -> tuple[t
     pos = torch.arange(positions, device=device, dtype=torch.float32)
     freqs = torch.outer(pos, rope_inv_freq(arch).to(device))
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    scale = rope_attention_factor(arch)
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
