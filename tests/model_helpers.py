@@ -30,6 +30,8 @@ TINY_VARIANTS = {
     # YaRN (Qwen2.5's long-context scaling): a ramp over the first dimensions, cos/sin scaled by 0.1 ln 4 + 1
     "yarn_rope": ["model.rope_scaling.type=yarn", "model.rope_scaling.factor=4.0",
                   "model.rope_scaling.original_max_position_embeddings=256"],
+    # Phi-3: fused q/k/v and gate/up checkpoint tensors, a sliding window that holds max_model_len to 512
+    "phi3": ["model.architecture=Phi3ForCausalLM", "model.sliding_window=512"],
 }
 
 

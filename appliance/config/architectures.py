@@ -41,6 +41,9 @@ class Architecture:
     tensor_parallel: bool = True
     pipeline_parallel: bool = True
     attention: tuple[str, ...] = ("full",)  # its layers' attention kinds
+    # how a checkpoint's sliding_window applies: "none" (never), "every" (to every layer when set: Mistral,
+    # Mixtral, Phi-3), "optional" (only with use_sliding_window, to some layers: Qwen2/3; not built yet)
+    window: str = "none"
     pooling: bool = False  # an embedding, reranking or classification head
 
     @property
@@ -59,13 +62,17 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("LlamaForCausalLM", "llama", "llama", gguf=("llama",), gguf_permuted_qk=True),
-    Architecture("MistralForCausalLM", "mistral", "llama"),
-    Architecture("Qwen2ForCausalLM", "qwen2", "llama", qkv_bias="always", gguf=("qwen2",)),
-    Architecture("Qwen3ForCausalLM", "qwen3", "llama", qk_norm=True, gguf=("qwen3",)),
-    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "llama", experts="some", qk_norm=True, gguf_experts=("qwen3moe",)),
+    Architecture("MistralForCausalLM", "mistral", "llama", window="every"),
+    Architecture("Qwen2ForCausalLM", "qwen2", "llama", qkv_bias="always", gguf=("qwen2",), window="optional"),
+    Architecture("Qwen3ForCausalLM", "qwen3", "llama", qk_norm=True, gguf=("qwen3",), window="optional"),
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "llama", experts="some", qk_norm=True, gguf_experts=("qwen3moe",),
+                 window="optional"),
     # llama.cpp writes Mixtral as general.architecture=llama with experts
     Architecture("MixtralForCausalLM", "mixtral", "llama", experts="every", gguf_experts=("llama",),
-                 gguf_permuted_qk=True),
+                 gguf_permuted_qk=True, window="every"),
+    # its checkpoints' q/k/v and gate/up come fused, as this implementation packs them; a tensor-parallel rank's
+    # rows of a fused tensor are not cut yet
+    Architecture("Phi3ForCausalLM", "phi3", "llama", tensor_parallel=False, window="every"),
 )}
 
 # Architectures people bring that are not served yet, and what each needs.
@@ -76,7 +83,6 @@ NOT_BUILT: dict[str, str] = {
                          "attention and MLP",
     "Gemma3ForConditionalGeneration": "an image encoder, and Gemma 3's sliding-window KV-cache groups",
     "GptOssForCausalLM": "attention sinks, sliding-window KV-cache groups, YaRN rope scaling and MXFP4 experts",
-    "Phi3ForCausalLM": "Phi-3's fused q/k/v and gate/up checkpoint tensors and LongRoPE scaling",
     "Olmo2ForCausalLM": "norms after attention and MLP, and q/k norms over all heads",
     "GraniteForCausalLM": "Granite's embedding, attention, residual and logit multipliers",
     "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) and DeepSeek's shared experts",

@@ -96,14 +96,34 @@ def hf_facts(hf: dict) -> tuple[list[Fact], list[str]]:
         facts.append(Fact("head_dim", hf["head_dim"], f"head_dim={hf['head_dim']}"))
     elif heads and hidden:
         facts.append(Fact("head_dim", hidden // heads, f"hidden_size/num_attention_heads={hidden // heads}"))
-    # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
-    rope = hf.get("rope_parameters") or {}
-    theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
-    facts.append(Fact("rope_theta", theta, f"rope_theta={theta}"))
     eps = float(hf.get("rms_norm_eps", 1e-6))
     facts.append(Fact("rms_norm_eps", eps, f"rms_norm_eps={eps}"))
     tie = bool(hf.get("tie_word_embeddings", False))
     facts.append(Fact("tie_word_embeddings", tie, f"tie_word_embeddings={shown(tie)}"))
+    for more, more_problems in (_rope_facts(hf), _window_facts(hf, row)):
+        facts += more
+        problems += more_problems
+    if row.qkv_bias == "always":  # as in transformers: Qwen2's q/k/v projections always carry a bias
+        facts.append(Fact("qkv_bias", True, f"architectures={shown([arch])} (always a q/k/v bias)"))
+    elif hf.get("attention_bias"):
+        problems.append(f"attention_bias=true on {arch} (a bias on the output projection too) is not supported")
+    else:
+        facts.append(Fact("qkv_bias", False, f"architectures={shown([arch])} without attention_bias"))
+    qk_norm = row.qk_norm
+    facts.append(Fact("qk_norm", qk_norm, f"architectures={shown([arch])} ({'with' if qk_norm else 'no'} q/k norm)"))
+    moe, moe_problems = _moe_facts(hf, row)
+    return facts + moe, problems + moe_problems
+
+
+def _rope_facts(hf: dict) -> tuple[list[Fact], list[str]]:
+    """rope_theta and the rope scaling (transformers 5 folds both into rope_parameters); a rotary embedding
+    over part of each head is not built."""
+    rope = hf.get("rope_parameters") or {}
+    theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    facts, problems = [Fact("rope_theta", theta, f"rope_theta={theta}")], []
+    partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor")) or 1.0
+    if partial != 1.0:
+        problems.append(f"partial_rotary_factor={partial} (rope over part of each head) is not built yet")
     scaling = hf.get("rope_scaling") or rope
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
@@ -116,16 +136,19 @@ def hf_facts(hf: dict) -> tuple[list[Fact], list[str]]:
         problems += [f"rope scaling {rope_type} has no {k}" for k in needed if k not in scaling]
     else:
         problems.append(f"rope scaling {rope_type} is not supported; supported: {', '.join(ROPE_SCALING_TYPES)}")
-    if row.qkv_bias == "always":  # as in transformers: Qwen2's q/k/v projections always carry a bias
-        facts.append(Fact("qkv_bias", True, f"architectures={shown([arch])} (always a q/k/v bias)"))
-    elif hf.get("attention_bias"):
-        problems.append(f"attention_bias=true on {arch} (a bias on the output projection too) is not supported")
-    else:
-        facts.append(Fact("qkv_bias", False, f"architectures={shown([arch])} without attention_bias"))
-    qk_norm = row.qk_norm
-    facts.append(Fact("qk_norm", qk_norm, f"architectures={shown([arch])} ({'with' if qk_norm else 'no'} q/k norm)"))
-    moe, moe_problems = _moe_facts(hf, row)
-    return facts + moe, problems + moe_problems
+    return facts, problems
+
+
+def _window_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
+    """The attention window its layers keep (``model.sliding_window``), as its architecture reads config.json's
+    sliding_window (the row's ``window``)."""
+    window = hf.get("sliding_window")
+    if row.window == "every" and window:
+        return [Fact("sliding_window", int(window), f"sliding_window={window}")], []
+    if row.window == "optional" and hf.get("use_sliding_window"):
+        return [], [f"use_sliding_window=true (sliding-window attention in some layers of {row.name}) is not "
+                    f"built yet: it needs sliding-window KV-cache groups"]
+    return [Fact("sliding_window", None, "no sliding window")], []
 
 
 def dense_facts(source: str) -> list[Fact]:

@@ -213,7 +213,11 @@ def activation_bytes(cfg: ApplianceConfig, dtype: str) -> int:
 
 
 def max_model_len(cfg: ApplianceConfig) -> int:
-    return cfg.model.max_model_len or cfg.model.max_position_embeddings
+    """``model.max_model_len``, else the model's positions, held within its
+    attention window where it has one (``model.sliding_window``: until
+    sliding-window KV-cache groups are built, no sequence outgrows it)."""
+    m = cfg.model
+    return m.max_model_len or min(m.max_position_embeddings, m.sliding_window or m.max_position_embeddings)
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,11 @@ def _notes(cfg: ApplianceConfig, offloaded: int, comm: dict[str, Any]) -> list[s
                      f"{cfg.model.param_count_b} B: check the model.* facts")
     if offloaded:
         notes.append(f"{offloaded / GIB:.2f} GiB of weights per device offloaded to host memory (cache.cpu_offload_gib)")
+    m = cfg.model
+    if m.sliding_window is not None and m.sliding_window < m.max_position_embeddings:
+        notes.append(f"model.sliding_window={m.sliding_window}: every layer attends to the last {m.sliding_window} "
+                     f"tokens; sequences are held to max_model_len={max_model_len(cfg)} (sliding-window KV-cache "
+                     f"groups, which would serve longer ones, are not built yet)")
     notes += [f"not built yet, serving refuses it: {u}" for u in not_built(cfg)]
     notes += method_of(cfg).plan_notes(cfg)
     if comm["collectives_per_step"] and comm["decode_comm_share"] is None:

@@ -71,6 +71,10 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     qkv_bias: bool = False
     qk_norm: bool = False
+    # Every layer attends to the last sliding_window tokens only (a checkpoint's sliding_window: Mistral v0.1,
+    # Phi-3); null: to all. Until sliding-window KV-cache groups are built, a sequence is held within the window
+    # (max_model_len defaults to it, and may not exceed it), where the window changes nothing.
+    sliding_window: Optional[int] = None
     # Mixture of experts (num_experts=0: a dense model). A sparse layer routes
     # each token to num_experts_per_tok of num_experts experts of
     # moe_intermediate_size, weighted by the router's softmax (renormalized

@@ -227,6 +227,12 @@ def _length_problems(cfg: ApplianceConfig) -> list[str]:
             f"model.max_model_len={mml} exceeds {m.name}'s max_position_embeddings={m.max_position_embeddings}; "
             f"lower model.max_model_len"
         )
+    if m.sliding_window is not None and mml > m.sliding_window:
+        problems.append(f"model.max_model_len={mml} exceeds model.sliding_window={m.sliding_window}: attention over "
+                        f"a sliding window past its length (sliding-window KV-cache groups) is not built yet; set "
+                        f"model.max_model_len={m.sliding_window} or less")
+    if m.sliding_window is not None and m.sliding_window < 1:
+        problems.append(f"model.sliding_window={m.sliding_window} must be at least 1 (or null: none)")
     if not s.enable_chunked_prefill and s.max_num_batched_tokens < mml:
         problems.append(
             f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} is below max_model_len={mml} with "

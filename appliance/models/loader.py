@@ -53,6 +53,8 @@ def _facts_hash(m: ModelConfig) -> str:
     if m.num_experts:  # a dense model's hash stays what it was
         facts.update({k: getattr(m, k) for k in MOE_KEYS})
         facts["mlp_only_layers"] = list(m.mlp_only_layers)
+    if m.sliding_window is not None:  # models without one keep their hash
+        facts["sliding_window"] = m.sliding_window
     rs = m.rope_scaling
     if rs.type != "none":
         facts["rope_scaling"] = [rs.type, rs.factor, rs.low_freq_factor, rs.high_freq_factor,

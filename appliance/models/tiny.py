@@ -1,7 +1,8 @@
 """A small random Llama-family model with its own trained BPE tokenizer,
 generated deterministically from the model config (tests and benchmarks of
 the machinery). The architecture flags pick the Hugging Face class, so
-Qwen2-style (qkv bias) and Qwen3-style (q/k norm) variants come out too,
+Qwen2-style (qkv bias), Qwen3-style (q/k norm) and Phi-3 (fused q/k/v and
+gate/up tensors, a sliding window) variants come out too,
 and the mixture-of-experts architectures (Qwen3-MoE, Mixtral) from their
 ``num_experts`` keys."""
 
@@ -74,6 +75,8 @@ def hf_config_dict(m: ModelConfig, vocab_size: int) -> dict:
         "attention_bias": m.qkv_bias,
         "torch_dtype": "float32",
     }
+    if ARCHITECTURES[m.architecture].window == "every":  # written even when null: Mistral's default is 4096
+        cfg["sliding_window"] = m.sliding_window
     row = ARCHITECTURES[m.architecture]
     if row.experts == "every":  # Mixtral: every layer sparse; its experts' size is intermediate_size
         cfg.update(num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
@@ -105,12 +108,11 @@ def generate_tiny(m: ModelConfig, out_dir: Path) -> Path:
     model_type = ARCHITECTURES[m.architecture].model_type
     raw = hf_config_dict(m, m.vocab_size)
     raw.pop("architectures")
-    if model_type in ("qwen2", "mixtral"):
-        raw.pop("attention_bias")  # Qwen2 always has qkv bias, Mixtral none
-    config = AutoConfig.for_model(model_type, **raw)
-    config.bos_token_id = tok.bos_token_id
-    config.eos_token_id = tok.eos_token_id
-    config.pad_token_id = tok.pad_token_id
+    if model_type in ("qwen2", "mixtral", "phi3"):
+        raw.pop("attention_bias")  # Qwen2 always has qkv bias, Mixtral and Phi-3 none
+    # the special tokens first: Phi-3's embedding is built with its padding row
+    config = AutoConfig.for_model(model_type, **raw, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id)
     torch.manual_seed(m.seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():

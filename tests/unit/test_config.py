@@ -442,3 +442,37 @@ def test_the_ray_executor_needs_ray(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     with pytest.raises(ConfigError, match="needs the ray package"):
         compose(resolve(["+profile=cpu", "model=tiny_random", "parallel=tp2", "parallel.executor=ray"]))
+
+
+def test_a_sliding_window_holds_sequences_within_it():
+    from appliance.config.memory import max_model_len
+
+    base = ["+profile=cpu", "model=tiny_random", "model.architecture=Phi3ForCausalLM", "model.sliding_window=256"]
+    cfg = resolve(base).cfg
+    assert max_model_len(cfg) == 256  # the window, not the model's 1024 positions
+    assert any("model.sliding_window=256: every layer attends to the last 256 tokens" in n
+               for n in make_plan(cfg).notes)
+    assert resolve(base + ["model.max_model_len=200"]).cfg.model.max_model_len == 200
+    with pytest.raises(ConfigError, match="model.max_model_len=512 exceeds model.sliding_window=256: attention over a "
+                                          "sliding window past its length .* is not built yet"):
+        resolve(base + ["model.max_model_len=512"])
+    with pytest.raises(ConfigError, match="parallel.tensor_parallel_size=2: Phi3ForCausalLM has no tensor-parallel"):
+        resolve(base + ["parallel.tensor_parallel_size=2", "hardware.num_devices=2"])
+
+
+def test_checkpoint_attention_windows_and_rotary_forms():
+    from appliance.config.checkpoint import hf_facts
+
+    phi3 = {"architectures": ["Phi3ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 96,
+            "num_attention_heads": 4, "vocab_size": 512, "max_position_embeddings": 4096, "sliding_window": 2047}
+    facts, problems = hf_facts(phi3)
+    assert ("sliding_window", 2047) in [(f.key, f.value) for f in facts] and problems == []
+    assert ("sliding_window", None) in [(f.key, f.value) for f in hf_facts({**phi3, "sliding_window": None})[0]]
+    assert "partial_rotary_factor=0.75 (rope over part of each head) is not built yet" in \
+        hf_facts({**phi3, "partial_rotary_factor": 0.75})[1]
+    assert "rope scaling longrope is not supported; supported: llama3, linear, yarn" in \
+        hf_facts({**phi3, "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}})[1]
+    qwen2 = {**phi3, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False}
+    assert ("sliding_window", None) in [(f.key, f.value) for f in hf_facts(qwen2)[0]]  # off: Qwen2's window is unused
+    assert any("use_sliding_window=true" in p and "not built yet" in p
+               for p in hf_facts({**qwen2, "use_sliding_window": True})[1])
