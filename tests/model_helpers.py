@@ -32,7 +32,11 @@ TINY_VARIANTS = {
                   "model.rope_scaling.original_max_position_embeddings=256"],
     # Phi-3: fused q/k/v and gate/up checkpoint tensors, a sliding window that holds max_model_len to 512
     "phi3": ["model.architecture=Phi3ForCausalLM", "model.sliding_window=512"],
+    # OLMo 2: norms after attention and MLP, q/k norms over all heads (layer by layer, no whole-step forward)
+    "olmo2": ["model.architecture=Olmo2ForCausalLM", "model.qk_norm=true"],
 }
+# the variants the native whole-step forward runs
+NATIVE_VARIANTS = [v for v in TINY_VARIANTS if v != "olmo2"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -57,7 +57,8 @@ class Architecture:
         experts = {"none": "dense", "some": "mixture of experts (sparse layers by step)",
                    "every": "mixture of experts (every layer sparse)"}[self.experts]
         return (f"{self.name} ({self.family} implementation): {experts}; {', '.join(self.attention)} attention; "
-                f"{', '.join(parallel)} parallel" + ("; pooling" if self.pooling else ""))
+                + (f"{', '.join(parallel)} parallel" if parallel else "one device per engine core (no tensor or "
+                   "pipeline parallelism yet)") + ("; pooling" if self.pooling else ""))
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -73,6 +74,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # its checkpoints' q/k/v and gate/up come fused, as this implementation packs them; a tensor-parallel rank's
     # rows of a fused tensor are not cut yet
     Architecture("Phi3ForCausalLM", "phi3", "llama", tensor_parallel=False, window="every"),
+    # norms after attention and MLP, q/k norms over all heads: layer by layer (no whole-step native forward)
+    Architecture("Olmo2ForCausalLM", "olmo2", "olmo2", qk_norm=True, tensor_parallel=False, pipeline_parallel=False),
 )}
 
 # Architectures people bring that are not served yet, and what each needs.
@@ -83,7 +86,6 @@ NOT_BUILT: dict[str, str] = {
                          "attention and MLP",
     "Gemma3ForConditionalGeneration": "an image encoder, and Gemma 3's sliding-window KV-cache groups",
     "GptOssForCausalLM": "attention sinks, sliding-window KV-cache groups, YaRN rope scaling and MXFP4 experts",
-    "Olmo2ForCausalLM": "norms after attention and MLP, and q/k norms over all heads",
     "GraniteForCausalLM": "Granite's embedding, attention, residual and logit multipliers",
     "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) and DeepSeek's shared experts",
     "DeepseekV3ForCausalLM": "multi-head latent attention (MLA), DeepSeek's shared experts and grouped top-k routing",

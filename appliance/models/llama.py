@@ -78,7 +78,7 @@ class Backbone(nn.Module):
 
     def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
                  layers: Optional[range] = None, embed: bool = True, norm: bool = True,
-                 ep: Optional[ExpertParallel] = None):
+                 ep: Optional[ExpertParallel] = None, layer_class: Any = None):
         super().__init__()
         if embed:
             # filled by the loader: no random init (nn.Embedding's normal_ on the loader's meta
@@ -86,7 +86,7 @@ class Backbone(nn.Module):
             self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
                                              _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         held = range(arch.num_layers) if layers is None else layers
-        self.layers = nn.ModuleList(DecoderLayer(arch, backend, tp, i, ep) for i in held)
+        self.layers = nn.ModuleList((layer_class or DecoderLayer)(arch, backend, tp, i, ep) for i in held)
         if norm:
             self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -141,11 +141,15 @@ class LlamaForCausalLM(nn.Module):
     its stage's layers (``model.layers`` holds them from 0; ``local_name``
     maps a checkpoint's names)."""
 
+    family = "llama"  # the architecture rows (config/architectures.py) this class builds
+    layer_class: Any = DecoderLayer
+    llama_layers = True  # its layers are the Llama family's, as ``weights_view`` describes them
+
     def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
                  pp: Optional[PipelineParallel] = None, ep: Optional[ExpertParallel] = None):
         super().__init__()
         row, why = support(arch.architecture)
-        if row is None or row.family != "llama":
+        if row is None or row.family != self.family:
             raise ValueError(why or f"{arch.architecture} is built by the {row.family} implementation, not this one")
         self.tp, self.pp, self.ep = tp, pp, ep
         self.vocab_size = arch.vocab_size  # the logits' width
@@ -156,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         self.holds_embedding = first or (last and arch.tie_word_embeddings)
         self.holds_head = last
         self.model = Backbone(arch, backend, tp, None if pp is None else range(pp.start, pp.end),
-                              embed=self.holds_embedding, norm=last, ep=ep)
+                              embed=self.holds_embedding, norm=last, ep=ep, layer_class=self.layer_class)
         if not arch.tie_word_embeddings and last:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         # (cos, sin) [positions, head_dim] in the model dtype, set by rope_cache(); a

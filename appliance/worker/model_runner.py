@@ -65,8 +65,10 @@ def runs_native_forward(backend: Any, model: Any) -> bool:
     reduced as a sliced expert's are) or a pipeline stage (its layers in one
     call, the rows handed on between calls); not for expert parallelism
     across engine cores (its exchange of tokens is not built into the call)
-    or under the load balancer (its slots are not)."""
-    if not backend.native_forward:
+    or under the load balancer (its slots are not), nor for a model whose
+    layers are not the Llama family's (``llama_layers`` False: OLMo 2's
+    norms after attention and MLP), which the native forward computes."""
+    if not backend.native_forward or not getattr(model, "llama_layers", True):
         return False
     ep = getattr(model, "ep", None)
     return ep is None or (ep.replicated and getattr(model, "tp", None) is not None

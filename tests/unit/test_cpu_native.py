@@ -21,7 +21,7 @@ from appliance.kernels.registry import Selection
 from appliance.models.quant import (GroupedInt8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4,
                                     int8_matmul, quantize_int8_weight_only, quantize_rows_int8)
 from tests.kernel_helpers import make_problem, reference
-from tests.model_helpers import PROMPTS, TINY_VARIANTS
+from tests.model_helpers import NATIVE_VARIANTS, PROMPTS, TINY_VARIANTS
 
 
 HAS_BF16_DOT = bf16_dot()  # the default: on where the CPU has AVX512-BF16
@@ -743,7 +743,7 @@ def test_long_context_softmax_is_stable():
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("variant", list(TINY_VARIANTS))
+@pytest.mark.parametrize("variant", NATIVE_VARIANTS)
 @pytest.mark.parametrize("extra", [[], ["quantization=int8_wo"], ["quantization=int4_wo"],
                                    ["scheduler.max_num_batched_tokens=16", "cache.block_size=4"]])
 def test_whole_step_forward_matches_torch_path(variant, extra):
@@ -765,7 +765,7 @@ def test_whole_step_forward_matches_torch_path(variant, extra):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", list(TINY_VARIANTS))
+@pytest.mark.parametrize("variant", NATIVE_VARIANTS)
 def test_w8a8_forward_stays_close_to_torch_path(variant, dtype):
     """quantization=w8a8_int8: the native projections equal the torch
     reference bit for bit (see test_w8a8_linear_*), but the attention's fp32
@@ -814,7 +814,7 @@ def _assert_greedy_close(ref, got):
 TINY_BF16 = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "cache.kv_cache_dtype=bfloat16"]
 
 
-@pytest.mark.parametrize("variant", list(TINY_VARIANTS))
+@pytest.mark.parametrize("variant", NATIVE_VARIANTS)
 @pytest.mark.parametrize("int8", [False, True], ids=["bf16", "bf16+int8_wo"])
 def test_bf16_model_matches_fp32_on_the_rounded_weights(variant, int8):
     """model.dtype=bfloat16 on cpu_native: bf16 weights (or int8 ones quantized

@@ -78,3 +78,12 @@ def test_model_knows_nothing_of_native_backends():
     view = model.weights_view()  # the public interface a whole-step executor reads
     assert isinstance(view, llama.ModelWeights) and len(view.layers) == model.arch.num_layers
     assert view.rope_cos.dtype == view.rope_sin.dtype == torch.float32
+
+
+def test_layers_unlike_the_llama_familys_run_layer_by_layer_on_the_native_attention():
+    """OLMo 2's norms after attention and MLP are not the whole-step forward's
+    layers: cpu_native serves its attention, torch the rest (parity with HF in
+    tests/unit/test_generation.py)."""
+    pytest.importorskip("appliance.kernels.cpu_native")
+    runner = LLM(overrides=BASE + ["model.architecture=Olmo2ForCausalLM", "model.qk_norm=true"]).engine.runner
+    assert runner.backend.name == "cpu_native" and not runner.uses_native_forward

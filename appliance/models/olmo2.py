@@ -1,0 +1,87 @@
+"""OLMo 2 (``Olmo2ForCausalLM``), declared from the layer library: the
+Llama family's projections, rope and MLP, with RMSNorms after attention and
+after the MLP instead of before them, and q/k norms over all heads of the
+projection (before the heads are split). The native whole-step forward does
+not compute these layers: on ``cpu_native`` they run layer by layer over its
+attention."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import nn
+
+from appliance.models.arch import ModelArch
+from appliance.models.layers.attention import Attention
+from appliance.models.layers.mlp import MLP
+from appliance.models.layers.norm import RMSNorm
+from appliance.models.layers.parallel import PipelineParallel, TensorParallel
+from appliance.models.layers.rotary import rotate_half
+from appliance.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from appliance.kernels.base import AttentionBackend
+    from appliance.models.layers.moe import ExpertParallel
+
+
+class WeightFirstRMSNorm(RMSNorm):
+    """OLMo 2's RMSNorm: the weight multiplies the fp32 normalized rows, then
+    the product is cast back (Llama's casts first)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x).to(dtype)
+
+
+class Olmo2Attention(Attention):
+    """Attention whose q and k are normalized over all their heads at once."""
+
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None):
+        if tp is not None:  # the registry row says so; validation refuses it first
+            raise ValueError("OLMo 2's q/k norms over all heads are not split over tensor-parallel ranks yet")
+        super().__init__(dataclasses.replace(arch, qk_norm=False), backend, tp)
+        self.q_norm = WeightFirstRMSNorm(self.q_size, arch.rms_norm_eps)
+        self.k_norm = WeightFirstRMSNorm(self.kv_size, arch.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, attn_metadata):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_norm(k).reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = self.backend.forward(q, k, v, kv_cache, attn_metadata)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class Olmo2DecoderLayer(nn.Module):
+    """Attention, then the MLP, each followed by its norm before the residual add."""
+
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
+                 index: int = 0, ep: Optional[ExpertParallel] = None):
+        super().__init__()
+        self.self_attn = Olmo2Attention(arch, backend, tp)
+        self.post_attention_layernorm = WeightFirstRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch, tp)
+        self.post_feedforward_layernorm = WeightFirstRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, attn_metadata):
+        x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, kv_cache, attn_metadata))
+        return x + self.post_feedforward_layernorm(self.mlp(x))
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    family = "olmo2"
+    layer_class = Olmo2DecoderLayer
+    llama_layers = False  # weights_view cannot describe them
+
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
+                 pp: Optional[PipelineParallel] = None, ep: Optional[ExpertParallel] = None):
+        super().__init__(arch, backend, tp, pp, ep)
+        if hasattr(self.model, "norm"):  # the final norm is OLMo 2's too
+            self.model.norm = WeightFirstRMSNorm(self.arch.hidden_size, self.arch.rms_norm_eps)
