@@ -34,9 +34,12 @@ TINY_VARIANTS = {
     "phi3": ["model.architecture=Phi3ForCausalLM", "model.sliding_window=512"],
     # OLMo 2: norms after attention and MLP, q/k norms over all heads (layer by layer, no whole-step forward)
     "olmo2": ["model.architecture=Olmo2ForCausalLM", "model.qk_norm=true"],
+    # Granite: multipliers on the embedding, the residual branches, the attention scores and the logits
+    "granite": ["model.architecture=GraniteForCausalLM", "model.embedding_multiplier=12.0",
+                "model.residual_multiplier=0.22", "model.attention_multiplier=0.0625", "model.logits_scaling=8.0"],
 }
 # the variants the native whole-step forward runs
-NATIVE_VARIANTS = [v for v in TINY_VARIANTS if v != "olmo2"]
+NATIVE_VARIANTS = [v for v in TINY_VARIANTS if v not in ("olmo2", "granite")]
 
 
 @functools.lru_cache(maxsize=None)

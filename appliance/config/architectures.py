@@ -44,6 +44,7 @@ class Architecture:
     # how a checkpoint's sliding_window applies: "none" (never), "every" (to every layer when set: Mistral,
     # Mixtral, Phi-3), "optional" (only with use_sliding_window, to some layers: Qwen2/3; not built yet)
     window: str = "none"
+    multipliers: bool = False  # Granite's embedding, residual, attention and logit multipliers
     pooling: bool = False  # an embedding, reranking or classification head
 
     @property
@@ -76,6 +77,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("Phi3ForCausalLM", "phi3", "llama", tensor_parallel=False, window="every"),
     # norms after attention and MLP, q/k norms over all heads: layer by layer (no whole-step native forward)
     Architecture("Olmo2ForCausalLM", "olmo2", "olmo2", qk_norm=True, tensor_parallel=False, pipeline_parallel=False),
+    # the Llama layers with Granite's multipliers: layer by layer (no whole-step native forward)
+    Architecture("GraniteForCausalLM", "granite", "granite", multipliers=True, tensor_parallel=False,
+                 pipeline_parallel=False),
 )}
 
 # Architectures people bring that are not served yet, and what each needs.
@@ -86,7 +90,6 @@ NOT_BUILT: dict[str, str] = {
                          "attention and MLP",
     "Gemma3ForConditionalGeneration": "an image encoder, and Gemma 3's sliding-window KV-cache groups",
     "GptOssForCausalLM": "attention sinks, sliding-window KV-cache groups, YaRN rope scaling and MXFP4 experts",
-    "GraniteForCausalLM": "Granite's embedding, attention, residual and logit multipliers",
     "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) and DeepSeek's shared experts",
     "DeepseekV3ForCausalLM": "multi-head latent attention (MLA), DeepSeek's shared experts and grouped top-k routing",
     "Qwen2VLForConditionalGeneration": "an image encoder and multimodal rotary embeddings",

@@ -75,6 +75,13 @@ class ModelConfig:
     # Phi-3); null: to all. Until sliding-window KV-cache groups are built, a sequence is held within the window
     # (max_model_len defaults to it, and may not exceed it), where the window changes nothing.
     sliding_window: Optional[int] = None
+    # Granite's multipliers (a checkpoint's; other architectures keep the defaults): the embedding's output,
+    # each attention and MLP output before its residual add, the attention scores (null: head_dim ** -0.5),
+    # and the logits' divisor
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: Optional[float] = None
+    logits_scaling: float = 1.0
     # Mixture of experts (num_experts=0: a dense model). A sparse layer routes
     # each token to num_experts_per_tok of num_experts experts of
     # moe_intermediate_size, weighted by the router's softmax (renormalized

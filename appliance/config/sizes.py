@@ -9,6 +9,11 @@ from typing import Optional
 from appliance.config.schema import ModelConfig
 
 
+def attention_scale(m: ModelConfig) -> float:
+    """What the attention scores are scaled by: ``model.attention_multiplier`` (Granite's), else head_dim ** -0.5."""
+    return m.attention_multiplier if m.attention_multiplier is not None else m.head_dim ** -0.5
+
+
 def sparse_layers(m: ModelConfig) -> list[int]:
     """The decoder layers that route to experts (none for a dense model):
     every ``decoder_sparse_step``-th, except ``mlp_only_layers``."""

@@ -29,6 +29,17 @@ def _architecture_problems(cfg: ApplianceConfig) -> list[str]:
     if row is None:
         return [why]
     problems = []
+    multipliers = {"embedding_multiplier": (m.embedding_multiplier, 1.0), "residual_multiplier":
+                   (m.residual_multiplier, 1.0), "attention_multiplier": (m.attention_multiplier, None),
+                   "logits_scaling": (m.logits_scaling, 1.0)}
+    if row.multipliers and m.attention_multiplier is None:
+        problems.append(f"{m.architecture} scales attention by its checkpoint's attention_multiplier; set "
+                        f"model.attention_multiplier")
+    if row.multipliers and not m.logits_scaling > 0:
+        problems.append(f"model.logits_scaling={m.logits_scaling} must be positive (the logits are divided by it)")
+    elif not row.multipliers:
+        problems += [f"model.{k}={v} is Granite's (GraniteForCausalLM); {m.architecture} has none: leave it at "
+                     f"{default}" for k, (v, default) in multipliers.items() if v != default]
     for key, size, able in [("tensor_parallel_size", par.tensor_parallel_size, row.tensor_parallel),
                             ("pipeline_parallel_size", par.pipeline_parallel_size, row.pipeline_parallel)]:
         if size > 1 and not able:

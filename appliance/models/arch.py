@@ -36,6 +36,10 @@ class ModelArch:
     norm_topk_prob: bool = True
     sparse_layers: tuple[int, ...] = ()
     num_physical_experts: int = 0  # expert slots per sparse layer with redundant ones (0: num_experts)
+    # Granite's: the embedding's output, each attention and MLP output before its residual add, the logits' divisor
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     @staticmethod
     def from_model_config(m: ModelConfig) -> "ModelArch":
@@ -77,4 +81,7 @@ class ModelArch:
             moe_intermediate_size=m.moe_intermediate_size,
             norm_topk_prob=m.norm_topk_prob,
             sparse_layers=tuple(sparse_layers(m)),
+            embedding_multiplier=m.embedding_multiplier,
+            residual_multiplier=m.residual_multiplier,
+            logits_scaling=m.logits_scaling,
         )

@@ -55,6 +55,9 @@ def _facts_hash(m: ModelConfig) -> str:
         facts["mlp_only_layers"] = list(m.mlp_only_layers)
     if m.sliding_window is not None:  # models without one keep their hash
         facts["sliding_window"] = m.sliding_window
+    if m.attention_multiplier is not None:  # Granite's multipliers (other models keep their hash)
+        facts["multipliers"] = [m.embedding_multiplier, m.residual_multiplier, m.attention_multiplier,
+                                m.logits_scaling]
     rs = m.rope_scaling
     if rs.type != "none":
         facts["rope_scaling"] = [rs.type, rs.factor, rs.low_freq_factor, rs.high_freq_factor,

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 from appliance.config.architectures import support
+from appliance.models.granite import GraniteForCausalLM
 from appliance.models.llama import LlamaForCausalLM
 from appliance.models.olmo2 import Olmo2ForCausalLM
 
-MODEL_CLASSES: dict[str, type] = {"llama": LlamaForCausalLM, "olmo2": Olmo2ForCausalLM}
+MODEL_CLASSES: dict[str, type] = {"llama": LlamaForCausalLM, "olmo2": Olmo2ForCausalLM, "granite": GraniteForCausalLM}
 
 
 def model_class(architecture: str) -> type:

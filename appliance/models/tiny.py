@@ -75,6 +75,9 @@ def hf_config_dict(m: ModelConfig, vocab_size: int) -> dict:
         "attention_bias": m.qkv_bias,
         "torch_dtype": "float32",
     }
+    if ARCHITECTURES[m.architecture].multipliers:
+        cfg.update(embedding_multiplier=m.embedding_multiplier, residual_multiplier=m.residual_multiplier,
+                   attention_multiplier=m.attention_multiplier, logits_scaling=m.logits_scaling)
     if ARCHITECTURES[m.architecture].window == "every":  # written even when null: Mistral's default is 4096
         cfg["sliding_window"] = m.sliding_window
     row = ARCHITECTURES[m.architecture]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from appliance.config.deployment import Deployment
+from appliance.config.sizes import attention_scale
 from appliance.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ def build_model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
     if tp is not None:
         local = shard_arch(ModelArch.from_model_config(m), tp.size, expert_parallel=ep is not None)
         heads, kv_heads = local.num_heads, local.num_kv_heads
-    backend = load_backend(ex.backend)(heads, kv_heads, m.head_dim, m.head_dim ** -0.5, ex.kv_cache_dtype)
+    backend = load_backend(ex.backend)(heads, kv_heads, m.head_dim, attention_scale(m), ex.kv_cache_dtype)
     eplb = cfg.parallel.eplb
     model, tokenizer, _ = load_model(m, backend, dtype, device, cfg.quantization.method, tp, pp, ep,
                                      eplb.num_redundant_experts if eplb.enabled else 0)
@@ -123,7 +124,7 @@ def _draft_proposer(cfg: Any, ex: Any, tokenizer: Any, num_blocks: int, dtype: A
     d = draft_config(cfg)
     # K/V of the draft's own dtype, unless the cache is set to another element type (fp8, bf16)
     kv_name = "auto" if cfg.cache.kv_cache_dtype == "auto" else ex.kv_cache_dtype
-    backend = load_backend(ex.backend)(d.num_heads, d.num_kv_heads, d.head_dim, d.head_dim ** -0.5, kv_name)
+    backend = load_backend(ex.backend)(d.num_heads, d.num_kv_heads, d.head_dim, attention_scale(d), kv_name)
     if spec.draft_dtype != "auto":
         dtype = getattr(torch, spec.draft_dtype)
         kv_dtype = backend.cache_dtype(kv_name, dtype)

@@ -476,3 +476,22 @@ def test_checkpoint_attention_windows_and_rotary_forms():
     assert ("sliding_window", None) in [(f.key, f.value) for f in hf_facts(qwen2)[0]]  # off: Qwen2's window is unused
     assert any("use_sliding_window=true" in p and "not built yet" in p
                for p in hf_facts({**qwen2, "use_sliding_window": True})[1])
+
+
+def test_granites_multipliers_are_its_own():
+    from appliance.config.checkpoint import hf_facts
+
+    with pytest.raises(ConfigError, match=r"model.residual_multiplier=0.5 is Granite's \(GraniteForCausalLM\); "
+                                          r"LlamaForCausalLM has none: leave it at 1.0"):
+        resolve(["+profile=cpu", "model=tiny_random", "model.residual_multiplier=0.5"])
+    granite = ["+profile=cpu", "model=tiny_random", "model.architecture=GraniteForCausalLM"]
+    with pytest.raises(ConfigError, match="scales attention by its checkpoint's attention_multiplier"):
+        resolve(granite)
+    plan = make_plan(resolve(granite + ["model.attention_multiplier=0.1"]).cfg)
+    assert "one device per engine core (no tensor or pipeline parallelism yet)" in plan.implementation
+    facts = {f.key: f.value for f in hf_facts({"architectures": ["GraniteForCausalLM"], "num_hidden_layers": 2,
+                                               "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+                                               "vocab_size": 512, "max_position_embeddings": 4096,
+                                               "embedding_multiplier": 12.0, "logits_scaling": 8})[0]}
+    assert (facts["embedding_multiplier"], facts["residual_multiplier"], facts["attention_multiplier"],
+            facts["logits_scaling"]) == (12.0, 1.0, 1.0, 8.0)  # transformers' defaults where config.json is silent
