@@ -24,7 +24,7 @@ import os
 import struct
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 from appliance.config import schema
 from appliance.config.architectures import Architecture, by_gguf, by_model_type, gguf_names, support
@@ -481,6 +481,6 @@ def _apply_model_facts(model: dict, overrides: Sequence[str]) -> list[str]:
     if not is_explicit("param_count_b"):
         from appliance.config.sizes import parameter_counts
 
-        total = parameter_counts(SimpleNamespace(**model))["total"]
+        total = parameter_counts(cast(schema.ModelConfig, SimpleNamespace(**model)))["total"]  # the keys it reads
         model["param_count_b"] = float(f"{total / 1e9:.4g}")
     return problems

@@ -14,7 +14,7 @@ import hashlib
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -62,7 +62,7 @@ def _plain_values(obj: Any) -> Any:
 
     if isinstance(obj, Enum):
         return obj.value
-    if is_dataclass(obj):
+    if is_dataclass(obj) and not isinstance(obj, type):
         return replace(obj, **{f.name: _plain_values(getattr(obj, f.name)) for f in fields(obj) if f.init})
     if isinstance(obj, list):
         return [_plain_values(x) for x in obj]
@@ -88,7 +88,7 @@ class ResolvedConfig:
         return hashlib.sha256(self.yaml.encode()).hexdigest()[:16]
 
     def as_dict(self) -> dict:
-        return OmegaConf.to_container(OmegaConf.create(self.yaml))
+        return cast(dict, OmegaConf.to_container(OmegaConf.create(self.yaml)))
 
 
 def _profile_override(overrides: Sequence[str]) -> tuple[Optional[str], list[str]]:
@@ -122,9 +122,10 @@ def _compose(overrides: list[str]) -> DictConfig:
 def _explain_compose_error(e: BaseException, overrides: list[str]) -> str:
     # Hydra wraps the OmegaConf error that names the key; read the whole chain.
     chain = []
-    while e is not None:
-        chain.append(str(e).strip())
-        e = e.__cause__ or e.__context__
+    link: Optional[BaseException] = e
+    while link is not None:
+        chain.append(str(link).strip())
+        link = link.__cause__ or link.__context__
     text = "\n".join(chain)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
@@ -155,7 +156,7 @@ def _allowed_keys(path: str) -> list[str]:
         if not isinstance(node, DictConfig) or part not in node:
             return []
         node = node[part]
-    return list(node.keys()) if isinstance(node, DictConfig) else []
+    return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
 
 
 NGRAM_LOOKUP_DEFAULT = 5  # prompt_lookup_min and _max when neither is set (vLLM's)
@@ -191,7 +192,7 @@ def resolve(overrides: Sequence[str] = (), *, check: bool = True, device: Any = 
     try:
         # `+key=value` can add keys past struct mode; a fresh typed merge
         # rejects them like any other unknown key.
-        plain = OmegaConf.to_container(composed, resolve=True)
+        plain = cast(dict, OmegaConf.to_container(composed, resolve=True))
         # A local checkpoint's own facts replace the model option's numbers.
         checkpoint_problems = apply_checkpoint(plain, rest)
         _fill_prompt_lookup(plain)

@@ -44,7 +44,7 @@ class CpuInfo:
 
 def parse_cpuinfo(text: str) -> CpuInfo:
     """Model name and flags of the first processor in a /proc/cpuinfo text."""
-    model, flags = "", frozenset()
+    model, flags = "", frozenset[str]()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -25,10 +25,10 @@ from appliance.config.paths import conf_dir
 def _draft(name: str, conf: str) -> tuple[Optional[schema.ModelConfig], tuple[str, ...]]:
     option = Path(conf) / "model" / f"{name}.yaml"
     if option.is_file():
-        model = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(schema.ModelConfig),
-                                                       OmegaConf.load(option)))
+        model = cast(dict, OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(schema.ModelConfig),
+                                                                  OmegaConf.load(option))))
     elif (path := local_checkpoint(name)) is not None and path.exists():
-        model = OmegaConf.to_container(OmegaConf.structured(schema.ModelConfig))
+        model = cast(dict, OmegaConf.to_container(OmegaConf.structured(schema.ModelConfig)))
         model.update(name=path.stem, path=name)
     else:
         options = ", ".join(sorted(p.stem for p in (Path(conf) / "model").glob("*.yaml")))
@@ -36,7 +36,8 @@ def _draft(name: str, conf: str) -> tuple[Optional[schema.ModelConfig], tuple[st
                       f"checkpoint",)
     problems = tuple(p.replace("model.path=", "speculative.draft_model=", 1) for p in _apply_model_facts(model, []))
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema.ModelConfig), model)), problems
+        return cast(schema.ModelConfig, OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema.ModelConfig),
+                                                                            model))), problems
     except OmegaConfBaseException as e:
         return None, problems + (f"speculative.draft_model={name}: its checkpoint does not say the model's "
                                  f"facts ({type(e).__name__}: {str(e).splitlines()[0]})",)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import OmegaConf
 
@@ -82,7 +82,7 @@ def load_resolved_file(path: Path) -> ResolvedConfig:
         obj = OmegaConf.to_object(merged)
     except Exception as e:
         raise ConfigError(f"{path}: not a resolved appliance config: {str(e).splitlines()[0]}") from None
-    return ResolvedConfig(cfg=obj, yaml=OmegaConf.to_yaml(OmegaConf.structured(obj), sort_keys=True), overrides=())
+    return ResolvedConfig(cfg=cast(schema.ApplianceConfig, obj), yaml=OmegaConf.to_yaml(OmegaConf.structured(obj), sort_keys=True), overrides=())
 
 
 def load_any(spec: str) -> ResolvedConfig:

@@ -161,9 +161,10 @@ def load_revisions(cwd: Path, base: str, head: Optional[str], deployments: list[
             except ConfigError:
                 pass  # a repository without a commit yet
         else:
-            r = Revision(label, _commit(root, rev))
+            commit = _commit(root, rev)
+            r = Revision(label, commit)
             with tempfile.TemporaryDirectory(prefix="appliance-review-tree-") as tmp:
-                _extract(root, r.commit, Path(tmp))
+                _extract(root, commit, Path(tmp))
                 _evaluate(r, Path(tmp), root, deployments)
         revs.append(r)
     return revs[0], revs[1]

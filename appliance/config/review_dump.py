@@ -20,6 +20,7 @@ what ``appliance run @FILE`` reads (``overrides_from_text``).
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 import sys
@@ -89,12 +90,17 @@ def _file_loader(path: Path) -> Callable[[bool], Any]:
     return load
 
 
+def _resolve_profile(name: str, check: bool) -> Any:
+    from appliance.config.compose import resolve
+
+    return resolve([f"+profile={name}"], check=check)
+
+
 def dump(request: dict[str, Any], root: Path) -> dict[str, Any]:
     """{"profiles": {name: entry}, "files": {path: entry}} for ``request``'s ``files`` (relative to ``root``)."""
-    from appliance.config.compose import list_profiles, resolve
+    from appliance.config.compose import list_profiles
 
-    profiles = {name: _entry(lambda check, name=name: resolve([f"+profile={name}"], check=check))
-                for name in list_profiles()}
+    profiles = {name: _entry(functools.partial(_resolve_profile, name)) for name in list_profiles()}
     files = {rel: _entry(_file_loader(root / rel)) for rel in request.get("files", [])}
     return {"profiles": profiles, "files": files}
 

@@ -103,9 +103,9 @@ def _moe_problems(cfg: ApplianceConfig) -> list[str]:
         problems.append("parallel.eplb.enabled=true balances experts over expert-parallel ranks; set "
                         "parallel.enable_expert_parallel=true")
     if not eplb.enabled:
-        defaults = EplbConfig()
+        eplb_defaults = EplbConfig()
         for key in ("window_size", "step_interval", "num_redundant_experts"):
-            if getattr(eplb, key) != getattr(defaults, key):
+            if getattr(eplb, key) != getattr(eplb_defaults, key):
                 problems.append(f"parallel.eplb.{key}={getattr(eplb, key)} has no effect with "
                                 f"parallel.eplb.enabled=false")
     for key in ("window_size", "step_interval"):
@@ -151,9 +151,9 @@ def _range_problems(cfg: ApplianceConfig) -> list[str]:
     ws = cfg.structured_output.max_json_whitespace
     if ws is not None and ws < 1:
         problems.append(f"structured_output.max_json_whitespace={ws} must be at least 1 (or null: unbounded)")
-    for key, value in [("cache.swap_space_gib", cache.swap_space_gib), ("cache.cpu_offload_gib", cache.cpu_offload_gib)]:
-        if value < 0:
-            problems.append(f"{key}={value} must not be negative")
+    for key, gib in [("cache.swap_space_gib", cache.swap_space_gib), ("cache.cpu_offload_gib", cache.cpu_offload_gib)]:
+        if gib < 0:
+            problems.append(f"{key}={gib} must not be negative")
     if not 0.0 < cache.memory_utilization <= 1.0:
         problems.append(f"cache.memory_utilization={cache.memory_utilization} must be in (0, 1]")
     if s.target_itl_ms is not None:

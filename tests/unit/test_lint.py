@@ -1,8 +1,8 @@
 """The linters the suite runs: ruff over the whole tree (the rule set in
-pyproject.toml's ``[tool.ruff.lint]``), mypy over the engine (``[tool.mypy]``),
-no ``Any`` parameter in the engine's functions, and sizes a reader can hold:
-every module of the package under ``MAX_MODULE_LINES``, every function under
-``MAX_FUNCTION_LINES``."""
+pyproject.toml's ``[tool.ruff.lint]``), mypy over the engine and the config
+layer (``[tool.mypy]``), no ``Any`` parameter in the engine's functions, and
+sizes a reader can hold: every module of the package under
+``MAX_MODULE_LINES``, every function under ``MAX_FUNCTION_LINES``."""
 
 import ast
 import subprocess
