@@ -100,7 +100,7 @@ def hf_facts(hf: dict) -> tuple[list[Fact], list[str]]:
     facts.append(Fact("rms_norm_eps", eps, f"rms_norm_eps={eps}"))
     tie = bool(hf.get("tie_word_embeddings", False))
     facts.append(Fact("tie_word_embeddings", tie, f"tie_word_embeddings={shown(tie)}"))
-    for more, more_problems in (_rope_facts(hf), _window_facts(hf, row), (_multiplier_facts(hf, row), [])):
+    for more, more_problems in (_rope_facts(hf), _window_facts(hf, row), _multiplier_facts(hf, row)):
         facts += more
         problems += more_problems
     if row.qkv_bias == "always":  # as in transformers: Qwen2's q/k/v projections always carry a bias
@@ -151,12 +151,12 @@ def _window_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
     return [Fact("sliding_window", None, "no sliding window")], []
 
 
-def _multiplier_facts(hf: dict, row: Architecture) -> list[Fact]:
+def _multiplier_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
     """Granite's multipliers, as transformers defaults them (attention_multiplier 1.0, not head_dim ** -0.5)."""
     if not row.multipliers:
-        return []
+        return [], []
     return [Fact(key, float(hf.get(key, 1.0)), f"{key}={float(hf.get(key, 1.0))}")
-            for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")]
+            for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")], []
 
 
 def dense_facts(source: str) -> list[Fact]:

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
+from accelerate.utils import set_module_tensor_to_device
 
 from appliance.config.checkpoint import quantization_facts
 from appliance.errors import ModelLoadError
-
-if TYPE_CHECKING:
-    import torch
+from appliance.models.fp8 import CHECKPOINT_TENSORS as FP8_TENSORS
+from appliance.models.int4_checkpoints import UNPACK
+from appliance.models.layers.linear import packed_target
+from appliance.models.layers.parallel import tensor_shard
+from appliance.models.llama import canonical_name
 
 
 class CheckpointTensors:
@@ -46,14 +51,6 @@ class CheckpointTensors:
     def _take(self, sf: Any, stored: str, file_name: str) -> None:
         """One stored tensor: set aside (KV scales, quantized parts), into an
         expert's slots, into its rows of a fused projection, or materialized."""
-        from accelerate.utils import set_module_tensor_to_device
-
-        from appliance.models.fp8 import CHECKPOINT_TENSORS as FP8_TENSORS
-        from appliance.models.int4_checkpoints import UNPACK
-        from appliance.models.layers.linear import packed_target
-        from appliance.models.layers.parallel import tensor_shard
-        from appliance.models.llama import canonical_name
-
         model, arch, tp = self.model, self.arch, self.tp
         name = model.local_name(canonical_name(stored))
         if name is None or (name == "lm_head.weight" and arch.tie_word_embeddings):
@@ -92,8 +89,6 @@ class CheckpointTensors:
             self._fill_rows(target, packed[1], packed[2], t)
             return
         router = name.endswith(".mlp.gate.weight")  # routers stay fp32
-        import torch
-
         set_module_tensor_to_device(model, name, self.device, value=t,
                                     dtype=torch.float32 if router else self.dtype)
         self.loaded.add(name)
@@ -101,9 +96,6 @@ class CheckpointTensors:
     def _fill_rows(self, target: str, first: int, rows: int, t: Any) -> None:
         """Rows ``first:first + rows`` of the fused parameter ``target``,
         materialized once, then filled in place."""
-        import torch
-        from accelerate.utils import set_module_tensor_to_device
-
         shape = self.expected[target].shape
         if target not in self.packed_rows:
             set_module_tensor_to_device(self.model, target, self.device, dtype=self.dtype,
@@ -232,8 +224,6 @@ def _read_shard(sf: Any, name: str, shard: tuple[int, int, int] | None) -> torch
     are zeros."""
     if shard is None:
         return sf.get_tensor(name)
-    import torch
-
     dim, start, stop = shard
     sl = sf.get_slice(name)
     size = sl.get_shape()[dim]
@@ -251,11 +241,6 @@ def _load_expert(model: Any, sf: Any, stored: str, name: str, full_arch: Any, tp
     weight that holds the expert (this rank's slice of it under tensor
     parallelism; nothing for an expert other ranks hold); the stacked
     weights this completed."""
-    import torch
-    from accelerate.utils import set_module_tensor_to_device
-
-    from appliance.models.layers.parallel import tensor_shard
-
     targets = model.expert_targets(name)
     if not targets:
         return set()

@@ -18,7 +18,6 @@ from appliance.models.layers.attention import Attention
 from appliance.models.layers.mlp import MLP
 from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.parallel import PipelineParallel, TensorParallel
-from appliance.models.layers.rotary import rotate_half
 from appliance.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -47,16 +46,12 @@ class Olmo2Attention(Attention):
         self.q_norm = WeightFirstRMSNorm(self.q_size, arch.rms_norm_eps)
         self.k_norm = WeightFirstRMSNorm(self.kv_size, arch.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, attn_metadata):
+    def heads(self, x):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q).reshape(t, self.num_heads, self.head_dim)
-        k = self.k_norm(k).reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        out = self.backend.forward(q, k, v, kv_cache, attn_metadata)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return (self.q_norm(q).reshape(t, self.num_heads, self.head_dim),
+                self.k_norm(k).reshape(t, self.num_kv_heads, self.head_dim),
+                v.reshape(t, self.num_kv_heads, self.head_dim))
 
 
 class Olmo2DecoderLayer(nn.Module):

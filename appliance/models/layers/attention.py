@@ -44,7 +44,8 @@ class Attention(nn.Module):
         self.backend = copy.copy(self.backend)
         self.backend.k_scale, self.backend.v_scale = float(k_scale), float(v_scale)
 
-    def forward(self, x, cos, sin, kv_cache, attn_metadata):
+    def heads(self, x):
+        """q, k and v of rows ``x``, a row per head, q and k normalized where the model norms them."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -52,6 +53,11 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x, cos, sin, kv_cache, attn_metadata):
+        t = x.shape[0]
+        q, k, v = self.heads(x)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata)
