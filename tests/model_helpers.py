@@ -30,8 +30,11 @@ TINY_VARIANTS = {
     # YaRN (Qwen2.5's long-context scaling): a ramp over the first dimensions, cos/sin scaled by 0.1 ln 4 + 1
     "yarn_rope": ["model.rope_scaling.type=yarn", "model.rope_scaling.factor=4.0",
                   "model.rope_scaling.original_max_position_embeddings=256"],
-    # Phi-3: fused q/k/v and gate/up checkpoint tensors, a sliding window that holds max_model_len to 512
-    "phi3": ["model.architecture=Phi3ForCausalLM", "model.sliding_window=512"],
+    # Phi-3: fused q/k/v and gate/up checkpoint tensors, a sliding window in every layer shorter than most prompts
+    "phi3": ["model.architecture=Phi3ForCausalLM", "model.sliding_window=20"],
+    # Qwen2's use_sliding_window: a full-attention layer and a sliding one, two KV-cache groups
+    "qwen2_window": ["model.architecture=Qwen2ForCausalLM", "model.qkv_bias=true", "model.sliding_window=12",
+                     "model.layer_types=[full_attention,sliding_attention]"],
     # OLMo 2: norms after attention and MLP, q/k norms over all heads (layer by layer, no whole-step forward)
     "olmo2": ["model.architecture=Olmo2ForCausalLM", "model.qk_norm=true"],
     # Granite: multipliers on the embedding, the residual branches, the attention scores and the logits

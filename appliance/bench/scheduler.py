@@ -74,7 +74,7 @@ def kv_waste(num_requests: int, seed: int = 0) -> dict:
         s.add_request(Request(f"w{i}", [1] * rng.randint(1, 300), sp, arrival_time=float(i)))
     for _ in range(rng.randint(1, 40)):
         _null_step(s)
-    held = sum(len(b) for b in kv.req_to_blocks.values())
+    held = sum(len(b) for g in kv.groups for b in g.req_to_blocks.values())
     stored = sum(r.num_computed_tokens for r in s.running)
     return {"requests": num_requests, "blocks_held": held, "tokens_stored": stored,
             "kv_waste_ratio": 1 - stored / (held * BLOCK_SIZE)}

@@ -42,7 +42,7 @@ class Architecture:
     pipeline_parallel: bool = True
     attention: tuple[str, ...] = ("full",)  # its layers' attention kinds
     # how a checkpoint's sliding_window applies: "none" (never), "every" (to every layer when set: Mistral,
-    # Mixtral, Phi-3), "optional" (only with use_sliding_window, to some layers: Qwen2/3; not built yet)
+    # Mixtral, Phi-3), "optional" (only with use_sliding_window, to the layers layer_types names: Qwen2/3)
     window: str = "none"
     multipliers: bool = False  # Granite's embedding, residual, attention and logit multipliers
     pooling: bool = False  # an embedding, reranking or classification head

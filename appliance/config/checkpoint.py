@@ -30,6 +30,7 @@ from appliance.config import schema
 from appliance.config.architectures import Architecture, by_gguf, by_model_type, gguf_names, support
 from appliance.config.facts import Fact, same, shown
 from appliance.config.gguf_header import gguf_header, gguf_projection_bits
+from appliance.config.kv_groups import FULL, SLIDING
 from appliance.config.quantization import checkpoint_method, checkpoint_quantization
 
 BUILTIN_SOURCES = ("smollm2_gguf", "tiny_random")
@@ -140,15 +141,21 @@ def _rope_facts(hf: dict) -> tuple[list[Fact], list[str]]:
 
 
 def _window_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
-    """The attention window its layers keep (``model.sliding_window``), as its architecture reads config.json's
-    sliding_window (the row's ``window``)."""
+    """The attention window its layers keep (``model.sliding_window``, ``model.layer_types``), as its architecture
+    reads config.json (the row's ``window``): every layer's with sliding_window set (Mistral, Phi-3), or, with
+    use_sliding_window, the layers layer_types names (else those from max_window_layers on: Qwen2/3)."""
     window = hf.get("sliding_window")
     if row.window == "every" and window:
-        return [Fact("sliding_window", int(window), f"sliding_window={window}")], []
-    if row.window == "optional" and hf.get("use_sliding_window"):
-        return [], [f"use_sliding_window=true (sliding-window attention in some layers of {row.name}) is not "
-                    f"built yet: it needs sliding-window KV-cache groups"]
-    return [Fact("sliding_window", None, "no sliding window")], []
+        return [Fact("sliding_window", int(window), f"sliding_window={window}"),
+                Fact("layer_types", None, "every layer slides")], []
+    if row.window == "optional" and hf.get("use_sliding_window") and window:
+        n = int(hf["num_hidden_layers"])
+        first = int(hf.get("max_window_layers", n))
+        kinds = hf.get("layer_types") or [SLIDING if i >= first else FULL for i in range(n)]
+        how = "layer_types" if hf.get("layer_types") else f"max_window_layers={first}"
+        return [Fact("sliding_window", int(window), f"sliding_window={window} (use_sliding_window)"),
+                Fact("layer_types", list(kinds), f"{kinds.count(SLIDING)} of {n} layers slide ({how})")], []
+    return [Fact("sliding_window", None, "no sliding window"), Fact("layer_types", None, "no sliding window")], []
 
 
 def _multiplier_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:

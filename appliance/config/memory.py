@@ -9,6 +9,8 @@ KV pool:
                   (a CPU host's ranks share it: divided by tp x pp x dp)
     kv_bytes    = usable - weight_bytes - activation_bytes
     num_blocks  = kv_bytes // (block_size * kv_bytes_per_token)
+                  (kv_bytes_per_token: a block slot's bytes, over the cache tensors
+                  its KV-cache groups share, see kv_groups.py)
 
 ``activation_bytes`` is an estimate of the forward pass's peak for one
 ``max_num_batched_tokens`` step; vLLM measures it with a profiling run and
@@ -25,6 +27,7 @@ from typing import Any, Optional
 from appliance.config.checkpoint import gguf_file
 from appliance.config.execution import kv_dtype
 from appliance.config.gguf_header import gguf_embedding_in_head, gguf_head_bits, gguf_header
+from appliance.config.kv_groups import kv_layout
 from appliance.config.quantization import method_of
 from appliance.config.schema import ApplianceConfig, ModelConfig
 from appliance.config.sizes import parameter_counts, pipeline_partition, sparse_layers
@@ -190,14 +193,23 @@ def draft_dtype(cfg: ApplianceConfig, dtype: str) -> str:
 
 def _kv_bytes(cfg: ApplianceConfig, m: ModelConfig, dtype: str, whole: bool = False) -> int:
     """``m``'s K and V per token on one device: its share of the KV heads and
-    its stage's layers, or (``whole``: a draft model each rank holds) all of them."""
+    the cache tensors of its stage's layers (config/kv_groups.py), or
+    (``whole``: a draft model each rank holds) a tensor for each of its layers."""
+    if whole:
+        return m.num_layers * kv_layer_bytes(cfg, m, dtype, whole=True)
+    layout = kv_layout(m, max_model_len(cfg))
+    sizes = pipeline_partition(m.num_layers, cfg.parallel.pipeline_parallel_size, cfg.parallel.pp_layer_partition)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    tensors = max(layout.tensors_of(range(a, a + n)) for a, n in zip(starts, sizes))  # the stage holding the most
+    return tensors * kv_layer_bytes(cfg, m, dtype)
+
+
+def kv_layer_bytes(cfg: ApplianceConfig, m: ModelConfig, dtype: str, whole: bool = False) -> int:
+    """K and V of one layer for one token on one device: its share of the KV heads (all of them: ``whole``)."""
     tp = 1 if whole else cfg.parallel.tensor_parallel_size
-    pp = 1 if whole else cfg.parallel.pipeline_parallel_size
     kv_heads = max(1, m.num_kv_heads // tp)  # kv heads replicate when tp > num_kv_heads
-    partition = None if whole else cfg.parallel.pp_layer_partition
-    layers = max(pipeline_partition(m.num_layers, pp, partition))  # the stage holding the most
     elem = KV_DTYPE_BYTES.get(kv_dtype(cfg, dtype), DTYPE_BYTES.get(kv_dtype(cfg, dtype), 2))
-    return 2 * layers * kv_heads * m.head_dim * elem
+    return 2 * kv_heads * m.head_dim * elem
 
 
 def activation_bytes(cfg: ApplianceConfig, dtype: str) -> int:
@@ -213,11 +225,17 @@ def activation_bytes(cfg: ApplianceConfig, dtype: str) -> int:
 
 
 def max_model_len(cfg: ApplianceConfig) -> int:
-    """``model.max_model_len``, else the model's positions, held within its
-    attention window where it has one (``model.sliding_window``: until
-    sliding-window KV-cache groups are built, no sequence outgrows it)."""
-    m = cfg.model
-    return m.max_model_len or min(m.max_position_embeddings, m.sliding_window or m.max_position_embeddings)
+    """``model.max_model_len``, else the model's positions."""
+    return cfg.model.max_model_len or cfg.model.max_position_embeddings
+
+
+def blocks_per_request(cfg: ApplianceConfig) -> int:
+    """Blocks of the pool one request of ``max_model_len`` tokens holds at
+    most, over every KV-cache group (a sliding window's group holds its
+    window and a step's chunk)."""
+    layout = kv_layout(cfg.model, max_model_len(cfg))
+    return sum(layout.blocks_per_request(max_model_len(cfg), cfg.cache.block_size,
+                                         cfg.scheduler.max_num_batched_tokens))
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,10 @@ from typing import Any, Optional
 from appliance.config.architectures import describe
 from appliance.config.execution import Execution, resolve_execution
 from appliance.config.kv_connectors import describe_kv_transfer
-from appliance.config.memory import (DTYPE_BYTES, GIB, active_weight_bytes, device_memory, draft_model, expert_bytes,
-                                     experts_plan, int8_gemm, kv_bytes_per_token, lm_head_bytes, max_model_len,
-                                     weight_bytes)
+from appliance.config.kv_groups import SLIDING, kv_layout
+from appliance.config.memory import (DTYPE_BYTES, GIB, DeviceMemory, active_weight_bytes, blocks_per_request,
+                                     device_memory, draft_model, expert_bytes, experts_plan, int8_gemm,
+                                     kv_bytes_per_token, kv_layer_bytes, lm_head_bytes, max_model_len, weight_bytes)
 from appliance.config.quantization import fp8_gemm, method_of
 from appliance.config.schema import ApplianceConfig, ModelConfig
 from appliance.config.sizes import parameter_counts, pipeline_partition
@@ -66,6 +67,11 @@ class Plan:
     structured_output: str = ""  # how output constraints compile, in words
     kv_events: str = "off"  # where the KV cache's block events are published, in words
     kv_transfer: str = "off"  # the KV connector, in words
+    # the KV-cache groups (config/kv_groups.py): each one's attention, layers, and blocks one max_model_len request
+    # holds in it; and, for a model with sliding windows, the concurrency it would have if all were full attention
+    kv_cache_groups: list[dict[str, Any]] = field(default_factory=list)
+    max_concurrency_as_full_attention: Optional[float] = None
+    kv_read_at_max_len: int = 0  # KV bytes a decode step of one max_model_len sequence reads on a device
     execution: dict[str, Any] = field(default_factory=dict)
     summary: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -80,6 +86,9 @@ def describe_architecture(m: ModelConfig) -> str:
     rope = m.rope_scaling.type
     if rope != "none":
         extras.append(f"{rope} rope x{m.rope_scaling.factor:g}")
+    if m.sliding_window is not None:
+        sliding = m.num_layers if m.layer_types is None else m.layer_types.count(SLIDING)
+        extras.append(f"sliding window {m.sliding_window} in {sliding} of {m.num_layers} layers")
     return (f"{m.architecture}: {m.num_layers} layers, hidden {m.hidden_size}, intermediate {m.intermediate_size}, "
             f"{m.num_heads} heads / {m.num_kv_heads} kv heads x {m.head_dim}, vocab {m.vocab_size}"
             + (f"; {', '.join(extras)}" if extras else ""))
@@ -98,6 +107,18 @@ def _provider_here(cfg: ApplianceConfig, ex: Execution) -> tuple[Optional[str], 
         return None, [f"{sel.chosen} has no usable package on this machine ({err}); it is chosen for the target "
                       "hardware"]
     return provider, []
+
+
+def kv_read_at_max_len(cfg: ApplianceConfig, dtype: str, per_tok: int) -> int:
+    """KV bytes a device reads for one sequence at ``max_model_len`` in a decode
+    step: every position of every layer's (``per_tok`` a token), or, with
+    sliding windows, each sliding layer's window only."""
+    m, mml = cfg.model, max_model_len(cfg)
+    layout = kv_layout(m, mml)
+    if all(g.sliding_window is None for g in layout.groups):
+        return mml * per_tok
+    positions = sum(len(g.layers) * min(mml, g.sliding_window or mml) for g in layout.groups)
+    return positions * kv_layer_bytes(cfg, m, dtype) // cfg.parallel.pipeline_parallel_size
 
 
 def _rooflines(cfg: ApplianceConfig, dtype: str, backend: Optional[str], w_dev: int, per_tok: int) -> dict[str, Any]:
@@ -120,7 +141,7 @@ def _rooflines(cfg: ApplianceConfig, dtype: str, backend: Optional[str], w_dev: 
     prefill = tflops * 1e12 * shards / (2 * parameter_counts(cfg.model)["active"]) if tflops else 0.0
     return {
         "decode_roofline_tok_s": round(bw / read_dev, 1) if w_dev else 0.0,
-        "decode_roofline_at_max_len_tok_s": round(bw / (read_dev + max_model_len(cfg) * per_tok), 1) if w_dev
+        "decode_roofline_at_max_len_tok_s": round(bw / (read_dev + kv_read_at_max_len(cfg, dtype, per_tok)), 1) if w_dev
         else 0.0,
         "prefill_roofline_tok_s": prefill,  # rounded in the plan
         "compute_dtype": compute_dtype,
@@ -138,17 +159,39 @@ def _notes(cfg: ApplianceConfig, offloaded: int, comm: dict[str, Any]) -> list[s
                      f"{cfg.model.param_count_b} B: check the model.* facts")
     if offloaded:
         notes.append(f"{offloaded / GIB:.2f} GiB of weights per device offloaded to host memory (cache.cpu_offload_gib)")
-    m = cfg.model
-    if m.sliding_window is not None and m.sliding_window < m.max_position_embeddings:
-        notes.append(f"model.sliding_window={m.sliding_window}: every layer attends to the last {m.sliding_window} "
-                     f"tokens; sequences are held to max_model_len={max_model_len(cfg)} (sliding-window KV-cache "
-                     f"groups, which would serve longer ones, are not built yet)")
     notes += [f"not built yet, serving refuses it: {u}" for u in not_built(cfg)]
     notes += method_of(cfg).plan_notes(cfg)
     if comm["collectives_per_step"] and comm["decode_comm_share"] is None:
         notes.append(f"hardware={cfg.hardware.name} sets no interconnect_gbps / collective_latency_us: the "
                      f"communication share of a decode step is not estimated")
     return notes
+
+
+def _kv_groups(cfg: ApplianceConfig, dtype: str, mem: DeviceMemory) -> dict[str, Any]:
+    """The KV-cache groups, and what a model with sliding windows gains from
+    them: the concurrency at max_model_len were every layer full attention
+    (a tensor per layer, every block kept) beside the plan's."""
+    m, mml, bs = cfg.model, max_model_len(cfg), cfg.cache.block_size
+    layout = kv_layout(m, mml)
+    blocks = layout.blocks_per_request(mml, bs, cfg.scheduler.max_num_batched_tokens)
+    groups = [{"attention": g.describe(), "layers": len(g.layers), "blocks_per_request": n}
+              for g, n in zip(layout.groups, blocks)]
+    if all(g.sliding_window is None for g in layout.groups):
+        return {"kv_cache_groups": groups}
+    full_blocks = mem.kv_cache // (bs * kv_layer_bytes(cfg, m, dtype) * max(
+        pipeline_partition(m.num_layers, cfg.parallel.pipeline_parallel_size, cfg.parallel.pp_layer_partition)))
+    return {"kv_cache_groups": groups,
+            "max_concurrency_as_full_attention": round(full_blocks / -(-mml // bs), 2) if mml else 0.0}
+
+
+def _group_lines(groups: list[dict[str, Any]]) -> list[str]:
+    """The KV-cache groups in words, alike groups counted once."""
+    counts: dict[tuple, int] = {}
+    for g in groups:
+        key = (g["attention"], g["layers"], g["blocks_per_request"])
+        counts[key] = counts.get(key, 0) + 1
+    return [f"{n} x {attention} ({layers} layers; {blocks} blocks per max_model_len request)"
+            for (attention, layers, blocks), n in counts.items()]
 
 
 def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Plan:
@@ -207,12 +250,14 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         num_kv_blocks=num_blocks,
         kv_tokens=num_blocks * bs,
         max_model_len=mml,
-        max_concurrency_at_max_len=round(num_blocks * bs / mml, 2) if mml else 0.0,
+        max_concurrency_at_max_len=round(num_blocks / blocks_per_request(cfg), 2) if mml else 0.0,
         **{**rates, "prefill_roofline_tok_s": round(rates["prefill_roofline_tok_s"], 1)},
         swap_kv_blocks=swap_blocks,
         **token_budget(cfg, rates["prefill_roofline_tok_s"]),
         engine_cores=par.data_parallel_size,
         experts=experts,
+        **_kv_groups(cfg, dtype, mem),
+        kv_read_at_max_len=kv_read_at_max_len(cfg, dtype, per_tok),
         **comm,
         speculative=describe_speculative(cfg),
         structured_output=describe_structured_output(cfg),
@@ -380,10 +425,14 @@ def format_plan(p: Plan) -> str:
               if p.experts['expert_parallel_size'] == 1 and p.parallel['tensor_parallel_size'] > 1 else "")
            + f", {p.experts['redundant_experts']} redundant; {gib(p.experts['expert_bytes_per_rank'])} of experts "
              f"per rank"] if p.experts else []),
-        f"max_model_len      {p.max_model_len}; max concurrency at that length {p.max_concurrency_at_max_len}x",
+        *(["kv cache groups    " + "; ".join(_group_lines(p.kv_cache_groups))]
+          if len(p.kv_cache_groups) > 1 or p.max_concurrency_as_full_attention is not None else []),
+        f"max_model_len      {p.max_model_len}; max concurrency at that length {p.max_concurrency_at_max_len}x"
+        + (f" ({p.max_concurrency_as_full_attention}x were every layer full attention)"
+           if p.max_concurrency_as_full_attention is not None else ""),
         f"decode roofline    {p.decode_roofline_tok_s} tok/s per sequence at batch 1 (weights"
         + (" a token reads" if p.experts else "") + " / bandwidth); "
-        f"{p.decode_roofline_at_max_len_tok_s} at max_model_len (its {p.max_model_len * p.kv_bytes_per_token / 1e6:.0f} MB "
+        f"{p.decode_roofline_at_max_len_tok_s} at max_model_len (its {p.kv_read_at_max_len / 1e6:.0f} MB "
         f"of {p.kv_cache_dtype} KV read each step too)",
         f"prefill roofline   {p.prefill_roofline_tok_s} tok/s ({p.compute_dtype} peak / 2 x "
         + ("active " if p.experts else "") + "parameters)",

@@ -71,10 +71,12 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     qkv_bias: bool = False
     qk_norm: bool = False
-    # Every layer attends to the last sliding_window tokens only (a checkpoint's sliding_window: Mistral v0.1,
-    # Phi-3); null: to all. Until sliding-window KV-cache groups are built, a sequence is held within the window
-    # (max_model_len defaults to it, and may not exceed it), where the window changes nothing.
+    # A layer with a sliding window attends to the last sliding_window tokens only (itself included); its KV
+    # lives in a KV-cache group that gives back blocks behind the window (config/kv_groups.py). null: none.
     sliding_window: Optional[int] = None
+    # Each layer's attention, full_attention or sliding_attention (a checkpoint's layer_types: Qwen2's
+    # use_sliding_window); null: every layer alike, sliding when sliding_window is set (Mistral v0.1, Phi-3).
+    layer_types: Optional[list[str]] = None
     # Granite's multipliers (a checkpoint's; other architectures keep the defaults): the embedding's output,
     # each attention and MLP output before its residual add, the attention scores (null: head_dim ** -0.5),
     # and the logits' divisor

@@ -11,7 +11,8 @@ from __future__ import annotations
 from appliance.config.architectures import ARCHITECTURES, support
 from appliance.config.execution import choose_dtype
 from appliance.config.kv_connectors import kv_transfer_problems
-from appliance.config.memory import GIB, device_memory, max_model_len
+from appliance.config.kv_groups import LAYER_TYPES, SLIDING, kv_group_problems
+from appliance.config.memory import GIB, blocks_per_request, device_memory, max_model_len
 from appliance.config.quantization import FP8_HARDWARE, quantization_problems
 from appliance.config.checkpoint import MOE_KEYS, YARN_KEYS
 from appliance.config.schema import ApplianceConfig, EplbConfig, ModelConfig, RopeScaling, SchedulerConfig
@@ -228,6 +229,21 @@ def _block_size_problems(cfg: ApplianceConfig) -> list[str]:
     return problems
 
 
+def _layer_type_problems(m: ModelConfig) -> list[str]:
+    """``model.layer_types``: one known kind per layer, sliding ones with a window to slide."""
+    if m.layer_types is None:
+        return []
+    problems = []
+    if len(m.layer_types) != m.num_layers:
+        problems.append(f"model.layer_types has {len(m.layer_types)} entries for {m.num_layers} layers")
+    unknown = sorted(set(m.layer_types) - set(LAYER_TYPES))
+    if unknown:
+        problems.append(f"model.layer_types: {unknown} not built; each layer is one of {list(LAYER_TYPES)}")
+    if SLIDING in m.layer_types and m.sliding_window is None:
+        problems.append("model.layer_types names sliding_attention layers but model.sliding_window is null")
+    return problems
+
+
 def _length_problems(cfg: ApplianceConfig) -> list[str]:
     """Lengths and token budgets."""
     m, s = cfg.model, cfg.scheduler
@@ -238,10 +254,7 @@ def _length_problems(cfg: ApplianceConfig) -> list[str]:
             f"model.max_model_len={mml} exceeds {m.name}'s max_position_embeddings={m.max_position_embeddings}; "
             f"lower model.max_model_len"
         )
-    if m.sliding_window is not None and mml > m.sliding_window:
-        problems.append(f"model.max_model_len={mml} exceeds model.sliding_window={m.sliding_window}: attention over "
-                        f"a sliding window past its length (sliding-window KV-cache groups) is not built yet; set "
-                        f"model.max_model_len={m.sliding_window} or less")
+    problems += _layer_type_problems(m)
     rs, rs_defaults = m.rope_scaling, RopeScaling()
     if rs.type != "yarn":  # YaRN's own keys mean nothing to another scaling
         problems += [f"model.rope_scaling.{k}={getattr(rs, k)} is YaRN's; model.rope_scaling.type={rs.type}: set "
@@ -373,7 +386,7 @@ def _memory_problems(cfg: ApplianceConfig, dtype: str) -> list[str]:
             )
         else:
             mml, bs = max_model_len(cfg), cache.block_size
-            need = -(-mml // bs)
+            need = blocks_per_request(cfg)
             if mem.num_kv_blocks < need:
                 problems.append(
                     f"the KV cache holds {mem.num_kv_blocks} blocks ({mem.num_kv_blocks * bs} tokens) but one "
@@ -389,6 +402,7 @@ def validate(cfg: ApplianceConfig) -> list[str]:
     problems += _architecture_problems(cfg)
     problems += _moe_problems(cfg)
     problems += kv_events_problems(cfg)
+    problems += kv_group_problems(cfg, max_model_len(cfg))
     problems += kv_transfer_problems(cfg)
     problems += router_problems(cfg)
     problems += _speculative_problems(cfg)

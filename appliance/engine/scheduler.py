@@ -24,7 +24,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Callable, Iterable, Optional, Union
 
 from appliance.engine.kv_connector import KVConnectorOutput
-from appliance.engine.kv_cache.manager import KVCacheManager
+from appliance.engine.kv_cache.manager import GroupBlocks, KVCacheManager
 from appliance.engine.request import Request, RequestStatus
 from appliance.engine.request_queue import FCFSQueue, PriorityQueue
 from appliance.engine.scheduler_output import CachedRequestData, NewRequestData, RequestUpdate, SchedulerOutput
@@ -46,7 +46,7 @@ class _Budget:
     long_threshold: int  # 0: no chunk cap, nothing is long
     reqs: int = 1 << 62  # requests the step may still take
     num_scheduled: dict[str, int] = field(default_factory=dict)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # of running requests only
+    new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)  # of running requests, per group
     preempted: list[Request] = field(default_factory=list)
 
     def cap(self, num_new: int) -> int:
@@ -118,6 +118,10 @@ class Scheduler:
         if request.num_tokens >= self.max_model_len:
             raise ValueError(f"prompt of {request.num_tokens} tokens leaves no room below "
                              f"max_model_len={self.max_model_len}")
+        need = self.kv.most_blocks(request.num_tokens + 1 + self.num_lookahead_tokens, self.max_num_batched_tokens)
+        if need > self.kv.num_blocks - 1:  # it would wait (or preempt itself) for ever
+            raise ValueError(f"prompt of {request.num_tokens} tokens needs {need} KV cache blocks to run; the cache "
+                             f"has {self.kv.num_blocks - 1}")
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -182,7 +186,7 @@ class Scheduler:
             self.requests[rid].num_computed_tokens += n
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(budget.num_scheduled, self.requests,
-                                                                            self.kv.get_block_ids)
+                                                                            self.kv.connector_block_ids)
         return out
 
     def _schedule_running(self, budget: _Budget) -> None:
@@ -209,7 +213,7 @@ class Scheduler:
                     break
             if blocks is not None:
                 budget.take(req, num_new)
-                budget.new_block_ids[req.request_id] = [b.block_id for b in blocks]
+                budget.new_block_ids[req.request_id] = tuple([b.block_id for b in g] for g in blocks)
 
     def _schedule_waiting(self, budget: _Budget, out: SchedulerOutput) -> None:
         """Phase 2, in queue order: prefix hits first, then new blocks."""
@@ -233,7 +237,8 @@ class Scheduler:
                 req.status = RequestStatus.WAITING
             if not self._has_seat() and not self._preempt_lower_priority(req, budget, self._has_seat):
                 break
-            hits, num_hit_tokens = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            hits, num_hit_tokens = (self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0
+                                    else (self.kv.empty(), 0))
             num_external, load_async = 0, False  # tokens past the pool's hits that the KV connector supplies
             if self.connector is not None and req.num_computed_tokens == 0 \
                     and req.sampling_params.prompt_logprobs is None:
@@ -260,8 +265,8 @@ class Scheduler:
             self.kv.allocate_slots(*args)
             if num_external:
                 assert self.connector is not None  # only a connector supplies external tokens
-                self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), num_local_hits,
-                                                        num_external)
+                self.connector.update_state_after_alloc(req, self.kv.connector_block_ids(req.request_id),
+                                                        num_local_hits, num_external)
             self.waiting.pop()
             resumed = req.status == RequestStatus.PREEMPTED
             req.status = RequestStatus.RUNNING
@@ -280,7 +285,7 @@ class Scheduler:
         for req in reversed(skipped):
             self.waiting.prepend(req)
 
-    def _start_remote_load(self, req: Request, hits: list, num_hit_tokens: int, num_external: int) -> bool:
+    def _start_remote_load(self, req: Request, hits: GroupBlocks, num_hit_tokens: int, num_external: int) -> bool:
         """Blocks for the pool's hits and ``num_external`` tokens a KV
         connector fills in the background: the request waits for them in
         WAITING_FOR_REMOTE_KVS, taking nothing from this step's budget.
@@ -291,7 +296,7 @@ class Scheduler:
             return False
         self.kv.allocate_slots(*args, delay_cache_blocks=True)
         assert self.connector is not None  # only a connector loads in the background
-        self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), num_hit_tokens,
+        self.connector.update_state_after_alloc(req, self.kv.connector_block_ids(req.request_id), num_hit_tokens,
                                                 num_external)
         req.num_computed_tokens = num_hit_tokens
         req.num_cached_tokens = num_hit_tokens + num_external
@@ -467,7 +472,8 @@ class Scheduler:
         req.status = status
         held = False
         if self.connector is not None:
-            held, req.kv_transfer_params = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
+            held, req.kv_transfer_params = self.connector.request_finished(req,
+                                                                           self.kv.connector_block_ids(req.request_id))
         if held:
             self._held[req.request_id] = req
         else:

@@ -20,7 +20,7 @@ class NewRequestData:
     req_id: str
     token_ids: list[int]  # prompt + outputs so far (a resumed request recomputes them all)
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per KV-cache group
     num_computed_tokens: int
     sampling_params: object
     resumed: bool = False
@@ -31,7 +31,7 @@ class NewRequestData:
 @dataclass
 class CachedRequestData:
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # per KV-cache group
     num_computed_tokens: int
     # for ranks that do not sample (``Scheduler.send_token_ids``): the request's tokens sent to none yet,
     # up to the last of this step's (drafts apart); None: every rank has them

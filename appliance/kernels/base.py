@@ -20,7 +20,7 @@ slot is ``block_id * block_size + offset``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -48,6 +48,17 @@ class CommonAttentionMetadata:
     # Host copies, for backends that loop or plan on the CPU.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # The layers of this metadata's KV-cache group attend to the last sliding_window positions only (a token
+    # at position p to keys p - sliding_window + 1 .. p); their blocks before that may be another's or the
+    # null block, never to be read. None: full attention.
+    sliding_window: Optional[int] = None
+
+
+def layer_metadata(attn_metadata: Any, i: int) -> Any:
+    """Layer ``i``'s attention metadata: ``attn_metadata`` is one for every
+    layer, or (a model whose layers keep their KV in several KV-cache
+    groups) a list of one per layer, each its group's."""
+    return attn_metadata[i] if isinstance(attn_metadata, list) else attn_metadata
 
 
 class AttentionBackend:

@@ -208,10 +208,31 @@ class NativeForward:
             self._layers[i].k_cache, self._layers[i].v_cache = c[0].data_ptr(), c[1].data_ptr()
         self._kv_ptrs = ptrs
 
+    def _bind_groups(self, md: Any) -> tuple[NativeMetadata, Any]:
+        """The step's metadata: one for every layer (the first returned), or
+        (a list, one per layer) each layer's KV-cache group's; then the
+        groups' block tables, slots and windows as the native call reads
+        them, each layer told its group (None: one group, full attention)."""
+        if not isinstance(md, list) and not md.common.sliding_window:
+            return md, None
+        per_layer = md if isinstance(md, list) else [md] * len(self._layers)
+        groups: dict[int, int] = {}
+        for i, m in enumerate(per_layer):
+            self._layers[i].group = groups.setdefault(id(m), len(groups))
+        mds = list({id(m): m for m in per_layer}.values())
+        n = len(mds)
+        slots = [m.common.slot_mapping.to(torch.int64).contiguous() for m in mds]
+        arrays = ((ctypes.c_void_p * n)(*(m.block_table.data_ptr() for m in mds)),
+                  (ctypes.c_void_p * n)(*(x.data_ptr() for x in slots)),
+                  (ctypes.c_int32 * n)(*(m.common.sliding_window or 0 for m in mds)), slots)
+        return mds[0], arrays
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 md: NativeMetadata, logits_indices: torch.Tensor) -> Optional[torch.Tensor]:
-        """The logits at ``logits_indices``; None on a pipeline stage before the last (its rows went on)."""
+                 md: Any, logits_indices: torch.Tensor) -> Optional[torch.Tensor]:
+        """The logits at ``logits_indices``; None on a pipeline stage before the last (its rows went on).
+        ``md``: the step's metadata, or one per layer (a model with several KV-cache groups)."""
         self._bind_caches(kv_caches)
+        md, groups = self._bind_groups(md)
         c = md.common
         t = int(input_ids.shape[0])
         need = _LIB.appl_scratch_floats(ctypes.byref(self.struct), t)
@@ -239,6 +260,8 @@ class NativeForward:
                         md.qsl.data_ptr(), md.seq_lens.data_ptr(), md.block_table.data_ptr(),
                         self._scratch.data_ptr(), out.data_ptr() if last else None, _ptr(rows),
                         None if last else out.data_ptr())
+            if groups is not None:
+                step.group_tables, step.group_slots, step.group_windows = (ctypes.addressof(a) for a in groups[:3])
             _LIB.appl_forward(ctypes.byref(self.struct), ctypes.byref(step))
             if self._router is not None:
                 self._router.raise_error()

@@ -38,7 +38,8 @@ class Moe(ctypes.Structure):
 class Layer(ctypes.Structure):
     _fields_ = [("ln1", _p), ("ln2", _p), ("q_norm", _p), ("k_norm", _p),
                 ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
-                ("k_cache", _p), ("v_cache", _p), ("k_scale", _f32), ("v_scale", _f32), ("moe", ctypes.POINTER(Moe))]
+                ("k_cache", _p), ("v_cache", _p), ("k_scale", _f32), ("v_scale", _f32), ("moe", ctypes.POINTER(Moe)),
+                ("group", _i32), ("_pad3", _i32)]
 
 
 # logits [T, n_experts] fp32, T, n_experts, top_k -> ids int32 [T, top_k], weights fp32 [T, top_k]
@@ -63,7 +64,8 @@ class Step(ctypes.Structure):
                 ("bt_stride", _i32), ("failed", _i32),
                 ("input_ids", _p), ("positions", _p), ("slot_mapping", _p), ("logits_indices", _p),
                 ("qsl", _p), ("seq_lens", _p), ("block_table", _p), ("scratch", _p), ("logits", _p),
-                ("hidden_in", _p), ("hidden_out", _p)]
+                ("hidden_in", _p), ("hidden_out", _p), ("group_tables", _p), ("group_slots", _p),
+                ("group_windows", _p)]
 
 
 _LIB.appl_forward.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Step)]
@@ -74,7 +76,7 @@ _LIB.appl_linear.argtypes = [ctypes.POINTER(Linear), _p, _i64, _p, _i64, _i64, c
 _LIB.appl_linear.restype = None
 _LIB.appl_attention.argtypes = [_p, _i64, _p, _i64, _p, _p, ctypes.c_int, ctypes.c_int, _p, _p, _p,
                                 ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, _f32, ctypes.c_int,
-                                _f32, _f32]
+                                _f32, _f32, ctypes.c_int]
 _LIB.appl_attention.restype = None
 _LIB.appl_phase_times.argtypes = [ctypes.POINTER(ctypes.c_double), ctypes.c_int]
 _LIB.appl_phase_times.restype = ctypes.c_int
@@ -462,12 +464,14 @@ def paged_attention(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, 
                     num_heads: int, num_kv_heads: int, head_dim: int, scale: float, k_scale: float = 1.0,
                     v_scale: float = 1.0) -> None:
     """q [T, H*D] (row stride may exceed H*D), out [T, H*D]: attention over the paged
-    cache (fp32, bf16 or fp8; an fp8 one holds k / k_scale and v / v_scale) in place."""
+    cache (fp32, bf16 or fp8; an fp8 one holds k / k_scale and v / v_scale) in place,
+    within the metadata's sliding window where it has one."""
     c = md.common
     _LIB.appl_attention(q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), kv_cache[0].data_ptr(),
                         kv_cache[1].data_ptr(), c.num_actual_tokens, c.num_reqs, md.qsl.data_ptr(),
                         md.seq_lens.data_ptr(), md.block_table.data_ptr(), md.block_table.stride(0), c.block_size,
-                        num_heads, num_kv_heads, head_dim, scale, KV_TYPES[kv_cache.dtype], k_scale, v_scale)
+                        num_heads, num_kv_heads, head_dim, scale, KV_TYPES[kv_cache.dtype], k_scale, v_scale,
+                        c.sliding_window or 0)
 
 
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}  # KV_* in cpu_ops.c

@@ -90,6 +90,8 @@ class FlashAttn3Backend(AttentionBackend):
                 "v_descale": torch.full(shape, self.v_scale, dtype=torch.float32, device=q.device),
             }
             q = q.to(torch.float8_e4m3fn)
+        if md.common.sliding_window:  # a token attends to itself and the window - 1 before it
+            kw["window_size"] = (md.common.sliding_window - 1, 0)
         out = self._fn(
             q, kv_cache[0], kv_cache[1],
             cache_seqlens=md.cache_seqlens, page_table=md.page_table,

@@ -41,12 +41,19 @@ class TorchSDPABackend(AttentionBackend):
         decode_reqs = torch.tensor(decode, dtype=torch.long).to(dev)
         decode_tokens = torch.tensor([qsl[i] for i in decode], dtype=torch.long).to(dev)
         if decode:
-            max_ctx = max(seq_lens[i] for i in decode)
-            nblocks = -(-max_ctx // common.block_size)
-            decode_bt = common.block_table[decode_reqs, :nblocks].long()
-            lens = common.seq_lens[decode_reqs].view(-1, 1)
-            positions = torch.arange(nblocks * common.block_size, device=lens.device)  # where seq_lens are
-            decode_mask = (positions.view(1, -1) < lens).view(len(decode), 1, 1, -1)
+            bs, window = common.block_size, common.sliding_window
+            # each decode's blocks from the first its window reaches (all: full attention)
+            first = [max(0, seq_lens[i] - window) // bs if window else 0 for i in decode]
+            nblocks = max(-(-seq_lens[i] // bs) - f for i, f in zip(decode, first))
+            first_t = torch.tensor(first, dtype=torch.long).to(dev).view(-1, 1)
+            cols = (first_t + torch.arange(nblocks, device=dev).view(1, -1)).clamp_(max=common.block_table.shape[1] - 1)
+            decode_bt = common.block_table[decode_reqs.view(-1, 1), cols].long()
+            lens = common.seq_lens[decode_reqs].view(-1, 1).long()
+            positions = first_t * bs + torch.arange(nblocks * bs, device=dev).view(1, -1)  # of the gathered keys
+            visible = positions < lens
+            if window:
+                visible &= positions >= lens - window
+            decode_mask = visible.view(len(decode), 1, 1, -1)
         return SDPAMetadata(common, decode_reqs, decode_tokens, decode_mask, decode_bt, prefill)
 
     def forward(self, q, k, v, kv_cache, md: SDPAMetadata):
@@ -67,28 +74,32 @@ class TorchSDPABackend(AttentionBackend):
                 attn_mask=md.decode_mask, scale=self.scale, enable_gqa=gqa
             )
             out[md.decode_tokens] = o.squeeze(2)
-        qsl, seq_lens = c.query_start_loc_cpu, c.seq_lens_cpu
+        qsl, seq_lens, window = c.query_start_loc_cpu, c.seq_lens_cpu, c.sliding_window
         for i in md.prefill_reqs:
             start, end = qsl[i], qsl[i + 1]
             q_len, ctx = end - start, seq_lens[i]
             qq = q[start:end].transpose(0, 1)  # [H, q_len, D]
             prefix = ctx - q_len
+            queries = prefix + torch.arange(q_len, device=q.device)
             if prefix == 0:
                 # A fresh prompt attends only to its own chunk: use this step's K/V, no cache gather
                 # (rounded as the cache stores them, so every step attends the same values).
-                kk = self.as_cached(k[start:end], kv_cache.dtype, self.k_scale)
-                vv = self.as_cached(v[start:end], kv_cache.dtype, self.v_scale)
-                o = F.scaled_dot_product_attention(qq, kk.transpose(0, 1), vv.transpose(0, 1),
-                                                   is_causal=True, scale=self.scale, enable_gqa=gqa)
+                kk = self.as_cached(k[start:end], kv_cache.dtype, self.k_scale).transpose(0, 1)
+                vv = self.as_cached(v[start:end], kv_cache.dtype, self.v_scale).transpose(0, 1)
+                keys = queries
+            else:  # from the first block the chunk's window reaches (all: full attention)
+                first = max(0, prefix - window + 1) // bs if window else 0
+                bt = c.block_table[i, first : -(-ctx // bs)].long()
+                kk = key_cache[bt].reshape(-1, self.num_kv_heads, self.head_dim)[: ctx - first * bs].transpose(0, 1)
+                vv = value_cache[bt].reshape(-1, self.num_kv_heads, self.head_dim)[: ctx - first * bs].transpose(0, 1)
+                kk, vv = self.read_kv(kk, q.dtype, self.k_scale), self.read_kv(vv, q.dtype, self.v_scale)
+                keys = torch.arange(first * bs, ctx, device=q.device)
+            if prefix == 0 and not window:
+                o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=self.scale, enable_gqa=gqa)
             else:
-                nblocks = -(-ctx // bs)
-                bt = c.block_table[i, :nblocks].long()
-                kk = key_cache[bt].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx].transpose(0, 1)
-                vv = value_cache[bt].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx].transpose(0, 1)
-                keys, queries = torch.arange(ctx, device=q.device), torch.arange(q_len, device=q.device)
-                mask = keys.view(1, -1) <= (prefix + queries).view(-1, 1)
-                o = F.scaled_dot_product_attention(qq, self.read_kv(kk, q.dtype, self.k_scale),
-                                                   self.read_kv(vv, q.dtype, self.v_scale), attn_mask=mask,
-                                                   scale=self.scale, enable_gqa=gqa)
+                mask = keys.view(1, -1) <= queries.view(-1, 1)
+                if window:
+                    mask &= keys.view(1, -1) > queries.view(-1, 1) - window
+                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
             out[start:end] = o.transpose(0, 1)
         return out

@@ -75,7 +75,7 @@ def _reshape_and_cache_kernel(
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr, tile_req_ptr, tile_q_ptr,
-    scale, k_scale, v_scale,
+    scale, k_scale, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_QPKV: tl.constexpr, QPKV_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -109,8 +109,10 @@ def _unified_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     last_q = tl.minimum(q_tile_start + BLOCK_Q, q_len) - 1
     num_tiles = (prefix + last_q) // TILE_N + 1
+    # a sliding window (window > 0): from the tile of the oldest key the tile's first query reads
+    first_tile = tl.maximum(prefix + q_tile_start - window + 1, 0) // TILE_N if window > 0 else 0
     n = tl.arange(0, TILE_N)
-    for j in range(0, num_tiles):
+    for j in range(first_tile, num_tiles):
         first = j * TILE_N
         phys = tl.load(block_table_ptr + req * stride_bt + first // BLOCK_SIZE).to(tl.int64)
         slot = first % BLOCK_SIZE + n
@@ -128,6 +130,7 @@ def _unified_attention_kernel(
             v = v.to(tl.float32)
         s = tl.dot(q, k) * scale
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
+        visible = visible & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -227,7 +230,7 @@ class TritonAttentionBackend(AttentionBackend):
         _unified_attention_kernel[grid](
             q, k_cache, v_cache, out,
             bt, c.seq_lens, c.query_start_loc, md.tile_req, md.tile_q,
-            self.scale, self.k_scale, self.v_scale,
+            self.scale, self.k_scale, self.v_scale, c.sliding_window or 0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0),
             NUM_QPKV=self.qpkv, QPKV_PAD=self.qpkv_pad, BLOCK_Q=md.block_q, BLOCK_M=md.block_q * self.qpkv_pad,

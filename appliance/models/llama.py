@@ -23,6 +23,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from appliance.config.architectures import support
+from appliance.kernels.base import layer_metadata
 from appliance.models.arch import ModelArch
 from appliance.models.layers.attention import Attention
 from appliance.models.layers.mlp import MLP
@@ -278,7 +279,7 @@ class LlamaForCausalLM(nn.Module):
             for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
                 if hooks is not None:
                     hooks.wait_for_layer_load(i)
-                x = layer(x, cos, sin, kv_cache, attn_metadata)
+                x = layer(x, cos, sin, kv_cache, layer_metadata(attn_metadata, i))
                 if hooks is not None:
                     hooks.save_kv_layer(i, kv_cache)
             return x

@@ -55,6 +55,8 @@ def _facts_hash(m: ModelConfig) -> str:
         facts["mlp_only_layers"] = list(m.mlp_only_layers)
     if m.sliding_window is not None:  # models without one keep their hash
         facts["sliding_window"] = m.sliding_window
+    if m.layer_types is not None:
+        facts["layer_types"] = list(m.layer_types)
     if m.attention_multiplier is not None:  # Granite's multipliers (other models keep their hash)
         facts["multipliers"] = [m.embedding_multiplier, m.residual_multiplier, m.attention_multiplier,
                                 m.logits_scaling]

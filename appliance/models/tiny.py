@@ -80,6 +80,9 @@ def hf_config_dict(m: ModelConfig, vocab_size: int) -> dict:
                    attention_multiplier=m.attention_multiplier, logits_scaling=m.logits_scaling)
     if ARCHITECTURES[m.architecture].window == "every":  # written even when null: Mistral's default is 4096
         cfg["sliding_window"] = m.sliding_window
+    elif ARCHITECTURES[m.architecture].window == "optional" and m.sliding_window is not None:  # Qwen2/3
+        cfg.update(use_sliding_window=True, sliding_window=m.sliding_window,
+                   layer_types=list(m.layer_types or ["sliding_attention"] * m.num_layers))
     row = ARCHITECTURES[m.architecture]
     if row.experts == "every":  # Mixtral: every layer sparse; its experts' size is intermediate_size
         cfg.update(num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,

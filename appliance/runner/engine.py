@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from appliance.config.deployment import Deployment
 from appliance.config.kv_connectors import connector_of
-from appliance.runner.kv import connector_sides, kv_event_publisher
+from appliance.runner.kv import connector_sides, kv_event_publisher, kv_group_specs
 from appliance.runner.ranks import place_data_parallel_rank, step_runner
 
 if TYPE_CHECKING:
@@ -56,7 +56,8 @@ def _scheduler(deployment: Deployment, connector: Any) -> Scheduler:
 
     cfg = deployment.cfg
     kv = KVCacheManager(deployment.num_kv_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
-                        cfg.cache.prefix_caching_hash_algo, enable_events=cfg.kv_events.enabled)
+                        cfg.cache.prefix_caching_hash_algo, enable_events=cfg.kv_events.enabled,
+                        groups=kv_group_specs(deployment))
     s = cfg.scheduler
     return Scheduler(
         kv,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from appliance.config.deployment import Deployment
 from appliance.config.kv_connectors import DISAGGREGATED_PREFILL, OFFLOAD, connector_of, offload_medium
+from appliance.config.kv_groups import kv_layout
 from appliance.config.schema import ApplianceConfig
 from appliance.errors import ConfigError
 
@@ -219,3 +220,11 @@ def connector_key(cfg: ApplianceConfig) -> bytes:
 
     return need_internal_key(cfg.server, f"kv_transfer.connector={cfg.kv_transfer.connector} (its messages are "
                                          "signed)")
+
+
+def kv_group_specs(deployment: Deployment) -> list[Any]:
+    """The engine's KV-cache groups, as the plan lays them out (config/kv_groups.py)."""
+    from appliance.engine.kv_cache.single_type import KVCacheGroupSpec
+
+    layout = kv_layout(deployment.cfg.model, deployment.max_model_len)
+    return [KVCacheGroupSpec(g.sliding_window) for g in layout.groups]

@@ -7,8 +7,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from appliance.config.deployment import Deployment
+from appliance.config.kv_groups import kv_layout
 from appliance.config.sizes import attention_scale
 from appliance.errors import ConfigError
+from appliance.runner.kv import kv_group_specs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -61,7 +63,9 @@ def build_model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
         proposer = _proposer(deployment, tokenizer, dtype, kv_dtype, device)
     runner = ModelRunner(model, backend, num_blocks, cfg.cache.block_size, mml, cfg.scheduler.max_num_seqs, dtype,
                          kv_dtype, device, tokenizer.eos_token_id, seed=m.seed, proposer=proposer,
-                         disable_spec_above=spec.disable_by_batch_size, bitmask_kernel=_bitmask_kernel(ex.backend))
+                         disable_spec_above=spec.disable_by_batch_size, bitmask_kernel=_bitmask_kernel(ex.backend),
+                         kv_groups=kv_group_specs(deployment),
+                         layer_placement=kv_layout(m, mml).placement())
     return runner, tokenizer
 
 

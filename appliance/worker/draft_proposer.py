@@ -66,9 +66,9 @@ class DraftModelProposer:
         """One draft forward: request i's ``tokens[i]`` at positions from
         ``starts[i]``; fp32 logits at the last token of the requests ``want``."""
         counts = np.array([len(t) for t in tokens], dtype=np.int64)
-        ids, positions, common, qsl = runner.batch_inputs(
+        ids, positions, groups, qsl = runner.batch_inputs(
             states, np.array(starts, dtype=np.int64), counts, np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens]))
-        metadata = self.backend.build_metadata(common)
+        metadata = self.backend.build_metadata(groups[0])  # a one-group cache: validation refuses a draft with more
         dev = runner.device
         return self._forward()(torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), self.kv_caches,
                                metadata, torch.from_numpy(qsl[1:][want] - 1).to(dev)).float().cpu()

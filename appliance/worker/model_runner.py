@@ -1,9 +1,12 @@
 """The model runner: turns a SchedulerOutput into one forward and samples.
 
 It keeps a persistent input batch: each live request owns a row of a
-preallocated block table that grows by appending the step's new block
-ids, and its token ids; finished and preempted requests give their rows
-back. Per step it builds input ids, positions, slot mapping and
+preallocated block table per KV-cache group, each growing by the step's
+new block ids of its group, and its token ids; finished and preempted
+requests give their rows back. A model with several groups (sliding-window
+layers beside full-attention ones) gets the attention metadata of each
+layer's group; its layers share the cache tensors as the layout places
+them (``config/kv_groups.py``). Per step it builds input ids, positions, slot mapping and
 ``query_start_loc`` for the flattened batch, runs the model with the
 attention backend's metadata, and samples the requests that reached the
 end of their known tokens (a mid-prompt chunk samples nothing).
@@ -43,13 +46,14 @@ which calls the backend per layer for attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from appliance.engine.scheduler_output import SchedulerOutput
+from appliance.engine.kv_cache.single_type import FULL_ATTENTION, KVCacheGroupSpec
 from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
 from appliance.sampling_params import SamplingParams
 from appliance.worker.kv_memory import zeroed_kv_cache
@@ -125,6 +129,8 @@ class ModelRunner:
         proposer: Optional[Any] = None,
         disable_spec_above: Optional[int] = None,
         bitmask_kernel: Optional[Callable] = None,
+        kv_groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,),
+        layer_placement: Optional[dict[int, tuple[int, int]]] = None,
     ):
         arch = model.arch
         self.model = model
@@ -135,11 +141,23 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.bitmask_kernel = bitmask_kernel  # masks constrained logits rows (None: xgrammar's kernel)
         shape = backend.kv_cache_shape(num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        # one per layer this rank holds (a pipeline stage's)
-        self.kv_caches = [zeroed_kv_cache(shape, dtype=kv_dtype, device=device) for _ in model.model.layers]
+        # The cache of each layer this rank holds (a pipeline stage's): its own tensor, or (several KV-cache
+        # groups, layer_placement: each layer's (group, tensor)) the tensor it shares with a layer of each
+        # other group, a block of its group being page b of it (config/kv_groups.py).
+        pp = getattr(model, "pp", None)
+        layers = range(len(model.model.layers)) if pp is None else range(pp.start, pp.end)
+        placement = layer_placement or {i: (0, i) for i in layers}
+        tensors: dict[int, torch.Tensor] = {}
+        for i in layers:
+            if placement[i][1] not in tensors:
+                tensors[placement[i][1]] = zeroed_kv_cache(shape, dtype=kv_dtype, device=device)
+        self.kv_caches = [tensors[placement[i][1]] for i in layers]
+        self.kv_groups = tuple(kv_groups)
+        self.layer_groups = [placement[i][0] for i in layers]
         self.max_blocks_per_req = -(-max_model_len // block_size)
-        self.block_table = np.zeros((max_num_seqs, self.max_blocks_per_req), dtype=np.int32)
-        self.num_blocks_in_row = np.zeros(max_num_seqs, dtype=np.int32)
+        # a block table per group: [group, row, block]
+        self.block_table = np.zeros((len(self.kv_groups), max_num_seqs, self.max_blocks_per_req), dtype=np.int32)
+        self.num_blocks_in_row = np.zeros((len(self.kv_groups), max_num_seqs), dtype=np.int32)
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -149,7 +167,6 @@ class ModelRunner:
         # Decided here; the native forward itself is built at the first step, so it
         # sees the weights as they are then (quantized, or edited after construction).
         self.uses_native_forward = runs_native_forward(backend, model)
-        pp = getattr(model, "pp", None)
         self.samples = pp is None or pp.last  # a pipeline stage before the last hands its rows on instead
         self.kv_connector: Any = None  # a KV connector's worker side (worker/kv_offload.py, kv_p2p.py), set by the runner
         self._native: Any = None
@@ -171,13 +188,15 @@ class ModelRunner:
     def _remove(self, rid: str) -> None:
         st = self.requests.pop(rid, None)
         if st is not None:
-            self.num_blocks_in_row[st.row] = 0
+            self.num_blocks_in_row[:, st.row] = 0
             self.free_rows.append(st.row)
 
-    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
-        n = self.num_blocks_in_row[row]
-        self.block_table[row, n : n + len(block_ids)] = block_ids
-        self.num_blocks_in_row[row] = n + len(block_ids)
+    def _append_blocks(self, row: int, block_ids: tuple[list[int], ...]) -> None:
+        """Each group's new blocks after the ones its row holds."""
+        for g, ids in enumerate(block_ids):
+            n = self.num_blocks_in_row[g, row]
+            self.block_table[g, row, n : n + len(ids)] = ids
+            self.num_blocks_in_row[g, row] = n + len(ids)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids | so.preempted_req_ids:
@@ -202,11 +221,11 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------
     def batch_inputs(self, states: list[CachedRequestState], computed: np.ndarray, counts: np.ndarray,
-                     input_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, CommonAttentionMetadata, np.ndarray]:
+                     input_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[CommonAttentionMetadata], np.ndarray]:
         """The flattened batch of ``counts[i]`` tokens per request from
         position ``computed[i]`` (``input_ids`` in that order), through the
-        requests' block-table rows: (input ids, positions, metadata,
-        query_start_loc)."""
+        requests' block-table rows: (input ids, positions, metadata per
+        KV-cache group, query_start_loc)."""
         n_reqs = len(states)
         qsl = np.zeros(n_reqs + 1, dtype=np.int64)
         np.cumsum(counts, out=qsl[1:])
@@ -215,18 +234,15 @@ class ModelRunner:
         req_of_token = np.repeat(np.arange(n_reqs), counts)
         positions = computed[req_of_token] + (np.arange(total) - qsl[:-1][req_of_token])
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n_reqs)
-        bt = self.block_table[rows]
-        slot_mapping = bt[req_of_token, positions // self.block_size].astype(np.int64) * self.block_size + (
-            positions % self.block_size
-        )
         seq_lens = computed + counts
         dev = self.device
+        tables = [self._group_inputs(g, rows, req_of_token, positions) for g in range(len(self.kv_groups))]
         common = CommonAttentionMetadata(
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
             num_computed_tokens=torch.from_numpy(computed.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(bt).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            block_table=tables[0][0],
+            slot_mapping=tables[0][1],
             block_size=self.block_size,
             num_reqs=n_reqs,
             num_actual_tokens=total,
@@ -234,8 +250,25 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
+            sliding_window=self.kv_groups[0].sliding_window,
         )
-        return input_ids, positions, common, qsl
+        groups = [common] + [replace(common, block_table=bt, slot_mapping=slots, sliding_window=spec.sliding_window)
+                             for (bt, slots), spec in zip(tables[1:], self.kv_groups[1:])]
+        return input_ids, positions, groups, qsl
+
+    def _group_inputs(self, group: int, rows: np.ndarray, req_of_token: np.ndarray,
+                      positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """A KV-cache group's block-table rows of the batch and the slots its tokens write."""
+        bt = self.block_table[group, rows]
+        slots = bt[req_of_token, positions // self.block_size].astype(np.int64) * self.block_size + (
+            positions % self.block_size)
+        return torch.from_numpy(bt).to(self.device), torch.from_numpy(slots).to(self.device)
+
+    def attention_metadata(self, groups: list[CommonAttentionMetadata]) -> Any:
+        """What the model's layers attend with: the backend's metadata of the
+        one group, or a list of each layer's group's."""
+        built = [self.backend.build_metadata(c) for c in groups]
+        return built[0] if len(built) == 1 else [built[g] for g in self.layer_groups]
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
@@ -274,7 +307,7 @@ class ModelRunner:
         computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=n_reqs)
         input_ids = np.concatenate([np.asarray((s.token_ids + s.spec if s.spec else s.token_ids)[c : c + n],
                                                dtype=np.int64) for s, c, n in zip(states, computed, counts)])
-        input_ids, positions, common, qsl = self.batch_inputs(states, computed, counts, input_ids)
+        input_ids, positions, groups, qsl = self.batch_inputs(states, computed, counts, input_ids)
         seq_lens = computed + counts
         sampling = [i for i, s in enumerate(states) if seq_lens[i] >= len(s.token_ids)]
         # a request verifying drafts gets a row at each draft position and one past them
@@ -286,7 +319,7 @@ class ModelRunner:
             [np.arange(qsl[i + 1] - 1 - nd, qsl[i + 1]) for i, nd in zip(sampling, num_drafts)]
             + [np.arange(qsl[i], qsl[i] + end - c) for i, c, end in scored] + [np.zeros(0, dtype=np.int64)])
         dev = self.device
-        metadata = self.backend.build_metadata(common)
+        metadata = self.attention_metadata(groups)
         whole_step = self.uses_native_forward  # its layers run in one call: the connector's layer hooks go around it
         if connector is not None and whole_step:
             for i in range(len(self.kv_caches)):

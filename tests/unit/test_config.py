@@ -444,18 +444,18 @@ def test_the_ray_executor_needs_ray(monkeypatch):
         compose(resolve(["+profile=cpu", "model=tiny_random", "parallel=tp2", "parallel.executor=ray"]))
 
 
-def test_a_sliding_window_holds_sequences_within_it():
+def test_a_sliding_window_serves_sequences_past_it():
     from appliance.config.memory import max_model_len
 
     base = ["+profile=cpu", "model=tiny_random", "model.architecture=Phi3ForCausalLM", "model.sliding_window=256"]
     cfg = resolve(base).cfg
-    assert max_model_len(cfg) == 256  # the window, not the model's 1024 positions
-    assert any("model.sliding_window=256: every layer attends to the last 256 tokens" in n
-               for n in make_plan(cfg).notes)
-    assert resolve(base + ["model.max_model_len=200"]).cfg.model.max_model_len == 200
-    with pytest.raises(ConfigError, match="model.max_model_len=512 exceeds model.sliding_window=256: attention over a "
-                                          "sliding window past its length .* is not built yet"):
-        resolve(base + ["model.max_model_len=512"])
+    assert max_model_len(cfg) == 1024  # the model's positions: the window's group gives back what falls behind
+    plan = make_plan(cfg)
+    assert plan.kv_cache_groups == [{"attention": "sliding window 256", "layers": 2, "blocks_per_request": 64}]
+    assert "sliding window 256 in 2 of 2 layers" in plan.architecture
+    # a window as long as the sequences never slides: full attention
+    assert make_plan(resolve(base + ["model.max_model_len=256"]).cfg).kv_cache_groups[0]["attention"] == \
+        "full attention"
     with pytest.raises(ConfigError, match="parallel.tensor_parallel_size=2: Phi3ForCausalLM has no tensor-parallel"):
         resolve(base + ["parallel.tensor_parallel_size=2", "hardware.num_devices=2"])
 
@@ -474,8 +474,11 @@ def test_checkpoint_attention_windows_and_rotary_forms():
         hf_facts({**phi3, "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}})[1]
     qwen2 = {**phi3, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False}
     assert ("sliding_window", None) in [(f.key, f.value) for f in hf_facts(qwen2)[0]]  # off: Qwen2's window is unused
-    assert any("use_sliding_window=true" in p and "not built yet" in p
-               for p in hf_facts({**qwen2, "use_sliding_window": True})[1])
+    facts = {f.key: f.value for f in hf_facts({**qwen2, "use_sliding_window": True, "max_window_layers": 1})[0]}
+    assert facts["sliding_window"] == 2047 and facts["layer_types"] == ["full_attention", "sliding_attention"]
+    given = ["sliding_attention", "full_attention"]
+    facts = {f.key: f.value for f in hf_facts({**qwen2, "use_sliding_window": True, "layer_types": given})[0]}
+    assert facts["layer_types"] == given
 
 
 def test_granites_multipliers_are_its_own():

@@ -52,6 +52,8 @@ BASES = {
     "hardware.interconnect_gbps": [*BASE, "parallel=tp3"],
     "hardware.collective_latency_us": [*BASE, "parallel=tp3"],
     "parallel.pp_layer_partition": [*BASE, "parallel=pp2"],
+    # which layers slide, beside a window to slide
+    "model.layer_types": [*BASE, "model.sliding_window=512"],
 }
 # Keys whose effect is only where the engine is built or served (the tests
 # of those parts show it); the test checks that code there reads them.
@@ -85,6 +87,7 @@ ALTERNATIVES = {
     "parallel.executor": "mp",  # one rank in a worker process
     "parallel.pp_layer_partition": [13, 17],
     "model.path": "tiny_random",
+    "model.layer_types": ["full_attention"] * 15 + ["sliding_attention"] * 15,  # SmolLM2's 30 layers
     "model.architecture": "Qwen2ForCausalLM",
     "model.head_dim": 128,
     "model.num_kv_heads": 1,

@@ -14,8 +14,9 @@ BASE = ["+profile=cpu", "model=tiny_random"]
 SCENARIOS = {
     "default": [],
     "chunked_prefill": ["scheduler.max_num_batched_tokens=16", "scheduler.max_num_seqs=4"],
-    # Block size 4 and 24 blocks: the 9 prompts cannot all stay resident, so requests get preempted.
-    "preemption": ["cache.block_size=4", "cache.num_blocks=24", "scheduler.max_num_batched_tokens=64"],
+    # Block size 4 and 32 blocks: the 9 prompts cannot all stay resident, so requests get preempted (the
+    # longest prompt fits in both KV-cache groups of a model with sliding layers).
+    "preemption": ["cache.block_size=4", "cache.num_blocks=32", "scheduler.max_num_batched_tokens=64"],
     "prefix_cache": ["cache.block_size=4"],
 }
 

@@ -23,6 +23,9 @@ def alloc(kv, req):
 
 
 def ids(blocks):
+    """Block ids of one group's list, or of a one-group cache's per-group tuple."""
+    if isinstance(blocks, tuple):
+        (blocks,) = blocks
     return [b.block_id for b in blocks]
 
 
@@ -60,8 +63,8 @@ def test_prefill_caches_only_full_blocks():
     kv = KVCacheManager(10, 4)
     a = make_req("a", range(1, 11))  # 10 tokens: 2 full blocks + 2
     hits, blocks = alloc(kv, a)
-    assert hits == [] and ids(blocks) == [1, 2, 3]
-    assert len(kv.pool.cached_block_hash_to_block) == 2
+    assert ids(hits) == [] and ids(blocks) == [1, 2, 3]
+    assert len(kv.pool.cached_blocks[0]) == 2
     assert kv.pool.blocks[3].block_hash is None  # trailing partial block never cached
 
 
@@ -72,7 +75,7 @@ def test_shared_prefix_dedups_to_same_physical_blocks():
     b = make_req("b", [1, 2, 3, 4, 5, 6, 7, 8, 99, 98, 97])
     hits, blocks = alloc(kv, b)
     assert ids(hits) == [1, 2] and ids(blocks) == [4]
-    assert kv.get_block_ids("b") == [1, 2, 4]
+    assert kv.get_block_ids("b") == ([1, 2, 4],)
     assert kv.pool.blocks[1].ref_cnt == 2 and kv.pool.blocks[2].ref_cnt == 2
     assert kv.stats.queries == 21 and kv.stats.hits == 8
 
@@ -96,13 +99,13 @@ def test_free_appends_in_reverse_order_and_lru_eviction():
     kv = KVCacheManager(10, 4)
     a = make_req("a", range(1, 13))  # 3 full blocks
     alloc(kv, a)
-    assert ids(kv.req_to_blocks["a"]) == [1, 2, 3]
+    assert ids(kv.groups[0].req_to_blocks["a"]) == [1, 2, 3]
     kv.free(a)
     kv.check_integrity()
     # Never-used blocks first, then a's blocks last-first: block 3 is evicted before 1.
     assert free_order(kv) == [4, 5, 6, 7, 8, 9, 3, 2, 1]
     # The freed blocks stay cached until popped.
-    assert len(kv.pool.cached_block_hash_to_block) == 3
+    assert len(kv.pool.cached_blocks[0]) == 3
     b = make_req("b", range(100, 128))  # 28 tokens: 7 blocks
     _, blocks = alloc(kv, b)
     assert ids(blocks) == [4, 5, 6, 7, 8, 9, 3]
@@ -129,7 +132,7 @@ def test_allocation_failure_returns_none_and_changes_nothing():
     alloc(kv, a)
     b = make_req("b", range(50, 60))
     assert kv.allocate_slots(b, 10) is None
-    assert "b" not in kv.req_to_blocks
+    assert not kv.holds("b")
     kv.check_integrity()
 
 
@@ -152,7 +155,7 @@ def test_reset_prefix_cache_refused_while_held():
     assert kv.reset_prefix_cache() is False
     kv.free(a)
     assert kv.reset_prefix_cache() is True
-    assert kv.pool.cached_block_hash_to_block == {}
+    assert kv.pool.cached_blocks[0] == {}
     assert kv.get_computed_blocks(make_req("b", range(1, 10)))[1] == 0
     kv.check_integrity()
 
@@ -162,18 +165,18 @@ def test_hash_collision_never_serves_wrong_kv(monkeypatch):
     kv.hash_fn = lambda obj: b"same"  # every block collides
     alloc(kv, make_req("a", range(1, 10)))
     hits, n = kv.get_computed_blocks(make_req("b", range(20, 29)))
-    assert n == 0 and hits == []
+    assert n == 0 and ids(hits) == []
 
 
 def test_decode_caches_block_when_it_fills():
     kv = KVCacheManager(10, 4)
     a = make_req("a", [1, 2, 3])
     alloc(kv, a)
-    assert kv.pool.cached_block_hash_to_block == {}
+    assert kv.pool.cached_blocks[0] == {}
     a.append_output_token(4)
-    assert kv.allocate_slots(a, 1) == []
+    assert kv.allocate_slots(a, 1) == ([],)
     a.num_computed_tokens += 1
-    assert len(kv.pool.cached_block_hash_to_block) == 1
+    assert len(kv.pool.cached_blocks[0]) == 1
     a.append_output_token(5)
     assert ids(kv.allocate_slots(a, 1)) == [2]
     kv.check_integrity()

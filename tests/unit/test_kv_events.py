@@ -358,7 +358,7 @@ def test_a_subscriber_rebuilds_the_pools_cached_blocks():
         if round_ == 1:
             assert llm.engine.reset_prefix_cache()
         drain()
-        assert cached == {external_hash(h) for h in pool.cached_block_hash_to_block}
+        assert cached == {external_hash(h) for h in pool.cached_blocks[0]}
     assert state["next"] > 10 and llm.engine.scheduler.kv.stats.hits > 0
     assert seen[BlockRemoved] > 0 and seen[AllBlocksCleared] == 1  # evictions happened, and the reset
     llm.engine.kv_events.close()

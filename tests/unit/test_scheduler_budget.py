@@ -25,19 +25,19 @@ def test_cache_hits_in_the_free_queue_count_as_taken():
     assert kv.allocate_slots(filler, 8) is not None  # takes 4, 5 from the head of the queue
     req = make_req("c", list(range(1, 9)) + [50, 51, 52, 53, 54])  # 13 tokens: hits 1, 2 + 2 new blocks
     hits, num_hit_tokens = kv.get_computed_blocks(req)
-    assert [b.block_id for b in hits] == [1, 2] and all(b.ref_cnt == 0 for b in hits)
+    assert [b.block_id for b in hits[0]] == [1, 2] and all(b.ref_cnt == 0 for b in hits[0])
     assert kv.num_free_blocks == 3  # 3, 2, 1: two of them are the hits themselves
     num_new = req.num_tokens - num_hit_tokens
     # The arithmetic the scheduler used to duplicate ignored that touching the
     # hits takes them out of the free queue, and said this fits.
-    old_says_fits = cdiv(num_new, kv.block_size) - len(kv.req_to_blocks.get("c", [])) <= kv.num_free_blocks
+    old_says_fits = cdiv(num_new, kv.block_size) - len(kv.groups[0].req_to_blocks.get("c", [])) <= kv.num_free_blocks
     assert old_says_fits
     assert not kv.can_allocate(req, num_new, num_hit_tokens, hits)
     assert kv.allocate_slots(req, num_new, num_hit_tokens, hits) is None
-    assert "c" not in kv.req_to_blocks
+    assert not kv.holds("c")
     # One block fewer and it does fit: 2 hits touched, 1 new from the 1 left.
     assert kv.can_allocate(req, num_new - 4, num_hit_tokens, hits)
-    assert [b.block_id for b in kv.allocate_slots(req, num_new - 4, num_hit_tokens, hits)] == [3]
+    assert [b.block_id for b in kv.allocate_slots(req, num_new - 4, num_hit_tokens, hits)[0]] == [3]
     kv.check_integrity()
 
 
@@ -47,12 +47,12 @@ def test_held_cache_hits_cost_no_free_block():
     assert kv.allocate_slots(a, 9) is not None  # blocks 1, 2 (cached), 3; 4, 5 free
     b = make_req("b", list(range(1, 9)) + [60, 61, 62, 63])  # 12 tokens
     hits, n = kv.get_computed_blocks(b)
-    assert [h.block_id for h in hits] == [1, 2] and [h.ref_cnt for h in hits] == [1, 1]
+    assert [h.block_id for h in hits[0]] == [1, 2] and [h.ref_cnt for h in hits[0]] == [1, 1]
     # 4 tokens + 4 lookahead: 4 blocks, 2 of them hits held by a: both free blocks, exactly.
     assert kv.can_allocate(b, 4, n, hits, num_lookahead_tokens=4)
     assert not kv.can_allocate(b, 4, n, hits, num_lookahead_tokens=5)
     assert kv.allocate_slots(b, 4, n, hits, num_lookahead_tokens=5) is None
-    assert [x.block_id for x in kv.allocate_slots(b, 4, n, hits, num_lookahead_tokens=4)] == [4, 5]
+    assert [x.block_id for x in kv.allocate_slots(b, 4, n, hits, num_lookahead_tokens=4)[0]] == [4, 5]
     kv.check_integrity()
 
 
@@ -61,7 +61,7 @@ def test_uncache_blocks_forgets_hashes_from_a_block_on():
     a = make_req("a", range(1, 13))
     assert kv.allocate_slots(a, 12) is not None  # 3 full blocks, all cached
     kv.uncache_blocks("a", 1)
-    assert [b.block_hash is not None for b in kv.req_to_blocks["a"]] == [True, False, False]
+    assert [b.block_hash is not None for b in kv.groups[0].req_to_blocks["a"]] == [True, False, False]
     assert kv.get_computed_blocks(make_req("b", range(1, 14)))[1] == 4
     kv.check_integrity()
 

@@ -14,7 +14,7 @@ import appliance.kernels.registry as reg  # noqa: E402
 from appliance.config.compose import resolve  # noqa: E402
 from appliance.kernels import triton_attention  # noqa: E402
 from appliance.kernels.triton_attention import INTERPRET, TritonAttentionBackend  # noqa: E402
-from tests.kernel_helpers import make_problem, reference  # noqa: E402
+from tests.kernel_helpers import make_problem, reference, windowed_problem  # noqa: E402
 
 assert INTERPRET, "appliance.kernels.triton_attention was imported before TRITON_INTERPRET=1 was set"
 
@@ -35,6 +35,15 @@ def test_mixed_batch_matches_sdpa(num_heads, num_kv_heads, head_dim):
     out = b.forward(q, k, v, cache, b.build_metadata(common))
     torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)  # the cache write is exact
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("window,block_size", [(8, 16), (20, 16), (1, 16)])
+def test_a_sliding_window_is_attended_and_nothing_before_it_is_read(window, block_size):
+    specs = [(40, 1), (5, 1), (13, 6), (0, 23), (37, 9)]
+    common, q, k, v, cache, expected = windowed_problem(specs, window, block_size, 4, 2, 16)
+    b = TritonAttentionBackend(4, 2, 16, 16 ** -0.5)
+    out = b.forward(q, k, v, cache, b.build_metadata(common))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("head_dim", PADDED_HEAD_SIZES)

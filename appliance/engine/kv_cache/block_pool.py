@@ -13,6 +13,12 @@ popped for a new allocation is the hash dropped (eviction).
     free:        append to tail, a request's blocks in reverse order, so its
                  last (least shareable) block is evicted first
     cache hit:   a free cached block is removed from the middle in O(1)
+
+Every KV-cache group (``single_type``) draws from the one pool; the cache
+maps a group's block hashes to its blocks (``cached_blocks[group]``), since
+equal tokens hold different layers' KV in each group. The null block is no
+one's: tables of sliding-window groups point at it where they gave a block
+back, and taking or dropping it changes no count.
 """
 
 from __future__ import annotations
@@ -24,12 +30,13 @@ from appliance.engine.kv_cache.hashing import BlockHash
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free", "is_null")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "group", "token_ids", "prev_free", "next_free", "is_null")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: Optional[BlockHash] = None
+        self.group = 0  # the KV-cache group whose cache holds it under block_hash
         self.token_ids: Optional[tuple[int, ...]] = None  # of a cached block, to rule out collisions
         self.prev_free: Optional[KVCacheBlock] = None
         self.next_free: Optional[KVCacheBlock] = None
@@ -93,7 +100,8 @@ class KVCacheEvent:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, enable_events: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, enable_events: bool = False,
+                 num_groups: int = 1):
         if num_blocks < 2:
             raise ValueError(f"the pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -103,27 +111,28 @@ class BlockPool:
         # rest are free and ahead of every block in free_block_queue (freed ones).
         self.blocks: list[KVCacheBlock] = []
         self.free_block_queue = FreeKVCacheBlockQueue(())
-        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.cached_blocks: list[dict[BlockHash, KVCacheBlock]] = [{} for _ in range(num_groups)]
         self.null_block = self._pop_free()
         self.null_block.is_null = True
         self.events: Optional[list[KVCacheEvent]] = [] if enable_events else None
 
     # -- lookup and caching -------------------------------------------------
-    def get_cached_block(self, block_hash: BlockHash, token_ids: Sequence[int]) -> Optional[KVCacheBlock]:
-        block = self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, token_ids: Sequence[int], group: int = 0) -> Optional[KVCacheBlock]:
+        block = self.cached_blocks[group].get(block_hash)
         if block is None or block.token_ids != tuple(token_ids):
             return None  # miss, or a hash collision that must not serve wrong KV
         return block
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: Sequence[int],
-                         parent: Optional[BlockHash]) -> None:
-        """Register a full block under its hash; a hash already served by
-        another block keeps that block (this one stays uncached)."""
-        if block.block_hash is not None or block_hash in self.cached_block_hash_to_block:
+                         parent: Optional[BlockHash], group: int = 0) -> None:
+        """Register a full block of ``group`` under its hash; a hash already
+        served by another block keeps that block (this one stays uncached)."""
+        cached = self.cached_blocks[group]
+        if block.block_hash is not None or block_hash in cached:
             return
-        block.block_hash = block_hash
+        block.block_hash, block.group = block_hash, group
         block.token_ids = tuple(token_ids)
-        self.cached_block_hash_to_block[block_hash] = block
+        cached[block_hash] = block
         if self.events is not None:
             self.events.append(
                 KVCacheEvent("BlockStored", (block_hash,), parent, block.token_ids, self.block_size)
@@ -133,7 +142,7 @@ class BlockPool:
         """Drop a block's hash from the cache (its KV stays where it is)."""
         if block.block_hash is None:
             return
-        del self.cached_block_hash_to_block[block.block_hash]
+        del self.cached_blocks[block.group][block.block_hash]
         if self.events is not None:
             self.events.append(KVCacheEvent("BlockRemoved", (block.block_hash,)))
         block.block_hash = None
@@ -171,7 +180,9 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cache-hit blocks; a free one leaves the queue."""
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
@@ -179,8 +190,10 @@ class BlockPool:
         """Drop one reference each; blocks reaching 0 join the queue's tail
         in the given order (callers pass a request's blocks reversed)."""
         for block in ordered_blocks:
+            if block.is_null:
+                continue
             block.ref_cnt -= 1
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
 
     def reset_prefix_cache(self) -> bool:
@@ -190,7 +203,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
             block.token_ids = None
-        self.cached_block_hash_to_block.clear()
+        for cached in self.cached_blocks:
+            cached.clear()
         if self.events is not None:
             self.events.append(KVCacheEvent("AllBlocksCleared"))
         return True

@@ -1,18 +1,32 @@
-"""KV cache manager: block tables per request over one BlockPool (torch-free)."""
+"""KV cache manager: the coordinator of a model's KV-cache groups over one
+BlockPool (torch-free).
+
+A model whose layers all attend the same way has one group; one with
+sliding-window layers beside full-attention ones (Gemma, gpt-oss, Qwen2's
+``use_sliding_window``) has a group per kind, each with its own block table
+per request (``single_type``), every group's blocks drawn from the one pool.
+The scheduler sees one request-level interface: how many tokens every
+group can serve from the prefix cache, whether a step's slots fit in all
+groups, and the block ids per group (``get_block_ids``: a tuple, one list a
+group, in group order).
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from appliance.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
 from appliance.engine.kv_cache.hashing import get_hash_fn, update_block_hashes
+from appliance.engine.kv_cache.single_type import (FULL_ATTENTION, KVCacheGroupSpec, SingleTypeManager, cdiv,
+                                                   single_type_manager)
 from appliance.engine.request import Request
 
+# A request's blocks of one step or hit, one list per KV-cache group.
+GroupBlocks = tuple[list[KVCacheBlock], ...]
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+__all__ = ["KVCacheManager", "KVCacheGroupSpec", "GroupBlocks", "PrefixCacheStats", "cdiv"]
 
 
 @dataclass
@@ -37,14 +51,16 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_algo: str = "sha256",
         enable_events: bool = False,
+        groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,),
     ):
+        if not groups:
+            raise ValueError("a KV cache needs at least one group")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn = get_hash_fn(hash_algo)
-        self.pool = BlockPool(num_blocks, block_size, enable_caching, enable_events)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many leading blocks of each request are registered in the cache.
-        self.num_cached_block: dict[str, int] = {}
+        self.pool = BlockPool(num_blocks, block_size, enable_caching, enable_events, len(groups))
+        self.groups: list[SingleTypeManager] = [single_type_manager(self.pool, block_size, g, spec)
+                                                for g, spec in enumerate(groups)]
         self.stats = PrefixCacheStats()
 
     # ----------------------------------------------------------------------
@@ -54,72 +70,77 @@ class KVCacheManager:
         """Blocks in the pool, the null block included."""
         return self.pool.num_blocks
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of ``request`` as (blocks, num_tokens).
+    def empty(self) -> GroupBlocks:
+        """No blocks in any group (no prefix hit)."""
+        return tuple([] for _ in self.groups)
+
+    def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
+        """Longest cached prefix of ``request`` that every group can serve,
+        as (blocks per group, num_tokens).
 
         Capped at num_tokens - 1: the last token is always recomputed so the
         step produces its logits. None for a request that asks for prompt
         logprobs: every prompt position must run to score the next token.
+        Each group is asked for a hit no longer than the shortest so far
+        until all agree (a sliding window's hit at a shorter length needs
+        other blocks than at the longer one).
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
+            return self.empty(), 0
         hashes = update_block_hashes(request, self.block_size, self.hash_fn)
-        max_blocks = (request.num_tokens - 1) // self.block_size
         tokens = request.all_token_ids
-        hits: list[KVCacheBlock] = []
-        for i, h in enumerate(hashes[:max_blocks]):
-            block = self.pool.get_cached_block(h, tokens[i * self.block_size : (i + 1) * self.block_size])
-            if block is None:
+        num_hit_blocks = min((request.num_tokens - 1) // self.block_size, len(hashes))
+        while True:
+            hits = tuple(g.find_cache_hit(hashes, tokens, num_hit_blocks) for g in self.groups)
+            shortest = min(len(h) for h in hits)
+            if all(len(h) == shortest for h in hits):
                 break
-            hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
+            num_hit_blocks = shortest
+        num_hit_tokens = shortest * self.block_size
         self.stats.requests += 1
         self.stats.queries += request.num_tokens
         self.stats.hits += num_hit_tokens
         return hits, num_hit_tokens
 
     # ----------------------------------------------------------------------
-    #  Block layout of a request when allocate_slots is called:
+    #  Block layout of a request when allocate_slots is called (each group):
     #
     #  |<-------- computed -------->|<- new computed ->|<-- new -->|<- lookahead ->|
     #  | request.num_computed_tokens| cache hits (this | tokens to | draft tokens  |
     #  |  (blocks already held)     | step's prefix)   | compute   | (spec decode) |
     #
-    #  Blocks are appended to the request's table (append-only); full blocks
-    #  whose KV this step computes are registered in the prefix cache at once:
-    #  a later request in the same step may hit them, because every layer
-    #  writes the whole step's K/V before it attends.
-    def _num_new_blocks(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: list[KVCacheBlock],
-        num_lookahead_tokens: int,
-    ) -> int:
-        """Blocks the pool must hand out for the step, beyond those held and hit."""
-        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
-        num_held = len(self.req_to_blocks.get(request.request_id, ()))
-        return max(0, cdiv(total, self.block_size) - num_held - len(new_computed_blocks))
+    #  Blocks are appended to the request's table (append-only; a sliding
+    #  window's group first gives back the blocks wholly behind its window,
+    #  their entries becoming the null block); full blocks whose KV this
+    #  step computes are registered in the prefix cache at once: a later
+    #  request in the same step may hit them, because every layer writes
+    #  the whole step's K/V before it attends.
+    def _num_new_blocks(self, request: Request, num_tokens: int, hits: GroupBlocks) -> list[int]:
+        """Blocks the pool must hand out to each group for the step, beyond those held and hit."""
+        rid = request.request_id
+        return [g.num_new_blocks(rid, num_tokens, len(h)) for g, h in zip(self.groups, hits)]
 
     def can_allocate(
         self,
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: Optional[list[KVCacheBlock]] = None,
+        new_computed_blocks: Optional[GroupBlocks] = None,
         num_lookahead_tokens: int = 0,
     ) -> bool:
         """Whether ``allocate_slots`` with the same arguments would succeed.
 
         The one place the block arithmetic lives: the scheduler asks it to
         decide how much to preempt, allocate_slots asks it before taking.
-        """
-        new_computed_blocks = new_computed_blocks or []
-        n = self._num_new_blocks(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                                 num_lookahead_tokens)
+        Blocks behind a sliding window are given back first (no later token
+        reads them, whatever is decided)."""
+        hits = new_computed_blocks or self.empty()
+        for g in self.groups:
+            g.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
+        n = sum(self._num_new_blocks(request, total, hits))
         # Hit blocks that sit in the free queue stop being allocatable once touched.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_evictable_hits = sum(1 for h in hits for b in h if b.ref_cnt == 0 and not b.is_null)
         return n <= self.pool.num_free_blocks - num_evictable_hits
 
     def allocate_slots(
@@ -127,59 +148,46 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: Optional[list[KVCacheBlock]] = None,
+        new_computed_blocks: Optional[GroupBlocks] = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
-    ) -> Optional[list[KVCacheBlock]]:
-        """New blocks for the step, or None when the pool cannot fit them.
+    ) -> Optional[GroupBlocks]:
+        """New blocks for the step per group, or None when the pool cannot fit them.
         ``delay_cache_blocks``: the new full blocks enter the prefix cache
         later, with the allocation that runs past them (a KV connector fills
         them in the background; nobody may hit them before)."""
         if num_new_tokens <= 0 and num_lookahead_tokens <= 0:
             raise ValueError("num_new_tokens must be positive")
-        new_computed_blocks = new_computed_blocks or []
-        args = (request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens)
-        if not self.can_allocate(*args):
+        hits = new_computed_blocks or self.empty()
+        if not self.can_allocate(request, num_new_tokens, num_new_computed_tokens, hits, num_lookahead_tokens):
             return None
-        num_new_blocks = self._num_new_blocks(*args)
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
-            req_blocks.extend(new_computed_blocks)
-            self.num_cached_block[request.request_id] = len(req_blocks)
-        new_blocks = self.pool.get_new_blocks(num_new_blocks)
-        req_blocks.extend(new_blocks)
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
+        counts = self._num_new_blocks(request, total, hits)
+        rid = request.request_id
+        for g, h in zip(self.groups, hits):
+            g.take_hits(rid, h)
+        new = tuple(g.take_new(rid, n) for g, n in zip(self.groups, counts))
         if self.enable_caching and not delay_cache_blocks:
             num_computed = request.num_computed_tokens + num_new_computed_tokens
             self._cache_full_blocks(request, (num_computed + num_new_tokens) // self.block_size)
-        return new_blocks
+        return new
 
     def _cache_full_blocks(self, request: Request, num_full_blocks: int) -> None:
-        rid = request.request_id
-        start = self.num_cached_block.get(rid, 0)
-        if num_full_blocks <= start:
-            return
         hashes = update_block_hashes(request, self.block_size, self.hash_fn)
-        blocks = self.req_to_blocks[rid]
-        tokens = request.all_token_ids
-        bs = self.block_size
-        for i in range(start, min(num_full_blocks, len(hashes))):
-            parent = hashes[i - 1] if i else None
-            self.pool.cache_full_block(blocks[i], hashes[i], tokens[i * bs : (i + 1) * bs], parent)
-        self.num_cached_block[rid] = min(num_full_blocks, len(hashes))
+        for g in self.groups:
+            g.cache_full_blocks(request.request_id, hashes, request.all_token_ids, num_full_blocks)
 
     def free(self, request: Request) -> None:
-        """Release a request's blocks, last block first into the queue."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_block.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        """Release a request's blocks in every group, last block first into the queue."""
+        for g in reversed(self.groups):
+            g.free(request.request_id)
 
     def uncache_blocks(self, request_id: str, first_block: int) -> None:
         """Forget the prefix-cache entries of a request's blocks from
         ``first_block`` on: after a failed step their KV may never have been
         written, and no later request may hit it."""
-        for block in self.req_to_blocks.get(request_id, [])[first_block:]:
-            self.pool.evict_cached(block)
+        for g in self.groups:
+            g.uncache(request_id, first_block)
 
     def reset_prefix_cache(self) -> bool:
         ok = self.pool.reset_prefix_cache()
@@ -187,8 +195,25 @@ class KVCacheManager:
             self.stats.resets += 1
         return ok
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """A request's block ids, one list per group."""
+        return tuple(g.block_ids(request_id) for g in self.groups)
+
+    def most_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks of the pool a request of ``num_tokens`` holds over
+        every group, computing at most ``chunk`` tokens a step."""
+        return sum(g.most_blocks(num_tokens, chunk) for g in self.groups)
+
+    def connector_block_ids(self, request_id: str) -> list[int]:
+        """A request's block ids as the KV connectors move them: a cache of
+        one group only (validation refuses connectors with more, or with a
+        sliding window that gives blocks back)."""
+        if len(self.groups) != 1:
+            raise RuntimeError(f"KV connectors move a one-group cache; this one has {len(self.groups)} groups")
+        return self.groups[0].block_ids(request_id)
+
+    def holds(self, request_id: str) -> bool:
+        return any(request_id in g.req_to_blocks for g in self.groups)
 
     def usage(self) -> float:
         return self.pool.usage()
@@ -202,12 +227,16 @@ class KVCacheManager:
         """Assert every invariant of pool and tables; raises AssertionError."""
         pool = self.pool
         holders: Counter[int] = Counter()
-        for rid, blocks in self.req_to_blocks.items():
-            ids = [b.block_id for b in blocks]
-            assert len(ids) == len(set(ids)), f"{rid} holds a block twice: {ids}"
-            for b in blocks:
-                assert not b.is_null, f"{rid} holds the null block"
-                holders[b.block_id] += 1
+        for g in self.groups:
+            for rid, blocks in g.req_to_blocks.items():
+                ids = [b.block_id for b in blocks if not b.is_null]
+                assert len(ids) == len(set(ids)), f"{rid} holds a block twice in group {g.group}: {ids}"
+                if g.spec.sliding_window is None:
+                    assert len(ids) == len(blocks), f"{rid} holds the null block in full-attention group {g.group}"
+                else:  # given-back blocks are a leading run of nulls
+                    nulls = len(blocks) - len(ids)
+                    assert all(b.is_null for b in blocks[:nulls]), f"{rid}: a null block after a live one"
+                holders.update(ids)
         prev = pool.free_block_queue.head
         for b in pool.free_block_queue:
             assert b.prev_free is prev, "free queue back pointer broken"
@@ -225,8 +254,9 @@ class KVCacheManager:
             assert b.ref_cnt == holders[b.block_id], f"block {b.block_id}: ref_cnt {b.ref_cnt} != holders {holders[b.block_id]}"
             assert (b.block_id in free_set) == (b.ref_cnt == 0), f"block {b.block_id} free={b.block_id in free_set} ref_cnt={b.ref_cnt}"
             if b.block_hash is not None:
-                assert pool.cached_block_hash_to_block.get(b.block_hash) is b, f"block {b.block_id} hash not mapped to it"
+                assert pool.cached_blocks[b.group].get(b.block_hash) is b, f"block {b.block_id} hash not mapped to it"
                 assert b.token_ids is not None and len(b.token_ids) == self.block_size
-        for h, b in pool.cached_block_hash_to_block.items():
-            assert b.block_hash == h, "hash map entry points at a block with another hash"
+        for group, cached in enumerate(pool.cached_blocks):
+            for h, b in cached.items():
+                assert b.block_hash == h and b.group == group, "hash map entry points at a block with another hash"
         assert pool.num_free_blocks + len(holders) == pool.num_blocks - 1, "blocks leaked"

@@ -79,6 +79,7 @@ typedef struct {
     void *k_cache, *v_cache; /* [num_slots, kv_heads, head_dim], fp32, bf16 or fp8 */
     float k_scale, v_scale;  /* an fp8 cache holds k / k_scale and v / v_scale; ignored for wider caches */
     const Moe *moe;          /* a sparse layer's, else NULL */
+    int32_t group, _pad3;    /* its KV-cache group: the Step's group_tables / group_slots / group_windows entry */
 } Layer;
 
 /* Routing: from router logits [T, n_experts] write each token's top_k
@@ -125,6 +126,11 @@ typedef struct {
      * norm and LM head make the logits, as the last stage does). */
     const float *hidden_in;
     float *hidden_out;
+    /* Per KV-cache group (NULL: one group of full attention, block_table and slot_mapping above): each group's
+     * block table ([n_reqs, bt_stride]) and slots, and its sliding window (0: full attention). */
+    const int32_t *const *group_tables;
+    const int64_t *const *group_slots;
+    const int32_t *group_windows;
 } Step;
 
 /* ---------------------------------------------------------------- helpers */
@@ -3189,23 +3195,26 @@ static void dec_merge(const float *part, int n, int64_t stride, float *scr, int 
 /*
  * Paged attention read in place: token t of request r (query row t) attends
  * positions [0, seq_lens[r] - (qsl[r+1] - 1 - t)) of its sequence, whose
- * K/V sit at slot block_table[r][pos / bs] * bs + pos % bs. A request's
- * run of ATT_MIN_QUERY tokens or more goes by prefill tiles; the other
- * tokens (decodes) by flash-decoding items of one token (all its heads)
- * and a split of its context, merged after, so that a single long decode
- * still keeps every thread reading. Needs head_dim % 8 == 0.
+ * K/V sit at slot block_table[r][pos / bs] * bs + pos % bs; with a sliding
+ * window (window > 0) only the last window of them, its blocks before those
+ * never read (they may be the null block or another request's). A request's
+ * run of ATT_MIN_QUERY tokens or more goes by prefill tiles (full attention
+ * only); the other tokens (decodes, and every token under a window) by
+ * flash-decoding items of one token (all its heads) and a split of its
+ * visible positions, merged after, so that a single long decode still
+ * keeps every thread reading. Needs head_dim % 8 == 0.
  */
 void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const void *k_cache,
                     const void *v_cache, int n_tokens, int n_reqs, const int32_t *qsl, const int32_t *seq_lens,
                     const int32_t *block_table, int bt_stride, int bs, int n_heads, int n_kv_heads, int d,
-                    float scale, int kv_type, float k_scale, float v_scale) {
+                    float scale, int kv_type, float k_scale, float v_scale, int window) {
     const int grp = n_heads / n_kv_heads;
     const int fp8 = kv_type == KV_FP8_E4M3 || kv_type == KV_FP8_E5M2;
     const float qk_scale = fp8 ? scale * k_scale : scale, out_scale = fp8 ? v_scale : 1.0f;
     /* prefill runs (a request with ATT_MIN_QUERY tokens or more here) by tiles of ATT_QT tokens and one kv
      * head (see "Prefill tiles"); the other tokens by decode items below */
     int64_t n_tiles = 0, tiled_tokens = 0;
-    for (int r = 0; r < n_reqs; r++)
+    for (int r = 0; r < n_reqs && !window; r++)
         if (qsl[r + 1] - qsl[r] >= ATT_MIN_QUERY) {
             n_tiles++;
             tiled_tokens += qsl[r + 1] - qsl[r];
@@ -3286,7 +3295,8 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
         const int qlen = qsl[r + 1] - qsl[r];
         if (n_tiles && qlen >= ATT_MIN_QUERY) continue;
         for (int t = qsl[r]; t < qsl[r + 1]; t++) {
-            const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t), splits = (n_vis + DEC_SPLIT - 1) / DEC_SPLIT;
+            const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t), lo = window && n_vis > window ? n_vis - window : 0;
+            const int splits = (n_vis - lo + DEC_SPLIT - 1) / DEC_SPLIT;
             n_items += splits;
             if (splits > 1) n_partial += splits;
         }
@@ -3300,13 +3310,14 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
         const int qlen = qsl[r + 1] - qsl[r];
         if (n_tiles && qlen >= ATT_MIN_QUERY) continue;
         for (int t = qsl[r]; t < qsl[r + 1]; t++) {
-            const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t), splits = (n_vis + DEC_SPLIT - 1) / DEC_SPLIT;
+            const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t), lo = window && n_vis > window ? n_vis - window : 0;
+            const int splits = (n_vis - lo + DEC_SPLIT - 1) / DEC_SPLIT;
             for (int sp = 0; sp < splits; sp++, i++) {
                 int32_t *it = items + 5 * i;
                 it[0] = (int32_t)r;
                 it[1] = t;
-                it[2] = sp * DEC_SPLIT;
-                it[3] = sp + 1 < splits ? (sp + 1) * DEC_SPLIT : n_vis;
+                it[2] = lo + sp * DEC_SPLIT;
+                it[3] = sp + 1 < splits ? lo + (sp + 1) * DEC_SPLIT : n_vis;
                 it[4] = splits > 1 ? (int32_t)slot++ : -1;
             }
         }
@@ -3358,7 +3369,7 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n_items; i++) {
             const int32_t *it = items + 5 * i;
-            if (it[4] < 0 || it[2] != 0) continue; /* the first split of a split context gathers its others */
+            if (it[4] < 0 || (i > 0 && items[5 * (i - 1) + 1] == it[1])) continue; /* a token's first split gathers its others */
             int n = 1;
             while (i + n < n_items && items[5 * (i + n) + 1] == it[1]) n++;
             dec_merge(partial + it[4] * part_floats, n, part_floats, scr, n_heads, d, out + (int64_t)it[1] * ldo,
@@ -3555,6 +3566,10 @@ void appl_forward(const Model *M, Step *S) {
 
     for (int l = 0; l < M->n_layers; l++) {
         const Layer *L = &M->layers[l];
+        const int grouped = S->group_tables != NULL;
+        const int32_t *block_table = grouped ? S->group_tables[L->group] : S->block_table;
+        const int64_t *slot_mapping = grouped ? S->group_slots[L->group] : S->slot_mapping;
+        const int window = grouped ? S->group_windows[L->group] : 0;
         PHASE(PH_NORM, appl_rmsnorm(x, hid, L->ln1, h, hid, T, (int)hid, M->eps));
         PHASE(PH_QKV, appl_linear(&L->qkv, h, hid, qkv, qkv_w, T, 0));
         const double t_rope = now_s();
@@ -3569,13 +3584,13 @@ void appl_forward(const Model *M, Step *S) {
             const float *c = M->rope_cos + pos * d, *s = M->rope_sin + pos * d;
             rope_heads(qt, H, (int)d, c, s);
             rope_heads(kt, KVH, (int)d, c, s);
-            appl_kv_write(L->k_cache, L->v_cache, kt, vt, S->slot_mapping[t], KVH * d, M->kv_type, L->k_scale,
+            appl_kv_write(L->k_cache, L->v_cache, kt, vt, slot_mapping[t], KVH * d, M->kv_type, L->k_scale,
                           L->v_scale);
         }
         g_phase[PH_ROPE_KV] += now_s() - t_rope;
         PHASE(PH_ATTN, appl_attention(qkv, qkv_w, att, attn_w, L->k_cache, L->v_cache, (int)T, S->n_reqs, S->qsl,
-                                      S->seq_lens, S->block_table, S->bt_stride, S->block_size, H, KVH, (int)d,
-                                      M->attn_scale, M->kv_type, L->k_scale, L->v_scale));
+                                      S->seq_lens, block_table, S->bt_stride, S->block_size, H, KVH, (int)d,
+                                      M->attn_scale, M->kv_type, L->k_scale, L->v_scale, window));
         if (residual_linear(M, &L->o, att, attn_w, h, x, T, PH_O)) { /* h: scratch here, normed again below */
             S->failed = 1;
             return;

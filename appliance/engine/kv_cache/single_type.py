@@ -1,0 +1,183 @@
+"""One KV-cache group's block tables over the shared pool (torch-free).
+
+A model's layers fall into groups by attention kind (``KVCacheGroupSpec``);
+every group holds its own table of blocks per request, all drawn from one
+``BlockPool``, so any free block serves any group. A group's manager knows
+its kind's rules:
+
+- full attention keeps every block, and a prefix hit is the longest run of
+  cached blocks from the start;
+- a sliding window of W tokens (a token attends to itself and the W - 1
+  before it) needs only the blocks that hold the last W - 1 computed
+  tokens: blocks wholly before them are given back to the pool (their table
+  entries become the null block) as the sequence moves on, and a prefix hit
+  needs only the cached blocks inside the window at the hit's end.
+
+A state group (Mamba, linear attention) would be a third manager here; the
+coordinator (``manager.KVCacheManager``) and the scheduler see only this
+interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from appliance.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
+from appliance.engine.kv_cache.hashing import BlockHash
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """The attention kind of a group's layers: full (``sliding_window``
+    None) or a sliding window of that many tokens."""
+
+    sliding_window: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"a sliding window holds at least one token, got {self.sliding_window}")
+
+    def describe(self) -> str:
+        return "full attention" if self.sliding_window is None else f"sliding window of {self.sliding_window}"
+
+
+FULL_ATTENTION = KVCacheGroupSpec()
+
+
+class SingleTypeManager:
+    """The block tables of one group: ``req_to_blocks[rid]`` is a request's
+    blocks in position order (the null block where a block was given back)."""
+
+    def __init__(self, pool: BlockPool, block_size: int, group: int, spec: KVCacheGroupSpec):
+        self.pool, self.block_size, self.group, self.spec = pool, block_size, group, spec
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are registered in the cache (or given back).
+        self.num_cached_block: dict[str, int] = {}
+
+    def find_cache_hit(self, hashes: Sequence[BlockHash], tokens: Sequence[int], max_blocks: int) -> list[KVCacheBlock]:
+        """The blocks of the longest prefix of at most ``max_blocks`` blocks
+        this group can serve from the cache (its length is the hit)."""
+        raise NotImplementedError
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Give back the blocks no later token attends to (none for full attention)."""
+
+    def num_new_blocks(self, request_id: str, num_tokens: int, num_hit_blocks: int) -> int:
+        """Blocks the pool must hand out so the request holds ``num_tokens`` slots."""
+        held = len(self.req_to_blocks.get(request_id, ()))
+        return max(0, cdiv(num_tokens, self.block_size) - held - num_hit_blocks)
+
+    def most_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a request of ``num_tokens`` holds here, computing at most ``chunk`` tokens a step."""
+        return cdiv(num_tokens, self.block_size)
+
+    def take_hits(self, request_id: str, hits: list[KVCacheBlock]) -> None:
+        """Append the prefix-cache hit blocks, a reference taken on each."""
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        if hits:
+            self.pool.touch(hits)
+            blocks.extend(hits)
+            self.num_cached_block[request_id] = len(blocks)
+
+    def take_new(self, request_id: str, num_new: int) -> list[KVCacheBlock]:
+        """Append ``num_new`` fresh blocks (after every group took its hits:
+        a hit sitting in the free queue must not be handed out first)."""
+        new = self.pool.get_new_blocks(num_new)
+        self.req_to_blocks.setdefault(request_id, []).extend(new)
+        return new
+
+    def cache_full_blocks(self, request_id: str, hashes: Sequence[BlockHash], tokens: Sequence[int],
+                          num_full_blocks: int) -> None:
+        """Register the request's full blocks up to ``num_full_blocks`` in the prefix cache."""
+        start = self.num_cached_block.get(request_id, 0)
+        end = min(num_full_blocks, len(hashes))
+        if end <= start:
+            return
+        blocks, bs = self.req_to_blocks[request_id], self.block_size
+        for i in range(start, end):
+            if not blocks[i].is_null:
+                parent = hashes[i - 1] if i else None
+                self.pool.cache_full_block(blocks[i], hashes[i], tokens[i * bs : (i + 1) * bs], parent, self.group)
+        self.num_cached_block[request_id] = end
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks, last block first into the queue."""
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.num_cached_block.pop(request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def uncache(self, request_id: str, first_block: int) -> None:
+        for block in self.req_to_blocks.get(request_id, [])[first_block:]:
+            self.pool.evict_cached(block)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+
+class FullAttentionManager(SingleTypeManager):
+    def find_cache_hit(self, hashes: Sequence[BlockHash], tokens: Sequence[int], max_blocks: int) -> list[KVCacheBlock]:
+        bs, hits = self.block_size, []
+        for i, h in enumerate(hashes[:max_blocks]):
+            block = self.pool.get_cached_block(h, tokens[i * bs : (i + 1) * bs], self.group)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+
+class SlidingWindowManager(SingleTypeManager):
+    """A sliding window of W tokens: the first token after a hit of n blocks
+    attends to the W - 1 before it, which lie in the last cdiv(W - 1, bs)
+    blocks of the hit; the hit's earlier blocks may be anything (null)."""
+
+    def __init__(self, pool: BlockPool, block_size: int, group: int, spec: KVCacheGroupSpec):
+        super().__init__(pool, block_size, group, spec)
+        assert spec.sliding_window is not None
+        self.window = spec.sliding_window
+        self.window_blocks = cdiv(self.window - 1, block_size)
+
+    def find_cache_hit(self, hashes: Sequence[BlockHash], tokens: Sequence[int], max_blocks: int) -> list[KVCacheBlock]:
+        bs = self.block_size
+        n = min(max_blocks, len(hashes))
+        if self.window_blocks == 0:  # a window of one token needs nothing cached
+            return [self.pool.null_block] * n
+        found: list[KVCacheBlock] = [self.pool.null_block] * n
+        run = 0
+        for i in range(n - 1, -1, -1):  # from the longest: the last run of window_blocks cached blocks
+            block = self.pool.get_cached_block(hashes[i], tokens[i * bs : (i + 1) * bs], self.group)
+            if block is None:
+                run = 0
+                continue
+            found[i] = block
+            run += 1
+            if run == self.window_blocks:
+                return found[: i + run]
+        return found[:run]  # no whole window: the cached run from the start, if any
+
+    def most_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The window, a step's chunk beside it, and the block the window straddles."""
+        return min(cdiv(num_tokens, self.block_size), cdiv(min(self.window - 1 + chunk, num_tokens), self.block_size) + 1)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        # the next token (at num_computed_tokens) attends back to num_computed_tokens - W + 1
+        num_skipped = max(0, num_computed_tokens - self.window + 1) // self.block_size
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        null, gone = self.pool.null_block, []
+        for i in range(min(num_skipped, len(blocks)) - 1, -1, -1):
+            if blocks[i].is_null:
+                break  # every block before it was given back already
+            gone.append(blocks[i])
+            blocks[i] = null
+        self.pool.free_blocks(gone)
+
+
+def single_type_manager(pool: BlockPool, block_size: int, group: int, spec: KVCacheGroupSpec) -> SingleTypeManager:
+    cls = FullAttentionManager if spec.sliding_window is None else SlidingWindowManager
+    return cls(pool, block_size, group, spec)

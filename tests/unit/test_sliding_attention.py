@@ -1,0 +1,32 @@
+"""Sliding-window attention in the CPU backends: each query attends to its
+last ``window`` positions only, and the blocks wholly before them (given
+back by a sliding-window KV-cache group: the null block, or another
+request's) are never read."""
+
+import pytest
+import torch
+
+from appliance.kernels.torch_sdpa import TorchSDPABackend
+from tests.kernel_helpers import windowed_problem
+
+# (num_computed, query_len): decodes far past the window and inside it, a chunk that crosses the window's
+# edge, a fresh prompt longer than the window, a chunk after a long prefix
+SPECS = [(40, 1), (5, 1), (13, 6), (0, 23), (37, 9)]
+
+
+def backends():
+    out = [TorchSDPABackend]
+    try:
+        from appliance.kernels.cpu_native import CpuNativeBackend
+    except ImportError:  # no compiler or no AVX2 here: cpu_native is not selectable either
+        return out
+    return out + [CpuNativeBackend]
+
+
+@pytest.mark.parametrize("backend", backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("window,block_size", [(8, 4), (12, 16), (1, 4), (40, 8)])
+def test_a_sliding_window_is_attended_and_nothing_before_it_is_read(backend, window, block_size):
+    common, q, k, v, cache, expected = windowed_problem(SPECS, window, block_size, 4, 2, 16)
+    b = backend(4, 2, 16, 16 ** -0.5)
+    out = b.forward(q, k, v, cache, b.build_metadata(common))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
