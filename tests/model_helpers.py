@@ -35,6 +35,11 @@ TINY_VARIANTS = {
     # Qwen2's use_sliding_window: a full-attention layer and a sliding one, two KV-cache groups
     "qwen2_window": ["model.architecture=Qwen2ForCausalLM", "model.qkv_bias=true", "model.sliding_window=12",
                      "model.layer_types=[full_attention,sliding_attention]"],
+    # Gemma 3: a local layer (a 12-token window, its own rope base) and a global one, GeGLU, 1 + weight norms
+    # before and after attention and MLP, q/k norms, a scaled embedding, query_pre_attn_scalar
+    "gemma3": ["model.architecture=Gemma3ForCausalLM", "model.qk_norm=true", "model.sliding_window=12",
+               "model.layer_types=[sliding_attention,full_attention]", "model.query_pre_attn_scalar=24",
+               "model.rope_theta=1000000.0", "model.rope_local_theta=10000.0"],
     # OLMo 2: norms after attention and MLP, q/k norms over all heads (layer by layer, no whole-step forward)
     "olmo2": ["model.architecture=Olmo2ForCausalLM", "model.qk_norm=true"],
     # Granite: multipliers on the embedding, the residual branches, the attention scores and the logits
@@ -42,7 +47,7 @@ TINY_VARIANTS = {
                 "model.residual_multiplier=0.22", "model.attention_multiplier=0.0625", "model.logits_scaling=8.0"],
 }
 # the variants the native whole-step forward runs
-NATIVE_VARIANTS = [v for v in TINY_VARIANTS if v not in ("olmo2", "granite")]
+NATIVE_VARIANTS = [v for v in TINY_VARIANTS if v not in ("olmo2", "granite", "gemma3")]
 
 
 @functools.lru_cache(maxsize=None)

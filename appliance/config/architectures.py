@@ -42,8 +42,11 @@ class Architecture:
     pipeline_parallel: bool = True
     attention: tuple[str, ...] = ("full",)  # its layers' attention kinds
     # how a checkpoint's sliding_window applies: "none" (never), "every" (to every layer when set: Mistral,
-    # Mixtral, Phi-3), "optional" (only with use_sliding_window, to the layers layer_types names: Qwen2/3)
+    # Mixtral, Phi-3), "optional" (only with use_sliding_window, to the layers layer_types names: Qwen2/3),
+    # "pattern" (to the layers layer_types names, else all but every sliding_window_pattern-th: Gemma 3)
     window: str = "none"
+    # Gemma 3's: query_pre_attn_scalar scales the attention scores, its sliding layers keep their own rope base
+    gemma: bool = False
     multipliers: bool = False  # Granite's embedding, residual, attention and logit multipliers
     pooling: bool = False  # an embedding, reranking or classification head
 
@@ -62,33 +65,37 @@ class Architecture:
                    "pipeline parallelism yet)") + ("; pooling" if self.pooling else ""))
 
 
+SLIDING_TOO = ("full", "sliding window")  # layers of either kind, in their own KV-cache groups (config/kv_groups.py)
+
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("LlamaForCausalLM", "llama", "llama", gguf=("llama",), gguf_permuted_qk=True),
-    Architecture("MistralForCausalLM", "mistral", "llama", window="every"),
-    Architecture("Qwen2ForCausalLM", "qwen2", "llama", qkv_bias="always", gguf=("qwen2",), window="optional"),
-    Architecture("Qwen3ForCausalLM", "qwen3", "llama", qk_norm=True, gguf=("qwen3",), window="optional"),
+    Architecture("MistralForCausalLM", "mistral", "llama", window="every", attention=SLIDING_TOO),
+    Architecture("Qwen2ForCausalLM", "qwen2", "llama", qkv_bias="always", gguf=("qwen2",), window="optional", attention=SLIDING_TOO),
+    Architecture("Qwen3ForCausalLM", "qwen3", "llama", qk_norm=True, gguf=("qwen3",), window="optional", attention=SLIDING_TOO),
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "llama", experts="some", qk_norm=True, gguf_experts=("qwen3moe",),
-                 window="optional"),
+                 window="optional", attention=SLIDING_TOO),
     # llama.cpp writes Mixtral as general.architecture=llama with experts
     Architecture("MixtralForCausalLM", "mixtral", "llama", experts="every", gguf_experts=("llama",),
-                 gguf_permuted_qk=True, window="every"),
+                 gguf_permuted_qk=True, window="every", attention=SLIDING_TOO),
     # its checkpoints' q/k/v and gate/up come fused, as this implementation packs them; a tensor-parallel rank's
     # rows of a fused tensor are not cut yet
-    Architecture("Phi3ForCausalLM", "phi3", "llama", tensor_parallel=False, window="every"),
+    Architecture("Phi3ForCausalLM", "phi3", "llama", tensor_parallel=False, window="every", attention=SLIDING_TOO),
     # norms after attention and MLP, q/k norms over all heads: layer by layer (no whole-step native forward)
     Architecture("Olmo2ForCausalLM", "olmo2", "olmo2", qk_norm=True, tensor_parallel=False, pipeline_parallel=False),
     # the Llama layers with Granite's multipliers: layer by layer (no whole-step native forward)
     Architecture("GraniteForCausalLM", "granite", "granite", multipliers=True, tensor_parallel=False,
                  pipeline_parallel=False),
+    # local (sliding-window) and global layers with their own rope bases, GeGLU MLPs, norms before and after
+    # attention and MLP, q/k norms, a scaled embedding: layer by layer (no whole-step native forward); its
+    # rope rows are per layer kind, which the pipeline stages do not hand on yet
+    Architecture("Gemma3ForCausalLM", "gemma3_text", "gemma3", qk_norm=True, pipeline_parallel=False, attention=SLIDING_TOO, window="pattern", gemma=True),
 )}
 
 # Architectures people bring that are not served yet, and what each needs.
 NOT_BUILT: dict[str, str] = {
     "Gemma2ForCausalLM": "sliding-window KV-cache groups, soft-capped attention and final logits, GeGLU MLPs and "
                          "norms after attention and MLP",
-    "Gemma3ForCausalLM": "sliding-window KV-cache groups with their own rope base, GeGLU MLPs and norms after "
-                         "attention and MLP",
-    "Gemma3ForConditionalGeneration": "an image encoder, and Gemma 3's sliding-window KV-cache groups",
+    "Gemma3ForConditionalGeneration": "an image encoder (its text model is served as Gemma3ForCausalLM)",
     "GptOssForCausalLM": "attention sinks, sliding-window KV-cache groups, YaRN rope scaling and MXFP4 experts",
     "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) and DeepSeek's shared experts",
     "DeepseekV3ForCausalLM": "multi-head latent attention (MLA), DeepSeek's shared experts and grouped top-k routing",

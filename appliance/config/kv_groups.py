@@ -62,13 +62,19 @@ class KVLayout:
                 for g in self.groups]
 
 
+def layer_kinds(m: ModelConfig) -> list[str]:
+    """Each layer's declared attention: ``model.layer_types`` where it is set,
+    else every layer sliding when ``model.sliding_window`` is set, else full."""
+    if m.layer_types is not None:
+        return list(m.layer_types)
+    return [SLIDING if m.sliding_window is not None else FULL] * m.num_layers
+
+
 def layer_windows(m: ModelConfig, max_model_len: int) -> list[Optional[int]]:
-    """Each layer's attention window (None: full attention): ``model.layer_types``
-    where it is set, else every layer the same (``model.sliding_window``)."""
+    """Each layer's attention window (None: full attention, as is a window
+    that ``max_model_len`` never outgrows)."""
     window = m.sliding_window if m.sliding_window is not None and m.sliding_window < max_model_len else None
-    if m.layer_types is None:
-        return [window] * m.num_layers
-    return [window if kind == SLIDING else None for kind in m.layer_types]
+    return [window if kind == SLIDING else None for kind in layer_kinds(m)]
 
 
 def kv_layout(m: ModelConfig, max_model_len: int) -> KVLayout:

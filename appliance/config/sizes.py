@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from typing import Optional
 
+from appliance.config.architectures import ARCHITECTURES
 from appliance.config.schema import ModelConfig
 
 
 def attention_scale(m: ModelConfig) -> float:
-    """What the attention scores are scaled by: ``model.attention_multiplier`` (Granite's), else head_dim ** -0.5."""
-    return m.attention_multiplier if m.attention_multiplier is not None else m.head_dim ** -0.5
+    """What the attention scores are scaled by: ``model.attention_multiplier`` (Granite's),
+    ``model.query_pre_attn_scalar ** -0.5`` (Gemma 3's), else head_dim ** -0.5."""
+    if m.attention_multiplier is not None:
+        return m.attention_multiplier
+    return (m.query_pre_attn_scalar if m.query_pre_attn_scalar is not None else m.head_dim) ** -0.5
 
 
 def sparse_layers(m: ModelConfig) -> list[int]:
@@ -37,7 +41,8 @@ def parameter_counts(m: ModelConfig) -> dict[str, int]:
     qk_norm = 2 * m.head_dim if m.qk_norm else 0
     mlp = 3 * m.hidden_size * m.intermediate_size
     expert = 3 * m.hidden_size * m.moe_intermediate_size
-    norms = 2 * m.hidden_size
+    row = ARCHITECTURES.get(m.architecture)
+    norms = (4 if row is not None and row.gemma else 2) * m.hidden_size  # Gemma 3's: before and after each
     sparse = len(sparse_layers(m))
     dense = m.num_layers - sparse
     experts = sparse * m.num_experts * expert

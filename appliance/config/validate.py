@@ -14,7 +14,7 @@ from appliance.config.kv_connectors import kv_transfer_problems
 from appliance.config.kv_groups import LAYER_TYPES, SLIDING, kv_group_problems
 from appliance.config.memory import GIB, blocks_per_request, device_memory, max_model_len
 from appliance.config.quantization import FP8_HARDWARE, quantization_problems
-from appliance.config.checkpoint import MOE_KEYS, YARN_KEYS
+from appliance.config.hf_facts import MOE_KEYS, YARN_KEYS
 from appliance.config.schema import ApplianceConfig, EplbConfig, ModelConfig, RopeScaling, SchedulerConfig
 from appliance.config.validate_serving import kv_events_problems, router_problems, tracing_problems
 from appliance.kernels.registry import BACKENDS
@@ -41,6 +41,11 @@ def _architecture_problems(cfg: ApplianceConfig) -> list[str]:
     elif not row.multipliers:
         problems += [f"model.{k}={v} is Granite's (GraniteForCausalLM); {m.architecture} has none: leave it at "
                      f"{default}" for k, (v, default) in multipliers.items() if v != default]
+    if not row.gemma:
+        problems += [f"model.{k}={getattr(m, k)} is Gemma 3's (Gemma3ForCausalLM); {m.architecture} has none: leave "
+                     f"it null" for k in ("query_pre_attn_scalar", "rope_local_theta") if getattr(m, k) is not None]
+    elif m.query_pre_attn_scalar is not None and not m.query_pre_attn_scalar > 0:
+        problems.append(f"model.query_pre_attn_scalar={m.query_pre_attn_scalar} must be positive")
     for key, size, able in [("tensor_parallel_size", par.tensor_parallel_size, row.tensor_parallel),
                             ("pipeline_parallel_size", par.pipeline_parallel_size, row.pipeline_parallel)]:
         if size > 1 and not able:

@@ -40,9 +40,14 @@ class ModelArch:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # the layers declared sliding-window (``config/kv_groups.layer_kinds``), and the rope base they keep where it
+    # is their own (Gemma 3's; None: rope_theta, and rope_scaling, as every layer)
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: Optional[float] = None
 
     @staticmethod
     def from_model_config(m: ModelConfig) -> "ModelArch":
+        from appliance.config.kv_groups import SLIDING, layer_kinds
         from appliance.config.sizes import sparse_layers
 
         rs = m.rope_scaling
@@ -84,4 +89,6 @@ class ModelArch:
             embedding_multiplier=m.embedding_multiplier,
             residual_multiplier=m.residual_multiplier,
             logits_scaling=m.logits_scaling,
+            sliding_layers=tuple(i for i, kind in enumerate(layer_kinds(m)) if kind == SLIDING),
+            rope_local_theta=m.rope_local_theta,
         )

@@ -79,7 +79,7 @@ class Backbone(nn.Module):
 
     def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
                  layers: Optional[range] = None, embed: bool = True, norm: bool = True,
-                 ep: Optional[ExpertParallel] = None, layer_class: Any = None):
+                 ep: Optional[ExpertParallel] = None, layer_class: Any = None, norm_class: Any = RMSNorm):
         super().__init__()
         if embed:
             # filled by the loader: no random init (nn.Embedding's normal_ on the loader's meta
@@ -89,7 +89,7 @@ class Backbone(nn.Module):
         held = range(arch.num_layers) if layers is None else layers
         self.layers = nn.ModuleList((layer_class or DecoderLayer)(arch, backend, tp, i, ep) for i in held)
         if norm:
-            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+            self.norm = norm_class(arch.hidden_size, arch.rms_norm_eps)
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,7 @@ class LlamaForCausalLM(nn.Module):
 
     family = "llama"  # the architecture rows (config/architectures.py) this class builds
     layer_class: Any = DecoderLayer
+    norm_class: Any = RMSNorm  # the final norm's
     llama_layers = True  # its layers are the Llama family's, as ``weights_view`` describes them
 
     def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
@@ -161,7 +162,8 @@ class LlamaForCausalLM(nn.Module):
         self.holds_embedding = first or (last and arch.tie_word_embeddings)
         self.holds_head = last
         self.model = Backbone(arch, backend, tp, None if pp is None else range(pp.start, pp.end),
-                              embed=self.holds_embedding, norm=last, ep=ep, layer_class=self.layer_class)
+                              embed=self.holds_embedding, norm=last, ep=ep, layer_class=self.layer_class,
+                              norm_class=self.norm_class)
         if not arch.tie_word_embeddings and last:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         # (cos, sin) [positions, head_dim] in the model dtype, set by rope_cache(); a
@@ -226,6 +228,11 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_tables(self.arch, max_positions, device)
         self.rope = (cos.to(dtype), sin.to(dtype))
 
+    def rope_rows(self, positions: torch.Tensor) -> tuple[Any, Any]:
+        """The rope rows of a step's positions as every layer takes them: cos and sin [T, 1, head_dim]."""
+        assert self.rope is not None
+        return self.rope[0][positions].unsqueeze(1), self.rope[1][positions].unsqueeze(1)
+
     def weights_view(self) -> "ModelWeights":
         """The model's tensors and projections as they are now (after any
         quantization), for an executor that runs the whole step itself."""
@@ -270,8 +277,7 @@ class LlamaForCausalLM(nn.Module):
         """fp32 logits at ``logits_indices``; None on a pipeline stage before
         the last (its rows went on to the next stage)."""
         assert self.rope is not None, "call rope_cache() once before forward"
-        cos = self.rope[0][positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.rope[1][positions].unsqueeze(1)
+        cos, sin = self.rope_rows(positions)
 
         hooks = self.kv_layer_hooks
 

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from appliance.config.architectures import support
-from appliance.config.checkpoint import MOE_KEYS, checkpoint_quant_method, hf_facts, wheel_gguf
+from appliance.config.checkpoint import checkpoint_quant_method, wheel_gguf
+from appliance.config.hf_facts import MOE_KEYS, hf_facts
 from appliance.config.facts import same, shown
 from appliance.config.quantization import QUANTIZATION_METHODS
 from appliance.config.schema import ModelConfig, QuantizationConfig
@@ -57,6 +58,8 @@ def _facts_hash(m: ModelConfig) -> str:
         facts["sliding_window"] = m.sliding_window
     if m.layer_types is not None:
         facts["layer_types"] = list(m.layer_types)
+    if m.query_pre_attn_scalar is not None or m.rope_local_theta is not None:  # Gemma 3's
+        facts["gemma"] = [m.query_pre_attn_scalar, m.rope_local_theta]
     if m.attention_multiplier is not None:  # Granite's multipliers (other models keep their hash)
         facts["multipliers"] = [m.embedding_multiplier, m.residual_multiplier, m.attention_multiplier,
                                 m.logits_scaling]

@@ -17,7 +17,7 @@ from appliance.models.arch import ModelArch
 from appliance.models.layers.attention import Attention
 from appliance.models.layers.mlp import MLP
 from appliance.models.layers.norm import RMSNorm
-from appliance.models.layers.parallel import PipelineParallel, TensorParallel
+from appliance.models.layers.parallel import TensorParallel
 from appliance.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -73,10 +73,5 @@ class Olmo2DecoderLayer(nn.Module):
 class Olmo2ForCausalLM(LlamaForCausalLM):
     family = "olmo2"
     layer_class = Olmo2DecoderLayer
+    norm_class = WeightFirstRMSNorm
     llama_layers = False  # weights_view cannot describe them
-
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
-                 pp: Optional[PipelineParallel] = None, ep: Optional[ExpertParallel] = None):
-        super().__init__(arch, backend, tp, pp, ep)
-        if hasattr(self.model, "norm"):  # the final norm is OLMo 2's too
-            self.model.norm = WeightFirstRMSNorm(self.arch.hidden_size, self.arch.rms_norm_eps)

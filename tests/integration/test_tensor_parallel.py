@@ -20,7 +20,7 @@ from appliance.models.arch import ModelArch
 from appliance.models.layers.parallel import padded_vocab, shard_arch, tensor_shard
 from appliance.worker.placement import cpu_share, numa_nodes, parse_cpulist
 from tests.integration.server_helpers import ServerProcess
-from tests.model_helpers import check_logprobs_close, greedy_top_logprobs, write_fp8_checkpoint
+from tests.model_helpers import TINY_VARIANTS, check_logprobs_close, greedy_top_logprobs, write_fp8_checkpoint
 
 TINY = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05", "model.dtype=float32"]
 PROMPTS = ["Hello there", "The capital of France is", "1 2 3 4 5", "Once upon a time, in a land far away",
@@ -61,6 +61,18 @@ def test_tiny_model_tokens_equal_one_rank(tiny_reference, tp, pp, collectives):
     assert llm.deployment.layout.executor == "mp" and len(llm.engine.runner.pids) == tp * pp
     assert llm.engine.runner.collectives == collectives
     assert_same(outs, tiny_reference)
+
+
+@pytest.mark.parametrize("variant,tp,pp", [("gemma3", 2, 1), ("qwen2_window", 2, 1), ("qwen2_window", 1, 2)])
+def test_kv_cache_groups_over_ranks_equal_one_rank(variant, tp, pp):
+    """A model with a full-attention and a sliding-window layer (two KV-cache groups), its windows outgrown:
+    each rank's groups over its KV heads, or each stage holding one group's layer."""
+    base = [*TINY, *TINY_VARIANTS[variant]]
+    ref = generate(base, PROMPTS, 24)[0]
+    outs, llm = generate([*base, f"parallel.tensor_parallel_size={tp}", f"parallel.pipeline_parallel_size={pp}"],
+                         PROMPTS, 24)
+    assert len(llm.engine.runner.pids) == tp * pp
+    assert_same(outs, ref)
 
 
 def test_bf16_ranks_stay_close_to_one_rank():

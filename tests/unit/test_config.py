@@ -461,7 +461,7 @@ def test_a_sliding_window_serves_sequences_past_it():
 
 
 def test_checkpoint_attention_windows_and_rotary_forms():
-    from appliance.config.checkpoint import hf_facts
+    from appliance.config.hf_facts import hf_facts
 
     phi3 = {"architectures": ["Phi3ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 96,
             "num_attention_heads": 4, "vocab_size": 512, "max_position_embeddings": 4096, "sliding_window": 2047}
@@ -482,7 +482,7 @@ def test_checkpoint_attention_windows_and_rotary_forms():
 
 
 def test_granites_multipliers_are_its_own():
-    from appliance.config.checkpoint import hf_facts
+    from appliance.config.hf_facts import hf_facts
 
     with pytest.raises(ConfigError, match=r"model.residual_multiplier=0.5 is Granite's \(GraniteForCausalLM\); "
                                           r"LlamaForCausalLM has none: leave it at 1.0"):
@@ -505,3 +505,29 @@ def test_yarns_keys_are_refused_under_another_rope_scaling():
         resolve(["+profile=cpu", "model=tiny_random", "model.rope_scaling.beta_fast=16"])
     assert resolve(["+profile=cpu", "model=tiny_random", "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4",
                     "model.rope_scaling.beta_fast=16"]).cfg.model.rope_scaling.beta_fast == 16.0
+
+
+def test_gemma3_checkpoint_facts():
+    from appliance.config.hf_facts import hf_facts
+
+    hub = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "num_hidden_layers": 12,
+           "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 1,
+           "head_dim": 32, "vocab_size": 512, "max_position_embeddings": 32768, "sliding_window": 512,
+           "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 256,
+           "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    facts, problems = hf_facts(hub)
+    got = {f.key: f.value for f in facts}
+    assert problems == []
+    assert got["layer_types"] == (["sliding_attention"] * 5 + ["full_attention"]) * 2  # every 6th layer global
+    assert (got["rope_theta"], got["rope_local_theta"], got["query_pre_attn_scalar"]) == (1e6, 1e4, 256.0)
+    assert got["rope_scaling.type"] == "linear" and got["rope_scaling.factor"] == 8.0  # the global layers'
+    # transformers 5's per-kind rope_parameters
+    v5 = {k: v for k, v in hub.items() if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling")}
+    v5["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}}
+    got = {f.key: f.value for f in hf_facts(v5)[0]}
+    assert (got["rope_theta"], got["rope_local_theta"], got["rope_scaling.type"]) == (500000.0, 20000.0, "none")
+    assert hf_facts({**hub, "attn_logit_softcapping": 50.0})[1] == ["attn_logit_softcapping=50.0 is not built yet"]
+    with pytest.raises(ConfigError, match=r"model.query_pre_attn_scalar=256.0 is Gemma 3's \(Gemma3ForCausalLM\); "
+                                          r"LlamaForCausalLM has none"):
+        resolve(["+profile=cpu", "model=tiny_random", "model.query_pre_attn_scalar=256"])

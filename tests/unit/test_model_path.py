@@ -29,7 +29,14 @@ FOLDERS = {
     "qwen3": {"architecture": "Qwen3ForCausalLM", "qkv_bias": False, "qk_norm": True, "tie_word_embeddings": True,
               "num_layers": 3, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 2,
               "head_dim": 32, "vocab_size": 384, "max_position_embeddings": 2048, "rope_theta": 500000.0,
-              "rms_norm_eps": 1e-6, "rope_scaling.type": "linear", "rope_scaling.factor": 2.0},
+              "rms_norm_eps": 1e-6, "rope_scaling.type": "linear", "rope_scaling.factor": 2.0,
+              "sliding_window": 6, "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]},
+    "gemma3": {"architecture": "Gemma3ForCausalLM", "qkv_bias": False, "qk_norm": True, "tie_word_embeddings": True,
+               "num_layers": 3, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 1,
+               "head_dim": 32, "vocab_size": 384, "max_position_embeddings": 2048, "rope_theta": 1000000.0,
+               "rope_local_theta": 10000.0, "rms_norm_eps": 1e-6, "sliding_window": 8,
+               "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+               "query_pre_attn_scalar": 32.0},
 }
 
 
@@ -129,11 +136,11 @@ def test_local_paths_that_cannot_be_read(tmp_path):
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_layer": 2}))
     with pytest.raises(ConfigError, match="architecture GPT2LMHeadModel is not supported"):
         resolve(BASE + [f"model.path={tmp_path}/gpt2"])
-    (tmp_path / "gemma").mkdir()  # a known architecture not served yet: what it needs
-    (tmp_path / "gemma" / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "num_hidden_layers": 2,
-                                                                "architectures": ["Gemma3ForCausalLM"]}))
-    with pytest.raises(ConfigError, match="architecture Gemma3ForCausalLM is not built yet: it needs sliding-window"):
-        resolve(BASE + [f"model.path={tmp_path}/gemma"])
+    (tmp_path / "gptoss").mkdir()  # a known architecture not served yet: what it needs
+    (tmp_path / "gptoss" / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "num_hidden_layers": 2,
+                                                                 "architectures": ["GptOssForCausalLM"]}))
+    with pytest.raises(ConfigError, match="architecture GptOssForCausalLM is not built yet: it needs attention sinks"):
+        resolve(BASE + [f"model.path={tmp_path}/gptoss"])
 
 
 def test_validation_and_the_plan_read_the_architecture_registry(monkeypatch):

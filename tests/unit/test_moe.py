@@ -11,7 +11,7 @@ import torch
 
 from appliance import LLM, SamplingParams
 from appliance.config.compose import resolve
-from appliance.config.checkpoint import hf_facts
+from appliance.config.hf_facts import hf_facts
 from appliance.config.plan import format_plan, make_plan
 from appliance.config.sizes import parameter_counts, sparse_layers
 from appliance.config.validate import validate

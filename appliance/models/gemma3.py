@@ -1,0 +1,110 @@
+"""Gemma 3's text model (``Gemma3ForCausalLM``), declared from the layer
+library: local layers (a sliding window, their own rope base) and global
+ones (full attention, ``rope_theta`` and any rope scaling), each kind in its
+KV-cache groups; RMSNorms that scale by ``1 + weight``, before and after
+both attention and the MLP; q/k norms; a GeGLU MLP (tanh-approximated
+GELU); the embedding scaled by sqrt(hidden_size) (in the weights' dtype);
+attention scores scaled by ``query_pre_attn_scalar ** -0.5`` (the backend's
+scale, ``config.sizes.attention_scale``). The native whole-step forward
+does not compute these layers: on ``cpu_native`` they run layer by layer
+over its attention."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from appliance.models.arch import ModelArch
+from appliance.models.layers.attention import Attention
+from appliance.models.layers.mlp import MLP
+from appliance.models.layers.norm import RMSNorm
+from appliance.models.layers.parallel import TensorParallel
+from appliance.models.layers.rotary import rope_tables
+from appliance.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from appliance.kernels.base import AttentionBackend
+    from appliance.models.layers.moe import ExpertParallel
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Scales the fp32 normalized rows by ``1 + weight`` (fp32), then casts back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x * (1.0 + self.weight.float())).to(dtype)
+
+
+class Gemma3Attention(Attention):
+    """Attention with Gemma's q/k norms over each head."""
+
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None):
+        super().__init__(arch, backend, tp)
+        self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
+
+
+class GeGLU(MLP):
+    """The gated MLP with GELU (tanh approximation) on the gate."""
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        out = self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        if self.tp is not None:
+            self.tp.comm.all_reduce(out)
+        return out
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """Normed attention and MLP, each output normed again before its residual
+    add; a local layer takes the local rope rows (``Gemma3ForCausalLM.rope_rows``)."""
+
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
+                 index: int = 0, ep: Optional[ExpertParallel] = None):
+        super().__init__()
+        self.local = index in arch.sliding_layers
+        eps = arch.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(arch.hidden_size, eps)
+        self.self_attn = Gemma3Attention(arch, backend, tp)
+        self.post_attention_layernorm = GemmaRMSNorm(arch.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(arch.hidden_size, eps)
+        self.mlp = GeGLU(arch, tp)
+        self.post_feedforward_layernorm = GemmaRMSNorm(arch.hidden_size, eps)
+
+    def forward(self, x, cos, sin, kv_cache, attn_metadata):
+        c, s = cos[self.local], sin[self.local]
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), c, s, kv_cache, attn_metadata))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    family = "gemma3"
+    layer_class = Gemma3DecoderLayer
+    norm_class = GemmaRMSNorm
+    llama_layers = False  # weights_view cannot describe them
+    rope_local: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # the local layers' (cos, sin), by rope_cache
+
+    def rope_cache(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+        """The global layers' tables (``rope``) and the local layers': their own base, no scaling."""
+        super().rope_cache(max_positions, dtype, device)
+        theta = self.arch.rope_local_theta or self.arch.rope_theta
+        cos, sin = rope_tables(dataclasses.replace(self.arch, rope_theta=theta, rope_scaling=None), max_positions,
+                               device)
+        self.rope_local = (cos.to(dtype), sin.to(dtype))
+
+    def rope_rows(self, positions: torch.Tensor) -> tuple[Any, Any]:
+        """(global, local) cos rows and sin rows: a layer takes its kind's (``Gemma3DecoderLayer.local``)."""
+        assert self.rope is not None and self.rope_local is not None
+        (cos, sin), (cos_l, sin_l) = self.rope, self.rope_local
+        return ((cos[positions].unsqueeze(1), cos_l[positions].unsqueeze(1)),
+                (sin[positions].unsqueeze(1), sin_l[positions].unsqueeze(1)))
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = super()._embed(input_ids)
+        return x * torch.tensor(self.arch.hidden_size ** 0.5, dtype=x.dtype)
