@@ -116,12 +116,12 @@ def captured_native_step(llm, prompts, params):
     return plain, calls["args"]
 
 
-def windowed_problem(specs, window, block_size, num_heads, num_kv_heads, head_dim, seed=0):
+def windowed_problem(specs, window, block_size, num_heads, num_kv_heads, head_dim, seed=0, soft_cap=None):
     """``make_problem`` with a sliding window: (common, q, k, v, kv_cache, expected output). The
-    expected output is attention over each query's last ``window`` positions computed directly;
-    the blocks wholly before the oldest key any query of a request reads are then pointed at
-    block 0, filled with large values, as a sliding-window group's given-back blocks may hold
-    anything."""
+    expected output is attention over each query's last ``window`` positions (None: all) computed
+    directly, its scores soft-capped where ``soft_cap`` is set; the blocks wholly before the oldest
+    key any query of a request reads are then pointed at block 0, filled with large values, as a
+    sliding-window group's given-back blocks may hold anything."""
     from dataclasses import replace
 
     common, q, k, v, cache = make_problem(specs, block_size, num_heads, num_kv_heads, head_dim, seed=seed)
@@ -137,12 +137,14 @@ def windowed_problem(specs, window, block_size, num_heads, num_kv_heads, head_di
         values = torch.cat([cache[1].view(-1, num_kv_heads, head_dim)[slots], v[qsl[i]:qsl[i + 1]]])
         for j in range(n):
             pos = c + j
-            lo = max(0, pos - window + 1)
+            lo = max(0, pos - window + 1) if window else 0
             kk = keys[lo:pos + 1].repeat_interleave(group, dim=1)  # [keys, H, D]
             vv = values[lo:pos + 1].repeat_interleave(group, dim=1)
             s = torch.einsum("hd,khd->hk", q[qsl[i] + j].float(), kk.float()) * head_dim ** -0.5
+            if soft_cap:
+                s = soft_cap * torch.tanh(s / soft_cap)
             expected[qsl[i] + j] = torch.einsum("hk,khd->hd", torch.softmax(s, -1), vv.float()).to(q.dtype)
-        first_read = max(0, c - window + 1) // block_size
+        first_read = max(0, c - window + 1) // block_size if window else 0
         common.block_table[i, :first_read] = 0
     cache[:, 0] = 1e4
     return common, q, k, v, cache, expected

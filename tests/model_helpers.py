@@ -40,6 +40,10 @@ TINY_VARIANTS = {
     "gemma3": ["model.architecture=Gemma3ForCausalLM", "model.qk_norm=true", "model.sliding_window=12",
                "model.layer_types=[sliding_attention,full_attention]", "model.query_pre_attn_scalar=24",
                "model.rope_theta=1000000.0", "model.rope_local_theta=10000.0"],
+    # Gemma 2: alternating local and global layers (one rope base), soft-capped attention scores and logits
+    "gemma2": ["model.architecture=Gemma2ForCausalLM", "model.sliding_window=12",
+               "model.layer_types=[sliding_attention,full_attention]", "model.query_pre_attn_scalar=24",
+               "model.attn_logit_softcapping=1.5", "model.final_logit_softcapping=3.0"],
     # OLMo 2: norms after attention and MLP, q/k norms over all heads (layer by layer, no whole-step forward)
     "olmo2": ["model.architecture=Olmo2ForCausalLM", "model.qk_norm=true"],
     # Granite: multipliers on the embedding, the residual branches, the attention scores and the logits
@@ -47,7 +51,7 @@ TINY_VARIANTS = {
                 "model.residual_multiplier=0.22", "model.attention_multiplier=0.0625", "model.logits_scaling=8.0"],
 }
 # the variants the native whole-step forward runs
-NATIVE_VARIANTS = [v for v in TINY_VARIANTS if v not in ("olmo2", "granite", "gemma3")]
+NATIVE_VARIANTS = [v for v in TINY_VARIANTS if v not in ("olmo2", "granite", "gemma2", "gemma3")]
 
 
 @functools.lru_cache(maxsize=None)

@@ -43,9 +43,11 @@ class Architecture:
     attention: tuple[str, ...] = ("full",)  # its layers' attention kinds
     # how a checkpoint's sliding_window applies: "none" (never), "every" (to every layer when set: Mistral,
     # Mixtral, Phi-3), "optional" (only with use_sliding_window, to the layers layer_types names: Qwen2/3),
-    # "pattern" (to the layers layer_types names, else all but every sliding_window_pattern-th: Gemma 3)
+    # "pattern" (to the layers layer_types names, else all but every global_every-th: Gemma)
     window: str = "none"
-    # Gemma 3's: query_pre_attn_scalar scales the attention scores, its sliding layers keep their own rope base
+    global_every: int = 0  # "pattern": every global_every-th layer is global unless sliding_window_pattern says
+    # Gemma's: query_pre_attn_scalar scales the attention scores, soft-capped scores and logits, its sliding
+    # layers' own rope base (Gemma 3)
     gemma: bool = False
     multipliers: bool = False  # Granite's embedding, residual, attention and logit multipliers
     pooling: bool = False  # an embedding, reranking or classification head
@@ -88,13 +90,15 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # local (sliding-window) and global layers with their own rope bases, GeGLU MLPs, norms before and after
     # attention and MLP, q/k norms, a scaled embedding: layer by layer (no whole-step native forward); its
     # rope rows are per layer kind, which the pipeline stages do not hand on yet
-    Architecture("Gemma3ForCausalLM", "gemma3_text", "gemma3", qk_norm=True, pipeline_parallel=False, attention=SLIDING_TOO, window="pattern", gemma=True),
+    Architecture("Gemma3ForCausalLM", "gemma3_text", "gemma3", qk_norm=True, pipeline_parallel=False,
+                 attention=SLIDING_TOO, window="pattern", global_every=6, gemma=True),
+    # Gemma 3's layers without q/k norms or a local rope base, with soft-capped attention scores and logits
+    Architecture("Gemma2ForCausalLM", "gemma2", "gemma2", pipeline_parallel=False, attention=SLIDING_TOO,
+                 window="pattern", global_every=2, gemma=True),
 )}
 
 # Architectures people bring that are not served yet, and what each needs.
 NOT_BUILT: dict[str, str] = {
-    "Gemma2ForCausalLM": "sliding-window KV-cache groups, soft-capped attention and final logits, GeGLU MLPs and "
-                         "norms after attention and MLP",
     "Gemma3ForConditionalGeneration": "an image encoder (its text model is served as Gemma3ForCausalLM)",
     "GptOssForCausalLM": "attention sinks, sliding-window KV-cache groups, YaRN rope scaling and MXFP4 experts",
     "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) and DeepSeek's shared experts",

@@ -75,11 +75,15 @@ def _rope_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
     embedding over part of each head is not built."""
     rope = hf.get("rope_parameters") or {}
     facts: list[Fact] = []
-    if row.gemma:  # the Hub's rope_theta / rope_local_base_freq, or transformers 5's per-kind rope_parameters
-        local = float(hf.get("rope_local_base_freq", (rope.get("sliding_attention") or {}).get("rope_theta", 1e4)))
-        facts.append(Fact("rope_local_theta", local, f"the sliding layers' rope base {local}"))
+    per_kind = row.gemma and "full_attention" in rope
+    if row.gemma:  # Gemma 3's sliding layers' own base: the Hub's rope_local_base_freq, or transformers 5's per kind
+        local = hf.get("rope_local_base_freq", (rope.get("sliding_attention") or {}).get(
+            "rope_theta", 1e4 if row.family == "gemma3" else None))  # transformers' default: Gemma 3's only
+        facts.append(Fact("rope_local_theta", None if local is None else float(local),
+                          f"the sliding layers' rope base {local}" if local is not None else "one rope base"))
+    if per_kind:
         rope = rope.get("full_attention") or {}
-    theta = float(hf.get("rope_theta", rope.get("rope_theta", 1e6 if row.gemma else 10000.0)))
+    theta = float(hf.get("rope_theta", rope.get("rope_theta", 1e6 if per_kind else 10000.0)))
     facts.append(Fact("rope_theta", theta, f"rope_theta={theta}"))
     problems: list[str] = []
     partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor")) or 1.0
@@ -108,8 +112,8 @@ def _window_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
     if row.window == "every" and window:
         return [Fact("sliding_window", int(window), f"sliding_window={window}"),
                 Fact("layer_types", None, "every layer slides")], []
-    if row.window == "pattern" and window:  # Gemma 3: every sliding_window_pattern-th layer is global
-        n, every = int(hf["num_hidden_layers"]), int(hf.get("sliding_window_pattern", 6))
+    if row.window == "pattern" and window:  # Gemma: every global_every-th layer is global
+        n, every = int(hf["num_hidden_layers"]), int(hf.get("sliding_window_pattern", row.global_every))
         kinds = hf.get("layer_types") or [SLIDING if (i + 1) % every else FULL for i in range(n)]
         how = "layer_types" if hf.get("layer_types") else f"sliding_window_pattern={every}"
         return [Fact("sliding_window", int(window), f"sliding_window={window}"),
@@ -133,15 +137,21 @@ def _multiplier_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str
 
 
 def _gemma_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
-    """Gemma 3's attention scale; the soft-capping and bidirectional attention it may name are not built."""
+    """Gemma's attention scale and soft-capping (as transformers defaults them: Gemma 2 caps, Gemma 3 does
+    not); the bidirectional attention it may name is not built."""
     if not row.gemma:
         return [], []
     scalar = float(hf.get("query_pre_attn_scalar", 256))
-    problems = [f"{key}={hf[key]} is not built yet" for key in ("attn_logit_softcapping", "final_logit_softcapping")
-                if hf.get(key) is not None]
+    facts = [Fact("query_pre_attn_scalar", scalar, f"query_pre_attn_scalar={scalar}")]
+    capped = row.family == "gemma2"
+    for key, default in (("attn_logit_softcapping", 50.0 if capped else None),
+                         ("final_logit_softcapping", 30.0 if capped else None)):
+        cap = hf.get(key, default)
+        facts.append(Fact(key, None if cap is None else float(cap), f"{key}={cap}"))
+    problems = []
     if hf.get("use_bidirectional_attention"):
         problems.append("use_bidirectional_attention=true (an encoder's attention) is not built yet")
-    return [Fact("query_pre_attn_scalar", scalar, f"query_pre_attn_scalar={scalar}")], problems
+    return facts, problems
 
 
 def dense_facts(source: str) -> list[Fact]:

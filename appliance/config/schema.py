@@ -77,11 +77,15 @@ class ModelConfig:
     # Each layer's attention, full_attention or sliding_attention (a checkpoint's layer_types: Qwen2's
     # use_sliding_window); null: every layer alike, sliding when sliding_window is set (Mistral v0.1, Phi-3).
     layer_types: Optional[list[str]] = None
-    # Gemma 3's (a checkpoint's; other architectures leave them null): attention scores scaled by
+    # Gemma's (a checkpoint's; other architectures leave them null): attention scores scaled by
     # query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5, and the rope base of its sliding-window layers
     # (rope_theta and rope_scaling are its full-attention layers')
     query_pre_attn_scalar: Optional[float] = None
     rope_local_theta: Optional[float] = None
+    # Gemma 2's (and Gemma 3's where its checkpoint names them): attention scores and final logits soft-capped,
+    # cap * tanh(x / cap); null: not capped
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
     # Granite's multipliers (a checkpoint's; other architectures keep the defaults): the embedding's output,
     # each attention and MLP output before its residual add, the attention scores (null: head_dim ** -0.5),
     # and the logits' divisor

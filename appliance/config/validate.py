@@ -41,11 +41,13 @@ def _architecture_problems(cfg: ApplianceConfig) -> list[str]:
     elif not row.multipliers:
         problems += [f"model.{k}={v} is Granite's (GraniteForCausalLM); {m.architecture} has none: leave it at "
                      f"{default}" for k, (v, default) in multipliers.items() if v != default]
+    gemma_keys = ("query_pre_attn_scalar", "rope_local_theta", "attn_logit_softcapping", "final_logit_softcapping")
     if not row.gemma:
-        problems += [f"model.{k}={getattr(m, k)} is Gemma 3's (Gemma3ForCausalLM); {m.architecture} has none: leave "
-                     f"it null" for k in ("query_pre_attn_scalar", "rope_local_theta") if getattr(m, k) is not None]
-    elif m.query_pre_attn_scalar is not None and not m.query_pre_attn_scalar > 0:
-        problems.append(f"model.query_pre_attn_scalar={m.query_pre_attn_scalar} must be positive")
+        problems += [f"model.{k}={getattr(m, k)} is Gemma's (Gemma2ForCausalLM, Gemma3ForCausalLM); {m.architecture} "
+                     f"has none: leave it null" for k in gemma_keys if getattr(m, k) is not None]
+    else:
+        problems += [f"model.{k}={getattr(m, k)} must be positive" for k in gemma_keys
+                     if getattr(m, k) is not None and not getattr(m, k) > 0]
     for key, size, able in [("tensor_parallel_size", par.tensor_parallel_size, row.tensor_parallel),
                             ("pipeline_parallel_size", par.pipeline_parallel_size, row.pipeline_parallel)]:
         if size > 1 and not able:

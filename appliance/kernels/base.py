@@ -5,9 +5,12 @@
    kernel wants (``build_metadata``), once per step for all layers.
 3. An impl runs ``forward(q, k, v, kv_cache, metadata)`` per layer: it
    writes the step's K/V into the paged cache at ``slot_mapping`` and then
-   attends over each request's whole context.
+   attends over each request's whole context, or the last
+   ``metadata.sliding_window`` positions of it (a sliding-window KV-cache
+   group's), its scores soft-capped where the backend has a ``soft_cap``.
 
-KV cache layout, one tensor per layer:
+KV cache layout, one tensor per layer (layers of different KV-cache groups
+may share one, each at its own group's blocks):
 
     kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]
              K/V
@@ -71,8 +74,10 @@ class AttentionBackend:
     native_forward = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kv_cache_dtype: str = "auto",
-                 k_scale: float = 1.0, v_scale: float = 1.0):
+                 k_scale: float = 1.0, v_scale: float = 1.0, soft_cap: Optional[float] = None):
         self.num_heads = num_heads
+        # soft-capped scores (Gemma 2's attn_logit_softcapping): soft_cap * tanh(score / soft_cap); None: plain
+        self.soft_cap = soft_cap
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale

@@ -97,5 +97,5 @@ class CpuNativeBackend(AttentionBackend):
         q2 = _f32_contig(q.float() if q.dtype == torch.bfloat16 else q, "the query").view(t, -1)
         out = torch.empty_like(q2)
         paged_attention(q2, out, kv_cache, md, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
-                        self.k_scale, self.v_scale)
+                        self.k_scale, self.v_scale, self.soft_cap)
         return out.view(q.shape).to(q.dtype)

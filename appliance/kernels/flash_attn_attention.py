@@ -92,6 +92,8 @@ class FlashAttn3Backend(AttentionBackend):
             q = q.to(torch.float8_e4m3fn)
         if md.common.sliding_window:  # a token attends to itself and the window - 1 before it
             kw["window_size"] = (md.common.sliding_window - 1, 0)
+        if self.soft_cap:
+            kw["softcap"] = self.soft_cap
         out = self._fn(
             q, kv_cache[0], kv_cache[1],
             cache_seqlens=md.cache_seqlens, page_table=md.page_table,

@@ -100,6 +100,7 @@ class FlashInferBackend(AttentionBackend):
             self.num_heads, self.num_kv_heads, self.head_dim, md.common.block_size,
             causal=True, sm_scale=self.scale, q_data_type=q_dtype, kv_data_type=kv_dtype,
             window_left=(md.common.sliding_window or 0) - 1,  # -1: no window; else the keys before a token
+            logits_soft_cap=self.soft_cap,
         )
         self._shared.planned_for = id(md)
 

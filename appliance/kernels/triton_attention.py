@@ -75,7 +75,7 @@ def _reshape_and_cache_kernel(
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr, tile_req_ptr, tile_q_ptr,
-    scale, k_scale, v_scale, window,
+    scale, k_scale, v_scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_QPKV: tl.constexpr, QPKV_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -129,6 +129,9 @@ def _unified_attention_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, k) * scale
+        if softcap > 0:  # soft-capped scores: softcap * tanh(s / softcap), tanh from one exp
+            t = tl.exp(-2.0 * tl.abs(s / softcap))
+            s = tl.where(s < 0, -softcap, softcap) * (1.0 - t) / (1.0 + t)
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
         visible = visible & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
         s = tl.where(visible, s, float("-inf"))
@@ -230,7 +233,7 @@ class TritonAttentionBackend(AttentionBackend):
         _unified_attention_kernel[grid](
             q, k_cache, v_cache, out,
             bt, c.seq_lens, c.query_start_loc, md.tile_req, md.tile_q,
-            self.scale, self.k_scale, self.v_scale, c.sliding_window or 0,
+            self.scale, self.k_scale, self.v_scale, c.sliding_window or 0, self.soft_cap or 0.0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0),
             NUM_QPKV=self.qpkv, QPKV_PAD=self.qpkv_pad, BLOCK_Q=md.block_q, BLOCK_M=md.block_q * self.qpkv_pad,

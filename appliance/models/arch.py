@@ -44,6 +44,7 @@ class ModelArch:
     # is their own (Gemma 3's; None: rope_theta, and rope_scaling, as every layer)
     sliding_layers: tuple[int, ...] = ()
     rope_local_theta: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None  # Gemma's: the logits soft-capped, cap * tanh(logits / cap)
 
     @staticmethod
     def from_model_config(m: ModelConfig) -> "ModelArch":
@@ -91,4 +92,5 @@ class ModelArch:
             logits_scaling=m.logits_scaling,
             sliding_layers=tuple(i for i, kind in enumerate(layer_kinds(m)) if kind == SLIDING),
             rope_local_theta=m.rope_local_theta,
+            final_logit_softcapping=m.final_logit_softcapping,
         )

@@ -58,8 +58,9 @@ def _facts_hash(m: ModelConfig) -> str:
         facts["sliding_window"] = m.sliding_window
     if m.layer_types is not None:
         facts["layer_types"] = list(m.layer_types)
-    if m.query_pre_attn_scalar is not None or m.rope_local_theta is not None:  # Gemma 3's
-        facts["gemma"] = [m.query_pre_attn_scalar, m.rope_local_theta]
+    if m.query_pre_attn_scalar is not None:  # Gemma's
+        facts["gemma"] = [m.query_pre_attn_scalar, m.rope_local_theta, m.attn_logit_softcapping,
+                          m.final_logit_softcapping]
     if m.attention_multiplier is not None:  # Granite's multipliers (other models keep their hash)
         facts["multipliers"] = [m.embedding_multiplier, m.residual_multiplier, m.attention_multiplier,
                                 m.logits_scaling]

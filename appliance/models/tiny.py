@@ -80,13 +80,16 @@ def hf_config_dict(m: ModelConfig, vocab_size: int) -> dict:
                    attention_multiplier=m.attention_multiplier, logits_scaling=m.logits_scaling)
     if ARCHITECTURES[m.architecture].window == "every":  # written even when null: Mistral's default is 4096
         cfg["sliding_window"] = m.sliding_window
-    elif ARCHITECTURES[m.architecture].window == "pattern":  # Gemma 3: its layer kinds and their rope bases
+    elif ARCHITECTURES[m.architecture].window == "pattern":  # Gemma: its layer kinds, rope bases and caps
         cfg.update(sliding_window=m.sliding_window, layer_types=list(m.layer_types or []) or None,
-                   query_pre_attn_scalar=int(m.query_pre_attn_scalar or m.head_dim), hidden_activation="gelu_pytorch_tanh",
-                   rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": m.rope_theta},
-                                    "sliding_attention": {"rope_type": "default",
-                                                          "rope_theta": m.rope_local_theta or m.rope_theta}})
-        cfg.pop("rope_theta")
+                   query_pre_attn_scalar=int(m.query_pre_attn_scalar or m.head_dim),
+                   hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=m.attn_logit_softcapping,
+                   final_logit_softcapping=m.final_logit_softcapping)
+        if ARCHITECTURES[m.architecture].family == "gemma3":
+            cfg["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": m.rope_theta},
+                                      "sliding_attention": {"rope_type": "default",
+                                                            "rope_theta": m.rope_local_theta or m.rope_theta}}
+            cfg.pop("rope_theta")
     elif ARCHITECTURES[m.architecture].window == "optional" and m.sliding_window is not None:  # Qwen2/3
         cfg.update(use_sliding_window=True, sliding_window=m.sliding_window,
                    layer_types=list(m.layer_types or ["sliding_attention"] * m.num_layers))
@@ -121,7 +124,7 @@ def generate_tiny(m: ModelConfig, out_dir: Path) -> Path:
     model_type = ARCHITECTURES[m.architecture].model_type
     raw = hf_config_dict(m, m.vocab_size)
     raw.pop("architectures")
-    if model_type in ("qwen2", "mixtral", "phi3", "gemma3_text"):
+    if model_type in ("qwen2", "mixtral", "phi3", "gemma3_text", "gemma2"):
         raw.pop("attention_bias")  # Qwen2 always has qkv bias, Mixtral and Phi-3 none
     # the special tokens first: Phi-3's embedding is built with its padding row
     config = AutoConfig.for_model(model_type, **raw, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,

@@ -39,7 +39,8 @@ def build_model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
     if tp is not None:
         local = shard_arch(ModelArch.from_model_config(m), tp.size, expert_parallel=ep is not None)
         heads, kv_heads = local.num_heads, local.num_kv_heads
-    backend = load_backend(ex.backend)(heads, kv_heads, m.head_dim, attention_scale(m), ex.kv_cache_dtype)
+    backend = load_backend(ex.backend)(heads, kv_heads, m.head_dim, attention_scale(m), ex.kv_cache_dtype,
+                                       soft_cap=m.attn_logit_softcapping)
     eplb = cfg.parallel.eplb
     model, tokenizer, _ = load_model(m, backend, dtype, device, cfg.quantization.method, tp, pp, ep,
                                      eplb.num_redundant_experts if eplb.enabled else 0)

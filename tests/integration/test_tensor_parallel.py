@@ -63,7 +63,8 @@ def test_tiny_model_tokens_equal_one_rank(tiny_reference, tp, pp, collectives):
     assert_same(outs, tiny_reference)
 
 
-@pytest.mark.parametrize("variant,tp,pp", [("gemma3", 2, 1), ("qwen2_window", 2, 1), ("qwen2_window", 1, 2)])
+@pytest.mark.parametrize("variant,tp,pp", [("gemma3", 2, 1), ("gemma2", 2, 1), ("qwen2_window", 2, 1),
+                                           ("qwen2_window", 1, 2)])
 def test_kv_cache_groups_over_ranks_equal_one_rank(variant, tp, pp):
     """A model with a full-attention and a sliding-window layer (two KV-cache groups), its windows outgrown:
     each rank's groups over its KV heads, or each stage holding one group's layer."""

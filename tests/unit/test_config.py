@@ -527,7 +527,17 @@ def test_gemma3_checkpoint_facts():
                              "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}}
     got = {f.key: f.value for f in hf_facts(v5)[0]}
     assert (got["rope_theta"], got["rope_local_theta"], got["rope_scaling.type"]) == (500000.0, 20000.0, "none")
-    assert hf_facts({**hub, "attn_logit_softcapping": 50.0})[1] == ["attn_logit_softcapping=50.0 is not built yet"]
-    with pytest.raises(ConfigError, match=r"model.query_pre_attn_scalar=256.0 is Gemma 3's \(Gemma3ForCausalLM\); "
-                                          r"LlamaForCausalLM has none"):
+    assert got["attn_logit_softcapping"] is None and got["final_logit_softcapping"] is None  # Gemma 3 caps nothing
+    got = {f.key: f.value for f in hf_facts({**hub, "attn_logit_softcapping": 50.0})[0]}
+    assert got["attn_logit_softcapping"] == 50.0
+    # Gemma 2: every other layer global, one rope base, transformers' caps unless the config names its own
+    gemma2 = {**{k: v for k, v in hub.items() if k not in ("rope_local_base_freq", "rope_scaling")},
+              "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "num_hidden_layers": 4}
+    got = {f.key: f.value for f in hf_facts(gemma2)[0]}
+    assert got["layer_types"] == ["sliding_attention", "full_attention"] * 2 and got["rope_local_theta"] is None
+    assert (got["attn_logit_softcapping"], got["final_logit_softcapping"]) == (50.0, 30.0)
+    assert hf_facts({**gemma2, "use_bidirectional_attention": True})[1] == [
+        "use_bidirectional_attention=true (an encoder's attention) is not built yet"]
+    with pytest.raises(ConfigError, match=r"model.query_pre_attn_scalar=256.0 is Gemma's \(Gemma2ForCausalLM, "
+                                          r"Gemma3ForCausalLM\); LlamaForCausalLM has none"):
         resolve(["+profile=cpu", "model=tiny_random", "model.query_pre_attn_scalar=256"])

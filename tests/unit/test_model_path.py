@@ -37,6 +37,11 @@ FOLDERS = {
                "rope_local_theta": 10000.0, "rms_norm_eps": 1e-6, "sliding_window": 8,
                "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
                "query_pre_attn_scalar": 32.0},
+    "gemma2": {"architecture": "Gemma2ForCausalLM", "qkv_bias": False, "qk_norm": False, "tie_word_embeddings": True,
+               "num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 2,
+               "head_dim": 16, "vocab_size": 384, "max_position_embeddings": 2048, "rope_theta": 10000.0,
+               "rms_norm_eps": 1e-6, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"],
+               "query_pre_attn_scalar": 16.0, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0},
 }
 
 

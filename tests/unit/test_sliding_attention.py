@@ -1,7 +1,8 @@
-"""Sliding-window attention in the CPU backends: each query attends to its
-last ``window`` positions only, and the blocks wholly before them (given
-back by a sliding-window KV-cache group: the null block, or another
-request's) are never read."""
+"""Sliding-window and soft-capped attention in the CPU backends: each query
+attends to its last ``window`` positions only, and the blocks wholly before
+them (given back by a sliding-window KV-cache group: the null block, or
+another request's) are never read; soft-capped scores are
+``soft_cap * tanh(score / soft_cap)`` (Gemma 2)."""
 
 import pytest
 import torch
@@ -30,3 +31,14 @@ def test_a_sliding_window_is_attended_and_nothing_before_it_is_read(backend, win
     b = backend(4, 2, 16, 16 ** -0.5)
     out = b.forward(q, k, v, cache, b.build_metadata(common))
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("window", [None, 8])
+def test_soft_capped_scores(backend, window):
+    common, q, k, v, cache, expected = windowed_problem(SPECS, window, 4, 4, 2, 16, soft_cap=0.5)
+    b = backend(4, 2, 16, 16 ** -0.5, soft_cap=0.5)
+    out = b.forward(q, k, v, cache, b.build_metadata(common))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    plain = backend(4, 2, 16, 16 ** -0.5)  # the cap changes the answer
+    assert (plain.forward(q, k, v, cache, plain.build_metadata(common)) - expected).abs().max() > 1e-2

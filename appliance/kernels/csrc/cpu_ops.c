@@ -2246,9 +2246,11 @@ static inline void dec_start(float *acc, float *m, float *l, int nh, int d) {
 
 /* The online softmax of one chunk for grp heads: s [grp][DEC_CH] (cnt scores each) becomes the chunk's
  * numerators, m and l the running max and sum, corr [grp] what the output so far must be scaled by. */
-static void dec_softmax(float *s, int cnt, int grp, float *m, float *l, float *corr) {
+static void dec_softmax(float *s, int cnt, int grp, float *m, float *l, float *corr, float softcap) {
     for (int h = 0; h < grp; h++) {
         float *sh = s + h * DEC_CH, mx = m[h];
+        if (softcap > 0.0f) /* soft-capped scores (Gemma 2): softcap * tanh(s / softcap) */
+            for (int o = 0; o < cnt; o++) sh[o] = softcap * tanhf(sh[o] / softcap);
         __m256 mx8 = _mm256_set1_ps(mx);
         int o = 0;
         for (; o + 8 <= cnt; o += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sh + o));
@@ -2309,7 +2311,7 @@ static void dec_prefetch(const void *k_base, const void *v_base, int64_t elt, co
                 vrg[o] = vr[o] + (int64_t)g * d;                                                                      \
             }                                                                                                         \
             const int64_t h0 = (int64_t)g * grp;                                                                      \
-            CHUNK((QV) + h0 * d, krg, vrg, cnt, grp, d, scale, acc + h0 * d, m + h0, l + h0, s, corr);                  \
+            CHUNK((QV) + h0 * d, krg, vrg, cnt, grp, d, scale, softcap, acc + h0 * d, m + h0, l + h0, s, corr);         \
         }                                                                                                             \
     }
 
@@ -2360,7 +2362,7 @@ static inline __attribute__((always_inline)) void dec_qk4_##SUFFIX(const float *
                                                                                                                       \
 /* One chunk of cnt keys (rows kr, vr, at the kv head) for the grp heads that share it. */                          \
 static void dec_chunk_##SUFFIX(const float *qg, const KT *const *kr, const KT *const *vr, int cnt, int grp, int d,     \
-                               float scale, float *acc, float *m, float *l, float *s, float *corr) {                  \
+                               float scale, float softcap, float *acc, float *m, float *l, float *s, float *corr) {   \
     for (int o = 0; o < cnt; o += 4) {                                                                                \
         const KT *quad[4];                                                                                            \
         for (int x = 0; x < 4; x++) quad[x] = kr[o + x < cnt ? o + x : cnt - 1]; /* a ragged end repeats a key */     \
@@ -2369,7 +2371,7 @@ static void dec_chunk_##SUFFIX(const float *qg, const KT *const *kr, const KT *c
             else dec_qk4_##SUFFIX(qg + h * d, quad, d, scale, s + h * DEC_CH + o, 1);                                  \
         }                                                                                                             \
     }                                                                                                                 \
-    dec_softmax(s, cnt, grp, m, l, corr);                                                                             \
+    dec_softmax(s, cnt, grp, m, l, corr, softcap);                                                                    \
     for (int h = 0; h < grp; h += 4) {                                                                                \
         const int nh = grp - h < 4 ? grp - h : 4;                                                                     \
         for (int c = 0; c < d; c += 16) {                                                                             \
@@ -2386,7 +2388,7 @@ static void dec_chunk_##SUFFIX(const float *qg, const KT *const *kr, const KT *c
                                                                                                                       \
 static void decode_split_##SUFFIX(const float *q, const KT *k_base, const KT *v_base, const int32_t *bt, int bs,      \
                                   int64_t kv_stride, int p0, int p1, int nkv, int grp, int d, float scale,            \
-                                  float *acc, float *m, float *l, float *s, float *corr) {                            \
+                                  float softcap, float *acc, float *m, float *l, float *s, float *corr) {             \
     dec_start(acc, m, l, nkv * grp, d);                                                                               \
     DEC_SPLIT_CHUNKS(KT, dec_chunk_##SUFFIX, q)                                                                       \
 }
@@ -2514,8 +2516,8 @@ AVX512_TARGET static inline __attribute__((always_inline)) void dec512_pv_##SUFF
 }                                                                                                                     \
                                                                                                                       \
 AVX512_TARGET static void dec512_chunk_##SUFFIX(const float *qp, const KT *const *kr, const KT *const *vr, int cnt,  \
-                                                int grp, int d, float scale, float *acc, float *m, float *l, float *s,\
-                                                float *corr) {                                                        \
+                                                int grp, int d, float scale, float softcap, float *acc, float *m,     \
+                                                float *l, float *s, float *corr) {                                    \
     for (int o = 0; o < cnt; o += 4) {                                                                                \
         const KT *quad[4];                                                                                            \
         for (int x = 0; x < 4; x++) quad[x] = kr[o + x < cnt ? o + x : cnt - 1]; /* a ragged end repeats a key */     \
@@ -2524,7 +2526,7 @@ AVX512_TARGET static void dec512_chunk_##SUFFIX(const float *qp, const KT *const
             UPTO4_CASE(nh, dec512_qk4_##SUFFIX, qp + h * d, quad, d, scale, s + h * DEC_CH + o)                       \
         }                                                                                                             \
     }                                                                                                                 \
-    dec_softmax(s, cnt, grp, m, l, corr);                                                                             \
+    dec_softmax(s, cnt, grp, m, l, corr, softcap);                                                                    \
     for (int h = 0; h < grp; h += 4) {                                                                                \
         const int nh = grp - h < 4 ? grp - h : 4;                                                                     \
         float *ah = acc + (int64_t)h * d;                                                                             \
@@ -2543,8 +2545,8 @@ AVX512_TARGET static void dec512_chunk_##SUFFIX(const float *qp, const KT *const
  * caches read q as it is). */                                                                                        \
 AVX512_TARGET static void decode_split512_##SUFFIX(const float *q, const KT *k_base, const KT *v_base,                \
                                                    const int32_t *bt, int bs, int64_t kv_stride, int p0, int p1,      \
-                                                   int nkv, int grp, int d, float scale, float *acc, float *m,        \
-                                                   float *l, float *s, float *corr, float *qp) {                      \
+                                                   int nkv, int grp, int d, float scale, float softcap, float *acc,   \
+                                                   float *m, float *l, float *s, float *corr, float *qp) {            \
     dec_start(acc, m, l, nkv * grp, d);                                                                               \
     if (EVENODD) dec512_lay(q, qp, nkv * grp * d);                                                                    \
     DEC_SPLIT_CHUNKS(KT, dec512_chunk_##SUFFIX, (EVENODD ? qp : q))                                                   \
@@ -3197,24 +3199,25 @@ static void dec_merge(const float *part, int n, int64_t stride, float *scr, int 
  * positions [0, seq_lens[r] - (qsl[r+1] - 1 - t)) of its sequence, whose
  * K/V sit at slot block_table[r][pos / bs] * bs + pos % bs; with a sliding
  * window (window > 0) only the last window of them, its blocks before those
- * never read (they may be the null block or another request's). A request's
- * run of ATT_MIN_QUERY tokens or more goes by prefill tiles (full attention
- * only); the other tokens (decodes, and every token under a window) by
- * flash-decoding items of one token (all its heads) and a split of its
- * visible positions, merged after, so that a single long decode still
- * keeps every thread reading. Needs head_dim % 8 == 0.
+ * never read (they may be the null block or another request's); with
+ * softcap > 0 the scores are soft-capped, softcap * tanh(score / softcap).
+ * A request's run of ATT_MIN_QUERY tokens or more goes by prefill tiles (full
+ * attention, no cap only); the other tokens (decodes, and every token under
+ * a window or a cap) by flash-decoding items of one token (all its heads)
+ * and a split of its visible positions, merged after, so that a single long
+ * decode still keeps every thread reading. Needs head_dim % 8 == 0.
  */
 void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const void *k_cache,
                     const void *v_cache, int n_tokens, int n_reqs, const int32_t *qsl, const int32_t *seq_lens,
                     const int32_t *block_table, int bt_stride, int bs, int n_heads, int n_kv_heads, int d,
-                    float scale, int kv_type, float k_scale, float v_scale, int window) {
+                    float scale, int kv_type, float k_scale, float v_scale, int window, float softcap) {
     const int grp = n_heads / n_kv_heads;
     const int fp8 = kv_type == KV_FP8_E4M3 || kv_type == KV_FP8_E5M2;
     const float qk_scale = fp8 ? scale * k_scale : scale, out_scale = fp8 ? v_scale : 1.0f;
     /* prefill runs (a request with ATT_MIN_QUERY tokens or more here) by tiles of ATT_QT tokens and one kv
      * head (see "Prefill tiles"); the other tokens by decode items below */
     int64_t n_tiles = 0, tiled_tokens = 0;
-    for (int r = 0; r < n_reqs && !window; r++)
+    for (int r = 0; r < n_reqs && !window && !(softcap > 0.0f); r++)
         if (qsl[r + 1] - qsl[r] >= ATT_MIN_QUERY) {
             n_tiles++;
             tiled_tokens += qsl[r + 1] - qsl[r];
@@ -3341,28 +3344,28 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
             float *l = m + n_heads, *s = scr + part_floats, *corr = s + grp * DEC_CH, *qp = corr + grp;
             if (wide && kv_type == KV_BF16)
                 decode_split512_bf16(qt, (const uint16_t *)k_cache, (const uint16_t *)v_cache, bt, bs, kv_stride,
-                                     it[2], it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr, qp);
+                                     it[2], it[3], n_kv_heads, grp, d, qk_scale, softcap, acc, m, l, s, corr, qp);
             else if (wide && kv_type == KV_FP8_E4M3)
                 decode_split512_e4m3(qt, (const uint8_t *)k_cache, (const uint8_t *)v_cache, bt, bs, kv_stride,
-                                     it[2], it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr, qp);
+                                     it[2], it[3], n_kv_heads, grp, d, qk_scale, softcap, acc, m, l, s, corr, qp);
             else if (wide && kv_type == KV_FP8_E5M2)
                 decode_split512_e5m2(qt, (const uint8_t *)k_cache, (const uint8_t *)v_cache, bt, bs, kv_stride,
-                                     it[2], it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr, qp);
+                                     it[2], it[3], n_kv_heads, grp, d, qk_scale, softcap, acc, m, l, s, corr, qp);
             else if (wide)
                 decode_split512_f32(qt, (const float *)k_cache, (const float *)v_cache, bt, bs, kv_stride, it[2],
-                                    it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr, qp);
+                                    it[3], n_kv_heads, grp, d, qk_scale, softcap, acc, m, l, s, corr, qp);
             else if (kv_type == KV_BF16)
                 decode_split_bf16(qt, (const uint16_t *)k_cache, (const uint16_t *)v_cache, bt, bs, kv_stride, it[2],
-                                  it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr);
+                                  it[3], n_kv_heads, grp, d, qk_scale, softcap, acc, m, l, s, corr);
             else if (kv_type == KV_FP8_E4M3)
                 decode_split_e4m3(qt, (const uint8_t *)k_cache, (const uint8_t *)v_cache, bt, bs, kv_stride, it[2],
-                                  it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr);
+                                  it[3], n_kv_heads, grp, d, qk_scale, softcap, acc, m, l, s, corr);
             else if (kv_type == KV_FP8_E5M2)
                 decode_split_e5m2(qt, (const uint8_t *)k_cache, (const uint8_t *)v_cache, bt, bs, kv_stride, it[2],
-                                  it[3], n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr);
+                                  it[3], n_kv_heads, grp, d, qk_scale, softcap, acc, m, l, s, corr);
             else
                 decode_split_f32(qt, (const float *)k_cache, (const float *)v_cache, bt, bs, kv_stride, it[2], it[3],
-                                 n_kv_heads, grp, d, qk_scale, acc, m, l, s, corr);
+                                 n_kv_heads, grp, d, qk_scale, softcap, acc, m, l, s, corr);
             if (it[4] < 0) dec_finish(acc, l, out + (int64_t)it[1] * ldo, n_heads, d, out_scale);
         }
         /* the splits of one token merged: each rescaled to the largest max */
@@ -3590,7 +3593,7 @@ void appl_forward(const Model *M, Step *S) {
         g_phase[PH_ROPE_KV] += now_s() - t_rope;
         PHASE(PH_ATTN, appl_attention(qkv, qkv_w, att, attn_w, L->k_cache, L->v_cache, (int)T, S->n_reqs, S->qsl,
                                       S->seq_lens, block_table, S->bt_stride, S->block_size, H, KVH, (int)d,
-                                      M->attn_scale, M->kv_type, L->k_scale, L->v_scale, window));
+                                      M->attn_scale, M->kv_type, L->k_scale, L->v_scale, window, 0.0f));
         if (residual_linear(M, &L->o, att, attn_w, h, x, T, PH_O)) { /* h: scratch here, normed again below */
             S->failed = 1;
             return;

@@ -1,13 +1,15 @@
-"""Gemma 3's text model (``Gemma3ForCausalLM``), declared from the layer
-library: local layers (a sliding window, their own rope base) and global
-ones (full attention, ``rope_theta`` and any rope scaling), each kind in its
-KV-cache groups; RMSNorms that scale by ``1 + weight``, before and after
-both attention and the MLP; q/k norms; a GeGLU MLP (tanh-approximated
+"""Gemma 2 and Gemma 3's text model (``Gemma2ForCausalLM``,
+``Gemma3ForCausalLM``), declared from the layer library: local layers (a
+sliding window; Gemma 3's with their own rope base) and global ones (full
+attention, ``rope_theta`` and any rope scaling), each kind in its KV-cache
+groups; RMSNorms that scale by ``1 + weight``, before and after both
+attention and the MLP; Gemma 3's q/k norms; a GeGLU MLP (tanh-approximated
 GELU); the embedding scaled by sqrt(hidden_size) (in the weights' dtype);
 attention scores scaled by ``query_pre_attn_scalar ** -0.5`` (the backend's
-scale, ``config.sizes.attention_scale``). The native whole-step forward
-does not compute these layers: on ``cpu_native`` they run layer by layer
-over its attention."""
+scale, ``config.sizes.attention_scale``) and, Gemma 2's, soft-capped (the
+backend's ``soft_cap``), as are its final logits. The native whole-step
+forward does not compute these layers: on ``cpu_native`` they run layer by
+layer over its attention."""
 
 from __future__ import annotations
 
@@ -61,9 +63,9 @@ class GeGLU(MLP):
         return out
 
 
-class Gemma3DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     """Normed attention and MLP, each output normed again before its residual
-    add; a local layer takes the local rope rows (``Gemma3ForCausalLM.rope_rows``)."""
+    add; a local layer takes the local rope rows (``GemmaForCausalLM.rope_rows``)."""
 
     def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
                  index: int = 0, ep: Optional[ExpertParallel] = None):
@@ -71,7 +73,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.local = index in arch.sliding_layers
         eps = arch.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(arch.hidden_size, eps)
-        self.self_attn = Gemma3Attention(arch, backend, tp)
+        self.self_attn = (Gemma3Attention if arch.qk_norm else Attention)(arch, backend, tp)
         self.post_attention_layernorm = GemmaRMSNorm(arch.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(arch.hidden_size, eps)
         self.mlp = GeGLU(arch, tp)
@@ -83,23 +85,25 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
-    family = "gemma3"
-    layer_class = Gemma3DecoderLayer
+class GemmaForCausalLM(LlamaForCausalLM):
+    layer_class = GemmaDecoderLayer
     norm_class = GemmaRMSNorm
     llama_layers = False  # weights_view cannot describe them
     rope_local: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # the local layers' (cos, sin), by rope_cache
 
     def rope_cache(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
-        """The global layers' tables (``rope``) and the local layers': their own base, no scaling."""
+        """The global layers' tables (``rope``) and, where the local layers have their own base
+        (``rope_local_theta``), theirs: that base, no scaling."""
         super().rope_cache(max_positions, dtype, device)
-        theta = self.arch.rope_local_theta or self.arch.rope_theta
-        cos, sin = rope_tables(dataclasses.replace(self.arch, rope_theta=theta, rope_scaling=None), max_positions,
-                               device)
-        self.rope_local = (cos.to(dtype), sin.to(dtype))
+        theta = self.arch.rope_local_theta
+        self.rope_local = self.rope
+        if theta is not None:
+            cos, sin = rope_tables(dataclasses.replace(self.arch, rope_theta=theta, rope_scaling=None),
+                                   max_positions, device)
+            self.rope_local = (cos.to(dtype), sin.to(dtype))
 
     def rope_rows(self, positions: torch.Tensor) -> tuple[Any, Any]:
-        """(global, local) cos rows and sin rows: a layer takes its kind's (``Gemma3DecoderLayer.local``)."""
+        """(global, local) cos rows and sin rows: a layer takes its kind's (``GemmaDecoderLayer.local``)."""
         assert self.rope is not None and self.rope_local is not None
         (cos, sin), (cos_l, sin_l) = self.rope, self.rope_local
         return ((cos[positions].unsqueeze(1), cos_l[positions].unsqueeze(1)),
@@ -108,3 +112,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = super()._embed(input_ids)
         return x * torch.tensor(self.arch.hidden_size ** 0.5, dtype=x.dtype)
+
+    def _logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        logits = super()._logits(x, logits_indices)
+        cap = self.arch.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+class Gemma2ForCausalLM(GemmaForCausalLM):
+    family = "gemma2"
+
+
+class Gemma3ForCausalLM(GemmaForCausalLM):
+    family = "gemma3"
