@@ -116,10 +116,11 @@ def captured_native_step(llm, prompts, params):
     return plain, calls["args"]
 
 
-def windowed_problem(specs, window, block_size, num_heads, num_kv_heads, head_dim, seed=0, soft_cap=None):
+def windowed_problem(specs, window, block_size, num_heads, num_kv_heads, head_dim, seed=0, soft_cap=None, sinks=None):
     """``make_problem`` with a sliding window: (common, q, k, v, kv_cache, expected output). The
     expected output is attention over each query's last ``window`` positions (None: all) computed
-    directly, its scores soft-capped where ``soft_cap`` is set; the blocks wholly before the oldest
+    directly, its scores soft-capped where ``soft_cap`` is set, each head's sink logit (``sinks`` [H])
+    in the softmax's denominator where given; the blocks wholly before the oldest
     key any query of a request reads are then pointed at block 0, filled with large values, as a
     sliding-window group's given-back blocks may hold anything."""
     from dataclasses import replace
@@ -143,7 +144,8 @@ def windowed_problem(specs, window, block_size, num_heads, num_kv_heads, head_di
             s = torch.einsum("hd,khd->hk", q[qsl[i] + j].float(), kk.float()) * head_dim ** -0.5
             if soft_cap:
                 s = soft_cap * torch.tanh(s / soft_cap)
-            expected[qsl[i] + j] = torch.einsum("hk,khd->hd", torch.softmax(s, -1), vv.float()).to(q.dtype)
+            p = torch.softmax(s if sinks is None else torch.cat([s, sinks.float().view(-1, 1)], -1), -1)
+            expected[qsl[i] + j] = torch.einsum("hk,khd->hd", p[:, :kk.shape[0]], vv.float()).to(q.dtype)
         first_read = max(0, c - window + 1) // block_size if window else 0
         common.block_table[i, :first_read] = 0
     cache[:, 0] = 1e4

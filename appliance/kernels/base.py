@@ -7,7 +7,8 @@
    writes the step's K/V into the paged cache at ``slot_mapping`` and then
    attends over each request's whole context, or the last
    ``metadata.sliding_window`` positions of it (a sliding-window KV-cache
-   group's), its scores soft-capped where the backend has a ``soft_cap``.
+   group's), its scores soft-capped where the backend has a ``soft_cap``,
+   its softmax over each head's attention sink too where the layer has them.
 
 KV cache layout, one tensor per layer (layers of different KV-cache groups
 may share one, each at its own group's blocks):
@@ -125,8 +126,10 @@ class AttentionBackend:
             return to_fp8(x.float() / scale, cache_dtype).to(x.dtype) * scale
         return x.to(cache_dtype).to(x.dtype) if cache_dtype != x.dtype else x
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: Any) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] -> out [T, H, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: Any,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] -> out [T, H, D]. ``sinks`` [H] (a layer's attention sinks, gpt-oss's):
+        each head's learned logit joins the softmax's denominator, with no value."""
         raise NotImplementedError
 
 

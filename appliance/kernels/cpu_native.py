@@ -88,7 +88,7 @@ class CpuNativeBackend(AttentionBackend):
             common.block_table.to(torch.int32).contiguous(),
         )
 
-    def forward(self, q, k, v, kv_cache, md: NativeMetadata):
+    def forward(self, q, k, v, kv_cache, md: NativeMetadata, sinks=None):
         if kv_cache.dtype not in KV_DTYPES:
             raise ValueError(f"cpu_native keeps an fp32, bf16 or fp8 KV cache, got {kv_cache.dtype}")
         self.write_kv(k, v, kv_cache, md.common.slot_mapping)
@@ -97,5 +97,5 @@ class CpuNativeBackend(AttentionBackend):
         q2 = _f32_contig(q.float() if q.dtype == torch.bfloat16 else q, "the query").view(t, -1)
         out = torch.empty_like(q2)
         paged_attention(q2, out, kv_cache, md, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
-                        self.k_scale, self.v_scale, self.soft_cap)
+                        self.k_scale, self.v_scale, self.soft_cap, sinks)
         return out.view(q.shape).to(q.dtype)

@@ -76,7 +76,10 @@ class FlashAttn3Backend(AttentionBackend):
     def build_metadata(self, common: CommonAttentionMetadata) -> FA3Metadata:
         return build_fa3_metadata(common)
 
-    def forward(self, q, k, v, kv_cache, md: FA3Metadata):
+    def forward(self, q, k, v, kv_cache, md: FA3Metadata, sinks=None):
+        if sinks is not None:
+            raise ValueError(f"the {self.name} backend does not take attention sinks; torch_sdpa, cpu_native and "
+                             f"triton do")
         if self._fn is None:
             self.provider, self._fn = load_fa3(q.dtype, self.kv_cache_dtype)
         fp8 = kv_cache.dtype == torch.float8_e4m3fn

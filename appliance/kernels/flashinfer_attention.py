@@ -104,7 +104,10 @@ class FlashInferBackend(AttentionBackend):
         )
         self._shared.planned_for = id(md)
 
-    def forward(self, q, k, v, kv_cache, md: FlashInferMetadata):
+    def forward(self, q, k, v, kv_cache, md: FlashInferMetadata, sinks=None):
+        if sinks is not None:
+            raise ValueError(f"the {self.name} backend does not take attention sinks; torch_sdpa, cpu_native and "
+                             f"triton do")
         fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         self.write_kv(k, v, kv_cache, md.common.slot_mapping)
         if self._shared.planned_for != id(md):

@@ -9,6 +9,7 @@ with the already-computed prefix fully visible.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -56,21 +57,28 @@ class TorchSDPABackend(AttentionBackend):
             decode_mask = visible.view(len(decode), 1, 1, -1)
         return SDPAMetadata(common, decode_reqs, decode_tokens, decode_mask, decode_bt, prefill)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention of q [..., H, Lq, D] over k, v [..., KVH, Lk, D] where ``mask`` (True: attend) allows:
-        SDPA, or, with soft-capped scores, the same by hand (scores and softmax in fp32)."""
-        if not self.soft_cap:
+        SDPA, or, with soft-capped scores or attention sinks (a column of each head's sink logit beside
+        the scores, no value), the same by hand (scores and softmax in fp32)."""
+        if not self.soft_cap and sinks is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                   enable_gqa=self.num_heads != self.num_kv_heads)
         group = self.num_heads // self.num_kv_heads
         if group > 1:
             k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
         s = (q.float() @ k.float().transpose(-1, -2)) * self.scale
-        s = torch.tanh(s / self.soft_cap) * self.soft_cap
+        if self.soft_cap:
+            s = torch.tanh(s / self.soft_cap) * self.soft_cap
         s = s.masked_fill(~mask, float("-inf"))
-        return (torch.softmax(s, dim=-1) @ v.float()).to(q.dtype)
+        if sinks is None:
+            return (torch.softmax(s, dim=-1) @ v.float()).to(q.dtype)
+        column = sinks.float().view(-1, 1, 1).expand(*s.shape[:-1], 1)
+        p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :-1]
+        return (p @ v.float()).to(q.dtype)
 
-    def forward(self, q, k, v, kv_cache, md: SDPAMetadata):
+    def forward(self, q, k, v, kv_cache, md: SDPAMetadata, sinks=None):
         c = md.common
         self.write_kv(k, v, kv_cache, c.slot_mapping)
         out = torch.empty_like(q)
@@ -84,7 +92,7 @@ class TorchSDPABackend(AttentionBackend):
             vv = kv[1].view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             qq = q[md.decode_tokens].unsqueeze(2)  # [n, H, 1, D]
             o = self._attend(qq, self.read_kv(kk, q.dtype, self.k_scale), self.read_kv(vv, q.dtype, self.v_scale),
-                             md.decode_mask)
+                             md.decode_mask, sinks)
             out[md.decode_tokens] = o.squeeze(2)
         qsl, seq_lens, window = c.query_start_loc_cpu, c.seq_lens_cpu, c.sliding_window
         for i in md.prefill_reqs:
@@ -106,12 +114,12 @@ class TorchSDPABackend(AttentionBackend):
                 vv = value_cache[bt].reshape(-1, self.num_kv_heads, self.head_dim)[: ctx - first * bs].transpose(0, 1)
                 kk, vv = self.read_kv(kk, q.dtype, self.k_scale), self.read_kv(vv, q.dtype, self.v_scale)
                 keys = torch.arange(first * bs, ctx, device=q.device)
-            if prefix == 0 and not window and not self.soft_cap:
+            if prefix == 0 and not window and not self.soft_cap and sinks is None:
                 o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=self.scale, enable_gqa=gqa)
             else:
                 mask = keys.view(1, -1) <= queries.view(-1, 1)
                 if window:
                     mask &= keys.view(1, -1) > queries.view(-1, 1) - window
-                o = self._attend(qq, kk, vv, mask)
+                o = self._attend(qq, kk, vv, mask, sinks)
             out[start:end] = o.transpose(0, 1)
         return out

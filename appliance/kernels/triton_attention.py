@@ -73,14 +73,14 @@ def _reshape_and_cache_kernel(
 
 @triton.jit
 def _unified_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr, tile_req_ptr, tile_q_ptr,
     scale, k_scale, v_scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_QPKV: tl.constexpr, QPKV_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    FP8: tl.constexpr, UPCAST: tl.constexpr,
+    FP8: tl.constexpr, UPCAST: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -104,8 +104,12 @@ def _unified_attention_kernel(
         q = q.to(tl.float32)
     q_pos = prefix + q_idx
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # each head's sink logit starts the running softmax: its max, and e^0 in the sum, no value
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+        l_i = tl.where(row_ok, 1.0, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     last_q = tl.minimum(q_tile_start + BLOCK_Q, q_len) - 1
     num_tiles = (prefix + last_q) // TILE_N + 1
@@ -219,7 +223,7 @@ class TritonAttentionBackend(AttentionBackend):
             BLOCK_SIZE=k_cache.shape[1], FP8=self.fp8,
         )
 
-    def forward(self, q, k, v, kv_cache, md: TritonMetadata):
+    def forward(self, q, k, v, kv_cache, md: TritonMetadata, sinks=None):
         c = md.common
         self.write_kv(k, v, kv_cache, c.slot_mapping)
         out = torch.empty_like(q)
@@ -231,7 +235,7 @@ class TritonAttentionBackend(AttentionBackend):
             self._tiles[key] = kv_tile_for(q.device, k_cache.shape[1], self.head_dim, q.dtype,
                                            triton_block_m(self.num_heads, self.num_kv_heads))
         _unified_attention_kernel[grid](
-            q, k_cache, v_cache, out,
+            q, k_cache, v_cache, out, sinks.float().contiguous() if sinks is not None else out,
             bt, c.seq_lens, c.query_start_loc, md.tile_req, md.tile_q,
             self.scale, self.k_scale, self.v_scale, c.sliding_window or 0, self.soft_cap or 0.0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -239,5 +243,6 @@ class TritonAttentionBackend(AttentionBackend):
             NUM_QPKV=self.qpkv, QPKV_PAD=self.qpkv_pad, BLOCK_Q=md.block_q, BLOCK_M=md.block_q * self.qpkv_pad,
             HEAD_DIM=self.head_dim, HEAD_DIM_PAD=pow2(self.head_dim), BLOCK_SIZE=k_cache.shape[1],
             TILE_N=self._tiles[key], FP8=self.fp8, UPCAST=INTERPRET or q.dtype == torch.float32,
+            HAS_SINKS=sinks is not None,
         )
         return out

@@ -2,7 +2,8 @@
 attends to its last ``window`` positions only, and the blocks wholly before
 them (given back by a sliding-window KV-cache group: the null block, or
 another request's) are never read; soft-capped scores are
-``soft_cap * tanh(score / soft_cap)`` (Gemma 2)."""
+``soft_cap * tanh(score / soft_cap)`` (Gemma 2); attention sinks put each
+head's learned logit in the softmax's denominator (gpt-oss)."""
 
 import pytest
 import torch
@@ -11,8 +12,9 @@ from appliance.kernels.torch_sdpa import TorchSDPABackend
 from tests.kernel_helpers import windowed_problem
 
 # (num_computed, query_len): decodes far past the window and inside it, a chunk that crosses the window's
-# edge, a fresh prompt longer than the window, a chunk after a long prefix
-SPECS = [(40, 1), (5, 1), (13, 6), (0, 23), (37, 9)]
+# edge, a fresh prompt longer than the window, a chunk after a long prefix, a decode whose context cpu_native
+# splits (merged after)
+SPECS = [(40, 1), (5, 1), (13, 6), (0, 23), (37, 9), (600, 1)]
 
 
 def backends():
@@ -42,3 +44,14 @@ def test_soft_capped_scores(backend, window):
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     plain = backend(4, 2, 16, 16 ** -0.5)  # the cap changes the answer
     assert (plain.forward(q, k, v, cache, plain.build_metadata(common)) - expected).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("backend", backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("window", [None, 8])
+def test_attention_sinks(backend, window):
+    sinks = torch.tensor([2.0, -1.0, 0.5, 8.0])  # the last outweighs every score: its head's output shrinks
+    common, q, k, v, cache, expected = windowed_problem(SPECS, window, 4, 4, 2, 16, sinks=sinks)
+    b = backend(4, 2, 16, 16 ** -0.5)
+    out = b.forward(q, k, v, cache, b.build_metadata(common), sinks=sinks)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert (b.forward(q, k, v, cache, b.build_metadata(common)) - expected).abs().max() > 1e-2

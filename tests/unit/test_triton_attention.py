@@ -54,6 +54,16 @@ def test_soft_capped_scores(window):
     torch.testing.assert_close(b.forward(q, k, v, cache, b.build_metadata(common)), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("window", [None, 8])
+def test_attention_sinks(window):
+    specs = [(40, 1), (5, 1), (13, 6), (0, 23), (37, 9)]
+    sinks = torch.tensor([2.0, -1.0, 0.5, 8.0])
+    common, q, k, v, cache, expected = windowed_problem(specs, window, 16, 4, 2, 16, sinks=sinks)
+    b = TritonAttentionBackend(4, 2, 16, 16 ** -0.5)
+    out = b.forward(q, k, v, cache, b.build_metadata(common), sinks=sinks)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("head_dim", PADDED_HEAD_SIZES)
 def test_padded_head_sizes_match_sdpa(head_dim):
     # tiny_random's GQA shape (4 query heads on 2 KV heads); non-powers of two are padded and masked.

@@ -3160,19 +3160,28 @@ void appl_kv_write(void *k_cache, void *v_cache, const float *k, const float *v,
     }
 }
 
-/* out[h] = acc[h] / l[h] * v_scale for the nh heads of one decode item. */
-static void dec_finish(const float *acc, const float *l, float *out, int nh, int d, float v_scale) {
+/* out[h] = acc[h] / l[h] * v_scale for the nh heads of one decode item (sums relative to the max m[h]); with
+ * attention sinks (a learned logit per head, NULL: none) each head's sink joins the softmax's denominator:
+ * out = acc e^(m - M) / (l e^(m - M) + e^(sink - M)), M the larger of m and the sink. */
+static void dec_finish(const float *acc, const float *l, const float *m, const float *sinks, float *out, int nh,
+                       int d, float v_scale) {
     for (int h = 0; h < nh; h++) {
-        const __m256 sv = _mm256_set1_ps(v_scale / l[h]);
+        float f = 1.0f / l[h];
+        if (sinks) {
+            const float big = m[h] > sinks[h] ? m[h] : sinks[h], e = expf(m[h] - big);
+            f = e / (l[h] * e + expf(sinks[h] - big));
+        }
+        const __m256 sv = _mm256_set1_ps(v_scale * f);
         for (int c = 0; c < d; c += 8)
             _mm256_storeu_ps(out + h * d + c, _mm256_mul_ps(_mm256_loadu_ps(acc + h * d + c), sv));
     }
 }
 
 /* n splits' partial sums (each acc [nh][d], m [nh], l [nh], stride floats apart) merged into out: each split
- * scaled by exp(its max - the largest), the sums likewise. scr: nh * (d + 1) floats. */
-static void dec_merge(const float *part, int n, int64_t stride, float *scr, int nh, int d, float *out, float v_scale) {
-    float *acc = scr, *l = acc + (int64_t)nh * d;
+ * scaled by exp(its max - the largest), the sums likewise. scr: nh * (d + 2) floats. */
+static void dec_merge(const float *part, int n, int64_t stride, float *scr, int nh, int d, float *out, float v_scale,
+                      const float *sinks) {
+    float *acc = scr, *l = acc + (int64_t)nh * d, *m = l + nh;
     for (int h = 0; h < nh; h++) {
         float mx = -INFINITY;
         for (int k = 0; k < n; k++) {
@@ -3190,8 +3199,9 @@ static void dec_merge(const float *part, int n, int64_t stride, float *scr, int 
                 _mm256_storeu_ps(acc + h * d + c, _mm256_fmadd_ps(_mm256_loadu_ps(pk + h * d + c), fv,
                                                                   _mm256_loadu_ps(acc + h * d + c)));
         }
+        m[h] = mx;
     }
-    dec_finish(acc, l, out, nh, d, v_scale);
+    dec_finish(acc, l, m, sinks, out, nh, d, v_scale);
 }
 
 /*
@@ -3200,24 +3210,27 @@ static void dec_merge(const float *part, int n, int64_t stride, float *scr, int 
  * K/V sit at slot block_table[r][pos / bs] * bs + pos % bs; with a sliding
  * window (window > 0) only the last window of them, its blocks before those
  * never read (they may be the null block or another request's); with
- * softcap > 0 the scores are soft-capped, softcap * tanh(score / softcap).
- * A request's run of ATT_MIN_QUERY tokens or more goes by prefill tiles (full
- * attention, no cap only); the other tokens (decodes, and every token under
- * a window or a cap) by flash-decoding items of one token (all its heads)
+ * softcap > 0 the scores are soft-capped, softcap * tanh(score / softcap);
+ * with sinks (n_heads floats, NULL: none) each head's learned logit joins the
+ * softmax's denominator (gpt-oss). A request's run of ATT_MIN_QUERY tokens or
+ * more goes by prefill tiles (full attention, no cap or sinks only); the
+ * other tokens (decodes, and every token under a window, a cap or sinks) by
+ * flash-decoding items of one token (all its heads)
  * and a split of its visible positions, merged after, so that a single long
  * decode still keeps every thread reading. Needs head_dim % 8 == 0.
  */
 void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const void *k_cache,
                     const void *v_cache, int n_tokens, int n_reqs, const int32_t *qsl, const int32_t *seq_lens,
                     const int32_t *block_table, int bt_stride, int bs, int n_heads, int n_kv_heads, int d,
-                    float scale, int kv_type, float k_scale, float v_scale, int window, float softcap) {
+                    float scale, int kv_type, float k_scale, float v_scale, int window, float softcap,
+                    const float *sinks) {
     const int grp = n_heads / n_kv_heads;
     const int fp8 = kv_type == KV_FP8_E4M3 || kv_type == KV_FP8_E5M2;
     const float qk_scale = fp8 ? scale * k_scale : scale, out_scale = fp8 ? v_scale : 1.0f;
     /* prefill runs (a request with ATT_MIN_QUERY tokens or more here) by tiles of ATT_QT tokens and one kv
      * head (see "Prefill tiles"); the other tokens by decode items below */
     int64_t n_tiles = 0, tiled_tokens = 0;
-    for (int r = 0; r < n_reqs && !window && !(softcap > 0.0f); r++)
+    for (int r = 0; r < n_reqs && !window && !(softcap > 0.0f) && !sinks; r++)
         if (qsl[r + 1] - qsl[r] >= ATT_MIN_QUERY) {
             n_tiles++;
             tiled_tokens += qsl[r + 1] - qsl[r];
@@ -3366,7 +3379,7 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
             else
                 decode_split_f32(qt, (const float *)k_cache, (const float *)v_cache, bt, bs, kv_stride, it[2], it[3],
                                  n_kv_heads, grp, d, qk_scale, softcap, acc, m, l, s, corr);
-            if (it[4] < 0) dec_finish(acc, l, out + (int64_t)it[1] * ldo, n_heads, d, out_scale);
+            if (it[4] < 0) dec_finish(acc, l, m, sinks, out + (int64_t)it[1] * ldo, n_heads, d, out_scale);
         }
         /* the splits of one token merged: each rescaled to the largest max */
 #pragma omp for schedule(static)
@@ -3376,7 +3389,7 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
             int n = 1;
             while (i + n < n_items && items[5 * (i + n) + 1] == it[1]) n++;
             dec_merge(partial + it[4] * part_floats, n, part_floats, scr, n_heads, d, out + (int64_t)it[1] * ldo,
-                      out_scale);
+                      out_scale, sinks);
         }
         free(scr);
     }
@@ -3593,7 +3606,7 @@ void appl_forward(const Model *M, Step *S) {
         g_phase[PH_ROPE_KV] += now_s() - t_rope;
         PHASE(PH_ATTN, appl_attention(qkv, qkv_w, att, attn_w, L->k_cache, L->v_cache, (int)T, S->n_reqs, S->qsl,
                                       S->seq_lens, block_table, S->bt_stride, S->block_size, H, KVH, (int)d,
-                                      M->attn_scale, M->kv_type, L->k_scale, L->v_scale, window, 0.0f));
+                                      M->attn_scale, M->kv_type, L->k_scale, L->v_scale, window, 0.0f, NULL));
         if (residual_linear(M, &L->o, att, attn_w, h, x, T, PH_O)) { /* h: scratch here, normed again below */
             S->failed = 1;
             return;
