@@ -82,8 +82,8 @@ def kv_layout(m: ModelConfig, max_model_len: int) -> KVLayout:
     kinds: dict[Optional[int], list[int]] = {}
     for layer, w in enumerate(windows):
         kinds.setdefault(w, []).append(layer)
-    if len(kinds) == 1:
-        ((w, layers),) = kinds.items()
+    if len(kinds) <= 1:  # one kind (none: a config validation refuses, which the plan may still read)
+        w, layers = next(iter(kinds.items()), (None, []))
         return KVLayout((KVGroup(w, tuple(layers)),), len(layers))
     sizes = [len(v) for v in kinds.values()]
     size = max(sizes) if max(sizes) < 1.25 * min(sizes) else min(sizes)

@@ -58,12 +58,6 @@ class CommonAttentionMetadata:
     sliding_window: Optional[int] = None
 
 
-def layer_metadata(attn_metadata: Any, i: int) -> Any:
-    """Layer ``i``'s attention metadata: ``attn_metadata`` is one for every
-    layer, or (a model whose layers keep their KV in several KV-cache
-    groups) a list of one per layer, each its group's."""
-    return attn_metadata[i] if isinstance(attn_metadata, list) else attn_metadata
-
 
 class AttentionBackend:
     name = "base"

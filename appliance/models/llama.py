@@ -23,7 +23,6 @@ from torch import nn
 import torch.nn.functional as F
 
 from appliance.config.architectures import support
-from appliance.kernels.base import layer_metadata
 from appliance.models.arch import ModelArch
 from appliance.models.layers.attention import Attention
 from appliance.models.layers.mlp import MLP
@@ -285,7 +284,8 @@ class LlamaForCausalLM(nn.Module):
             for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
                 if hooks is not None:
                     hooks.wait_for_layer_load(i)
-                x = layer(x, cos, sin, kv_cache, layer_metadata(attn_metadata, i))
+                # one metadata for every layer, or (several KV-cache groups) a list of each layer's group's
+                x = layer(x, cos, sin, kv_cache, attn_metadata[i] if isinstance(attn_metadata, list) else attn_metadata)
                 if hooks is not None:
                     hooks.save_kv_layer(i, kv_cache)
             return x
