@@ -213,7 +213,7 @@ class Scheduler:
                     break
             if blocks is not None:
                 budget.take(req, num_new)
-                budget.new_block_ids[req.request_id] = tuple([b.block_id for b in g] for g in blocks)
+                budget.new_block_ids[req.request_id] = tuple([[b.block_id for b in g] for g in blocks])
 
     def _schedule_waiting(self, budget: _Budget, out: SchedulerOutput) -> None:
         """Phase 2, in queue order: prefix hits first, then new blocks."""

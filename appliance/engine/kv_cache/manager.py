@@ -61,6 +61,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, block_size, enable_caching, enable_events, len(groups))
         self.groups: list[SingleTypeManager] = [single_type_manager(self.pool, block_size, g, spec)
                                                 for g, spec in enumerate(groups)]
+        self.sliding = [g for g in self.groups if g.spec.sliding_window is not None]  # the groups that give back
         self.stats = PrefixCacheStats()
 
     # ----------------------------------------------------------------------
@@ -91,9 +92,10 @@ class KVCacheManager:
         tokens = request.all_token_ids
         num_hit_blocks = min((request.num_tokens - 1) // self.block_size, len(hashes))
         while True:
-            hits = tuple(g.find_cache_hit(hashes, tokens, num_hit_blocks) for g in self.groups)
-            shortest = min(len(h) for h in hits)
-            if all(len(h) == shortest for h in hits):
+            hits = tuple([g.find_cache_hit(hashes, tokens, num_hit_blocks) for g in self.groups])
+            lengths = [len(h) for h in hits]
+            shortest = min(lengths)
+            if lengths.count(shortest) == len(lengths):
                 break
             num_hit_blocks = shortest
         num_hit_tokens = shortest * self.block_size
@@ -115,10 +117,23 @@ class KVCacheManager:
     #  step computes are registered in the prefix cache at once: a later
     #  request in the same step may hit them, because every layer writes
     #  the whole step's K/V before it attends.
-    def _num_new_blocks(self, request: Request, num_tokens: int, hits: GroupBlocks) -> list[int]:
-        """Blocks the pool must hand out to each group for the step, beyond those held and hit."""
+    def _new_block_counts(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int,
+                          hits: Optional[GroupBlocks], num_lookahead_tokens: int) -> Optional[list[int]]:
+        """Blocks the pool must hand out to each group for the step, beyond
+        those held and hit; None when the pool cannot fit them. The one
+        place the block arithmetic lives. Blocks behind a sliding window are
+        given back first (no later token reads them, whatever is decided)."""
         rid = request.request_id
-        return [g.num_new_blocks(rid, num_tokens, len(h)) for g, h in zip(self.groups, hits)]
+        for g in self.sliding:
+            g.remove_skipped_blocks(rid, request.num_computed_tokens)
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
+        if hits is None:
+            counts = [g.num_new_blocks(rid, total, 0) for g in self.groups]
+            return counts if sum(counts) <= self.pool.num_free_blocks else None
+        counts = [g.num_new_blocks(rid, total, len(h)) for g, h in zip(self.groups, hits)]
+        # Hit blocks that sit in the free queue stop being allocatable once touched.
+        num_evictable_hits = sum(1 for h in hits for b in h if b.ref_cnt == 0 and not b.is_null)
+        return counts if sum(counts) <= self.pool.num_free_blocks - num_evictable_hits else None
 
     def can_allocate(
         self,
@@ -128,20 +143,10 @@ class KVCacheManager:
         new_computed_blocks: Optional[GroupBlocks] = None,
         num_lookahead_tokens: int = 0,
     ) -> bool:
-        """Whether ``allocate_slots`` with the same arguments would succeed.
-
-        The one place the block arithmetic lives: the scheduler asks it to
-        decide how much to preempt, allocate_slots asks it before taking.
-        Blocks behind a sliding window are given back first (no later token
-        reads them, whatever is decided)."""
-        hits = new_computed_blocks or self.empty()
-        for g in self.groups:
-            g.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
-        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
-        n = sum(self._num_new_blocks(request, total, hits))
-        # Hit blocks that sit in the free queue stop being allocatable once touched.
-        num_evictable_hits = sum(1 for h in hits for b in h if b.ref_cnt == 0 and not b.is_null)
-        return n <= self.pool.num_free_blocks - num_evictable_hits
+        """Whether ``allocate_slots`` with the same arguments would succeed
+        (the scheduler asks it to decide how much to preempt)."""
+        return self._new_block_counts(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks or None,
+                                      num_lookahead_tokens) is not None
 
     def allocate_slots(
         self,
@@ -158,24 +163,27 @@ class KVCacheManager:
         them in the background; nobody may hit them before)."""
         if num_new_tokens <= 0 and num_lookahead_tokens <= 0:
             raise ValueError("num_new_tokens must be positive")
-        hits = new_computed_blocks or self.empty()
-        if not self.can_allocate(request, num_new_tokens, num_new_computed_tokens, hits, num_lookahead_tokens):
+        hits = new_computed_blocks or None
+        counts = self._new_block_counts(request, num_new_tokens, num_new_computed_tokens, hits, num_lookahead_tokens)
+        if counts is None:
             return None
-        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
-        counts = self._num_new_blocks(request, total, hits)
         rid = request.request_id
-        for g, h in zip(self.groups, hits):
-            g.take_hits(rid, h)
-        new = tuple(g.take_new(rid, n) for g, n in zip(self.groups, counts))
+        if hits is not None:
+            for g, h in zip(self.groups, hits):
+                g.take_hits(rid, h)
+        new = tuple([g.take_new(rid, n) for g, n in zip(self.groups, counts)])
         if self.enable_caching and not delay_cache_blocks:
             num_computed = request.num_computed_tokens + num_new_computed_tokens
             self._cache_full_blocks(request, (num_computed + num_new_tokens) // self.block_size)
         return new
 
     def _cache_full_blocks(self, request: Request, num_full_blocks: int) -> None:
+        rid = request.request_id
+        if all(num_full_blocks <= g.num_cached_block.get(rid, 0) for g in self.groups):
+            return  # nothing newly full (most decode steps): no hashing
         hashes = update_block_hashes(request, self.block_size, self.hash_fn)
         for g in self.groups:
-            g.cache_full_blocks(request.request_id, hashes, request.all_token_ids, num_full_blocks)
+            g.cache_full_blocks(rid, hashes, request.all_token_ids, num_full_blocks)
 
     def free(self, request: Request) -> None:
         """Release a request's blocks in every group, last block first into the queue."""

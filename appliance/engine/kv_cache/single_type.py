@@ -70,7 +70,7 @@ class SingleTypeManager:
     def num_new_blocks(self, request_id: str, num_tokens: int, num_hit_blocks: int) -> int:
         """Blocks the pool must hand out so the request holds ``num_tokens`` slots."""
         held = len(self.req_to_blocks.get(request_id, ()))
-        return max(0, cdiv(num_tokens, self.block_size) - held - num_hit_blocks)
+        return max(0, -(-num_tokens // self.block_size) - held - num_hit_blocks)
 
     def most_blocks(self, num_tokens: int, chunk: int) -> int:
         """The most blocks a request of ``num_tokens`` holds here, computing at most ``chunk`` tokens a step."""
@@ -87,8 +87,11 @@ class SingleTypeManager:
     def take_new(self, request_id: str, num_new: int) -> list[KVCacheBlock]:
         """Append ``num_new`` fresh blocks (after every group took its hits:
         a hit sitting in the free queue must not be handed out first)."""
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        if not num_new:
+            return []
         new = self.pool.get_new_blocks(num_new)
-        self.req_to_blocks.setdefault(request_id, []).extend(new)
+        blocks.extend(new)
         return new
 
     def cache_full_blocks(self, request_id: str, hashes: Sequence[BlockHash], tokens: Sequence[int],
