@@ -85,16 +85,14 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # norms after attention and MLP, q/k norms over all heads: layer by layer (no whole-step native forward)
     Architecture("Olmo2ForCausalLM", "olmo2", "olmo2", qk_norm=True, tensor_parallel=False, pipeline_parallel=False),
     # the Llama layers with Granite's multipliers: layer by layer (no whole-step native forward)
-    Architecture("GraniteForCausalLM", "granite", "granite", multipliers=True, tensor_parallel=False,
-                 pipeline_parallel=False),
+    Architecture("GraniteForCausalLM", "granite", "granite", multipliers=True),
     # local (sliding-window) and global layers with their own rope bases, GeGLU MLPs, norms before and after
-    # attention and MLP, q/k norms, a scaled embedding: layer by layer (no whole-step native forward); its
-    # rope rows are per layer kind, which the pipeline stages do not hand on yet
-    Architecture("Gemma3ForCausalLM", "gemma3_text", "gemma3", qk_norm=True, pipeline_parallel=False,
-                 attention=SLIDING_TOO, window="pattern", global_every=6, gemma=True),
+    # attention and MLP, q/k norms, a scaled embedding: layer by layer (no whole-step native forward)
+    Architecture("Gemma3ForCausalLM", "gemma3_text", "gemma3", qk_norm=True, attention=SLIDING_TOO,
+                 window="pattern", global_every=6, gemma=True),
     # Gemma 3's layers without q/k norms or a local rope base, with soft-capped attention scores and logits
-    Architecture("Gemma2ForCausalLM", "gemma2", "gemma2", pipeline_parallel=False, attention=SLIDING_TOO,
-                 window="pattern", global_every=2, gemma=True),
+    Architecture("Gemma2ForCausalLM", "gemma2", "gemma2", attention=SLIDING_TOO, window="pattern", global_every=2,
+                 gemma=True),
 )}
 
 # Architectures people bring that are not served yet, and what each needs.

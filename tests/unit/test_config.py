@@ -491,7 +491,7 @@ def test_granites_multipliers_are_its_own():
     with pytest.raises(ConfigError, match="scales attention by its checkpoint's attention_multiplier"):
         resolve(granite)
     plan = make_plan(resolve(granite + ["model.attention_multiplier=0.1"]).cfg)
-    assert "one device per engine core (no tensor or pipeline parallelism yet)" in plan.implementation
+    assert "tensor, pipeline parallel" in plan.implementation
     facts = {f.key: f.value for f in hf_facts({"architectures": ["GraniteForCausalLM"], "num_hidden_layers": 2,
                                                "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
                                                "vocab_size": 512, "max_position_embeddings": 4096,
