@@ -34,7 +34,8 @@ class Architecture:
     experts: str = "none"
     qkv_bias: str = "never"  # "always": on q, k and v whatever config.json says (Qwen2); "never": none (a
     # checkpoint with attention_bias is refused: its output projection would carry one too)
-    qk_norm: bool = False  # an RMSNorm over each head of q and k before rope
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before rope...
+    qk_norm_over_all_heads: bool = False  # ... or over all of q's heads at once, and all of k's (OLMo 2)
     gguf: tuple[str, ...] = ()  # GGUF general.architecture values of its dense checkpoints
     gguf_experts: tuple[str, ...] = ()  # ... and of its checkpoints with experts
     gguf_permuted_qk: bool = False  # llama.cpp's converter interleaves its Q and K rows
@@ -83,7 +84,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # rows of a fused tensor are not cut yet
     Architecture("Phi3ForCausalLM", "phi3", "llama", tensor_parallel=False, window="every", attention=SLIDING_TOO),
     # norms after attention and MLP, q/k norms over all heads: layer by layer (no whole-step native forward)
-    Architecture("Olmo2ForCausalLM", "olmo2", "olmo2", qk_norm=True, tensor_parallel=False, pipeline_parallel=False),
+    Architecture("Olmo2ForCausalLM", "olmo2", "olmo2", qk_norm=True, qk_norm_over_all_heads=True),
     # the Llama layers with Granite's multipliers: layer by layer (no whole-step native forward)
     Architecture("GraniteForCausalLM", "granite", "granite", multipliers=True),
     # local (sliding-window) and global layers with their own rope bases, GeGLU MLPs, norms before and after

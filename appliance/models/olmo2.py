@@ -37,20 +37,30 @@ class WeightFirstRMSNorm(RMSNorm):
 
 
 class Olmo2Attention(Attention):
-    """Attention whose q and k are normalized over all their heads at once."""
+    """Attention whose q and k are normalized over all their heads at once.
+    A tensor-parallel rank holds its heads' part of each norm's weight; the
+    mean of squares is over every rank's heads (an all-reduce of each row's
+    sum of squares over the ranks' widths; KV heads that several ranks hold
+    are each held by as many, so the mean is the same)."""
 
     def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None):
-        if tp is not None:  # the registry row says so; validation refuses it first
-            raise ValueError("OLMo 2's q/k norms over all heads are not split over tensor-parallel ranks yet")
         super().__init__(dataclasses.replace(arch, qk_norm=False), backend, tp)
         self.q_norm = WeightFirstRMSNorm(self.q_size, arch.rms_norm_eps)
         self.k_norm = WeightFirstRMSNorm(self.kv_size, arch.rms_norm_eps)
 
+    def _norm(self, x: torch.Tensor, norm: WeightFirstRMSNorm) -> torch.Tensor:
+        if self.tp is None:
+            return norm(x)
+        dtype, x = x.dtype, x.float()
+        squares = x.pow(2).sum(-1, keepdim=True)
+        self.tp.comm.all_reduce(squares)
+        return (norm.weight * (x * torch.rsqrt(squares / (x.shape[-1] * self.tp.size) + norm.eps))).to(dtype)
+
     def heads(self, x):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return (self.q_norm(q).reshape(t, self.num_heads, self.head_dim),
-                self.k_norm(k).reshape(t, self.num_kv_heads, self.head_dim),
+        return (self._norm(q, self.q_norm).reshape(t, self.num_heads, self.head_dim),
+                self._norm(k, self.k_norm).reshape(t, self.num_kv_heads, self.head_dim),
                 v.reshape(t, self.num_kv_heads, self.head_dim))
 
 

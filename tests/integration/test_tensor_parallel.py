@@ -65,10 +65,11 @@ def test_tiny_model_tokens_equal_one_rank(tiny_reference, tp, pp, collectives):
 
 @pytest.mark.parametrize("variant,tp,pp", [("gemma3", 2, 1), ("gemma3", 1, 2), ("gemma2", 2, 1), ("gemma2", 1, 2),
                                            ("qwen2_window", 2, 1), ("qwen2_window", 1, 2), ("granite", 2, 1),
-                                           ("granite", 1, 2)])
+                                           ("granite", 1, 2), ("olmo2", 2, 1), ("olmo2", 4, 1), ("olmo2", 1, 2)])
 def test_layer_by_layer_models_over_ranks_equal_one_rank(variant, tp, pp):
     """Models with a full-attention and a sliding-window layer (two KV-cache groups), their windows outgrown,
-    and Granite's multipliers: each rank's groups over its KV heads, or each stage holding one layer (one
+    Granite's multipliers and OLMo 2's q/k norms over all heads (a rank's share of them; with 4 ranks over 2 KV
+    heads, each head on two): each rank's groups over its KV heads, or each stage holding one layer (one
     group's)."""
     base = [*TINY, *TINY_VARIANTS[variant]]
     ref = generate(base, PROMPTS, 24)[0]

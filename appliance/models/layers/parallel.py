@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from appliance.config.architectures import ARCHITECTURES
 from appliance.models.arch import ModelArch
 
 
@@ -172,6 +173,9 @@ def tensor_shard(arch: ModelArch, rank: int, tp_size: int, name: str) -> Optiona
         spans["inter"] = (rank * local.moe_intermediate_size, local.moe_intermediate_size)
     if module in _COLUMN:
         start, n = spans[_COLUMN[module]]
+        return 0, start, start + n
+    if module in ("q_norm", "k_norm") and ARCHITECTURES[arch.architecture].qk_norm_over_all_heads:
+        start, n = spans["q" if module == "q_norm" else "kv"]  # a norm weight per element of all heads: the rank's
         return 0, start, start + n
     if module in _ROW and name.endswith(".weight"):
         start, n = spans[_ROW[module]]
