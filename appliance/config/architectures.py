@@ -80,9 +80,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # llama.cpp writes Mixtral as general.architecture=llama with experts
     Architecture("MixtralForCausalLM", "mixtral", "llama", experts="every", gguf_experts=("llama",),
                  gguf_permuted_qk=True, window="every", attention=SLIDING_TOO),
-    # its checkpoints' q/k/v and gate/up come fused, as this implementation packs them; a tensor-parallel rank's
-    # rows of a fused tensor are not cut yet
-    Architecture("Phi3ForCausalLM", "phi3", "llama", tensor_parallel=False, window="every", attention=SLIDING_TOO),
+    # its checkpoints' q/k/v and gate/up come fused, as this implementation packs them (a tensor-parallel rank
+    # reads its rows of each part: layers.parallel.fused_shard_rows)
+    Architecture("Phi3ForCausalLM", "phi3", "llama", window="every", attention=SLIDING_TOO),
     # norms after attention and MLP, q/k norms over all heads: layer by layer (no whole-step native forward)
     Architecture("Olmo2ForCausalLM", "olmo2", "olmo2", qk_norm=True, qk_norm_over_all_heads=True),
     # the Llama layers with Granite's multipliers: layer by layer (no whole-step native forward)

@@ -20,7 +20,7 @@ from appliance.errors import ModelLoadError
 from appliance.models.fp8 import CHECKPOINT_TENSORS as FP8_TENSORS
 from appliance.models.int4_checkpoints import UNPACK
 from appliance.models.layers.linear import packed_target
-from appliance.models.layers.parallel import tensor_shard
+from appliance.models.layers.parallel import fused_shard_rows, tensor_shard
 from appliance.models.llama import canonical_name
 
 
@@ -79,7 +79,12 @@ class CheckpointTensors:
             if "rotary_emb" in name:
                 return
             raise ModelLoadError(f"{file_name}: unexpected tensor {name} for {arch.architecture}")
-        t = _read_shard(sf, stored, tensor_shard(self.full_arch, tp.rank, tp.size, name) if tp else None)
+        fused = fused_shard_rows(self.full_arch, tp.rank, tp.size, name) if tp else None
+        if fused is not None:  # a fused projection (Phi-3's): the rank's rows of each part, in order
+            whole = sf.get_slice(stored)
+            t = torch.cat([whole[start:stop] for start, stop in fused])
+        else:
+            t = _read_shard(sf, stored, tensor_shard(self.full_arch, tp.rank, tp.size, name) if tp else None)
         want = tuple(self.expected[target].shape)
         if packed:
             want = (packed[2],) + want[1:]

@@ -17,7 +17,7 @@ import torch
 from appliance import LLM, SamplingParams
 from appliance.engine.interfaces import EngineDeadError
 from appliance.models.arch import ModelArch
-from appliance.models.layers.parallel import padded_vocab, shard_arch, tensor_shard
+from appliance.models.layers.parallel import fused_shard_rows, padded_vocab, shard_arch, tensor_shard
 from appliance.worker.placement import cpu_share, numa_nodes, parse_cpulist
 from tests.integration.server_helpers import ServerProcess
 from tests.model_helpers import TINY_VARIANTS, check_logprobs_close, greedy_top_logprobs, write_fp8_checkpoint
@@ -65,12 +65,13 @@ def test_tiny_model_tokens_equal_one_rank(tiny_reference, tp, pp, collectives):
 
 @pytest.mark.parametrize("variant,tp,pp", [("gemma3", 2, 1), ("gemma3", 1, 2), ("gemma2", 2, 1), ("gemma2", 1, 2),
                                            ("qwen2_window", 2, 1), ("qwen2_window", 1, 2), ("granite", 2, 1),
-                                           ("granite", 1, 2), ("olmo2", 2, 1), ("olmo2", 4, 1), ("olmo2", 1, 2)])
+                                           ("granite", 1, 2), ("olmo2", 2, 1), ("olmo2", 4, 1), ("olmo2", 1, 2),
+                                           ("phi3", 2, 1), ("phi3", 4, 1)])
 def test_layer_by_layer_models_over_ranks_equal_one_rank(variant, tp, pp):
     """Models with a full-attention and a sliding-window layer (two KV-cache groups), their windows outgrown,
-    Granite's multipliers and OLMo 2's q/k norms over all heads (a rank's share of them; with 4 ranks over 2 KV
-    heads, each head on two): each rank's groups over its KV heads, or each stage holding one layer (one
-    group's)."""
+    Granite's multipliers, OLMo 2's q/k norms over all heads (a rank's share of them; with 4 ranks over 2 KV
+    heads, each head on two) and Phi-3's fused q/k/v and gate/up tensors (a rank's rows of each part): each
+    rank's groups over its KV heads, or each stage holding one layer (one group's)."""
     base = [*TINY, *TINY_VARIANTS[variant]]
     ref = generate(base, PROMPTS, 24)[0]
     outs, llm = generate([*base, f"parallel.tensor_parallel_size={tp}", f"parallel.pipeline_parallel_size={pp}"],
@@ -283,6 +284,14 @@ def test_each_rank_reads_its_rows_and_columns():
     assert tensor_shard(arch, 0, 2, layer + "mlp.down_proj.weight") == (1, 0, 64)
     assert tensor_shard(arch, 1, 2, "model.embed_tokens.weight") == (0, 256, 512)  # past 500: zero rows
     assert tensor_shard(arch, 1, 2, layer + "input_layernorm.weight") is None
+    # a fused projection (Phi-3's): each part's rows of the rank, in order; not one range
+    assert fused_shard_rows(arch, 1, 2, layer + "self_attn.qkv_proj.weight") == [(32, 64), (64 + 16, 64 + 32),
+                                                                               (96 + 16, 96 + 32)]
+    assert fused_shard_rows(arch, 3, 4, layer + "mlp.gate_up_proj.weight") == [(96, 128), (128 + 96, 128 + 128)]
+    assert fused_shard_rows(arch, 1, 2, layer + "self_attn.q_proj.weight") is None
+    with pytest.raises(ValueError, match="fused projection's rows of one tensor-parallel rank are cut for "
+                                         "unquantized weights only"):
+        tensor_shard(arch, 1, 2, layer + "self_attn.qkv_proj.weight")
 
 
 def test_quantized_blocks_are_cut_as_their_dense_weights():

@@ -154,6 +154,37 @@ def shard_arch(arch: ModelArch, tp_size: int, expert_parallel: bool = False) -> 
 
 _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "inter", "up_proj": "inter"}
 _ROW = {"o_proj": "q", "down_proj": "inter"}
+def _spans(arch: ModelArch, rank: int, tp_size: int) -> dict[str, tuple[int, int]]:
+    """(first row, rows) of rank ``rank``'s q heads, KV heads (a replicated KV head's, when fewer than the ranks)
+    and MLP rows in the full model's projections."""
+    local, d = shard_arch(arch, tp_size), arch.head_dim
+    kv_start = (rank * local.num_kv_heads if arch.num_kv_heads % tp_size == 0
+                else rank * arch.num_kv_heads // tp_size)
+    return {"q": (rank * local.num_heads * d, local.num_heads * d), "kv": (kv_start * d, local.num_kv_heads * d),
+            "inter": (rank * local.intermediate_size, local.intermediate_size)}
+
+
+# a checkpoint's fused projections (Phi-3's): their parts, each column-parallel, in row order
+_FUSED = {"qkv_proj": ("q", "kv", "kv"), "gate_up_proj": ("inter", "inter")}
+
+
+def fused_shard_rows(arch: ModelArch, rank: int, tp_size: int, name: str) -> Optional[list[tuple[int, int]]]:
+    """The row ranges of a checkpoint's fused projection tensor ``name``
+    (q | k | v, or gate | up; ``arch`` the full model's) whose rows, in
+    order, are rank ``rank``'s of the packed projection; None for any other
+    tensor."""
+    module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+    if module not in _FUSED:
+        return None
+    d = arch.head_dim
+    whole = {"q": arch.num_heads * d, "kv": arch.num_kv_heads * d, "inter": arch.intermediate_size}
+    mine = _spans(arch, rank, tp_size)
+    rows, offset = [], 0
+    for part in _FUSED[module]:
+        start, n = mine[part]
+        rows.append((offset + start, offset + start + n))
+        offset += whole[part]
+    return rows
 
 
 def tensor_shard(arch: ModelArch, rank: int, tp_size: int, name: str) -> Optional[tuple[int, int, int]]:
@@ -161,11 +192,7 @@ def tensor_shard(arch: ModelArch, rank: int, tp_size: int, name: str) -> Optiona
     that rank ``rank`` of ``tp_size`` holds; None: every rank holds it whole
     (norms). Vocabulary rows may stop past the checkpoint's (padding)."""
     local = shard_arch(arch, tp_size)
-    d = arch.head_dim
-    kv_start = (rank * local.num_kv_heads if arch.num_kv_heads % tp_size == 0
-                else rank * arch.num_kv_heads // tp_size)
-    spans = {"q": (rank * local.num_heads * d, local.num_heads * d), "kv": (kv_start * d, local.num_kv_heads * d),
-             "inter": (rank * local.intermediate_size, local.intermediate_size)}
+    spans = _spans(arch, rank, tp_size)
     module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
     if name.startswith(("model.embed_tokens.", "lm_head.")):
         return 0, rank * local.vocab_size, (rank + 1) * local.vocab_size
@@ -174,7 +201,11 @@ def tensor_shard(arch: ModelArch, rank: int, tp_size: int, name: str) -> Optiona
     if module in _COLUMN:
         start, n = spans[_COLUMN[module]]
         return 0, start, start + n
-    if module in ("q_norm", "k_norm") and ARCHITECTURES[arch.architecture].qk_norm_over_all_heads:
+    if module in _FUSED:  # not one range: the unquantized reader takes fused_shard_rows
+        raise ValueError(f"{name}: a fused projection's rows of one tensor-parallel rank are cut for unquantized "
+                         f"weights only; serve this checkpoint with parallel.tensor_parallel_size=1")
+    row = ARCHITECTURES.get(arch.architecture)
+    if module in ("q_norm", "k_norm") and row is not None and row.qk_norm_over_all_heads:
         start, n = spans["q" if module == "q_norm" else "kv"]  # a norm weight per element of all heads: the rank's
         return 0, start, start + n
     if module in _ROW and name.endswith(".weight"):
