@@ -42,9 +42,6 @@ class KVCacheGroupSpec:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"a sliding window holds at least one token, got {self.sliding_window}")
 
-    def describe(self) -> str:
-        return "full attention" if self.sliding_window is None else f"sliding window of {self.sliding_window}"
-
 
 FULL_ATTENTION = KVCacheGroupSpec()
 
@@ -163,7 +160,8 @@ class SlidingWindowManager(SingleTypeManager):
         return found[:run]  # no whole window: the cached run from the start, if any
 
     def most_blocks(self, num_tokens: int, chunk: int) -> int:
-        """The window, a step's chunk beside it, and the block the window straddles."""
+        """The window, a step's chunk beside it, and the block the window straddles (as the plan counts a
+        group's blocks per request: ``config.kv_groups.KVLayout.blocks_per_request``)."""
         return min(cdiv(num_tokens, self.block_size), cdiv(min(self.window - 1 + chunk, num_tokens), self.block_size) + 1)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
