@@ -21,7 +21,9 @@ SCENARIOS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(TINY_VARIANTS))
+# qwen2_window's two KV-cache groups meet HF through gemma2 and gemma3 (two groups too); its own are checked
+# through the native whole-step forward (test_cpu_native) and over ranks and stages (test_tensor_parallel)
+@pytest.fixture(scope="module", params=[v for v in TINY_VARIANTS if v != "qwen2_window"])
 def variant(request):
     return request.param
 
