@@ -116,16 +116,20 @@ def captured_native_step(llm, prompts, params):
     return plain, calls["args"]
 
 
-def windowed_problem(specs, window, block_size, num_heads, num_kv_heads, head_dim, seed=0, soft_cap=None, sinks=None):
+def windowed_problem(specs, window, block_size, num_heads, num_kv_heads, head_dim, seed=0, soft_cap=None, sinks=None,
+                     round_to=None):
     """``make_problem`` with a sliding window: (common, q, k, v, kv_cache, expected output). The
     expected output is attention over each query's last ``window`` positions (None: all) computed
     directly, its scores soft-capped where ``soft_cap`` is set, each head's sink logit (``sinks`` [H])
     in the softmax's denominator where given; the blocks wholly before the oldest
     key any query of a request reads are then pointed at block 0, filled with large values, as a
-    sliding-window group's given-back blocks may hold anything."""
+    sliding-window group's given-back blocks may hold anything. ``round_to``: the expected output over K and V
+    rounded to that dtype, as a cache of it holds them."""
     from dataclasses import replace
 
     common, q, k, v, cache = make_problem(specs, block_size, num_heads, num_kv_heads, head_dim, seed=seed)
+    if round_to is not None:
+        cache, k, v = (x.to(round_to).float() for x in (cache, k, v))
     common = replace(common, sliding_window=window, block_table=common.block_table.clone())
     expected = torch.empty_like(q)
     group = num_heads // num_kv_heads

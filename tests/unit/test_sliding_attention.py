@@ -55,3 +55,35 @@ def test_attention_sinks(backend, window):
     out = b.forward(q, k, v, cache, b.build_metadata(common), sinks=sinks)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     assert (b.forward(q, k, v, cache, b.build_metadata(common)) - expected).abs().max() > 1e-2
+
+
+def _native_paths():
+    """cpu_native's decode items: 8-lane (AVX2) always, 16-lane (AVX-512F) where the CPU has it."""
+    try:
+        from appliance.kernels.cpu_native import avx512
+    except ImportError:  # no compiler or no AVX2 here: cpu_native is not selectable either
+        return []
+    return [False, pytest.param(True, marks=pytest.mark.skipif(not avx512(), reason="this CPU lacks AVX512F/BW"))]
+
+
+@pytest.mark.parametrize("wide", _native_paths(), ids=lambda w: "avx512" if w else "avx2")
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32_cache", "bf16_cache"])
+def test_native_decode_items_on_each_path_and_cache(wide, cache_dtype):
+    """A window, a cap and sinks together on both of cpu_native's decode-item paths (the 16-lane one takes a
+    head size that is a multiple of 32) over an fp32 and a bf16 cache, against the same attention computed
+    directly on the values the cache holds."""
+    from appliance.kernels.cpu_native import CpuNativeBackend, avx512
+
+    sinks = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    # K and V rounded as the cache stores them, so the expected output is over what the kernel reads
+    common, q, k, v, cache, expected = windowed_problem(SPECS, 8, 4, 4, 2, 32, soft_cap=0.5, sinks=sinks,
+                                                        round_to=cache_dtype)
+    cache = cache.to(cache_dtype)
+    before = avx512()
+    avx512(wide)
+    try:
+        b = CpuNativeBackend(4, 2, 32, 32 ** -0.5, soft_cap=0.5)
+        out = b.forward(q, k, v, cache, b.build_metadata(common), sinks=sinks)
+    finally:
+        avx512(before)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
