@@ -139,10 +139,11 @@ def _rooflines(cfg: ApplianceConfig, dtype: str, backend: Optional[str], w_dev: 
         "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
     tflops = getattr(cfg.hardware.peak_tflops, compute_dtype)
     prefill = tflops * 1e12 * shards / (2 * parameter_counts(cfg.model)["active"]) if tflops else 0.0
+    kv_read = kv_read_at_max_len(cfg, dtype, per_tok)
     return {
         "decode_roofline_tok_s": round(bw / read_dev, 1) if w_dev else 0.0,
-        "decode_roofline_at_max_len_tok_s": round(bw / (read_dev + kv_read_at_max_len(cfg, dtype, per_tok)), 1) if w_dev
-        else 0.0,
+        "decode_roofline_at_max_len_tok_s": round(bw / (read_dev + kv_read), 1) if w_dev else 0.0,
+        "kv_read_at_max_len": kv_read,
         "prefill_roofline_tok_s": prefill,  # rounded in the plan
         "compute_dtype": compute_dtype,
     }
@@ -257,7 +258,6 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         engine_cores=par.data_parallel_size,
         experts=experts,
         **_kv_groups(cfg, dtype, mem),
-        kv_read_at_max_len=kv_read_at_max_len(cfg, dtype, per_tok),
         **comm,
         speculative=describe_speculative(cfg),
         structured_output=describe_structured_output(cfg),

@@ -6,8 +6,8 @@ new block ids of its group, and its token ids; finished and preempted
 requests give their rows back. A model with several groups (sliding-window
 layers beside full-attention ones) gets the attention metadata of each
 layer's group; its layers share the cache tensors as the layout places
-them (``config/kv_groups.py``). Per step it builds input ids, positions, slot mapping and
-``query_start_loc`` for the flattened batch, runs the model with the
+them (``config/kv_groups.py``). Per step it builds input ids, positions,
+slot mapping and ``query_start_loc`` for the flattened batch, runs the model with the
 attention backend's metadata, and samples the requests that reached the
 end of their known tokens (a mid-prompt chunk samples nothing).
 
