@@ -443,6 +443,38 @@ def test_amx_takes_the_rows_from_its_row_count_and_the_fmas_below(kind):
                 assert torch.equal(lin(x[rows]), whole[rows]), rows
 
 
+@needs_amx
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "grouped int8"])
+def test_amx_blocks_chunks_and_groups_keep_a_rows_sums(kind):
+    """AMX tiles block a GEMM: chunks of 512 k (past one block of 32 rows), blocks of rows, groups of panels per
+    thread. A row's sums run k in order through the chunks, stored and loaded whole, so a row's result is the
+    same bits in a prefill of 600 rows (two chunks, blocks of 512 and 88 rows, a group of 24 panels and a lone
+    one a thread, a part panel at the end) as in a slice of 32 rows (one chunk) or 40; the widen path's sums of
+    the rounded rows up to order; accumulate adds into the output."""
+    n, k = 790, 1000
+    if kind in ("bf16", "int8"):
+        mod, w, b = _module(kind, n, k, bias=True, seed=3)
+    elif kind == "int4":
+        mod, w, b = _int4(n, 1024, 32, seed=3, params="fp16")
+        k = 1024
+    else:
+        mod, w, b = _q8g(n, 1024, 32, seed=3)
+        k = 1024
+    lin = NativeLinear(mod)
+    x = torch.randn(600, k, generator=torch.Generator().manual_seed(2))
+    base = torch.randn(600, n, generator=torch.Generator().manual_seed(3))
+    with _bf16_dot(True), _pinned(amx, True), _pinned(int8_rows, False):
+        whole = lin(x)
+        acc = base.clone()
+        lin(x, out=acc, accumulate=True)
+        for rows in (slice(0, 32), slice(500, 532), slice(17, 57), slice(0, 530)):
+            assert torch.equal(lin(x[rows]), whole[rows]), rows
+    xr = x.to(torch.bfloat16).float()
+    wr = w if kind in ("bf16", "int8") else w.to(torch.bfloat16).float()
+    _assert_sums_close(whole, F.linear(xr, wr, b), xr, wr, b)
+    _assert_sums_close(acc, base + F.linear(xr, wr, b), xr, wr, b, base)
+
+
 @needs_bf16_dot
 def test_a_rows_result_on_vdpbf16ps_does_not_depend_on_the_rows_beside_it():
     """Every row count runs on vdpbf16ps (up to twelve rows reading the stored panels, the weights made into

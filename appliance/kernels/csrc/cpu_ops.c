@@ -518,22 +518,23 @@ static void q4_rows_avx2(const Linear *L, const float *x, int64_t ldx, const flo
 
 /* Panel pn widened to fp32 ([k][PW]): d * q + m, rounded after the product and after the sum (as
  * dequantize_int4 computes it; the product is exact with fp16 scales). */
-static void q4_widen(const Linear *L, int64_t pn, float *wf) {
-    const int64_t k = L->k, pstride = k * PW / 2, groups = k / L->group;
+static void q4_widen(const Linear *L, int64_t pn, int64_t g0, int64_t g1, float *wf) {
+    const int64_t k = L->k, pstride = k * PW / 2, groups = k / L->group, k0 = g0 * L->group;
     const int pairs = L->group / 2;
     const uint8_t *p = (const uint8_t *)L->w + pn * pstride;
     const int64_t qp = pn * groups * 2 * PW;
-    for (int64_t g = 0; g < groups; g++) {
+    for (int64_t g = g0; g < g1; g++) {
         const int64_t dm = qp + g * 2 * PW;
         const __m256 d0 = load_qp(L, dm), d1 = load_qp(L, dm + 8), m0 = load_qp(L, dm + PW), m1 = load_qp(L, dm + PW + 8);
         for (int j = 0; j < pairs; j++) {
             const int64_t kk = g * L->group + 2 * j;
+            float *o = wf + (kk - k0) * PW;
             __m256 l0, l1, h0, h1;
             q4_unpack(p + (kk / 2) * PW, &l0, &l1, &h0, &h1);
-            _mm256_storeu_ps(wf + kk * PW, _mm256_add_ps(_mm256_mul_ps(d0, l0), m0));
-            _mm256_storeu_ps(wf + kk * PW + 8, _mm256_add_ps(_mm256_mul_ps(d1, l1), m1));
-            _mm256_storeu_ps(wf + (kk + 1) * PW, _mm256_add_ps(_mm256_mul_ps(d0, h0), m0));
-            _mm256_storeu_ps(wf + (kk + 1) * PW + 8, _mm256_add_ps(_mm256_mul_ps(d1, h1), m1));
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_mul_ps(d0, l0), m0));
+            _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_mul_ps(d1, l1), m1));
+            _mm256_storeu_ps(o + PW, _mm256_add_ps(_mm256_mul_ps(d0, h0), m0));
+            _mm256_storeu_ps(o + PW + 8, _mm256_add_ps(_mm256_mul_ps(d1, h1), m1));
         }
     }
 }
@@ -546,16 +547,16 @@ static void q4_widen(const Linear *L, int64_t pn, float *wf) {
  * parts fused beside them. One row runs a GEMV that applies d and m per
  * group, as int4's; more rows widen each panel once.
  */
-static void q8g_widen(const Linear *L, int64_t pn, float *wf) {
-    const int64_t k = L->k, groups = k / L->group;
+static void q8g_widen(const Linear *L, int64_t pn, int64_t g0, int64_t g1, float *wf) {
+    const int64_t k = L->k, groups = k / L->group, k0 = g0 * L->group;
     const int8_t *p = (const int8_t *)L->w + pn * k * PW;
     const int64_t qp = pn * groups * 2 * PW;
-    for (int64_t g = 0; g < groups; g++) {
+    for (int64_t g = g0; g < g1; g++) {
         const int64_t dm = qp + g * 2 * PW;
         const __m256 d0 = load_qp(L, dm), d1 = load_qp(L, dm + 8), m0 = load_qp(L, dm + PW), m1 = load_qp(L, dm + PW + 8);
         for (int64_t kk = g * L->group; kk < (g + 1) * L->group; kk++) {
-            _mm256_storeu_ps(wf + kk * PW, _mm256_add_ps(_mm256_mul_ps(d0, load_w_i8(p + kk * PW)), m0));
-            _mm256_storeu_ps(wf + kk * PW + 8, _mm256_add_ps(_mm256_mul_ps(d1, load_w_i8(p + kk * PW + 8)), m1));
+            _mm256_storeu_ps(wf + (kk - k0) * PW, _mm256_add_ps(_mm256_mul_ps(d0, load_w_i8(p + kk * PW)), m0));
+            _mm256_storeu_ps(wf + (kk - k0) * PW + 8, _mm256_add_ps(_mm256_mul_ps(d1, load_w_i8(p + kk * PW + 8)), m1));
         }
     }
 }
@@ -580,10 +581,10 @@ static void pgemv4_q8g(const Linear *L, const float *x, const float *xs, int64_t
     }
 }
 
-/* A grouped panel (int4 or int8) widened to fp32 ([k][PW], d * q + m). */
-static void grouped_widen(const Linear *L, int64_t pn, float *wf) {
-    if (L->wtype == WTYPE_Q4) q4_widen(L, pn, wf);
-    else q8g_widen(L, pn, wf);
+/* Groups [g0, g1) of a grouped panel (int4 or int8) widened to fp32 ([k][PW] from the first group's k, d * q + m). */
+static void grouped_widen(const Linear *L, int64_t pn, int64_t g0, int64_t g1, float *wf) {
+    if (L->wtype == WTYPE_Q4) q4_widen(L, pn, g0, g1, wf);
+    else q8g_widen(L, pn, g0, g1, wf);
 }
 
 /* Rows [m0, m1) against panels [p0, p1). wbuf (PW * k floats): with more
@@ -605,7 +606,7 @@ static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out
         const float *pf = L->wtype == WTYPE_F32 ? (const float *)L->w + pn * pstride : NULL;
         if (widen) {
             if (grouped)
-                grouped_widen(L, pn, wbuf);
+                grouped_widen(L, pn, 0, L->k / L->group, wbuf);
             else if (L->wtype == WTYPE_I8)
                 for (int64_t i = 0; i < pstride; i += 8) _mm256_storeu_ps(wbuf + i, load_w_i8(pq + i));
             else
@@ -739,6 +740,17 @@ DOT_TARGET static void row_to_bf16(const float *x, uint16_t *o, int64_t k, int64
         i += 16;
     }
     if (i < kp) memset(o + i, 0, sizeof(uint16_t) * (size_t)(kp - i));
+}
+
+/* One row to bf16 in AMX row tiles: its k-block j (32 values, zero past k) at o + 512 j, o its place in the first
+ * block of its tile (the tile's 16 rows of 32 values each block, the blocks one after another). */
+DOT_TARGET static void row_to_bf16_tiles(const float *x, uint16_t *o, int64_t k, int64_t kx) {
+    for (int64_t i = 0; i < kx; i += 32) {
+        const int64_t lo = k - i < 0 ? 0 : k - i > 16 ? 16 : k - i, hi = k - i - 16 < 0 ? 0 : k - i - 16 > 16 ? 16 : k - i - 16;
+        const __m512 a = _mm512_maskz_loadu_ps((__mmask16)((1u << lo) - 1), x + i);
+        const __m512 b = _mm512_maskz_loadu_ps((__mmask16)((1u << hi) - 1), x + i + 16);
+        _mm512_storeu_si512(o + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
 }
 
 /* mr rows (bf16, row stride kp) by one re-laid panel ([kp / 2][PW][2]: channel c of k pair j at j * 2PW + 2c). */
@@ -978,23 +990,23 @@ DOT_TARGET static void packed_rows_direct(const Linear *L, const uint16_t *xb, i
     }
 }
 
-/* Panel pn re-laid as k pairs ([kp / 2][PW][2] bf16: channel c of pair j at j * 2PW + 2c, the operand
- * order of vdpbf16ps and of an AMX B tile), zero past k up to kp (even): a bf16 panel as it is; an int8 one
- * (weight-only, its scale applied to the sums) converted, exactly (|q| <= 128 has 8 significant bits); for
- * AMX tiles, a grouped (int4 or grouped int8) one widened to fp32 in wf ([k][PW], k even) and rounded to
- * bf16 (nearest even) (vdpbf16ps takes a grouped panel's integers: grouped_pairs). */
-DOT_TARGET static void panel_pairs(const Linear *L, int64_t pn, int64_t kp, uint16_t *pbuf, float *wf) {
-    const int64_t k = L->k;
+/* Rows [k0, k0 + kp) of panel pn re-laid as k pairs ([kp / 2][PW][2] bf16: channel c of pair j at j * 2PW + 2c,
+ * the operand order of vdpbf16ps and of an AMX B tile), zero past k (k0 even): a bf16 panel as it is; an int8
+ * one (weight-only, its scale applied to the sums) converted, exactly (|q| <= 128 has 8 significant bits); for
+ * AMX tiles, a grouped (int4 or grouped int8) one widened to fp32 in wf ([kp][PW]; k0 and kp whole groups) and
+ * rounded to bf16 (nearest even) (vdpbf16ps takes a grouped panel's integers: grouped_pairs). */
+DOT_TARGET static void panel_pairs(const Linear *L, int64_t pn, int64_t k0, int64_t kp, uint16_t *pbuf, float *wf) {
+    const int64_t k = L->k - k0 < kp ? L->k - k0 : kp; /* rows laid */
     const __m512i pairs = pair_lanes(); /* [k even | k odd] x 16 channels -> channel-major pairs */
     int64_t j = 0;
     if (L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G) {
-        grouped_widen(L, pn, wf);
+        grouped_widen(L, pn, k0 / L->group, (k0 + k) / L->group, wf); /* k0 and k whole groups */
         for (; j < k / 2; j++) {
             const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(wf + (2 * j + 1) * PW), _mm512_loadu_ps(wf + 2 * j * PW));
             _mm512_storeu_si512(pbuf + j * 2 * PW, _mm512_permutexvar_epi16(pairs, (__m512i)v));
         }
     } else if (L->wtype == WTYPE_I8) {
-        const int8_t *pq = (const int8_t *)L->w + pn * k * PW;
+        const int8_t *pq = (const int8_t *)L->w + (pn * L->k + k0) * PW;
         for (; 2 * j < k; j++) {
             const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(pq + 2 * j * PW))));
             const __m512 hi = 2 * j + 1 < k /* an odd k pairs its last row with zeros */
@@ -1003,7 +1015,7 @@ DOT_TARGET static void panel_pairs(const Linear *L, int64_t pn, int64_t kp, uint
             _mm512_storeu_si512(pbuf + j * 2 * PW, _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
         }
     } else {
-        const uint16_t *pb = (const uint16_t *)L->w + pn * k * PW;
+        const uint16_t *pb = (const uint16_t *)L->w + (pn * L->k + k0) * PW;
         for (; 2 * j < k; j++) {
             const __mmask32 rows = 2 * j + 1 < k ? 0xffffffffu : 0xffffu; /* an odd k pairs its last row with zeros */
             _mm512_storeu_si512(pbuf + j * 2 * PW, _mm512_permutexvar_epi16(pairs, _mm512_maskz_loadu_epi16(rows, pb + j * 2 * PW)));
@@ -1029,7 +1041,7 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
         const int grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G; /* as their integers, by group */
         const uint16_t *pb = (const uint16_t *)L->w + pn * L->k * PW;
         if (grouped) grouped_pairs(L, pn, pbuf);
-        else if (!stored) panel_pairs(L, pn, kp, pbuf, NULL);
+        else if (!stored) panel_pairs(L, pn, 0, kp, pbuf, NULL);
         for (int64_t m = m0, mr; m < m1; m += mr) {
             const int64_t left = m1 - m; /* twelve-row tiles; a short remainder shares the last 24 rows evenly */
             mr = left >= 2 * DR || left <= DR ? (left < DR ? (int)left : DR) : (int)((left + 1) / 2);
@@ -1284,9 +1296,6 @@ AVX512_TARGET static void packed_rows_fma(const Linear *L, const float *x, int64
 #define AMX_MIN_ROWS 13
 #define AMX_MIN_ROWS_GROUPED 32
 #define AMX_INT8_MIN_ROWS 16
-/* Bytes of bf16 rows a block of rows holds: each block re-lays every panel, so the weights are read once a
- * block; 1 MiB (half of a Sapphire Rapids core's L2) ran GEMMs of 128-2048 rows 1.3-2x faster than 256 KiB. */
-#define AMX_ROW_BYTES (1024 * 1024)
 
 static int g_has_amx_bf16, g_has_amx_int8, g_amx;
 
@@ -1349,21 +1358,33 @@ AMX_TARGET static void amx_begin(void) {
 AMX_TARGET static void amx_end(void) { _tile_release(); }
 
 /* 16 nr rows (nr 1 or 2; row stride lda bytes) by np panels (1 or 2): nblocks k-blocks, block j's rows at
- * xa + 64 j and its weight tiles (16 rows of 64 bytes) at w0 + 1024 j and w1 + 1024 j, except the last
- * block's at t0, t1 where given; the sums (fp32 or int32) into c, rows ldc bytes apart. */
+ * xa + ajs j (the second 16 rows a2 bytes on; row-major rows: ajs 64, a2 16 lda; rows in tiles: ajs 1024, lda
+ * 64) and its weight tiles (16 rows of 64 bytes) at w0 + 1024 j and w1 + 1024 j, except the last block's at
+ * t0, t1 where given; the sums (fp32 or int32) into c, rows ldc bytes apart, added to the sums c holds where
+ * load is set (stored and loaded whole, so a sum split over calls is the same bits). */
 #define DEFINE_AMX_BLOCK(NAME, DP)                                                                          \
     AMX_TARGET static void NAME(const char *xa, int64_t lda, const char *w0, const char *w1, int64_t nblocks,  \
                                 const char *t0, const char *t1, const int nr, const int np, void *c,        \
-                                int64_t ldc) {                                                             \
+                                int64_t ldc, int load, int64_t ajs, int64_t a2) {                          \
         __asm__ volatile("" ::: "memory"); /* the tile loads read what C code wrote: no asm says so */     \
-        _tile_zero(0);                                                                                     \
-        _tile_zero(1);                                                                                     \
-        _tile_zero(2);                                                                                     \
-        _tile_zero(3);                                                                                     \
+        char *cc = (char *)c; /* rows of four-byte sums, ldc bytes apart */                                 \
+        if (load) {                                                                                        \
+            _tile_loadd(0, cc, ldc);                                                                       \
+            if (np > 1) _tile_loadd(1, cc + 64, ldc);                                                      \
+            if (nr > 1) {                                                                                  \
+                _tile_loadd(2, cc + 16 * ldc, ldc);                                                        \
+                if (np > 1) _tile_loadd(3, cc + 16 * ldc + 64, ldc);                                       \
+            }                                                                                              \
+        } else {                                                                                           \
+            _tile_zero(0);                                                                                 \
+            _tile_zero(1);                                                                                 \
+            _tile_zero(2);                                                                                 \
+            _tile_zero(3);                                                                                 \
+        }                                                                                                  \
         for (int64_t j = 0; j < nblocks; j++) {                                                            \
             const int last = j == nblocks - 1;                                                             \
             const char *b0 = last && t0 ? t0 : w0 + 1024 * j, *b1 = last && t1 ? t1 : w1 + 1024 * j;       \
-            _tile_loadd(4, xa + 64 * j, lda);                                                              \
+            _tile_loadd(4, xa + ajs * j, lda);                                                             \
             _tile_loadd(6, b0, 64);                                                                        \
             DP(0, 4, 6);                                                                                   \
             if (np > 1) {                                                                                  \
@@ -1371,12 +1392,11 @@ AMX_TARGET static void amx_end(void) { _tile_release(); }
                 DP(1, 4, 7);                                                                               \
             }                                                                                              \
             if (nr > 1) {                                                                                  \
-                _tile_loadd(5, xa + 16 * lda + 64 * j, lda);                                               \
+                _tile_loadd(5, xa + a2 + ajs * j, lda);                                                    \
                 DP(2, 5, 6);                                                                               \
                 if (np > 1) DP(3, 5, 7);                                                                   \
             }                                                                                              \
         }                                                                                                  \
-        char *cc = (char *)c; /* rows of four-byte sums, ldc bytes apart */                                 \
         _tile_stored(0, cc, ldc);                                                                          \
         if (np > 1) _tile_stored(1, cc + 64, ldc);                                                         \
         if (nr > 1) {                                                                                      \
@@ -1389,26 +1409,89 @@ AMX_TARGET static void amx_end(void) { _tile_release(); }
 DEFINE_AMX_BLOCK(amx_block_bf16, _tile_dpbf16ps)
 DEFINE_AMX_BLOCK(amx_block_int8, _tile_dpbssd)
 
-/* Rows [m0, m1) of xb (bf16, row stride kpa: k padded to a multiple of 32; zero rows up to a multiple of 16
- * past the last) against bf16 or grouped panels [p0, p1), two at a time, re-laid into pbuf (2 PW kpa
- * halves; wf: PW k floats for a grouped panel's widening). m0 is a multiple of 32. */
-AMX_TARGET static void packed_rows_amx(const Linear *L, const uint16_t *xb, int64_t kpa, float *out, int64_t ldo,
-                                       int64_t m0, int64_t m1, int64_t p0, int64_t p1, int accumulate, uint16_t *pbuf,
-                                       float *wf) {
-    const int64_t n = L->n;
-    float c[32][2 * PW];
-    for (int64_t pn = p0; pn < p1; pn += 2) {
-        const int np = p1 - pn < 2 ? 1 : 2;
-        const int64_t n0 = pn * PW;
-        const int nv = (int)(n - n0 < np * PW ? n - n0 : np * PW);
-        for (int q = 0; q < np; q++) panel_pairs(L, pn + q, kpa, pbuf + q * PW * kpa, wf);
-        for (int64_t m = m0; m < m1; m += 32) {
-            const int mr = (int)(m1 - m < 32 ? m1 - m : 32);
-            amx_block_bf16((const char *)(xb + m * kpa), 2 * kpa, (const char *)pbuf, (const char *)(pbuf + PW * kpa),
-                           kpa / 32, NULL, NULL, mr > 16 ? 2 : 1, np, c, sizeof(c[0]));
-            for (int i = 0; i < mr; i++) store_out(L, out + (m + i) * ldo + n0, n0, c[i], nv, accumulate);
+/* Blocking of blocked_rows_amx (one thread's share): chunks of AMX_KC k, so a panel pair's chunk (32 KiB of
+ * bf16 pairs) stays in L1 while every 32-row block of the rows passes over it; as many rows a block as
+ * AMX_A_BYTES of the rows' chunk holds; as many panel pairs a group as AMX_C_BYTES of fp32 sums (the block's
+ * rows by the group's channels) holds. The rows' chunk and the group's sums share the L2, the weights come
+ * from memory once a block of rows. */
+#define AMX_KC 512
+#define AMX_A_BYTES (512 * 1024)
+#define AMX_C_BYTES (768 * 1024)
+
+/* k a chunk: all of it for one block of 32 rows (nothing to share a chunk with) or where AMX_KC is not whole groups
+ * of a grouped panel, else AMX_KC. */
+static inline int64_t amx_chunk(const Linear *L, int64_t kx, int64_t m) {
+    const int grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G;
+    return m <= 32 || kx < AMX_KC || (grouped && AMX_KC % L->group) ? kx : AMX_KC;
+}
+
+/* Rows [0, m) of xb (bf16 in row tiles, row_to_bf16_tiles; k padded to kx, a multiple of 32; zero rows up to a
+ * multiple of 16 past m) against bf16, int8 per-channel or grouped panels [p0, p1), blocked (see AMX_KC): pbuf
+ * takes a panel pair's chunk (2 PW amx_chunk halves), cs the sums of a group (AMX_C_BYTES), wf a grouped
+ * panel's chunk widened (PW amx_chunk floats). A sum runs k in order through the chunks, stored and loaded whole
+ * between them: the same bits as unblocked tiles. */
+AMX_TARGET static void blocked_rows_amx(const Linear *L, const uint16_t *xb, int64_t kx, float *out, int64_t ldo,
+                                        int64_t m, int64_t p0, int64_t p1, int accumulate, uint16_t *pbuf, float *cs,
+                                        float *wf) {
+    const int64_t kc = amx_chunk(L, kx, m);
+    int64_t mc = AMX_A_BYTES / (2 * kc); /* rows a block: a multiple of 32, the sums of a pair in cs */
+    if (mc > AMX_C_BYTES / (int64_t)(sizeof(float) * 2 * PW)) mc = AMX_C_BYTES / (sizeof(float) * 2 * PW);
+    if (mc > ((m + 31) & ~(int64_t)31)) mc = (m + 31) & ~(int64_t)31;
+    mc = mc < 32 ? 32 : (mc / 32) * 32;
+    int64_t group = AMX_C_BYTES / (sizeof(float) * mc * 2 * PW) * 2; /* panels a group, even */
+    group = group < 2 ? 2 : group;
+    for (int64_t m0 = 0; m0 < m; m0 += mc) {
+        const int64_t m1 = m0 + mc < m ? m0 + mc : m;
+        for (int64_t g0 = p0; g0 < p1; g0 += group) {
+            const int64_t g1 = g0 + group < p1 ? g0 + group : p1, ldc = (g1 - g0) * PW; /* floats */
+            for (int64_t k0 = 0; k0 < kx; k0 += kc) {
+                const int64_t kl = kx - k0 < kc ? kx - k0 : kc;
+                for (int64_t pn = g0; pn < g1; pn += 2) {
+                    const int np = g1 - pn < 2 ? 1 : 2;
+                    for (int q = 0; q < np; q++) panel_pairs(L, pn + q, k0, kl, pbuf + q * PW * kl, wf);
+                    float *cp = cs + (pn - g0) * PW;
+                    for (int64_t r = m0; r < m1; r += 32)
+                        amx_block_bf16((const char *)(xb + (r / 16 * (kx / 32) + k0 / 32) * 512), 64, (const char *)pbuf,
+                                       (const char *)(pbuf + PW * kl), kl / 32, NULL, NULL, m1 - r > 16 ? 2 : 1, np,
+                                       cp + (r - m0) * ldc, sizeof(float) * ldc, k0 > 0, 1024, kx * 32);
+                }
+            }
+            const int64_t n0 = g0 * PW, nv = (L->n < g1 * PW ? L->n : g1 * PW) - n0;
+            for (int64_t r = m0; r < m1; r++) store_out(L, out + r * ldo + n0, n0, cs + (r - m0) * ldc, (int)nv, accumulate);
         }
     }
+}
+
+/* A GEMM of m rows on AMX-BF16 tiles (amx_bf16_takes): the rows rounded to bf16 into row tiles (k padded to 32,
+ * zero rows up to a multiple of 16), each thread's panels blocked (blocked_rows_amx). */
+static void amx_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m,
+                       int accumulate) {
+    const int64_t kx = (L->k + 31) & ~(int64_t)31, mx = (m + 15) & ~(int64_t)15, kc = amx_chunk(L, kx, m);
+    const int64_t panels = (L->n + PW - 1) / PW;
+    uint16_t *xb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)(mx * kx));
+    if (!xb) abort();
+    if (mx > m) memset(xb + (m / 16) * 16 * kx, 0, sizeof(uint16_t) * (size_t)(16 * kx)); /* the last tile's */
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) row_to_bf16_tiles(x + r * ldx, xb + (r / 16 * (kx / 32)) * 512 + r % 16 * 32, L->k, kx);
+        int64_t p0, p1;
+        thread_panels(panels, &p0, &p1);
+        if (p0 < p1) {
+            uint16_t *pbuf = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * PW * kc);
+            float *cs = (float *)aligned_alloc(64, AMX_C_BYTES);
+            const int grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G;
+            float *wf = grouped ? (float *)aligned_alloc(64, sizeof(float) * PW * kc) : NULL;
+            if (!pbuf || !cs || (grouped && !wf)) abort();
+            amx_begin();
+            blocked_rows_amx(L, xb, kx, out, ldo, m, p0, p1, accumulate, pbuf, cs, wf);
+            amx_end();
+            free(pbuf);
+            free(cs);
+            free(wf);
+        }
+    }
+    free(xb);
 }
 
 /* ------------------------------------------------- W8A8 int8 (AVX512-VNNI) */
@@ -1599,7 +1682,7 @@ static void a8_linear(const Linear *L, const float *x, int64_t ldx, float *out, 
                     if (amx)
                         amx_block_int8((const char *)(xq + r * kx), kx, (const char *)(w + pn * kq * PW),
                                        (const char *)(w + (pn + 1) * kq * PW), kx / 64, tail ? (const char *)tails[0] : NULL,
-                                       tail ? (const char *)tails[1] : NULL, mr > 16 ? 2 : 1, np, c, sizeof(c[0]));
+                                       tail ? (const char *)tails[1] : NULL, mr > 16 ? 2 : 1, np, c, sizeof(c[0]), 0, 64, 16 * kx);
                     else if (vnni)
                         a8_rows_vnni(xq + r * kx, kx, w + pn * kq * PW, wsum + n0, (int)mr, np, c);
                     else
@@ -2076,20 +2159,18 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
     }
     const int q4_rows_here = q4 && !dot_rows && m <= (g_avx512 ? Q4_DIRECT_MAX : Q4_DIRECT_MAX_AVX2); /* else widened panels */
     const int dot = dot_rows && m > DR;
-    const int amx = dot && amx_bf16_takes(L, m);
-    /* the rows in bf16, row stride kx; on AMX, k padded to its tiles' 32 and zero rows up to a multiple of 16 */
-    const int64_t kx = amx ? (L->k + 31) & ~(int64_t)31 : kp, mx = amx ? (m + 15) & ~(int64_t)15 : m;
-    uint16_t *xb = dot ? (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(mx * kx)) : NULL;
-    if (amx) {
-        memset(xb + m * kx, 0, sizeof(uint16_t) * (size_t)((mx - m) * kx));
-        mc = (AMX_ROW_BYTES / 2) / kx;
-        mc = mc < 32 ? 32 : (mc / 32) * 32;
-    } else if (dot) { /* each block of rows re-lays every panel: as many rows as 512 KiB of bf16 holds */
-        mc = (512 * 1024 / 2) / kx;
+    if (dot && amx_bf16_takes(L, m)) {
+        amx_linear(L, x, ldx, out, ldo, m, accumulate);
+        return;
+    }
+    /* the rows in bf16 (row stride kp) */
+    uint16_t *xb = dot ? (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(m * kp)) : NULL;
+    if (dot) { /* each block of rows re-lays every panel: as many rows as 512 KiB of bf16 holds */
+        mc = (512 * 1024 / 2) / kp;
         mc = mc < 2 * DR ? 2 * DR : (mc / DR) * DR;
     }
     float *xs = NULL; /* the rows' group sums (on vdpbf16ps, of the rows in bf16) */
-    if (grouped && dot && !amx) {
+    if (grouped && dot) {
         xs = (float *)malloc(sizeof(float) * (size_t)(m * (L->k / L->group)));
         if (!xs) abort();
     } else if (q4_rows_here || (grouped && m == 1)) {
@@ -2110,31 +2191,24 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
         } else {
             if (dot) {
 #pragma omp for schedule(static)
-                for (int64_t r = 0; r < m; r++) row_to_bf16(x + r * ldx, xb + r * kx, L->k, kx);
-                if (grouped && !amx) {
+                for (int64_t r = 0; r < m; r++) row_to_bf16(x + r * ldx, xb + r * kp, L->k, kp);
+                if (grouped) {
 #pragma omp for schedule(static)
                     for (int64_t r = 0; r < m; r++)
-                        bf16_group_sums(xb + r * kx, kx, 1, L->k, L->group, xs + r * (L->k / L->group));
+                        bf16_group_sums(xb + r * kp, kp, 1, L->k, L->group, xs + r * (L->k / L->group));
                 }
             }
-            /* a widened panel (PW * k floats), or a re-laid bf16 one (PW * kx halves; two on AMX); a
-             * grouped one on the AMX path takes both */
+            /* a widened panel (PW * k floats), or a re-laid bf16 one (PW * kp halves) */
             const int widen = grouped || (L->wtype != WTYPE_F32 && m > 6);
-            const int64_t relaid = amx ? PW * kx : PW * kx / 2; /* floats */
-            float *wbuf = widen ? (float *)malloc(sizeof(float) * (size_t)(grouped && amx ? relaid + PW * kx : (dot ? relaid : PW * kx))) : NULL;
-            if (amx && p0 < p1) amx_begin();
+            float *wbuf = widen ? (float *)malloc(sizeof(float) * (size_t)(dot ? PW * kp / 2 : PW * L->k)) : NULL;
             for (int64_t m0 = 0; m0 < m; m0 += mc) {
                 const int64_t m1 = m0 + mc < m ? m0 + mc : m;
                 if (p0 >= p1) continue;
-                if (amx)
-                    packed_rows_amx(L, xb, kx, out, ldo, m0, m1, p0, p1, accumulate, (uint16_t *)wbuf,
-                                    grouped ? wbuf + relaid : NULL);
-                else if (dot) /* every row of the call, so all are rounded alike */
-                    packed_rows_dot(L, xb, kx, xs, out, ldo, m0, m1, p0, p1, accumulate, (uint16_t *)wbuf);
+                if (dot) /* every row of the call, so all are rounded alike */
+                    packed_rows_dot(L, xb, kp, xs, out, ldo, m0, m1, p0, p1, accumulate, (uint16_t *)wbuf);
                 else
                     packed_rows(L, x, ldx, out, ldo, m0, m1, p0, p1, accumulate, wbuf);
             }
-            if (amx && p0 < p1) amx_end();
             free(wbuf);
         }
     }
