@@ -448,10 +448,10 @@ def test_amx_takes_the_rows_from_its_row_count_and_the_fmas_below(kind):
 def test_amx_blocks_chunks_and_groups_keep_a_rows_sums(kind):
     """AMX tiles block a GEMM: chunks of 512 k (past one block of 32 rows), blocks of rows, groups of panels per
     thread. A row's sums run k in order through the chunks, stored and loaded whole, so a row's result is the
-    same bits in a prefill of 600 rows (two chunks, blocks of 512 and 88 rows, a group of 24 panels and a lone
-    one a thread, a part panel at the end) as in a slice of 32 rows (one chunk) or 40; the widen path's sums of
-    the rounded rows up to order; accumulate adds into the output."""
-    n, k = 790, 1000
+    same bits in a prefill of 600 rows (two chunks, two blocks of rows, on each of two threads a group of 38
+    panels and one of three, a pair and a lone panel; a part panel at the end) as in a slice of 32 rows (one
+    chunk) or 40; the widen path's sums of the rounded rows up to order; accumulate adds into the output."""
+    n, k = 1300, 1000
     if kind in ("bf16", "int8"):
         mod, w, b = _module(kind, n, k, bias=True, seed=3)
     elif kind == "int4":

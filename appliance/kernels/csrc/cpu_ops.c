@@ -1418,11 +1418,15 @@ DEFINE_AMX_BLOCK(amx_block_int8, _tile_dpbssd)
 #define AMX_A_BYTES (512 * 1024)
 #define AMX_C_BYTES (768 * 1024)
 
-/* k a chunk: all of it for one block of 32 rows (nothing to share a chunk with) or where AMX_KC is not whole groups
- * of a grouped panel, else AMX_KC. */
+/* k a chunk: kx split into about kx / AMX_KC chunks of whole tiles (32 k) and, grouped, whole groups, all but the
+ * last the same size; all of it for one block of 32 rows (nothing to share a chunk with). */
 static inline int64_t amx_chunk(const Linear *L, int64_t kx, int64_t m) {
     const int grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G;
-    return m <= 32 || kx < AMX_KC || (grouped && AMX_KC % L->group) ? kx : AMX_KC;
+    const int64_t unit = grouped && L->group % 32 ? 32 * L->group : grouped ? L->group : 32; /* a multiple of both */
+    const int64_t chunks = (kx + AMX_KC / 2) / AMX_KC;
+    if (m <= 32 || chunks <= 1) return kx;
+    const int64_t kc = ((kx + chunks - 1) / chunks + unit - 1) / unit * unit;
+    return kc < kx ? kc : kx;
 }
 
 /* Rows [0, m) of xb (bf16 in row tiles, row_to_bf16_tiles; k padded to kx, a multiple of 32; zero rows up to a
@@ -1434,10 +1438,12 @@ AMX_TARGET static void blocked_rows_amx(const Linear *L, const uint16_t *xb, int
                                         int64_t m, int64_t p0, int64_t p1, int accumulate, uint16_t *pbuf, float *cs,
                                         float *wf) {
     const int64_t kc = amx_chunk(L, kx, m);
-    int64_t mc = AMX_A_BYTES / (2 * kc); /* rows a block: a multiple of 32, the sums of a pair in cs */
+    /* rows a block: at most AMX_A_BYTES of a chunk and a pair's sums in cs, the blocks the same size in tiles */
+    int64_t mc = AMX_A_BYTES / (2 * kc);
     if (mc > AMX_C_BYTES / (int64_t)(sizeof(float) * 2 * PW)) mc = AMX_C_BYTES / (sizeof(float) * 2 * PW);
-    if (mc > ((m + 31) & ~(int64_t)31)) mc = (m + 31) & ~(int64_t)31;
     mc = mc < 32 ? 32 : (mc / 32) * 32;
+    const int64_t blocks = (m + mc - 1) / mc;
+    mc = ((m + blocks - 1) / blocks + 31) / 32 * 32;
     int64_t group = AMX_C_BYTES / (sizeof(float) * mc * 2 * PW) * 2; /* panels a group, even */
     group = group < 2 ? 2 : group;
     for (int64_t m0 = 0; m0 < m; m0 += mc) {
