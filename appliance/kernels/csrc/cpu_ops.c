@@ -3039,6 +3039,23 @@ static inline int64_t atb_tile_floats(int rows, int d, int kc) { return (int64_t
 /* One chunk's scores (sc, nk a row: 32 or 128; keys j0 .. j0 + cnt) of rows [0, rows): scaled, masked past each
  * row's n_vis, the online softmax (running max and sum, O rescaled when the max grows), P rounded to bf16 pairs
  * (nk / 2 words a row, keys in order). */
+/* exp for float lanes whose results are rounded to bf16 (the bf16 tiles' softmax weights): 2^n (vscalefps) times
+ * 2^f by its Taylor polynomial to degree 5, x log2(e) = n + f, |f| <= 1/2: relative error under 1e-5 down to
+ * exp(-100) (where x is clamped; the rounding of x log2(e) dominates), against bf16's 2^-9; half of exp16's
+ * operations. */
+AVX512_TARGET static inline __m512 exp16_bf16(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.0f)), _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
+    __m512 y = _mm512_set1_ps(1.5403530393381609e-4f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
 DOT_TARGET static inline __attribute__((always_inline)) void atb_softmax(const float *sc, uint32_t *pp, float *o,
                                                                          float *mx, float *sum, const int *vis,
                                                                          int rows, int d, int j0, int cnt, float scale,
@@ -3065,7 +3082,7 @@ DOT_TARGET static inline __attribute__((always_inline)) void atb_softmax(const f
         const __m512 mv = _mm512_set1_ps(mx[i]);
         __m512 acc = _mm512_setzero_ps();
         for (int v = 0; v < nk / 16; v++) {
-            sx[v] = _mm512_maskz_mov_ps(mk[v], exp16(_mm512_sub_ps(sx[v], mv)));
+            sx[v] = _mm512_maskz_mov_ps(mk[v], exp16_bf16(_mm512_sub_ps(sx[v], mv)));
             acc = _mm512_add_ps(acc, sx[v]);
         }
         sum[i] += _mm512_reduce_add_ps(acc);
