@@ -475,6 +475,23 @@ def test_amx_blocks_chunks_and_groups_keep_a_rows_sums(kind):
     _assert_sums_close(acc, base + F.linear(xr, wr, b), xr, wr, b, base)
 
 
+@needs_amx
+def test_amx_outputs_of_16_mib_or_more_go_to_memory_with_the_same_bits():
+    """An output of 16 MiB or more (no bias, scale or sum to add; rows a multiple of 16 floats apart) leaves the
+    AMX GEMM in non-temporal stores: the same bits as the rows computed in smaller calls (an odd panel count: a
+    lone panel), the widen path's sums of the rounded rows up to order."""
+    mod, w, b = _module("bf16", 2096, 64, bias=False, seed=4)
+    lin = NativeLinear(mod)
+    x = torch.randn(2048, 64, generator=torch.Generator().manual_seed(4))
+    with _bf16_dot(True), _pinned(amx, True):
+        whole = lin(x)
+        assert whole.numel() * 4 >= 16 << 20
+        for rows in (slice(0, 40), slice(1000, 1600), slice(2000, 2048)):
+            assert torch.equal(lin(x[rows]), whole[rows]), rows
+    xr = x.to(torch.bfloat16).float()
+    _assert_sums_close(whole, F.linear(xr, w), xr, w, torch.zeros(2096))
+
+
 @needs_bf16_dot
 def test_a_rows_result_on_vdpbf16ps_does_not_depend_on_the_rows_beside_it():
     """Every row count runs on vdpbf16ps (up to twelve rows reading the stored panels, the weights made into

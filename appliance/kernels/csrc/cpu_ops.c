@@ -1417,6 +1417,9 @@ DEFINE_AMX_BLOCK(amx_block_int8, _tile_dpbssd)
 #define AMX_KC 512
 #define AMX_A_BYTES (512 * 1024)
 #define AMX_C_BYTES (768 * 1024)
+/* From how many bytes an output goes to memory in non-temporal stores (an output this large leaves the caches
+ * before the next step reads it; a store that misses first reads the line). */
+#define AMX_STREAM_BYTES (16 * 1024 * 1024)
 
 /* k a chunk: kx split into about kx / AMX_KC chunks of whole tiles (32 k) and, grouped, whole groups, all but the
  * last the same size; all of it for one block of 32 rows (nothing to share a chunk with). */
@@ -1435,8 +1438,8 @@ static inline int64_t amx_chunk(const Linear *L, int64_t kx, int64_t m) {
  * panel's chunk widened (PW amx_chunk floats). A sum runs k in order through the chunks, stored and loaded whole
  * between them: the same bits as unblocked tiles. */
 AMX_TARGET static void blocked_rows_amx(const Linear *L, const uint16_t *xb, int64_t kx, float *out, int64_t ldo,
-                                        int64_t m, int64_t p0, int64_t p1, int accumulate, uint16_t *pbuf, float *cs,
-                                        float *wf) {
+                                        int64_t m, int64_t p0, int64_t p1, int accumulate, int stream, uint16_t *pbuf,
+                                        float *cs, float *wf) {
     const int64_t kc = amx_chunk(L, kx, m);
     /* rows a block: at most AMX_A_BYTES of a chunk and a pair's sums in cs, the blocks the same size in tiles */
     int64_t mc = AMX_A_BYTES / (2 * kc);
@@ -1463,7 +1466,13 @@ AMX_TARGET static void blocked_rows_amx(const Linear *L, const uint16_t *xb, int
                 }
             }
             const int64_t n0 = g0 * PW, nv = (L->n < g1 * PW ? L->n : g1 * PW) - n0;
-            for (int64_t r = m0; r < m1; r++) store_out(L, out + r * ldo + n0, n0, cs + (r - m0) * ldc, (int)nv, accumulate);
+            if (stream && nv == ldc) /* past the caches: straight to memory, not read first */
+                for (int64_t r = m0; r < m1; r++)
+                    for (int64_t j = 0; j < nv; j += 16)
+                        _mm512_stream_ps(out + r * ldo + n0 + j, _mm512_load_ps(cs + (r - m0) * ldc + j));
+            else
+                for (int64_t r = m0; r < m1; r++)
+                    store_out(L, out + r * ldo + n0, n0, cs + (r - m0) * ldc, (int)nv, accumulate);
         }
     }
 }
@@ -1474,6 +1483,10 @@ static void amx_linear(const Linear *L, const float *x, int64_t ldx, float *out,
                        int accumulate) {
     const int64_t kx = (L->k + 31) & ~(int64_t)31, mx = (m + 15) & ~(int64_t)15, kc = amx_chunk(L, kx, m);
     const int64_t panels = (L->n + PW - 1) / PW;
+    /* an output of AMX_STREAM_BYTES or more, written as it is (no scale, bias or sum to add), aligned: in
+     * non-temporal stores */
+    const int stream = !accumulate && !L->scale && !L->bias && m * L->n * (int64_t)sizeof(float) >= AMX_STREAM_BYTES &&
+                       ((uintptr_t)out & 63) == 0 && (ldo & 15) == 0;
     uint16_t *xb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)(mx * kx));
     if (!xb) abort();
     if (mx > m) memset(xb + (m / 16) * 16 * kx, 0, sizeof(uint16_t) * (size_t)(16 * kx)); /* the last tile's */
@@ -1490,8 +1503,9 @@ static void amx_linear(const Linear *L, const float *x, int64_t ldx, float *out,
             float *wf = grouped ? (float *)aligned_alloc(64, sizeof(float) * PW * kc) : NULL;
             if (!pbuf || !cs || (grouped && !wf)) abort();
             amx_begin();
-            blocked_rows_amx(L, xb, kx, out, ldo, m, p0, p1, accumulate, pbuf, cs, wf);
+            blocked_rows_amx(L, xb, kx, out, ldo, m, p0, p1, accumulate, stream, pbuf, cs, wf);
             amx_end();
+            if (stream) _mm_sfence(); /* the non-temporal stores seen by every thread after the call */
             free(pbuf);
             free(cs);
             free(wf);
