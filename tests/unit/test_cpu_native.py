@@ -444,7 +444,7 @@ def test_amx_takes_the_rows_from_its_row_count_and_the_fmas_below(kind):
 
 
 @needs_amx
-@pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "grouped int8"])
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "grouped int8", "grouped int8 by 16"])
 def test_amx_blocks_chunks_and_groups_keep_a_rows_sums(kind):
     """AMX tiles block a GEMM: chunks of 512 k (past one block of 32 rows), blocks of rows, groups of panels per
     thread. A row's sums run k in order through the chunks, stored and loaded whole, so a row's result is the
@@ -457,8 +457,8 @@ def test_amx_blocks_chunks_and_groups_keep_a_rows_sums(kind):
     elif kind == "int4":
         mod, w, b = _int4(n, 1024, 32, seed=3, params="fp16")
         k = 1024
-    else:
-        mod, w, b = _q8g(n, 1024, 32, seed=3)
+    else:  # chunks of whole groups and whole 32-k tiles
+        mod, w, b = _q8g(n, 1024, 16 if kind.endswith("16") else 32, seed=3)
         k = 1024
     lin = NativeLinear(mod)
     x = torch.randn(600, k, generator=torch.Generator().manual_seed(2))

@@ -1409,8 +1409,8 @@ AMX_TARGET static void amx_end(void) { _tile_release(); }
 DEFINE_AMX_BLOCK(amx_block_bf16, _tile_dpbf16ps)
 DEFINE_AMX_BLOCK(amx_block_int8, _tile_dpbssd)
 
-/* Blocking of blocked_rows_amx (one thread's share): chunks of AMX_KC k, so a panel pair's chunk (32 KiB of
- * bf16 pairs) stays in L1 while every 32-row block of the rows passes over it; as many rows a block as
+/* Blocking of blocked_rows_amx (one thread's share): chunks of about AMX_KC k, so a panel pair's chunk (32 KiB
+ * of bf16 pairs) stays in L1 while every 32-row block of the rows passes over it; as many rows a block as
  * AMX_A_BYTES of the rows' chunk holds; as many panel pairs a group as AMX_C_BYTES of fp32 sums (the block's
  * rows by the group's channels) holds. The rows' chunk and the group's sums share the L2, the weights come
  * from memory once a block of rows. */
@@ -1425,7 +1425,8 @@ DEFINE_AMX_BLOCK(amx_block_int8, _tile_dpbssd)
  * last the same size; all of it for one block of 32 rows (nothing to share a chunk with). */
 static inline int64_t amx_chunk(const Linear *L, int64_t kx, int64_t m) {
     const int grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G;
-    const int64_t unit = grouped && L->group % 32 ? 32 * L->group : grouped ? L->group : 32; /* a multiple of both */
+    const int64_t g = grouped ? L->group : 32; /* a chunk's unit: a multiple of both 32 and g */
+    const int64_t unit = g % 32 == 0 ? g : 32 % g == 0 ? 32 : 32 * g;
     const int64_t chunks = (kx + AMX_KC / 2) / AMX_KC;
     if (m <= 32 || chunks <= 1) return kx;
     const int64_t kc = ((kx + chunks - 1) / chunks + unit - 1) / unit * unit;
