@@ -446,7 +446,7 @@ def test_amx_takes_the_rows_from_its_row_count_and_the_fmas_below(kind):
 @needs_amx
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "grouped int8", "grouped int8 by 16"])
 def test_amx_blocks_chunks_and_groups_keep_a_rows_sums(kind):
-    """AMX tiles block a GEMM: chunks of 512 k (past one block of 32 rows), blocks of rows, groups of panels per
+    """AMX tiles block a GEMM: chunks of about 512 k (past one block of 32 rows), blocks of rows, groups of panels per
     thread. A row's sums run k in order through the chunks, stored and loaded whole, so a row's result is the
     same bits in a prefill of 600 rows (two chunks, two blocks of rows, on each of two threads a group of 38
     panels and one of three, a pair and a lone panel; a part panel at the end) as in a slice of 32 rows (one
