@@ -54,8 +54,8 @@ def test_machine(out):
 
 
 def test_gemm(out, cli):
-    r = cli("bench", "gemm", "--rows", "1,8", "--mib", "1", "--repeat", "1", "--out", str(out), "model=tiny_random",
-            "model.dtype=bfloat16")
+    r = cli("bench", "gemm", "--rows", "1,16", "--mib", "1", "--repeat", "1", "--out", str(out), "model=tiny_random",
+            "model.dtype=bfloat16", "--torch")
     assert r.returncode == 0, r.stderr
     g = load(out, "gemm")
     from appliance.kernels import cpu_native
@@ -65,10 +65,19 @@ def test_gemm(out, cli):
     assert shapes == {("qkv", 64, 128), ("o", 64, 64), ("gate_up", 64, 256), ("down", 128, 64)}
     paths = {x["path"] for x in g["results"]}
     fast = cpu_native.bf16_dot() or (cpu_native.fma_rows() and cpu_native.avx512())
-    assert paths == ({"default", "widened (AVX2)"} if fast else {"default"})
+    assert paths == ({"default", "widened (AVX2)", "torch F.linear"} if fast else {"default", "torch F.linear"})
+    by = {(x["projection"], x["rows"], x["path"]): x for x in g["results"]}
+    for (name, rows, path), x in by.items():  # the default path's speed against torch's, same run
+        if path == "default":
+            assert x["speedup_over_torch"] == pytest.approx(by[name, rows, "torch F.linear"]["ms"] / x["ms"])
+    machine = g["machine_peaks_gflops"]
     for x in g["results"]:
         assert x["ms"] > 0 and math.isclose(x["gflops"], 2 * x["rows"] * x["k"] * x["n"] / x["ms"] / 1e6, rel_tol=1e-9)
-        assert x["share_of_peak_gflops"] > 0 and x["share_of_bandwidth"] > 0
+        assert x["share_of_peak_gflops"] == pytest.approx(x["gflops"] / machine[x["peak_gflops_dtype"]])
+        assert x["share_of_bandwidth"] > 0
+        tiles = cpu_native.amx() and x["path"] == "default" and x["rows"] >= cpu_native.amx_min_rows()
+        assert x["peak_gflops_dtype"] == ("bf16" if tiles or x["path"] == "torch F.linear"
+                                          else g["machine_peak_gflops_dtype"])
     assert (out / "gemm.png").stat().st_size > 0
 
 
@@ -88,6 +97,8 @@ def test_gemm_of_int4_weights_against_float_rows(out, cli):
                for x in g["results"])
     r = cli("bench", "gemm", "--out", str(out), "model=tiny_random", "quantization=awq", "quantization.group_size=32")
     assert r.returncode != 0 and "not quantization=awq" in r.stderr
+    r = cli("bench", "gemm", "--out", str(out), "model=tiny_random", "quantization=int4_wo", "--torch")
+    assert r.returncode != 0 and "--torch times float weights" in r.stderr
 
 
 def test_throughput_with_hf_baseline(out, cli):
