@@ -274,8 +274,9 @@ def test_random_workloads_keep_invariants(ops, budget, max_seqs, num_blocks, blo
     for op in ops:
         if op[0] == "add":
             _, plen, max_tokens, prio, prefix_kind = op
-            # Requests need a whole max_model_len-sized table at most; keep them feasible for the pool.
-            plen = min(plen, (num_blocks - 1) * block_size - max_tokens - 1, max_model_len - 1)
+            # Requests need a whole max_model_len-sized table at most; keep them feasible for the pool, lookahead
+            # slots included (the scheduler refuses a prompt the pool can never hold).
+            plen = min(plen, (num_blocks - 1) * block_size - max_tokens - 1 - lookahead, max_model_len - 1)
             if plen < 1:
                 continue
             prefix = [prefix_kind] * (plen // 2)  # shared prefixes exercise caching
