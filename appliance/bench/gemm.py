@@ -131,7 +131,7 @@ def run(cfg, rows: list[int], mib: int, repeat: int, machine: dict, against_torc
     for name, (k, n) in projections(cfg).items():
         for m in rows:
             best = time_linear(k, n, m, dtype, mib, repeat, paths, method)
-            mine = True if True in best else False
+            mine = True in best  # the default path: the one this CPU picks, or the only native one
             for on, seconds in best.items():
                 gflops = 2 * m * k * n / seconds / 1e9
                 weight_gbps = k * n * nbytes / seconds / 1e9
