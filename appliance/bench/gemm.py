@@ -135,10 +135,11 @@ def run(cfg, rows: list[int], mib: int, repeat: int, machine: dict, against_torc
             for on, seconds in best.items():
                 gflops = 2 * m * k * n / seconds / 1e9
                 weight_gbps = k * n * nbytes / seconds / 1e9
+                ran_on = peak_of(on, m)
                 results.append({"projection": name, "k": k, "n": n, "rows": m,
                                 "path": "torch F.linear" if on == "torch" else "default" if on is mine else off,
                                 "ms": seconds * 1e3, "gflops": gflops, "weight_GBps": weight_gbps,
-                                "peak_gflops_dtype": peak_of(on, m), "share_of_peak_gflops": gflops / peaks[peak_of(on, m)],
+                                "peak_gflops_dtype": ran_on, "share_of_peak_gflops": gflops / peaks[ran_on],
                                 "share_of_bandwidth": weight_gbps / bandwidth})
                 if on is mine and mine is True:
                     results[-1]["speedup_over_baseline"] = best[False] / best[True]

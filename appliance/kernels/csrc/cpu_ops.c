@@ -1434,14 +1434,13 @@ static inline int64_t amx_chunk(const Linear *L, int64_t kx, int64_t m) {
 }
 
 /* Rows [0, m) of xb (bf16 in row tiles, row_to_bf16_tiles; k padded to kx, a multiple of 32; zero rows up to a
- * multiple of 16 past m) against bf16, int8 per-channel or grouped panels [p0, p1), blocked (see AMX_KC): pbuf
- * takes a panel pair's chunk (2 PW amx_chunk halves), cs the sums of a group (AMX_C_BYTES), wf a grouped
- * panel's chunk widened (PW amx_chunk floats). A sum runs k in order through the chunks, stored and loaded whole
- * between them: the same bits as unblocked tiles. */
-AMX_TARGET static void blocked_rows_amx(const Linear *L, const uint16_t *xb, int64_t kx, float *out, int64_t ldo,
-                                        int64_t m, int64_t p0, int64_t p1, int accumulate, int stream, uint16_t *pbuf,
-                                        float *cs, float *wf) {
-    const int64_t kc = amx_chunk(L, kx, m);
+ * multiple of 16 past m) against bf16, int8 per-channel or grouped panels [p0, p1), blocked in chunks of kc
+ * (amx_chunk; see AMX_KC): pbuf takes a panel pair's chunk (2 PW kc halves), cs the sums of a group
+ * (AMX_C_BYTES), wf a grouped panel's chunk widened (PW kc floats). A sum runs k in order through the chunks,
+ * stored and loaded whole between them: the same bits as unblocked tiles. */
+AMX_TARGET static void blocked_rows_amx(const Linear *L, const uint16_t *xb, int64_t kx, int64_t kc, float *out,
+                                        int64_t ldo, int64_t m, int64_t p0, int64_t p1, int accumulate, int stream,
+                                        uint16_t *pbuf, float *cs, float *wf) {
     /* rows a block: at most AMX_A_BYTES of a chunk and a pair's sums in cs, the blocks the same size in tiles */
     int64_t mc = AMX_A_BYTES / (2 * kc);
     if (mc > AMX_C_BYTES / (int64_t)(sizeof(float) * 2 * PW)) mc = AMX_C_BYTES / (sizeof(float) * 2 * PW);
@@ -1504,7 +1503,7 @@ static void amx_linear(const Linear *L, const float *x, int64_t ldx, float *out,
             float *wf = grouped ? (float *)aligned_alloc(64, sizeof(float) * PW * kc) : NULL;
             if (!pbuf || !cs || (grouped && !wf)) abort();
             amx_begin();
-            blocked_rows_amx(L, xb, kx, out, ldo, m, p0, p1, accumulate, stream, pbuf, cs, wf);
+            blocked_rows_amx(L, xb, kx, kc, out, ldo, m, p0, p1, accumulate, stream, pbuf, cs, wf);
             amx_end();
             if (stream) _mm_sfence(); /* the non-temporal stores seen by every thread after the call */
             free(pbuf);
