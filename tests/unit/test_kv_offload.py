@@ -210,7 +210,8 @@ def test_every_damaged_file_of_a_step_leaves_the_tier_at_once(tmp_path):
         worker.start_load_kv(OffloadMetadata(loads=list(zip((4, 0, 3), hashes))), caches)
     assert all(torch.equal(x, y) for x, y in zip(caches, before))  # the clean block between them not copied either
     report = worker.get_finished()
-    assert report.dropped == [hashes[0], hashes[2]] and report.corrupt == 2
+    # the reader threads reject the two files in either order
+    assert sorted(report.dropped) == [hashes[0], hashes[2]] and report.corrupt == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == [hashes[1].hex() + ".kv"]
 
 
