@@ -446,11 +446,12 @@ def test_amx_takes_the_rows_from_its_row_count_and_the_fmas_below(kind):
 @needs_amx
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "grouped int8", "grouped int8 by 16"])
 def test_amx_blocks_chunks_and_groups_keep_a_rows_sums(kind):
-    """AMX tiles block a GEMM: chunks of about 512 k (past one block of 32 rows), blocks of rows, groups of panels per
-    thread. A row's sums run k in order through the chunks, stored and loaded whole, so a row's result is the
-    same bits in a prefill of 600 rows (two chunks, two blocks of rows, on each of two threads a group of 38
-    panels and one of three, a pair and a lone panel; a part panel at the end) as in a slice of 32 rows (one
-    chunk) or 40; the widen path's sums of the rounded rows up to order; accumulate adds into the output."""
+    """AMX tiles block a GEMM of more than 64 rows: chunks of about 512 k, blocks of rows, groups of panels per
+    thread; up to 64 rows keep their sums in the tiles through the whole k (two panels by 32 rows, or one by 64).
+    A row's sums run k in order either way, so a row's result is the same bits in a prefill of 600 rows (two
+    chunks, two blocks of rows, on each of two threads a group of 38 panels and one of three, a pair and a lone
+    panel; a part panel at the end) as in a slice of 32 rows, 40 or 64; the widen path's sums of the rounded rows
+    up to order; accumulate adds into the output."""
     n, k = 1300, 1000
     if kind in ("bf16", "int8"):
         mod, w, b = _module(kind, n, k, bias=True, seed=3)
@@ -467,8 +468,11 @@ def test_amx_blocks_chunks_and_groups_keep_a_rows_sums(kind):
         whole = lin(x)
         acc = base.clone()
         lin(x, out=acc, accumulate=True)
-        for rows in (slice(0, 32), slice(500, 532), slice(17, 57), slice(0, 530)):
+        for rows in (slice(0, 32), slice(500, 532), slice(17, 57), slice(100, 164), slice(0, 530)):
             assert torch.equal(lin(x[rows]), whole[rows]), rows
+            part = base[rows].clone()
+            lin(x[rows], out=part, accumulate=True)
+            assert torch.equal(part, acc[rows]), rows
     xr = x.to(torch.bfloat16).float()
     wr = w if kind in ("bf16", "int8") else w.to(torch.bfloat16).float()
     _assert_sums_close(whole, F.linear(xr, wr, b), xr, wr, b)

@@ -1421,14 +1421,18 @@ DEFINE_AMX_BLOCK(amx_block_int8, _tile_dpbssd)
  * before the next step reads it; a store that misses first reads the line). */
 #define AMX_STREAM_BYTES (16 * 1024 * 1024)
 
-/* k a chunk: kx split into about kx / AMX_KC chunks of whole tiles (32 k) and, grouped, whole groups, all but the
- * last the same size; all of it for one block of 32 rows (nothing to share a chunk with). */
-static inline int64_t amx_chunk(const Linear *L, int64_t kx, int64_t m) {
+/* The k a chunk is made of: a multiple of both the tiles' 32 and, grouped, the group. */
+static inline int64_t amx_unit(const Linear *L) {
     const int grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G;
-    const int64_t g = grouped ? L->group : 32; /* a chunk's unit: a multiple of both 32 and g */
-    const int64_t unit = g % 32 == 0 ? g : 32 % g == 0 ? 32 : 32 * g;
+    const int64_t g = grouped ? L->group : 32;
+    return g % 32 == 0 ? g : 32 % g == 0 ? 32 : 32 * g;
+}
+
+/* k a chunk: kx split into about kx / AMX_KC chunks of whole units (amx_unit), all but the last the same size. */
+static inline int64_t amx_chunk(const Linear *L, int64_t kx) {
+    const int64_t unit = amx_unit(L);
     const int64_t chunks = (kx + AMX_KC / 2) / AMX_KC;
-    if (m <= 32 || chunks <= 1) return kx;
+    if (chunks <= 1) return kx;
     const int64_t kc = ((kx + chunks - 1) / chunks + unit - 1) / unit * unit;
     return kc < kx ? kc : kx;
 }
@@ -1477,15 +1481,106 @@ AMX_TARGET static void blocked_rows_amx(const Linear *L, const uint16_t *xb, int
     }
 }
 
+/* Up to AMX_FEW_ROWS rows run few_rows_amx, more blocked_rows_amx; there a panel's units of k are asked for
+ * AMX_AHEAD_UNITS units before the tiles take them (1.1x at 32 rows, 1B shapes, 2-vCPU AMX Xeon). */
+#define AMX_FEW_ROWS 64
+#define AMX_AHEAD_UNITS 4
+
+/* Where bf16, int8 or grouped panel pn's stored weights for k [k0, k0 + kl) start, and (bytes) how many bytes
+ * they take (none past k). */
+static inline const char *panel_span(const Linear *L, int64_t pn, int64_t k0, int64_t kl, int64_t *bytes) {
+    const int64_t k = L->k, k1 = k0 + kl < k ? k0 + kl : k;
+    const int64_t num = L->wtype == WTYPE_Q4 ? 1 : L->wtype == WTYPE_BF16 ? 4 : 2; /* half-bytes a weight */
+    *bytes = k1 > k0 ? (k1 - k0) * PW * num / 2 : 0;
+    return (const char *)L->w + (pn * k + k0) * PW * num / 2;
+}
+
+/* Rows [0, m) of xb (m <= AMX_FEW_ROWS; as blocked_rows_amx takes them) against panels [p0, p1), their sums
+ * kept in the tiles through the whole k: two panels by up to 32 rows, or one panel by up to 64. Each unit of k
+ * (amx_unit) of the panels is re-laid into sbuf (two halves: the unit the tiles read and the next) just before
+ * the tiles take it, AMX_AHEAD_UNITS units asked for from memory before that, so the weights stream in while
+ * the tiles run, not in turns with them. The sums run k in order: the same bits as blocked_rows_amx. */
+AMX_TARGET static void few_rows_amx(const Linear *L, const uint16_t *xb, int64_t kx, float *out, int64_t ldo,
+                                         int64_t m, int64_t p0, int64_t p1, int accumulate, uint16_t *sbuf,
+                                         float *wf) {
+    float c[AMX_FEW_ROWS * PW];
+    const int64_t unit = amx_unit(L), rt = kx / 32 * 1024; /* rt: bytes of a row tile's k */
+    const int nr = (int)((m + 15) / 16), step = nr > 2 ? 1 : 2; /* row tiles; panels at a time */
+    for (int64_t pn = p0; pn < p1; pn += step) {
+        const int np = p1 - pn < step ? 1 : step;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k0 = 0, u = 0; k0 < kx; k0 += unit, u++) {
+            const int64_t kl = kx - k0 < unit ? kx - k0 : unit;
+            uint16_t *b = sbuf + (u & 1) * 2 * PW * unit;
+            for (int q = 0; q < np; q++) {
+                int64_t bytes;
+                const char *ahead = panel_span(L, pn + q, k0 + AMX_AHEAD_UNITS * unit, unit, &bytes);
+                for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+                panel_pairs(L, pn + q, k0, kl, b + q * PW * kl, wf);
+            }
+            __asm__ volatile("" ::: "memory"); /* the tile loads read what C code wrote */
+            const char *a = (const char *)(xb + k0 / 32 * 512), *w0 = (const char *)b, *w1 = (const char *)(b + PW * kl);
+            if (step == 2) /* tiles 0 and 1: the first 16 rows by the two panels, 2 and 3 the next 16 */
+                for (int64_t j = 0; j < kl / 32; j++) {
+                    _tile_loadd(4, a + 1024 * j, 64);
+                    _tile_loadd(6, w0 + 1024 * j, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (np > 1) {
+                        _tile_loadd(7, w1 + 1024 * j, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                    if (nr > 1) {
+                        _tile_loadd(5, a + rt + 1024 * j, 64);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (np > 1) _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+            else /* tile i: rows 16 i to 16 i + 15 by the panel */
+                for (int64_t j = 0; j < kl / 32; j++) {
+                    _tile_loadd(6, w0 + 1024 * j, 64);
+                    _tile_loadd(4, a + 1024 * j, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_loadd(5, a + rt + 1024 * j, 64);
+                    _tile_dpbf16ps(1, 5, 6);
+                    _tile_loadd(7, a + 2 * rt + 1024 * j, 64);
+                    _tile_dpbf16ps(2, 7, 6);
+                    if (nr > 3) {
+                        _tile_loadd(4, a + 3 * rt + 1024 * j, 64);
+                        _tile_dpbf16ps(3, 4, 6);
+                    }
+                }
+        }
+        const int64_t ldc = step * PW; /* floats */
+        if (step == 2) {
+            _tile_stored(0, c, sizeof(float) * ldc);
+            _tile_stored(1, c + PW, sizeof(float) * ldc);
+            _tile_stored(2, c + 16 * ldc, sizeof(float) * ldc);
+            _tile_stored(3, c + 16 * ldc + PW, sizeof(float) * ldc);
+        } else {
+            _tile_stored(0, c, sizeof(float) * ldc);
+            _tile_stored(1, c + 16 * ldc, sizeof(float) * ldc);
+            _tile_stored(2, c + 32 * ldc, sizeof(float) * ldc);
+            _tile_stored(3, c + 48 * ldc, sizeof(float) * ldc);
+        }
+        __asm__ volatile("" ::: "memory"); /* and C code reads what the tile stores wrote */
+        const int64_t n0 = pn * PW, nv = (L->n < (pn + np) * PW ? L->n : (pn + np) * PW) - n0;
+        for (int64_t r = 0; r < m; r++) store_out(L, out + r * ldo + n0, n0, c + r * ldc, (int)nv, accumulate);
+    }
+}
+
 /* A GEMM of m rows on AMX-BF16 tiles (amx_bf16_takes): the rows rounded to bf16 into row tiles (k padded to 32,
- * zero rows up to a multiple of 16), each thread's panels blocked (blocked_rows_amx). */
+ * zero rows up to a multiple of 16), each thread's panels against up to AMX_FEW_ROWS rows with the sums kept in
+ * the tiles (few_rows_amx), against more blocked (blocked_rows_amx). */
 static void amx_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m,
                        int accumulate) {
-    const int64_t kx = (L->k + 31) & ~(int64_t)31, mx = (m + 15) & ~(int64_t)15, kc = amx_chunk(L, kx, m);
+    const int64_t kx = (L->k + 31) & ~(int64_t)31, mx = (m + 15) & ~(int64_t)15;
     const int64_t panels = (L->n + PW - 1) / PW;
-    /* an output of AMX_STREAM_BYTES or more, written as it is (no scale, bias or sum to add), aligned: in
-     * non-temporal stores */
-    const int stream = !accumulate && !L->scale && !L->bias && m * L->n * (int64_t)sizeof(float) >= AMX_STREAM_BYTES &&
+    /* a blocked GEMM's output of AMX_STREAM_BYTES or more, written as it is (no scale, bias or sum to add),
+     * aligned: in non-temporal stores */
+    const int stream = m > AMX_FEW_ROWS && !accumulate && !L->scale && !L->bias && m * L->n * (int64_t)sizeof(float) >= AMX_STREAM_BYTES &&
                        ((uintptr_t)out & 63) == 0 && (ldo & 15) == 0;
     uint16_t *xb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)(mx * kx));
     if (!xb) abort();
@@ -1497,13 +1592,15 @@ static void amx_linear(const Linear *L, const float *x, int64_t ldx, float *out,
         int64_t p0, p1;
         thread_panels(panels, &p0, &p1);
         if (p0 < p1) {
-            uint16_t *pbuf = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * PW * kc);
-            float *cs = (float *)aligned_alloc(64, AMX_C_BYTES);
-            const int grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G;
-            float *wf = grouped ? (float *)aligned_alloc(64, sizeof(float) * PW * kc) : NULL;
-            if (!pbuf || !cs || (grouped && !wf)) abort();
+            const int few = m <= AMX_FEW_ROWS, grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G;
+            const int64_t kc = few ? 0 : amx_chunk(L, kx), kb = few ? 2 * amx_unit(L) : kc; /* k re-laid at once */
+            uint16_t *pbuf = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * PW * kb);
+            float *cs = few ? NULL : (float *)aligned_alloc(64, AMX_C_BYTES);
+            float *wf = grouped ? (float *)aligned_alloc(64, sizeof(float) * PW * kb) : NULL;
+            if (!pbuf || (!few && !cs) || (grouped && !wf)) abort();
             amx_begin();
-            blocked_rows_amx(L, xb, kx, kc, out, ldo, m, p0, p1, accumulate, stream, pbuf, cs, wf);
+            if (few) few_rows_amx(L, xb, kx, out, ldo, m, p0, p1, accumulate, pbuf, wf);
+            else blocked_rows_amx(L, xb, kx, kc, out, ldo, m, p0, p1, accumulate, stream, pbuf, cs, wf);
             amx_end();
             if (stream) _mm_sfence(); /* the non-temporal stores seen by every thread after the call */
             free(pbuf);
