@@ -209,7 +209,7 @@ def test_w8a8_rows_quantize_per_token_round_half_even():
 @pytest.mark.parametrize("m", [7, 8, 12, 13, 16, 23, 24, 25, 33, 100])
 @pytest.mark.parametrize("n,k", [(7, 13), (12, 16), (50, 40), (33, 200), (9, 1000), (20, 1), (40, 96)])
 def test_bf16_dot_gemm_matches_the_widen_path_on_rounded_rows(tiles, kind, m, n, k):
-    """vdpbf16ps (or from 13 rows AMX's tdpbf16ps) rounds the rows to bf16
+    """vdpbf16ps (or from amx_min_rows() rows AMX's tdpbf16ps) rounds the rows to bf16
     and sums exact products in fp32 (bf16 weights, or int8 ones converted
     exactly, their scale applied to the sums): the widen path's result on
     the rounded rows, up to summation order. Row tiles of 12 and their

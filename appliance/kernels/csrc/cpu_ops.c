@@ -1290,11 +1290,12 @@ AVX512_TARGET static void packed_rows_fma(const Linear *L, const float *x, int64
  * thread loads the tile configuration for a call and releases it after.
  */
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512bf16")))
-/* From how many rows the tiles run: bf16 and int8 per-channel panels from 13 (past DR, where they beat
- * vdpbf16ps' tiles and the FMAs'), grouped ones from 32 (each widened and rounded per call; below, int8 rows
- * on VNNI are faster), W8A8 from 16. */
-#define AMX_MIN_ROWS 13
-#define AMX_MIN_ROWS_GROUPED 32
+/* From how many rows the tiles run: bf16 and int8 per-channel panels from 7 (below, the FMAs reach memory's
+ * bandwidth; from 7 they fall to 19-25 GB/s of bf16 weights at 1B shapes on a 2-vCPU AMX Xeon, the tiles keep
+ * 28-31), grouped ones from 24 (each widened and rounded per call; below, int8 rows on VNNI are faster), W8A8
+ * from 16. */
+#define AMX_MIN_ROWS 7
+#define AMX_MIN_ROWS_GROUPED 24
 #define AMX_INT8_MIN_ROWS 16
 
 static int g_has_amx_bf16, g_has_amx_int8, g_amx;
@@ -2252,6 +2253,10 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
         }
         return;
     }
+    if (amx_bf16_takes(L, m)) {
+        amx_linear(L, x, ldx, out, ldo, m, accumulate);
+        return;
+    }
     /* on vdpbf16ps at every row count: up to DR rows read the stored panels, more re-lay them, the same sums */
     const int dot_rows = (L->wtype == WTYPE_BF16 || L->wtype == WTYPE_I8 || grouped) && g_bf16_dot;
     if (dot_rows && m <= DR) {
@@ -2276,10 +2281,6 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
     }
     const int q4_rows_here = q4 && !dot_rows && m <= (g_avx512 ? Q4_DIRECT_MAX : Q4_DIRECT_MAX_AVX2); /* else widened panels */
     const int dot = dot_rows && m > DR;
-    if (dot && amx_bf16_takes(L, m)) {
-        amx_linear(L, x, ldx, out, ldo, m, accumulate);
-        return;
-    }
     /* the rows in bf16 (row stride kp) */
     uint16_t *xb = dot ? (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(m * kp)) : NULL;
     if (dot) { /* each block of rows re-lays every panel: as many rows as 512 KiB of bf16 holds */
