@@ -1482,10 +1482,12 @@ AMX_TARGET static void blocked_rows_amx(const Linear *L, const uint16_t *xb, int
     }
 }
 
-/* Up to AMX_FEW_ROWS rows run few_rows_amx, more blocked_rows_amx; there a panel's units of k are asked for
+/* Up to 32 rows, or as many as AMX_FEW_BYTES of bf16 rows hold (kept in L2 with a panel pair's whole k while
+ * every pair passes), run few_rows_amx, more blocked_rows_amx; few_rows_amx asks for a panel's units of k
  * AMX_AHEAD_UNITS units before the tiles take them (1.1x at 32 rows, 1B shapes, 2-vCPU AMX Xeon). */
-#define AMX_FEW_ROWS 64
+#define AMX_FEW_BYTES (1024 * 1024)
 #define AMX_AHEAD_UNITS 4
+static inline int amx_few_rows(int64_t m, int64_t kx) { return m <= 32 || m * kx * 2 <= AMX_FEW_BYTES; }
 
 /* Where bf16, int8 or grouped panel pn's stored weights for k [k0, k0 + kl) start, and (bytes) how many bytes
  * they take (none past k). */
@@ -1496,92 +1498,90 @@ static inline const char *panel_span(const Linear *L, int64_t pn, int64_t k0, in
     return (const char *)L->w + (pn * k + k0) * PW * num / 2;
 }
 
-/* Rows [0, m) of xb (m <= AMX_FEW_ROWS; as blocked_rows_amx takes them) against panels [p0, p1), their sums
- * kept in the tiles through the whole k: two panels by up to 32 rows, or one panel by up to 64. Each unit of k
- * (amx_unit) of the panels is re-laid into sbuf (two halves: the unit the tiles read and the next) just before
- * the tiles take it, AMX_AHEAD_UNITS units asked for from memory before that, so the weights stream in while
- * the tiles run, not in turns with them. The sums run k in order: the same bits as blocked_rows_amx. */
+/* n32 blocks of 32 k into tiles 0-3: up to 32 rows (nr row tiles, the second rt bytes after the first; block j
+ * of a row tile at a + 1024 j) by np panels (block j at w0 + 1024 j, w1 + 1024 j); tiles 0 and 1 the first 16
+ * rows by the two panels, 2 and 3 the next 16. */
+AMX_TARGET static inline __attribute__((always_inline)) void pair_tiles(const char *a, int64_t rt, const char *w0,
+                                                                       const char *w1, int64_t n32, int np, int nr) {
+    for (int64_t j = 0; j < n32; j++) {
+        _tile_loadd(4, a + 1024 * j, 64);
+        _tile_loadd(6, w0 + 1024 * j, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (np > 1) {
+            _tile_loadd(7, w1 + 1024 * j, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (nr > 1) {
+            _tile_loadd(5, a + rt + 1024 * j, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            if (np > 1) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+/* Tiles 0-3 (pair_tiles' sums) into c, rows of 2 PW floats. */
+AMX_TARGET static inline void pair_sums(float *c) {
+    _tile_stored(0, c, sizeof(float) * 2 * PW);
+    _tile_stored(1, c + PW, sizeof(float) * 2 * PW);
+    _tile_stored(2, c + 32 * PW, sizeof(float) * 2 * PW);
+    _tile_stored(3, c + 32 * PW + PW, sizeof(float) * 2 * PW);
+}
+
+/* Rows [0, m) of xb (as blocked_rows_amx takes them; amx_few_rows) against panels [p0, p1), two at a time, 32
+ * rows at a time, their sums kept in the tiles through the whole k. Each unit of k (amx_unit) of the pair is
+ * re-laid into sbuf just before the first 32 rows' tiles take it, asked for from memory AMX_AHEAD_UNITS units
+ * before that, so the weights stream in while the tiles run, not in turns with them: up to 32 rows sbuf holds
+ * two units (the one the tiles read and the next); past 32 it holds the pair's whole k, which the next 32 rows
+ * take from there once the first 32 are done, and so on. The sums run k in order: the same bits as
+ * blocked_rows_amx. */
 AMX_TARGET static void few_rows_amx(const Linear *L, const uint16_t *xb, int64_t kx, float *out, int64_t ldo,
-                                         int64_t m, int64_t p0, int64_t p1, int accumulate, uint16_t *sbuf,
-                                         float *wf) {
-    float c[AMX_FEW_ROWS * PW];
+                                    int64_t m, int64_t p0, int64_t p1, int accumulate, uint16_t *sbuf, float *wf) {
+    float c[32 * 2 * PW];
     const int64_t unit = amx_unit(L), rt = kx / 32 * 1024; /* rt: bytes of a row tile's k */
-    const int nr = (int)((m + 15) / 16), step = nr > 2 ? 1 : 2; /* row tiles; panels at a time */
-    for (int64_t pn = p0; pn < p1; pn += step) {
-        const int np = p1 - pn < step ? 1 : step;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t k0 = 0, u = 0; k0 < kx; k0 += unit, u++) {
-            const int64_t kl = kx - k0 < unit ? kx - k0 : unit;
-            uint16_t *b = sbuf + (u & 1) * 2 * PW * unit;
-            for (int q = 0; q < np; q++) {
-                int64_t bytes;
-                const char *ahead = panel_span(L, pn + q, k0 + AMX_AHEAD_UNITS * unit, unit, &bytes);
-                for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-                panel_pairs(L, pn + q, k0, kl, b + q * PW * kl, wf);
-            }
-            __asm__ volatile("" ::: "memory"); /* the tile loads read what C code wrote */
-            const char *a = (const char *)(xb + k0 / 32 * 512), *w0 = (const char *)b, *w1 = (const char *)(b + PW * kl);
-            if (step == 2) /* tiles 0 and 1: the first 16 rows by the two panels, 2 and 3 the next 16 */
-                for (int64_t j = 0; j < kl / 32; j++) {
-                    _tile_loadd(4, a + 1024 * j, 64);
-                    _tile_loadd(6, w0 + 1024 * j, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    if (np > 1) {
-                        _tile_loadd(7, w1 + 1024 * j, 64);
-                        _tile_dpbf16ps(1, 4, 7);
-                    }
-                    if (nr > 1) {
-                        _tile_loadd(5, a + rt + 1024 * j, 64);
-                        _tile_dpbf16ps(2, 5, 6);
-                        if (np > 1) _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-            else /* tile i: rows 16 i to 16 i + 15 by the panel */
-                for (int64_t j = 0; j < kl / 32; j++) {
-                    _tile_loadd(6, w0 + 1024 * j, 64);
-                    _tile_loadd(4, a + 1024 * j, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_loadd(5, a + rt + 1024 * j, 64);
-                    _tile_dpbf16ps(1, 5, 6);
-                    _tile_loadd(7, a + 2 * rt + 1024 * j, 64);
-                    _tile_dpbf16ps(2, 7, 6);
-                    if (nr > 3) {
-                        _tile_loadd(4, a + 3 * rt + 1024 * j, 64);
-                        _tile_dpbf16ps(3, 4, 6);
-                    }
-                }
-        }
-        const int64_t ldc = step * PW; /* floats */
-        if (step == 2) {
-            _tile_stored(0, c, sizeof(float) * ldc);
-            _tile_stored(1, c + PW, sizeof(float) * ldc);
-            _tile_stored(2, c + 16 * ldc, sizeof(float) * ldc);
-            _tile_stored(3, c + 16 * ldc + PW, sizeof(float) * ldc);
-        } else {
-            _tile_stored(0, c, sizeof(float) * ldc);
-            _tile_stored(1, c + 16 * ldc, sizeof(float) * ldc);
-            _tile_stored(2, c + 32 * ldc, sizeof(float) * ldc);
-            _tile_stored(3, c + 48 * ldc, sizeof(float) * ldc);
-        }
-        __asm__ volatile("" ::: "memory"); /* and C code reads what the tile stores wrote */
+    const int whole = m > 32;
+    for (int64_t pn = p0; pn < p1; pn += 2) {
+        const int np = p1 - pn < 2 ? 1 : 2;
         const int64_t n0 = pn * PW, nv = (L->n < (pn + np) * PW ? L->n : (pn + np) * PW) - n0;
-        for (int64_t r = 0; r < m; r++) store_out(L, out + r * ldo + n0, n0, c + r * ldc, (int)nv, accumulate);
+        for (int64_t r0 = 0; r0 < m; r0 += 32) {
+            const char *a = (const char *)xb + r0 / 16 * rt;
+            const int nr = m - r0 > 16 ? 2 : 1;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t k0 = 0, u = 0; k0 < kx; k0 += unit, u++) {
+                const int64_t kl = kx - k0 < unit ? kx - k0 : unit;
+                uint16_t *b = sbuf + (whole ? k0 : (u & 1) * unit) * 2 * PW;
+                if (r0 == 0) {
+                    for (int q = 0; q < np; q++) {
+                        int64_t bytes;
+                        const char *ahead = panel_span(L, pn + q, k0 + AMX_AHEAD_UNITS * unit, unit, &bytes);
+                        for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+                        panel_pairs(L, pn + q, k0, kl, b + q * PW * kl, wf);
+                    }
+                    __asm__ volatile("" ::: "memory"); /* the tile loads read what C code wrote */
+                }
+                pair_tiles(a + k0 / 32 * 1024, rt, (const char *)b, (const char *)(b + PW * kl), kl / 32, np, nr);
+            }
+            pair_sums(c);
+            __asm__ volatile("" ::: "memory"); /* and C code reads what the tile stores wrote */
+            const int64_t r1 = r0 + 32 < m ? r0 + 32 : m;
+            for (int64_t r = r0; r < r1; r++)
+                store_out(L, out + r * ldo + n0, n0, c + (r - r0) * 2 * PW, (int)nv, accumulate);
+        }
     }
 }
 
 /* A GEMM of m rows on AMX-BF16 tiles (amx_bf16_takes): the rows rounded to bf16 into row tiles (k padded to 32,
- * zero rows up to a multiple of 16), each thread's panels against up to AMX_FEW_ROWS rows with the sums kept in
- * the tiles (few_rows_amx), against more blocked (blocked_rows_amx). */
+ * zero rows up to a multiple of 16), each thread's panels against rows that fit L2 (amx_few_rows) with the sums
+ * kept in the tiles through the whole k (few_rows_amx), against more blocked (blocked_rows_amx). */
 static void amx_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m,
                        int accumulate) {
     const int64_t kx = (L->k + 31) & ~(int64_t)31, mx = (m + 15) & ~(int64_t)15;
     const int64_t panels = (L->n + PW - 1) / PW;
     /* a blocked GEMM's output of AMX_STREAM_BYTES or more, written as it is (no scale, bias or sum to add),
      * aligned: in non-temporal stores */
-    const int stream = m > AMX_FEW_ROWS && !accumulate && !L->scale && !L->bias && m * L->n * (int64_t)sizeof(float) >= AMX_STREAM_BYTES &&
+    const int stream = !amx_few_rows(m, kx) && !accumulate && !L->scale && !L->bias && m * L->n * (int64_t)sizeof(float) >= AMX_STREAM_BYTES &&
                        ((uintptr_t)out & 63) == 0 && (ldo & 15) == 0;
     uint16_t *xb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)(mx * kx));
     if (!xb) abort();
@@ -1593,11 +1593,12 @@ static void amx_linear(const Linear *L, const float *x, int64_t ldx, float *out,
         int64_t p0, p1;
         thread_panels(panels, &p0, &p1);
         if (p0 < p1) {
-            const int few = m <= AMX_FEW_ROWS, grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G;
-            const int64_t kc = few ? 0 : amx_chunk(L, kx), kb = few ? 2 * amx_unit(L) : kc; /* k re-laid at once */
+            const int few = amx_few_rows(m, kx), grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G;
+            /* k re-laid at once: two units, or past 32 few rows the whole k (few_rows_amx), or a chunk */
+            const int64_t kc = few ? 0 : amx_chunk(L, kx), kb = few ? (m > 32 ? kx : 2 * amx_unit(L)) : kc;
             uint16_t *pbuf = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * PW * kb);
             float *cs = few ? NULL : (float *)aligned_alloc(64, AMX_C_BYTES);
-            float *wf = grouped ? (float *)aligned_alloc(64, sizeof(float) * PW * kb) : NULL;
+            float *wf = grouped ? (float *)aligned_alloc(64, sizeof(float) * PW * (few ? amx_unit(L) : kc)) : NULL;
             if (!pbuf || (!few && !cs) || (grouped && !wf)) abort();
             amx_begin();
             if (few) few_rows_amx(L, xb, kx, out, ldo, m, p0, p1, accumulate, pbuf, wf);
