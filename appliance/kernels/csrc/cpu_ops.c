@@ -2755,7 +2755,9 @@ DEFINE_DEC512(e5m2, uint8_t, dwiden_e5m2, 0)
  * Prefill tiles: a run of ATT_QT consecutive query tokens of one request, with the grp query heads that share
  * one kv head, attend together, so each key and value feeds up to ATT_QT * grp query rows per read. A
  * request's K and V for one kv head are widened to fp32 once per call, for all its tiles (att_widen: K as
- * chunks of 16 positions transposed, [chunk][d][16]; V as rows, [pos][d]). Per chunk of keys: S = Q K^T over
+ * chunks of 16 positions transposed, [chunk][d][16]; V as rows, [pos][d]); a group of kv heads at a time, as
+ * many as give every thread ATT_HEAD_ITEMS tiles (a short chunk beside decodes has few tiles a head), their
+ * tiles shared out together. Per chunk of keys: S = Q K^T over
  * register tiles of four rows by 16 keys; an online softmax per row (running max and sum, the output rescaled
  * when the max grows); O += P V over four rows by 16 (or 8) lanes of d. Row i is token t0 + i / grp, head
  * i % grp; token t sees the positions below its n_vis (the causal mask within the run). The sums run in
@@ -2764,6 +2766,8 @@ DEFINE_DEC512(e5m2, uint8_t, dwiden_e5m2, 0)
 #define ATT_QT 16       /* query tokens per tile */
 #define ATT_KC 16       /* key positions per chunk */
 #define ATT_MIN_QUERY 8 /* a request's tokens in a step from which its queries go by tiles */
+#define ATT_HEAD_ITEMS 8 /* tiles a thread from a group of kv heads widened together, at least (or all heads) */
+#define ATT_LAID_BYTES (32 * 1024 * 1024) /* widened K and V of a group of kv heads, at most (or one head) */
 
 /* S[i][0..16) = q_i . k_j over d for rows i < nr (<= 4); kt [d][16]. */
 static inline __attribute__((always_inline)) void att_scores4(const float *qs, int d, const float *kt, float *s,
@@ -3090,6 +3094,50 @@ DEFINE_ATT_PAIRS(bf16, uint16_t, load_bf16)
 DEFINE_ATT_PAIRS(e4m3, uint8_t, load_e4m3)
 DEFINE_ATT_PAIRS(e5m2, uint8_t, load_e5m2)
 
+/* att_pairs_bf16 in vectors (d a multiple of 16): a bf16 cache's rows are the pairs' words already, so a chunk's
+ * K rows are copied into rows (32 keys by d / 2 words) and gathered a word column at a time into [d / 2][32];
+ * V's rows go two keys at a time, each channel's two values widened into one word (the first key's in the low
+ * half). The same words as att_pairs_bf16 (tested). */
+AVX512_TARGET static void att_pairs_bf16_words(const uint16_t *k_base, const uint16_t *v_base, const int32_t *bt, int bs,
+                                         int64_t kv_stride, int n, int d, uint32_t *kt, uint32_t *vb) {
+    const int chunks = (n + ATB_KC - 1) / ATB_KC, dp = d / 2;
+    uint32_t rows[ATB_KC * dp];
+    const __m512i lo = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(dp));
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(16 * dp));
+    _Pragma("omp for schedule(static)")
+    for (int ch = 0; ch < chunks; ch++) {
+        uint32_t *kc = kt + (int64_t)ch * dp * ATB_KC, *vc = vb + (int64_t)ch * (ATB_KC / 2) * d;
+        const uint16_t *vr[ATB_KC];
+        for (int j = 0; j < ATB_KC; j++) {
+            const int pos = ch * ATB_KC + j;
+            uint32_t *row = rows + j * dp;
+            if (pos < n) {
+                const int64_t slot = (int64_t)bt[pos / bs] * bs + pos % bs;
+                memcpy(row, k_base + slot * kv_stride, sizeof(uint16_t) * (size_t)d);
+                vr[j] = v_base + slot * kv_stride;
+            } else {
+                memset(row, 0, sizeof(uint32_t) * (size_t)dp);
+                vr[j] = NULL;
+            }
+        }
+        for (int p = 0; p < dp; p++) {
+            _mm512_storeu_si512(kc + p * ATB_KC, _mm512_i32gather_epi32(lo, (const int *)(rows + p), 4));
+            _mm512_storeu_si512(kc + p * ATB_KC + 16, _mm512_i32gather_epi32(hi, (const int *)(rows + p), 4));
+        }
+        for (int j = 0; j < ATB_KC; j += 2) {
+            uint32_t *vp = vc + (int64_t)(j / 2) * d;
+            for (int c = 0; c < d; c += 16) {
+                const __m512i a = vr[j] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr[j] + c)))
+                                        : _mm512_setzero_si512();
+                const __m512i b = vr[j + 1] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr[j + 1] + c)))
+                                            : _mm512_setzero_si512();
+                _mm512_storeu_si512(vp + c, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+            }
+        }
+    }
+}
+
 /* S[i][0..32) = q_i . k_j over d / 2 channel pairs for rows i < nr (<= 8); q rows dp words apart. */
 DOT_TARGET static inline __attribute__((always_inline)) void atb_scores8(const uint32_t *qs, int dp, const uint32_t *kt,
                                                                          float *s, const int nr) {
@@ -3414,6 +3462,23 @@ static void dec_merge(const float *part, int n, int64_t stride, float *scr, int 
     dec_finish(acc, l, m, sinks, out, nh, d, v_scale);
 }
 
+/* Kv head `off` (its first channel) of a request's positions [0, n), widened for the prefill tiles into kt and vb:
+ * bf16 pairs (pairs: a bf16 or fp8 cache on bf16 products) or fp32. Each thread takes its share of the chunks. */
+static void att_lay_head(const void *k_cache, const void *v_cache, int kv_type, int pairs, int64_t off,
+                         const int32_t *bt, int bs, int64_t kv_stride, int n, int d, float *kt, float *vb) {
+    const uint16_t *k16 = (const uint16_t *)k_cache + off, *v16 = (const uint16_t *)v_cache + off;
+    const uint8_t *k8 = (const uint8_t *)k_cache + off, *v8 = (const uint8_t *)v_cache + off;
+    uint32_t *kw = (uint32_t *)kt, *vw = (uint32_t *)vb;
+    if (pairs && kv_type == KV_BF16 && d % 16 == 0) att_pairs_bf16_words(k16, v16, bt, bs, kv_stride, n, d, kw, vw);
+    else if (pairs && kv_type == KV_BF16) att_pairs_bf16(k16, v16, bt, bs, kv_stride, n, d, kw, vw);
+    else if (pairs && kv_type == KV_FP8_E4M3) att_pairs_e4m3(k8, v8, bt, bs, kv_stride, n, d, kw, vw);
+    else if (pairs) att_pairs_e5m2(k8, v8, bt, bs, kv_stride, n, d, kw, vw);
+    else if (kv_type == KV_BF16) att_widen_bf16(k16, v16, bt, bs, kv_stride, n, d, kt, vb);
+    else if (kv_type == KV_FP8_E4M3) att_widen_e4m3(k8, v8, bt, bs, kv_stride, n, d, kt, vb);
+    else if (kv_type == KV_FP8_E5M2) att_widen_e5m2(k8, v8, bt, bs, kv_stride, n, d, kt, vb);
+    else att_widen_f32((const float *)k_cache + off, (const float *)v_cache + off, bt, bs, kv_stride, n, d, kt, vb);
+}
+
 /*
  * Paged attention read in place: token t of request r (query row t) attends
  * positions [0, seq_lens[r] - (qsl[r+1] - 1 - t)) of its sequence, whose
@@ -3453,9 +3518,21 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
         /* a bf16 or fp8 cache holds bf16 values exactly: its tiles run on bf16 products where the switch is
          * on, AMX tiles where amx is on too and the head size a multiple of 32, else vdpbf16ps */
         const int pairs = g_bf16_att && kv_type != KV_F32, tiles = pairs && g_amx && g_has_amx_bf16 && d % 32 == 0;
-        /* widened K and V: fp32 [chunks of 16][d][16] and [pos][d], or bf16 pairs (as many words) */
-        float *kt = (float *)malloc(sizeof(float) * (size_t)(key_chunks * ATB_KC * d));
-        float *vb = (float *)malloc(sizeof(float) * (size_t)(key_chunks * ATB_KC * d));
+        /* widened K and V: fp32 [chunks of 16][d][16] and [pos][d], or bf16 pairs (as many words), a group of
+         * kv heads at a time: enough heads that their tiles keep every thread busy (a short chunk has few
+         * tiles a head), within ATT_LAID_BYTES */
+        const int64_t head_floats = key_chunks * ATB_KC * d;
+        int64_t max_tiles = 0;
+        for (int r = 0; r < n_reqs; r++) {
+            const int64_t nt = (qsl[r + 1] - qsl[r] + ATT_QT - 1) / ATT_QT;
+            max_tiles = nt > max_tiles ? nt : max_tiles;
+        }
+        int64_t hg = (ATT_HEAD_ITEMS * omp_get_max_threads() + max_tiles - 1) / max_tiles;
+        const int64_t fit = ATT_LAID_BYTES / (2 * sizeof(float) * head_floats);
+        hg = hg > fit ? fit : hg;
+        hg = hg > n_kv_heads ? n_kv_heads : hg < 1 ? 1 : hg;
+        float *kt = (float *)malloc(sizeof(float) * (size_t)(hg * head_floats));
+        float *vb = (float *)malloc(sizeof(float) * (size_t)(hg * head_floats));
         if (!kt || !vb) abort();
 #pragma omp parallel
         {
@@ -3465,44 +3542,29 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
             float *scr = (float *)malloc(sizeof(float) * (size_t)scr_floats);
             if (!scr) abort();
             for (int r = 0; r < n_reqs; r++) {
-                const int qlen = qsl[r + 1] - qsl[r];
+                const int qlen = qsl[r + 1] - qsl[r], nt = (qlen + ATT_QT - 1) / ATT_QT;
                 if (qlen < ATT_MIN_QUERY) continue;
                 const int32_t *bt = block_table + (int64_t)r * bt_stride;
-                for (int g = 0; g < n_kv_heads; g++) { /* widen this kv head's K and V, then run its tiles */
-                    const int64_t off = (int64_t)g * d;
-                    if (pairs && kv_type == KV_BF16)
-                        att_pairs_bf16((const uint16_t *)k_cache + off, (const uint16_t *)v_cache + off, bt, bs,
-                                       kv_stride, seq_lens[r], d, (uint32_t *)kt, (uint32_t *)vb);
-                    else if (pairs && kv_type == KV_FP8_E4M3)
-                        att_pairs_e4m3((const uint8_t *)k_cache + off, (const uint8_t *)v_cache + off, bt, bs,
-                                       kv_stride, seq_lens[r], d, (uint32_t *)kt, (uint32_t *)vb);
-                    else if (pairs)
-                        att_pairs_e5m2((const uint8_t *)k_cache + off, (const uint8_t *)v_cache + off, bt, bs,
-                                       kv_stride, seq_lens[r], d, (uint32_t *)kt, (uint32_t *)vb);
-                    else if (kv_type == KV_BF16)
-                        att_widen_bf16((const uint16_t *)k_cache + off, (const uint16_t *)v_cache + off, bt, bs,
-                                       kv_stride, seq_lens[r], d, kt, vb);
-                    else if (kv_type == KV_FP8_E4M3)
-                        att_widen_e4m3((const uint8_t *)k_cache + off, (const uint8_t *)v_cache + off, bt, bs,
-                                       kv_stride, seq_lens[r], d, kt, vb);
-                    else if (kv_type == KV_FP8_E5M2)
-                        att_widen_e5m2((const uint8_t *)k_cache + off, (const uint8_t *)v_cache + off, bt, bs,
-                                       kv_stride, seq_lens[r], d, kt, vb);
-                    else
-                        att_widen_f32((const float *)k_cache + off, (const float *)v_cache + off, bt, bs, kv_stride,
-                                      seq_lens[r], d, kt, vb);
+                for (int g0 = 0; g0 < n_kv_heads; g0 += (int)hg) { /* widen a group's K and V, then run its tiles */
+                    const int ng = n_kv_heads - g0 < hg ? n_kv_heads - g0 : (int)hg;
+                    for (int g = g0; g < g0 + ng; g++)
+                        att_lay_head(k_cache, v_cache, kv_type, pairs, (int64_t)g * d, bt, bs, kv_stride, seq_lens[r],
+                                     d, kt + (g - g0) * head_floats, vb + (g - g0) * head_floats);
 #pragma omp for schedule(dynamic, 1)
-                    for (int ti = (qlen + ATT_QT - 1) / ATT_QT - 1; ti >= 0; ti--) { /* the longest first */
+                    for (int it = 0; it < nt * ng; it++) { /* the longest tiles first */
+                        const int ti = nt - 1 - it / ng, gi = it % ng;
+                        const int64_t off = (int64_t)(g0 + gi) * d;
+                        const float *kh = kt + gi * head_floats, *vh = vb + gi * head_floats;
                         const int t0 = qsl[r] + ti * ATT_QT, ntok = qsl[r + 1] - t0 < ATT_QT ? qsl[r + 1] - t0 : ATT_QT;
                         const int n_vis0 = seq_lens[r] - (qsl[r + 1] - 1 - t0);
                         const float *qt = q + (int64_t)t0 * ldq + off * grp;
                         float *ot = out + (int64_t)t0 * ldo + off * grp;
                         if (pairs)
-                            (tiles ? attend_tile_amx : attend_tile_bf16)(qt, ldq, ot, ldo, (const uint32_t *)kt,
-                                                                         (const uint32_t *)vb, ntok, n_vis0, grp, d,
+                            (tiles ? attend_tile_amx : attend_tile_bf16)(qt, ldq, ot, ldo, (const uint32_t *)kh,
+                                                                         (const uint32_t *)vh, ntok, n_vis0, grp, d,
                                                                          qk_scale, out_scale, scr);
                         else
-                            (g_avx512 ? attend_tile512 : attend_tile)(qt, ldq, ot, ldo, kt, vb, ntok, n_vis0, grp, d,
+                            (g_avx512 ? attend_tile512 : attend_tile)(qt, ldq, ot, ldo, kh, vh, ntok, n_vis0, grp, d,
                                                                       qk_scale, out_scale, scr);
                     }
                 }
