@@ -995,10 +995,37 @@ DOT_TARGET static void packed_rows_direct(const Linear *L, const uint16_t *xb, i
  * one (weight-only, its scale applied to the sums) converted, exactly (|q| <= 128 has 8 significant bits); for
  * AMX tiles, a grouped (int4 or grouped int8) one widened to fp32 in wf ([kp][PW]; k0 and kp whole groups) and
  * rounded to bf16 (nearest even) (vdpbf16ps takes a grouped panel's integers: grouped_pairs). */
+/* Two halves of eight lanes as one of 16. */
+DOT_TARGET static inline __m512 join8(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+
+/* Int4 panel pn's whole groups for k [k0, k0 + k) as panel_pairs lays them, in one pass: each weight d * q + m
+ * in fp32 (the product rounded, then the sum: q4_widen's values), rounded to bf16. */
+DOT_TARGET static void q4_panel_pairs(const Linear *L, int64_t pn, int64_t k0, int64_t k, uint16_t *pbuf) {
+    const int64_t groups = L->k / L->group, qp = pn * groups * 2 * PW;
+    const uint8_t *p = (const uint8_t *)L->w + pn * (L->k * PW / 2);
+    const __m512i pairs = pair_lanes(), nib = _mm512_set1_epi32(0x0f);
+    for (int64_t g = k0 / L->group; g < (k0 + k) / L->group; g++) {
+        const int64_t dm = qp + g * 2 * PW;
+        const __m512 d = join8(load_qp(L, dm), load_qp(L, dm + 8)), mn = join8(load_qp(L, dm + PW), load_qp(L, dm + PW + 8));
+        for (int64_t kk = g * L->group; kk < (g + 1) * L->group; kk += 2) {
+            const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + kk / 2 * PW)));
+            const __m512 lo = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(w, nib))), mn);
+            const __m512 hi = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4))), mn);
+            _mm512_storeu_si512(pbuf + (kk - k0) * PW, _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
+        }
+    }
+}
+
 DOT_TARGET static void panel_pairs(const Linear *L, int64_t pn, int64_t k0, int64_t kp, uint16_t *pbuf, float *wf) {
     const int64_t k = L->k - k0 < kp ? L->k - k0 : kp; /* rows laid */
     const __m512i pairs = pair_lanes(); /* [k even | k odd] x 16 channels -> channel-major pairs */
     int64_t j = 0;
+    if (L->wtype == WTYPE_Q4 && k == kp) {
+        q4_panel_pairs(L, pn, k0, k, pbuf); /* k0 and k whole groups */
+        return;
+    }
     if (L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G) {
         grouped_widen(L, pn, k0 / L->group, (k0 + k) / L->group, wf); /* k0 and k whole groups */
         for (; j < k / 2; j++) {
