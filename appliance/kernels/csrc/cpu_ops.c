@@ -990,11 +990,6 @@ DOT_TARGET static void packed_rows_direct(const Linear *L, const uint16_t *xb, i
     }
 }
 
-/* Rows [k0, k0 + kp) of panel pn re-laid as k pairs ([kp / 2][PW][2] bf16: channel c of pair j at j * 2PW + 2c,
- * the operand order of vdpbf16ps and of an AMX B tile), zero past k (k0 even): a bf16 panel as it is; an int8
- * one (weight-only, its scale applied to the sums) converted, exactly (|q| <= 128 has 8 significant bits); for
- * AMX tiles, a grouped (int4 or grouped int8) one widened to fp32 in wf ([kp][PW]; k0 and kp whole groups) and
- * rounded to bf16 (nearest even) (vdpbf16ps takes a grouped panel's integers: grouped_pairs). */
 /* Two halves of eight lanes as one of 16. */
 DOT_TARGET static inline __m512 join8(__m256 lo, __m256 hi) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
@@ -1018,6 +1013,12 @@ DOT_TARGET static void q4_panel_pairs(const Linear *L, int64_t pn, int64_t k0, i
     }
 }
 
+/* Rows [k0, k0 + kp) of panel pn re-laid as k pairs ([kp / 2][PW][2] bf16: channel c of pair j at j * 2PW + 2c,
+ * the operand order of vdpbf16ps and of an AMX B tile), zero past k (k0 even): a bf16 panel as it is; an int8
+ * one (weight-only, its scale applied to the sums) converted, exactly (|q| <= 128 has 8 significant bits); for
+ * AMX tiles, a grouped (int4 or grouped int8) one widened to fp32 in wf ([kp][PW]; k0 and kp whole groups) and
+ * rounded to bf16 (nearest even), an int4 one in one pass where kp holds no padding (q4_panel_pairs)
+ * (vdpbf16ps takes a grouped panel's integers: grouped_pairs). */
 DOT_TARGET static void panel_pairs(const Linear *L, int64_t pn, int64_t k0, int64_t kp, uint16_t *pbuf, float *wf) {
     const int64_t k = L->k - k0 < kp ? L->k - k0 : kp; /* rows laid */
     const __m512i pairs = pair_lanes(); /* [k even | k odd] x 16 channels -> channel-major pairs */
