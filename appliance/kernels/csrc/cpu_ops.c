@@ -64,6 +64,9 @@ typedef struct {
     int32_t float_rows;         /* 1: the rows stay floating point where int8 rows would run (the LM head, q/k/v) */
 } Linear;
 
+/* Whether L's panels carry a scale and min per group of k (int4, grouped int8). */
+static inline int grouped_panels(const Linear *L) { return L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G; }
+
 /* A sparse (mixture-of-experts) layer's MLP: the router, then experts
  * first .. first + n_local - 1 of n_experts, each a SiLU-gated MLP. */
 typedef struct {
@@ -593,7 +596,7 @@ static void grouped_widen(const Linear *L, int64_t pn, int64_t g0, int64_t g1, f
 static void packed_rows(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m0,
                         int64_t m1, int64_t p0, int64_t p1, int accumulate, float *wbuf) {
     const int64_t k = L->k, n = L->n, pstride = k * PW;
-    const int grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G;
+    const int grouped = grouped_panels(L);
     const int widen = grouped || (L->wtype != WTYPE_F32 && m1 - m0 > 6);
     const int np = m1 - m0 <= 2 && !widen ? 2 : 1;
     float c[6][2 * PW];
@@ -945,7 +948,7 @@ DOT_TARGET static inline __attribute__((always_inline)) void dtile_direct(const 
                                                                           const uint16_t *xb, int64_t kp,
                                                                           const float *xs, const int mr,
                                                                           float c[][DR][PW]) {
-    if (L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G) {
+    if (grouped_panels(L)) {
         gtile(L, pn, np, NULL, xb, kp, xs, mr, c);
         return;
     }
@@ -1027,7 +1030,7 @@ DOT_TARGET static void panel_pairs(const Linear *L, int64_t pn, int64_t k0, int6
         q4_panel_pairs(L, pn, k0, k, pbuf); /* k0 and k whole groups */
         return;
     }
-    if (L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G) {
+    if (grouped_panels(L)) {
         grouped_widen(L, pn, k0 / L->group, (k0 + k) / L->group, wf); /* k0 and k whole groups */
         for (; j < k / 2; j++) {
             const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(wf + (2 * j + 1) * PW), _mm512_loadu_ps(wf + 2 * j * PW));
@@ -1066,7 +1069,7 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
         /* up to two row tiles against a bf16 panel: read the stored panel directly (a second tile finds it in
          * the cache); more: re-lay it once for all of them */
         const int stored = L->wtype == WTYPE_BF16 && m1 - m0 <= 2 * DR;
-        const int grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G; /* as their integers, by group */
+        const int grouped = grouped_panels(L); /* as their integers, by group */
         const uint16_t *pb = (const uint16_t *)L->w + pn * L->k * PW;
         if (grouped) grouped_pairs(L, pn, pbuf);
         else if (!stored) panel_pairs(L, pn, 0, kp, pbuf, NULL);
@@ -1331,7 +1334,7 @@ static int g_has_amx_bf16, g_has_amx_int8, g_amx;
 /* Whether a GEMM of m rows against L's panels runs on AMX-BF16 tiles (on only with vdpbf16ps, whose
  * rounding of the rows the tiles share). */
 static int amx_bf16_takes(const Linear *L, int64_t m) {
-    const int grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G;
+    const int grouped = grouped_panels(L);
     return g_amx && g_has_amx_bf16 && g_bf16_dot && (grouped || L->wtype == WTYPE_BF16 || L->wtype == WTYPE_I8) &&
            m >= (grouped ? AMX_MIN_ROWS_GROUPED : AMX_MIN_ROWS);
 }
@@ -1452,7 +1455,7 @@ DEFINE_AMX_BLOCK(amx_block_int8, _tile_dpbssd)
 
 /* The k a chunk is made of: a multiple of both the tiles' 32 and, grouped, the group. */
 static inline int64_t amx_unit(const Linear *L) {
-    const int grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G;
+    const int grouped = grouped_panels(L);
     const int64_t g = grouped ? L->group : 32;
     return g % 32 == 0 ? g : 32 % g == 0 ? 32 : 32 * g;
 }
@@ -1621,7 +1624,7 @@ static void amx_linear(const Linear *L, const float *x, int64_t ldx, float *out,
         int64_t p0, p1;
         thread_panels(panels, &p0, &p1);
         if (p0 < p1) {
-            const int few = amx_few_rows(m, kx), grouped = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G;
+            const int few = amx_few_rows(m, kx), grouped = grouped_panels(L);
             /* k re-laid at once: two units, or past 32 few rows the whole k (few_rows_amx), or a chunk */
             const int64_t kc = few ? 0 : amx_chunk(L, kx), kb = few ? (m > 32 ? kx : 2 * amx_unit(L)) : kc;
             uint16_t *pbuf = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * PW * kb);
