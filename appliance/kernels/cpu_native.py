@@ -49,6 +49,7 @@ from appliance.kernels.cpu_native_ops import (  # noqa: F401 (the library's Pyth
     avx512,
     bf16_attention,
     bf16_dot,
+    decode_tiles,
     fma_rows,
     host_notes,
     int8_rows,

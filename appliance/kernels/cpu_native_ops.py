@@ -86,6 +86,8 @@ _LIB.appl_fma_rows.argtypes = [ctypes.c_int]
 _LIB.appl_fma_rows.restype = ctypes.c_int
 _LIB.appl_bf16_attention.argtypes = [ctypes.c_int]
 _LIB.appl_bf16_attention.restype = ctypes.c_int
+_LIB.appl_decode_tiles.argtypes = [ctypes.c_int] * 4
+_LIB.appl_decode_tiles.restype = ctypes.c_int
 _LIB.appl_avx512.argtypes = [ctypes.c_int]
 _LIB.appl_avx512.restype = ctypes.c_int
 _LIB.appl_vnni.argtypes = [ctypes.c_int]
@@ -143,7 +145,8 @@ def fma_rows(enabled: Optional[bool] = None) -> bool:
 
 
 def bf16_attention(enabled: Optional[bool] = None) -> bool:
-    """Whether prefill attention tiles over a bf16 or fp8 KV cache run on
+    """Whether prefill attention tiles over a bf16 or fp8 KV cache (and,
+    where ``decode_tiles`` says so, decode attention over a bf16 one) run on
     bf16 products (Q K^T and P V; the queries and the softmax weights
     rounded to bf16, sums and the normaliser fp32: the output moves by at
     most 2^-9 of the largest |v| from attention over the rounded queries)
@@ -197,6 +200,14 @@ def int8_rows(enabled: Optional[bool] = None) -> bool:
     stay there. ``enabled`` switches it; on is refused, returning False,
     where the CPU lacks VNNI."""
     return bool(_LIB.appl_int8_rows(-1 if enabled is None else int(enabled)))
+
+
+def decode_tiles(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> bool:
+    """Whether decode attention (decodes and chunks of under eight tokens) of these shapes over a KV cache of
+    ``kv_dtype`` runs on AMX-BF16 tiles, as the switches stand: a bf16 cache, ``bf16_attention`` and ``amx``
+    on, AVX-512F, a head size that is a multiple of 32 and 4 to 16 query heads a kv head (fewer run as fast in
+    the AVX-512 items). q and the softmax weights are rounded to bf16 there, within ``bf16_attention``'s bound."""
+    return bool(_LIB.appl_decode_tiles(num_heads, num_kv_heads, head_dim, KV_TYPES[kv_dtype]))
 
 
 def amx(enabled: Optional[bool] = None) -> bool:
@@ -255,7 +266,12 @@ def host_notes(cfg: Any, dtype: str) -> list[str]:
     else:
         att = f"prefill attention tiles in fp32 FMAs ({'AVX-512F' if avx512() else 'AVX2'})"
     wide = avx512() and head_dim and head_dim % 32 == 0  # the 16-lane decode items (appl_attention)
-    dec = f"decode attention in fp32 FMAs ({'AVX-512F' if wide else 'AVX2'}), a context split every 256 positions"
+    kv_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(kv)
+    if kv_dtype and m.num_heads and decode_tiles(m.num_heads, m.num_kv_heads or m.num_heads, head_dim, kv_dtype):
+        dec = "decode attention on AMX tiles (tdpbf16ps; q and the softmax weights rounded to bf16)"
+    else:
+        dec = f"decode attention in fp32 FMAs ({'AVX-512F' if wide else 'AVX2'})"
+    dec += ", a context split every 256 positions"
     return [f"on this CPU: {gemm}; {att}; {dec}"]
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from appliance import LLM, SamplingParams
-from appliance.kernels.cpu_native import (CpuNativeBackend, NativeLinear, amx, amx_min_rows, avx512, bf16_attention, bf16_dot, fma_rows,
+from appliance.kernels.cpu_native import (CpuNativeBackend, NativeLinear, amx, amx_min_rows, avx512, bf16_attention, bf16_dot, decode_tiles, fma_rows,
                                           int8_rows, pack_q4_panels, vnni)
 from appliance.kernels.registry import Selection
 from appliance.models.quant import (GroupedInt8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4,
@@ -595,11 +595,59 @@ def test_long_decodes_split_their_context_and_merge_it(wide, num_heads, num_kv_h
     stored = cache.to(dtype)
     b = CpuNativeBackend(num_heads, num_kv_heads, head_dim, head_dim ** -0.5,
                          kv_cache_dtype="auto" if kv == "float32" else kv)
-    with _pinned(avx512, wide):
+    with _pinned(avx512, wide), _pinned(bf16_attention, False):  # fp32 items (AMX ones: test_decode_items_on_amx_...)
         out = b.forward(q, k, v, stored, b.build_metadata(common))
     kq, vq = k.to(dtype).float(), v.to(dtype).float()
     ref_out, _ = reference(common, q, kq, vq, stored.float(), num_heads, num_kv_heads, head_dim)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
+def _nan_outside_contexts(cache, common):
+    """cache ([2, blocks, bs, kv heads, d]) with NaN in every slot no request's context holds (the rest of its
+    last block, the free blocks): a kernel that reads past a context shows it in the output."""
+    bs = cache.shape[2]
+    held = torch.zeros(cache.shape[1] * bs, dtype=torch.bool)
+    for r, n in enumerate(common.seq_lens.tolist()):
+        pos = torch.arange(n)
+        held[common.block_table[r, pos // bs].long() * bs + pos % bs] = True
+    flat = cache.view(2, -1, *cache.shape[3:])
+    flat[:, ~held] = float("nan")
+    return cache
+
+
+@needs_amx
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (16, 2), (14, 2), (32, 2), (9, 3), (34, 2)])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("block_size", [4, 16, 48])
+def test_decode_items_on_amx_tiles_stay_within_the_rounding_of_q_and_p(num_heads, num_kv_heads, head_dim,
+                                                                       block_size):
+    """Over a bf16 cache with bf16_attention on, decode items of 4 to 16 query heads a kv head run on AMX tiles:
+    K's rows read in place where one block holds 16 of them (blocks of 16 and 48) or copied (blocks of 4), V
+    interleaved in pairs of positions, contexts split and merged, a last chunk shorter than a tile, a three-token
+    chunk; every slot past the contexts NaN (never read into the output). Against attention over the bf16-rounded queries, the output moves by no more than rounding each softmax
+    weight to bf16 can move it: 2^-9 of the largest |v|. Three heads a kv head, and seventeen, keep the AVX-512
+    items: the same bits as with bf16_attention off."""
+    common, q, k, v, cache = make_problem(LONG, block_size, num_heads, num_kv_heads, head_dim, seed=block_size)
+    stored = _nan_outside_contexts(cache.to(torch.bfloat16), common)
+    b = CpuNativeBackend(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, kv_cache_dtype="bfloat16")
+    md = b.build_metadata(common)
+    outs = {}
+    for on in (False, True):
+        with _pinned(bf16_attention, on), _pinned(amx, True):
+            outs[on] = b.forward(q, k, v, stored.clone(), md)
+    with _pinned(bf16_attention, True), _pinned(amx, True):
+        assert decode_tiles(num_heads, num_kv_heads, head_dim, torch.bfloat16) == (4 <= num_heads // num_kv_heads <= 16)
+    if not 4 <= num_heads // num_kv_heads <= 16:
+        assert torch.equal(outs[True], outs[False])
+        return
+    kq, vq = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
+    ref_out, _ = reference(common, q.to(torch.bfloat16).float(), kq, vq, cache.to(torch.bfloat16).float(), num_heads,
+                           num_kv_heads, head_dim)  # the reference masks scores, not values: no NaN there
+    v_max = max(vq.abs().max(), cache[1].abs().max())
+    assert (outs[True] - ref_out).abs().max() <= 2.0 ** -9 * v_max + 1e-5
+    assert not torch.equal(outs[True], outs[False])  # the tiles ran
+    with _pinned(bf16_attention, True), _pinned(amx, False):  # AMX off: the AVX-512 items
+        assert torch.equal(b.forward(q, k, v, stored.clone(), md), outs[False])
 
 
 @WIDE
@@ -1108,6 +1156,8 @@ def test_the_plan_says_which_kernels_run_on_this_cpu():
             assert f"from {amx_min_rows(grouped=True)} rows on AMX tiles" in note("quantization=int4_wo")
             with _pinned(bf16_attention, True):
                 assert "prefill attention tiles on AMX tiles" in note()  # SmolLM2: head size 64
+                assert "decode attention in fp32 FMAs (AVX-512F)" in note()  # three query heads a kv head
+                assert "decode attention on AMX tiles" in note("model.num_kv_heads=1")  # nine
         with _pinned(amx, False):
             assert "AMX" not in note("quantization=none")
     if HAS_VNNI:  # int8 rows where the CPU has VNNI

@@ -3493,6 +3493,182 @@ static void dec_merge(const float *part, int n, int64_t stride, float *scr, int 
     dec_finish(acc, l, m, sinks, out, nh, d, v_scale);
 }
 
+/*
+ * Decode items on AMX-BF16 tiles (a bf16 cache, head sizes a multiple of 32, up to 16 query heads a kv head,
+ * where the bf16 products are switched on: bf16_attention): the items, splits and chunks of the ones above, per
+ * kv head and chunk of DEC_CH positions:
+ *   S^T = K Q^T, tiles of 16 positions by the group's heads: K's rows read in place where one block holds the 16
+ *       (else copied to kb), the queries laid once an item as B tiles of channel pairs (dec_amx_lay_q);
+ *   the scores gathered back to a head's row, scaled, soft-capped, the online softmax 16 lanes wide, P rounded to
+ *       bf16 into the A tile's rows (a head's positions in order are its pairs);
+ *   P V over V's rows interleaved in pairs of positions (B tiles of 16 pairs by 16 channels: dec_amx_lay_v), its
+ *       fp32 sums added to the item's, scaled by the softmax's correction.
+ * q and P rounded to bf16, every sum fp32: the prefill tiles' bound (bf16_attention). The scratch: dec_amx_floats.
+ */
+#define DEC_AMX_MIN_GRP 4 /* below, the AVX-512 items run as fast (three heads a kv head: 0.9-1.0x on AMX tiles) */
+#define DEC_AMX_MAX_GRP 16
+static inline int64_t dec_amx_floats(int d, int nkv) { /* st, pp, vp, co, kb, qb (decode_split_amx) */
+    return 16 * DEC_CH + 8 * DEC_CH + DEC_CH / 2 * (int64_t)d + 16 * (int64_t)d + 8 * (int64_t)d + 8 * (int64_t)d * nkv;
+}
+
+/* The grp queries of a kv head (rows d apart) as B tiles: tile ks holds word (q[h][32 ks + 2 r], q[h][32 ks + 2 r +
+ * 1]) at row r, column h (columns past grp zero, from the caller). */
+AMX_TARGET static void dec_amx_lay_q(const float *qg, int grp, int d, uint32_t *qb) {
+    const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(16));
+    for (int h = 0; h < grp; h++)
+        for (int ks = 0; ks < d / 32; ks++) {
+            const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + (int64_t)h * d + 32 * ks + 16),
+                                                   _mm512_loadu_ps(qg + (int64_t)h * d + 32 * ks));
+            _mm512_i32scatter_epi32(qb + 256 * ks + h, col, (__m512i)w, 4);
+        }
+}
+
+/* V's rows of positions [c0, c0 + 2 np) at the kv head (offset g0 elements) as np rows of pairs, positions from p1
+ * on zero: row r's words are (V[c0 + 2 r][c], V[c0 + 2 r + 1][c]) with the channels c of each 32 in the order
+ * vpunpcklwd and vpunpckhwd leave them (0-3, 8-11, 16-19, 24-27, then 4-7, 12-15, 20-23, 28-31; dec_amx_unlay). */
+AMX_TARGET static void dec_amx_lay_v(const uint16_t *v_base, const int32_t *bt, int bs, int64_t kv_stride, int64_t g0,
+                                     int c0, int p1, int np, int d, uint32_t *vp) {
+    for (int r = 0; r < np; r++) {
+        const int pa = c0 + 2 * r, pb = pa + 1;
+        const uint16_t *va = pa < p1 ? v_base + dec_row(bt, bs, kv_stride, pa) + g0 : NULL;
+        const uint16_t *vb = pb < p1 ? v_base + dec_row(bt, bs, kv_stride, pb) + g0 : NULL;
+        for (int c = 0; c < d; c += 32) {
+            const __m512i a = va ? _mm512_loadu_si512((const void *)(va + c)) : _mm512_setzero_si512();
+            const __m512i b = vb ? _mm512_loadu_si512((const void *)(vb + c)) : _mm512_setzero_si512();
+            _mm512_storeu_si512((void *)(vp + (int64_t)r * d + c), _mm512_unpacklo_epi16(a, b));
+            _mm512_storeu_si512((void *)(vp + (int64_t)r * d + c + 16), _mm512_unpackhi_epi16(a, b));
+        }
+    }
+}
+
+/* n floats (a multiple of 32) from the channel order of dec_amx_lay_v back to 0 .. 31. */
+AMX_TARGET static void dec_amx_unlay(float *x, int64_t n) {
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    for (int64_t i = 0; i < n; i += 32) {
+        const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+        _mm512_storeu_ps(x + i, _mm512_permutex2var_ps(a, lo, b));
+        _mm512_storeu_ps(x + i + 16, _mm512_permutex2var_ps(a, hi, b));
+    }
+}
+
+/* One chunk's softmax for the grp heads: the scores of cnt positions from st ([pos][16 heads], as the S^T tiles
+ * store them), scaled and soft-capped, the running max m and sum l moved on, corr what the sums so far are
+ * scaled by, P rounded to bf16 into pp's rows (DEC_CH a row, zero past cnt). */
+AMX_TARGET static void dec_amx_softmax(const float *st, int cnt, int grp, float scale, float softcap, float *m,
+                                       float *l, float *corr, uint16_t *pp) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i rows = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(16));
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), sv = _mm512_set1_ps(scale);
+    for (int h = 0; h < grp; h++) {
+        __m512 sx[DEC_CH / 16], mxv = ninf;
+        for (int v = 0; v < DEC_CH / 16; v++) {
+            const __mmask16 mk = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lanes, _mm512_set1_epi32(16 * v)),
+                                                         _mm512_set1_epi32(cnt));
+            sx[v] = _mm512_mul_ps(_mm512_mask_i32gather_ps(ninf, mk, rows, st + 256 * v + h, 4), sv);
+            if (softcap > 0.0f) { /* soft-capped scores (Gemma 2): softcap * tanh(s / softcap) */
+                float t[16];
+                _mm512_storeu_ps(t, sx[v]);
+                for (int i = 0; i < 16; i++) t[i] = softcap * tanhf(t[i] / softcap);
+                sx[v] = _mm512_mask_blend_ps(mk, ninf, _mm512_loadu_ps(t));
+            }
+            mxv = _mm512_max_ps(mxv, sx[v]);
+        }
+        const float mx = fmaxf(m[h], _mm512_reduce_max_ps(mxv));
+        const __m512 mv = _mm512_set1_ps(mx);
+        __m512 sum = _mm512_setzero_ps();
+        for (int v = 0; v < DEC_CH / 16; v++) {
+            const __mmask16 mk = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lanes, _mm512_set1_epi32(16 * v)),
+                                                         _mm512_set1_epi32(cnt));
+            sx[v] = _mm512_maskz_mov_ps(mk, exp16_bf16(_mm512_sub_ps(sx[v], mv)));
+            sum = _mm512_add_ps(sum, sx[v]);
+        }
+        for (int v = 0; v < DEC_CH / 16; v += 2)
+            _mm512_storeu_si512((void *)(pp + h * DEC_CH + 16 * v), (__m512i)_mm512_cvtne2ps_pbh(sx[v + 1], sx[v]));
+        corr[h] = m[h] == -INFINITY ? 0.0f : expf(m[h] - mx);
+        l[h] = l[h] * corr[h] + _mm512_reduce_add_ps(sum);
+        m[h] = mx;
+    }
+}
+
+/* Whether decode items of these shapes over a cache of kv_type run on AMX tiles (decode_split_amx), the run-time
+ * switches as they stand. */
+int appl_decode_tiles(int n_heads, int n_kv_heads, int d, int kv_type) {
+    const int grp = n_kv_heads > 0 ? n_heads / n_kv_heads : 0;
+    return g_avx512 && d % 32 == 0 && g_bf16_att && g_amx && g_has_amx_bf16 && kv_type == KV_BF16 &&
+           grp >= DEC_AMX_MIN_GRP && grp <= DEC_AMX_MAX_GRP;
+}
+
+/* decode_split_<type>'s item on AMX tiles over a bf16 cache (appl_decode_tiles); scr:
+ * dec_amx_floats(d, nkv). */
+AMX_TARGET static void decode_split_amx(const float *q, const uint16_t *k_base, const uint16_t *v_base,
+                                        const int32_t *bt, int bs, int64_t kv_stride, int p0, int p1, int nkv, int grp,
+                                        int d, float scale, float softcap, float *acc, float *m, float *l, float *scr) {
+    float *st = scr;                             /* S^T: [DEC_CH][16] */
+    uint16_t *pp = (uint16_t *)(st + 16 * DEC_CH); /* P: [16][DEC_CH] bf16, the rows past grp zero */
+    uint32_t *vp = (uint32_t *)(pp + 16 * DEC_CH); /* V in pairs: [DEC_CH / 2][d] words */
+    float *co = (float *)(vp + DEC_CH / 2 * d);   /* a chunk's P V: [16][d] */
+    uint16_t *kb = (uint16_t *)(co + 16 * d);     /* 16 K rows across blocks: [16][d] */
+    uint32_t *qb = (uint32_t *)(kb + 16 * d);     /* the queries' B tiles: nkv by d / 32 of 256 words */
+    float corr[DEC_AMX_MAX_GRP];
+    dec_start(acc, m, l, nkv * grp, d);
+    memset(qb, 0, sizeof(uint32_t) * 8 * (size_t)d * nkv);
+    memset(pp, 0, sizeof(uint16_t) * 16 * DEC_CH);
+    for (int g = 0; g < nkv; g++) dec_amx_lay_q(q + (int64_t)g * d * grp, grp, d, qb + (int64_t)g * 8 * d);
+    dec_prefetch(k_base, v_base, sizeof(uint16_t), bt, bs, kv_stride, p0, p1);
+    amx_begin();
+    for (int c0 = p0; c0 < p1; c0 += DEC_CH) {
+        const int cnt = p1 - c0 < DEC_CH ? p1 - c0 : DEC_CH, nk = (cnt + 31) / 32;
+        for (int g = 0; g < nkv; g++) {
+            const int64_t g0 = (int64_t)g * d;
+            float *ag = acc + g0 * grp, *mg = m + g * grp, *lg = l + g * grp;
+            const uint32_t *qg = qb + (int64_t)g * 8 * d;
+            for (int u = 0; u < (cnt + 15) / 16; u++) { /* S^T of 16 positions (past cnt: rows not read) */
+                const int pos = c0 + 16 * u;
+                const uint16_t *ka = k_base + dec_row(bt, bs, kv_stride, pos) + g0;
+                int64_t lda = kv_stride * 2;
+                if (pos % bs + 16 > bs) { /* the 16 rows span blocks: copied */
+                    for (int o = 0; o < 16 && pos + o < p1; o++)
+                        memcpy(kb + (int64_t)o * d, k_base + dec_row(bt, bs, kv_stride, pos + o) + g0, 2 * (size_t)d);
+                    ka = kb;
+                    lda = 2 * d;
+                }
+                __asm__ volatile("" ::: "memory"); /* the tile loads read what C code wrote: no asm says so */
+                _tile_zero(0);
+                for (int ks = 0; ks < d / 32; ks++) {
+                    _tile_loadd(2, ka + 32 * ks, lda);
+                    _tile_loadd(3, qg + 256 * ks, 64);
+                    _tile_dpbf16ps(0, 2, 3);
+                }
+                _tile_stored(0, st + 256 * u, 64);
+            }
+            __asm__ volatile("" ::: "memory"); /* and C code reads what the tile stores wrote */
+            dec_amx_softmax(st, cnt, grp, scale, softcap, mg, lg, corr, pp);
+            dec_amx_lay_v(v_base, bt, bs, kv_stride, g0, c0, p1, 16 * nk, d, vp);
+            __asm__ volatile("" ::: "memory");
+            for (int cb = 0; cb < d; cb += 16) {
+                _tile_zero(1);
+                for (int kk = 0; kk < nk; kk++) {
+                    _tile_loadd(4, pp + 32 * kk, 2 * DEC_CH);
+                    _tile_loadd(5, vp + (int64_t)16 * kk * d + cb, 4 * d);
+                    _tile_dpbf16ps(1, 4, 5);
+                }
+                _tile_stored(1, co + cb, 4 * d);
+            }
+            __asm__ volatile("" ::: "memory");
+            for (int h = 0; h < grp; h++) {
+                const __m512 cv = _mm512_set1_ps(corr[h]);
+                for (int c = 0; c < d; c += 16)
+                    _mm512_storeu_ps(ag + h * d + c, _mm512_fmadd_ps(_mm512_loadu_ps(ag + h * d + c), cv,
+                                                                     _mm512_loadu_ps(co + h * d + c)));
+            }
+        }
+    }
+    amx_end();
+    dec_amx_unlay(acc, (int64_t)nkv * grp * d);
+}
+
 /* Kv head `off` (its first channel) of a request's positions [0, n), widened for the prefill tiles into kt and vb:
  * bf16 pairs (pairs: a bf16 or fp8 cache on bf16 products) or fp32. Each thread takes its share of the chunks. */
 static void att_lay_head(const void *k_cache, const void *v_cache, int kv_type, int pairs, int64_t off,
@@ -3642,10 +3818,13 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
         }
     }
     const int64_t kv_stride = (int64_t)n_kv_heads * d;
-    /* items 16 lanes wide where the CPU has AVX-512F and the head size is a multiple of 32 */
+    /* items 16 lanes wide where the CPU has AVX-512F and the head size is a multiple of 32; on AMX tiles over a
+     * bf16 cache where the bf16 products are on too and 4 to 16 query heads share a kv head (appl_decode_tiles) */
     const int wide = g_avx512 && d % 32 == 0;
-    /* acc, m, l; s [grp][DEC_CH]; corr; the laid query of a wide item */
-    const int64_t scr_floats = part_floats + (int64_t)grp * (DEC_CH + 1) + (wide ? (int64_t)n_heads * d : 0);
+    const int dec_tiles = appl_decode_tiles(n_heads, n_kv_heads, d, kv_type);
+    /* acc, m, l; s [grp][DEC_CH]; corr; the laid query of a wide item, or an AMX item's scratch */
+    const int64_t item_floats = dec_tiles ? dec_amx_floats(d, n_kv_heads) : (int64_t)grp * (DEC_CH + 1) + (wide ? (int64_t)n_heads * d : 0);
+    const int64_t scr_floats = part_floats + item_floats;
 #pragma omp parallel if (n_items > 1)
     {
         float *scr = (float *)malloc(sizeof(float) * (size_t)scr_floats);
@@ -3658,7 +3837,10 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
             /* a split's sums in its partial slot, a whole context's in the scratch */
             float *acc = it[4] >= 0 ? partial + it[4] * part_floats : scr, *m = acc + (int64_t)n_heads * d;
             float *l = m + n_heads, *s = scr + part_floats, *corr = s + grp * DEC_CH, *qp = corr + grp;
-            if (wide && kv_type == KV_BF16)
+            if (dec_tiles)
+                decode_split_amx(qt, (const uint16_t *)k_cache, (const uint16_t *)v_cache, bt, bs, kv_stride, it[2],
+                                 it[3], n_kv_heads, grp, d, qk_scale, softcap, acc, m, l, scr + part_floats);
+            else if (wide && kv_type == KV_BF16)
                 decode_split512_bf16(qt, (const uint16_t *)k_cache, (const uint16_t *)v_cache, bt, bs, kv_stride,
                                      it[2], it[3], n_kv_heads, grp, d, qk_scale, softcap, acc, m, l, s, corr, qp);
             else if (wide && kv_type == KV_FP8_E4M3)
