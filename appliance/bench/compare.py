@@ -85,17 +85,19 @@ def compare(out_dir: Path, baseline: str, labels: list[str]) -> dict:
                 "ttft_ratio": lv["ttft_ms"]["p50"] / b["ttft_ms"]["p50"] if b["ttft_ms"]["p50"] else None,
                 "failed": lv["failed"], "baseline_failed": b["failed"],
             })
-    mixed = [{"server": lb, **runs[lb]["mixed_load"]} for lb in [baseline, *labels]
-             if "error" not in runs[lb].get("mixed_load", {"error": None})]
+    mixed = [{"server": lb, **runs[lb]["mixed_load"]} for lb in [baseline, *labels]  # beside streams (none: alone)
+             if "error" not in runs[lb].get("mixed_load", {"error": None}) and runs[lb]["mixed_load"].get("streams")]
     prefill = []
     base_alone = _alone(runs[baseline])
     for lb in [baseline, *labels]:
         a = _alone(runs[lb])
         if a is not None:
             ratio = base_alone["long_prompt_ttft_ms"] / a["long_prompt_ttft_ms"] if base_alone else None
+            itl, base_itl = a.get("long_prompt_itl_p50_ms"), (base_alone or {}).get("long_prompt_itl_p50_ms")
             prefill.append({"server": lb, "prompt_tokens": a["long_prompt_len"], "ttft_ms": a["long_prompt_ttft_ms"],
                             "prompt_tok_s": a["long_prompt_len"] / a["long_prompt_ttft_ms"] * 1e3,
-                            "speedup_over_baseline": ratio})
+                            "speedup_over_baseline": ratio, "itl_ms": itl,
+                            "itl_speedup_over_baseline": base_itl / itl if itl and base_itl else None})
     return {"baseline": baseline, "host": runs[baseline].get("host"), "input_len": runs[baseline].get("input_len"),
             "output_len": runs[baseline].get("output_len"), "rows": rows, "prefill_alone": prefill,
             "mixed_load": mixed, "request_mix": request_mix(out_dir, baseline, labels)}
@@ -113,13 +115,16 @@ def markdown(result: dict) -> str:
                      f"{r['baseline_output_tok_s']:.1f} | {r['tok_s_ratio']:.2f}x | {r['ttft_p50_ms']:.0f} | "
                      f"{r['baseline_ttft_p50_ms']:.0f} | {r['ttft_ratio']:.2f} |")
     if result.get("prefill_alone"):
-        lines += ["", "A long prompt alone (`bench serve --long-prompt N --long-streams 0`):", "",
-                  "| server | prompt tokens | TTFT ms | prompt tok/s | speed-up over the baseline |",
-                  "|---|---|---|---|---|"]
+        lines += ["", "A long prompt alone (`bench serve --long-prompt N --long-streams 0`; its decode after it, at that "
+                  "context, where it asked for more than one token: `--long-prompt-tokens`):", "",
+                  "| server | prompt tokens | TTFT ms | prompt tok/s | speed-up over the baseline | its ITL p50 ms | "
+                  "decode speed-up |", "|---|---|---|---|---|---|---|"]
         for a in result["prefill_alone"]:
             ratio = f"{a['speedup_over_baseline']:.2f}x" if a["speedup_over_baseline"] else "-"
+            itl = f"{a['itl_ms']:.1f}" if a.get("itl_ms") else "-"
+            dec = f"{a['itl_speedup_over_baseline']:.2f}x" if a.get("itl_speedup_over_baseline") else "-"
             lines.append(f"| {a['server']} | {a['prompt_tokens']} | {a['ttft_ms']:.0f} | {a['prompt_tok_s']:.0f} | "
-                         f"{ratio} |")
+                         f"{ratio} | {itl} | {dec} |")
     if result.get("mixed_load"):
         lines += ["", "A long prompt arriving while streams decode (`bench serve --long-prompt`):", "",
                   "| server | long prompt tokens | its TTFT ms | streams | their ITL p50 ms | worst gap ms | "

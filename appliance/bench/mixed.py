@@ -43,9 +43,10 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict
 
 
 async def mixed_load(url: str, model: Optional[str], stream_prompts: list[list[int]], long_prompt: list[int],
-                     output_len: int, headers: dict, warmup_tokens: int = 16) -> dict:
+                     output_len: int, headers: dict, warmup_tokens: int = 16, long_output: int = 1) -> dict:
     """``len(stream_prompts)`` streams of ``output_len`` tokens; once each has
-    ``warmup_tokens``, the long prompt (one output token) arrives."""
+    ``warmup_tokens``, the long prompt (``long_output`` output tokens: past
+    one, their median gap is its decode's ITL at that context) arrives."""
     def body(prompt: list[int], max_tokens: int) -> dict:
         b = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
         return {**b, "model": model} if model else b
@@ -64,7 +65,7 @@ async def mixed_load(url: str, model: Optional[str], stream_prompts: list[list[i
             await asyncio.sleep(0.01)
         long_times: list[float] = []
         sent = time.perf_counter()
-        long_error = await _stream(client, url, body(long_prompt, 1), headers, long_times, asyncio.Event())
+        long_error = await _stream(client, url, body(long_prompt, long_output), headers, long_times, asyncio.Event())
         # each stream's next token after the long prompt's first closes its last gap; then they can stop
         end = time.perf_counter() + 60
         while long_times and time.perf_counter() < end and not all(
@@ -93,7 +94,9 @@ async def mixed_load(url: str, model: Optional[str], stream_prompts: list[list[i
         during += len(inside)
     itl = statistics.median(before) if before else None
     worst = max(gaps, default=0.0)
+    own = [b - a for a, b in zip(long_times, long_times[1:])]  # the long prompt's decode at its whole context
     return {**out, "long_prompt_ttft_ms": (first - sent) * 1e3,
+            "long_prompt_itl_p50_ms": statistics.median(own) * 1e3 if own else None,
             "stream_itl_p50_ms_before": itl * 1e3 if itl else None,
             "worst_stream_gap_ms": worst * 1e3,
             "worst_gap_over_itl": worst / itl if itl else None,

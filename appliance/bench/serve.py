@@ -307,6 +307,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--long-prompt", type=int, default=0, metavar="N",
                    help="also measure --long-streams running streams while an N-token prompt arrives (appliance.bench.mixed)")
     p.add_argument("--long-streams", type=int, default=4)
+    p.add_argument("--long-prompt-tokens", type=int, default=1, metavar="K",
+                   help="tokens the long prompt asks for: past one, the median gap between them is its decode's ITL "
+                        "at that context")
     p.add_argument("--long-stream-tokens", type=int, default=2048,
                    help="tokens each running stream asks for (it must outlast the long prompt's prefill)")
     p.add_argument("--label", default=None, help="name of the server under test in the results")
@@ -334,8 +337,10 @@ def _report(levels: list[dict], rejection: Optional[dict], mixed: Optional[dict]
         if "error" in mixed:
             print(f"mixed-load test failed: {mixed['error']}")
         else:
+            own = mixed.get("long_prompt_itl_p50_ms")
             print(f"{mixed['long_prompt_len']}-token prompt beside {mixed['streams']} streams: TTFT "
-                  f"{mixed['long_prompt_ttft_ms']:.0f} ms; the streams' worst gap {mixed['worst_stream_gap_ms']:.0f} ms "
+                  f"{mixed['long_prompt_ttft_ms']:.0f} ms" + (f", its own ITL {own:.1f} ms" if own else "") +
+                  f"; the streams' worst gap {mixed['worst_stream_gap_ms']:.0f} ms "
                   f"({mixed['worst_gap_over_itl'] or float('nan'):.1f}x their {mixed['stream_itl_p50_ms_before'] or 0:.1f} ms "
                   f"ITL), {mixed['stream_tokens_during_prefill']} tokens meanwhile")
 
@@ -372,7 +377,8 @@ def main(argv: list[str]) -> int:
             streams = random_prompts(a.long_streams, [a.input_len] * a.long_streams, vocab, seed=1)
             # a new prompt each run: a server measured twice must not answer it from its prefix cache
             long = random_prompts(1, [a.long_prompt], vocab, seed=time.time_ns())[0]
-            mixed = asyncio.run(mixed_load(url, model, streams, long, a.long_stream_tokens, headers))
+            mixed = asyncio.run(mixed_load(url, model, streams, long, a.long_stream_tokens, headers,
+                                           long_output=a.long_prompt_tokens))
     finally:
         if own:
             own.stop()

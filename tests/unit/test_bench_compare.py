@@ -39,13 +39,15 @@ def test_runs_of_one_server_merge_and_the_prompt_alone_compares(tmp_path):
             run["mixed_load"] = mixed
         (tmp_path / f"serve-{label}.json").write_text(json.dumps(run))
 
-    alone = lambda ms: {"streams": 0, "long_prompt_len": 4500, "output_len": 2048,  # noqa: E731
-                        "long_prompt_ttft_ms": ms, "stream_itl_p50_ms_before": None, "worst_stream_gap_ms": 0.0,
-                        "worst_gap_over_itl": None, "stream_tokens_during_prefill": 0}
-    for label, ms, tok in (("vllm", 30000.0, 50.0), ("appliance-bf16", 20000.0, 80.0)):
-        write(label, {8: (tok, 500.0)})
+    alone = lambda ms, itl: {"streams": 0, "long_prompt_len": 4500, "output_len": 2048,  # noqa: E731
+                             "long_prompt_ttft_ms": ms, "long_prompt_itl_p50_ms": itl,
+                             "stream_itl_p50_ms_before": None, "worst_stream_gap_ms": 0.0,
+                             "worst_gap_over_itl": None, "stream_tokens_during_prefill": 0}
+    for label, ms, tok, itl in (("vllm", 30000.0, 50.0, 90.0), ("appliance-bf16", 20000.0, 80.0, 60.0)):
+        # vllm's run is its prompt alone (as LONG_ONLY=1 keeps it): no mixed load
+        write(label, {8: (tok, 500.0)}, alone(ms, itl) if label == "vllm" else None)
         write(f"{label}-c1", {1: (tok / 5, 100.0)})
-        write(f"{label}-alone", {}, alone(ms))
+        write(f"{label}-alone", {}, alone(ms, itl))
         merged = merge(tmp_path, label, [f"{label}-c1", f"{label}-alone"])
         assert [lv["max_concurrency"] for lv in merged["levels"]] == [1, 8]
         assert merged["prefill_alone"]["long_prompt_ttft_ms"] == ms
@@ -54,8 +56,10 @@ def test_runs_of_one_server_merge_and_the_prompt_alone_compares(tmp_path):
     [base, ours] = result["prefill_alone"]
     assert base["speedup_over_baseline"] == 1.0 and ours["speedup_over_baseline"] == 1.5
     assert ours["prompt_tok_s"] == 225.0
+    assert ours["itl_ms"] == 60.0 and ours["itl_speedup_over_baseline"] == 1.5  # its decode at 4,500 tokens
+    assert result["mixed_load"] == []  # a prompt alone is no mixed load
     assert main([str(tmp_path), "vllm", "appliance-bf16"]) == 0
-    assert "| appliance-bf16 | 4500 | 20000 | 225 | 1.50x |" in (tmp_path / "compare.md").read_text()
+    assert "| appliance-bf16 | 4500 | 20000 | 225 | 1.50x | 60.0 | 1.50x |" in (tmp_path / "compare.md").read_text()
 
 
 def test_the_request_mix_compares_where_servers_ran_it(tmp_path):

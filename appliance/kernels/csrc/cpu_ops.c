@@ -1519,6 +1519,12 @@ AMX_TARGET static void blocked_rows_amx(const Linear *L, const uint16_t *xb, int
 #define AMX_FEW_BYTES (1024 * 1024)
 #define AMX_AHEAD_UNITS 4
 static inline int amx_few_rows(int64_t m, int64_t kx) { return m <= 32 || m * kx * 2 <= AMX_FEW_BYTES; }
+/* k of a panel pair few_rows_amx keeps re-laid at once: two units up to 32 rows (the one the tiles read and
+ * the next), past 32 the whole k (the next 32 rows take it from there). */
+static inline int few_rows_whole_k(int64_t m) { return m > 32; }
+static inline int64_t few_rows_laid_k(const Linear *L, int64_t m, int64_t kx) {
+    return few_rows_whole_k(m) ? kx : 2 * amx_unit(L);
+}
 
 /* Where bf16, int8 or grouped panel pn's stored weights for k [k0, k0 + kl) start, and (bytes) how many bytes
  * they take (none past k). */
@@ -1569,7 +1575,7 @@ AMX_TARGET static void few_rows_amx(const Linear *L, const uint16_t *xb, int64_t
                                     int64_t m, int64_t p0, int64_t p1, int accumulate, uint16_t *sbuf, float *wf) {
     float c[32 * 2 * PW];
     const int64_t unit = amx_unit(L), rt = kx / 32 * 1024; /* rt: bytes of a row tile's k */
-    const int whole = m > 32;
+    const int whole = few_rows_whole_k(m);
     for (int64_t pn = p0; pn < p1; pn += 2) {
         const int np = p1 - pn < 2 ? 1 : 2;
         const int64_t n0 = pn * PW, nv = (L->n < (pn + np) * PW ? L->n : (pn + np) * PW) - n0;
@@ -1626,7 +1632,7 @@ static void amx_linear(const Linear *L, const float *x, int64_t ldx, float *out,
         if (p0 < p1) {
             const int few = amx_few_rows(m, kx), grouped = grouped_panels(L);
             /* k re-laid at once: two units, or past 32 few rows the whole k (few_rows_amx), or a chunk */
-            const int64_t kc = few ? 0 : amx_chunk(L, kx), kb = few ? (m > 32 ? kx : 2 * amx_unit(L)) : kc;
+            const int64_t kc = few ? 0 : amx_chunk(L, kx), kb = few ? few_rows_laid_k(L, m, kx) : kc;
             uint16_t *pbuf = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * PW * kb);
             float *cs = few ? NULL : (float *)aligned_alloc(64, AMX_C_BYTES);
             float *wf = grouped ? (float *)aligned_alloc(64, sizeof(float) * PW * (few ? amx_unit(L) : kc)) : NULL;
