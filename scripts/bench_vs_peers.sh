@@ -104,23 +104,23 @@ smollm2_hf() {
   "$PY" -c "from appliance.config.compose import resolve; from appliance.models.loader import resolve_model_folder
 print(resolve_model_folder(resolve(['+profile=cpu'], check=False).cfg.model, 'none'))" | tail -1
 }
-make_1b() {
-  local dir="$CACHE/bench-llama-1b-random"
+# A checkpoint of random bf16 weights with SmolLM2's tokenizer: $1 its folder under $CACHE, $2 the transformers
+# architecture (Llama, Qwen2), $3 its config's fields as JSON. Made once; prints the folder.
+make_random() {
+  local dir="$CACHE/$1"
   if [ ! -f "$dir/config.json" ]; then
-    "$PY" - "$dir" "$(smollm2_hf)" <<'EOF'
-import shutil, sys
+    "$PY" - "$dir" "$(smollm2_hf)" "$2" "$3" <<'EOF'
+import json, shutil, sys
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import transformers
 
-out, tok = Path(sys.argv[1]), Path(sys.argv[2])
+out, tok, arch, fields = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
 torch.manual_seed(0)
-cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                  num_key_value_heads=8, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
-                  rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                  torch_dtype="bfloat16")
-model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+cfg = getattr(transformers, f"{arch}Config")(vocab_size=49152, tie_word_embeddings=True, bos_token_id=1,
+                                             eos_token_id=2, torch_dtype="bfloat16", **fields)
+model = getattr(transformers, f"{arch}ForCausalLM")(cfg).to(torch.bfloat16)
 model.save_pretrained(out, safe_serialization=True)
 for f in tok.iterdir():  # SmolLM2's tokenizer and chat template
     if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
@@ -129,29 +129,15 @@ EOF
   fi
   echo "$dir"
 }
+make_1b() {
+  make_random bench-llama-1b-random Llama '{"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 8192,
+    "rope_theta": 500000.0, "rms_norm_eps": 1e-5}'
+}
 make_05b() {
-  local dir="$CACHE/bench-qwen2-05b-random"
-  if [ ! -f "$dir/config.json" ]; then
-    "$PY" - "$dir" "$(smollm2_hf)" <<'EOF'
-import shutil, sys
-from pathlib import Path
-
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
-
-out, tok = Path(sys.argv[1]), Path(sys.argv[2])
-torch.manual_seed(0)
-cfg = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=49152, max_position_embeddings=32768, rope_theta=1000000.0,
-                  rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
-model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-model.save_pretrained(out, safe_serialization=True)
-for f in tok.iterdir():  # SmolLM2's tokenizer and chat template
-    if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-        shutil.copy(f, out / f.name)
-EOF
-  fi
-  echo "$dir"
+  make_random bench-qwen2-05b-random Qwen2 '{"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+    "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6}'
 }
 gguf_1b() {
   local hf=$1 f16="$CACHE/bench-llama-1b-random-f16.gguf" q="$CACHE/bench-llama-1b-random-Q4_1.gguf"
