@@ -42,10 +42,17 @@ def _disaggregated_sides(deployment: Deployment, runner: Any) -> tuple[Any, Any]
     ranks = worker_ranks(deployment)
     p = kt.p2p
     worker = None if ranks is not None else _p2p_worker(deployment, _kv_layout(deployment, runner.kv_caches))
+    assert kt.connector is not None  # sides are built for a connector only (connector_sides)
     # at most half the pool waits for consumers: a flood of unfetched prefills cannot take it all
-    return P2PConnector(kt.role, deployment.kv_engine_id, p.host or p.bind_host, _p2p_port(deployment),
+    return P2PConnector(kt.role, _engine_id(deployment), p.host or p.bind_host, _p2p_port(deployment),
                         cfg.cache.block_size, p.timeout_s, deployment.num_kv_blocks // 2, ranks or 1,
                         name=kt.connector), worker
+
+
+def _engine_id(deployment: Deployment) -> str:
+    """The name a disaggregated connector's engine goes by (its peers fetch from it by that name)."""
+    assert deployment.kv_engine_id is not None  # build_engine names every engine with a disaggregated connector
+    return deployment.kv_engine_id
 
 
 def _offload_sides(deployment: Deployment, runner: Any) -> tuple[Any, Any]:
@@ -83,7 +90,7 @@ def _p2p_worker(deployment: Deployment, layout: dict[str, Any], rank: int = 0) -
     kt = deployment.cfg.kv_transfer
     p = kt.p2p
     key = connector_key(deployment.cfg)
-    args = (kt.role, deployment.kv_engine_id, layout_key(layout), p.bind_host, _p2p_port(deployment) + rank,
+    args = (kt.role, _engine_id(deployment), layout_key(layout), p.bind_host, _p2p_port(deployment) + rank,
             p.timeout_s, key)
     try:
         if kt.connector == "nixl":
@@ -205,8 +212,10 @@ def kv_event_publisher(deployment: Deployment) -> Any:
     from appliance.server.kv_events import KVEventPublisher
 
     try:
-        curve = None if ev.curve_secret_key_file is None else (os.path.expanduser(ev.curve_secret_key_file),
-                                                               os.path.expanduser(ev.curve_authorized_keys))
+        curve = None
+        if ev.curve_secret_key_file is not None:
+            assert ev.curve_authorized_keys is not None  # validation asks for both or neither
+            curve = (os.path.expanduser(ev.curve_secret_key_file), os.path.expanduser(ev.curve_authorized_keys))
         return KVEventPublisher(ev.endpoint, ev.replay_endpoint, ev.topic, ev.buffer_steps, ev.hwm,
                                 ev.max_queue_size, deployment.data_parallel_rank,
                                 "CPU" if deployment.device == "cpu" else "GPU", ev.include_token_ids, curve)

@@ -30,6 +30,8 @@ def build_model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
     from appliance.worker.model_runner import ModelRunner
 
     cfg, ex = deployment.cfg, deployment.execution
+    backend_name = ex.backend
+    assert backend_name is not None  # composing a deployment to run refuses a host where no backend serves it
     dtype = getattr(torch, ex.dtype)
     # a tensor-parallel rank's GPU is the one its worker selected (rank_group.init_rank)
     device = torch.device(deployment.device if (tp is None and pp is None) or deployment.device == "cpu"
@@ -39,7 +41,7 @@ def build_model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
     if tp is not None:
         local = shard_arch(ModelArch.from_model_config(m), tp.size, expert_parallel=ep is not None)
         heads, kv_heads = local.num_heads, local.num_kv_heads
-    backend = load_backend(ex.backend)(heads, kv_heads, m.head_dim, attention_scale(m), ex.kv_cache_dtype,
+    backend = load_backend(backend_name)(heads, kv_heads, m.head_dim, attention_scale(m), ex.kv_cache_dtype,
                                        soft_cap=m.attn_logit_softcapping)
     eplb = cfg.parallel.eplb
     model, tokenizer, _ = load_model(m, backend, dtype, device, cfg.quantization.method, tp, pp, ep,
@@ -64,7 +66,7 @@ def build_model_runner(deployment: Deployment, tp: Any = None, pp: Any = None,
         proposer = _proposer(deployment, tokenizer, dtype, kv_dtype, device)
     runner = ModelRunner(model, backend, num_blocks, cfg.cache.block_size, mml, cfg.scheduler.max_num_seqs, dtype,
                          kv_dtype, device, tokenizer.eos_token_id, seed=m.seed, proposer=proposer,
-                         disable_spec_above=spec.disable_by_batch_size, bitmask_kernel=_bitmask_kernel(ex.backend),
+                         disable_spec_above=spec.disable_by_batch_size, bitmask_kernel=_bitmask_kernel(backend_name),
                          kv_groups=kv_group_specs(deployment),
                          layer_placement=kv_layout(m, mml).placement())
     return runner, tokenizer
@@ -77,7 +79,9 @@ def _proposer(deployment: Deployment, tokenizer: Any, dtype: Any, kv_dtype: Any,
     if spec.method == "ngram":
         from appliance.worker.spec_decode import NgramProposer
 
-        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, mml)
+        lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
+        assert lo is not None and hi is not None  # resolving fills either from the other, or both (compose.py)
+        return NgramProposer(spec.num_speculative_tokens, lo, hi, mml)
     if spec.method == "draft_model":
         return _draft_proposer(cfg, deployment.execution, tokenizer, deployment.num_kv_blocks, dtype, kv_dtype,
                                device, mml)

@@ -30,13 +30,16 @@ def step_runner(deployment: Deployment) -> tuple[Any, Any, Optional[Any]]:
         return runner, tokenizer, None
     from appliance.models.loader import load_tokenizer
 
-    if lay.executor == "mp":
-        from appliance.worker.executor import MultiprocExecutor as Executor
-    else:
-        from appliance.worker.ray_executor import RayExecutor as Executor
     tokenizer = load_tokenizer(cfg.model, cfg.quantization.method)
     prepare_draft(cfg)  # once, here: the ranks each load it
-    runner: Any = Executor(rank_group(deployment))
+    if lay.executor == "mp":
+        from appliance.worker.executor import MultiprocExecutor
+
+        runner = MultiprocExecutor(rank_group(deployment))
+    else:
+        from appliance.worker.ray_executor import RayExecutor
+
+        runner = RayExecutor(rank_group(deployment))
     if not lay.experts_across_cores:
         return runner, tokenizer, None
     from appliance.worker.lockstep import Lockstep, LockstepRunner  # the ranks exchange with the other cores' ranks
