@@ -167,7 +167,7 @@ def main(argv: list[str]) -> int:
     res = run(cfg, rows, a.mib, a.repeat, load_or_measure(a.out), against_torch=a.torch)
     res["kernel_variants"] = kernel_variants()
     path = write_results(a.out, "gemm", res)
-    series = {}
+    series: dict[str, tuple[list, list]] = {}
     for r in res["results"]:
         xs, ys = series.setdefault(f"{r['projection']} ({r['path']})", ([], []))
         xs.append(r["rows"])

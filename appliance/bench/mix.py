@@ -247,14 +247,14 @@ async def verify(url: str, model: Optional[str], sent: list[Sent], k: int, heade
                  continuous: bool) -> dict:
     """Send ``k`` finished greedy requests again, one at a time: did the load change their answers?"""
     chosen = [s for s in sent if s.outcome.ok and s.request.greedy and s.outcome.text is not None][:k]
-    changed = []
+    changed: list[dict] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
         for s in chosen:
             alone = await send(client, url, s.request, model, headers, continuous)
             if not alone.ok:
                 changed.append({"kind": s.request.kind, "error": alone.error})
                 continue
-            a, b = s.outcome.text, alone.text or ""
+            a, b = s.outcome.text or "", alone.text or ""
             if s.request.cut_after is not None:  # a cut stream: its text is a prefix of the answer alone
                 n = min(len(a), len(b))
                 a, b = a[:n], b[:n]

@@ -25,12 +25,16 @@ import os
 import secrets
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 from appliance.bench.common import plot_bars, random_prompts, split_overrides, write_results
 from appliance.config.kv_connectors import KV_CONNECTORS
 
+if TYPE_CHECKING:
+    from appliance.entrypoint import RequestOutput
 
-def _timed(llm, prompt: list[int], params) -> tuple[float, object]:
+
+def _timed(llm, prompt: list[int], params) -> tuple[float, RequestOutput]:
     t = time.perf_counter()
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     return (time.perf_counter() - t) * 1e3, out

@@ -88,7 +88,7 @@ def run(llm: Any, prompts: list[str], concurrency: int, output_len: int) -> dict
     with counting_steps(llm.engine) as counter:
         elapsed, n_out, n_req = _timed(llm, prompts, concurrency, SamplingParams(max_tokens=output_len, temperature=0))
     s = llm.engine.stats()
-    res = {"elapsed_s": elapsed, "output_tokens": n_out, "output_tok_s": n_out / elapsed, "steps": counter["steps"],
+    res: dict[str, Any] = {"elapsed_s": elapsed, "output_tokens": n_out, "output_tok_s": n_out / elapsed, "steps": counter["steps"],
            "prefill_s": prefill_s, "decode_tok_s": (n_out - n_req) / max(1e-9, elapsed - prefill_s)}
     if s.spec_drafts:
         res.update({"drafts": s.spec_drafts, "draft_tokens": s.spec_draft_tokens, "accepted": s.spec_accepted_tokens,
