@@ -163,6 +163,7 @@ def check(so: StructuredOutputsParams, max_whitespace: Optional[int] = None,
                                   f"is the most a constraint may be", param)
     try:
         if kind == "json":
+            assert isinstance(so.json, str)  # kind "json": a schema, serialized when it came as a dict
             schema = _load_schema(so.json, limits.max_depth, param)
             if bad := external_refs(schema):
                 raise SamplingParamsError("the JSON schema refers outside itself (" + ", ".join(bad[:4])
@@ -177,6 +178,7 @@ def check(so: StructuredOutputsParams, max_whitespace: Optional[int] = None,
         if kind == "regex":
             return xgr.Grammar.from_regex(so.regex)
         if kind == "choice":
+            assert so.choice is not None  # kind "choice": choices given
             return xgr.Grammar.from_ebnf(_choice_grammar(so.choice))
         return xgr.Grammar.from_ebnf(so.grammar)
     except RuntimeError as e:  # xgrammar's parse errors: "[time] file:line: message"
@@ -230,6 +232,7 @@ def check_writable(so: StructuredOutputsParams, spelling: TokenSpelling) -> None
     the vocabulary: tokens could start it, then the mask would allow nothing."""
     if so.kind != "choice":
         return
+    assert so.choice is not None  # kind "choice": choices given
     for k, choice in enumerate(so.choice):
         text = choice.encode("utf-8", "surrogatepass")
         at = spelling.dead_end(text)

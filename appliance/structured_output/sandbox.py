@@ -20,7 +20,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import IO, Any, Optional
 
 from appliance.structured_output.check import _MESSAGE_CHARS, _xgr
 
@@ -133,7 +133,7 @@ class CompileSandbox:
                 closed = self._closed
             if closed:
                 if helper is not None:
-                    helper.stdin.close()  # the helper kills its children and exits
+                    _stdin(helper).close()  # the helper kills its children and exits
                     try:
                         helper.wait(timeout=10)
                     except subprocess.TimeoutExpired:
@@ -159,12 +159,12 @@ class CompileSandbox:
                 _send(helper, {"compile": tid, "grammar": text})
                 running[tid] = (fut, time.monotonic() + self.timeout_s)
             wait_s = max(0.0, min((d for _, d in running.values()), default=time.monotonic() + 3600) - time.monotonic())
-            fds = [self._wake_r] + ([helper.stdout.fileno()] if helper is not None else [])
+            fds = [self._wake_r] + ([_stdout(helper).fileno()] if helper is not None else [])
             ready, _, _ = select.select(fds, [], [], wait_s)
             if self._wake_r in ready:
                 os.read(self._wake_r, 4096)
-            if helper is not None and helper.stdout.fileno() in ready:
-                data = os.read(helper.stdout.fileno(), 1 << 16)
+            if helper is not None and _stdout(helper).fileno() in ready:
+                data = os.read(_stdout(helper).fileno(), 1 << 16)
                 if not data:  # the helper is gone: its children with it
                     code = helper.wait()
                     log.error("the grammar compile helper exited (status %s)", code)
@@ -178,6 +178,7 @@ class CompileSandbox:
                         self._settle(entry[0], msg)
             now = time.monotonic()
             for tid in [t for t, (_, d) in running.items() if d <= now]:
+                assert helper is not None  # trials run only beside a helper (its exit fails them all)
                 fut, _ = running.pop(tid)
                 _send(helper, {"kill": tid})
                 _resolve(fut, error=CompileRefused(f"took longer than structured_output.compile_timeout_s="
@@ -193,13 +194,13 @@ class CompileSandbox:
         env["MALLOC_ARENA_MAX"] = "1"
         helper = subprocess.Popen([sys.executable, "-m", "appliance.structured_output"], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, env=env)
-        helper.stdin.write(_frame(self._init))
-        helper.stdin.flush()
+        _stdin(helper).write(_frame(self._init))
+        _stdin(helper).flush()
         buf = bytearray()
         deadline = time.monotonic() + 120
         while not _unframe(buf):  # the helper's one answer: ready
-            ready, _, _ = select.select([helper.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            data = os.read(helper.stdout.fileno(), 1 << 16) if ready else b""
+            ready, _, _ = select.select([_stdout(helper)], [], [], max(0.0, deadline - time.monotonic()))
+            data = os.read(_stdout(helper).fileno(), 1 << 16) if ready else b""
             if not data:
                 helper.kill()
                 helper.wait()
@@ -236,10 +237,20 @@ class CompileSandbox:
                 _resolve(fut, error=CompileRefused(message))
 
 
+def _stdin(helper: subprocess.Popen) -> IO[bytes]:
+    assert helper.stdin is not None  # the helper starts with its stdin and stdout piped (_start_helper)
+    return helper.stdin
+
+
+def _stdout(helper: subprocess.Popen) -> IO[bytes]:
+    assert helper.stdout is not None
+    return helper.stdout
+
+
 def _send(helper: subprocess.Popen, msg: dict) -> None:
     try:
-        helper.stdin.write(_frame(msg))
-        helper.stdin.flush()
+        _stdin(helper).write(_frame(msg))
+        _stdin(helper).flush()
     except BrokenPipeError:  # the helper is gone: its stdout's end is read next, and fails what it ran
         pass
 
@@ -285,7 +296,7 @@ def _helper_main() -> None:
     children) when stdin closes, and only then: a terminal's Ctrl-C reaches
     the whole process group, and is the server's to act on."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    stdin, stdout = sys.stdin.buffer.raw, sys.stdout.buffer
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer  # stdin read by its descriptor alone
     buf = bytearray()
     init: Optional[dict] = None
     while init is None:
