@@ -78,7 +78,8 @@ async def mixed_load(url: str, model: Optional[str], stream_prompts: list[list[i
         # a string is a stream's own error; an exception one it did not expect (a cancelled stream is neither)
         errors = [e if isinstance(e, str) else f"{type(e).__name__}: {e}" for e in results
                   if isinstance(e, (str, Exception))] + ([long_error] if long_error else [])
-    out = {"streams": n, "long_prompt_len": len(long_prompt), "output_len": output_len}
+    out = {"streams": n, "long_prompt_len": len(long_prompt), "output_len": output_len,
+           "long_prompt_tokens": long_output}
     if errors or not long_times:
         return {**out, "error": errors[0] if errors else "the long prompt streamed no token"}
     first = long_times[0]
@@ -94,7 +95,9 @@ async def mixed_load(url: str, model: Optional[str], stream_prompts: list[list[i
         during += len(inside)
     itl = statistics.median(before) if before else None
     worst = max(gaps, default=0.0)
-    own = [b - a for a, b in zip(long_times, long_times[1:])]  # the long prompt's decode at its whole context
+    # the long prompt's decode at its whole context: the gaps between its chunks (a server sends none for a token
+    # whose text it holds back, such as part of a character; None with fewer than two chunks)
+    own = [b - a for a, b in zip(long_times, long_times[1:])]
     return {**out, "long_prompt_ttft_ms": (first - sent) * 1e3,
             "long_prompt_itl_p50_ms": statistics.median(own) * 1e3 if own else None,
             "stream_itl_p50_ms_before": itl * 1e3 if itl else None,
