@@ -85,3 +85,4 @@ class RopeScalingType(StrEnum):
     llama3 = "llama3"
     linear = "linear"
     yarn = "yarn"
+    longrope = "longrope"

@@ -13,13 +13,16 @@ from appliance.config.architectures import Architecture, by_model_type, support
 from appliance.config.facts import Fact, shown
 from appliance.config.kv_groups import FULL, SLIDING
 
-ROPE_SCALING_TYPES = ("llama3", "linear", "yarn")
+ROPE_SCALING_TYPES = ("llama3", "linear", "yarn", "longrope")
 YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
-# each rope scaling's keys besides its type: those it needs, then those it may set
+LONGROPE_KEYS = ("short_factor", "long_factor")
+# each rope scaling's keys besides its type: those it needs, then those it may set (longrope's
+# original_max_position_embeddings and factor: see _longrope_facts)
 ROPE_SCALING_KEYS = {
     "linear": (("factor",), ()),
     "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
     "yarn": (("factor", "original_max_position_embeddings"), YARN_KEYS),
+    "longrope": (LONGROPE_KEYS, ("attention_factor",)),
 }
 
 
@@ -91,17 +94,41 @@ def _rope_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
         problems.append(f"partial_rotary_factor={partial} (rope over part of each head) is not built yet")
     scaling = hf.get("rope_scaling") or rope
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if row.model_type == "phi3" and rope_type in ("su", "yarn"):  # as transformers' Phi3Config reads them
+        rope_type = "longrope"
+    if rope_type == "longrope":
+        facts += _longrope_facts(hf, scaling)
     if rope_type == "default":
         facts.append(Fact("rope_scaling.type", "none", "no rope scaling"))
     elif rope_type in ROPE_SCALING_TYPES:
         facts.append(Fact("rope_scaling.type", rope_type, f"rope scaling {rope_type}"))
         needed, optional = ROPE_SCALING_KEYS[rope_type]
-        facts += [Fact(f"rope_scaling.{k}", scaling[k], f"rope scaling {k}={shown(scaling[k])}")
+        facts += [Fact(f"rope_scaling.{k}", [float(v) for v in scaling[k]], f"rope scaling {k} ({len(scaling[k])} values)")
+                  if isinstance(scaling[k], list) else Fact(f"rope_scaling.{k}", scaling[k], f"rope scaling {k}={shown(scaling[k])}")
                   for k in (*needed, *optional) if k in scaling]
         problems += [f"rope scaling {rope_type} has no {k}" for k in needed if k not in scaling]
     else:
         problems.append(f"rope scaling {rope_type} is not supported; supported: {', '.join(ROPE_SCALING_TYPES)}")
     return facts, problems
+
+
+def _longrope_facts(hf: dict, scaling: dict) -> list[Fact]:
+    """LongRoPE's original context, as transformers takes it: config.json's own original_max_position_embeddings
+    (Phi-3's), else rope_scaling's, else max_position_embeddings; and its factor (what the default attention factor
+    comes from): rope_scaling's, else max_position_embeddings over that original context."""
+    if "original_max_position_embeddings" in hf:
+        original, where = int(hf["original_max_position_embeddings"]), "original_max_position_embeddings"
+    elif "original_max_position_embeddings" in scaling:
+        original, where = int(scaling["original_max_position_embeddings"]), "rope scaling original_max_position_embeddings"
+    else:
+        original, where = int(hf.get("max_position_embeddings", 0)), "max_position_embeddings (no original one)"
+    facts = [Fact("rope_scaling.original_max_position_embeddings", original, f"{where}={original}")]
+    if scaling.get("factor") is not None:
+        return facts + [Fact("rope_scaling.factor", float(scaling["factor"]), f"rope scaling factor={scaling['factor']}")]
+    if original and hf.get("max_position_embeddings"):
+        factor = hf["max_position_embeddings"] / original
+        facts.append(Fact("rope_scaling.factor", factor, f"max_position_embeddings/{where.split('=')[0]}={factor:g}"))
+    return facts
 
 
 def _window_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:

@@ -44,8 +44,13 @@ class RopeScaling:
     beta_slow: float = 1.0
     mscale: Optional[float] = None
     mscale_all_dim: Optional[float] = None
-    attention_factor: Optional[float] = None
+    attention_factor: Optional[float] = None  # yarn's and longrope's (longrope's null: from factor)
     truncate: bool = True
+    # longrope (Phi-3's): each frequency's divisor, one per pair of rotated dimensions; a sequence whose prompt
+    # passes original_max_position_embeddings takes long_factor at every position, any other short_factor up to
+    # there and long_factor from there on (as transformers computes each step of one sequence)
+    short_factor: Optional[list[float]] = None
+    long_factor: Optional[list[float]] = None
 
 
 @dataclass

@@ -14,7 +14,7 @@ from appliance.config.kv_connectors import kv_transfer_problems
 from appliance.config.kv_groups import LAYER_TYPES, SLIDING, kv_group_problems
 from appliance.config.memory import GIB, blocks_per_request, device_memory, max_model_len
 from appliance.config.quantization import FP8_HARDWARE, quantization_problems
-from appliance.config.hf_facts import MOE_KEYS, YARN_KEYS
+from appliance.config.hf_facts import LONGROPE_KEYS, MOE_KEYS, YARN_KEYS
 from appliance.config.schema import ApplianceConfig, EplbConfig, ModelConfig, RopeScaling, SchedulerConfig
 from appliance.config.validate_serving import kv_events_problems, router_problems, tracing_problems
 from appliance.kernels.registry import BACKENDS
@@ -251,6 +251,26 @@ def _layer_type_problems(m: ModelConfig) -> list[str]:
     return problems
 
 
+def _rope_scaling_problems(m: ModelConfig) -> list[str]:
+    """Keys of one rope scaling set under another (YaRN's, LongRoPE's factor lists), and LongRoPE without its
+    lists or with lists that do not name every rotated pair."""
+    rs, rs_defaults = m.rope_scaling, RopeScaling()
+    theirs = {"yarn": set(YARN_KEYS), "longrope": {*LONGROPE_KEYS, "attention_factor"}}
+    names = {"yarn": "YaRN", "longrope": "LongRoPE"}
+    problems = [f"model.rope_scaling.{k}={getattr(rs, k)} is {names[owner]}'s; model.rope_scaling.type={rs.type}: "
+                f"set model.rope_scaling.type={owner} or leave it at {getattr(rs_defaults, k)}"
+                for owner, keys in theirs.items() if rs.type != owner
+                for k in sorted(keys - theirs.get(rs.type, set())) if getattr(rs, k) != getattr(rs_defaults, k)]
+    if rs.type == "longrope":
+        pairs = m.head_dim // 2
+        for k in LONGROPE_KEYS:
+            v = getattr(rs, k)
+            if v is None or len(v) != pairs or not all(x > 0 for x in v):
+                problems.append(f"model.rope_scaling.{k} must be {pairs} positive divisors (one per pair of the "
+                                f"{m.head_dim} rotated dimensions) with model.rope_scaling.type=longrope; it is {v}")
+    return problems
+
+
 def _length_problems(cfg: ApplianceConfig) -> list[str]:
     """Lengths and token budgets."""
     m, s = cfg.model, cfg.scheduler
@@ -262,11 +282,7 @@ def _length_problems(cfg: ApplianceConfig) -> list[str]:
             f"lower model.max_model_len"
         )
     problems += _layer_type_problems(m)
-    rs, rs_defaults = m.rope_scaling, RopeScaling()
-    if rs.type != "yarn":  # YaRN's own keys mean nothing to another scaling
-        problems += [f"model.rope_scaling.{k}={getattr(rs, k)} is YaRN's; model.rope_scaling.type={rs.type}: set "
-                     f"model.rope_scaling.type=yarn or leave it at {getattr(rs_defaults, k)}"
-                     for k in YARN_KEYS if getattr(rs, k) != getattr(rs_defaults, k)]
+    problems += _rope_scaling_problems(m)
     if m.sliding_window is not None and m.sliding_window < 1:
         problems.append(f"model.sliding_window={m.sliding_window} must be at least 1 (or null: none)")
     if not s.enable_chunked_prefill and s.max_num_batched_tokens < mml:

@@ -69,6 +69,10 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # a LongRoPE model's sequence past its original context (set by the scheduler): every position takes the
+        # long frequencies, so its blocks' KV is not that of the same tokens in a shorter one (hashed apart:
+        # kv_cache/hashing.py)
+        self.long_rope = False
         self.lora_id = lora_id
         # (start offset, length, content hash) of multimodal placeholders
         self.mm_hashes = mm_hashes or []

@@ -86,7 +86,7 @@ class Scheduler:
                  max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True,
                  long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1,
                  max_long_partial_prefills: int = 1, num_lookahead_tokens: int = 0,
-                 connector: Optional[KVConnectorScheduler] = None):
+                 connector: Optional[KVConnectorScheduler] = None, long_rope_from: Optional[int] = None):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.kv = kv_cache_manager
@@ -100,6 +100,9 @@ class Scheduler:
         self.max_long_partial_prefills = max_long_partial_prefills
         self.num_lookahead_tokens = num_lookahead_tokens
         self.connector = connector  # a KV connector's scheduler side (engine/kv_connector.py), or None
+        # a LongRoPE model's original context: a sequence longer than this takes the long frequencies at every
+        # position (Request.long_rope), one that grows past it is computed again with them (_restarts_long)
+        self.long_rope_from = long_rope_from
         # ranks that do not sample (pipeline stages before the last) need each step's tokens
         self.send_token_ids = False
         self._in_flight: set[str] = set()  # requests of steps not back yet: not preempted (see schedule)
@@ -122,6 +125,7 @@ class Scheduler:
         if need > self.kv.num_blocks - 1:  # it would wait (or preempt itself) for ever
             raise ValueError(f"prompt of {request.num_tokens} tokens needs {need} KV cache blocks to run; the cache "
                              f"has {self.kv.num_blocks - 1}")
+        request.long_rope = self.long_rope_from is not None and request.num_tokens > self.long_rope_from
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -199,6 +203,8 @@ class Scheduler:
                 continue  # preempted to make room for an earlier one
             num_new = budget.cap(req.num_tokens_with_spec - req.num_computed_tokens)
             num_new = min(num_new, self.max_model_len - 1 - req.num_computed_tokens)
+            if self._restarts_long(req, num_new, budget):
+                continue
             # Drafts past what the budget or the length allows are dropped, not verified.
             del req.spec_token_ids[max(0, req.num_computed_tokens + num_new - req.num_tokens):]
             if num_new <= 0 or not budget.admits(req, num_new):
@@ -383,17 +389,28 @@ class Scheduler:
             self._preempt(max(victims, key=_rank), budget)
         return fits()
 
-    def _preempt(self, victim: Request, budget: _Budget) -> None:
-        """Preempt by recompute: free its KV, back to the front of the queue."""
+    def _preempt(self, victim: Request, budget: _Budget, counted: bool = True) -> None:
+        """Preempt by recompute: free its KV, back to the front of the queue (counted: as a preemption)."""
         self.running.remove(victim)
         budget.preempt(victim)
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
+        victim.num_preemptions += counted
+        self.num_preemptions += counted
         self.waiting.prepend(victim)
+
+    def _restarts_long(self, req: Request, num_new: int, budget: _Budget) -> bool:
+        """Whether this step would take a LongRoPE sequence on the short frequencies past the original context
+        (``long_rope_from``): then, once no step of it is in flight, it is computed again, every position on the
+        long ones (as transformers' Phi-3 drops its cache there), its blocks hashed as a long prompt's."""
+        if self.long_rope_from is None or req.long_rope or req.num_computed_tokens + num_new <= self.long_rope_from:
+            return False
+        if req.request_id not in self._in_flight:
+            req.long_rope, req.block_hashes = True, []
+            self._preempt(req, budget, counted=False)
+        return True
 
     # ------------------------------------------------------------------------
     def update_from_output(self, sched_out: SchedulerOutput, sampled_token_ids: dict[str, list[int]],

@@ -66,6 +66,9 @@ class ModelArch:
                 scaling.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, mscale=rs.mscale,
                                mscale_all_dim=rs.mscale_all_dim, attention_factor=rs.attention_factor,
                                truncate=rs.truncate)
+            if rs_type == "longrope":
+                scaling.update(short_factor=tuple(rs.short_factor or ()), long_factor=tuple(rs.long_factor or ()),
+                               attention_factor=rs.attention_factor)
         return ModelArch(
             architecture=m.architecture,
             num_layers=m.num_layers,

@@ -29,7 +29,7 @@ from appliance.models.layers.mlp import MLP
 from appliance.models.layers.moe import ExpertParallel, SparseMoe
 from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.parallel import PipelineParallel, TensorParallel, shard_arch
-from appliance.models.layers.rotary import rope_tables
+from appliance.models.layers.rotary import rope_long_rows, rope_tables
 
 if TYPE_CHECKING:  # the backend is handed in; the model never picks one
     from appliance.kernels.base import AttentionBackend
@@ -168,6 +168,10 @@ class LlamaForCausalLM(nn.Module):
         # (cos, sin) [positions, head_dim] in the model dtype, set by rope_cache(); a
         # new tuple on every call, so a holder of derived tables can tell they changed.
         self.rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.rope_positions = 0  # the positions the tables cover
+        # LongRoPE's (original context, row offset of the long rows): the rows a step's tokens take
+        # (worker/model_runner.rope_table_rows); None: a token's row is its position
+        self.rope_long: Optional[tuple[int, int]] = None
         self.lm_head_q: Optional[nn.Module] = None  # set by quantize_int8_weight_only
         self.eplb: Any = None  # set by enable_eplb
         # a KV connector's worker side (worker/kv_connector.py), called around each layer on this path
@@ -226,6 +230,7 @@ class LlamaForCausalLM(nn.Module):
     def rope_cache(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
         cos, sin = rope_tables(self.arch, max_positions, device)
         self.rope = (cos.to(dtype), sin.to(dtype))
+        self.rope_positions, self.rope_long = max_positions, rope_long_rows(self.arch, max_positions)
 
     def rope_rows(self, positions: torch.Tensor) -> tuple[Any, Any]:
         """The rope rows of a step's positions as every layer takes them: cos and sin [T, 1, head_dim]."""
@@ -238,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
         assert self.rope is not None, "call rope_cache() once before weights_view()"
         cos, sin = self.rope
         if cos.dtype != torch.float32:  # fp32 angles, not bf16-rounded ones
-            cos, sin = rope_tables(self.arch, cos.shape[0])
+            cos, sin = rope_tables(self.arch, self.rope_positions)
         layers = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp

@@ -103,7 +103,12 @@ def hf_config_dict(m: ModelConfig, vocab_size: int) -> dict:
                    decoder_sparse_step=m.decoder_sparse_step, mlp_only_layers=list(m.mlp_only_layers))
     rs = m.rope_scaling
     rs_type = rs.type
-    if rs_type != "none":
+    if rs_type == "longrope":  # its own keys; Phi-3's original context is config.json's own key (it comes first)
+        cfg["rope_scaling"] = {"rope_type": rs_type, "factor": rs.factor, "short_factor": list(rs.short_factor or []),
+                               "long_factor": list(rs.long_factor or []),
+                               **({} if rs.attention_factor is None else {"attention_factor": rs.attention_factor})}
+        cfg["original_max_position_embeddings"] = rs.original_max_position_embeddings
+    elif rs_type != "none":
         cfg["rope_scaling"] = {"rope_type": rs_type, "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
                                "high_freq_factor": rs.high_freq_factor,
                                "original_max_position_embeddings": rs.original_max_position_embeddings}

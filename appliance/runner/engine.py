@@ -72,6 +72,7 @@ def _scheduler(deployment: Deployment, connector: Any) -> Scheduler:
         # a draft model writes its K/V at the positions of its drafts, past the step
         num_lookahead_tokens=cfg.speculative.num_speculative_tokens if cfg.speculative.method == "draft_model" else 0,
         connector=connector,
+        long_rope_from=rs.original_max_position_embeddings if (rs := cfg.model.rope_scaling).type == "longrope" else None,
     )
 
 

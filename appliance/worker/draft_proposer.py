@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from appliance.worker.kv_memory import zeroed_kv_cache
+from appliance.worker.model_runner import rope_table_rows
 from appliance.worker.sampler import _probs, _race, position_generator
 
 if TYPE_CHECKING:
@@ -70,7 +71,8 @@ class DraftModelProposer:
             states, np.array(starts, dtype=np.int64), counts, np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens]))
         metadata = self.backend.build_metadata(groups[0])  # a one-group cache: validation refuses a draft with more
         dev = runner.device
-        return self._forward()(torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), self.kv_caches,
+        rows = rope_table_rows(self.model, positions, states, counts)
+        return self._forward()(torch.from_numpy(ids).to(dev), torch.from_numpy(rows).to(dev), self.kv_caches,
                                metadata, torch.from_numpy(qsl[1:][want] - 1).to(dev)).float().cpu()
 
     def _draw(self, runner: ModelRunner, s: CachedRequestState, logits: torch.Tensor, position: int

@@ -79,6 +79,21 @@ def runs_native_forward(backend: Any, model: Any) -> bool:
                           and getattr(model, "eplb", None) is None)
 
 
+def rope_table_rows(model: Any, positions: np.ndarray, states: list[CachedRequestState],
+                    counts: np.ndarray) -> np.ndarray:
+    """The rope-table row of each token of a step (``counts[i]`` tokens of ``states[i]`` in turn): its position, or
+    for a LongRoPE model (``model.rope_long``) the long row where its sequence holds more tokens than the original
+    context (``models/layers/rotary.rope_long_rows``): at every position, as the scheduler computes a sequence
+    again when it grows past that (``Scheduler._restart_long``). A request's rows depend on its own tokens alone,
+    whatever shares the step and however its prompt is chunked."""
+    long = getattr(model, "rope_long", None)
+    if long is None:
+        return positions
+    original, offset = long
+    lengths = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=len(states))
+    return positions + offset * np.repeat(lengths > original, counts)
+
+
 @dataclass
 class CachedRequestState:
     req_id: str
@@ -308,6 +323,7 @@ class ModelRunner:
         input_ids = np.concatenate([np.asarray((s.token_ids + s.spec if s.spec else s.token_ids)[c : c + n],
                                                dtype=np.int64) for s, c, n in zip(states, computed, counts)])
         input_ids, positions, groups, qsl = self.batch_inputs(states, computed, counts, input_ids)
+        rows = rope_table_rows(self.model, positions, states, counts)
         seq_lens = computed + counts
         sampling = [i for i, s in enumerate(states) if seq_lens[i] >= len(s.token_ids)]
         # a request verifying drafts gets a row at each draft position and one past them
@@ -327,7 +343,7 @@ class ModelRunner:
         self.model.kv_layer_hooks = None if whole_step else connector
         logits = self.step_forward()(
             torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(positions).to(dev),
+            torch.from_numpy(rows).to(dev),
             self.kv_caches,
             metadata,
             torch.from_numpy(logits_indices).to(dev),

@@ -470,8 +470,22 @@ def test_checkpoint_attention_windows_and_rotary_forms():
     assert ("sliding_window", None) in [(f.key, f.value) for f in hf_facts({**phi3, "sliding_window": None})[0]]
     assert "partial_rotary_factor=0.75 (rope over part of each head) is not built yet" in \
         hf_facts({**phi3, "partial_rotary_factor": 0.75})[1]
-    assert "rope scaling longrope is not supported; supported: llama3, linear, yarn" in \
-        hf_facts({**phi3, "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}})[1]
+    # Phi-3-mini-128k's LongRoPE: config.json's own original context, the factor from the two lengths; "su" (an
+    # older name) read as longrope, as transformers reads it for Phi-3
+    short, long = [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0], [2.0] * 8
+    longrope = {**phi3, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+                "rope_scaling": {"type": "su", "short_factor": short, "long_factor": long}}
+    facts, problems = hf_facts(longrope)
+    facts = {f.key: f.value for f in facts}
+    assert problems == [] and facts["rope_scaling.type"] == "longrope" and facts["rope_scaling.factor"] == 32.0
+    assert facts["rope_scaling.original_max_position_embeddings"] == 4096
+    assert facts["rope_scaling.short_factor"] == short and facts["rope_scaling.long_factor"] == long
+    given = {**longrope, "rope_scaling": {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                                          "factor": 8.0, "original_max_position_embeddings": 1024}}
+    facts = {f.key: f.value for f in hf_facts(given)[0]}  # config.json's own original context comes first
+    assert (facts["rope_scaling.factor"], facts["rope_scaling.original_max_position_embeddings"]) == (8.0, 4096)
+    assert "rope scaling longrope has no long_factor" in hf_facts(
+        {**phi3, "rope_scaling": {"type": "longrope", "short_factor": short}})[1]
     qwen2 = {**phi3, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False}
     assert ("sliding_window", None) in [(f.key, f.value) for f in hf_facts(qwen2)[0]]  # off: Qwen2's window is unused
     facts = {f.key: f.value for f in hf_facts({**qwen2, "use_sliding_window": True, "max_window_layers": 1})[0]}
@@ -505,6 +519,23 @@ def test_yarns_keys_are_refused_under_another_rope_scaling():
         resolve(["+profile=cpu", "model=tiny_random", "model.rope_scaling.beta_fast=16"])
     assert resolve(["+profile=cpu", "model=tiny_random", "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4",
                     "model.rope_scaling.beta_fast=16"]).cfg.model.rope_scaling.beta_fast == 16.0
+
+
+def test_longrope_takes_a_divisor_for_every_rotated_pair_and_only_its_own_keys():
+    base = ["+profile=cpu", "model=tiny_random", "model.architecture=Phi3ForCausalLM"]  # head_dim 16: 8 pairs
+    eight = "[1,1,1,1,2,2,2,2]"
+    longrope = [*base, "model.rope_scaling.type=longrope", "model.rope_scaling.original_max_position_embeddings=64"]
+    cfg = resolve([*longrope, f"model.rope_scaling.short_factor={eight}", f"model.rope_scaling.long_factor={eight}",
+                   "model.rope_scaling.attention_factor=1.1"]).cfg
+    assert cfg.model.rope_scaling.long_factor == [1, 1, 1, 1, 2, 2, 2, 2]
+    with pytest.raises(ConfigError, match=r"model.rope_scaling.long_factor must be 8 positive divisors"):
+        resolve([*longrope, f"model.rope_scaling.short_factor={eight}", "model.rope_scaling.long_factor=[1,2]"])
+    with pytest.raises(ConfigError, match=r"model.rope_scaling.short_factor must be 8 positive divisors"):
+        resolve([*longrope, "model.rope_scaling.short_factor=[1,1,1,1,2,2,2,0]", f"model.rope_scaling.long_factor={eight}"])
+    with pytest.raises(ConfigError, match=r"model.rope_scaling.short_factor=\[.*\] is LongRoPE's; "
+                                          r"model.rope_scaling.type=yarn"):
+        resolve([*base, "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4",
+                 f"model.rope_scaling.short_factor={eight}"])
 
 
 def test_gemma3_checkpoint_facts():

@@ -94,6 +94,8 @@ ALTERNATIVES = {
     "model.num_heads": 3,
     "model.max_position_embeddings": 4096,
     "model.rope_scaling.type": "linear",
+    "model.rope_scaling.short_factor": [1.0] * 32,  # SmolLM2's 64-wide heads: one per rotated pair
+    "model.rope_scaling.long_factor": [1.0] * 32,
     "quantization.weight_bits": 8.0,
     "quantization.method": "int8_wo",
     "quantization.activations": False,

@@ -119,6 +119,38 @@ def test_preempted_request_hits_its_own_blocks_on_resume():
     assert resumed.token_ids == list(range(20, 28)) + [7]
 
 
+def test_a_longrope_sequence_growing_past_the_original_context_is_computed_again_once():
+    """LongRoPE (long_rope_from=8): a prompt of 8 tokens decodes on short frequencies; the step that would take it
+    to 9 tokens sends it back instead, to compute all of them again on long ones (no preemption counted), its
+    blocks hashed as a long prompt's: they serve a longer prompt of the same tokens, never a short one."""
+    s = make_scheduler(num_blocks=20, block_size=4, budget=64, long_rope_from=8)
+    s.add_request(make_req("a", range(1, 8), max_tokens=4))  # 7 tokens
+    s.add_request(make_req("long", range(1, 10), max_tokens=1))  # 9 tokens: long from the start
+    assert not s.requests["a"].long_rope and s.requests["long"].long_rope
+    out, _ = null_step(s)
+    assert out.num_scheduled_tokens == {"a": 7, "long": 9}
+    short_hashes = list(s.requests["a"].block_hashes)
+    out, _ = null_step(s)  # a feeds its 8th token: still within the context
+    assert out.num_scheduled_tokens == {"a": 1}
+    out, _ = null_step(s)  # its 9th would pass it: a goes back
+    assert out.num_scheduled_tokens == {} and out.preempted_req_ids == {"a"} and s.num_preemptions == 0
+    a = s.requests["a"]
+    assert a.long_rope and a.num_computed_tokens == 0
+    out, _ = null_step(s)
+    resumed = out.scheduled_new_reqs[0]
+    assert resumed.req_id == "a" and resumed.token_ids == [*range(1, 8), 7, 7]
+    # long's first block (the same tokens, long frequencies too) serves it; its own short ones do not
+    assert resumed.num_computed_tokens == 4 and out.num_scheduled_tokens == {"a": 5}
+    assert a.block_hashes[0] != short_hashes[0]
+    s.add_request(make_req("b", [*range(1, 8), 7, 7, 5], max_tokens=1))  # long: a's blocks serve it
+    out, _ = null_step(s)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 8
+    s.add_request(make_req("c", range(1, 8), max_tokens=1))  # short: the short blocks of a's first run serve it
+    out, _ = null_step(s)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 4
+    s.kv.check_integrity()
+
+
 def test_stop_conditions():
     s = make_scheduler(num_blocks=20)
     s.add_request(make_req("eos", [1, 2], max_tokens=10, ignore_eos=False))

@@ -3,8 +3,9 @@
 A block's hash covers (parent block hash, the block's token ids, extra keys),
 so equal hashes mean equal whole prefixes. Extra keys carry what makes equal
 tokens produce different KV: the request's ``cache_salt`` (first block only,
-which isolates the whole chain), its LoRA id, and the content hashes of
-multimodal inputs overlapping the block. Only full blocks are hashed; the
+which isolates the whole chain; so does a LongRoPE prompt past the model's
+original context, whose every position takes the long frequencies), its
+LoRA id, and the content hashes of multimodal inputs overlapping the block. Only full blocks are hashed; the
 trailing partial block never is.
 
 Algorithms (``cache.prefix_caching_hash_algo``), as vLLM's:
@@ -117,6 +118,8 @@ def block_extra_keys(request: Request, block_index: int, block_size: int) -> Opt
         keys.append(("lora", request.lora_id))
     if block_index == 0 and request.cache_salt is not None:
         keys.append(("salt", request.cache_salt))
+    if block_index == 0 and request.long_rope:
+        keys.append(("rope", "long"))
     return tuple(keys) if keys else None
 
 

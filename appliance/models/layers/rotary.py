@@ -1,23 +1,29 @@
 """Rotary position embeddings: the inverse frequencies (with a checkpoint's
-rope scaling: linear, llama3 or YaRN, as transformers computes them), the
-cos/sin tables (YaRN's scaled by its attention factor), and the rotation."""
+rope scaling: linear, llama3, YaRN or LongRoPE, as transformers computes
+them), the cos/sin tables (YaRN's and LongRoPE's scaled by their attention
+factor; LongRoPE's short rows, then its long rows: ``rope_long_rows``), and
+the rotation."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from appliance.models.arch import ModelArch
 
 
-def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+def rope_inv_freq(arch: ModelArch, long: bool = False) -> torch.Tensor:
+    """The inverse frequencies; ``long``: LongRoPE's for sequences past its original context."""
     dim = arch.head_dim
     inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     rs = arch.rope_scaling
     if rs is None:
         return inv_freq
+    if rs["rope_type"] == "longrope":
+        ext = torch.tensor(rs["long_factor"] if long else rs["short_factor"], dtype=torch.float32)
+        return 1.0 / (ext * arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if rs["rope_type"] == "linear":
         return inv_freq / rs["factor"]
     if rs["rope_type"] == "llama3":
@@ -64,21 +70,38 @@ def _mscale(factor: float, mscale: float = 1.0) -> float:
 def rope_attention_factor(arch: ModelArch) -> float:
     """What the cos/sin tables are scaled by: YaRN's attention factor (given,
     else from ``factor``, with ``mscale`` / ``mscale_all_dim`` where both are
-    set), 1 otherwise."""
+    set), LongRoPE's (given, else from ``factor`` and the original context), 1
+    otherwise."""
     rs = arch.rope_scaling
-    if rs is None or rs["rope_type"] != "yarn":
+    if rs is None or rs["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if rs["attention_factor"] is not None:
         return float(rs["attention_factor"])
+    if rs["rope_type"] == "longrope":  # LongRoPE's paper: from factor and the original context
+        factor, original = rs["factor"], rs["original_max_position_embeddings"]
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     if rs["mscale"] and rs["mscale_all_dim"]:
         return _mscale(rs["factor"], rs["mscale"]) / _mscale(rs["factor"], rs["mscale_all_dim"])
     return _mscale(rs["factor"])
 
 
+def rope_long_rows(arch: ModelArch, positions: int) -> Optional[tuple[int, int]]:
+    """Where a LongRoPE model's rope tables (``rope_tables``) keep the long rows: (its original context, the row of
+    position 0's); None for any other rope, whose row is the position. A token at position p of a sequence of
+    more tokens than that context takes row p + offset, row p otherwise (transformers' Phi-3 computes every
+    position again with the long frequencies once a sequence grows past it)."""
+    rs = arch.rope_scaling
+    if rs is None or rs["rope_type"] != "longrope":
+        return None
+    return int(rs["original_max_position_embeddings"]), positions
+
+
 def rope_tables(arch: ModelArch, positions: int, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [positions, head_dim] in fp32."""
+    """cos and sin [positions, head_dim] in fp32; LongRoPE's [2 positions, head_dim], its short rows, then its long
+    rows (``rope_long_rows``)."""
     pos = torch.arange(positions, device=device, dtype=torch.float32)
-    freqs = torch.outer(pos, rope_inv_freq(arch).to(device))
+    kinds = (False, True) if rope_long_rows(arch, positions) else (False,)
+    freqs = torch.cat([torch.outer(pos, rope_inv_freq(arch, long).to(device)) for long in kinds])
     emb = torch.cat((freqs, freqs), dim=-1)
     scale = rope_attention_factor(arch)
     if scale == 1.0:
