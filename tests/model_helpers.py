@@ -32,12 +32,14 @@ TINY_VARIANTS = {
                   "model.rope_scaling.original_max_position_embeddings=256"],
     # Phi-3: fused q/k/v and gate/up checkpoint tensors, a sliding window in every layer shorter than most prompts
     "phi3": ["model.architecture=Phi3ForCausalLM", "model.sliding_window=20"],
-    # Phi-3's LongRoPE: a 24-token original context, so short prompts decode across it (their later positions
-    # take the long factors) and long ones take them throughout; cos/sin scaled by sqrt(1 + ln 4 / ln 24)
-    "phi3_longrope": ["model.architecture=Phi3ForCausalLM", "model.rope_scaling.type=longrope",
-                      "model.rope_scaling.factor=4.0", "model.rope_scaling.original_max_position_embeddings=24",
-                      "model.rope_scaling.short_factor=[1.0,1.1,1.3,1.6,2.0,2.6,3.3,4.0]",
-                      "model.rope_scaling.long_factor=[1.0,1.4,2.2,3.5,5.0,7.1,9.4,12.0]"],
+    # Phi-4-mini's form: LongRoPE over 3/4 of each head (12 of 16 channels), a 24-token original context, so
+    # short prompts decode across it (computed again on the long factors there) and long ones take them
+    # throughout; cos/sin scaled by sqrt(1 + ln 4 / ln 24)
+    "phi4_mini": ["model.architecture=Phi3ForCausalLM", "model.partial_rotary_factor=0.75",
+                  "model.rope_scaling.type=longrope", "model.rope_scaling.factor=4.0",
+                  "model.rope_scaling.original_max_position_embeddings=24",
+                  "model.rope_scaling.short_factor=[1.0,1.1,1.3,1.6,2.0,2.6]",
+                  "model.rope_scaling.long_factor=[1.0,1.4,2.2,3.5,5.0,7.1]"],
     # Qwen2's use_sliding_window: a full-attention layer and a sliding one, two KV-cache groups
     "qwen2_window": ["model.architecture=Qwen2ForCausalLM", "model.qkv_bias=true", "model.sliding_window=12",
                      "model.layer_types=[full_attention,sliding_attention]"],

@@ -51,6 +51,7 @@ class Architecture:
     # layers' own rope base (Gemma 3)
     gemma: bool = False
     multipliers: bool = False  # Granite's embedding, residual, attention and logit multipliers
+    partial_rotary: bool = False  # rope over the first partial_rotary_factor of each head's channels (Phi-3's)
     pooling: bool = False  # an embedding, reranking or classification head
 
     @property
@@ -82,7 +83,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  gguf_permuted_qk=True, window="every", attention=SLIDING_TOO),
     # its checkpoints' q/k/v and gate/up come fused, as this implementation packs them (a tensor-parallel rank
     # reads its rows of each part: layers.parallel.fused_shard_rows)
-    Architecture("Phi3ForCausalLM", "phi3", "llama", window="every", attention=SLIDING_TOO),
+    Architecture("Phi3ForCausalLM", "phi3", "llama", window="every", attention=SLIDING_TOO, partial_rotary=True),
     # norms after attention and MLP, q/k norms over all heads: layer by layer (no whole-step native forward)
     Architecture("Olmo2ForCausalLM", "olmo2", "olmo2", qk_norm=True, qk_norm_over_all_heads=True),
     # the Llama layers with Granite's multipliers: layer by layer (no whole-step native forward)

@@ -89,9 +89,12 @@ def _rope_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
     theta = float(hf.get("rope_theta", rope.get("rope_theta", 1e6 if per_kind else 10000.0)))
     facts.append(Fact("rope_theta", theta, f"rope_theta={theta}"))
     problems: list[str] = []
-    partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor")) or 1.0
-    if partial != 1.0:
-        problems.append(f"partial_rotary_factor={partial} (rope over part of each head) is not built yet")
+    partial = float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor")) or 1.0)
+    if row.partial_rotary:
+        facts.append(Fact("partial_rotary_factor", partial, f"partial_rotary_factor={partial}"))
+    elif partial != 1.0:  # transformers' implementation of the architecture turns whole heads too
+        problems.append(f"partial_rotary_factor={partial} on {row.name}, whose heads rope turns whole, is not "
+                        f"supported")
     scaling = hf.get("rope_scaling") or rope
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if row.model_type == "phi3" and rope_type in ("su", "yarn"):  # as transformers' Phi3Config reads them

@@ -16,7 +16,7 @@ from appliance.config.memory import (DTYPE_BYTES, GIB, DeviceMemory, active_weig
                                      kv_bytes_per_token, kv_layer_bytes, lm_head_bytes, max_model_len, weight_bytes)
 from appliance.config.quantization import fp8_gemm, method_of
 from appliance.config.schema import ApplianceConfig, ModelConfig
-from appliance.config.sizes import parameter_counts, pipeline_partition
+from appliance.config.sizes import parameter_counts, pipeline_partition, rotary_dim
 from appliance.config.unbuilt import not_built
 from appliance.kernels.registry import BACKENDS
 
@@ -86,6 +86,8 @@ def describe_architecture(m: ModelConfig) -> str:
     rope = m.rope_scaling.type
     if rope != "none":
         extras.append(f"{rope} rope x{m.rope_scaling.factor:g}")
+    if m.partial_rotary_factor != 1.0:
+        extras.append(f"rope over {rotary_dim(m)} of {m.head_dim} channels a head")
     if m.sliding_window is not None:
         sliding = m.num_layers if m.layer_types is None else m.layer_types.count(SLIDING)
         extras.append(f"sliding window {m.sliding_window} in {sliding} of {m.num_layers} layers")

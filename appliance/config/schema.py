@@ -72,6 +72,9 @@ class ModelConfig:
     param_count_b: float = 0.0
     tie_word_embeddings: bool = False
     rope_theta: float = 10000.0
+    # the share of each head's channels rope turns (the first ones; Phi-4-mini's 0.75), where the architecture's
+    # row says its model does (config/architectures.py: partial_rotary)
+    partial_rotary_factor: float = 1.0
     rms_norm_eps: float = 1e-5
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     qkv_bias: bool = False

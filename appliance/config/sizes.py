@@ -18,6 +18,12 @@ def attention_scale(m: ModelConfig) -> float:
     return (m.query_pre_attn_scalar if m.query_pre_attn_scalar is not None else m.head_dim) ** -0.5
 
 
+def rotary_dim(m: ModelConfig) -> int:
+    """The channels of each head rope turns, the first ones: ``model.partial_rotary_factor`` of head_dim, as
+    transformers counts them."""
+    return int(m.head_dim * m.partial_rotary_factor)
+
+
 def sparse_layers(m: ModelConfig) -> list[int]:
     """The decoder layers that route to experts (none for a dense model):
     every ``decoder_sparse_step``-th, except ``mlp_only_layers``."""

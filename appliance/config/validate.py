@@ -15,6 +15,7 @@ from appliance.config.kv_groups import LAYER_TYPES, SLIDING, kv_group_problems
 from appliance.config.memory import GIB, blocks_per_request, device_memory, max_model_len
 from appliance.config.quantization import FP8_HARDWARE, quantization_problems
 from appliance.config.hf_facts import LONGROPE_KEYS, MOE_KEYS, YARN_KEYS
+from appliance.config.sizes import rotary_dim
 from appliance.config.schema import ApplianceConfig, EplbConfig, ModelConfig, RopeScaling, SchedulerConfig
 from appliance.config.validate_serving import kv_events_problems, router_problems, tracing_problems
 from appliance.kernels.registry import BACKENDS
@@ -262,13 +263,28 @@ def _rope_scaling_problems(m: ModelConfig) -> list[str]:
                 for owner, keys in theirs.items() if rs.type != owner
                 for k in sorted(keys - theirs.get(rs.type, set())) if getattr(rs, k) != getattr(rs_defaults, k)]
     if rs.type == "longrope":
-        pairs = m.head_dim // 2
+        pairs = rotary_dim(m) // 2
         for k in LONGROPE_KEYS:
             v = getattr(rs, k)
             if v is None or len(v) != pairs or not all(x > 0 for x in v):
                 problems.append(f"model.rope_scaling.{k} must be {pairs} positive divisors (one per pair of the "
-                                f"{m.head_dim} rotated dimensions) with model.rope_scaling.type=longrope; it is {v}")
+                                f"{2 * pairs} rotated dimensions) with model.rope_scaling.type=longrope; it is {v}")
     return problems
+
+
+def _rotary_problems(m: ModelConfig) -> list[str]:
+    """A partial rotary factor: on an architecture that turns part of each head, an even number of channels."""
+    f = m.partial_rotary_factor
+    if f == 1.0:
+        return []
+    row = ARCHITECTURES.get(m.architecture)
+    if row is not None and not row.partial_rotary:
+        return [f"model.partial_rotary_factor={f}: {m.architecture} turns whole heads (only "
+                f"{', '.join(a.name for a in ARCHITECTURES.values() if a.partial_rotary)} take part of each)"]
+    if not 0 < f <= 1 or rotary_dim(m) < 2 or rotary_dim(m) % 2:
+        return [f"model.partial_rotary_factor={f} must turn an even number of each head's {m.head_dim} channels "
+                f"(between 0 and 1; it turns {rotary_dim(m)})"]
+    return []
 
 
 def _length_problems(cfg: ApplianceConfig) -> list[str]:
@@ -282,7 +298,7 @@ def _length_problems(cfg: ApplianceConfig) -> list[str]:
             f"lower model.max_model_len"
         )
     problems += _layer_type_problems(m)
-    problems += _rope_scaling_problems(m)
+    problems += _rope_scaling_problems(m) + _rotary_problems(m)
     if m.sliding_window is not None and m.sliding_window < 1:
         problems.append(f"model.sliding_window={m.sliding_window} must be at least 1 (or null: none)")
     if not s.enable_chunked_prefill and s.max_num_batched_tokens < mml:

@@ -146,6 +146,9 @@ class NativeForward:
             self._hold(weights.final_norm) if last else None, self._hold(cos), self._hold(sin),
             self._lm_head.struct if last else Linear(), ctypes.cast(self._layers, ctypes.POINTER(Layer)),
         )
+        if cos.shape[1] != arch.rope_dim:
+            raise ValueError(f"rope tables of {cos.shape[1]} channels for a rope over {arch.rope_dim} of each head")
+        self.struct.rope_dim = arch.rope_dim
         self._router = None
         if route is not None:
             self._router = _Router(route.route)  # held: C keeps the pointer

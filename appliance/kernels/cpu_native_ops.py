@@ -51,7 +51,7 @@ class Model(ctypes.Structure):
                 ("head_dim", _i32), ("vocab", _i32), ("max_pos", _i32), ("eps", _f32), ("attn_scale", _f32),
                 ("kv_type", _i32), ("embed_bf16", _i32), ("embed", _p), ("final_norm", _p), ("rope_cos", _p), ("rope_sin", _p),
                 ("lm_head", Linear), ("layers", ctypes.POINTER(Layer)), ("route", RouteFn),
-                ("moe_experts", _i32), ("moe_top_k", _i32), ("moe_inter", _i32), ("_pad2", _i32),
+                ("moe_experts", _i32), ("moe_top_k", _i32), ("moe_inter", _i32), ("rope_dim", _i32),
                 ("reduce", _p), ("reduce_ctx", _p), ("vocab_start", _i64)]
 
 

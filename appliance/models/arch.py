@@ -44,12 +44,13 @@ class ModelArch:
     # is their own (Gemma 3's; None: rope_theta, and rope_scaling, as every layer)
     sliding_layers: tuple[int, ...] = ()
     rope_local_theta: Optional[float] = None
+    rotary_dim: int = 0  # the channels of each head rope turns, the first ones (0: every one, head_dim)
     final_logit_softcapping: Optional[float] = None  # Gemma's: the logits soft-capped, cap * tanh(logits / cap)
 
     @staticmethod
     def from_model_config(m: ModelConfig) -> "ModelArch":
         from appliance.config.kv_groups import SLIDING, layer_kinds
-        from appliance.config.sizes import sparse_layers
+        from appliance.config.sizes import rotary_dim, sparse_layers
 
         rs = m.rope_scaling
         rs_type = rs.type
@@ -95,5 +96,11 @@ class ModelArch:
             logits_scaling=m.logits_scaling,
             sliding_layers=tuple(i for i, kind in enumerate(layer_kinds(m)) if kind == SLIDING),
             rope_local_theta=m.rope_local_theta,
+            rotary_dim=rotary_dim(m),
             final_logit_softcapping=m.final_logit_softcapping,
         )
+
+    @property
+    def rope_dim(self) -> int:
+        """The channels of each head rope turns (the first ones); the rope tables' row length."""
+        return self.rotary_dim or self.head_dim

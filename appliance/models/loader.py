@@ -71,6 +71,10 @@ def _facts_hash(m: ModelConfig) -> str:
         if rs.type == "yarn":  # other scalings' hashes stay what they were
             facts["rope_scaling"] += [rs.beta_fast, rs.beta_slow, rs.mscale, rs.mscale_all_dim, rs.attention_factor,
                                       rs.truncate]
+        if rs.type == "longrope":
+            facts["rope_scaling"] += [rs.short_factor, rs.long_factor, rs.attention_factor]
+    if m.partial_rotary_factor != 1.0:  # models that turn whole heads keep their hash
+        facts["partial_rotary_factor"] = m.partial_rotary_factor
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
 
 

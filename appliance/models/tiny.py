@@ -75,6 +75,8 @@ def hf_config_dict(m: ModelConfig, vocab_size: int) -> dict:
         "attention_bias": m.qkv_bias,
         "torch_dtype": "float32",
     }
+    if ARCHITECTURES[m.architecture].partial_rotary:
+        cfg["partial_rotary_factor"] = m.partial_rotary_factor
     if ARCHITECTURES[m.architecture].multipliers:
         cfg.update(embedding_multiplier=m.embedding_multiplier, residual_multiplier=m.residual_multiplier,
                    attention_multiplier=m.attention_multiplier, logits_scaling=m.logits_scaling)

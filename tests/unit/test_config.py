@@ -468,8 +468,10 @@ def test_checkpoint_attention_windows_and_rotary_forms():
     facts, problems = hf_facts(phi3)
     assert ("sliding_window", 2047) in [(f.key, f.value) for f in facts] and problems == []
     assert ("sliding_window", None) in [(f.key, f.value) for f in hf_facts({**phi3, "sliding_window": None})[0]]
-    assert "partial_rotary_factor=0.75 (rope over part of each head) is not built yet" in \
-        hf_facts({**phi3, "partial_rotary_factor": 0.75})[1]
+    facts, problems = hf_facts({**phi3, "partial_rotary_factor": 0.75})  # Phi-4-mini's: rope over 3/4 of a head
+    assert ("partial_rotary_factor", 0.75) in [(f.key, f.value) for f in facts] and problems == []
+    assert "partial_rotary_factor=0.5 on LlamaForCausalLM, whose heads rope turns whole, is not supported" in \
+        hf_facts({**phi3, "architectures": ["LlamaForCausalLM"], "partial_rotary_factor": 0.5})[1]
     # Phi-3-mini-128k's LongRoPE: config.json's own original context, the factor from the two lengths; "su" (an
     # older name) read as longrope, as transformers reads it for Phi-3
     short, long = [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0], [2.0] * 8
@@ -532,6 +534,16 @@ def test_longrope_takes_a_divisor_for_every_rotated_pair_and_only_its_own_keys()
         resolve([*longrope, f"model.rope_scaling.short_factor={eight}", "model.rope_scaling.long_factor=[1,2]"])
     with pytest.raises(ConfigError, match=r"model.rope_scaling.short_factor must be 8 positive divisors"):
         resolve([*longrope, "model.rope_scaling.short_factor=[1,1,1,1,2,2,2,0]", f"model.rope_scaling.long_factor={eight}"])
+    partial = [*longrope, "model.partial_rotary_factor=0.75", "model.rope_scaling.short_factor=[1,1,1,2,2,2]",
+               "model.rope_scaling.long_factor=[1,1,1,2,2,2]"]  # 12 of 16 channels turn: 6 pairs
+    assert resolve(partial).cfg.model.partial_rotary_factor == 0.75
+    assert "longrope rope x1, rope over 12 of 16 channels a head" in make_plan(resolve(partial).cfg).architecture
+    with pytest.raises(ConfigError, match=r"model.partial_rotary_factor=0.7 must turn an even number of each "
+                                          r"head's 16 channels \(between 0 and 1; it turns 11\)"):
+        resolve([*base, "model.partial_rotary_factor=0.7"])
+    with pytest.raises(ConfigError, match=r"model.partial_rotary_factor=0.5: LlamaForCausalLM turns whole heads "
+                                          r"\(only Phi3ForCausalLM take part of each\)"):
+        resolve(["+profile=cpu", "model=tiny_random", "model.partial_rotary_factor=0.5"])
     with pytest.raises(ConfigError, match=r"model.rope_scaling.short_factor=\[.*\] is LongRoPE's; "
                                           r"model.rope_scaling.type=yarn"):
         resolve([*base, "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4",

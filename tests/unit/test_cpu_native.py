@@ -847,7 +847,7 @@ def test_long_context_softmax_is_stable():
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
 
 
-# phi3_longrope computes a sequence again once it grows past its original context: rows it decoded one at a time
+# phi4_mini computes a sequence again once it grows past its original context: rows it decoded one at a time
 # come back as one prefill, which the torch path's fp32 GEMMs round apart from those decodes (the native forward's
 # rows do not depend on the batch), and an int8 row turns such a last-bit difference into a whole step. Its
 # quantized runs against the torch path are left out; its fp32 ones here and against HF (test_generation) stay.
@@ -856,7 +856,7 @@ QUANTIZED = (["quantization=int8_wo"], ["quantization=int4_wo"])
 
 @pytest.mark.parametrize("variant,extra", [
     (v, e) for e in ([], *QUANTIZED, ["scheduler.max_num_batched_tokens=16", "cache.block_size=4"])
-    for v in NATIVE_VARIANTS if not (v == "phi3_longrope" and e in QUANTIZED)])
+    for v in NATIVE_VARIANTS if not (v == "phi4_mini" and e in QUANTIZED)])
 def test_whole_step_forward_matches_torch_path(variant, extra):
     """fp32 activations throughout (an int4 prefill would otherwise round to
     bf16 on AVX512-BF16 CPUs, see the test below that); int4 decodes on
@@ -926,7 +926,7 @@ TINY_BF16 = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.0
 
 
 @pytest.mark.parametrize("variant,int8", [(v, q) for q in (False, True) for v in NATIVE_VARIANTS
-                                          if not (q and v == "phi3_longrope")])  # see QUANTIZED
+                                          if not (q and v == "phi4_mini")])  # see QUANTIZED
 def test_bf16_model_matches_fp32_on_the_rounded_weights(variant, int8):
     """model.dtype=bfloat16 on cpu_native: bf16 weights (or int8 ones quantized
     from them, with bf16 embedding, norms and biases) and fp32 activations.

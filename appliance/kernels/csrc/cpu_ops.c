@@ -103,12 +103,12 @@ typedef struct {
     int32_t embed_bf16;      /* embedding rows: fp32, or bf16 (uint16) when set */
     const void *embed;       /* [vocab, hidden] */
     const float *final_norm; /* [hidden] */
-    const float *rope_cos, *rope_sin; /* [max_pos, head_dim] */
+    const float *rope_cos, *rope_sin; /* [max_pos, rope_dim] */
     Linear lm_head;
     Layer *layers;
     RouteFn route;                             /* sparse layers' routing, NULL for a dense model */
     int32_t moe_experts, moe_top_k, moe_inter; /* the sparse layers' sizes (scratch), 0 for a dense model */
-    int32_t _pad2;
+    int32_t rope_dim; /* the channels of each head rope turns, the first ones (a partial rotary factor: fewer) */
     /* A tensor-parallel rank's part (reduce NULL: one rank): its heads, MLP rows (each expert's) and vocabulary
      * rows vocab_start .. vocab_start + vocab - 1 of the embedding and LM head; the embedding's rows (zero for
      * ids held elsewhere), o_proj's and down's partial sums are reduced; the logits are this rank's columns. */
@@ -2393,9 +2393,9 @@ void appl_rmsnorm(const float *x, int64_t ldx, const float *w, float *out, int64
     for (int64_t t = 0; t < rows; t++) rmsnorm_row(x + t * ldx, w, out + t * ldo, n, eps);
 }
 
-/* rotate_half rope on `heads` vectors of size d at p (consecutive). */
-static void rope_heads(float *p, int heads, int d, const float *cos, const float *sin) {
-    const int half = d / 2;
+/* rotate_half rope on the first rd channels of `heads` vectors of size d at p (consecutive); cos, sin: rd. */
+static void rope_heads(float *p, int heads, int d, int rd, const float *cos, const float *sin) {
+    const int half = rd / 2;
     for (int h = 0; h < heads; h++) {
         float *v = p + h * d;
         for (int i = 0; i < half; i++) {
@@ -4088,9 +4088,9 @@ void appl_forward(const Model *M, Step *S) {
                 for (int i = 0; i < KVH; i++) rmsnorm_row(kt + i * d, L->k_norm, kt + i * d, (int)d, M->eps);
             }
             const int64_t pos = S->positions[t];
-            const float *c = M->rope_cos + pos * d, *s = M->rope_sin + pos * d;
-            rope_heads(qt, H, (int)d, c, s);
-            rope_heads(kt, KVH, (int)d, c, s);
+            const float *c = M->rope_cos + pos * M->rope_dim, *s = M->rope_sin + pos * M->rope_dim;
+            rope_heads(qt, H, (int)d, M->rope_dim, c, s);
+            rope_heads(kt, KVH, (int)d, M->rope_dim, c, s);
             appl_kv_write(L->k_cache, L->v_cache, kt, vt, slot_mapping[t], KVH * d, M->kv_type, L->k_scale,
                           L->v_scale);
         }

@@ -13,7 +13,7 @@ from torch import nn
 from appliance.models.arch import ModelArch
 from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.parallel import TensorParallel
-from appliance.models.layers.rotary import rotate_half
+from appliance.models.layers.rotary import apply_rope
 
 if TYPE_CHECKING:  # the backend is handed in; the layer never picks one
     from appliance.kernels.base import AttentionBackend
@@ -58,8 +58,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, attn_metadata):
         t = x.shape[0]
         q, k, v = self.heads(x)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata)
         out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
         if self.tp is not None:

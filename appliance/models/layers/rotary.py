@@ -15,8 +15,9 @@ from appliance.models.arch import ModelArch
 
 
 def rope_inv_freq(arch: ModelArch, long: bool = False) -> torch.Tensor:
-    """The inverse frequencies; ``long``: LongRoPE's for sequences past its original context."""
-    dim = arch.head_dim
+    """The inverse frequencies of the rotated channels; ``long``: LongRoPE's for sequences past its original
+    context."""
+    dim = arch.rope_dim
     inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     rs = arch.rope_scaling
     if rs is None:
@@ -46,7 +47,7 @@ def _yarn_inv_freq(arch: ModelArch) -> torch.Tensor:
     ``beta_slow`` times over the original context are interpolated (divided by
     ``factor``), those that turn more than ``beta_fast`` times kept, and a
     linear ramp over the dimensions between."""
-    rs, dim, base = arch.rope_scaling, arch.head_dim, arch.rope_theta
+    rs, dim, base = arch.rope_scaling, arch.rope_dim, arch.rope_theta
     assert rs is not None
 
     def correction_dim(rotations: float) -> float:
@@ -97,8 +98,8 @@ def rope_long_rows(arch: ModelArch, positions: int) -> Optional[tuple[int, int]]
 
 
 def rope_tables(arch: ModelArch, positions: int, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [positions, head_dim] in fp32; LongRoPE's [2 positions, head_dim], its short rows, then its long
-    rows (``rope_long_rows``)."""
+    """cos and sin [positions, rope_dim] in fp32 (the rotated channels of a head); LongRoPE's [2 positions,
+    rope_dim], its short rows, then its long rows (``rope_long_rows``)."""
     pos = torch.arange(positions, device=device, dtype=torch.float32)
     kinds = (False, True) if rope_long_rows(arch, positions) else (False,)
     freqs = torch.cat([torch.outer(pos, rope_inv_freq(arch, long).to(device)) for long in kinds])
@@ -107,6 +108,16 @@ def rope_tables(arch: ModelArch, positions: int, device: Any = "cpu") -> tuple[t
     if scale == 1.0:
         return emb.cos(), emb.sin()
     return emb.cos() * scale, emb.sin() * scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] turned by its rows' cos and sin ([T, 1, rope_dim]): the first rope_dim channels of
+    each head, the rest as they are (a partial rotary factor)."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    turned = x[..., :rd]
+    return torch.cat((turned * cos + rotate_half(turned) * sin, x[..., rd:]), dim=-1)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
