@@ -203,7 +203,7 @@ class Scheduler:
                 continue  # preempted to make room for an earlier one
             num_new = budget.cap(req.num_tokens_with_spec - req.num_computed_tokens)
             num_new = min(num_new, self.max_model_len - 1 - req.num_computed_tokens)
-            if self._restarts_long(req, num_new, budget):
+            if self.long_rope_from is not None and self._restarts_long(req, num_new, budget):
                 continue
             # Drafts past what the budget or the length allows are dropped, not verified.
             del req.spec_token_ids[max(0, req.num_computed_tokens + num_new - req.num_tokens):]
@@ -402,10 +402,10 @@ class Scheduler:
         self.waiting.prepend(victim)
 
     def _restarts_long(self, req: Request, num_new: int, budget: _Budget) -> bool:
-        """Whether this step would take a LongRoPE sequence on the short frequencies past the original context
-        (``long_rope_from``): then, once no step of it is in flight, it is computed again, every position on the
-        long ones (as transformers' Phi-3 drops its cache there), its blocks hashed as a long prompt's."""
-        if self.long_rope_from is None or req.long_rope or req.num_computed_tokens + num_new <= self.long_rope_from:
+        """Whether this step takes a short-rope sequence past a LongRoPE context: then (none of it in flight) it is
+        computed again on the long frequencies (transformers' Phi-3 drops its cache there), hashed as long."""
+        original = self.long_rope_from
+        if original is None or req.long_rope or req.num_computed_tokens + num_new <= original:
             return False
         if req.request_id not in self._in_flight:
             req.long_rope, req.block_hashes = True, []
