@@ -54,12 +54,18 @@ TINY_VARIANTS = {
                "model.attn_logit_softcapping=1.5", "model.final_logit_softcapping=3.0"],
     # OLMo 2: norms after attention and MLP, q/k norms over all heads (layer by layer, no whole-step forward)
     "olmo2": ["model.architecture=Olmo2ForCausalLM", "model.qk_norm=true"],
+    # gpt-oss: a sliding layer (12-token window) and a full one, sinks, biased q/k/v and o, 4 experts (top 2) with
+    # biases and the clamped SwiGLU (a limit of 0.3, so the clamps bind), a biased router (layer by layer)
+    "gpt_oss": ["model.architecture=GptOssForCausalLM", "model.qkv_bias=true", "model.sliding_window=12",
+                "model.layer_types=[sliding_attention,full_attention]", "model.num_experts=4",
+                "model.num_experts_per_tok=2", "model.intermediate_size=48", "model.moe_intermediate_size=48",
+                "model.swiglu_limit=0.3", "model.swiglu_alpha=1.702"],
     # Granite: multipliers on the embedding, the residual branches, the attention scores and the logits
     "granite": ["model.architecture=GraniteForCausalLM", "model.embedding_multiplier=12.0",
                 "model.residual_multiplier=0.22", "model.attention_multiplier=0.0625", "model.logits_scaling=8.0"],
 }
 # the variants the native whole-step forward runs
-NATIVE_VARIANTS = [v for v in TINY_VARIANTS if v not in ("olmo2", "granite", "gemma2", "gemma3")]
+NATIVE_VARIANTS = [v for v in TINY_VARIANTS if v not in ("olmo2", "granite", "gemma2", "gemma3", "gpt_oss")]
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,6 +41,7 @@ class Architecture:
     gguf_permuted_qk: bool = False  # llama.cpp's converter interleaves its Q and K rows
     tensor_parallel: bool = True
     pipeline_parallel: bool = True
+    expert_parallel: bool = True  # (a mixture of experts') experts split over ranks
     attention: tuple[str, ...] = ("full",)  # its layers' attention kinds
     # how a checkpoint's sliding_window applies: "none" (never), "every" (to every layer when set: Mistral,
     # Mixtral, Phi-3), "optional" (only with use_sliding_window, to the layers layer_types names: Qwen2/3),
@@ -52,6 +53,9 @@ class Architecture:
     gemma: bool = False
     multipliers: bool = False  # Granite's embedding, residual, attention and logit multipliers
     partial_rotary: bool = False  # rope over the first partial_rotary_factor of each head's channels (Phi-3's)
+    # gpt-oss's: q, k, v and o biased where config.json's attention_bias says, a learned attention sink per head,
+    # experts of stacked weights with biases and the clamped SwiGLU, routed top-k then softmax
+    gpt_oss: bool = False
     pooling: bool = False  # an embedding, reranking or classification head
 
     @property
@@ -61,7 +65,7 @@ class Architecture:
     def capabilities(self) -> str:
         """One line for ``appliance plan``."""
         parallel = [k for k, on in (("tensor", self.tensor_parallel), ("pipeline", self.pipeline_parallel),
-                                    ("expert", self.moe)) if on]
+                                    ("expert", self.moe and self.expert_parallel)) if on]
         experts = {"none": "dense", "some": "mixture of experts (sparse layers by step)",
                    "every": "mixture of experts (every layer sparse)"}[self.experts]
         return (f"{self.name} ({self.family} implementation): {experts}; {', '.join(self.attention)} attention; "
@@ -95,12 +99,17 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # Gemma 3's layers without q/k norms or a local rope base, with soft-capped attention scores and logits
     Architecture("Gemma2ForCausalLM", "gemma2", "gemma2", attention=SLIDING_TOO, window="pattern", global_every=2,
                  gemma=True),
+    # alternating sliding-window and full layers (config.json's layer_types), sinks, its own experts: layer by
+    # layer (no whole-step native forward), one device per engine core for now; bf16 or fp32 experts (MXFP4 not
+    # yet)
+    Architecture("GptOssForCausalLM", "gpt_oss", "gpt_oss", experts="every", attention=SLIDING_TOO,
+                 window="pattern", global_every=2, gpt_oss=True, tensor_parallel=False, pipeline_parallel=False,
+                 expert_parallel=False),
 )}
 
 # Architectures people bring that are not served yet, and what each needs.
 NOT_BUILT: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "an image encoder (its text model is served as Gemma3ForCausalLM)",
-    "GptOssForCausalLM": "attention sinks, sliding-window KV-cache groups, YaRN rope scaling and MXFP4 experts",
     "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) and DeepSeek's shared experts",
     "DeepseekV3ForCausalLM": "multi-head latent attention (MLA), DeepSeek's shared experts and grouped top-k routing",
     "Qwen2VLForConditionalGeneration": "an image encoder and multimodal rotary embeddings",

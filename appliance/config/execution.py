@@ -29,6 +29,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from appliance.config.architectures import ARCHITECTURES
 from appliance.config.detect import CpuInfo, DeviceDescription, cpu_info, detect_device
 from appliance.config.quantization import QUANTIZATION_METHODS
 from appliance.config.schema import ApplianceConfig
@@ -156,10 +157,17 @@ def choose_dtype(cfg: ApplianceConfig, probe: bool = False) -> tuple[str, str]:
     return _cpu_auto_dtype(cfg, supported, probe)
 
 
+def attention_needs(cfg: ApplianceConfig) -> tuple[str, ...]:
+    """What of the model's attention a backend must compute (``BackendCapabilities.features``): its layers'
+    attention sinks (gpt-oss's)."""
+    row = ARCHITECTURES.get(cfg.model.architecture)
+    return ("sinks",) if row is not None and row.gpt_oss else ()
+
+
 def resolve_execution(cfg: ApplianceConfig, probe: bool = False, device: Optional[DeviceDescription] = None) -> Execution:
     """Choose dtype, KV dtype and attention backend for ``cfg`` (see module doc)."""
     dtype, reason = choose_dtype(cfg, probe)
-    sel = select_backend(cfg, dtype, check_import=probe)
+    sel = select_backend(cfg, dtype, check_import=probe, needs=attention_needs(cfg))
     kind = cfg.hardware.device_kind
     return Execution(
         dtype_requested=cfg.model.dtype, dtype=dtype, dtype_reason=reason,
@@ -179,7 +187,7 @@ def _cpu_auto_dtype(cfg: ApplianceConfig, supported: list[str], probe: bool) -> 
         if name not in BACKENDS:
             continue
         for dtype in cpu_dtype_preference(name, cpu, cfg.quantization.method):
-            if dtype not in supported or BACKENDS[name].validate(cfg, dtype):
+            if dtype not in supported or BACKENDS[name].validate(cfg, dtype, attention_needs(cfg)):
                 continue
             first_choice = first_choice or (dtype, name)
             if probe and registry.probe_provider(name, dtype, cfg.cache.kv_cache_dtype)[0] is None:

@@ -57,11 +57,14 @@ def hf_facts(hf: dict) -> tuple[list[Fact], list[str]]:
     tie = bool(hf.get("tie_word_embeddings", False))
     facts.append(Fact("tie_word_embeddings", tie, f"tie_word_embeddings={shown(tie)}"))
     for more, more_problems in (_rope_facts(hf, row), _window_facts(hf, row), _multiplier_facts(hf, row),
-                                _gemma_facts(hf, row)):
+                                _gemma_facts(hf, row), _swiglu_facts(hf, row)):
         facts += more
         problems += more_problems
     if row.qkv_bias == "always":  # as in transformers: Qwen2's q/k/v projections always carry a bias
         facts.append(Fact("qkv_bias", True, f"architectures={shown([arch])} (always a q/k/v bias)"))
+    elif row.gpt_oss:  # q, k, v and o alike (transformers' default: biased)
+        bias = bool(hf.get("attention_bias", True))
+        facts.append(Fact("qkv_bias", bias, f"attention_bias={shown(bias)} (q, k, v and o)"))
     elif hf.get("attention_bias"):
         problems.append(f"attention_bias=true on {arch} (a bias on the output projection too) is not supported")
     else:
@@ -156,6 +159,14 @@ def _window_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
         return [Fact("sliding_window", int(window), f"sliding_window={window} (use_sliding_window)"),
                 Fact("layer_types", list(kinds), f"{kinds.count(SLIDING)} of {n} layers slide ({how})")], []
     return [Fact("sliding_window", None, "no sliding window"), Fact("layer_types", None, "no sliding window")], []
+
+
+def _swiglu_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
+    """gpt-oss's clamped SwiGLU, as transformers defaults it (limit 7, alpha 1.702)."""
+    if not row.gpt_oss:
+        return [], []
+    return [Fact(key, float(hf.get(key, default)), f"{key}={float(hf.get(key, default))}")
+            for key, default in (("swiglu_limit", 7.0), ("swiglu_alpha", 1.702))], []
 
 
 def _multiplier_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:

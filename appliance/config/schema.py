@@ -94,6 +94,10 @@ class ModelConfig:
     # cap * tanh(x / cap); null: not capped
     attn_logit_softcapping: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
+    # gpt-oss's clamped SwiGLU in its experts (a checkpoint's; other architectures leave them null):
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: Optional[float] = None
     # Granite's multipliers (a checkpoint's; other architectures keep the defaults): the embedding's output,
     # each attention and MLP output before its residual add, the attention scores (null: head_dim ** -0.5),
     # and the logits' divisor

@@ -49,6 +49,19 @@ def _architecture_problems(cfg: ApplianceConfig) -> list[str]:
     else:
         problems += [f"model.{k}={getattr(m, k)} must be positive" for k in gemma_keys
                      if getattr(m, k) is not None and not getattr(m, k) > 0]
+    swiglu = {"swiglu_limit": m.swiglu_limit, "swiglu_alpha": m.swiglu_alpha}
+    if row.gpt_oss:
+        problems += [f"{m.architecture}'s experts clamp their SwiGLU: set model.{k} (positive)"
+                     for k, v in swiglu.items() if v is None or not v > 0]
+        if cfg.quantization.method != "none":
+            problems.append(f"quantization={cfg.quantization.method} on {m.architecture} is not built yet (its "
+                            f"experts run in the checkpoint's bf16 or fp32; MXFP4 neither)")
+        if not m.norm_topk_prob:
+            problems.append(f"model.norm_topk_prob=false: {m.architecture} softmaxes each token's top-k router "
+                            f"logits (its weights always sum to one)")
+    else:
+        problems += [f"model.{k}={v} is gpt-oss's (GptOssForCausalLM); {m.architecture} has none: leave it null"
+                     for k, v in swiglu.items() if v is not None]
     for key, size, able in [("tensor_parallel_size", par.tensor_parallel_size, row.tensor_parallel),
                             ("pipeline_parallel_size", par.pipeline_parallel_size, row.pipeline_parallel)]:
         if size > 1 and not able:
@@ -98,6 +111,9 @@ def _moe_problems(cfg: ApplianceConfig) -> list[str]:
         if outside:
             problems.append(f"model.mlp_only_layers={list(m.mlp_only_layers)}: layers {outside} are outside "
                             f"0..{m.num_layers - 1}")
+    if par.enable_expert_parallel and row is not None and row.moe and not row.expert_parallel:
+        problems.append(f"parallel.enable_expert_parallel=true: {m.architecture} has no expert-parallel "
+                        f"implementation yet")
     if par.enable_expert_parallel and m.num_experts > 0:
         ep = par.tensor_parallel_size * par.data_parallel_size
         slots = m.num_experts + eplb.num_redundant_experts

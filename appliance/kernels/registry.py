@@ -64,6 +64,9 @@ class BackendCapabilities:
     # Weight formats whose batched GEMMs it runs on int8 products (the rows quantized to int8) where the
     # hardware has int8 dot products (hardware.peak_tflops.int8 > 0); w8a8_int8 does everywhere.
     int8_gemm_quantizations: tuple[str, ...] = ()
+    # What of a model's attention it computes beyond causal softmax over a (windowed) context: "sinks" (a learned
+    # logit per head in the softmax, gpt-oss's).
+    features: tuple[str, ...] = ("sinks",)
 
     def supports_block_size(self, block_size: int) -> bool:
         if block_size % self.block_size_multiple:
@@ -72,14 +75,16 @@ class BackendCapabilities:
             return False
         return True
 
-    def validate(self, cfg: ApplianceConfig, dtype: str) -> list[str]:
+    def validate(self, cfg: ApplianceConfig, dtype: str, needs: tuple[str, ...] = ()) -> list[str]:
         """Reasons this backend cannot serve ``cfg`` (empty when it can).
 
         ``cfg`` is the resolved ApplianceConfig; ``dtype`` the resolved
-        compute dtype. Whether a package serves it here is checked separately (probe_provider)
+        compute dtype; ``needs`` the attention features the model's layers
+        need (``features``). Whether a package serves it here is checked separately (probe_provider)
         so that ``plan`` can reason about a machine it is not running on.
         """
-        reasons = []
+        reasons = [f"no attention {need} ({cfg.model.architecture} has them)" for need in needs
+                   if need not in self.features]
         hw = cfg.hardware
         kind = hw.device_kind
         if kind in self.interpreter_device_kinds:
@@ -263,6 +268,7 @@ BACKENDS: dict[str, BackendCapabilities] = {
         kv_dtypes=("auto", "fp8_e4m3", "fp8_e5m2"),
         head_sizes=(64, 128, 256),
         block_size_multiple=1,
+        features=(),  # its sinks not wired yet
     ),
     "flash_attn3": BackendCapabilities(
         name="flash_attn3",
@@ -275,6 +281,7 @@ BACKENDS: dict[str, BackendCapabilities] = {
         kv_dtypes=("auto", "fp8_e4m3"),
         head_sizes=(64, 96, 128, 192, 256),
         block_size_multiple=16,
+        features=(),  # its sinks not wired yet
     ),
 }
 
@@ -309,8 +316,9 @@ class BackendSelectionError(ConfigError):
     pass
 
 
-def select_backend(cfg: ApplianceConfig, dtype: str, check_import: bool) -> Selection:
-    """Walk the profile's priority list (or the forced backend).
+def select_backend(cfg: ApplianceConfig, dtype: str, check_import: bool, needs: tuple[str, ...] = ()) -> Selection:
+    """Walk the profile's priority list (or the forced backend); ``needs``: the attention features the
+    model's layers need (``BackendCapabilities.features``).
 
     With ``check_import`` (serving) a backend whose package does not import
     is rejected with "no usable package: <why>"; whether the walk may
@@ -333,7 +341,7 @@ def select_backend(cfg: ApplianceConfig, dtype: str, check_import: bool) -> Sele
         if name not in BACKENDS:
             sel.rejected.append((name, [f"unknown backend (known: {sorted(BACKENDS)})"]))
             continue
-        reasons = BACKENDS[name].validate(cfg, dtype)
+        reasons = BACKENDS[name].validate(cfg, dtype, needs)
         provider = None
         if not reasons and check_import:
             provider, err = probe_provider(name, dtype, cfg.cache.kv_cache_dtype)

@@ -45,12 +45,20 @@ class ModelArch:
     sliding_layers: tuple[int, ...] = ()
     rope_local_theta: Optional[float] = None
     rotary_dim: int = 0  # the channels of each head rope turns, the first ones (0: every one, head_dim)
+    # gpt-oss's: o_proj biased too, a learned attention sink per head, the experts' clamped SwiGLU
+    o_bias: bool = False
+    attention_sinks: bool = False
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: Optional[float] = None
     final_logit_softcapping: Optional[float] = None  # Gemma's: the logits soft-capped, cap * tanh(logits / cap)
 
     @staticmethod
     def from_model_config(m: ModelConfig) -> "ModelArch":
         from appliance.config.kv_groups import SLIDING, layer_kinds
+        from appliance.config.architectures import ARCHITECTURES
         from appliance.config.sizes import rotary_dim, sparse_layers
+
+        gpt_oss = ARCHITECTURES[m.architecture].gpt_oss if m.architecture in ARCHITECTURES else False
 
         rs = m.rope_scaling
         rs_type = rs.type
@@ -97,6 +105,10 @@ class ModelArch:
             sliding_layers=tuple(i for i, kind in enumerate(layer_kinds(m)) if kind == SLIDING),
             rope_local_theta=m.rope_local_theta,
             rotary_dim=rotary_dim(m),
+            o_bias=gpt_oss and m.qkv_bias,
+            attention_sinks=gpt_oss,
+            swiglu_limit=m.swiglu_limit,
+            swiglu_alpha=m.swiglu_alpha,
             final_logit_softcapping=m.final_logit_softcapping,
         )
 

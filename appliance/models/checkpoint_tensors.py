@@ -69,7 +69,7 @@ class CheckpointTensors:
                 suffix != "weight" or sf.get_slice(stored).get_dtype() == "F8_E4M3"):
             self.fp8_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(stored)
             return
-        if ".mlp.experts." in name:
+        if ".mlp.experts." in name and not getattr(model, "stacked_experts", False):
             self.loaded |= _load_expert(model, sf, stored, name, self.full_arch, tp, self.ep, self.expected,
                                         self.dtype, self.device, self.packed_rows)
             return
@@ -93,7 +93,7 @@ class CheckpointTensors:
         if packed:
             self._fill_rows(target, packed[1], packed[2], t)
             return
-        router = name.endswith(".mlp.gate.weight")  # routers stay fp32
+        router = name.endswith(".mlp.gate.weight")  # routers stay fp32 (gpt-oss's runs in the model's dtype)
         set_module_tensor_to_device(model, name, self.device, value=t,
                                     dtype=torch.float32 if router else self.dtype)
         self.loaded.add(name)

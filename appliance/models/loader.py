@@ -73,6 +73,8 @@ def _facts_hash(m: ModelConfig) -> str:
                                       rs.truncate]
         if rs.type == "longrope":
             facts["rope_scaling"] += [rs.short_factor, rs.long_factor, rs.attention_factor]
+    if m.swiglu_limit is not None:  # gpt-oss's
+        facts["swiglu"] = [m.swiglu_limit, m.swiglu_alpha]
     if m.partial_rotary_factor != 1.0:  # models that turn whole heads keep their hash
         facts["partial_rotary_factor"] = m.partial_rotary_factor
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]

@@ -16,24 +16,13 @@ from torch import nn
 from appliance.models.arch import ModelArch
 from appliance.models.layers.attention import Attention
 from appliance.models.layers.mlp import MLP
-from appliance.models.layers.norm import RMSNorm
+from appliance.models.layers.norm import WeightFirstRMSNorm
 from appliance.models.layers.parallel import TensorParallel
 from appliance.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from appliance.kernels.base import AttentionBackend
     from appliance.models.layers.moe import ExpertParallel
-
-
-class WeightFirstRMSNorm(RMSNorm):
-    """OLMo 2's RMSNorm: the weight multiplies the fp32 normalized rows, then
-    the product is cast back (Llama's casts first)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x).to(dtype)
 
 
 class Olmo2Attention(Attention):

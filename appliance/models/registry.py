@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from appliance.config.architectures import support
 from appliance.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from appliance.models.gpt_oss import GptOssForCausalLM
 from appliance.models.granite import GraniteForCausalLM
 from appliance.models.llama import LlamaForCausalLM
 from appliance.models.olmo2 import Olmo2ForCausalLM
 
 MODEL_CLASSES: dict[str, type] = {"llama": LlamaForCausalLM, "olmo2": Olmo2ForCausalLM, "granite": GraniteForCausalLM,
-                                  "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM}
+                                  "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM, "gpt_oss": GptOssForCausalLM}
 
 
 def model_class(architecture: str) -> type:

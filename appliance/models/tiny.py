@@ -82,6 +82,11 @@ def hf_config_dict(m: ModelConfig, vocab_size: int) -> dict:
                    attention_multiplier=m.attention_multiplier, logits_scaling=m.logits_scaling)
     if ARCHITECTURES[m.architecture].window == "every":  # written even when null: Mistral's default is 4096
         cfg["sliding_window"] = m.sliding_window
+    elif ARCHITECTURES[m.architecture].gpt_oss:  # its layer kinds, clamped SwiGLU; its rope written out (else YaRN)
+        cfg.update(sliding_window=m.sliding_window, layer_types=list(m.layer_types or []) or None,
+                   swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha)
+        if m.rope_scaling.type == "none":
+            cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": m.rope_theta}
     elif ARCHITECTURES[m.architecture].window == "pattern":  # Gemma: its layer kinds, rope bases and caps
         cfg.update(sliding_window=m.sliding_window, layer_types=list(m.layer_types or []) or None,
                    query_pre_attn_scalar=int(m.query_pre_attn_scalar or m.head_dim),

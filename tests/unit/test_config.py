@@ -1,6 +1,7 @@
 """Config tree: composition, typed validation, cross-field rules, plan numbers, auto detection."""
 
 import json
+import re
 
 import pytest
 
@@ -548,6 +549,50 @@ def test_longrope_takes_a_divisor_for_every_rotated_pair_and_only_its_own_keys()
                                           r"model.rope_scaling.type=yarn"):
         resolve([*base, "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4",
                  f"model.rope_scaling.short_factor={eight}"])
+
+
+def test_gpt_oss_checkpoint_facts_and_what_it_refuses():
+    from appliance.config.execution import resolve_execution
+    from appliance.config.hf_facts import hf_facts
+    from tests.model_helpers import TINY_VARIANTS
+
+    hf = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "num_hidden_layers": 4, "hidden_size": 2880,
+          "intermediate_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+          "vocab_size": 201088, "max_position_embeddings": 131072, "num_local_experts": 32, "num_experts_per_tok": 4,
+          "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 2, "swiglu_limit": 7.0,
+          "attention_bias": True, "rope_theta": 150000, "rope_scaling": {
+              "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+              "original_max_position_embeddings": 4096}}  # gpt-oss-20b's, four of its layers
+    facts, problems = hf_facts(hf)
+    facts = {f.key: f.value for f in facts}
+    assert problems == []
+    assert (facts["qkv_bias"], facts["swiglu_limit"], facts["swiglu_alpha"]) == (True, 7.0, 1.702)
+    assert (facts["num_experts"], facts["num_experts_per_tok"], facts["moe_intermediate_size"]) == (32, 4, 2880)
+    assert (facts["sliding_window"], facts["layer_types"]) == (128, hf["layer_types"])
+    assert (facts["rope_scaling.type"], facts["rope_scaling.factor"], facts["rope_scaling.truncate"]) == \
+        ("yarn", 32.0, False)
+    gpt_oss = ["+profile=cpu", "model=tiny_random", *TINY_VARIANTS["gpt_oss"]]
+    assert make_plan(resolve(gpt_oss).cfg).implementation.endswith("one device per engine core (no tensor or pipeline "
+                                                                 "parallelism yet)")  # nor experts split over ranks
+    for extra, why in [(["quantization=int8_wo"], "quantization=int8_wo on GptOssForCausalLM is not built yet"),
+                       (["model.norm_topk_prob=false"], "model.norm_topk_prob=false: GptOssForCausalLM softmaxes"),
+                       (["model.swiglu_limit=null"], "GptOssForCausalLM's experts clamp their SwiGLU: set "
+                                                     "model.swiglu_limit"),
+                       (["parallel.tensor_parallel_size=2", "hardware.num_devices=2"],
+                        "GptOssForCausalLM has no tensor-parallel implementation yet"),
+                       (["parallel.enable_expert_parallel=true", "parallel.data_parallel_size=2",
+                         "hardware.num_devices=2"], "GptOssForCausalLM has no expert-parallel implementation yet")]:
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            resolve(gpt_oss + extra)
+    # on an H100 FlashAttention-3 and FlashInfer have no sinks (not wired yet): the profile's next backend runs it
+    h100 = resolve(["+profile=h100_bf16", "model=tiny_random", *TINY_VARIANTS["gpt_oss"], "model.dtype=bfloat16",
+                    "model.head_dim=64"]).cfg
+    sel = resolve_execution(h100).selection
+    assert sel.chosen == "triton" and dict(sel.rejected)["flash_attn3"] == [
+        "no attention sinks (GptOssForCausalLM has them)"]
+    with pytest.raises(ConfigError, match=re.escape("model.swiglu_alpha=1.5 is gpt-oss's (GptOssForCausalLM); "
+                                                    "LlamaForCausalLM has none: leave it null")):
+        resolve(["+profile=cpu", "model=tiny_random", "model.swiglu_alpha=1.5"])
 
 
 def test_gemma3_checkpoint_facts():

@@ -141,11 +141,12 @@ def test_local_paths_that_cannot_be_read(tmp_path):
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_layer": 2}))
     with pytest.raises(ConfigError, match="architecture GPT2LMHeadModel is not supported"):
         resolve(BASE + [f"model.path={tmp_path}/gpt2"])
-    (tmp_path / "gptoss").mkdir()  # a known architecture not served yet: what it needs
-    (tmp_path / "gptoss" / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "num_hidden_layers": 2,
-                                                                 "architectures": ["GptOssForCausalLM"]}))
-    with pytest.raises(ConfigError, match="architecture GptOssForCausalLM is not built yet: it needs attention sinks"):
-        resolve(BASE + [f"model.path={tmp_path}/gptoss"])
+    (tmp_path / "deepseek").mkdir()  # a known architecture not served yet: what it needs
+    (tmp_path / "deepseek" / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 2,
+                                                                   "architectures": ["DeepseekV3ForCausalLM"]}))
+    with pytest.raises(ConfigError, match="architecture DeepseekV3ForCausalLM is not built yet: it needs multi-head "
+                                          "latent attention"):
+        resolve(BASE + [f"model.path={tmp_path}/deepseek"])
 
 
 def test_validation_and_the_plan_read_the_architecture_registry(monkeypatch):

@@ -1,6 +1,8 @@
 """The attention layer: one packed q/k/v projection, an optional RMSNorm
 over each head of q and k, rope, the attention backend over the paged KV
-cache, the output projection (all-reduced across tensor-parallel ranks)."""
+cache (with each head's learned attention sink where the model has them:
+gpt-oss), the output projection (all-reduced across tensor-parallel ranks;
+biased where the model's is)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import copy
 import math
 from typing import TYPE_CHECKING, Optional
 
+import torch
 from torch import nn
 
 from appliance.models.arch import ModelArch
@@ -28,7 +31,9 @@ class Attention(nn.Module):
         # q, k and v projections packed into one GEMM (rows q | k | v).
         self.qkv_proj = nn.Linear(arch.hidden_size, (h + 2 * kv) * d, bias=arch.qkv_bias)
         self.q_size, self.kv_size = h * d, kv * d
-        self.o_proj = nn.Linear(h * d, arch.hidden_size, bias=False)
+        self.o_proj = nn.Linear(h * d, arch.hidden_size, bias=arch.o_bias)
+        # a logit per head beside its scores in the softmax, its probability dropped (the checkpoint's)
+        self.sinks = nn.Parameter(torch.empty(h), requires_grad=False) if arch.attention_sinks else None
         if arch.qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps)
             self.k_norm = RMSNorm(d, arch.rms_norm_eps)
@@ -59,7 +64,10 @@ class Attention(nn.Module):
         t = x.shape[0]
         q, k, v = self.heads(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.backend.forward(q, k, v, kv_cache, attn_metadata)
+        if self.sinks is None:
+            out = self.backend.forward(q, k, v, kv_cache, attn_metadata)
+        else:
+            out = self.backend.forward(q, k, v, kv_cache, attn_metadata, sinks=self.sinks)
         out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
         if self.tp is not None:
             self.tp.comm.all_reduce(out)

@@ -127,6 +127,22 @@ def dispatch_order(ids: torch.Tensor, first: int, count: int) -> tuple[torch.Ten
     return positions // ids.shape[1], positions, counts
 
 
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first: int, count: int,
+                    expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Sum over each token's routed experts ``first .. first + count - 1`` of weight x ``expert(e, its rows)``
+    (``e`` local), one call per active expert on the rows routed to it (``dispatch_order``)."""
+    out = torch.zeros_like(x)
+    tokens, positions, counts = dispatch_order(ids, first, count)
+    pair_weights = weights.reshape(-1)[positions]
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            rows = tokens[start:start + n]
+            out.index_add_(0, rows, expert(e, x[rows]) * pair_weights[start:start + n, None].to(x.dtype))
+        start += n
+    return out
+
+
 def install_checkpoint_experts(model: nn.Module, parts: dict[str, Any], method: str,
                                build: Callable[[list[str]], nn.Module]) -> set[str]:
     """Each sparse layer's experts from a checkpoint's per-expert tensors
@@ -238,17 +254,7 @@ class FusedExperts(nn.Module):
             from appliance.kernels.triton_moe import fused_experts
 
             return fused_experts(x, self.w13, self.w2, weights, ids, self.first)
-        out = torch.zeros_like(x)
-        tokens, positions, counts = dispatch_order(ids, self.first, self.num_local)
-        pair_weights = weights.reshape(-1)[positions]
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows = tokens[start:start + n]
-                y = self.expert(e, x[rows]) * pair_weights[start:start + n, None].to(x.dtype)
-                out.index_add_(0, rows, y)
-            start += n
-        return out
+        return grouped_experts(x, weights, ids, self.first, self.num_local, self.expert)
 
     def forward_per_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The same sum one token and expert at a time (the naive loop a

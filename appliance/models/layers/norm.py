@@ -17,3 +17,14 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class WeightFirstRMSNorm(RMSNorm):
+    """OLMo 2's and gpt-oss's RMSNorm: the weight multiplies the fp32 normalized rows, then
+    the product is cast back (Llama's casts first)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x).to(dtype)

@@ -1,0 +1,96 @@
+"""gpt-oss (``GptOssForCausalLM``), declared from the layer library: the
+Llama family's attention with biased q/k/v and o projections and a learned
+attention sink per head (``Attention``, the backends' ``sinks``), layers
+alternating between a sliding window and full attention (KV-cache groups),
+and in every layer a mixture of experts of its own: a biased router whose
+top-k logits are softmaxed, and experts stacked as the checkpoint stores
+them (``gate_up_proj`` [experts, hidden, 2 x inter], gate and up channels
+interleaved, ``down_proj`` [experts, inter, hidden], each with its bias)
+through the clamped SwiGLU. Norms weight the fp32 rows before the cast back
+(OLMo 2's). The native whole-step forward does not compute these layers: on
+``cpu_native`` they run layer by layer over its attention. One device per
+engine core for now; bf16 or fp32 experts (MXFP4 not yet)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from appliance.models.arch import ModelArch
+from appliance.models.layers.attention import Attention
+from appliance.models.layers.moe import grouped_experts
+from appliance.models.layers.norm import WeightFirstRMSNorm
+from appliance.models.layers.parallel import TensorParallel
+from appliance.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from appliance.kernels.base import AttentionBackend
+    from appliance.models.layers.moe import ExpertParallel
+
+
+class GptOssExperts(nn.Module):
+    """A layer's experts as the checkpoint stacks them, the torch path grouping each step's tokens by expert
+    (``grouped_experts``): x @ gate_up_proj[e] + bias, the interleaved gate and up channels through
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g) with g = min(gate, limit), then @ down_proj[e] + bias."""
+
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        e, h, i = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
+        self.num_experts, self.limit, self.alpha = e, arch.swiglu_limit, arch.swiglu_alpha
+        self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i), requires_grad=False)
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e, i, h), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(torch.empty(e, h), requires_grad=False)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+        gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
+        return ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ self.down_proj[e] + self.down_proj_bias[e]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return grouped_experts(x, weights, ids, 0, self.num_experts, self.expert)
+
+
+class GptOssMoe(nn.Module):
+    """The router (biased: each token's top-k logits softmaxed into its experts' weights), then the experts.
+    The router runs in the model's dtype, as transformers and vLLM run gpt-oss's (in bf16 a near tie between
+    two experts' logits falls as theirs; an fp32 router parted from them at a prompt's first token)."""
+
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.top_k = arch.num_experts_per_tok
+        self.router = nn.Linear(arch.hidden_size, arch.num_experts, bias=True)
+        self.experts = GptOssExperts(arch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.router.weight, self.router.bias)
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
+        return self.experts(x, torch.softmax(top, dim=-1), ids)
+
+
+class GptOssDecoderLayer(nn.Module):
+    """Attention (with sinks), then the experts, each after its norm and before its residual add."""
+
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
+                 index: int = 0, ep: Optional[ExpertParallel] = None):
+        super().__init__()
+        self.input_layernorm = WeightFirstRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, backend, tp)
+        self.post_attention_layernorm = WeightFirstRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = GptOssMoe(arch)
+        self.sparse = False  # its experts are its own, not the Llama family's (no EPLB, no expert installing)
+
+    def forward(self, x, cos, sin, kv_cache, attn_metadata):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    family = "gpt_oss"
+    layer_class = GptOssDecoderLayer
+    norm_class = WeightFirstRMSNorm
+    llama_layers = False  # weights_view cannot describe them
+    stacked_experts = True  # the checkpoint's expert tensors are the parameters, as stored
