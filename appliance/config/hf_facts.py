@@ -125,7 +125,7 @@ def _longrope_facts(hf: dict, scaling: dict) -> list[Fact]:
     if "original_max_position_embeddings" in hf:
         original, where = int(hf["original_max_position_embeddings"]), "original_max_position_embeddings"
     elif "original_max_position_embeddings" in scaling:
-        original, where = int(scaling["original_max_position_embeddings"]), "rope scaling original_max_position_embeddings"
+        original, where = int(scaling["original_max_position_embeddings"]), "rope scaling's original context"
     else:
         original, where = int(hf.get("max_position_embeddings", 0)), "max_position_embeddings (no original one)"
     facts = [Fact("rope_scaling.original_max_position_embeddings", original, f"{where}={original}")]
@@ -133,7 +133,7 @@ def _longrope_facts(hf: dict, scaling: dict) -> list[Fact]:
         return facts + [Fact("rope_scaling.factor", float(scaling["factor"]), f"rope scaling factor={scaling['factor']}")]
     if original and hf.get("max_position_embeddings"):
         factor = hf["max_position_embeddings"] / original
-        facts.append(Fact("rope_scaling.factor", factor, f"max_position_embeddings/{where.split('=')[0]}={factor:g}"))
+        facts.append(Fact("rope_scaling.factor", factor, f"max_position_embeddings / {original}={factor:g}"))
     return facts
 
 

@@ -46,9 +46,9 @@ class RopeScaling:
     mscale_all_dim: Optional[float] = None
     attention_factor: Optional[float] = None  # yarn's and longrope's (longrope's null: from factor)
     truncate: bool = True
-    # longrope (Phi-3's): each frequency's divisor, one per pair of rotated dimensions; a sequence whose prompt
-    # passes original_max_position_embeddings takes long_factor at every position, any other short_factor up to
-    # there and long_factor from there on (as transformers computes each step of one sequence)
+    # longrope (Phi-3's): each frequency's divisor, one per pair of rotated dimensions; a sequence of more tokens
+    # than original_max_position_embeddings takes long_factor at every position (one that grows past it is
+    # computed again, as transformers' Phi-3 does), a shorter one short_factor
     short_factor: Optional[list[float]] = None
     long_factor: Optional[list[float]] = None
 

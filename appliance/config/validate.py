@@ -274,10 +274,13 @@ def _rope_scaling_problems(m: ModelConfig) -> list[str]:
     rs, rs_defaults = m.rope_scaling, RopeScaling()
     theirs = {"yarn": set(YARN_KEYS), "longrope": {*LONGROPE_KEYS, "attention_factor"}}
     names = {"yarn": "YaRN", "longrope": "LongRoPE"}
-    problems = [f"model.rope_scaling.{k}={getattr(rs, k)} is {names[owner]}'s; model.rope_scaling.type={rs.type}: "
-                f"set model.rope_scaling.type={owner} or leave it at {getattr(rs_defaults, k)}"
-                for owner, keys in theirs.items() if rs.type != owner
-                for k in sorted(keys - theirs.get(rs.type, set())) if getattr(rs, k) != getattr(rs_defaults, k)]
+    problems = []
+    for k in sorted(set().union(*theirs.values())):
+        owners = [owner for owner, keys in theirs.items() if k in keys]
+        if rs.type not in owners and getattr(rs, k) != getattr(rs_defaults, k):
+            problems.append(f"model.rope_scaling.{k}={getattr(rs, k)} is {' or '.join(names[o] for o in owners)}'s; "
+                            f"model.rope_scaling.type={rs.type}: set model.rope_scaling.type={owners[0]} or leave "
+                            f"it at {getattr(rs_defaults, k)}")
     if rs.type == "longrope":
         pairs = rotary_dim(m) // 2
         for k in LONGROPE_KEYS:

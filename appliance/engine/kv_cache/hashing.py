@@ -3,10 +3,10 @@
 A block's hash covers (parent block hash, the block's token ids, extra keys),
 so equal hashes mean equal whole prefixes. Extra keys carry what makes equal
 tokens produce different KV: the request's ``cache_salt`` (first block only,
-which isolates the whole chain; so does a LongRoPE prompt past the model's
+which isolates the whole chain; so does a LongRoPE sequence past the model's
 original context, whose every position takes the long frequencies), its
-LoRA id, and the content hashes of multimodal inputs overlapping the block. Only full blocks are hashed; the
-trailing partial block never is.
+LoRA id, and the content hashes of multimodal inputs overlapping the block.
+Only full blocks are hashed; the trailing partial block never is.
 
 Algorithms (``cache.prefix_caching_hash_algo``), as vLLM's:
 - ``sha256``: pickle of the tuple, SHA-256 (collision resistant; pickle
