@@ -245,6 +245,9 @@ def _apply_quantization(cfg: dict, path: Path, overrides: Sequence[str]) -> list
             problems.append(f"quantization={named} loads an {named.upper()} checkpoint, and model.path="
                             f"{cfg['model']['path']} has no quantization_config; use quantization=int4_wo to "
                             f"quantize at load on a CPU")
+        if named == "mxfp4":
+            problems.append(f"quantization=mxfp4 loads gpt-oss's MXFP4 experts, and model.path="
+                            f"{cfg['model']['path']} has no quantization_config; drop the override")
         return problems
     if named is not None and named != facts[0].value:
         return problems + [f"quantization={named} but the checkpoint {path} has {facts[0].source}; drop the "

@@ -20,6 +20,7 @@ class QuantMethod(StrEnum):
     int8_wo = "int8_wo"
     w8a8_int8 = "w8a8_int8"
     int4_wo = "int4_wo"
+    mxfp4 = "mxfp4"
 
 
 class KVCacheDType(StrEnum):

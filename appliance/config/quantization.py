@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from appliance.config.architectures import ARCHITECTURES
 from appliance.config.facts import Fact
 from appliance.config.schema import ApplianceConfig
 
@@ -190,6 +191,27 @@ def _int_groups_checkpoint(method: str, bits_built: tuple[int, ...]) -> Callable
     return read
 
 
+def _mxfp4_checkpoint(qc: dict) -> CheckpointFacts:
+    """gpt-oss's MXFP4 experts (e2m1 values, an e8m0 scale per 32): nothing more to read."""
+    return [], []
+
+
+def _mxfp4_experts(cfg: ApplianceConfig) -> list[str]:
+    row = ARCHITECTURES.get(cfg.model.architecture)
+    if row is None or not row.gpt_oss:
+        return [f"quantization=mxfp4 reads gpt-oss's MXFP4 experts; model.architecture={cfg.model.architecture} "
+                f"has none"]
+    if cfg.model.path in ("tiny_random", "smollm2_gguf") or cfg.model.path.endswith(".gguf"):
+        return [f"quantization=mxfp4 reads a checkpoint folder's MXFP4 experts; model.path={cfg.model.path} is "
+                f"not one"]
+    return []
+
+
+def _mxfp4_notes(cfg: ApplianceConfig) -> list[str]:
+    return ["mxfp4: the checkpoint's MXFP4 experts dequantized to the model dtype at load (the plan counts them "
+            "so); 4-bit expert kernels not built yet"]
+
+
 @dataclass(frozen=True)
 class QuantizationMethod:
     name: str  # quantization.method
@@ -233,6 +255,9 @@ QUANTIZATION_METHODS: dict[str, QuantizationMethod] = {q.name: q for q in (
     QuantizationMethod("w8a8_int8", (8.0,), "channel", activation_dtype="int8", activations_required=True,
                        cpu_at_load=True, plan_notes=_w8a8_notes),
     QuantizationMethod("int4_wo", (4.0,), "group", group_param_bits=32, cpu_at_load=True, problems=_int4_groups),
+    # gpt-oss's checkpoints: MXFP4 experts, dequantized at load (so its weights are counted as float ones)
+    QuantizationMethod("mxfp4", (), "none", problems=_mxfp4_experts, plan_notes=_mxfp4_notes,
+                       checkpoint_readers=(("mxfp4", _mxfp4_checkpoint),)),
 )}
 
 

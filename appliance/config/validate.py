@@ -53,9 +53,9 @@ def _architecture_problems(cfg: ApplianceConfig) -> list[str]:
     if row.gpt_oss:
         problems += [f"{m.architecture}'s experts clamp their SwiGLU: set model.{k} (positive)"
                      for k, v in swiglu.items() if v is None or not v > 0]
-        if cfg.quantization.method != "none":
+        if cfg.quantization.method not in ("none", "mxfp4"):
             problems.append(f"quantization={cfg.quantization.method} on {m.architecture} is not built yet (its "
-                            f"experts run in the checkpoint's bf16 or fp32; MXFP4 neither)")
+                            f"experts run in the model dtype: a checkpoint's bf16, or its MXFP4 dequantized)")
         if not m.norm_topk_prob:
             problems.append(f"model.norm_topk_prob=false: {m.architecture} softmaxes each token's top-k router "
                             f"logits (its weights always sum to one)")

@@ -19,6 +19,7 @@ from appliance.config.checkpoint import quantization_facts
 from appliance.errors import ModelLoadError
 from appliance.models.fp8 import CHECKPOINT_TENSORS as FP8_TENSORS
 from appliance.models.int4_checkpoints import UNPACK
+from appliance.models.mxfp4 import expert_weight_from_mxfp4
 from appliance.models.layers.linear import packed_target
 from appliance.models.layers.parallel import fused_shard_rows, tensor_shard
 from appliance.models.llama import canonical_name
@@ -38,6 +39,7 @@ class CheckpointTensors:
         self.packed_rows: dict[str, int] = {}  # packed (or stacked expert) parameter -> rows filled so far
         self.int4_parts: dict[str, dict[str, torch.Tensor]] = {}  # AWQ/GPTQ projection weight name -> its tensors
         self.fp8_parts: dict[str, dict[str, torch.Tensor]] = {}  # an fp8 checkpoint's projections, the same way
+        self.mxfp4_parts: dict[str, dict[str, torch.Tensor]] = {}  # gpt-oss's MXFP4 experts: "blocks", "scales"
         self.kv_scales: dict[int, dict[str, torch.Tensor]] = {}  # layer -> "k" / "v" -> its fp8 KV cache scale
 
     def read(self, folder: Path) -> None:
@@ -68,6 +70,10 @@ class CheckpointTensors:
         if self.method == "fp8" and suffix in FP8_TENSORS and (
                 suffix != "weight" or sf.get_slice(stored).get_dtype() == "F8_E4M3"):
             self.fp8_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(stored)
+            return
+        if self.method == "mxfp4" and suffix.endswith(("_blocks", "_scales")):
+            stem, _, part = suffix.rpartition("_")
+            self.mxfp4_parts.setdefault(f"{prefix}.{stem}", {})[part] = sf.get_tensor(stored)
             return
         if ".mlp.experts." in name and not getattr(model, "stacked_experts", False):
             self.loaded |= _load_expert(model, sf, stored, name, self.full_arch, tp, self.ep, self.expected,
@@ -140,7 +146,26 @@ class CheckpointTensors:
                                            tp, ep)
             except ValueError as e:
                 raise ModelLoadError(f"{folder}: {e}") from None
+        for target, parts in self.mxfp4_parts.items():
+            self._set_mxfp4(target, parts, folder)
         _set_kv_scales(model, self.kv_scales, folder)
+
+    def _set_mxfp4(self, target: str, parts: dict[str, torch.Tensor], folder: Path) -> None:
+        """An expert projection of gpt-oss's MXFP4 checkpoint, dequantized into its parameter."""
+        if target not in self.expected:
+            raise ModelLoadError(f"{folder}: MXFP4 tensors of {target}, a projection this model does not have")
+        if set(parts) != {"blocks", "scales"}:
+            raise ModelLoadError(f"{folder}: {target} has MXFP4 {' and '.join(sorted(parts))} but not both blocks "
+                                 f"and scales")
+        try:
+            t = expert_weight_from_mxfp4(parts["blocks"], parts["scales"])
+        except ValueError as e:
+            raise ModelLoadError(f"{folder}: {target}: {e}") from None
+        want = tuple(self.expected[target].shape)
+        if tuple(t.shape) != want:
+            raise ModelLoadError(f"{folder}: MXFP4 {target} dequantizes to {tuple(t.shape)}, the model expects {want}")
+        set_module_tensor_to_device(self.model, target, self.device, value=t, dtype=self.dtype)
+        self.loaded.add(target)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

@@ -9,7 +9,8 @@ interleaved, ``down_proj`` [experts, inter, hidden], each with its bias)
 through the clamped SwiGLU. Norms weight the fp32 rows before the cast back
 (OLMo 2's). The native whole-step forward does not compute these layers: on
 ``cpu_native`` they run layer by layer over its attention. One device per
-engine core for now; bf16 or fp32 experts (MXFP4 not yet)."""
+engine core for now; a checkpoint's MXFP4 experts are dequantized at load
+(``models/mxfp4.py``)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,4 @@ class GptOssForCausalLM(LlamaForCausalLM):
     norm_class = WeightFirstRMSNorm
     llama_layers = False  # weights_view cannot describe them
     stacked_experts = True  # the checkpoint's expert tensors are the parameters, as stored
+

@@ -21,7 +21,7 @@ MODELS = ["llama3_1_8b", "mistral_7b", "mixtral_8x7b", "qwen2_5_0_5b", "qwen3_30
 def test_catalog_is_complete():
     assert list_profiles() == PROFILES
     assert list_options("model") == MODELS
-    assert list_options("quantization") == ["awq", "fp8", "gguf", "gptq", "int4_wo", "int8_wo", "none", "w8a8_int8"]
+    assert list_options("quantization") == ["awq", "fp8", "gguf", "gptq", "int4_wo", "int8_wo", "mxfp4", "none", "w8a8_int8"]
     assert list_options("parallel") == ["dp2", "dp2_ep", "dp8_ep", "pp2", "single", "tp2", "tp3", "tp8", "tp8_pp2"]
     assert list_options("scheduler") == ["default", "latency", "throughput"]
     assert list_options("hardware") == ["b200", "cpu", "h100", "h200", "mi300x"]

@@ -52,6 +52,6 @@ def test_a_checkpoints_quantization_config_is_read_by_its_methods_row():
     assert ("activations", True) in [(f.key, f.value) for f in facts]
     facts, problems = read({"quant_method": "bitsandbytes"})
     assert facts == [] and problems == ["quantization_config.quant_method=bitsandbytes is not supported; supported: "
-                                        "fp8, compressed-tensors, awq, gptq"]
+                                        "fp8, compressed-tensors, awq, gptq, mxfp4"]
     # the quant_method values are matched lower-cased
     assert all(name == name.lower() for row in QUANTIZATION_METHODS.values() for name, _ in row.checkpoint_readers)
