@@ -100,11 +100,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("Gemma2ForCausalLM", "gemma2", "gemma2", attention=SLIDING_TOO, window="pattern", global_every=2,
                  gemma=True),
     # alternating sliding-window and full layers (config.json's layer_types), sinks, its own experts: layer by
-    # layer (no whole-step native forward), one device per engine core for now; bf16 or fp32 experts (MXFP4 not
-    # yet)
+    # layer (no whole-step native forward); a tensor-parallel rank holds every expert's slice (no expert
+    # parallelism yet)
     Architecture("GptOssForCausalLM", "gpt_oss", "gpt_oss", experts="every", attention=SLIDING_TOO,
-                 window="pattern", global_every=2, gpt_oss=True, tensor_parallel=False, pipeline_parallel=False,
-                 expert_parallel=False),
+                 window="pattern", global_every=2, gpt_oss=True, expert_parallel=False),
 )}
 
 # Architectures people bring that are not served yet, and what each needs.

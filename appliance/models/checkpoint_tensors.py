@@ -161,6 +161,10 @@ class CheckpointTensors:
             t = expert_weight_from_mxfp4(parts["blocks"], parts["scales"])
         except ValueError as e:
             raise ModelLoadError(f"{folder}: {target}: {e}") from None
+        shard = tensor_shard(self.full_arch, self.tp.rank, self.tp.size, target) if self.tp else None
+        if shard is not None:  # this rank's channels of the whole projection
+            dim, start, stop = shard
+            t = t.narrow(dim, start, stop - start)
         want = tuple(self.expected[target].shape)
         if tuple(t.shape) != want:
             raise ModelLoadError(f"{folder}: MXFP4 {target} dequantizes to {tuple(t.shape)}, the model expects {want}")
@@ -257,7 +261,7 @@ def _read_shard(sf: Any, name: str, shard: tuple[int, int, int] | None) -> torch
     dim, start, stop = shard
     sl = sf.get_slice(name)
     size = sl.get_shape()[dim]
-    t = sl[start:min(stop, size)] if dim == 0 else sl[:, start:min(stop, size)]
+    t = sl[(slice(None),) * dim + (slice(start, min(stop, size)),)]
     if stop > size:
         pad = list(t.shape)
         pad[dim] = stop - max(start, size)

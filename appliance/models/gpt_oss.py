@@ -8,9 +8,10 @@ them (``gate_up_proj`` [experts, hidden, 2 x inter], gate and up channels
 interleaved, ``down_proj`` [experts, inter, hidden], each with its bias)
 through the clamped SwiGLU. Norms weight the fp32 rows before the cast back
 (OLMo 2's). The native whole-step forward does not compute these layers: on
-``cpu_native`` they run layer by layer over its attention. One device per
-engine core for now; a checkpoint's MXFP4 experts are dequantized at load
-(``models/mxfp4.py``)."""
+``cpu_native`` they run layer by layer over its attention. Tensor-parallel
+ranks hold their heads (and sinks) and every expert's slice of channels;
+pipeline stages their layers. A checkpoint's MXFP4 experts are dequantized
+at load (``models/mxfp4.py``)."""
 
 from __future__ import annotations
 
@@ -37,10 +38,11 @@ class GptOssExperts(nn.Module):
     (``grouped_experts``): x @ gate_up_proj[e] + bias, the interleaved gate and up channels through
     (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g) with g = min(gate, limit), then @ down_proj[e] + bias."""
 
-    def __init__(self, arch: ModelArch):
+    def __init__(self, arch: ModelArch, down_bias: bool = True):
         super().__init__()
         e, h, i = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
         self.num_experts, self.limit, self.alpha = e, arch.swiglu_limit, arch.swiglu_alpha
+        self.down_bias = down_bias  # False on tensor-parallel ranks but the first: the bias once in their sum
         self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i), requires_grad=False)
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(e, i, h), requires_grad=False)
@@ -49,27 +51,32 @@ class GptOssExperts(nn.Module):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
         gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
-        return ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ self.down_proj[e] + self.down_proj_bias[e]
+        out = ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ self.down_proj[e]
+        return out + self.down_proj_bias[e] if self.down_bias else out
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return grouped_experts(x, weights, ids, 0, self.num_experts, self.expert)
 
 
 class GptOssMoe(nn.Module):
-    """The router (biased: each token's top-k logits softmaxed into its experts' weights), then the experts.
+    """The router (biased: each token's top-k logits softmaxed into its experts' weights), then the experts; a
+    tensor-parallel rank holds its slice of every expert's intermediate channels, the partial sums all-reduced.
     The router runs in the model's dtype, as transformers and vLLM run gpt-oss's (in bf16 a near tie between
     two experts' logits falls as theirs; an fp32 router parted from them at a prompt's first token)."""
 
-    def __init__(self, arch: ModelArch):
+    def __init__(self, arch: ModelArch, tp: Optional[TensorParallel] = None):
         super().__init__()
-        self.top_k = arch.num_experts_per_tok
+        self.top_k, self.tp = arch.num_experts_per_tok, tp
         self.router = nn.Linear(arch.hidden_size, arch.num_experts, bias=True)
-        self.experts = GptOssExperts(arch)
+        self.experts = GptOssExperts(arch, down_bias=tp is None or tp.rank == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.router.weight, self.router.bias)
         top, ids = torch.topk(logits, self.top_k, dim=-1)
-        return self.experts(x, torch.softmax(top, dim=-1), ids)
+        out = self.experts(x, torch.softmax(top, dim=-1), ids)
+        if self.tp is not None:
+            self.tp.comm.all_reduce(out)
+        return out
 
 
 class GptOssDecoderLayer(nn.Module):
@@ -81,7 +88,7 @@ class GptOssDecoderLayer(nn.Module):
         self.input_layernorm = WeightFirstRMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, backend, tp)
         self.post_attention_layernorm = WeightFirstRMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = GptOssMoe(arch)
+        self.mlp = GptOssMoe(arch, tp)
         self.sparse = False  # its experts are its own, not the Llama family's (no EPLB, no expert installing)
 
     def forward(self, x, cos, sin, kv_cache, attn_metadata):

@@ -572,14 +572,11 @@ def test_gpt_oss_checkpoint_facts_and_what_it_refuses():
     assert (facts["rope_scaling.type"], facts["rope_scaling.factor"], facts["rope_scaling.truncate"]) == \
         ("yarn", 32.0, False)
     gpt_oss = ["+profile=cpu", "model=tiny_random", *TINY_VARIANTS["gpt_oss"]]
-    assert make_plan(resolve(gpt_oss).cfg).implementation.endswith("one device per engine core (no tensor or pipeline "
-                                                                 "parallelism yet)")  # nor experts split over ranks
+    assert make_plan(resolve(gpt_oss).cfg).implementation.endswith("; tensor, pipeline parallel")  # not expert
     for extra, why in [(["quantization=int8_wo"], "quantization=int8_wo on GptOssForCausalLM is not built yet"),
                        (["model.norm_topk_prob=false"], "model.norm_topk_prob=false: GptOssForCausalLM softmaxes"),
                        (["model.swiglu_limit=null"], "GptOssForCausalLM's experts clamp their SwiGLU: set "
                                                      "model.swiglu_limit"),
-                       (["parallel.tensor_parallel_size=2", "hardware.num_devices=2"],
-                        "GptOssForCausalLM has no tensor-parallel implementation yet"),
                        (["parallel.enable_expert_parallel=true", "parallel.data_parallel_size=2",
                          "hardware.num_devices=2"], "GptOssForCausalLM has no expert-parallel implementation yet")]:
         with pytest.raises(ConfigError, match=re.escape(why)):

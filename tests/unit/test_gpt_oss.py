@@ -109,3 +109,15 @@ def test_an_mxfp4_checkpoint_missing_its_scales_is_refused(mxfp4_checkpoint, tmp
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="down_proj has MXFP4 blocks but not both blocks and scales"):
         LLM(overrides=["+profile=cpu", f"model.path={broken}", "model.dtype=float32"])
+
+
+def test_an_mxfp4_checkpoint_over_two_ranks_equals_one(mxfp4_checkpoint):
+    """Each tensor-parallel rank dequantizes the whole projection and keeps its channels (and heads, sinks)."""
+    base = ["+profile=cpu", f"model.path={mxfp4_checkpoint}", "model.dtype=float32", "cache.kv_cache_memory_gib=0.05"]
+    p = SamplingParams(max_tokens=12, temperature=0)
+    one = [o.outputs[0].token_ids for o in LLM(overrides=base).generate(PROMPTS, p, use_tqdm=False)]
+    llm = LLM(overrides=[*base, "parallel.tensor_parallel_size=2"])
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, use_tqdm=False)] == one
+    finally:
+        llm.engine.runner.close()

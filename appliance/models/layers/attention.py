@@ -11,6 +11,7 @@ import math
 from typing import TYPE_CHECKING, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from appliance.models.arch import ModelArch
@@ -68,7 +69,10 @@ class Attention(nn.Module):
             out = self.backend.forward(q, k, v, kv_cache, attn_metadata)
         else:
             out = self.backend.forward(q, k, v, kv_cache, attn_metadata, sinks=self.sinks)
-        out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-        if self.tp is not None:
-            self.tp.comm.all_reduce(out)
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        if self.tp is None:
+            return self.o_proj(out)
+        # a biased o_proj's bias once in the sum: rank 0's
+        out = self.o_proj(out) if self.tp.rank == 0 or self.o_proj.bias is None else F.linear(out, self.o_proj.weight)
+        self.tp.comm.all_reduce(out)
         return out

@@ -164,6 +164,10 @@ def _spans(arch: ModelArch, rank: int, tp_size: int) -> dict[str, tuple[int, int
             "inter": (rank * local.intermediate_size, local.intermediate_size)}
 
 
+# gpt-oss's stacked expert tensors a rank cuts: (dim, channels an intermediate row takes there); down_proj_bias is
+# every rank's (rank 0 adds it)
+_STACKED_EXPERTS = {"gate_up_proj": (2, 2), "gate_up_proj_bias": (1, 2), "down_proj": (1, 1)}
+
 # a checkpoint's fused projections (Phi-3's): their parts, each column-parallel, in row order
 _FUSED = {"qkv_proj": ("q", "kv", "kv"), "gate_up_proj": ("inter", "inter")}
 
@@ -198,6 +202,13 @@ def tensor_shard(arch: ModelArch, rank: int, tp_size: int, name: str) -> Optiona
         return 0, rank * local.vocab_size, (rank + 1) * local.vocab_size
     if ".mlp.experts." in name:  # every rank's slice of each expert's intermediate rows (no expert parallelism)
         spans["inter"] = (rank * local.moe_intermediate_size, local.moe_intermediate_size)
+    if name.endswith(".self_attn.sinks"):  # gpt-oss's: a sink per q head
+        return 0, rank * local.num_heads, (rank + 1) * local.num_heads
+    stacked = _STACKED_EXPERTS.get(name.rsplit(".", 1)[-1]) if ".mlp.experts." in name else None
+    if stacked is not None:  # gpt-oss's, as the checkpoint stacks them (its gate and up channels interleaved)
+        dim, pairs = stacked
+        start, n = spans["inter"]
+        return dim, pairs * start, pairs * (start + n)
     if module in _COLUMN:
         start, n = spans[_COLUMN[module]]
         return 0, start, start + n
