@@ -46,6 +46,35 @@ def test_mxfp4_dequantizes_as_transformers_does():
         dequantize_mxfp4(blocks, scales[..., :3])
 
 
+def test_the_experts_layer_is_transformers_one():
+    """gpt-oss's mixture of experts against transformers' GptOssMLP on the same weights, rows large enough that
+    both clamps of its SwiGLU bind: the router's top-k softmax, the interleaved gate and up channels, the biases."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from appliance.models.arch import ModelArch
+    from appliance.models.gpt_oss import GptOssMoe
+
+    torch.manual_seed(0)
+    hf_cfg = GptOssConfig(hidden_size=32, intermediate_size=24, num_local_experts=5, num_experts_per_tok=2,
+                          swiglu_limit=1.5, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    ref = GptOssMLP(hf_cfg).eval()
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    arch = ModelArch(architecture="GptOssForCausalLM", num_layers=1, hidden_size=32, intermediate_size=24,
+                     num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=16, max_position_embeddings=64,
+                     rope_theta=1e4, rms_norm_eps=1e-5, tie_word_embeddings=False, num_experts=5,
+                     num_experts_per_tok=2, moe_intermediate_size=24, swiglu_limit=1.5, swiglu_alpha=1.702)
+    ours = GptOssMoe(arch)
+    ours.load_state_dict({k: v.detach() for k, v in ref.state_dict().items()})
+    x = 4 * torch.randn(40, 32)
+    with torch.no_grad():
+        want = ref(x[None])[0][0]
+        gate_up = x @ ref.experts.gate_up_proj[0] + ref.experts.gate_up_proj_bias[0]
+        assert (gate_up[:, ::2] > 1.5).any() and (gate_up[:, 1::2].abs() > 1.5).any()  # both clamps bind
+        torch.testing.assert_close(ours(x), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def mxfp4_checkpoint(tmp_path_factory):
     """The tiny gpt-oss with its experts stored in MXFP4, as gpt-oss's checkpoints store them (blocks and scales

@@ -120,8 +120,8 @@ def test_preempted_request_hits_its_own_blocks_on_resume():
 
 
 def test_a_longrope_sequence_growing_past_the_original_context_is_computed_again_once():
-    """LongRoPE (long_rope_from=8): a prompt of 8 tokens decodes on short frequencies; the step that would take it
-    to 9 tokens sends it back instead, to compute all of them again on long ones (no preemption counted), its
+    """LongRoPE (long_rope_from=8): a prompt of 7 tokens decodes on short frequencies up to 8 tokens; the step that
+    would take it to 9 sends it back instead, to compute all of them again on long ones (no preemption counted), its
     blocks hashed as a long prompt's: they serve a longer prompt of the same tokens, never a short one."""
     s = make_scheduler(num_blocks=20, block_size=4, budget=64, long_rope_from=8)
     s.add_request(make_req("a", range(1, 8), max_tokens=4))  # 7 tokens
