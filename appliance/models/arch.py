@@ -58,7 +58,8 @@ class ModelArch:
         from appliance.config.architectures import ARCHITECTURES
         from appliance.config.sizes import rotary_dim, sparse_layers
 
-        gpt_oss = ARCHITECTURES[m.architecture].gpt_oss if m.architecture in ARCHITECTURES else False
+        row = ARCHITECTURES.get(m.architecture)
+        gpt_oss = row is not None and row.gpt_oss
 
         rs = m.rope_scaling
         rs_type = rs.type

@@ -15,6 +15,10 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     """MXFP4 weights as fp32: ``blocks`` uint8 [..., groups, 16] (two e2m1 codes a byte, the low nibble first,
     32 values a group), ``scales`` uint8 [..., groups] (e8m0: 2 ** (scale - 127) per group) -> [..., groups x 32].
     Exact: each value is a code's times a power of two."""
+    if blocks.dtype != torch.uint8:  # a signed byte would index the table backwards
+        raise ValueError(f"MXFP4 blocks are bytes (uint8); these are {blocks.dtype}")
+    if scales.is_floating_point():
+        raise ValueError(f"MXFP4 scales are e8m0 exponents (integers); these are {scales.dtype}")
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair "
                          f"(blocks [..., groups, 16], scales [..., groups])")

@@ -44,6 +44,8 @@ def test_mxfp4_dequantizes_as_transformers_does():
     assert one[:16].tolist() == list(FP4_VALUES)
     with pytest.raises(ValueError, match="do not pair"):
         dequantize_mxfp4(blocks, scales[..., :3])
+    with pytest.raises(ValueError, match="blocks are bytes"):  # a file's signed bytes are refused, not read backwards
+        dequantize_mxfp4(blocks.to(torch.int8), scales)
 
 
 def test_the_experts_layer_is_transformers_one():
