@@ -5,7 +5,7 @@ from __future__ import annotations
 import json as _json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 # What torch.Generator.manual_seed takes.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -95,6 +95,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: Optional[list[int]] = None  # vLLM's: only these may be sampled (null: any)
+    # vLLM's: words never generated. Each is tokenized as it stands and after a space (bad_words_token_ids, filled
+    # by the engine from its tokenizer: ``resolve_bad_words``); a one-token word is never sampled, a longer word's
+    # last token never right after the rest of it in the output
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: Optional[int] = None  # number of top logprobs besides the sampled one
     # the log-probability of each prompt token given those before it (the first: None), with this many top
     # candidates besides it; such a request computes its whole prompt (no prefix-cache hits), as vLLM's does
@@ -156,8 +162,33 @@ class SamplingParams:
             bad("stop strings must not be empty", "stop")
         if any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be token ids (non-negative)", "stop_token_ids")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            bad("allowed_token_ids must not be empty (null allows every token)", "allowed_token_ids")
+        if any(t < 0 for t in self.allowed_token_ids or ()):
+            bad("allowed_token_ids must be token ids (non-negative)", "allowed_token_ids")
+        if any(not w.strip() for w in self.bad_words):
+            bad("bad_words must not be empty or only spaces", "bad_words")
+        if any(not ids or min(ids) < 0 for ids in self.bad_words_token_ids):
+            bad("bad_words_token_ids must be non-empty lists of token ids", "bad_words")
         for tok, bias in self.logit_bias.items():
             if tok < 0:
                 bad(f"logit_bias keys must be token ids (non-negative), got {tok}", "logit_bias")
             if not -100 <= bias <= 100:
                 bad(f"logit_bias for token {tok} must be in [-100, 100], got {bias}", "logit_bias")
+
+
+def resolve_bad_words(params: SamplingParams, encode: Callable[[str], list[int]]) -> None:
+    """``params.bad_words`` as token ids (vLLM's rule): each word without its
+    leading spaces, and again after one space where that makes other tokens
+    of the same count (the word inside a sentence), ``encode`` being the
+    tokenizer without special tokens."""
+    out: list[list[int]] = []
+    for word in params.bad_words:
+        bare = encode(word.lstrip())
+        if not bare:
+            continue
+        out.append(bare)
+        spaced = encode(" " + word.lstrip())
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    params.bad_words_token_ids = out

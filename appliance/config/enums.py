@@ -76,6 +76,11 @@ class ToolParser(StrEnum):
     llama3_json = "llama3_json"
 
 
+class ReasoningParserName(StrEnum):
+    deepseek_r1 = "deepseek_r1"
+    qwen3 = "qwen3"
+
+
 class Fallback(StrEnum):
     deny = "deny"
     allow = "allow"

@@ -333,7 +333,9 @@ def describe_structured_output(cfg: ApplianceConfig) -> str:
             + ("; compact JSON unless a request allows whitespace" if so.disable_any_whitespace else
                f"; at most {so.max_json_whitespace} whitespace characters between JSON tokens"
                if so.max_json_whitespace is not None else "")
-            + f"; tool calls read as {cfg.server.tool_parser}")
+            + f"; tool calls read as {cfg.server.tool_parser}"
+            + (f"; reasoning read as {cfg.server.reasoning_parser} (<think>...</think> apart from the answer, "
+               f"constraints on the answer only)" if cfg.server.reasoning_parser is not None else ""))
 
 
 def describe_speculative(cfg: ApplianceConfig) -> str:

@@ -24,6 +24,7 @@ from appliance.config.enums import (
     ParallelExecutor,
     Policy,
     QuantMethod,
+    ReasoningParserName,
     RopeScalingType,
     SpecMethod,
     StructuredBackend,
@@ -120,6 +121,9 @@ class ModelConfig:
     dtype: DType = DType.auto
     max_model_len: Optional[int] = None
     seed: int = 0
+    # A Jinja chat template file used instead of the checkpoint's (chat requests, /tokenize, the offline LLM's
+    # chat); null: the checkpoint's. Requests never bring their own template text.
+    chat_template: Optional[str] = None
 
 
 @dataclass
@@ -292,6 +296,10 @@ class ServerConfig:
     # hermes (<tool_call>{...}</tool_call>, Qwen and SmolLM-style templates) or
     # llama3_json ({"name": ..., "parameters": ...}, Llama 3.x).
     tool_parser: ToolParser = ToolParser.hermes
+    # A thinking model's <think>...</think> text returned apart, as chat's reasoning_content (server/reasoning.py):
+    # deepseek_r1 (the output opens in reasoning) or qwen3 (only an output that opens with <think>); output
+    # constraints then apply to the answer after </think>. null: the text is all content.
+    reasoning_parser: Optional[ReasoningParserName] = None
     # OpenTelemetry: an OTLP/HTTP collector's URL (http://host:4318, /v1/traces implied) to export a span per
     # request to, with the engine core's timings; null: no tracing. Needs the tracing extra.
     otlp_traces_endpoint: Optional[str] = None

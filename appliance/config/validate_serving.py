@@ -1,7 +1,7 @@
 """Cross-field rules of the serving sections (``kv_events``, ``router``,
-the server's tracing endpoint): which endpoints a section may bind or
-reach unauthenticated, and what each needs installed. Part of
-``validate``."""
+the server's tracing endpoint, the chat template file): which endpoints a
+section may bind or reach unauthenticated, what each needs installed, and
+that a template file is one. Part of ``validate``."""
 
 from __future__ import annotations
 
@@ -58,6 +58,35 @@ def kv_events_problems(cfg: ApplianceConfig) -> list[str]:
         problems.append("kv_events.allow_unauthenticated=true has no effect: "
                         + ("CURVE authenticates the subscribers" if exposed else "every endpoint is local"))
     return problems
+
+
+MAX_CHAT_TEMPLATE_BYTES = 1 << 20
+
+
+def chat_template_problems(path: Optional[str]) -> list[str]:
+    """``model.chat_template``: a readable UTF-8 file of at most 1 MiB that
+    compiles as the tokenizer compiles chat templates."""
+    if path is None:
+        return []
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CHAT_TEMPLATE_BYTES + 1)
+    except OSError as e:
+        return [f"model.chat_template={path} cannot be read: {e.strerror or e}"]
+    if len(raw) > MAX_CHAT_TEMPLATE_BYTES or not raw.strip():
+        return [f"model.chat_template={path} must be a Jinja template of 1 to {MAX_CHAT_TEMPLATE_BYTES} bytes"]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return [f"model.chat_template={path} is not UTF-8 text"]
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(text)
+    except TemplateError as e:
+        return [f"model.chat_template={path} is not a valid Jinja template: {e}"]
+    return []
 
 
 def is_loopback(host: str) -> bool:

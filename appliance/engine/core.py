@@ -35,7 +35,7 @@ from appliance.engine.scheduler import Scheduler
 from appliance.engine.scheduler_output import RequestUpdate, SchedulerOutput
 from appliance.engine.step_accounting import PromptLogprobs, StepCounters, token_logprobs
 from appliance.engine.token_budget import TokenBudget
-from appliance.sampling_params import SamplingParams
+from appliance.sampling_params import SamplingParams, resolve_bad_words
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -88,6 +88,8 @@ class EngineCore:
         arrival_time: Optional[float] = None,
     ) -> None:
         """Raises ValueError for a request the engine cannot run; nothing of it is kept."""
+        if params.bad_words:
+            resolve_bad_words(params, lambda w: self.tokenizer.encode(w, add_special_tokens=False))
         self._check_token_ids(prompt_token_ids, params)
         c = self.scheduler.connector
         problem = kv_transfer_problem(params, c.name if c is not None else None, c.role if c is not None else "",
@@ -101,7 +103,7 @@ class EngineCore:
         if params.structured_outputs is not None:
             if self.grammars is None:
                 raise ValueError("this engine was built without structured outputs")
-            grammar = self.grammars.grammar_for(params)
+            grammar = self.grammars.grammar_for(params, prompt_token_ids)
         req = Request(request_id, prompt_token_ids, params, eos_token_id=self.eos_token_id,
                       arrival_time=arrival_time, priority=priority, cache_salt=cache_salt, grammar=grammar)
         self.scheduler.add_request(req)
@@ -116,7 +118,8 @@ class EngineCore:
         if not v:
             return
         for name, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids),
-                          ("logit_bias", params.logit_bias)):
+                          ("logit_bias", list(params.logit_bias)), ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("bad_words", [t for w in params.bad_words_token_ids for t in w])):
             try:
                 out_of_range = bool(ids) and (min(ids) < 0 or max(ids) >= v)
             except TypeError:

@@ -56,7 +56,8 @@ class RequestGrammar(Protocol):
 class GrammarSource(Protocol):
     """Compiles constraints and masks steps (``structured_output.Grammars``)."""
 
-    def grammar_for(self, params: SamplingParams) -> RequestGrammar: ...  # ValueError: an invalid constraint
+    # ValueError: an invalid constraint; the prompt tells whether a reasoning model's answer starts at once
+    def grammar_for(self, params: SamplingParams, prompt_token_ids: list[int]) -> RequestGrammar: ...
 
     def bitmask(self, entries: list[tuple[str, RequestGrammar, list[int], list[int]]]) -> object: ...
 

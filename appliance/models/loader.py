@@ -247,10 +247,7 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     if missing:
         raise ModelLoadError(f"{folder}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     model.eval()
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    return model, tokenizer, folder
+    return model, open_tokenizer(folder, m), folder
 
 
 def _gguf_blocks(m: ModelConfig) -> Any:
@@ -263,12 +260,20 @@ def _gguf_blocks(m: ModelConfig) -> Any:
     return read_block_tensors(source)
 
 
+def open_tokenizer(folder: Path, m: ModelConfig):
+    """The tokenizer in ``folder``, with ``model.chat_template``'s template in place of its own when set."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    if m.chat_template is not None:
+        tokenizer.chat_template = Path(m.chat_template).read_text(encoding="utf-8")
+    return tokenizer
+
+
 def load_tokenizer(m: ModelConfig, quantization: str = "none"):
     """The tokenizer of ``m`` alone (an engine whose ranks load the weights),
     from the folder ``load_model`` reads at ``quantization``."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(resolve_model_folder(m, quantization)))
+    return open_tokenizer(resolve_model_folder(m, quantization), m)
 
 
 def quantize_at_load(model: Any, q: QuantizationConfig) -> None:

@@ -91,10 +91,15 @@ def _token_budget(deployment: Deployment) -> Optional[TokenBudget]:
 def _grammars(cfg: Any, tokenizer: Any, eos: Optional[int]):
     """The output constraints' compiler (``structured_output``) for this tokenizer;
     a grammar ends on the model's end-of-sequence token."""
-    from appliance.structured_output import ConstraintLimits, Grammars
+    from appliance.server.reasoning import REASONING_PARSERS
+    from appliance.structured_output import ConstraintLimits, Grammars, ReasoningTags
 
     so = cfg.structured_output
+    tags = None
+    if cfg.server.reasoning_parser is not None:  # constraints apply to the answer, after the reasoning
+        parser = REASONING_PARSERS[str(cfg.server.reasoning_parser)]
+        tags = ReasoningTags(*(tuple(tokenizer.encode(t, add_special_tokens=False)) for t in (parser.start, parser.end)))
     return Grammars(tokenizer, cfg.model.vocab_size, [] if eos is None else [eos], so.num_threads,
                     so.cache_size_mib << 20, any_whitespace=not so.disable_any_whitespace,
                     max_whitespace=so.max_json_whitespace,
-                    limits=ConstraintLimits(so.max_schema_bytes, so.max_schema_depth))
+                    limits=ConstraintLimits(so.max_schema_bytes, so.max_schema_depth), reasoning=tags)

@@ -23,7 +23,8 @@ from appliance.version import __version__
 from appliance.server.auth import SIGNATURE_HEADER, match_key, tenant_salt, verify_request
 from appliance.server.client import EngineDeadError
 from appliance.server.generation import ENGINE_FAILED, ENGINE_RESTARTING, Generation, map_engine_error
-from appliance.server.prompts import chat_prompt, check_length, completion_prompts, tokenize
+from appliance.server.prompts import (chat_prompt, check_length, completion_prompts, tokenize, tokenize_prompt,
+                                      truncated)
 from appliance.server.protocol import (
     DATA_PARALLEL_RANK_HEADER,
     GenerationRequest,
@@ -35,9 +36,12 @@ from appliance.server.protocol import (
     new_id,
     now,
     parse_json,
+    prompt_truncation,
     reject_unsupported,
     sampling_from_body,
     stream_options,
+    token_id_list,
+    token_id_options,
 )
 from appliance.server.responses import chat_body, chat_events, completion_body, completion_events, tool_output
 from appliance.server.structured import ConstraintChecker, constraint_from_body
@@ -122,7 +126,9 @@ def _pinned_rank(request: Request, st: ServerState, body: dict) -> Optional[int]
 LOOP_PARSE_BYTES = 64 * 1024  # larger bodies are parsed off the event loop
 
 
-async def _read_body(request: Request, st: ServerState) -> dict:
+async def _read_body(request: Request, st: ServerState, serving: bool = True) -> dict:
+    """The request's body, parsed, from an authorized client, naming this server's model; ``serving``: the
+    engine is up and its queue has room."""
     tenant = _check_auth(request, st)
     raw = await request.body()
     if len(raw) > LOOP_PARSE_BYTES:  # parsed on the tokenizer pool: the loop streams between large parses
@@ -134,7 +140,8 @@ async def _read_body(request: Request, st: ServerState) -> dict:
         if salt is None or isinstance(salt, str):  # anything else is refused when the body is parsed
             body["cache_salt"] = tenant_salt(st.api_keys[tenant], salt)
     _check_model(st, body)
-    _check_serving(st)
+    if serving:
+        _check_serving(st)
     return body
 
 
@@ -206,12 +213,15 @@ async def _completions(request: Request, st: ServerState, span: Optional[Request
     stream, include_usage, continuous_usage = stream_options(body)
     priority, salt = common_extensions(body)
     echo = typed(body, "echo", (bool,), False)
+    keep = prompt_truncation(body, st.max_model_len)
     prompts, texts = await tokenize(st, completion_prompts, body, chat=False)
+    truncated(prompts, texts, keep)
     for ids in prompts:
         check_length(st, len(ids), params, "prompt")
     await _check_kv_transfer(request, st, params, stream, len(prompts))
     g = GenerationRequest(prompts, texts, params, stream, include_usage, priority, salt, echo, lp_mode,
-                          body.get("prompt_logprobs") is not None, _pinned_rank(request, st, body), continuous_usage)
+                          body.get("prompt_logprobs") is not None, _pinned_rank(request, st, body), continuous_usage,
+                          *token_id_options(body))
     gen = Generation(st, g, new_id("cmpl"), "n" if len(prompts) == 1 else "prompt", span)
     created = now()
     echo_text = [(texts[i] if texts[i] is not None else st.tokenizer.decode(prompts[i])) if echo else ""
@@ -236,17 +246,42 @@ async def _chat_completions(request: Request, st: ServerState, span: Optional[Re
     params.structured_outputs = await _constraint(request, body, tools)
     stream, include_usage, continuous_usage = stream_options(body)
     priority, salt = common_extensions(body)
+    keep = prompt_truncation(body, st.max_model_len)
     ids, text = await tokenize(st, chat_prompt, body, True, tools.tools if tools is not None else None)
-    check_length(st, len(ids), params, "messages")
+    prompts, texts = [ids], [text]
+    truncated(prompts, texts, keep)
+    check_length(st, len(prompts[0]), params, "messages")
     await _check_kv_transfer(request, st, params, stream, 1)
-    g = GenerationRequest([ids], [text], params, stream, include_usage, priority, salt, False, lp_mode,
-                          body.get("prompt_logprobs") is not None, _pinned_rank(request, st, body), continuous_usage)
+    g = GenerationRequest(prompts, texts, params, stream, include_usage, priority, salt, False, lp_mode,
+                          body.get("prompt_logprobs") is not None, _pinned_rank(request, st, body), continuous_usage,
+                          *token_id_options(body))
     gen = Generation(st, g, new_id("chatcmpl"), span=span)
     created = now()
     calls = tool_output(tools, st.cfg.server.tool_parser)
     if not stream:
         return _json(chat_body(st, gen, created, await gen.collect(request), calls))
     return _sse_stream(chat_events(st, gen, created, calls))
+
+
+@post("/tokenize", status_code=200)
+async def tokenize_endpoint(request: Request) -> Response:
+    """vLLM's /tokenize: a prompt's or chat messages' token ids (and their token strings on request)."""
+    st = _state(request)
+    body = await _read_body(request, st, serving=False)
+    tools = parse_tools(body) if body.get("messages") is not None else None
+    ids = await tokenize(st, tokenize_prompt, body, body.get("messages") is not None,
+                         tools.tools if tools is not None else None)
+    strs = st.tokenizer.convert_ids_to_tokens(ids) if typed(body, "return_token_strs", (bool,), False) else None
+    return _json({"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids, "token_strs": strs})
+
+
+@post("/detokenize", status_code=200)
+async def detokenize_endpoint(request: Request) -> Response:
+    """vLLM's /detokenize: the text of token ids of this model."""
+    st = _state(request)
+    body = await _read_body(request, st, serving=False)
+    ids = token_id_list(body.get("tokens"), "tokens", st.cfg.model.vocab_size, allow_empty=True)
+    return _json({"prompt": st.tokenizer.decode(ids)})
 
 
 @get("/v1/models")
@@ -320,7 +355,8 @@ async def reset_prefix_cache(request: Request) -> Response:
 
 def create_app(state: ServerState) -> Litestar:
     cfg = state.cfg.server
-    handlers = [completions, chat_completions, models, health, ready, metrics, version, appliance_config]
+    handlers = [completions, chat_completions, tokenize_endpoint, detokenize_endpoint, models, health, ready, metrics,
+                version, appliance_config]
     if cfg.dev_mode:
         handlers.append(reset_prefix_cache)
     cors = CORSConfig(allow_origins=list(cfg.cors_origins)) if cfg.cors_origins else None

@@ -156,9 +156,7 @@ def _log_start(deployment: Deployment, ready: Any) -> None:
 
 async def _serve(deployment: Deployment, build_engine: BuildEngine,
                  make_segment: Optional[Callable[[int], ExpertGroupAddress]]) -> int:
-    from transformers import AutoTokenizer
-
-    from appliance.models.loader import resolve_model_folder
+    from appliance.models.loader import load_tokenizer
     from appliance.server.auth import load_api_keys, load_internal_key
     from appliance.server.app import create_app
     from appliance.server.client import EngineDeadError
@@ -168,8 +166,7 @@ async def _serve(deployment: Deployment, build_engine: BuildEngine,
 
     cfg = deployment.cfg
     # prepare (convert/generate) once, before the core starts
-    folder = resolve_model_folder(cfg.model, cfg.quantization.method)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = load_tokenizer(cfg.model, cfg.quantization.method)
     api_keys = load_api_keys(cfg.server)  # before the core starts: an unreadable key file stops nothing half-started
     internal_key = load_internal_key(cfg.server)
     dp = deployment.layout.data_parallel_size

@@ -5,6 +5,7 @@ length check."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from typing import Any, Callable, Optional, TypeVar
 
@@ -72,16 +73,34 @@ def completion_prompts(st: ServerState, body: dict) -> tuple[list[list[int]], li
     prompts: list[list[int]] = []
     texts: list[Optional[str]] = []
     vocab = st.cfg.model.vocab_size
+    add_special = typed(body, "add_special_tokens", (bool,), True)
     for it in items:
         if isinstance(it, str):
             if not it:
                 raise OpenAIError(400, "'prompt' must not be empty", param="prompt")
-            prompts.append(st.tokenizer.encode(it))
+            ids = st.tokenizer.encode(it, add_special_tokens=add_special)
+            if not ids:
+                raise OpenAIError(400, "'prompt' encodes to no tokens", param="prompt")
+            prompts.append(ids)
             texts.append(it)
         else:
             prompts.append(list(token_id_list(it, "prompt", vocab)))
             texts.append(None)
     return prompts, texts
+
+
+def tokenize_prompt(st: ServerState, body: dict, tools: Optional[list[dict]] = None) -> list[int]:
+    """/tokenize's ids: of ``prompt`` (``add_special_tokens``, default
+    true), or of ``messages`` through the chat template as chat requests
+    render them (``add_special_tokens`` default false: the template writes them)."""
+    if body.get("messages") is not None:
+        if body.get("prompt") is not None:
+            raise OpenAIError(400, "give 'prompt' or 'messages', not both", param="prompt")
+        return chat_prompt(st, body, tools)[0]
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise OpenAIError(400, "'prompt' (a string) or 'messages' is required", param="prompt")
+    return st.tokenizer.encode(prompt, add_special_tokens=typed(body, "add_special_tokens", (bool,), True))
 
 
 def _tool_calls(calls: Any, i: int) -> list[dict]:
@@ -142,11 +161,79 @@ def chat_prompt(st: ServerState, body: dict, tools: Optional[list[dict]] = None)
                 msg["name"] = m["name"]
         conv.append(msg)
     add_gen = typed(body, "add_generation_prompt", (bool,), True)
+    cont = typed(body, "continue_final_message", (bool,), False)
+    if cont and (add_gen or conv[-1]["role"] != "assistant"):
+        raise OpenAIError(400, "'continue_final_message' continues a last assistant message; it needs "
+                               "'add_generation_prompt': false", param="continue_final_message")
+    kwargs = template_kwargs(st.tokenizer, body, tools)
     try:
-        text = st.tokenizer.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=add_gen)
+        text = st.tokenizer.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=add_gen,
+                                                continue_final_message=cont, **kwargs)
     except Exception as e:
         raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-    return st.tokenizer.encode(text, add_special_tokens=False), text
+    add_special = typed(body, "add_special_tokens", (bool,), False)  # the template writes them
+    return st.tokenizer.encode(text, add_special_tokens=add_special), text
+
+
+# apply_chat_template's own arguments and what it hands every template: a request sets them through their own
+# fields, never through chat_template_kwargs
+TEMPLATE_RESERVED = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
+@functools.lru_cache(maxsize=8)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a chat template reads from outside itself."""
+    from jinja2 import meta
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    env = _compile_jinja_template(template).environment
+    return frozenset(meta.find_undeclared_variables(env.parse(template)))
+
+
+def template_kwargs(tokenizer: Any, body: dict, tools: Optional[list[dict]]) -> dict:
+    """``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``) and
+    ``reasoning_effort``, as variables of the chat template; one the
+    template does not read is refused (a typo must not pass unnoticed)."""
+    kwargs = dict(typed(body, "chat_template_kwargs", (dict,), {}))
+    effort = typed(body, "reasoning_effort", (str,))
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise OpenAIError(400, f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got "
+                                   f"{effort[:40]!r}", param="reasoning_effort")
+        if kwargs.get("reasoning_effort", effort) != effort:
+            raise OpenAIError(400, "'reasoning_effort' and 'chat_template_kwargs.reasoning_effort' disagree",
+                              param="reasoning_effort")
+        kwargs["reasoning_effort"] = effort
+    if not kwargs:
+        return {}
+    try:
+        known = template_variables(tokenizer.get_chat_template(None, tools))
+    except Exception as e:
+        raise OpenAIError(400, f"this model's chat template cannot be read: {e}", param="messages") from None
+    for key in kwargs:
+        param = "reasoning_effort" if key == "reasoning_effort" and effort is not None else "chat_template_kwargs"
+        if key in TEMPLATE_RESERVED:
+            raise OpenAIError(400, f"'chat_template_kwargs.{key[:40]}' is set by the server, from the request's own "
+                                   f"fields", param=param)
+        if key not in known:
+            reads = ", ".join(sorted(known - TEMPLATE_RESERVED)) or "nothing else"
+            raise OpenAIError(400, f"this model's chat template does not read {key[:40]!r} (it reads: {reads})",
+                              param=param)
+    return kwargs
+
+
+def truncated(prompts: list[list[int]], texts: list[Optional[str]], keep: Optional[int]) -> None:
+    """Each prompt cut to its last ``keep`` tokens (``truncate_prompt_tokens``;
+    a cut prompt's text is dropped: it no longer says what runs)."""
+    if keep is None:
+        return
+    for i, ids in enumerate(prompts):
+        if len(ids) > keep:
+            prompts[i], texts[i] = ids[-keep:], None
 
 
 def check_length(st: ServerState, prompt_len: int, params: SamplingParams, what: str) -> None:

@@ -215,20 +215,12 @@ NOT_BUILT = {
     "audio": "audio output",
     "prediction": "predicted outputs",
     "web_search_options": "web search",
-    "reasoning_effort": "reasoning controls",
     "guided_whitespace_pattern": "a whitespace pattern for structured outputs",
     "structural_tag": "structural tags",
-    "allowed_token_ids": "allowed_token_ids",
-    "bad_words": "bad_words",
-    "truncate_prompt_tokens": "prompt truncation",
-    "chat_template": "custom chat templates",
-    "chat_template_kwargs": "chat template arguments",
     "documents": "documents",
     "mm_processor_kwargs": "multimodal inputs",
     "logits_processors": "logits processors",
     "use_beam_search": "beam search",
-    "return_tokens_as_token_ids": "token-id output",
-    "return_token_ids": "token-id output",
 }
 
 # Speculative settings sent in a body: vLLM's (its engine arguments, old and
@@ -249,13 +241,18 @@ def reject_unsupported(body: dict, chat: bool = True) -> None:
                           code="unsupported_parameter")
 
     if not chat:
-        for key in ("tools", "tool_choice", "functions", "function_call"):
-            if body.get(key) not in (None, [], "none"):
+        for key in ("tools", "tool_choice", "functions", "function_call", "chat_template_kwargs", "reasoning_effort",
+                    "continue_final_message"):
+            if body.get(key) not in (None, [], {}, "none", False):
                 raise OpenAIError(400, f"'{key}' is only available on /v1/chat/completions", param=key)
     backend = body.get("guided_decoding_backend")
     if backend not in (None, "auto", "xgrammar"):
         refuse("guided_decoding_backend", f"the structured-output backend {str(backend)[:40]!r} (this server has "
                                           f"'xgrammar')")
+    if body.get("chat_template") is not None:
+        raise OpenAIError(400, "'chat_template': a request cannot bring its own template text; the deployment sets "
+                               "the chat template (model.chat_template, or the checkpoint's)", param="chat_template",
+                          code="unsupported_parameter")
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         refuse("modalities", "output modalities other than ['text']")
@@ -284,6 +281,43 @@ class GenerationRequest:
     prompt_logprobs: bool = False  # the body asked for them: the response carries 'prompt_logprobs'
     data_parallel_rank: Optional[int] = None  # the engine core the client pinned (None: the least loaded)
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: the usage so far on every chunk
+    return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the response
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+
+
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256
+
+
+def _bad_words(body: dict) -> list[str]:
+    words = typed(body, "bad_words", (list,), [])
+    if len(words) > MAX_BAD_WORDS:
+        raise OpenAIError(400, f"'bad_words' takes at most {MAX_BAD_WORDS} words", param="bad_words")
+    for w in words:
+        if not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS:
+            raise OpenAIError(400, f"'bad_words' must hold words: non-blank strings of at most {MAX_BAD_WORD_CHARS} "
+                                   f"characters", param="bad_words")
+    return words
+
+
+def _logprobs_fields(body: dict, chat: bool) -> tuple[Optional[int], Optional[int], Optional[str]]:
+    """(top logprobs per output token or None, per prompt token or None, the response's logprobs shape)."""
+    logprobs_mode = None
+    if chat:
+        want = typed(body, "logprobs", (bool,), False)
+        top = _int(body, "top_logprobs", lo=0, hi=20)
+        if top is not None and not want:
+            raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        n_lp = (top or 0) if want else None
+        logprobs_mode = "chat" if want else None
+    else:
+        n_lp = _int(body, "logprobs", lo=0, hi=20)
+        logprobs_mode = "completion" if n_lp is not None else None
+    n_prompt_lp = _int(body, "prompt_logprobs", lo=0, hi=20)
+    if n_prompt_lp is not None and typed(body, "stream", (bool,), False):
+        raise OpenAIError(400, "'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
+    if not chat and n_lp is not None and n_prompt_lp is None and typed(body, "echo", (bool,), False):
+        n_prompt_lp = n_lp  # the echoed prompt's tokens get logprobs too, as the output's
+    return n_lp, n_prompt_lp, logprobs_mode
 
 
 def sampling_from_body(body: dict, *, chat: bool, vocab_size: int) -> tuple[SamplingParams, Optional[str]]:
@@ -315,24 +349,11 @@ def sampling_from_body(body: dict, *, chat: bool, vocab_size: int) -> tuple[Samp
             raise OpenAIError(400, f"'logit_bias' values must be numbers in [-100, 100], got {str(v)[:40]} for token "
                                    f"{tok}", param="logit_bias")
         logit_bias[tok] = float(v)
+    allowed = body.get("allowed_token_ids")
+    allowed = None if allowed is None else token_id_list(allowed, "allowed_token_ids", vocab_size)
     stop_ids = body.get("stop_token_ids")
     stop_ids = [] if stop_ids is None else token_id_list(stop_ids, "stop_token_ids", vocab_size, allow_empty=True)
-    logprobs_mode = None
-    if chat:
-        want = typed(body, "logprobs", (bool,), False)
-        top = _int(body, "top_logprobs", lo=0, hi=20)
-        if top is not None and not want:
-            raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        n_lp = (top or 0) if want else None
-        logprobs_mode = "chat" if want else None
-    else:
-        n_lp = _int(body, "logprobs", lo=0, hi=20)
-        logprobs_mode = "completion" if n_lp is not None else None
-    n_prompt_lp = _int(body, "prompt_logprobs", lo=0, hi=20)
-    if n_prompt_lp is not None and typed(body, "stream", (bool,), False):
-        raise OpenAIError(400, "'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
-    if not chat and n_lp is not None and n_prompt_lp is None and typed(body, "echo", (bool,), False):
-        n_prompt_lp = n_lp  # the echoed prompt's tokens get logprobs too, as the output's
+    n_lp, n_prompt_lp, logprobs_mode = _logprobs_fields(body, chat)
     n = _int(body, "n", 1, lo=1, hi=MAX_N)
     if _int(body, "best_of", 1) not in (1, n):
         raise OpenAIError(400, "'best_of' is not supported; use 'n'", param="best_of")
@@ -354,6 +375,8 @@ def sampling_from_body(body: dict, *, chat: bool, vocab_size: int) -> tuple[Samp
             frequency_penalty=_float(body, "frequency_penalty", 0.0),
             repetition_penalty=_float(body, "repetition_penalty", 1.0),
             logit_bias=logit_bias,
+            allowed_token_ids=allowed,
+            bad_words=_bad_words(body),
             logprobs=n_lp,
             prompt_logprobs=n_prompt_lp,
             skip_special_tokens=typed(body, "skip_special_tokens", (bool,), True),
@@ -408,6 +431,24 @@ def stream_options(body: dict) -> tuple[bool, bool, bool]:
         raise OpenAIError(400, "'stream_options.continuous_usage_stats' needs 'include_usage': true (the usage "
                                "goes on every chunk as well as the last)", param="stream_options")
     return stream, bool(include_usage), bool(continuous)
+
+
+def prompt_truncation(body: dict, max_model_len: int) -> Optional[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep a prompt's last k tokens (-1:
+    the model's context length); None: no truncation."""
+    k = _int(body, "truncate_prompt_tokens", lo=-1, hi=max_model_len)
+    if k == 0:
+        raise OpenAIError(400, "'truncate_prompt_tokens' must be -1 (the model's context length) or at least 1",
+                          param="truncate_prompt_tokens")
+    return max_model_len if k == -1 else k
+
+
+def token_id_options(body: dict) -> tuple[bool, bool]:
+    """vLLM's ``return_token_ids`` (the prompt's and output's ids in the
+    response) and ``return_tokens_as_token_ids`` (logprobs name each token
+    ``token_id:<id>``)."""
+    return (typed(body, "return_token_ids", (bool,), False),
+            typed(body, "return_tokens_as_token_ids", (bool,), False))
 
 
 def common_extensions(body: dict) -> tuple[int, Optional[str]]:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Optional, Sequence, Union
 
 from appliance.engine.outputs import TokenLogprob
 from appliance.engine.parallel_sampling import Child
 from appliance.server.generation import Generation, map_engine_error
 from appliance.server.protocol import GenerationRequest, usage
+from appliance.server.reasoning import REASONING_PARSERS, ReasoningParser, ReasoningSplit, split
 from appliance.server.state import ServerState
 from appliance.server.tool_requests import ToolRequest
 from appliance.server.tools import ContentDelta, ToolCallStream, extract_tool_calls
@@ -26,14 +27,22 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def format_logprobs(tokenizer: PreTrainedTokenizerBase, mode: str, lps: Optional[Sequence[Optional[TokenLogprob]]],
+TokenText = Callable[[int], str]
+
+
+def token_text(tokenizer: PreTrainedTokenizerBase, as_ids: bool = False) -> TokenText:
+    """How logprobs show a token: its text, or ``token_id:<id>``
+    (``return_tokens_as_token_ids``: a token that is part of a character
+    stays identifiable)."""
+    if as_ids:
+        return lambda tok: f"token_id:{tok}"
+    return lambda tok: tokenizer.decode([tok])
+
+
+def format_logprobs(token_str: TokenText, mode: str, lps: Optional[Sequence[Optional[TokenLogprob]]],
                     text_offset: int) -> dict:
     """``mode`` "chat": ``{"content": [...]}``; "completion": the legacy
     tokens / token_logprobs / top_logprobs / text_offset lists."""
-
-    def token_str(tok: int) -> str:
-        return tokenizer.decode([tok])
-
     lps = [lp for lp in lps or () if lp is not None]
     if mode == "chat":
         content = []
@@ -45,21 +54,21 @@ def format_logprobs(tokenizer: PreTrainedTokenizerBase, mode: str, lps: Optional
                                  for i, v in lp.top],
             })
         return {"content": content}
-    return _legacy_logprobs(tokenizer, ((lp.token_id, lp) for lp in lps), text_offset)
+    return _legacy_logprobs(token_str, ((lp.token_id, lp) for lp in lps), text_offset)
 
 
-def _legacy_logprobs(tokenizer: PreTrainedTokenizerBase, entries: Iterable[tuple[int, Optional[TokenLogprob]]],
+def _legacy_logprobs(token_str: TokenText, entries: Iterable[tuple[int, Optional[TokenLogprob]]],
                      text_offset: int) -> dict:
     """The completions API's tokens / token_logprobs / top_logprobs /
     text_offset lists of (token id, its logprob or None) entries."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tok_id, lp in entries:
-        tok = tokenizer.decode([tok_id])
+        tok = token_str(tok_id)
         out["tokens"].append(tok)
         out["token_logprobs"].append(None if lp is None else lp.logprob)
         top = None
         if lp is not None:
-            top = {tokenizer.decode([i]): v for i, v in lp.top}
+            top = {token_str(i): v for i, v in lp.top}
             top.setdefault(tok, lp.logprob)
         out["top_logprobs"].append(top)
         out["text_offset"].append(text_offset)
@@ -86,13 +95,13 @@ def format_prompt_logprobs(tokenizer: PreTrainedTokenizerBase,
     return out
 
 
-def echo_logprobs(tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int],
+def echo_logprobs(token_str: TokenText, prompt_ids: list[int],
                   prompt_lps: Optional[Sequence[Optional[TokenLogprob]]], output: dict) -> dict:
     """The completions API's logprobs of an echoed prompt (the first token's
     None, as OpenAI's), then ``output``'s (``format_logprobs``, offsets after the prompt)."""
     lps = list(prompt_lps or ())
     lps += [None] * (len(prompt_ids) - len(lps))
-    out = _legacy_logprobs(tokenizer, zip(prompt_ids, lps), 0)
+    out = _legacy_logprobs(token_str, zip(prompt_ids, lps), 0)
     for key, values in output.items():
         out[key] += values
     return out
@@ -117,8 +126,9 @@ def _completion_logprobs(st: ServerState, g: GenerationRequest, prompt_index: in
     """A choice's (or chunk's) ``logprobs``: with the echoed prompt's first when ``echoed``."""
     if not g.logprobs_mode:
         return None
-    out = format_logprobs(st.tokenizer, "completion", lps, offset)
-    return echo_logprobs(st.tokenizer, g.prompts[prompt_index], prompt_lps, out) if echoed else out
+    token_str = token_text(st.tokenizer, g.tokens_as_ids)
+    out = format_logprobs(token_str, "completion", lps, offset)
+    return echo_logprobs(token_str, g.prompts[prompt_index], prompt_lps, out) if echoed else out
 
 
 def completion_body(st: ServerState, gen: Generation, created: int, children: list[Child],
@@ -133,6 +143,8 @@ def completion_body(st: ServerState, gen: Generation, created: int, children: li
                   "finish_reason": c.finish_reason}
         if g.prompt_logprobs:
             choice["prompt_logprobs"] = format_prompt_logprobs(st.tokenizer, c.prompt_logprobs)
+        if g.return_token_ids:
+            choice["prompt_token_ids"], choice["token_ids"] = g.prompts[c.prompt_index], c.token_ids
         choices.append(choice)
     return {
         **_head(st, gen, "text_completion", created),
@@ -163,6 +175,7 @@ async def completion_events(st: ServerState, gen: Generation, created: int, echo
     completion_tokens = 0
     so_far = _UsageSoFar(prompt_tokens) if g.continuous_usage else None
     sent_echo: set[int] = set()
+    ids_sent: set[int] = set()  # choices whose prompt token ids went out
     offsets: dict[int, int] = {}
     try:
         async for child, d in gen.deltas():
@@ -180,13 +193,18 @@ async def completion_events(st: ServerState, gen: Generation, created: int, echo
             offsets[child.index] = off + len(text)
             if d.finished:
                 completion_tokens += d.num_output_tokens
-            if not text and not d.finished and not d.logprobs:
+            if not text and not d.finished and not d.logprobs and not (g.return_token_ids and d.new_token_ids):
                 continue
-            yield sse({**head, "choices": [{
+            choice = {
                 "index": child.index, "text": text,
                 "logprobs": _completion_logprobs(st, g, child.prompt_index, d.logprobs, d.prompt_logprobs,
                                                  off + len(echo_text[child.prompt_index]) if echoed else off, echoed),
-                "finish_reason": d.finish_reason if d.finished else None}], **_usage_field(so_far)})
+                "finish_reason": d.finish_reason if d.finished else None}
+            if g.return_token_ids:  # the prompt's ids with a choice's first chunk, each chunk's own output ids
+                choice["prompt_token_ids"] = g.prompts[child.prompt_index] if child.index not in ids_sent else None
+                choice["token_ids"] = d.new_token_ids
+                ids_sent.add(child.index)
+            yield sse({**head, "choices": [choice], **_usage_field(so_far)})
         if g.include_usage:
             yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
     except Exception as e:  # after the 200 headers every error is an event, then [DONE]
@@ -213,17 +231,30 @@ class ToolOutput:
         return "tool_calls" if called and reason == "stop" and self.mode != "named" else reason
 
 
+def reasoning_parser(st: ServerState) -> Optional[ReasoningParser]:
+    name = st.cfg.server.reasoning_parser
+    return None if name is None else REASONING_PARSERS[str(name)]
+
+
 def tool_output(tools: Optional[ToolRequest], parser: str) -> Optional[ToolOutput]:
     if tools is None or tools.choice == "none":
         return None
     return ToolOutput(tools.choice, parser, tools.function)
 
 
-def _message(text: str, calls: Optional[ToolOutput]) -> tuple[dict, bool]:
+def _message(text: str, calls: Optional[ToolOutput], reasoning: Optional[ReasoningParser]) -> tuple[dict, bool]:
+    """The assistant message of an output: its reasoning apart (with a reasoning parser), then tool calls read
+    from the answer."""
+    thought = None
+    if reasoning is not None:
+        thought, text = split(reasoning, text)
+    msg: dict = {"role": "assistant", "content": text if text or thought is None else None}
+    if reasoning is not None:
+        msg["reasoning_content"] = thought
     if calls is None:
-        return {"role": "assistant", "content": text}, False
+        return msg, False
     content, found = extract_tool_calls(calls.mode, calls.parser, calls.function, text)
-    msg: dict = {"role": "assistant", "content": content}
+    msg["content"] = content if content or thought is None else None
     if found:
         msg["tool_calls"] = [c.to_openai() for c in found]
     return msg, bool(found)
@@ -231,33 +262,51 @@ def _message(text: str, calls: Optional[ToolOutput]) -> tuple[dict, bool]:
 
 def chat_body(st: ServerState, gen: Generation, created: int, children: list[Child],
               calls: Optional[ToolOutput] = None) -> dict:
-    lp_mode = gen.request.logprobs_mode
+    g = gen.request
+    token_str = token_text(st.tokenizer, g.tokens_as_ids)
     choices = []
+    reasoning = reasoning_parser(st)
     for c in children:
-        msg, called = _message(c.text, calls)
-        choices.append({"index": c.index, "message": msg,
-                        "logprobs": format_logprobs(st.tokenizer, "chat", c.logprobs, 0) if lp_mode else None,
-                        "finish_reason": calls.finish_reason(c.finish_reason, called) if calls else c.finish_reason})
+        msg, called = _message(c.text, calls, reasoning)
+        choice = {"index": c.index, "message": msg,
+                  "logprobs": format_logprobs(token_str, "chat", c.logprobs, 0) if g.logprobs_mode else None,
+                  "finish_reason": calls.finish_reason(c.finish_reason, called) if calls else c.finish_reason}
+        if g.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        choices.append(choice)
     body = {
         **_head(st, gen, "chat.completion", created),
         "choices": choices,
-        "usage": usage(len(gen.request.prompts[0]), sum(c.num_output_tokens for c in children),
+        "usage": usage(len(g.prompts[0]), sum(c.num_output_tokens for c in children),
                        max((c.num_cached_tokens for c in children), default=0)),
     }
+    if g.return_token_ids:
+        body["prompt_token_ids"] = g.prompts[0]
     if gen.request.prompt_logprobs:  # the children share the prompt
         body["prompt_logprobs"] = format_prompt_logprobs(st.tokenizer, children[0].prompt_logprobs)
     return {**body, **_kv_transfer(gen.request, children)}
 
 
-def _chat_deltas(text: str, finished: bool, stream: Optional[ToolCallStream]) -> list[dict]:
-    """The ``delta`` objects of one engine delta: its text, or with tools the
-    content and tool-call deltas the text completes."""
+def _chat_deltas(text: str, finished: bool, stream: Optional[ToolCallStream],
+                 thinking: Optional[ReasoningSplit]) -> list[dict]:
+    """The ``delta`` objects of one engine delta: its reasoning (with a
+    reasoning parser), then its answer's text, or with tools the content and
+    tool-call deltas the answer completes."""
+    out: list[dict] = []
+    if thinking is not None:
+        thought, text = thinking.feed(text) if text else ("", "")
+        if finished:
+            more, rest = thinking.finish()
+            thought, text = thought + more, text + rest
+        if thought:
+            out.append({"reasoning_content": thought})
     if stream is None:
-        return [{"content": text}] if text else []
+        return out + ([{"content": text}] if text else [])
     events = stream.feed(text) if text else []
     if finished:
         events += stream.finish()
-    return [{"content": e.text} if isinstance(e, ContentDelta) else {"tool_calls": [e.to_openai()]} for e in events]
+    return out + [{"content": e.text} if isinstance(e, ContentDelta) else {"tool_calls": [e.to_openai()]}
+                  for e in events]
 
 
 async def chat_events(st: ServerState, gen: Generation, created: int,
@@ -265,11 +314,15 @@ async def chat_events(st: ServerState, gen: Generation, created: int,
     g = gen.request
     head = _head(st, gen, "chat.completion.chunk", created)
     so_far = _UsageSoFar(len(g.prompts[0])) if g.continuous_usage else None
+    token_str = token_text(st.tokenizer, g.tokens_as_ids)
     for k in range(g.params.n):
+        first = {"prompt_token_ids": g.prompts[0]} if g.return_token_ids else {}  # with each choice's role chunk
         yield sse({**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}], **_usage_field(so_far)})
+                                        "logprobs": None, "finish_reason": None}], **first, **_usage_field(so_far)})
     completion_tokens = 0
     streams = {k: calls.stream() for k in range(g.params.n)} if calls else {}
+    reasoning = reasoning_parser(st)
+    thinking = {k: ReasoningSplit(reasoning) for k in range(g.params.n)} if reasoning is not None else {}
     try:
         async for child, d in gen.deltas():
             if so_far is not None:
@@ -277,8 +330,8 @@ async def chat_events(st: ServerState, gen: Generation, created: int,
             if d.finished:
                 completion_tokens += d.num_output_tokens
             stream = streams.get(child.index)
-            deltas = _chat_deltas(d.new_text, d.finished, stream)
-            if not deltas and not d.finished and not d.logprobs:
+            deltas = _chat_deltas(d.new_text, d.finished, stream, thinking.get(child.index))
+            if not deltas and not d.finished and not d.logprobs and not (g.return_token_ids and d.new_token_ids):
                 continue
             deltas = deltas or [{}]
             reason = d.finish_reason
@@ -286,11 +339,14 @@ async def chat_events(st: ServerState, gen: Generation, created: int,
                 reason = calls.finish_reason(reason, bool(stream.calls))
             for j, delta in enumerate(deltas):
                 last = j == len(deltas) - 1
-                yield sse({**head, "choices": [{
+                choice = {
                     "index": child.index, "delta": delta,
-                    "logprobs": format_logprobs(st.tokenizer, "chat", d.logprobs, 0) if g.logprobs_mode and j == 0
+                    "logprobs": format_logprobs(token_str, "chat", d.logprobs, 0) if g.logprobs_mode and j == 0
                     else None,
-                    "finish_reason": reason if d.finished and last else None}], **_usage_field(so_far)})
+                    "finish_reason": reason if d.finished and last else None}
+                if g.return_token_ids:  # the engine delta's ids go with its first chunk
+                    choice["token_ids"] = d.new_token_ids if j == 0 else []
+                yield sse({**head, "choices": [choice], **_usage_field(so_far)})
         if g.include_usage:
             yield sse({**head, "choices": [], "usage": usage(len(g.prompts[0]), completion_tokens)})
     except Exception as e:  # after the 200 headers every error is an event, then [DONE]

@@ -36,6 +36,12 @@ loop, one matcher per request, and the token bitmask of each step.
   after a retried step). ``Grammars.bitmask`` fills one packed int32 row per
   sampled position: with drafts, a row per draft position (the matcher
   advanced through the drafts before it, then rolled back).
+- With ``ReasoningTags`` (a reasoning parser's tags as token ids), a
+  request's grammar applies to its answer only: its ``ReasoningGate`` lets
+  the tokens through the end tag pass unconstrained (their bitmask rows
+  stay all-allowed, drafts past the end tag are not kept), then the
+  matcher takes over; a prompt whose last tag is the end tag starts in the
+  answer.
 - ``StepBitmask.apply`` masks a step's logits in place with xgrammar's
   kernel (CPU, or Triton/CUDA when the logits are on a GPU).
 """
@@ -55,10 +61,11 @@ from appliance.structured_output.check import (
     tokenizer_info,
     unsupported_schema_features,
 )
-from appliance.structured_output.grammars import Grammars, RequestGrammar, StepBitmask
+from appliance.structured_output.grammars import Grammars, ReasoningGate, ReasoningTags, RequestGrammar, StepBitmask
 from appliance.structured_output.sandbox import CompileRefused, CompileReport, CompileSandbox
 
 __all__ = ["CONSTRAINT_NAMES", "SUPPORTED_FORMATS", "UNSUPPORTED_KEYWORDS", "CompileRefused", "CompileReport",
-           "CompileSandbox", "ConstraintLimits", "Grammars", "RequestGrammar", "StepBitmask", "TokenSpelling", "check",
+           "CompileSandbox", "ConstraintLimits", "Grammars", "ReasoningGate", "ReasoningTags", "RequestGrammar",
+           "StepBitmask", "TokenSpelling", "check",
            "check_writable", "constraint_bytes", "effective_constraint", "external_refs", "nested_deeper_than",
            "tokenizer_info", "unsupported_schema_features"]

@@ -9,7 +9,8 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from appliance.sampling_params import SamplingParams
 from appliance.structured_output.check import (ConstraintLimits, TokenSpelling, _xgr, check, check_writable,
@@ -20,14 +21,64 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("appliance.structured")
 
+@dataclass(frozen=True)
+class ReasoningTags:
+    """Token ids of a reasoning parser's tags (``server.reasoning_parser``):
+    a request's grammar applies to its answer, after the end tag."""
+
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+
+    def ended_in(self, ids: Sequence[int]) -> bool:
+        """Whether the last tag in ``ids`` (a prompt) is the end tag: a
+        template that closed the reasoning itself (Qwen3's
+        ``enable_thinking: false``) leaves the whole output to the grammar."""
+        s, e = list(self.start), list(self.end)
+        for i in range(len(ids), 0, -1):
+            if ids[i - 1] == e[-1] and list(ids[max(0, i - len(e)):i]) == e:
+                return True
+            if ids[i - 1] == s[-1] and list(ids[max(0, i - len(s)):i]) == s:
+                return False
+        return False
+
+
+class ReasoningGate:
+    """Where a request's reasoning ends: the tokens before (and of) the end
+    tag are the reasoning's, unconstrained; the grammar takes the rest."""
+
+    def __init__(self, tags: ReasoningTags, ended_in_prompt: bool):
+        self.end = list(tags.end)
+        self.initial = ended_in_prompt
+        self.ended = ended_in_prompt
+        self.tail: list[int] = []  # the last tokens of the reasoning, as many as the end tag has
+
+    def reset(self) -> None:
+        self.ended, self.tail = self.initial, []
+
+    def take(self, tok: int) -> None:
+        self.tail = (self.tail + [tok])[-len(self.end):]
+        self.ended = self.tail == self.end
+
+    def ends_within(self, drafts: list[int]) -> Optional[int]:
+        """How many of ``drafts`` end the reasoning (the last of them completes the end tag); None: none do."""
+        tail = self.tail
+        for j, tok in enumerate(drafts, 1):
+            tail = (tail + [tok])[-len(self.end):]
+            if tail == self.end:
+                return j
+        return None
+
+
 class RequestGrammar:
     """One request's grammar: compiling (``ready()`` False), failed
-    (``error``), or a matcher over the request's output tokens."""
+    (``error``), or a matcher over the request's output tokens (over its
+    answer, after the reasoning, with a ``ReasoningGate``)."""
 
-    def __init__(self, future: Future):
+    def __init__(self, future: Future, gate: Optional[ReasoningGate] = None):
         self._future = future
         self._matcher: Any = None
-        self.num_accepted = 0
+        self.gate = gate
+        self.num_accepted = 0  # output tokens taken, the reasoning's included
 
     def ready(self) -> bool:
         return self._future.done()
@@ -43,29 +94,43 @@ class RequestGrammar:
             self._matcher = _xgr().GrammarMatcher(self._future.result())
         return self._matcher
 
+    @property
+    def answering(self) -> bool:
+        """The grammar applies to the next token (no reasoning, or it ended)."""
+        return self.gate is None or self.gate.ended
+
     def sync(self, output_token_ids: list[int]) -> None:
         """Make the matcher's state the one after ``output_token_ids``."""
         if self.num_accepted == len(output_token_ids):
             return
-        m = self.matcher
-        m.reset()
+        self.matcher.reset()
+        if self.gate is not None:
+            self.gate.reset()
         self.num_accepted = 0
         self.accept(output_token_ids)
 
     def accept(self, token_ids: list[int]) -> int:
-        """Advance over ``token_ids``; how many were accepted (stops at the first refused)."""
-        m = self.matcher
+        """Advance over ``token_ids``; how many were accepted (stops at the
+        first the grammar refuses; reasoning takes any)."""
         for j, tok in enumerate(token_ids):
-            if not m.accept_token(tok):
+            if not self.answering:
+                assert self.gate is not None  # not answering: reasoning
+                self.gate.take(tok)
+            elif not self.matcher.accept_token(tok):
                 return j
             self.num_accepted += 1
         return len(token_ids)
 
     def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.answering and self.matcher.is_terminated()
 
     def valid_prefix(self, drafts: list[int]) -> int:
-        """How many of ``drafts`` the grammar allows in a row (state unchanged)."""
+        """How many of ``drafts`` the grammar allows in a row (state
+        unchanged); in reasoning, those up to the one that ends it."""
+        if not self.answering:
+            assert self.gate is not None
+            ends = self.gate.ends_within(drafts)
+            return len(drafts) if ends is None else ends
         m = self.matcher
         n = 0
         for tok in drafts:
@@ -111,8 +176,9 @@ class Grammars:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], num_threads: int = 2,
                  cache_size_bytes: int = 512 << 20, any_whitespace: bool = True, max_whitespace: Optional[int] = 16,
-                 limits: Optional[ConstraintLimits] = None):
+                 limits: Optional[ConstraintLimits] = None, reasoning: Optional[ReasoningTags] = None):
         xgr = _xgr()
+        self.reasoning = reasoning
         self.info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         self.vocab_size = vocab_size
         self.limits = limits or ConstraintLimits()
@@ -128,9 +194,16 @@ class Grammars:
         self._compile_seconds: list[float] = []  # compiles finished since take_compile_seconds()
         self._pending: dict[tuple, Future] = {}  # compiles in flight, by key
 
-    def grammar_for(self, params: SamplingParams) -> RequestGrammar:
+    def grammar_for(self, params: SamplingParams, prompt_token_ids: Sequence[int] = ()) -> RequestGrammar:
         """The request's grammar, compiling unless cached; ``SamplingParamsError``
-        (a ValueError) when the constraint is invalid."""
+        (a ValueError) when the constraint is invalid. With ``reasoning`` tags
+        it applies after the output's end tag, or from the start when the
+        prompt's last tag is the end tag."""
+        gate = None if self.reasoning is None else ReasoningGate(self.reasoning,
+                                                                  self.reasoning.ended_in(prompt_token_ids))
+        return self._grammar(params, gate)
+
+    def _grammar(self, params: SamplingParams, gate: Optional[ReasoningGate]) -> RequestGrammar:
         so = params.structured_outputs
         assert so is not None
         so = effective_constraint(so, self.any_whitespace)
@@ -139,10 +212,10 @@ class Grammars:
             fut = self._cache.get(key)
             if fut is not None:
                 self._cache.move_to_end(key)
-                return RequestGrammar(fut)
+                return RequestGrammar(fut, gate)
             fut = self._pending.get(key)
             if fut is not None:
-                return RequestGrammar(fut)
+                return RequestGrammar(fut, gate)
         grammar = check(so, self.max_whitespace, self.limits)
         if so.kind == "choice":
             if self._spelling is None:
@@ -152,7 +225,7 @@ class Grammars:
         with self._lock:
             self._pending[key] = fut
         fut.add_done_callback(lambda f: self._finished(key, f))
-        return RequestGrammar(fut)
+        return RequestGrammar(fut, gate)
 
     def _compile(self, grammar: Any) -> Any:
         t0 = time.perf_counter()
@@ -198,8 +271,13 @@ class Grammars:
             g.sync(outputs)
             m = g.matcher
             rows[rid] = (r, 1 + len(drafts))
+            first = 0  # rows before the answer's first stay all-allowed (reasoning)
+            if not g.answering:
+                assert g.gate is not None
+                ends = g.gate.ends_within(drafts)
+                first = len(drafts) + 1 if ends is None else ends
             fed = 0
-            for j in range(len(drafts) + 1):
+            for j in range(first, len(drafts) + 1):
                 if m.is_terminated():  # past the end: only what already ended it (rows stay all-allowed)
                     break
                 m.fill_next_token_bitmask(tensor, r + j)

@@ -2,7 +2,7 @@
 verifying speculative drafts against them.
 
 Order of operations (as vLLM's): logprobs of the raw logits are taken
-first; then logit bias, min_tokens masking, repetition / frequency /
+first; then allowed_token_ids and bad_words masking, logit bias, min_tokens masking, repetition / frequency /
 presence penalties; greedy rows take the argmax; the others apply
 temperature, top-k, top-p and min-p and draw with the exponential race
 (argmax of p / q with q ~ Exp(1), q = -log U) from their own generator, so a seeded
@@ -65,6 +65,16 @@ def _penalize(logits: torch.Tensor, r: SampleRequest) -> None:
     and one that slips through must not take the batch down."""
     p = r.params
     vocab = logits.shape[0]
+    if p.allowed_token_ids is not None:
+        allowed = _in_vocab(torch.tensor(p.allowed_token_ids, dtype=torch.long), vocab)
+        kept = logits[allowed].clone()
+        logits.fill_(float("-inf"))
+        logits[allowed] = kept
+    for word in p.bad_words_token_ids:
+        *before, last = word
+        out = r.output_token_ids
+        if 0 <= last < vocab and len(before) <= len(out) and out[len(out) - len(before):] == before:
+            logits[last] = float("-inf")
     if p.logit_bias:
         bias = {t: b for t, b in p.logit_bias.items() if 0 <= t < vocab}
         logits[torch.tensor(list(bias), dtype=torch.long)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
@@ -102,7 +112,8 @@ def _filter(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def _needs_processing(r: SampleRequest) -> bool:
     p = r.params
-    return bool(p.logit_bias or (len(r.output_token_ids) < p.min_tokens and r.stop_ids) or p.repetition_penalty != 1.0
+    return bool(p.logit_bias or p.allowed_token_ids is not None or p.bad_words_token_ids
+                or (len(r.output_token_ids) < p.min_tokens and r.stop_ids) or p.repetition_penalty != 1.0
                 or ((p.frequency_penalty or p.presence_penalty) and r.output_token_ids))
 
 

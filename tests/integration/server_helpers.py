@@ -87,3 +87,65 @@ class FakeProducer(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
         self.join(5)
+
+
+class ScriptedClient:
+    """Stands in for EngineClient: every request plays ``script`` (deltas; an
+    exception in it is raised there). ``requests``: (prompt token ids,
+    sampling params) of each request, in order."""
+
+    def __init__(self, script, dead=False):
+        from appliance.engine.outputs import StepStats
+        from appliance.server.messages import Ready
+
+        self.script, self.dead = script, dead
+        self.dead_reason = "IndexError: index 99999999 is out of bounds for dimension 0 with size 512"
+        self.restarting, self.down_reason = False, ""
+        self.lost, self.serving = False, not dead
+        self.stats, self.ready_info = StepStats(), Ready(num_kv_blocks=1, block_size=16, backend="torch_sdpa", pid=1)
+        self.requests = []
+
+    def unresponsive_reason(self):
+        return None
+
+    async def generate(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None,
+                       data_parallel_rank=None):
+        from appliance.engine.outputs import RequestOutputDelta
+
+        self.requests.append((prompt_token_ids, params))
+        for item in self.script:
+            if isinstance(item, Exception):
+                raise item
+            yield RequestOutputDelta(**{"request_id": request_id, "new_token_ids": [1], "new_text": "",
+                                        "finished": False, "num_prompt_tokens": 1, "num_output_tokens": 1, **item})
+
+    def pick_rank(self, pinned=None):
+        return 0
+
+    def abort_nowait(self, request_ids):
+        pass
+
+
+def scripted_front_end(overrides):
+    """``make(client)``: the HTTP app of the tiny random model with
+    ``overrides``, in-process (litestar's TestClient), over ``client``
+    (a ``ScriptedClient``); and the tokenizer it serves with."""
+    from unittest.mock import MagicMock
+
+    from litestar.testing import TestClient
+
+    from appliance.config.compose import resolve
+    from appliance.models.loader import load_tokenizer
+    from appliance.runner import compose
+    from appliance.server.app import ServerState, create_app
+
+    resolved = resolve(["+profile=cpu", "model=tiny_random", *overrides])
+    tokenizer = load_tokenizer(resolved.cfg.model)
+
+    def make(client):
+        state = ServerState(deployment=compose(resolved, here=False), client=client, tokenizer=tokenizer,
+                            metrics=MagicMock(), api_keys=())
+        return TestClient(app=create_app(state))
+
+    make.tokenizer = tokenizer
+    return make

@@ -22,7 +22,7 @@ from appliance import LLM, SamplingParams
 from appliance.engine.failures import Suspects
 from appliance.server.protocol import PER_DEPLOYMENT_SPECULATIVE
 from appliance.worker.sampler import SampleRequest, sample
-from tests.integration.server_helpers import ServerProcess, metric
+from tests.integration.server_helpers import ScriptedClient, ServerProcess, metric, scripted_front_end
 
 VOCAB = 512  # the tiny random model's
 FAULTS = '''
@@ -204,7 +204,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
     ({"structural_tag": {"type": "structural_tag"}}, "structural_tag"),
     ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
-    ({"bad_words": ["x"]}, "bad_words"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}, "speculative_config"),
     ({"num_speculative_tokens": 4}, "num_speculative_tokens"),
@@ -230,6 +229,12 @@ def test_unbuilt_features_are_400_naming_the_field(server, extra, param):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "file:///etc/passwd"}}}},
      "response_format"),
     ({"guided_choice": ["a" * 300_000]}, "guided_choice"),
+    ({"bad_words": "x"}, "bad_words"),
+    ({"bad_words": [" "]}, "bad_words"),
+    ({"bad_words": ["x"] * 257}, "bad_words"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [VOCAB]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [True]}, "allowed_token_ids"),
 ])
 def test_malformed_tools_and_constraints_are_400_naming_the_field(server, extra, param):
     assert_openai_error(post(server, CHAT, {"messages": MSGS, "max_tokens": 2, **extra}), 400, param)
@@ -331,7 +336,9 @@ FIELDS = ["prompt", "messages", "model", "max_tokens", "max_completion_tokens", 
           "priority", "stream", "stream_options", "echo", "suffix", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
           "cache_salt", "tools", "tool_choice", "response_format", "functions", "modalities", "user",
-          "add_generation_prompt", "\ud800"]
+          "add_generation_prompt", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "return_token_ids",
+          "return_tokens_as_token_ids", "chat_template_kwargs", "reasoning_effort", "continue_final_message",
+          "add_special_tokens", "chat_template", "tokens", "return_token_strs", "\ud800"]
 # Raw JSON text spliced in where a placeholder string stands: what json.dumps cannot write.
 RAW = {"@nan": "NaN", "@inf": "Infinity", "@-inf": "-Infinity", "@big": "1e999", "@deep": "[" * 200 + "]" * 200,
        "@int": "9" * 40, "@surrogate": '"\\udc80"', "@half": '"\\ud83d x"'}
@@ -367,12 +374,13 @@ def encode_body(body: dict) -> str:
 
 @st.composite
 def hostile_requests(draw):
-    chat = draw(st.booleans())
-    base = {"messages": MSGS} if chat else {"prompt": "Hello"}
+    path = draw(st.sampled_from([CHAT, CMPL, CHAT, CMPL, "/tokenize", "/detokenize"]))
+    chat = path == CHAT or (path == "/tokenize" and draw(st.booleans()))
+    base = {"tokens": [1, 2]} if path == "/detokenize" else {"messages": MSGS} if chat else {"prompt": "Hello"}
     body = {**base, "max_tokens": 3}
     for key in draw(st.lists(st.sampled_from(FIELDS), min_size=1, max_size=4, unique=True)):
         body[key] = draw(messages if key == "messages" else values)
-    return (CHAT if chat else CMPL), encode_body(body)
+    return path, encode_body(body)
 
 
 @settings(max_examples=160, deadline=None, database=None,
@@ -516,61 +524,9 @@ def test_core_refuses_token_ids_outside_the_vocabulary(llm):
 
 
 # -- the front end in-process, over a scripted engine client --------------------------
-class ScriptedClient:
-    """Stands in for EngineClient: every request plays ``script`` (deltas; an
-    exception in it is raised there)."""
-
-    def __init__(self, script, dead=False):
-        from appliance.engine.outputs import StepStats
-        from appliance.server.messages import Ready
-
-        self.script, self.dead = script, dead
-        self.dead_reason = "IndexError: index 99999999 is out of bounds for dimension 0 with size 512"
-        self.restarting, self.down_reason = False, ""
-        self.lost, self.serving = False, not dead
-        self.stats, self.ready_info = StepStats(), Ready(num_kv_blocks=1, block_size=16, backend="torch_sdpa", pid=1)
-
-    def unresponsive_reason(self):
-        return None
-
-    async def generate(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None,
-                       data_parallel_rank=None):
-        from appliance.engine.outputs import RequestOutputDelta
-
-        for item in self.script:
-            if isinstance(item, Exception):
-                raise item
-            yield RequestOutputDelta(**{"request_id": request_id, "new_token_ids": [1], "new_text": "",
-                                        "finished": False, "num_prompt_tokens": 1, "num_output_tokens": 1, **item})
-
-    def pick_rank(self, pinned=None):
-        return 0
-
-    def abort_nowait(self, request_ids):
-        pass
-
-
 @pytest.fixture(scope="module")
 def front_end():
-    from unittest.mock import MagicMock
-
-    from litestar.testing import TestClient
-    from transformers import AutoTokenizer
-
-    from appliance.config.compose import resolve
-    from appliance.models.loader import resolve_model_folder
-    from appliance.runner import compose
-    from appliance.server.app import ServerState, create_app
-
-    resolved = resolve(["+profile=cpu", "model=tiny_random", "server.max_queue_len=8"])
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_folder(resolved.cfg.model)))
-
-    def make(client):
-        state = ServerState(deployment=compose(resolved, here=False), client=client, tokenizer=tokenizer,
-                            metrics=MagicMock(), api_keys=())
-        return TestClient(app=create_app(state))
-
-    return make
+    return scripted_front_end(["server.max_queue_len=8"])
 
 
 @pytest.mark.parametrize("path,body", [(CMPL, {"prompt": "Hi"}), (CHAT, {"messages": MSGS})])

@@ -173,6 +173,21 @@ def test_extension_fields(client, model):
     assert r.usage.completion_tokens == 4
 
 
+def test_vllm_token_fields_through_the_engine(server, client, model):
+    """allowed_token_ids and return_token_ids through the real engine; the ids come back as /tokenize and
+    /detokenize see them."""
+    base = dict(model=model, prompt="Hello world", max_tokens=6, temperature=0)
+    plain = client.completions.create(**base, extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids, prompt = plain.choices[0].token_ids, plain.choices[0].prompt_token_ids
+    assert prompt == raw(server, "POST", "/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+    assert raw(server, "POST", "/detokenize", json={"tokens": ids}).json()["prompt"] == plain.choices[0].text
+    allowed = sorted(set(range(40, 60)) - set(ids))
+    r = client.completions.create(**base, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                      "allowed_token_ids": allowed})
+    assert len(r.choices[0].token_ids) == 6 and set(r.choices[0].token_ids) <= set(allowed)
+    assert raw(server, "POST", "/tokenize", auth=False, json={"prompt": "x"}).status_code == 401
+
+
 def _sse_json(text):
     import json
     return [json.loads(ln[6:]) for ln in text.split("\n\n") if ln.startswith("data: {")]

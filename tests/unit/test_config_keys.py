@@ -83,6 +83,7 @@ RUN_TIME_KEYS = {
 # Where the generic change (below) is not a valid value for the base deployment.
 ALTERNATIVES = {
     "router.policy": "least_load",
+    "server.reasoning_parser": "qwen3",
     "router.instances": ["http://127.0.0.1:8001"],
     "parallel.executor": "mp",  # one rank in a worker process
     "parallel.pp_layer_partition": [13, 17],

@@ -1,10 +1,13 @@
 """Model execution: token-exact parity with Hugging Face transformers,
 sampling, stop conditions, logprobs, n > 1."""
 
+import functools
+
 import pytest
 import torch
 
 from appliance import LLM, SamplingParams
+from appliance.sampling_params import resolve_bad_words
 from tests.model_helpers import (PROMPTS, TINY_VARIANTS, check_logprobs_close, greedy_top_logprobs, hf_greedy,
                                  hf_greedy_top_logprobs, hf_logprobs)
 
@@ -143,6 +146,48 @@ def test_penalties_change_greedy_choice(tiny):
     rep = tiny.generate(PROMPTS[0], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, repetition_penalty=5.0),
                         use_tqdm=False)[0].outputs[0].token_ids
     assert rep != plain
+
+
+def _contains(seq: list[int], sub: list[int]) -> bool:
+    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+
+def test_allowed_token_ids_and_bad_words(tiny):
+    greedy = dict(max_tokens=10, temperature=0, ignore_eos=True)
+    plain = tiny.generate(PROMPTS[0], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
+    allowed = sorted(set(range(40, 60)) - set(plain))  # none of the greedy choices
+    for extra in ({}, {"temperature": 1.0, "seed": 5}):
+        out = tiny.generate(PROMPTS[0], SamplingParams(**{**greedy, **extra}, allowed_token_ids=allowed),
+                            use_tqdm=False)[0].outputs[0].token_ids
+        assert len(out) == 10 and set(out) <= set(allowed)
+    # a two-token word of the greedy text, tokenized back to the same two ids: its second token never follows its
+    # first again, and a one-token word never comes at all
+    tok = tiny.tokenizer
+    j = next(j for j in range(len(plain) - 1) if plain[j] != plain[j + 1]
+             and tok.encode(tok.decode(plain[j : j + 2]).lstrip(), add_special_tokens=False) == plain[j : j + 2])
+    encode = functools.partial(tok.encode, add_special_tokens=False)
+    params = SamplingParams(**greedy, bad_words=[tok.decode(plain[j : j + 2])])
+    out = tiny.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert out[: j + 1] == plain[: j + 1] and out[j + 1] != plain[j + 1]
+    resolve_bad_words(params, encode)
+    assert plain[j : j + 2] in params.bad_words_token_ids
+    assert not any(_contains(out, w) for w in params.bad_words_token_ids)
+    single = SamplingParams(**greedy, bad_words=[tok.decode([plain[0]])])
+    out = tiny.generate(PROMPTS[0], single, use_tqdm=False)[0].outputs[0].token_ids
+    resolve_bad_words(single, encode)
+    assert [plain[0]] in single.bad_words_token_ids
+    assert all(t not in out for [t] in (w for w in single.bad_words_token_ids if len(w) == 1))
+
+
+def test_bad_words_take_the_spaced_form_only_where_it_differs():
+    vocab = {"cat": [7], " cat": [8], "dog": [3, 4], " dog": [3, 4], "ant eater": [1, 2], " ant eater": [9]}
+    p = SamplingParams(bad_words=["  cat", "dog", "ant eater"])
+    resolve_bad_words(p, lambda w: vocab[w])
+    assert p.bad_words_token_ids == [[7], [8], [3, 4], [1, 2]]  # " ant eater" has another token count
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["  "])
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
 
 
 def test_n_greater_than_one_shares_prefix_blocks(tiny):

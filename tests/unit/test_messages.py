@@ -31,6 +31,7 @@ PARAMS = SamplingParams(n=1, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, s
                         min_tokens=2, stop=["\n\n", "END"], stop_token_ids=[2, 7], ignore_eos=True,
                         include_stop_str_in_output=True, presence_penalty=0.5, frequency_penalty=-0.5,
                         repetition_penalty=1.1, logit_bias={3: -99.5, 400: 1.0}, logprobs=5,
+                        allowed_token_ids=[3, 9, 400], bad_words=["never"], bad_words_token_ids=[[5], [6, 7]],
                         skip_special_tokens=False)
 DELTA = RequestOutputDelta(
     "cmpl-1-0", [5, 6], "hi", True, finish_reason="stop", stop_reason=7,

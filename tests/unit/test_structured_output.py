@@ -27,8 +27,9 @@ from appliance.engine.request import RequestStatus
 from appliance.sampling_params import SamplingParamsError
 from appliance.server.protocol import OpenAIError
 from appliance.server.structured import ConstraintChecker
-from appliance.structured_output import (CompileRefused, CompileSandbox, ConstraintLimits, Grammars, TokenSpelling,
-                                         check, check_writable, external_refs, unsupported_schema_features)
+from appliance.structured_output import (CompileRefused, CompileSandbox, ConstraintLimits, Grammars, ReasoningTags,
+                                         TokenSpelling, check, check_writable, external_refs,
+                                         unsupported_schema_features)
 
 TINY = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.05"]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -362,6 +363,45 @@ def test_only_drafts_the_grammar_allows_are_kept(llm, grammars):
     assert g.num_accepted == 1 and g.accept(encode(llm, "5")) == 1
 
 
+@pytest.fixture(scope="module")
+def thinking(llm):
+    """Grammars of a reasoning model: they apply after </think>."""
+    tags = ReasoningTags(tuple(encode(llm, "<think>")), tuple(encode(llm, "</think>")))
+    return Grammars(llm.tokenizer, llm.resolved.cfg.model.vocab_size, [llm.tokenizer.eos_token_id], reasoning=tags)
+
+
+def test_a_reasoning_models_grammar_takes_the_answer_after_the_end_tag(llm, thinking):
+    constraint = {"regex": "[0-9]{3}"}
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**constraint))
+    g = thinking.grammar_for(params, encode(llm, "Q?<think>"))
+    g._future.result(timeout=60)
+    allowed = torch.full_like(reference_row(thinking, constraint, []), -1)
+    thought, end = encode(llm, "some 42 words"), encode(llm, "</think>")
+    assert len(end) > 1  # the tag is several tokens here: the gate follows it across tokens and drafts
+    # reasoning: rows stay free; the drafts through the end tag free too, the row after them the grammar's first
+    mask = thinking.bitmask([("r", g, [], thought + end)])
+    for j in range(len(thought + end)):
+        assert torch.equal(mask.tensor[j], allowed)
+    assert torch.equal(mask.tensor[len(thought + end)], reference_row(thinking, constraint, []))
+    assert g.valid_prefix(thought + end + encode(llm, "1")) == len(thought + end)  # not past the end tag
+    assert g.accept(thought + end[:-1]) == len(thought + end[:-1]) and not g.answering and not g.is_terminated()
+    assert g.accept(end[-1:]) == 1 and g.answering
+    digits = encode(llm, "123")
+    assert g.accept(encode(llm, "x")) == 0  # the answer is the grammar's
+    assert g.valid_prefix(digits + encode(llm, "x")) == len(digits)
+    outputs = thought + end + digits
+    g.sync(outputs)
+    assert g.num_accepted == len(outputs) and not g.is_terminated()
+    assert g.accept([llm.tokenizer.eos_token_id]) == 1 and g.is_terminated()
+    g.sync(thought)  # rebuilt from the tokens: back in the reasoning, the matcher at its start
+    assert not g.answering and g.num_accepted == len(thought)
+    # a template that closed the reasoning (Qwen3's enable_thinking: false) leaves the whole output to the grammar
+    closed = thinking.grammar_for(params, encode(llm, "Q?<think>\n\n</think>\n\n"))
+    assert closed.answering
+    assert torch.equal(thinking.bitmask([("r", closed, [], [])]).tensor[0], reference_row(thinking, constraint, []))
+    assert not thinking.grammar_for(params, encode(llm, "</think>\n<think>")).answering  # the last tag decides
+
+
 def native_bitmask():
     return pytest.importorskip("appliance.kernels.cpu_native",
                                reason="the native CPU kernels do not build here").apply_token_bitmask
@@ -442,6 +482,18 @@ def test_outputs_hold_to_their_constraints(llm):
         assert set(value) == {"name", "age"} and 0 <= value["age"] <= 99 and len(value["name"]) <= 8
     assert all(o.outputs[0].finish_reason == "stop" for i, o in enumerate(outs) if i != 2)
     assert re.fullmatch(r"(ab|cd)+!", texts[4]) or outs[4].outputs[0].finish_reason == "length"
+
+
+def test_a_reasoning_models_constraint_waits_for_its_answer():
+    thinker = LLM(overrides=[*TINY, "server.reasoning_parser=deepseek_r1"])
+    closed = encode(thinker, "Q?<think>\n\n</think>\n\n")  # the template closed the reasoning: all answer
+    opened = encode(thinker, "Q?<think>\n")  # the model reasons first, freely
+    digits = constrained(max_tokens=6, regex="[0-9]{6}")
+    out = thinker.generate([closed, opened], digits, use_tqdm=False)
+    assert re.fullmatch("[0-9]{6}", out[0].outputs[0].text)
+    free = thinker.generate([opened], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    assert out[1].outputs[0].token_ids == free[0].outputs[0].token_ids
+    assert not re.fullmatch("[0-9]{6}", out[1].outputs[0].text)
 
 
 def test_n_samples_each_hold_and_logprobs_stay_finite(llm):
