@@ -148,6 +148,10 @@ def greedy_top_logprobs(llm: LLM, prompt_ids, max_new_tokens, k):
 
 
 CAPITAL_OF_FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+# The question above opens its answer with 'The' only 0.08 nats ahead of "L'" in fp32 (``paris_margin``): where
+# the CPU rounds the GGUF GEMMs' rows to int8 (AVX512-VNNI without AMX) the default deployment opens with
+# "L'Étoile, ..." and never names the city. Asked for one word, 'The' leads by 1.3 nats on every path.
+CAPITAL_ONE_WORD = "What is the capital of France? Answer in one word."
 
 
 def paris_margin(llm: LLM) -> float:

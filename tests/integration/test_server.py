@@ -9,6 +9,7 @@ import pytest
 
 from appliance import LLM, SamplingParams
 from tests.integration.server_helpers import ServerProcess, metric
+from tests.model_helpers import CAPITAL_ONE_WORD
 
 KEY = "sk-test-key"
 TINY = ["model=tiny_random", "cache.kv_cache_memory_gib=0.05", f"server.api_key={KEY}", "server.dev_mode=true",
@@ -410,7 +411,7 @@ def test_default_model_chat_over_http():
     s = ServerProcess("cache.kv_cache_memory_gib=0.25", "model.max_model_len=2048")
     try:
         r = httpx.post(f"{s.url}/v1/chat/completions", timeout=120, json={
-            "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20,
+            "messages": [{"role": "user", "content": CAPITAL_ONE_WORD}], "max_tokens": 20,
             "temperature": 0})
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
     finally:

@@ -9,8 +9,8 @@ import torch
 
 from appliance import LLM, SamplingParams
 from appliance.models.quant import PROJECTIONS, GroupedInt8Linear, dequantize_int4
-from tests.model_helpers import (PROMPTS, check_logprobs_close, greedy_top_logprobs, hf_greedy, hf_greedy_top_logprobs,
-                                 paris_margin)
+from tests.model_helpers import (CAPITAL_ONE_WORD, PROMPTS, check_logprobs_close, greedy_top_logprobs, hf_greedy,
+                                 hf_greedy_top_logprobs, paris_margin)
 
 COMMON = ["+profile=cpu", "model.dtype=float32", "cache.kv_cache_memory_gib=0.25", "model.max_model_len=2048"]
 BASE = COMMON + ["quantization=none"]  # the checkpoint dequantized
@@ -58,7 +58,7 @@ def test_bf16_is_close_to_hf_bf16(backend, scenario):
 
 
 def test_generate_cli_answers_paris(cli):
-    r = cli("generate", "prompt=What is the capital of France?", "max_tokens=20")
+    r = cli("generate", f"prompt={CAPITAL_ONE_WORD}", "max_tokens=20")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 
