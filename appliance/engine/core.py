@@ -378,8 +378,8 @@ class EngineCore:
                     kept = ended
                     stopped[rid] = (ended, None)
                 for j, tok in enumerate(toks[:kept], 1):
-                    if self.detok[rid].add_tokens([tok]) is not None:
-                        stopped[rid] = (j, "stop_string")
+                    if (hit := self.detok[rid].add_tokens([tok])) is not None:
+                        stopped[rid] = (j, hit)  # vLLM's stop_reason: the stop string matched
                         break
             except Exception:
                 log.exception("processing the tokens of request %s failed", rid)

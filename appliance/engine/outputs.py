@@ -28,7 +28,7 @@ class RequestOutputDelta(msgspec.Struct):
     new_text: str
     finished: bool
     finish_reason: Optional[str] = None
-    stop_reason: Union[str, int, None] = None  # "stop_string", the stop token id, or None (EOS, length)
+    stop_reason: Union[str, int, None] = None  # the stop string matched, the stop token id, or None (EOS, length)
     logprobs: list[Optional[TokenLogprob]] = []
     # with the request's first delta, when it asked for them: one per prompt token (the first None)
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None

@@ -20,6 +20,7 @@ from litestar.response import Stream
 
 from appliance.sampling_params import SamplingParams, StructuredOutputsParams
 from appliance.version import __version__
+from appliance.server.anthropic_messages import chat_request, error_body, message_body, message_events
 from appliance.server.auth import SIGNATURE_HEADER, match_key, tenant_salt, verify_request
 from appliance.server.client import EngineDeadError
 from appliance.server.generation import ENGINE_FAILED, ENGINE_RESTARTING, Generation, map_engine_error
@@ -89,9 +90,13 @@ def _check_auth(request: Request, st: ServerState) -> Optional[int]:
     """The index of the key the request presents (None when the server is open)."""
     if not st.api_keys:
         return None
-    tenant = match_key(request.headers.get("authorization", ""), st.api_keys)
+    presented = request.headers.get("authorization")
+    if presented is None and "x-api-key" in request.headers:  # Anthropic's clients send the key here
+        presented = f"Bearer {request.headers['x-api-key']}"
+    tenant = match_key(presented or "", st.api_keys)
     if tenant is None:
-        raise OpenAIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        raise OpenAIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>' (or 'x-api-key: "
+                               "<key>')", code="invalid_api_key")
     return tenant
 
 
@@ -263,6 +268,43 @@ async def _chat_completions(request: Request, st: ServerState, span: Optional[Re
     return _sse_stream(chat_events(st, gen, created, calls))
 
 
+def _anthropic_error_handler(_: Request, exc: Exception) -> Response:
+    if isinstance(exc, HTTPException):
+        e = OpenAIError(exc.status_code, str(exc.detail or "error"))
+    elif isinstance(exc, (OpenAIError, EngineDeadError)):
+        e = map_engine_error(exc)
+    else:
+        log.exception("internal error")
+        e = OpenAIError(500, f"internal server error ({type(exc).__name__})")
+    return Response(error_body(e), status_code=e.status, headers=e.headers, media_type="application/json")
+
+
+@post("/v1/messages", status_code=200, exception_handlers={
+    t: _anthropic_error_handler for t in (OpenAIError, HTTPException, EngineDeadError, Exception)})
+async def messages(request: Request) -> Response:
+    """Anthropic's Messages API (``anthropic_messages``): run as the chat request it means."""
+    st = _state(request)
+    with _traced(request, st, "/v1/messages") as span:
+        return await _messages(request, st, span)
+
+
+async def _messages(request: Request, st: ServerState, span: Optional[RequestSpan]) -> Response:
+    body = chat_request(await _read_body(request, st))
+    params, _ = sampling_from_body(body, chat=True, vocab_size=st.cfg.model.vocab_size)
+    tools = parse_tools(body)
+    params.structured_outputs = await _constraint(request, body, tools)
+    stream = typed(body, "stream", (bool,), False)
+    _, salt = common_extensions(body)
+    ids, text = await tokenize(st, chat_prompt, body, True, tools.tools if tools is not None else None)
+    check_length(st, len(ids), params, "messages")
+    g = GenerationRequest([ids], [text], params, stream, False, 0, salt)
+    gen = Generation(st, g, new_id("msg"), span=span)
+    calls = tool_output(tools, st.cfg.server.tool_parser)
+    if not stream:
+        return _json(message_body(st, gen, (await gen.collect(request))[0], calls))
+    return _sse_stream(message_events(st, gen, calls))
+
+
 @post("/tokenize", status_code=200)
 async def tokenize_endpoint(request: Request) -> Response:
     """vLLM's /tokenize: a prompt's or chat messages' token ids (and their token strings on request)."""
@@ -355,8 +397,8 @@ async def reset_prefix_cache(request: Request) -> Response:
 
 def create_app(state: ServerState) -> Litestar:
     cfg = state.cfg.server
-    handlers = [completions, chat_completions, tokenize_endpoint, detokenize_endpoint, models, health, ready, metrics,
-                version, appliance_config]
+    handlers = [completions, chat_completions, messages, tokenize_endpoint, detokenize_endpoint, models, health, ready,
+                metrics, version, appliance_config]
     if cfg.dev_mode:
         handlers.append(reset_prefix_cache)
     cors = CORSConfig(allow_origins=list(cfg.cors_origins)) if cfg.cors_origins else None

@@ -102,6 +102,7 @@ def sse_events(text):
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
+MESSAGES = "/v1/messages"
 MSGS = [{"role": "user", "content": "Hi"}]
 HUGE = 10**30
 
@@ -338,7 +339,8 @@ FIELDS = ["prompt", "messages", "model", "max_tokens", "max_completion_tokens", 
           "cache_salt", "tools", "tool_choice", "response_format", "functions", "modalities", "user",
           "add_generation_prompt", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "return_token_ids",
           "return_tokens_as_token_ids", "chat_template_kwargs", "reasoning_effort", "continue_final_message",
-          "add_special_tokens", "chat_template", "tokens", "return_token_strs", "\ud800"]
+          "add_special_tokens", "chat_template", "tokens", "return_token_strs", "system", "stop_sequences",
+          "tool_choice", "metadata", "\ud800"]
 # Raw JSON text spliced in where a placeholder string stands: what json.dumps cannot write.
 RAW = {"@nan": "NaN", "@inf": "Infinity", "@-inf": "-Infinity", "@big": "1e999", "@deep": "[" * 200 + "]" * 200,
        "@int": "9" * 40, "@surrogate": '"\\udc80"', "@half": '"\\ud83d x"'}
@@ -374,8 +376,8 @@ def encode_body(body: dict) -> str:
 
 @st.composite
 def hostile_requests(draw):
-    path = draw(st.sampled_from([CHAT, CMPL, CHAT, CMPL, "/tokenize", "/detokenize"]))
-    chat = path == CHAT or (path == "/tokenize" and draw(st.booleans()))
+    path = draw(st.sampled_from([CHAT, CMPL, CHAT, CMPL, "/tokenize", "/detokenize", MESSAGES]))
+    chat = path in (CHAT, MESSAGES) or (path == "/tokenize" and draw(st.booleans()))
     base = {"tokens": [1, 2]} if path == "/detokenize" else {"messages": MSGS} if chat else {"prompt": "Hello"}
     body = {**base, "max_tokens": 3}
     for key in draw(st.lists(st.sampled_from(FIELDS), min_size=1, max_size=4, unique=True)):
@@ -391,8 +393,13 @@ def test_fuzz_never_5xx(server, req):
     r = post(server, path, raw.encode("utf-8", "surrogatepass"))
     event(f"HTTP {r.status_code}")
     assert r.status_code < 500, (raw, r.status_code, r.text)
-    if r.status_code >= 400:
+    if r.status_code >= 400 and path == MESSAGES:  # Anthropic's shape
+        assert r.json()["type"] == "error" and set(r.json()["error"]) == {"type", "message"}, r.text
+    elif r.status_code >= 400:
         assert_openai_error(r, r.status_code)
+    elif path == MESSAGES and r.headers["content-type"].startswith("text/event-stream"):
+        kinds = [ev.split("\n", 1)[0] for ev in r.text.split("\n\n") if ev]
+        assert kinds[0] == "event: message_start" and kinds[-1] == "event: message_stop", (raw, r.text)
     elif r.headers["content-type"].startswith("text/event-stream"):
         events = sse_events(r.text)
         assert events[-1] == "[DONE]", r.text

@@ -449,3 +449,85 @@ def test_request_timeout_aborts_and_answers_408():
         assert metric(m, "appliance:num_requests_running") == 0  # both requests were aborted in the core
     finally:
         s.stop()
+
+
+# -- Anthropic's Messages API -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def claude(server):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+
+
+GREEDY = {"temperature": 0}  # this client's create() has no temperature argument
+# a number, not a string: the random model writes control characters into strings, which strict JSON refuses
+WEATHER = {"name": "get_forecast", "description": "The forecast some days ahead",
+           "input_schema": {"type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 9}},
+                            "required": ["days"], "additionalProperties": False}}
+
+
+def test_messages_through_the_anthropic_client(claude, client, model):
+    """A Messages request is the chat request it means: the same prompt, the same greedy text, whole and
+    streamed; its stop reasons and usage in Anthropic's terms."""
+    ask = [{"role": "user", "content": "Hello there"}]
+    m = claude.messages.create(model=model, max_tokens=6, messages=ask, system="Be brief.", extra_body=GREEDY)
+    chat = client.chat.completions.create(model=model, max_tokens=6, extra_body=GREEDY,
+                                          messages=[{"role": "system", "content": "Be brief."}, *ask])
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == chat.choices[0].message.content
+    assert m.usage.input_tokens == chat.usage.prompt_tokens and m.usage.output_tokens == chat.usage.completion_tokens
+    assert m.stop_reason == ("max_tokens" if chat.choices[0].finish_reason == "length" else "end_turn")
+    with claude.messages.stream(model=model, max_tokens=6, messages=ask, system="Be brief.", extra_body=GREEDY) as s:
+        streamed = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert streamed == m.content[0].text and final.content[0].text == streamed
+    assert final.stop_reason == m.stop_reason and final.usage.output_tokens == m.usage.output_tokens
+    # a stop sequence inside the greedy text ends it there
+    long = claude.messages.create(model=model, max_tokens=16, messages=ask, extra_body=GREEDY)
+    text = long.content[0].text
+    seq = text[4:7]
+    cut = claude.messages.create(model=model, max_tokens=16, messages=ask, extra_body=GREEDY, stop_sequences=[seq])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == seq
+    assert cut.content[0].text == text[: text.find(seq)]
+
+
+def test_messages_tool_use_round_trip(claude, model):
+    m = claude.messages.create(model=model, max_tokens=40, extra_body=GREEDY, tools=[WEATHER],
+                               tool_choice={"type": "tool", "name": "get_forecast"},
+                               messages=[{"role": "user", "content": "Forecast?"}])
+    assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["tool_use"]
+    use = m.content[0]
+    assert use.name == "get_forecast" and use.id.startswith("toolu_") and 1 <= use.input["days"] <= 9
+    with claude.messages.stream(model=model, max_tokens=40, extra_body=GREEDY, tools=[WEATHER],
+                                tool_choice={"type": "tool", "name": "get_forecast"},
+                                messages=[{"role": "user", "content": "Forecast?"}]) as s:
+        final = s.get_final_message()
+    assert final.content[0].type == "tool_use" and final.content[0].input == use.input
+    after = claude.messages.create(model=model, max_tokens=4, extra_body=GREEDY, tools=[WEATHER], messages=[
+        {"role": "user", "content": "Forecast?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"},
+                                     {"type": "text", "text": "And so?"}]}])
+    assert after.content[0].type == "text"
+
+
+def test_messages_errors_are_anthropic_shaped(server, claude, model):
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert "messages[0].content[0]" in e.value.body["error"]["message"]
+    for body, needle in [({"messages": [{"role": "user", "content": "x"}]}, "'max_tokens' is required"),
+                         ({"max_tokens": 2, "messages": []}, "'messages' must be a non-empty list"),
+                         ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "thinking": {}},
+                          "'thinking' is not supported"),
+                         ({"max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}, "max_tokens")]:
+        r = raw(server, "POST", "/v1/messages", json=body)
+        assert r.status_code == 400 and r.json()["type"] == "error" and needle in r.json()["error"]["message"], r.text
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.url, api_key="sk-wrong", max_retries=0).messages.create(
+            model=model, max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.create(model="claude-x", max_tokens=2, messages=[{"role": "user", "content": "x"}])

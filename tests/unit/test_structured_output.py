@@ -511,7 +511,7 @@ def test_stop_strings_and_min_tokens_beside_a_grammar(llm):
                                                              structured_outputs=StructuredOutputsParams(regex="ab;cd")),
                                               SamplingParams(max_tokens=8, min_tokens=3, temperature=0, structured_outputs=
                                                              StructuredOutputsParams(choice=["ok"]))], use_tqdm=False)
-    assert first.outputs[0].text == "ab" and first.outputs[0].stop_reason == "stop_string"
+    assert first.outputs[0].text == "ab" and first.outputs[0].stop_reason == ";"
     # the grammar allows nothing but the end after "ok": it wins over min_tokens
     assert second.outputs[0].text == "ok" and second.outputs[0].finish_reason == "stop"
 
