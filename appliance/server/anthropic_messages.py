@@ -29,10 +29,12 @@ from typing import Any, AsyncIterator, Optional
 
 from appliance.engine.parallel_sampling import Child
 from appliance.server.generation import Generation, map_engine_error
+from appliance.server.prompts import joined_text
 from appliance.server.protocol import OpenAIError, typed
 from appliance.server.reasoning import REASONING_PARSERS, ReasoningSplit
 from appliance.server.responses import ToolOutput
 from appliance.server.state import ServerState
+from appliance.server.tool_requests import foreign_tools
 from appliance.server.tools import ContentDelta, ToolCall, ToolCallDelta, extract_tool_calls
 
 FIELDS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
@@ -47,20 +49,6 @@ def error_body(e: OpenAIError) -> dict:
 
 def _bad(param: str, message: str) -> OpenAIError:
     return OpenAIError(400, message, param=param)
-
-
-def _text_of(blocks: Any, param: str) -> str:
-    """A string, or a list of ``text`` blocks, as one text."""
-    if isinstance(blocks, str):
-        return blocks
-    if not isinstance(blocks, list):
-        raise _bad(param, f"'{param}' must be a string or a list of text blocks")
-    parts = []
-    for j, b in enumerate(blocks):
-        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-            raise _bad(f"{param}[{j}]", f"'{param}[{j}]' must be a text block ({{'type': 'text', 'text': ...}})")
-        parts.append(b["text"])
-    return "".join(parts)
 
 
 def _message(m: Any, i: int) -> list[dict]:
@@ -90,7 +78,7 @@ def _message(m: Any, i: int) -> list[dict]:
             if not isinstance(b.get("tool_use_id"), str):
                 raise _bad(where, f"'{where}' needs a string 'tool_use_id'")
             results.append({"role": "tool", "tool_call_id": b["tool_use_id"],
-                            "content": _text_of(b.get("content", ""), f"{where}.content")})
+                            "content": joined_text(b.get("content", ""), f"{where}.content")})
         else:
             raise _bad(where, f"'{where}': content blocks of type {str(kind)[:40]!r} are not supported here; this "
                               f"server takes text, and tool_use / tool_result blocks in their roles")
@@ -106,19 +94,12 @@ def _message(m: Any, i: int) -> list[dict]:
 def _tools(body: dict) -> dict:
     """``tools`` and ``tool_choice`` as chat's fields."""
     out: dict = {}
-    tools = body.get("tools")
+    tools = foreign_tools(body.get("tools"), lambda t: t.get("type") in (None, "custom"), lambda t: {
+        "name": t.get("name"), "parameters": t.get("input_schema"),
+        **({"description": t["description"]} if t.get("description") is not None else {})},
+        "client tools ({'name', 'description', 'input_schema'})")
     if tools is not None:
-        if not isinstance(tools, list):
-            raise _bad("tools", "'tools' must be a list")
-        out["tools"] = []
-        for i, t in enumerate(tools):
-            if not isinstance(t, dict) or t.get("type") not in (None, "custom"):
-                raise _bad(f"tools[{i}]", f"'tools[{i}]': only client tools ({{'name', 'description', "
-                                          f"'input_schema'}}) are supported")
-            fn = {"name": t.get("name"), "parameters": t.get("input_schema")}
-            if t.get("description") is not None:
-                fn["description"] = t["description"]
-            out["tools"].append({"type": "function", "function": fn})
+        out["tools"] = tools
     choice = body.get("tool_choice")
     if choice is not None:
         kind = choice.get("type") if isinstance(choice, dict) else None
@@ -148,7 +129,7 @@ def chat_request(body: dict) -> dict:
         raise _bad("messages", "'messages' must be a non-empty list")
     chat: list[dict] = []
     if body.get("system") is not None:
-        chat.append({"role": "system", "content": _text_of(body["system"], "system")})
+        chat.append({"role": "system", "content": joined_text(body["system"], "system")})
     for i, m in enumerate(msgs):
         chat += _message(m, i)
     stop = body.get("stop_sequences")

@@ -44,7 +44,9 @@ from appliance.server.protocol import (
     token_id_list,
     token_id_options,
 )
-from appliance.server.responses import chat_body, chat_events, completion_body, completion_events, tool_output
+from appliance.server import responses_api
+from appliance.server.responses import (ToolOutput, chat_body, chat_events, completion_body, completion_events,
+                                        tool_output)
 from appliance.server.structured import ConstraintChecker, constraint_from_body
 from appliance.server.tool_requests import ToolRequest, parse_tools
 from appliance.server.state import ServerState
@@ -288,8 +290,10 @@ async def messages(request: Request) -> Response:
         return await _messages(request, st, span)
 
 
-async def _messages(request: Request, st: ServerState, span: Optional[RequestSpan]) -> Response:
-    body = chat_request(await _read_body(request, st))
+async def _as_chat(request: Request, st: ServerState, body: dict, span: Optional[RequestSpan],
+                   prefix: str) -> tuple[Generation, Optional[ToolOutput], bool]:
+    """A request of another API, as the chat request it means (``body``), admitted as chat's are: its
+    generation, how its tool calls are read, and whether it streams."""
     params, _ = sampling_from_body(body, chat=True, vocab_size=st.cfg.model.vocab_size)
     tools = parse_tools(body)
     params.structured_outputs = await _constraint(request, body, tools)
@@ -298,11 +302,26 @@ async def _messages(request: Request, st: ServerState, span: Optional[RequestSpa
     ids, text = await tokenize(st, chat_prompt, body, True, tools.tools if tools is not None else None)
     check_length(st, len(ids), params, "messages")
     g = GenerationRequest([ids], [text], params, stream, False, 0, salt)
-    gen = Generation(st, g, new_id("msg"), span=span)
-    calls = tool_output(tools, st.cfg.server.tool_parser)
+    return Generation(st, g, new_id(prefix), span=span), tool_output(tools, st.cfg.server.tool_parser), stream
+
+
+async def _messages(request: Request, st: ServerState, span: Optional[RequestSpan]) -> Response:
+    gen, calls, stream = await _as_chat(request, st, chat_request(await _read_body(request, st)), span, "msg")
     if not stream:
         return _json(message_body(st, gen, (await gen.collect(request))[0], calls))
     return _sse_stream(message_events(st, gen, calls))
+
+
+@post("/v1/responses", status_code=200)
+async def responses(request: Request) -> Response:
+    """OpenAI's Responses API, stateless (``responses_api``): run as the chat request it means."""
+    st = _state(request)
+    with _traced(request, st, "/v1/responses") as span:
+        body = await _read_body(request, st)
+        gen, calls, stream = await _as_chat(request, st, responses_api.chat_request(body), span, "resp")
+        if not stream:
+            return _json(responses_api.response_body(st, gen, body, now(), (await gen.collect(request))[0], calls))
+        return _sse_stream(responses_api.response_events(st, gen, body, calls))
 
 
 @post("/tokenize", status_code=200)
@@ -397,8 +416,8 @@ async def reset_prefix_cache(request: Request) -> Response:
 
 def create_app(state: ServerState) -> Litestar:
     cfg = state.cfg.server
-    handlers = [completions, chat_completions, messages, tokenize_endpoint, detokenize_endpoint, models, health, ready,
-                metrics, version, appliance_config]
+    handlers = [completions, chat_completions, messages, responses, tokenize_endpoint, detokenize_endpoint, models,
+                health, ready, metrics, version, appliance_config]
     if cfg.dev_mode:
         handlers.append(reset_prefix_cache)
     cors = CORSConfig(allow_origins=list(cfg.cors_origins)) if cfg.cors_origins else None

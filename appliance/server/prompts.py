@@ -103,6 +103,21 @@ def tokenize_prompt(st: ServerState, body: dict, tools: Optional[list[dict]] = N
     return st.tokenizer.encode(prompt, add_special_tokens=typed(body, "add_special_tokens", (bool,), True))
 
 
+def joined_text(content: Any, param: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """A string, or a list of text parts (``{"type": one of kinds, "text": ...}``), as one text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise OpenAIError(400, f"'{param}' must be a string or a list of text parts", param=param)
+    parts = []
+    for j, p in enumerate(content):
+        if not isinstance(p, dict) or p.get("type") not in kinds or not isinstance(p.get("text"), str):
+            raise OpenAIError(400, f"'{param}[{j}]' must be a text part ({{'type': {' or '.join(map(repr, kinds))}, "
+                                   f"'text': ...}})", param=f"{param}[{j}]")
+        parts.append(p["text"])
+    return "".join(parts)
+
+
 def _tool_calls(calls: Any, i: int) -> list[dict]:
     """An assistant message's ``tool_calls`` for the chat template: arguments
     as an object where they parse (templates print them as JSON)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from appliance.server.protocol import OpenAIError
 
@@ -134,3 +134,19 @@ def parse_tools(body: dict) -> Optional[ToolRequest]:
     if functions:
         return ToolRequest(functions, legacy_choice, legacy_function)
     return ToolRequest(tools, choice, function)
+
+
+def foreign_tools(tools: Any, is_function: Callable[[dict], bool], function: Callable[[dict], dict],
+                  what: str) -> Optional[list[dict]]:
+    """Another API's ``tools`` as chat's function tools (``function`` makes a tool's ``{"name", ...}``; None when
+    absent), checked afterwards as chat's are."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools", "'tools' must be a list")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not is_function(t):
+            raise _bad(f"tools[{i}]", f"'tools[{i}]': only {what} are supported")
+        out.append({"type": "function", "function": function(t)})
+    return out

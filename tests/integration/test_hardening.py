@@ -103,6 +103,7 @@ def sse_events(text):
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
 MESSAGES = "/v1/messages"
+RESPONSES = "/v1/responses"
 MSGS = [{"role": "user", "content": "Hi"}]
 HUGE = 10**30
 
@@ -340,7 +341,8 @@ FIELDS = ["prompt", "messages", "model", "max_tokens", "max_completion_tokens", 
           "add_generation_prompt", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "return_token_ids",
           "return_tokens_as_token_ids", "chat_template_kwargs", "reasoning_effort", "continue_final_message",
           "add_special_tokens", "chat_template", "tokens", "return_token_strs", "system", "stop_sequences",
-          "tool_choice", "metadata", "\ud800"]
+          "tool_choice", "metadata", "input", "instructions", "max_output_tokens", "text", "reasoning", "store",
+          "\ud800"]
 # Raw JSON text spliced in where a placeholder string stands: what json.dumps cannot write.
 RAW = {"@nan": "NaN", "@inf": "Infinity", "@-inf": "-Infinity", "@big": "1e999", "@deep": "[" * 200 + "]" * 200,
        "@int": "9" * 40, "@surrogate": '"\\udc80"', "@half": '"\\ud83d x"'}
@@ -376,10 +378,10 @@ def encode_body(body: dict) -> str:
 
 @st.composite
 def hostile_requests(draw):
-    path = draw(st.sampled_from([CHAT, CMPL, CHAT, CMPL, "/tokenize", "/detokenize", MESSAGES]))
+    path = draw(st.sampled_from([CHAT, CMPL, CHAT, CMPL, "/tokenize", "/detokenize", MESSAGES, RESPONSES]))
     chat = path in (CHAT, MESSAGES) or (path == "/tokenize" and draw(st.booleans()))
     base = {"tokens": [1, 2]} if path == "/detokenize" else {"messages": MSGS} if chat else {"prompt": "Hello"}
-    body = {**base, "max_tokens": 3}
+    body = {"input": "Hi", "max_output_tokens": 3} if path == RESPONSES else {**base, "max_tokens": 3}
     for key in draw(st.lists(st.sampled_from(FIELDS), min_size=1, max_size=4, unique=True)):
         body[key] = draw(messages if key == "messages" else values)
     return path, encode_body(body)
@@ -400,6 +402,10 @@ def test_fuzz_never_5xx(server, req):
     elif path == MESSAGES and r.headers["content-type"].startswith("text/event-stream"):
         kinds = [ev.split("\n", 1)[0] for ev in r.text.split("\n\n") if ev]
         assert kinds[0] == "event: message_start" and kinds[-1] == "event: message_stop", (raw, r.text)
+    elif path == RESPONSES and r.headers["content-type"].startswith("text/event-stream"):
+        kinds = [ev.split("\n", 1)[0] for ev in r.text.split("\n\n") if ev]
+        assert kinds[0] == "event: response.created" and kinds[-1] in (
+            "event: response.completed", "event: response.incomplete"), (raw, r.text)
     elif r.headers["content-type"].startswith("text/event-stream"):
         events = sse_events(r.text)
         assert events[-1] == "[DONE]", r.text

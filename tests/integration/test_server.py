@@ -1,6 +1,7 @@
 """The real server on 127.0.0.1 driven by the openai client and raw httpx."""
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -531,3 +532,59 @@ def test_messages_errors_are_anthropic_shaped(server, claude, model):
             model=model, max_tokens=2, messages=[{"role": "user", "content": "x"}])
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.create(model="claude-x", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+
+
+# -- OpenAI's Responses API ----------------------------------------------------------------
+FORECAST_FN = {"type": "function", "name": WEATHER["name"], "description": WEATHER["description"],
+               "parameters": WEATHER["input_schema"]}
+
+
+def test_responses_through_the_openai_client(client, model):
+    """A Responses request is the chat request it means: the same greedy text, whole and streamed as the
+    client's typed events; a function call round trip through input items; text.format constrains."""
+    ask = "Hello there"
+    r = client.responses.create(model=model, input=ask, instructions="Be brief.", max_output_tokens=6, temperature=0)
+    chat = client.chat.completions.create(model=model, max_tokens=6, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": ask}])
+    assert r.object == "response" and r.id.startswith("resp_") and r.output_text == chat.choices[0].message.content
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
+    events = list(client.responses.create(model=model, input=ask, instructions="Be brief.", max_output_tokens=6,
+                                          temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{r.status}"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text
+    # a forced function call, its output sent back as input items
+    call = client.responses.create(model=model, input="Forecast?", tools=[FORECAST_FN], max_output_tokens=40,
+                                   tool_choice={"type": "function", "name": "get_forecast"}, temperature=0)
+    [fc] = call.output
+    assert fc.type == "function_call" and fc.name == "get_forecast" and 1 <= json.loads(fc.arguments)["days"] <= 9
+    streamed = list(client.responses.create(model=model, input="Forecast?", tools=[FORECAST_FN], max_output_tokens=40,
+                                            tool_choice={"type": "function", "name": "get_forecast"}, temperature=0,
+                                            stream=True))
+    assert "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta") == fc.arguments
+    with client.responses.stream(model=model, input="Forecast?", tools=[FORECAST_FN], max_output_tokens=40,
+                                 tool_choice={"type": "function", "name": "get_forecast"}, temperature=0) as s:
+        final = s.get_final_response()  # the client's own accumulation of the events (it wants them complete)
+    assert final.status == "completed" and final.output[0].arguments == fc.arguments
+    after = client.responses.create(model=model, tools=[FORECAST_FN], max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "Forecast?"},
+        {"type": "function_call", "call_id": fc.call_id, "name": fc.name, "arguments": fc.arguments},
+        {"type": "function_call_output", "call_id": fc.call_id, "output": "sunny"}])
+    assert after.output[0].type == "message"
+    fmt = {"format": {"type": "json_schema", "name": "days", "schema": WEATHER["input_schema"]}}
+    constrained = client.responses.create(model=model, input="Forecast?", text=fmt, max_output_tokens=40,
+                                          temperature=0)
+    assert 1 <= json.loads(constrained.output_text)["days"] <= 9
+
+
+def test_responses_refuse_what_is_not_built(server, client, model):
+    for body, param in [({"input": "x", "store": True}, "store"), ({"input": "x", "previous_response_id": "r"},
+                                                                      "previous_response_id"),
+                        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
+                        ({"input": [{"type": "input_image"}]}, "input[0]"), ({"input": []}, "input"),
+                        ({"input": "x", "background": True}, "background")]:
+        r = raw(server, "POST", "/v1/responses", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
