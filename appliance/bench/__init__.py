@@ -10,6 +10,7 @@ KINDS = {
     "gemm": "appliance.bench.gemm",
     "throughput": "appliance.bench.throughput",
     "serve": "appliance.bench.serve",
+    "apis": "appliance.bench.apis",
     "latency": "appliance.bench.latency",
     "long-context": "appliance.bench.long_context",
     "mix": "appliance.bench.mix",

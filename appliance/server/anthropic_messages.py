@@ -122,7 +122,7 @@ def chat_request(body: dict) -> dict:
     if unknown:
         raise OpenAIError(400, f"'{unknown[0][:40]}' is not supported on /v1/messages", param=unknown[0][:40],
                           code="unsupported_parameter")
-    if "max_tokens" not in body:
+    if body.get("max_tokens") is None:
         raise _bad("max_tokens", "'max_tokens' is required")
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:

@@ -29,6 +29,7 @@ the headers is an ``error`` event.
 
 from __future__ import annotations
 
+import copy
 import json
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -154,15 +155,15 @@ def _item_id(prefix: str) -> str:
 
 
 class _Output:
-    """A response's output items as they grow: the reasoning, the message, the function calls; each
-    ``add_*`` returns the stream events it makes."""
+    """A response's output items as they grow: the reasoning, the message, the function calls; ``text``,
+    ``call`` and ``close`` return the stream events they make (copies: the items go on growing)."""
 
     def __init__(self) -> None:
         self.items: list[dict] = []
         self.open: Optional[dict] = None  # the item taking deltas
 
     def _event(self, kind: str, **data: Any) -> dict:
-        return {"type": kind, **data}
+        return {"type": kind, **{k: copy.deepcopy(v) if isinstance(v, (dict, list)) else v for k, v in data.items()}}
 
     def _start(self, item: dict) -> list[dict]:
         out = self.close()

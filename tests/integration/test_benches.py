@@ -210,6 +210,21 @@ def test_serve_starts_its_own_server(out, cli):
         assert set(lv["ttft_ms"]) == {"mean", "p50", "p90", "p99"} and lv["tpot_ms"]["mean"] > 0
 
 
+def test_apis_compares_messages_and_responses_with_chat(out, cli):
+    r = cli("bench", "apis", "--max-concurrency", "1,2", "--num-prompts", "2", "--input-words", "6", "--output-len", "4",
+            "--rounds", "1", "--out", str(out), *TINY)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = load(out, "apis")
+    by = {(lv["api"], lv["max_concurrency"]): lv for lv in res["levels"]}
+    assert set(by) == {(api, c) for api in ("chat", "messages", "responses") for c in (1, 2)}
+    for (_, c), lv in by.items():
+        assert lv["completed"] == 2 and lv["failed"] == 0 and lv["output_tok_s"] > 0
+        assert lv["vs_chat"] == pytest.approx(lv["output_tok_s"] / by[("chat", c)]["output_tok_s"])
+        # greedy, the same prompts: every API generates the same tokens
+        assert lv["output_tokens"] == by[("chat", c)]["output_tokens"]
+    assert (out / "apis.png").stat().st_size > 0
+
+
 def test_mix_starts_its_own_server(out, cli):
     r = cli("bench", "mix", "--clients", "2", "--duration", "6", "--scale", "0.05", "--verify", "3",
             "--out", str(out), *TINY)

@@ -588,3 +588,4 @@ def test_responses_refuse_what_is_not_built(server, client, model):
                         ({"input": "x", "background": True}, "background")]:
         r = raw(server, "POST", "/v1/responses", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert raw(server, "POST", "/v1/responses", auth=False, json={"input": "x"}).status_code == 401
