@@ -300,6 +300,11 @@ class ServerConfig:
     # deepseek_r1 (the output opens in reasoning) or qwen3 (only an output that opens with <think>); output
     # constraints then apply to the answer after </think>. null: the text is all content.
     reasoning_parser: Optional[ReasoningParserName] = None
+    # The Responses API's stored responses (store, previous_response_id, GET/DELETE /v1/responses/{id}), per API
+    # key, in the server's memory: at most this many, and this many MiB, the least recently used dropped first.
+    # 0: nothing is stored (store: true is refused).
+    responses_store_max: int = 1000
+    responses_store_mib: int = 64
     # OpenTelemetry: an OTLP/HTTP collector's URL (http://host:4318, /v1/traces implied) to export a span per
     # request to, with the engine core's timings; null: no tracing. Needs the tracing extra.
     otlp_traces_endpoint: Optional[str] = None

@@ -165,6 +165,8 @@ def _range_problems(cfg: ApplianceConfig) -> list[str]:
         ("structured_output.compile_memory_mib", cfg.structured_output.compile_memory_mib, 64),
         ("server.tokenizer_threads", cfg.server.tokenizer_threads, 1),
         ("server.max_core_restarts", cfg.server.max_core_restarts, 0),
+        ("server.responses_store_max", cfg.server.responses_store_max, 0),
+        ("server.responses_store_mib", cfg.server.responses_store_mib, 0),
     ]:
         if value < low:
             problems.append(f"{key}={value} must be at least {low}")

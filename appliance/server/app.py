@@ -13,7 +13,7 @@ import logging
 from contextlib import contextmanager
 from typing import AsyncIterator, Iterator, Optional
 
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, delete, get, post
 from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
@@ -49,6 +49,7 @@ from appliance.server.responses import (ToolOutput, chat_body, chat_events, comp
                                         tool_output)
 from appliance.server.structured import ConstraintChecker, constraint_from_body
 from appliance.server.tool_requests import ToolRequest, parse_tools
+from appliance.server.response_store import ResponseStore
 from appliance.server.state import ServerState
 from appliance.server.tracing import RequestSpan
 
@@ -318,10 +319,50 @@ async def responses(request: Request) -> Response:
     st = _state(request)
     with _traced(request, st, "/v1/responses") as span:
         body = await _read_body(request, st)
-        gen, calls, stream = await _as_chat(request, st, responses_api.chat_request(body), span, "resp")
+        tenant, store = _check_auth(request, st), responses_api.store_wanted(st, body)
+        history: list[dict] = []
+        previous = typed(body, "previous_response_id", (str,))
+        if previous is not None:
+            found = _stored(st).get(tenant, previous)
+            if found is None:
+                raise OpenAIError(404, f"no stored response '{previous[:80]}'", param="previous_response_id",
+                                  code="not_found")
+            history = found.conversation
+        chat = responses_api.chat_request(body, history)
+        gen, calls, stream = await _as_chat(request, st, chat, span, "resp")
+
+        def keep(response: dict) -> None:
+            if store:
+                _stored(st).put(tenant, response, responses_api.conversation(chat, response))
+
         if not stream:
-            return _json(responses_api.response_body(st, gen, body, now(), (await gen.collect(request))[0], calls))
-        return _sse_stream(responses_api.response_events(st, gen, body, calls))
+            response = responses_api.response_body(st, gen, body, now(), (await gen.collect(request))[0], calls)
+            keep(response)
+            return _json(response)
+        return _sse_stream(responses_api.response_events(st, gen, body, calls, keep))
+
+
+def _stored(st: ServerState) -> ResponseStore:
+    assert st.stored_responses is not None  # made with the state
+    return st.stored_responses
+
+
+@get("/v1/responses/{response_id:str}")
+async def get_response(request: Request, response_id: str) -> Response:
+    """A stored response, to the API key that made it."""
+    st = _state(request)
+    found = _stored(st).get(_check_auth(request, st), response_id)
+    if found is None:
+        raise OpenAIError(404, f"no stored response '{response_id[:80]}'", code="not_found")
+    return _json(found.response)
+
+
+@delete("/v1/responses/{response_id:str}", status_code=200)
+async def delete_response(request: Request, response_id: str) -> Response:
+    st = _state(request)
+    if not _stored(st).delete(_check_auth(request, st), response_id):
+        raise OpenAIError(404, f"no stored response '{response_id[:80]}'", code="not_found")
+    return _json({"id": response_id, "object": "response", "deleted": True})
 
 
 @post("/tokenize", status_code=200)
@@ -416,8 +457,8 @@ async def reset_prefix_cache(request: Request) -> Response:
 
 def create_app(state: ServerState) -> Litestar:
     cfg = state.cfg.server
-    handlers = [completions, chat_completions, messages, responses, tokenize_endpoint, detokenize_endpoint, models,
-                health, ready, metrics, version, appliance_config]
+    handlers = [completions, chat_completions, messages, responses, get_response, delete_response, tokenize_endpoint,
+                detokenize_endpoint, models, health, ready, metrics, version, appliance_config]
     if cfg.dev_mode:
         handlers.append(reset_prefix_cache)
     cors = CORSConfig(allow_origins=list(cfg.cors_origins)) if cfg.cors_origins else None

@@ -1,6 +1,8 @@
-"""OpenAI's Responses API (``POST /v1/responses``), stateless: nothing is
-stored (``store`` true and ``previous_response_id`` are refused, not built
-yet), so a conversation is carried by its ``input`` items.
+"""OpenAI's Responses API (``POST /v1/responses``, ``GET`` and ``DELETE
+/v1/responses/{id}``). A response is stored unless ``store`` is false
+(``server/response_store.py``: per API key, bounded), with its
+conversation, so ``previous_response_id`` continues it; a conversation can
+as well be carried whole by ``input`` items.
 
 A request is checked at the boundary and turned into the chat request it
 means (``chat_request``): ``instructions`` as the system message, ``input``
@@ -32,7 +34,7 @@ from __future__ import annotations
 import copy
 import json
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from appliance.engine.parallel_sampling import Child
 from appliance.server.generation import Generation, map_engine_error
@@ -120,20 +122,18 @@ def _format(body: dict) -> dict:
     raise _bad("text", "'text' must be {'format': {'type': 'text' | 'json_object' | 'json_schema', ...}}")
 
 
-def chat_request(body: dict) -> dict:
-    """The chat completions request a Responses request means (400s name the Responses field)."""
+def chat_request(body: dict, history: Sequence[dict] = ()) -> dict:
+    """The chat completions request a Responses request means (400s name the Responses field), after
+    ``history``, the chat messages of the stored conversation it continues (``previous_response_id``;
+    instructions are each request's own)."""
     unknown = sorted(k for k in body if k not in FIELDS)
     if unknown:
         raise OpenAIError(400, f"'{unknown[0][:40]}' is not supported on /v1/responses", param=unknown[0][:40],
                           code="unsupported_parameter")
-    for key, what in (("store", "stored responses"), ("previous_response_id", "continuing a stored response")):
-        if body.get(key):
-            raise OpenAIError(400, f"'{key}' asks for {what}, which this server does not support yet; send the "
-                                   f"conversation as 'input' items", param=key, code="unsupported_parameter")
     chat = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") is not None else []
     if chat and not isinstance(chat[0]["content"], str):
         raise _bad("instructions", "'instructions' must be a string")
-    out = {"messages": chat + _items(body.get("input")), **_tools(body), **_format(body),
+    out = {"messages": chat + list(history) + _items(body.get("input")), **_tools(body), **_format(body),
            **{k: body[k] for k in ("temperature", "top_p", "stream", "cache_salt") if k in body}}
     if body.get("max_output_tokens") is not None:
         out["max_tokens"] = body["max_output_tokens"]
@@ -275,8 +275,31 @@ def _response(st: ServerState, gen: Generation, body: dict, created: int, items:
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
             "parallel_tool_calls": True, "text": body.get("text") or {"format": {"type": "text"}},
-            "reasoning": body.get("reasoning"), "store": False, "previous_response_id": None,
+            "reasoning": body.get("reasoning"), "store": store_wanted(st, body),
+            "previous_response_id": body.get("previous_response_id"),
             "metadata": body.get("metadata") or {}, "truncation": "disabled", "user": body.get("user"), "usage": u}
+
+
+def store_wanted(st: ServerState, body: dict) -> bool:
+    """``store`` (true when absent, as OpenAI's); true where nothing is stored is a 400."""
+    store = body.get("store", True)
+    if not isinstance(store, bool):
+        raise _bad("store", "'store' must be a boolean")
+    if store and body.get("store") and st.cfg.server.responses_store_max < 1:
+        raise OpenAIError(400, "'store': this server keeps no responses (server.responses_store_max=0)",
+                          param="store", code="unsupported_parameter")
+    return store and st.cfg.server.responses_store_max > 0
+
+
+def conversation(chat: dict, response: dict) -> list[dict]:
+    """The conversation to keep with a response: its chat messages without the instructions, then the answer
+    as an assistant turn (its text and calls; reasoning is left out, as templates leave it)."""
+    messages = chat["messages"][1:] if "instructions" in response and response["instructions"] is not None \
+        else chat["messages"]
+    text = "".join(part["text"] for it in response["output"] if it["type"] == "message" for part in it["content"])
+    calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+             for it in response["output"] if it["type"] == "function_call"]
+    return [*messages, {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
 
 
 def response_body(st: ServerState, gen: Generation, body: dict, created: int, c: Child,
@@ -290,8 +313,9 @@ def _sse(event: dict, seq: int) -> str:
     return f"event: {event['type']}\ndata: {json.dumps({**event, 'sequence_number': seq}, ensure_ascii=False)}\n\n"
 
 
-async def response_events(st: ServerState, gen: Generation, body: dict, calls: Optional[ToolOutput]
-                          ) -> AsyncIterator[str]:
+async def response_events(st: ServerState, gen: Generation, body: dict, calls: Optional[ToolOutput],
+                          on_done: Optional[Callable[[dict], None]] = None) -> AsyncIterator[str]:
+    """The stream; ``on_done`` takes the final response (to store it)."""
     created, seq = now(), 0
     answer = _Answer(st, calls)
     child = gen.parent.children[0]
@@ -306,6 +330,8 @@ async def response_events(st: ServerState, gen: Generation, body: dict, calls: O
                 seq += 1
         final = _response(st, gen, body, created, answer.output.items, child)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        if on_done is not None:
+            on_done(final)
         yield _sse({"type": kind, "response": final}, seq)
     except Exception as e:  # after the 200 headers every error is an event
         err = map_engine_error(e)

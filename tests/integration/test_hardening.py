@@ -342,7 +342,7 @@ FIELDS = ["prompt", "messages", "model", "max_tokens", "max_completion_tokens", 
           "return_tokens_as_token_ids", "chat_template_kwargs", "reasoning_effort", "continue_final_message",
           "add_special_tokens", "chat_template", "tokens", "return_token_strs", "system", "stop_sequences",
           "tool_choice", "metadata", "input", "instructions", "max_output_tokens", "text", "reasoning", "store",
-          "\ud800"]
+          "previous_response_id", "\ud800"]
 # Raw JSON text spliced in where a placeholder string stands: what json.dumps cannot write.
 RAW = {"@nan": "NaN", "@inf": "Infinity", "@-inf": "-Infinity", "@big": "1e999", "@deep": "[" * 200 + "]" * 200,
        "@int": "9" * 40, "@surrogate": '"\\udc80"', "@half": '"\\ud83d x"'}

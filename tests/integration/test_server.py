@@ -581,11 +581,38 @@ def test_responses_through_the_openai_client(client, model):
 
 
 def test_responses_refuse_what_is_not_built(server, client, model):
-    for body, param in [({"input": "x", "store": True}, "store"), ({"input": "x", "previous_response_id": "r"},
-                                                                      "previous_response_id"),
+    r = raw(server, "POST", "/v1/responses", json={"input": "x", "previous_response_id": "resp_none"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+    for body, param in [({"input": "x", "store": "yes"}, "store"),
                         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
                         ({"input": [{"type": "input_image"}]}, "input[0]"), ({"input": []}, "input"),
                         ({"input": "x", "background": True}, "background")]:
         r = raw(server, "POST", "/v1/responses", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert raw(server, "POST", "/v1/responses", auth=False, json={"input": "x"}).status_code == 401
+
+
+def test_stored_responses_continue_and_can_be_deleted(client, model):
+    """previous_response_id continues a stored conversation exactly as sending it whole as input items does;
+    retrieve and delete through the client; store=false keeps nothing."""
+    import openai
+
+    first = client.responses.create(model=model, input="Hello there", instructions="Be brief.", max_output_tokens=4,
+                                    temperature=0)
+    assert first.store is True and client.responses.retrieve(first.id).output_text == first.output_text
+    nxt = client.responses.create(model=model, input="And then?", previous_response_id=first.id, max_output_tokens=4,
+                                  instructions="Be brief.", temperature=0)
+    whole = client.responses.create(model=model, max_output_tokens=4, instructions="Be brief.", temperature=0,
+                                    store=False, input=[{"role": "user", "content": "Hello there"},
+                                                        {"role": "assistant", "content": first.output_text},
+                                                        {"role": "user", "content": "And then?"}])
+    assert nxt.previous_response_id == first.id and nxt.output_text == whole.output_text
+    assert nxt.usage.input_tokens == whole.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(whole.id)  # store=false
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    streamed = list(client.responses.create(model=model, input="Hi", max_output_tokens=3, temperature=0,
+                                            stream=True))
+    assert client.responses.retrieve(streamed[-1].response.id).output_text == streamed[-1].response.output_text

@@ -60,3 +60,18 @@ def test_unauthenticated_responses_do_not_depend_on_the_key(server):
 
 def server_key_file(server):
     return next(a.split("=", 1)[1] for a in server.proc.args if a.startswith("server.api_key_file="))
+
+
+def test_one_key_never_reads_continues_or_deletes_anothers_stored_response(server):
+    def call(method, path, key, **kw):
+        return httpx.request(method, f"{server.url}{path}", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                             **kw)
+
+    r = call("POST", "/v1/responses", "sk-tenant-a", json={"input": "Hello", "max_output_tokens": 2})
+    assert r.status_code == 200 and r.json()["store"] is True, r.text
+    rid = r.json()["id"]
+    assert call("GET", f"/v1/responses/{rid}", "sk-tenant-a").json()["id"] == rid
+    for method, path, body in (("GET", f"/v1/responses/{rid}", None), ("DELETE", f"/v1/responses/{rid}", None),
+                               ("POST", "/v1/responses", {"input": "More", "previous_response_id": rid})):
+        assert call(method, path, "sk-tenant-b", json=body).status_code == 404, (method, path)
+    assert call("GET", f"/v1/responses/{rid}", "sk-tenant-a").status_code == 200  # still there for its owner

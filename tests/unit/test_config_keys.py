@@ -71,7 +71,8 @@ RUN_TIME_KEYS = {
         "tenant_isolation", "max_queue_len", "max_body_bytes", "request_timeout_s", "shutdown_timeout_s",
         "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "max_connections", "tokenizer_threads",
         "max_core_restarts", "core_restart_window_s", "core_restart_backoff_s", "core_start_timeout_s",
-        "core_heartbeat_timeout_s", "cors_origins", "dev_mode", "otlp_traces_endpoint")),
+        "core_heartbeat_timeout_s", "cors_origins", "dev_mode", "otlp_traces_endpoint", "responses_store_max",
+        "responses_store_mib")),
     # how output constraints are bounded: checked at the boundary and in the trial compile (server/structured.py)
     *(f"structured_output.{k}" for k in ("max_schema_bytes", "max_schema_depth", "compile_timeout_s",
                                          "compile_memory_mib")),
