@@ -75,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="offline generation: appliance generate prompt='...' [overrides]")
     _add_overrides(p)
 
+    p = sub.add_parser("run-batch", help="OpenAI batch files offline: appliance run-batch --input requests.jsonl "
+                                         "--output results.jsonl [overrides]")
+    p.add_argument("--input", required=True, help="a JSONL file of {custom_id, method, url, body} lines")
+    p.add_argument("--output", required=True, help="results, one line per input line in order; a half-written "
+                                                   "one is taken up where it ends")
+    p.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at once")
+    _add_overrides(p)
+
     p = sub.add_parser("bench", help="benchmarks: appliance bench KIND [options] [overrides]")
     p.add_argument("kind")
     p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -197,6 +205,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return generate_cli(args.overrides)
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from appliance.server.batch import BatchError, run_batch_cli
+
+    if args.max_concurrency < 1:
+        raise ConfigError("--max-concurrency must be at least 1")
+    try:
+        return run_batch_cli(args.input, args.output, list(args.overrides), args.max_concurrency)
+    except (BatchError, OSError) as e:
+        raise ConfigError(str(e)) from None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from appliance.bench import main as bench_main
 
@@ -213,6 +232,7 @@ VERBS = {
     "review": cmd_review,
     "lock": cmd_lock,
     "generate": cmd_generate,
+    "run-batch": cmd_run_batch,
     "bench": cmd_bench,
 }
 

@@ -616,3 +616,66 @@ def test_stored_responses_continue_and_can_be_deleted(client, model):
     streamed = list(client.responses.create(model=model, input="Hi", max_output_tokens=3, temperature=0,
                                             stream=True))
     assert client.responses.retrieve(streamed[-1].response.id).output_text == streamed[-1].response.output_text
+
+
+# -- batch files ------------------------------------------------------------------------------
+def _batch_lines(model):
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "temperature": 0}
+    return [
+        {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions", "body": chat},
+        {"custom_id": "c2", "method": "POST", "url": "/v1/completions",
+         "body": {"model": model, "prompt": "Once upon", "max_tokens": 2, "temperature": 0}},
+        "{not json",
+        {"custom_id": "c3", "method": "POST", "url": "/v1/chat/completions", "body": {**chat, "temperature": -1}},
+        {"custom_id": "c4", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "c1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "again"}},
+        {"custom_id": "c5", "method": "POST", "url": "/v1/responses",
+         "body": {"model": model, "input": "Hello", "max_output_tokens": 2, "temperature": 0, "store": False}},
+    ]
+
+
+def test_batch_files_run_in_order_and_resume(server, tmp_path, model):
+    """Each line gets what the server answers it (errors too), in the input's order; a line that is no request
+    gets an error of its own; a half-written output is taken up where it ends, its results kept as they are."""
+    from appliance.server.batch import BatchError, run_batch
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in _batch_lines(model)) + "\n")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    done = asyncio.run(run_batch(server.url, str(src), str(out), headers, max_concurrency=3, progress=False))
+    assert done == {"lines": 7, "resumed_at": 0, "written": 7}
+    res = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in res] == ["c1", "c2", None, "c3", "c4", "c1", "c5"]
+    assert res[0]["response"]["status_code"] == 200 and res[0]["response"]["body"]["object"] == "chat.completion"
+    assert res[1]["response"]["body"]["choices"][0]["text"] and res[6]["response"]["body"]["object"] == "response"
+    assert res[3]["response"]["status_code"] == 400 and res[3]["response"]["body"]["error"]["param"] == "temperature"
+    assert [r["error"]["code"] for r in (res[2], res[4], res[5])] == ["invalid_request"] * 3
+    assert "given twice" in res[5]["error"]["message"] and res[2]["response"] is None
+    # stopped after two results and part of the third: those two stay, the rest is done again
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:2]) + lines[2][:10])
+    again = asyncio.run(run_batch(server.url, str(src), str(out), headers, progress=False))
+    assert again == {"lines": 7, "resumed_at": 2, "written": 5}
+    resumed = out.read_text().splitlines(keepends=True)
+    assert resumed[:2] == lines[:2] and [json.loads(x)["custom_id"] for x in resumed] == [r["custom_id"] for r in res]
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"custom_id": f"z{i}", "method": "POST", "url": "/v1/completions",
+                                         "body": {}}) + "\n" for i in range(7)))
+    with pytest.raises(BatchError, match="another batch's output"):
+        asyncio.run(run_batch(server.url, str(other), str(out), headers, progress=False))
+
+
+def test_run_batch_cli_starts_the_deployment_and_stops_it(tmp_path):
+    from tests.conftest import run_cli
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in _batch_lines("tiny-random-llama")[:2]))
+    r = run_cli("run-batch", "--input", str(src), "--output", str(out), "+profile=cpu", "model=tiny_random",
+                "cache.kv_cache_memory_gib=0.05")
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(x)["response"]["status_code"] for x in out.read_text().splitlines()] == [200, 200]
+    r = run_cli("run-batch", "--input", str(src), "--output", str(out), "model=tiny_random")
+    assert r.returncode == 0 and "already holds all 2 results" in r.stdout
+    src.write_text(json.dumps({**_batch_lines("m")[0], "custom_id": "other"}) + "\n")
+    r = run_cli("run-batch", "--input", str(src), "--output", str(out), "model=tiny_random")
+    assert r.returncode != 0 and "holds 2 results but the input has 1 lines" in r.stderr
