@@ -31,8 +31,8 @@ from appliance.engine.parallel_sampling import Child
 from appliance.server.generation import Generation, map_engine_error
 from appliance.server.prompts import joined_text
 from appliance.server.protocol import OpenAIError, typed
-from appliance.server.reasoning import REASONING_PARSERS, ReasoningSplit
-from appliance.server.responses import ToolOutput
+from appliance.server.reasoning import ReasoningSplit, split
+from appliance.server.responses import ToolOutput, reasoning_parser
 from appliance.server.state import ServerState
 from appliance.server.tool_requests import foreign_tools
 from appliance.server.tools import ContentDelta, ToolCall, ToolCallDelta, extract_tool_calls
@@ -168,13 +168,11 @@ def _head(st: ServerState, gen: Generation) -> dict:
 
 def message_body(st: ServerState, gen: Generation, c: Child, calls: Optional[ToolOutput]) -> dict:
     text, blocks = c.text, []
-    name = st.cfg.server.reasoning_parser
-    if name is not None:
-        s = ReasoningSplit(REASONING_PARSERS[str(name)])
-        (thought, text), (more, rest) = s.feed(text), s.finish()
-        text += rest
-        if s.reasoned:
-            blocks.append({"type": "thinking", "thinking": thought + more, "signature": ""})
+    parser = reasoning_parser(st)
+    if parser is not None:
+        thought, text = split(parser, text)
+        if thought is not None:
+            blocks.append({"type": "thinking", "thinking": thought, "signature": ""})
     found: list[ToolCall] = []
     if calls is not None:
         content, found = extract_tool_calls(calls.mode, calls.parser, calls.function, text)
@@ -232,8 +230,8 @@ async def message_events(st: ServerState, gen: Generation, calls: Optional[ToolO
     yield _event("message_start", {"message": {**_head(st, gen), "content": [], "stop_reason": None,
                                                "stop_sequence": None,
                                                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
-    name = st.cfg.server.reasoning_parser
-    thinking = ReasoningSplit(REASONING_PARSERS[str(name)]) if name is not None else None
+    parser = reasoning_parser(st)
+    thinking = ReasoningSplit(parser) if parser is not None else None
     stream = calls.stream() if calls is not None else None
     blocks, child = _Blocks(), gen.parent.children[0]
     try:

@@ -348,9 +348,9 @@ def _stored(st: ServerState) -> ResponseStore:
 
 
 @get("/v1/responses/{response_id:str}")
-async def get_response(request: Request, response_id: str) -> Response:
+async def get_response(request: Request) -> Response:
     """A stored response, to the API key that made it."""
-    st = _state(request)
+    st, response_id = _state(request), request.path_params["response_id"]
     found = _stored(st).get(_check_auth(request, st), response_id)
     if found is None:
         raise OpenAIError(404, f"no stored response '{response_id[:80]}'", code="not_found")
@@ -358,8 +358,8 @@ async def get_response(request: Request, response_id: str) -> Response:
 
 
 @delete("/v1/responses/{response_id:str}", status_code=200)
-async def delete_response(request: Request, response_id: str) -> Response:
-    st = _state(request)
+async def delete_response(request: Request) -> Response:
+    st, response_id = _state(request), request.path_params["response_id"]
     if not _stored(st).delete(_check_auth(request, st), response_id):
         raise OpenAIError(404, f"no stored response '{response_id[:80]}'", code="not_found")
     return _json({"id": response_id, "object": "response", "deleted": True})

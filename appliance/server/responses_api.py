@@ -40,8 +40,8 @@ from appliance.engine.parallel_sampling import Child
 from appliance.server.generation import Generation, map_engine_error
 from appliance.server.prompts import joined_text
 from appliance.server.protocol import OpenAIError, now, usage
-from appliance.server.reasoning import REASONING_PARSERS, ReasoningSplit
-from appliance.server.responses import ToolOutput
+from appliance.server.reasoning import ReasoningSplit
+from appliance.server.responses import ToolOutput, reasoning_parser
 from appliance.server.state import ServerState
 from appliance.server.tool_requests import foreign_tools
 from appliance.server.tools import ContentDelta, ToolCallDelta, ToolCallStream
@@ -229,8 +229,8 @@ class _Answer:
     """One output's text through the reasoning split and the tool-call reader into ``_Output`` items."""
 
     def __init__(self, st: ServerState, calls: Optional[ToolOutput]):
-        name = st.cfg.server.reasoning_parser
-        self.thinking = ReasoningSplit(REASONING_PARSERS[str(name)]) if name is not None else None
+        parser = reasoning_parser(st)
+        self.thinking = ReasoningSplit(parser) if parser is not None else None
         self.stream: Optional[ToolCallStream] = calls.stream() if calls is not None else None
         self.output = _Output()
 

@@ -234,3 +234,41 @@ def test_reasoning_comes_apart_from_the_answer_and_its_tool_calls():
     with scripted_front_end([])(ScriptedClient(THOUGHT[:3] + THOUGHT[4:])) as c:  # no parser: all of it is content
         msg = c.post(CHAT, json={"messages": MSGS}).json()["choices"][0]["message"]
         assert msg == {"role": "assistant", "content": "<think>2 and 2</think>"}
+
+
+def _events(text):
+    """(event name, data) of an SSE stream that names its events."""
+    out = []
+    for block in text.split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "event" in lines:
+            out.append((lines["event"], json.loads(lines["data"])))
+    return out
+
+
+def test_reasoning_in_messages_and_responses():
+    """A thinking block / a reasoning item before the answer's tool call, whole and streamed."""
+    make = scripted_front_end(["server.reasoning_parser=qwen3"])
+    anthropic_tool = {"name": "add", "input_schema": {"type": "object"}}
+    with make(ScriptedClient(THOUGHT)) as c:
+        body = {"messages": MSGS, "max_tokens": 20, "tools": [anthropic_tool]}
+        m = c.post("/v1/messages", json=body).json()
+        assert [b["type"] for b in m["content"]] == ["thinking", "tool_use"] and m["stop_reason"] == "tool_use"
+        assert m["content"][0]["thinking"] == "2 and 2" and m["content"][1]["input"] == {"a": 2}
+        events = _events(c.post("/v1/messages", json={**body, "stream": True}).text)
+        assert "".join(d["delta"]["thinking"] for e, d in events if e == "content_block_delta"
+                       and d["delta"]["type"] == "thinking_delta") == "2 and 2"
+        assert [d["content_block"]["type"] for e, d in events if e == "content_block_start"] == ["thinking", "tool_use"]
+        assert events[-1][0] == "message_stop"
+        r = c.post("/v1/responses", json={"input": "What is 2 + 2?", "tools": [TOOL["function"] | {"type": "function"}],
+                                          "store": False}).json()
+        assert [it["type"] for it in r["output"]] == ["reasoning", "function_call"]
+        assert r["output"][0]["content"][0]["text"] == "2 and 2" and r["output"][1]["arguments"] == '{"a": 2}'
+        events = _events(c.post("/v1/responses", json={"input": "What is 2 + 2?", "stream": True, "store": False,
+                                                       "tools": [TOOL["function"] | {"type": "function"}]}).text)
+        assert "".join(d["delta"] for e, d in events if e == "response.reasoning_text.delta") == "2 and 2"
+        assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+        def strip(items):  # ids are each response's own
+            return [{k: v for k, v in it.items() if k not in ("id", "call_id")} for it in items]
+
+        assert strip(events[-1][1]["response"]["output"]) == strip(r["output"])
