@@ -1,6 +1,8 @@
 """Response shaping: whole bodies and SSE chunks of the completions and chat
-completions APIs, and their logprobs. After the 200 headers of a stream,
-every error is an error event, then ``[DONE]``."""
+completions APIs, and their logprobs; each choice's ``stop_reason`` is
+vLLM's (the stop string or stop token id that ended it; None for EOS and
+length). After the 200 headers of a stream, every error is an error
+event, then ``[DONE]``."""
 
 from __future__ import annotations
 
@@ -140,7 +142,7 @@ def completion_body(st: ServerState, gen: Generation, created: int, children: li
         choice = {"index": c.index, "text": echo_text[c.prompt_index] + c.text,
                   "logprobs": _completion_logprobs(st, g, c.prompt_index, c.logprobs, c.prompt_logprobs,
                                                    len(echo_text[c.prompt_index]), g.echo),
-                  "finish_reason": c.finish_reason}
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if g.prompt_logprobs:
             choice["prompt_logprobs"] = format_prompt_logprobs(st.tokenizer, c.prompt_logprobs)
         if g.return_token_ids:
@@ -199,7 +201,8 @@ async def completion_events(st: ServerState, gen: Generation, created: int, echo
                 "index": child.index, "text": text,
                 "logprobs": _completion_logprobs(st, g, child.prompt_index, d.logprobs, d.prompt_logprobs,
                                                  off + len(echo_text[child.prompt_index]) if echoed else off, echoed),
-                "finish_reason": d.finish_reason if d.finished else None}
+                "finish_reason": d.finish_reason if d.finished else None,
+                "stop_reason": d.stop_reason if d.finished else None}
             if g.return_token_ids:  # the prompt's ids with a choice's first chunk, each chunk's own output ids
                 choice["prompt_token_ids"] = g.prompts[child.prompt_index] if child.index not in ids_sent else None
                 choice["token_ids"] = d.new_token_ids
@@ -270,7 +273,8 @@ def chat_body(st: ServerState, gen: Generation, created: int, children: list[Chi
         msg, called = _message(c.text, calls, reasoning)
         choice = {"index": c.index, "message": msg,
                   "logprobs": format_logprobs(token_str, "chat", c.logprobs, 0) if g.logprobs_mode else None,
-                  "finish_reason": calls.finish_reason(c.finish_reason, called) if calls else c.finish_reason}
+                  "finish_reason": calls.finish_reason(c.finish_reason, called) if calls else c.finish_reason,
+                  "stop_reason": c.stop_reason}
         if g.return_token_ids:
             choice["token_ids"] = c.token_ids
         choices.append(choice)
@@ -318,7 +322,8 @@ async def chat_events(st: ServerState, gen: Generation, created: int,
     for k in range(g.params.n):
         first = {"prompt_token_ids": g.prompts[0]} if g.return_token_ids else {}  # with each choice's role chunk
         yield sse({**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}], **first, **_usage_field(so_far)})
+                                        "logprobs": None, "finish_reason": None, "stop_reason": None}], **first,
+                   **_usage_field(so_far)})
     completion_tokens = 0
     streams = {k: calls.stream() for k in range(g.params.n)} if calls else {}
     reasoning = reasoning_parser(st)
@@ -343,7 +348,8 @@ async def chat_events(st: ServerState, gen: Generation, created: int,
                     "index": child.index, "delta": delta,
                     "logprobs": format_logprobs(token_str, "chat", d.logprobs, 0) if g.logprobs_mode and j == 0
                     else None,
-                    "finish_reason": reason if d.finished and last else None}
+                    "finish_reason": reason if d.finished and last else None,
+                    "stop_reason": d.stop_reason if d.finished and last else None}
                 if g.return_token_ids:  # the engine delta's ids go with its first chunk
                     choice["token_ids"] = d.new_token_ids if j == 0 else []
                 yield sse({**head, "choices": [choice], **_usage_field(so_far)})

@@ -175,6 +175,29 @@ def test_extension_fields(client, model):
     assert r.usage.completion_tokens == 4
 
 
+def test_choices_carry_vllms_stop_reason(server):
+    """The stop string or stop token id that ended a choice (None for EOS and length), whole and streamed."""
+    body = {"prompt": "Hello world", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    plain = raw(server, "POST", "/v1/completions", json=body).json()["choices"][0]
+    assert plain["finish_reason"] == "length" and plain["stop_reason"] is None
+    text, ids = plain["text"], plain["token_ids"]
+    stop = text[2:5]
+    cut = raw(server, "POST", "/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+    j = next(j for j in range(1, len(ids)) if ids[j] not in ids[:j])
+    by_id = raw(server, "POST", "/v1/completions", json={**body, "stop_token_ids": [ids[j]]}).json()["choices"][0]
+    assert by_id["stop_reason"] == ids[j]
+    chunks = _sse_json(raw(server, "POST", "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "stop_token_ids": [ids[j]], "stream": True}).text)
+    chat = raw(server, "POST", "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "stop_token_ids": [ids[j]]}).json()["choices"][0]
+    last = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]][-1]
+    assert last["stop_reason"] == chat["stop_reason"] and all(
+        c["choices"][0]["stop_reason"] is None for c in chunks if c["choices"] and not c["choices"][0]["finish_reason"])
+
+
 def test_vllm_token_fields_through_the_engine(server, client, model):
     """allowed_token_ids and return_token_ids through the real engine; the ids come back as /tokenize and
     /detokenize see them."""
