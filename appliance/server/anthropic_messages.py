@@ -31,8 +31,8 @@ from appliance.engine.parallel_sampling import Child
 from appliance.server.generation import Generation, map_engine_error
 from appliance.server.prompts import joined_text
 from appliance.server.protocol import OpenAIError, typed
-from appliance.server.reasoning import ReasoningSplit, split
-from appliance.server.responses import ToolOutput, reasoning_parser
+from appliance.server.reasoning import split
+from appliance.server.responses import AnswerStream, ToolOutput, reasoning_parser
 from appliance.server.state import ServerState
 from appliance.server.tool_requests import foreign_tools
 from appliance.server.tools import ContentDelta, ToolCall, ToolCallDelta, extract_tool_calls
@@ -103,7 +103,7 @@ def _tools(body: dict) -> dict:
     choice = body.get("tool_choice")
     if choice is not None:
         kind = choice.get("type") if isinstance(choice, dict) else None
-        if choice.get("disable_parallel_tool_use") if isinstance(choice, dict) else False:
+        if kind is not None and choice.get("disable_parallel_tool_use"):
             raise OpenAIError(400, "'tool_choice.disable_parallel_tool_use' is not supported yet",
                               param="tool_choice", code="unsupported_parameter")
         if kind == "tool":
@@ -230,30 +230,20 @@ async def message_events(st: ServerState, gen: Generation, calls: Optional[ToolO
     yield _event("message_start", {"message": {**_head(st, gen), "content": [], "stop_reason": None,
                                                "stop_sequence": None,
                                                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
-    parser = reasoning_parser(st)
-    thinking = ReasoningSplit(parser) if parser is not None else None
-    stream = calls.stream() if calls is not None else None
+    answer = AnswerStream(reasoning_parser(st), calls)
     blocks, child = _Blocks(), gen.parent.children[0]
     try:
         async for child, d in gen.deltas():
             child.add(d)
-            text = d.new_text
-            thought = ""
-            if thinking is not None:
-                thought, text = thinking.feed(text) if text else ("", "")
-                if d.finished:
-                    more, rest = thinking.finish()
-                    thought, text = thought + more, text + rest
+            thought, pieces = answer.feed(d.new_text, d.finished)
             for e in blocks.add("thinking", thought) if thought else []:
                 yield e
-            pieces = (stream.feed(text) if text else []) + (stream.finish() if d.finished else []) \
-                if stream is not None else ([ContentDelta(text)] if text else [])
             for p in pieces:
                 for e in blocks.add("text", p.text) if isinstance(p, ContentDelta) else blocks.call(p):
                     yield e
         for e in blocks.close():
             yield e
-        reason, sequence = _stop(child, stream is not None and bool(stream.calls))
+        reason, sequence = _stop(child, answer.called)
         yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                        "usage": {"output_tokens": child.num_output_tokens}})
         yield _event("message_stop", {})

@@ -17,7 +17,7 @@ from appliance.server.protocol import GenerationRequest, usage
 from appliance.server.reasoning import REASONING_PARSERS, ReasoningParser, ReasoningSplit, split
 from appliance.server.state import ServerState
 from appliance.server.tool_requests import ToolRequest
-from appliance.server.tools import ContentDelta, ToolCallStream, extract_tool_calls
+from appliance.server.tools import ContentDelta, Delta, ToolCallStream, extract_tool_calls
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -291,26 +291,38 @@ def chat_body(st: ServerState, gen: Generation, created: int, children: list[Chi
     return {**body, **_kv_transfer(gen.request, children)}
 
 
-def _chat_deltas(text: str, finished: bool, stream: Optional[ToolCallStream],
-                 thinking: Optional[ReasoningSplit]) -> list[dict]:
-    """The ``delta`` objects of one engine delta: its reasoning (with a
-    reasoning parser), then its answer's text, or with tools the content and
-    tool-call deltas the answer completes."""
-    out: list[dict] = []
-    if thinking is not None:
-        thought, text = thinking.feed(text) if text else ("", "")
-        if finished:
-            more, rest = thinking.finish()
-            thought, text = thought + more, text + rest
-        if thought:
-            out.append({"reasoning_content": thought})
-    if stream is None:
-        return out + ([{"content": text}] if text else [])
-    events = stream.feed(text) if text else []
-    if finished:
-        events += stream.finish()
-    return out + [{"content": e.text} if isinstance(e, ContentDelta) else {"tool_calls": [e.to_openai()]}
-                  for e in events]
+class AnswerStream:
+    """One output's text, fed as it arrives, as its reasoning (with a
+    reasoning parser) and its answer's pieces: text, or with tools the
+    content and tool-call deltas the answer completes. Chat, Messages and
+    Responses stream through it."""
+
+    def __init__(self, reasoning: Optional[ReasoningParser], calls: Optional[ToolOutput]):
+        self.thinking = ReasoningSplit(reasoning) if reasoning is not None else None
+        self.tools = calls.stream() if calls is not None else None
+
+    def feed(self, text: str, finished: bool) -> tuple[str, list[Delta]]:
+        thought = ""
+        if self.thinking is not None:
+            thought, text = self.thinking.feed(text) if text else ("", "")
+            if finished:
+                more, rest = self.thinking.finish()
+                thought, text = thought + more, text + rest
+        if self.tools is None:
+            return thought, [ContentDelta(text)] if text else []
+        return thought, (self.tools.feed(text) if text else []) + (self.tools.finish() if finished else [])
+
+    @property
+    def called(self) -> bool:
+        """Tool calls were read from the answer."""
+        return self.tools is not None and bool(self.tools.calls)
+
+
+def _chat_deltas(text: str, finished: bool, answer: AnswerStream) -> list[dict]:
+    """The ``delta`` objects of one engine delta: its reasoning, then its answer's pieces."""
+    thought, pieces = answer.feed(text, finished)
+    return ([{"reasoning_content": thought}] if thought else []) + [
+        {"content": p.text} if isinstance(p, ContentDelta) else {"tool_calls": [p.to_openai()]} for p in pieces]
 
 
 async def chat_events(st: ServerState, gen: Generation, created: int,
@@ -325,23 +337,21 @@ async def chat_events(st: ServerState, gen: Generation, created: int,
                                         "logprobs": None, "finish_reason": None, "stop_reason": None}], **first,
                    **_usage_field(so_far)})
     completion_tokens = 0
-    streams = {k: calls.stream() for k in range(g.params.n)} if calls else {}
-    reasoning = reasoning_parser(st)
-    thinking = {k: ReasoningSplit(reasoning) for k in range(g.params.n)} if reasoning is not None else {}
+    answers = {k: AnswerStream(reasoning_parser(st), calls) for k in range(g.params.n)}
     try:
         async for child, d in gen.deltas():
             if so_far is not None:
                 so_far.tokens[child.index] = d.num_output_tokens
             if d.finished:
                 completion_tokens += d.num_output_tokens
-            stream = streams.get(child.index)
-            deltas = _chat_deltas(d.new_text, d.finished, stream, thinking.get(child.index))
+            answer = answers[child.index]
+            deltas = _chat_deltas(d.new_text, d.finished, answer)
             if not deltas and not d.finished and not d.logprobs and not (g.return_token_ids and d.new_token_ids):
                 continue
             deltas = deltas or [{}]
             reason = d.finish_reason
-            if stream is not None and d.finished:
-                reason = calls.finish_reason(reason, bool(stream.calls))
+            if calls is not None and d.finished:
+                reason = calls.finish_reason(reason, answer.called)
             for j, delta in enumerate(deltas):
                 last = j == len(deltas) - 1
                 choice = {

@@ -40,11 +40,10 @@ from appliance.engine.parallel_sampling import Child
 from appliance.server.generation import Generation, map_engine_error
 from appliance.server.prompts import joined_text
 from appliance.server.protocol import OpenAIError, now, usage
-from appliance.server.reasoning import ReasoningSplit
-from appliance.server.responses import ToolOutput, reasoning_parser
+from appliance.server.responses import AnswerStream, ToolOutput, reasoning_parser
 from appliance.server.state import ServerState
 from appliance.server.tool_requests import foreign_tools
-from appliance.server.tools import ContentDelta, ToolCallDelta, ToolCallStream
+from appliance.server.tools import ContentDelta, ToolCallDelta
 
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
                     "tool_choice", "text", "reasoning", "stream", "store", "metadata", "user", "parallel_tool_calls",
@@ -226,27 +225,15 @@ class _Output:
 
 
 class _Answer:
-    """One output's text through the reasoning split and the tool-call reader into ``_Output`` items."""
+    """One output's text (``AnswerStream``) into ``_Output`` items."""
 
     def __init__(self, st: ServerState, calls: Optional[ToolOutput]):
-        parser = reasoning_parser(st)
-        self.thinking = ReasoningSplit(parser) if parser is not None else None
-        self.stream: Optional[ToolCallStream] = calls.stream() if calls is not None else None
+        self.stream = AnswerStream(reasoning_parser(st), calls)
         self.output = _Output()
 
     def feed(self, text: str, finished: bool) -> list[dict]:
-        events: list[dict] = []
-        if self.thinking is not None:
-            thought, text = self.thinking.feed(text) if text else ("", "")
-            if finished:
-                more, rest = self.thinking.finish()
-                thought, text = thought + more, text + rest
-            if thought:
-                events += self.output.text("reasoning", thought)
-        if self.stream is None:
-            pieces: list = [ContentDelta(text)] if text else []
-        else:
-            pieces = (self.stream.feed(text) if text else []) + (self.stream.finish() if finished else [])
+        thought, pieces = self.stream.feed(text, finished)
+        events = self.output.text("reasoning", thought) if thought else []
         for p in pieces:
             events += self.output.text("message", p.text) if isinstance(p, ContentDelta) else self.output.call(p)
         if finished:
