@@ -108,7 +108,7 @@ class LLM:
             text, ids = self._encode(prompt)
             parent = ParentRequest(str(next(self._ids)), 1, p)
             parents.append((parent, text, ids))
-            for c in parent.children:
+            for c in parent.engine_children:
                 self.engine.add_request(c.request_id, ids, c.params, priority=priority[i] if priority else 0)
         self._run([parent for parent, _, _ in parents], use_tqdm)
         return [RequestOutput(parent.request_id, text, ids,
@@ -143,7 +143,7 @@ class LLM:
         """Step until every child of ``parents`` is done, merging its deltas."""
         from tqdm import tqdm
 
-        route = {c.request_id: parent for parent in parents for c in parent.children}
+        route = {c.request_id: parent for parent in parents for c in parent.engine_children}
         bar = tqdm(total=len(route), desc="generate", file=sys.stderr, disable=not use_tqdm or len(route) < 8)
         while self.engine.has_unfinished_requests():
             for d in self.engine.step():

@@ -110,6 +110,11 @@ class SamplingParams:
     # vLLM's kv_transfer_params, for a KV connector (engine/kv_p2p.py): {"do_remote_decode": true} asks a
     # producer to hold the prefill's KV for a consumer; what the producer returned asks a consumer to fetch it
     kv_transfer_params: Optional[dict[str, Any]] = None
+    # beam search (engine/beam_search.py): n beams, the n best returned; a finished beam scores its summed
+    # log-probabilities over its length ** length_penalty; early_stopping True, False or "never" (transformers')
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, str] = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -119,6 +124,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    def _verify_beam_search(self, bad: Callable[[str, str], None]) -> None:
+        for name, used in _NOT_WITH_BEAMS:
+            if used(self):
+                bad(f"'{name}' does not apply to beam search (not built yet for 'use_beam_search': true)", name)
+        per_beam = max(2, 2 + len(set(self.stop_token_ids)))  # transformers' beams_to_keep, the EOS counted
+        if self.n * per_beam > MAX_BEAM_CANDIDATES:
+            bad(f"beam search ranks n x {per_beam} candidates a step (n beams, {per_beam} each with "
+                f"{len(set(self.stop_token_ids))} stop_token_ids), at most {MAX_BEAM_CANDIDATES}: n={self.n} is too "
+                f"many", "n")
 
     def verify(self) -> None:
         """vLLM's checks, plus finiteness (NaN passes every comparison) and
@@ -170,11 +185,36 @@ class SamplingParams:
             bad("bad_words must not be empty or only spaces", "bad_words")
         if any(not ids or min(ids) < 0 for ids in self.bad_words_token_ids):
             bad("bad_words_token_ids must be non-empty lists of token ids", "bad_words")
+        if not _finite(self.length_penalty):
+            bad(f"length_penalty must be a finite number, got {self.length_penalty}", "length_penalty")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            bad(f"early_stopping must be true, false or \"never\", got {str(self.early_stopping)[:40]}", "early_stopping")
+        if self.use_beam_search:
+            self._verify_beam_search(bad)
+        elif self.length_penalty != 1.0 or self.early_stopping is not False:
+            bad("length_penalty and early_stopping apply to beam search only ('use_beam_search': true)",
+                "length_penalty" if self.length_penalty != 1.0 else "early_stopping")
         for tok, bias in self.logit_bias.items():
             if tok < 0:
                 bad(f"logit_bias keys must be token ids (non-negative), got {tok}", "logit_bias")
             if not -100 <= bias <= 100:
                 bad(f"logit_bias for token {tok} must be in [-100, 100], got {bias}", "logit_bias")
+
+
+# What beam search does not take: it ranks beams by the model's own log-probabilities (temperature 1; 0 is
+# taken as "deterministic") and ends them on stop tokens or the length limit.
+_NOT_WITH_BEAMS = (("temperature", lambda p: p.temperature not in (0.0, 1.0)), ("top_p", lambda p: p.top_p < 1.0),
+                   ("top_k", lambda p: p.top_k > 0), ("min_p", lambda p: p.min_p > 0.0),
+                   ("seed", lambda p: p.seed is not None), ("min_tokens", lambda p: p.min_tokens > 0),
+                   ("stop", lambda p: bool(p.stop)), ("presence_penalty", lambda p: p.presence_penalty != 0.0),
+                   ("frequency_penalty", lambda p: p.frequency_penalty != 0.0),
+                   ("repetition_penalty", lambda p: p.repetition_penalty != 1.0),
+                   ("logit_bias", lambda p: bool(p.logit_bias)), ("allowed_token_ids", lambda p: p.allowed_token_ids),
+                   ("bad_words", lambda p: bool(p.bad_words)), ("logprobs", lambda p: p.logprobs is not None),
+                   ("prompt_logprobs", lambda p: p.prompt_logprobs is not None),
+                   ("structured_outputs", lambda p: p.structured_outputs is not None),
+                   ("kv_transfer_params", lambda p: p.kv_transfer_params is not None))
+MAX_BEAM_CANDIDATES = 20  # ranked a step: each beam's top logprobs (vLLM's limit on them, as its beam search)
 
 
 def resolve_bad_words(params: SamplingParams, encode: Callable[[str], list[int]]) -> None:

@@ -16,6 +16,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union, cast
 
+from appliance.engine.beam_search import BeamSearches
 from appliance.engine.constraints import advance_grammar, mask_step
 from appliance.engine.detokenizer import IncrementalDetokenizer
 from appliance.engine.failures import Suspects, forget_step_kv, requeue, schedule_alone
@@ -61,6 +62,8 @@ class EngineCore:
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size  # 0: unchecked
         self.detok: dict[str, IncrementalDetokenizer] = {}
+        self.beams = BeamSearches(scheduler, eos_token_id,
+                                  lambda ids, skip: str(tokenizer.decode(ids, skip_special_tokens=skip)))
         self.last_stats = StepStats()
         self._suspects = Suspects()  # requests to run alone, after a failed step
         self.token_budget = token_budget  # None: every step may take the scheduler's configured budget
@@ -96,6 +99,9 @@ class EngineCore:
                                       self.block_size)
         if problem is not None:
             raise ValueError(f"kv_transfer_params {problem}")
+        if params.use_beam_search:  # its steps are requests of their own (engine/beam_search.py)
+            self.beams.add(request_id, prompt_token_ids, params, priority, cache_salt, arrival_time)
+            return
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
         )
@@ -128,6 +134,8 @@ class EngineCore:
                 raise ValueError(f"{name} holds a token id outside the vocabulary (0..{v - 1})")
 
     def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.beams.abort(rid)
         for req in self.scheduler.abort(request_ids):
             self.detok.pop(req.request_id, None)
             self._prompt_lps.discard(req.request_id)
@@ -236,6 +244,8 @@ class EngineCore:
             self._objective_budget = self.token_budget.budget_for(self.scheduler.running)
         sched_out = (schedule_alone(self.scheduler, alone, self._objective_budget) if alone is not None
                      else self.scheduler.schedule(max_reqs, in_flight, token_budget=self._objective_budget))
+        if not sched_out.num_scheduled_tokens and not self._in_flight and self.beams.groups:
+            self.beams.release_kv()  # what beams hold for their forks may be what keeps everything waiting
         carried = self._carried
         if carried.finished_req_ids or carried.preempted_req_ids:
             sched_out.finished_req_ids |= carried.finished_req_ids
@@ -340,6 +350,8 @@ class EngineCore:
                                      runner_out.prompt_logprobs.items()
                                      if rid in requests and requests[rid].status == RequestStatus.RUNNING})
         stopped, failed = self._take_tokens(runner_out.sampled_token_ids)
+        if self.beams.steps:  # the KV of beams' steps that end now outlives them, for the next beams' forks
+            self.beams.hold(list(runner_out.sampled_token_ids))
         self._counters.count_spec(sched_out, runner_out.sampled_token_ids)
         updates = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids, stopped,
                                                     runner_out.spec_token_ids)
@@ -349,7 +361,11 @@ class EngineCore:
                 del req.spec_token_ids[req.grammar.valid_prefix(req.spec_token_ids):]  # drafts the grammar allows
         deltas = []
         for u in updates:
-            if u.request.request_id not in failed:
+            if self.beams.is_step(u.request.request_id):
+                if u.finished:
+                    lps = runner_out.logprobs.get(u.request.request_id) or [None]
+                    deltas += self.beams.stepped(u.request, lps[0].top if lps[0] is not None else [])
+            elif u.request.request_id not in failed:
                 try:
                     deltas.append(self._delta(u, runner_out, u.request.request_id in stopped))
                 except Exception:
@@ -370,8 +386,8 @@ class EngineCore:
         failed: dict[str, Request] = {}
         for rid, toks in sampled.items():
             req = self.scheduler.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran, or (a step before it failed) to be recomputed
+            if req is None or req.status != RequestStatus.RUNNING or self.beams.is_step(rid):
+                continue  # aborted while the step ran, or (a step before it failed) to be recomputed; a beam's step
             try:
                 kept = self.scheduler.num_kept(req, toks)
                 if req.grammar is not None and (ended := advance_grammar(req, toks[:kept])):
@@ -452,12 +468,16 @@ class EngineCore:
 
     def _fail(self, reqs: list[Request]) -> list[RequestOutputDelta]:
         """End ``reqs`` (live or just finished) with finish_reason "error"."""
+        steps = {r.request_id for r in reqs if self.beams.is_step(r.request_id)}  # their searches end, once each
         self.scheduler.abort([r.request_id for r in reqs])
         deltas = []
         for req in reqs:
             self.detok.pop(req.request_id, None)
             self._prompt_lps.discard(req.request_id)
             self._suspects.forget(req.request_id)
+            if req.request_id in steps:
+                deltas += [d for d in (self.beams.fail(req.request_id),) if d is not None]
+                continue
             deltas.append(RequestOutputDelta(
                 request_id=req.request_id, new_token_ids=[], new_text="", finished=True, finish_reason="error",
                 num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,

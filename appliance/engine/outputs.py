@@ -19,6 +19,16 @@ class TokenLogprob(msgspec.Struct):
     top: list[tuple[int, float]] = []
 
 
+class BeamSequence(msgspec.Struct):
+    """One beam a beam search returns (``engine/beam_search.py``)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" or "length"
+    stop_reason: Optional[int] = None  # the stop token id that ended it (None: EOS, length)
+    score: float = 0.0  # summed log-probabilities / length ** length_penalty
+
+
 class RequestOutputDelta(msgspec.Struct):
     """What one step added to one request. A msgspec Struct: it crosses the
     engine-core process boundary as it is (see ``server/messages.py``)."""
@@ -38,6 +48,8 @@ class RequestOutputDelta(msgspec.Struct):
     queue_time: Optional[float] = None  # on the first delta with tokens: seconds waiting before first scheduled
     # on the last delta, when a KV connector holds the request's KV for a peer: what the peer needs to fetch it
     kv_transfer_params: Optional[dict[str, Any]] = None
+    # a beam search's one output (finished): its n best beams, best first
+    beams: Optional[list[BeamSequence]] = None
 
 
 class StepStats(msgspec.Struct):

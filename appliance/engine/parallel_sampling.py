@@ -6,6 +6,10 @@ over P prompts with ``params.n = n`` becomes P x n engine requests, child
 with ``n = 1`` and, for a seeded request, ``seed + k`` (so the k-th sample
 of a prompt draws the same tokens whatever else runs). Their output deltas
 are merged back into one ``Child`` each, in index order.
+
+A beam search (``params.use_beam_search``) is one engine request per prompt,
+the prompt's first child's, whose one output carries the n beams
+(``RequestOutputDelta.beams``): ``split`` hands beam k to child k.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from appliance.sampling_params import SamplingParams
 
 
 def child_params(params: SamplingParams, k: int) -> SamplingParams:
-    """The k-th sample of a request: one sequence, seed + k when seeded."""
+    """The k-th sample of a request: one sequence, seed + k when seeded (a beam search's: its n beams)."""
+    if params.use_beam_search:
+        return params
     return replace(params, n=1, seed=None if params.seed is None else params.seed + k)
 
 
@@ -84,10 +90,27 @@ class ParentRequest:
     def child(self, request_id: str) -> Child:
         return self._by_id[request_id]
 
+    @property
+    def engine_children(self) -> list[Child]:
+        """The children that run as engine requests (a beam search: each prompt's first)."""
+        if not self.params.use_beam_search:
+            return self.children
+        return self.children[:: self.params.n]
+
+    def split(self, child: Child, d: RequestOutputDelta) -> list[tuple[Child, RequestOutputDelta]]:
+        """An engine request's delta as its children's: a beam search's beams, one to each child of the prompt."""
+        if d.beams is None:
+            return [(child, d)]
+        return [(c, RequestOutputDelta(c.request_id, b.token_ids, b.text, True, b.finish_reason, b.stop_reason,
+                                       num_prompt_tokens=d.num_prompt_tokens, num_output_tokens=len(b.token_ids),
+                                       num_cached_tokens=d.num_cached_tokens, queue_time=d.queue_time))
+                for c, b in zip(self.children[child.index : child.index + len(d.beams)], d.beams)]
+
     def add(self, d: RequestOutputDelta) -> Child:
-        """Merge a child's delta; the child it belongs to."""
+        """Merge an engine request's delta; the child it belongs to."""
         c = self._by_id[d.request_id]
-        c.add(d)
+        for child, delta in self.split(c, d):
+            child.add(delta)
         return c
 
     @property

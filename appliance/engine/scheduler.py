@@ -89,22 +89,17 @@ class Scheduler:
                  connector: Optional[KVConnectorScheduler] = None, long_rope_from: Optional[int] = None):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
-        self.kv = kv_cache_manager
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
-        self.policy = policy
-        self.enable_chunked_prefill = enable_chunked_prefill
+        self.kv, self.max_num_batched_tokens, self.max_num_seqs = kv_cache_manager, max_num_batched_tokens, max_num_seqs
+        self.max_model_len, self.policy, self.enable_chunked_prefill = max_model_len, policy, enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        self.max_num_partial_prefills = max_num_partial_prefills
-        self.max_long_partial_prefills = max_long_partial_prefills
+        self.max_num_partial_prefills, self.max_long_partial_prefills = (max_num_partial_prefills,
+                                                                         max_long_partial_prefills)
         self.num_lookahead_tokens = num_lookahead_tokens
         self.connector = connector  # a KV connector's scheduler side (engine/kv_connector.py), or None
         # a LongRoPE model's original context: a sequence longer than this takes the long frequencies at every
         # position (Request.long_rope), one that grows past it is computed again with them (_restarts_long)
         self.long_rope_from = long_rope_from
-        # ranks that do not sample (pipeline stages before the last) need each step's tokens
-        self.send_token_ids = False
+        self.send_token_ids = False  # ranks that do not sample (pipeline stages before the last) need the tokens
         self._in_flight: set[str] = set()  # requests of steps not back yet: not preempted (see schedule)
         self.requests: dict[str, Request] = {}
         self.waiting: FCFSQueue | PriorityQueue = PriorityQueue() if policy == "priority" else FCFSQueue()
@@ -128,6 +123,11 @@ class Scheduler:
         request.long_rope = self.long_rope_from is not None and request.num_tokens > self.long_rope_from
         self.requests[request.request_id] = request
         self.waiting.add(request)
+
+    def add_forked(self, request: Request) -> None:
+        """A request whose KV its table holds already (a beam's fork, ``KVCacheManager.fork``), first in the queue."""
+        self.requests[request.request_id] = request
+        self.waiting.prepend(request)
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         aborted = []
@@ -180,6 +180,8 @@ class Scheduler:
                 out.scheduled_spec_decode_tokens[rid] = list(req.spec_token_ids)
         out.num_scheduled_tokens = budget.num_scheduled
         out.total_num_scheduled_tokens = sum(budget.num_scheduled.values())
+        if out.num_scheduled_tokens:  # the forks' block copies, done before this step's layers write
+            out.blocks_to_copy = self.kv.take_copies()
         # A victim readmitted later in the step is running again.
         out.preempted_req_ids = {r.request_id for r in budget.preempted if r.status == RequestStatus.PREEMPTED}
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
@@ -424,10 +426,8 @@ class Scheduler:
         hold several accepted tokens, appended one by one with the stop
         checks after each. ``stopped_by_caller`` maps a request the caller
         ends (a stop string in the detokenized text, a grammar that
-        terminated) to (how many of this step's tokens to keep, the stop
-        reason): the tokens after those are not appended. ``draft_token_ids`` are the drafts proposed for the next
-        step of requests still running.
-        """
+        terminated) to (how many of this step's tokens to keep, the stop reason): the tokens after those are not
+        appended. ``draft_token_ids`` are the drafts proposed for the next step of requests still running."""
         stopped_by_caller = stopped_by_caller or {}
         draft_token_ids = draft_token_ids or {}
         updates = []

@@ -49,6 +49,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     grammar_bitmask: Any = None  # the structured-output masks of the step (``structured_output.StepBitmask``)
     kv_connector_metadata: Any = None  # the KV connector's instructions for the worker side (``engine/kv_connector.py``)
+    # (src, dst) blocks whose KV the worker copies before the step's layers run: beams' forks, copy on write
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

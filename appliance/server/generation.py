@@ -157,7 +157,8 @@ class Generation:
                     m.request_success("error")
                     log.error("request_id=%s failed in the engine core", rid)
                     raise RequestFailed("the engine failed to process this request; see the server log")
-                await merged.put((child, d))
+                for c, dc in self.parent.split(child, d):  # a beam search's beams: one to each of the prompt's
+                    await merged.put((c, dc))
                 if d.finished:
                     finished = True
                     timing.end, timing.finish_reason = t, d.finish_reason or "abort"
@@ -194,7 +195,7 @@ class Generation:
             merged.put_nowait((None, ServerShutdown(st.cut_reason)))
         for ids in self.request.prompts:
             st.metrics.prompt_tokens.inc(len(ids))
-        tasks = [asyncio.create_task(self._child(c, merged)) for c in self.parent.children]
+        tasks = [asyncio.create_task(self._child(c, merged)) for c in self.parent.engine_children]
         remaining = len(tasks)
         timeout_s = st.cfg.server.request_timeout_s
         deadline = time.monotonic() + timeout_s

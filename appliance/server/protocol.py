@@ -35,10 +35,7 @@ class OpenAIError(Exception):
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Union[str, int, None] = None,
                  headers: Optional[dict[str, str]] = None):
         super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
+        self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
 
     def body(self) -> dict:
@@ -220,7 +217,6 @@ NOT_BUILT = {
     "documents": "documents",
     "mm_processor_kwargs": "multimodal inputs",
     "logits_processors": "logits processors",
-    "use_beam_search": "beam search",
 }
 
 # Speculative settings sent in a body: vLLM's (its engine arguments, old and
@@ -381,6 +377,9 @@ def sampling_from_body(body: dict, *, chat: bool, vocab_size: int) -> tuple[Samp
             prompt_logprobs=n_prompt_lp,
             skip_special_tokens=typed(body, "skip_special_tokens", (bool,), True),
             kv_transfer_params=typed(body, "kv_transfer_params", (dict,)) or None,
+            use_beam_search=typed(body, "use_beam_search", (bool,), False),
+            length_penalty=_float(body, "length_penalty", 1.0),
+            early_stopping=body.get("early_stopping", False),  # true, false or "never": SamplingParams checks it
         )
     except SamplingParamsError as e:
         raise OpenAIError(400, str(e), param=e.param) from None

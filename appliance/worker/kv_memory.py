@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -21,3 +21,12 @@ def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> 
         return torch.zeros(shape, dtype=dtype)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps buf mapped
+
+
+def copy_kv_blocks(caches: Sequence[torch.Tensor], copies: Sequence[tuple[int, int]]) -> None:
+    """Copy each (src, dst) block's K and V in every cache tensor (the backends' layout, ``[2, blocks, ...]``;
+    a tensor that several layers share is copied once): the forks of beam search, before a step writes."""
+    src = torch.tensor([s for s, _ in copies], dtype=torch.int64)
+    dst = torch.tensor([d for _, d in copies], dtype=torch.int64)
+    for cache in {id(c): c for c in caches}.values():
+        cache[:, dst.to(cache.device)] = cache[:, src.to(cache.device)]

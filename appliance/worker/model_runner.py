@@ -56,7 +56,7 @@ from appliance.engine.scheduler_output import SchedulerOutput
 from appliance.engine.kv_cache.single_type import FULL_ATTENTION, KVCacheGroupSpec
 from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
 from appliance.sampling_params import SamplingParams
-from appliance.worker.kv_memory import zeroed_kv_cache
+from appliance.worker.kv_memory import copy_kv_blocks, zeroed_kv_cache
 from appliance.worker.sampler import (SampleRequest, TokenLogprobs, position_generator, prompt_logprobs, sample,
                                       verify_drafts)
 
@@ -307,6 +307,8 @@ class ModelRunner:
             raise
 
     def _step(self, so: SchedulerOutput, out: RunnerOutput) -> RunnerOutput:
+        if so.blocks_to_copy:  # forks' copies on write, before any layer writes
+            copy_kv_blocks(self.kv_caches, so.blocks_to_copy)
         self._update_states(so)
         connector = self.kv_connector
         if connector is not None:  # blocks the scheduler gave to a connector's tokens, filled before any layer runs

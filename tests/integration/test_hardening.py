@@ -206,7 +206,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
     ({"structural_tag": {"type": "structural_tag"}}, "structural_tag"),
     ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
-    ({"use_beam_search": True}, "use_beam_search"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}, "speculative_config"),
     ({"num_speculative_tokens": 4}, "num_speculative_tokens"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
@@ -342,7 +341,7 @@ FIELDS = ["prompt", "messages", "model", "max_tokens", "max_completion_tokens", 
           "return_tokens_as_token_ids", "chat_template_kwargs", "reasoning_effort", "continue_final_message",
           "add_special_tokens", "chat_template", "tokens", "return_token_strs", "system", "stop_sequences",
           "tool_choice", "metadata", "input", "instructions", "max_output_tokens", "text", "reasoning", "store",
-          "previous_response_id", "\ud800"]
+          "previous_response_id", "use_beam_search", "length_penalty", "early_stopping", "\ud800"]
 # Raw JSON text spliced in where a placeholder string stands: what json.dumps cannot write.
 RAW = {"@nan": "NaN", "@inf": "Infinity", "@-inf": "-Infinity", "@big": "1e999", "@deep": "[" * 200 + "]" * 200,
        "@int": "9" * 40, "@surrogate": '"\\udc80"', "@half": '"\\ud83d x"'}

@@ -702,3 +702,33 @@ def test_run_batch_cli_starts_the_deployment_and_stops_it(tmp_path):
     src.write_text(json.dumps({**_batch_lines("m")[0], "custom_id": "other"}) + "\n")
     r = run_cli("run-batch", "--input", str(src), "--output", str(out), "model=tiny_random")
     assert r.returncode != 0 and "holds 2 results but the input has 1 lines" in r.stderr
+
+
+def test_beam_search_returns_the_engines_beams_whole_and_streamed(client, model):
+    """vLLM's use_beam_search: the n best beams as the n choices, best first, the same as offline."""
+    beam = {"use_beam_search": True, "length_penalty": 0.5, "early_stopping": True}
+    prompts = ["The quick brown fox jumps", "Counting: one two"]
+    r = client.completions.create(model=model, prompt=prompts, max_tokens=8, n=3, extra_body=beam)
+    llm = LLM(overrides=["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.01"])
+    params = SamplingParams(n=3, use_beam_search=True, max_tokens=8, length_penalty=0.5, early_stopping=True)
+    ref = [o for out in llm.generate(prompts, params, use_tqdm=False) for o in out.outputs]
+    assert [c.index for c in r.choices] == list(range(6)) and [c.text for c in r.choices] == [o.text for o in ref]
+    assert [c.finish_reason for c in r.choices] == [o.finish_reason for o in ref]
+    assert r.usage.completion_tokens == sum(len(o.token_ids) for o in ref)
+    texts = ["" for _ in range(6)]
+    for chunk in client.completions.create(model=model, prompt=prompts, max_tokens=8, n=3, extra_body=beam,
+                                           stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [o.text for o in ref]
+    msgs = [{"role": "user", "content": "Hello"}]
+    chat = client.chat.completions.create(model=model, messages=msgs, max_tokens=6, n=2,
+                                          extra_body={"use_beam_search": True})
+    offline = llm.chat(msgs, SamplingParams(n=2, use_beam_search=True, max_tokens=6), use_tqdm=False)[0].outputs
+    assert [c.message.content for c in chat.choices] == [o.text for o in offline]
+    for body, param in (({"temperature": 0.7}, "temperature"), ({"stop": ["x"]}, "stop"), ({"n": 11}, "n"),
+                        ({"early_stopping": "sometimes"}, "early_stopping"), ({"length_penalty": 2.0}, None)):
+        extra = {"use_beam_search": param is not None, **{k: v for k, v in body.items() if k != "n"}}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt="x", max_tokens=2, n=body.get("n", 2), extra_body=extra)
+        assert e.value.body["param"] == (param or "length_penalty")

@@ -57,6 +57,24 @@ def test_deltas_merge_into_their_child_in_order():
     assert parent.child("r-1") is b
 
 
+def test_a_beam_search_runs_one_engine_request_per_prompt_and_splits_its_beams():
+    from appliance.engine.outputs import BeamSequence
+
+    p = SamplingParams(n=2, use_beam_search=True, max_tokens=4)
+    parent = ParentRequest("r", 2, p)
+    assert [c.request_id for c in parent.engine_children] == ["r-0", "r-2"]
+    assert all(c.params is p for c in parent.children)  # the engine reads n as the beams
+    beams = [BeamSequence([4, 5], "de", "length", score=-1.0), BeamSequence([6, 0], "f", "stop", 0, -1.5)]
+    parent.add(RequestOutputDelta("r-2", [], "", True, "length", num_prompt_tokens=3, num_output_tokens=4,
+                                  num_cached_tokens=2, beams=beams))
+    a, b = parent.children[2:]
+    assert (a.token_ids, a.text, a.finish_reason, a.num_output_tokens) == ([4, 5], "de", "length", 2)
+    assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == ([6, 0], "f", "stop", 0)
+    assert a.finished and b.finished and a.num_cached_tokens == 2 and not parent.finished
+    plain = _delta("r-0", [1], "a")
+    assert parent.split(parent.children[0], plain) == [(parent.children[0], plain)]
+
+
 def test_logprobs_are_kept_only_when_asked_for():
     parent = ParentRequest("r", 1, SamplingParams())
     parent.add(_delta("r-0", [1], "a", logprobs=[TokenLogprob(1, -1.0, 1)]))

@@ -63,6 +63,7 @@ class KVCacheManager:
                                                 for g, spec in enumerate(groups)]
         self.sliding = [g for g in self.groups if g.spec.sliding_window is not None]  # the groups that give back
         self.stats = PrefixCacheStats()
+        self._copies: list[tuple[int, int]] = []  # (src, dst) block KV the worker copies before the next step
 
     # ----------------------------------------------------------------------
 
@@ -189,6 +190,54 @@ class KVCacheManager:
         """Release a request's blocks in every group, last block first into the queue."""
         for g in reversed(self.groups):
             g.free(request.request_id)
+
+    # ----------------------------------------------------------------------
+    #  Forks (beam search): a child continues a parent's sequence from its
+    #  KV. The child's table is the parent's, a reference taken on each
+    #  block; the block its next token writes, if the parent's last and
+    #  partly filled, is copied to a block of the child's own (copy on
+    #  write), so the siblings' next tokens never write one another's.
+    #
+    #      parent:  [b0 full][b1 full][b2 partial]
+    #      child:   [b0     ][b1     ][b2' = copy of b2]   (b0, b1 shared)
+    #
+    #  The copies wait in ``take_copies`` for the next step the worker runs,
+    #  before any layer writes. The last child may instead take the
+    #  parent's table as it stands (``move``): no copy. Blocks past the
+    #  computed tokens (a draft model's lookahead slots) are not passed on.
+    def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> bool:
+        """Give ``child_id`` the table of ``parent_id`` (held, not finished) up to
+        its ``num_computed_tokens``; False (nothing taken) when the pool has
+        no block for the copy."""
+        keep = cdiv(num_computed_tokens, self.block_size)
+        partial = num_computed_tokens % self.block_size != 0
+        if partial and len(self.groups) > self.pool.num_free_blocks:
+            return False
+        for g in self.groups:
+            g.fork(parent_id, child_id, keep)
+            if partial:
+                self._copies.append(g.make_private(child_id, keep - 1))
+        return True
+
+    def move(self, parent_id: str, child_id: str, num_computed_tokens: int) -> None:
+        """Hand ``parent_id``'s table to ``child_id`` as it stands, up to its ``num_computed_tokens``."""
+        for g in self.groups:
+            g.move(parent_id, child_id, cdiv(num_computed_tokens, self.block_size))
+
+    def hold(self, request_id: str, holder_id: str) -> None:
+        """A reference on each of a request's blocks under ``holder_id`` (freed
+        with ``free_held``): its KV outlives the request."""
+        for g in self.groups:
+            g.fork(request_id, holder_id, len(g.req_to_blocks.get(request_id, ())))
+
+    def free_held(self, holder_id: str) -> None:
+        for g in reversed(self.groups):
+            g.free(holder_id)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) block copies forks made since the last call."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def uncache_blocks(self, request_id: str, first_block: int) -> None:
         """Forget the prefix-cache entries of a request's blocks from

@@ -111,6 +111,29 @@ class SingleTypeManager:
         self.num_cached_block.pop(request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
+    def fork(self, parent_id: str, child_id: str, num_blocks: int) -> None:
+        """``child_id`` holds the parent's first ``num_blocks`` blocks too (a reference on each)."""
+        blocks = self.req_to_blocks.get(parent_id, [])[:num_blocks]
+        self.pool.touch(blocks)
+        self.req_to_blocks[child_id] = blocks
+        self.num_cached_block[child_id] = min(num_blocks, self.num_cached_block.get(parent_id, 0))
+
+    def move(self, parent_id: str, child_id: str, num_blocks: int) -> None:
+        """``child_id`` takes the parent's first ``num_blocks`` blocks; the rest are freed."""
+        blocks = self.req_to_blocks.pop(parent_id, [])
+        self.pool.free_blocks(reversed(blocks[num_blocks:]))
+        self.req_to_blocks[child_id] = blocks[:num_blocks]
+        self.num_cached_block[child_id] = min(num_blocks, self.num_cached_block.pop(parent_id, 0))
+
+    def make_private(self, request_id: str, index: int) -> tuple[int, int]:
+        """Replace the request's block at ``index`` by a fresh one (the old
+        keeps its other holders): (old id, new id), for the KV copy."""
+        blocks = self.req_to_blocks[request_id]
+        old, new = blocks[index], self.pool.get_new_blocks(1)[0]
+        blocks[index] = new
+        self.pool.free_blocks([old])
+        return old.block_id, new.block_id
+
     def uncache(self, request_id: str, first_block: int) -> None:
         for block in self.req_to_blocks.get(request_id, [])[first_block:]:
             self.pool.evict_cached(block)
