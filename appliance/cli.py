@@ -191,7 +191,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_route(args: argparse.Namespace) -> int:
-    from appliance.server.router import route_forever
+    from appliance.server.router_app import route_forever
 
     cfg = resolve(list(args.overrides)).cfg
     if not cfg.router.instances:

@@ -1,8 +1,10 @@
 """`appliance route`: an OpenAI-compatible front over N appliance instances.
 
-Requests to ``/v1/completions`` and ``/v1/chat/completions`` go to one
-instance, chosen by ``router.policy``, and the instance's answer (streamed
-or whole) comes back unchanged:
+Requests (completions, chat, Messages, Responses, /tokenize; the HTTP app
+is ``router_app``) go to one instance, chosen by ``router.policy``, and the
+instance's answer (streamed or whole) comes back unchanged; a stored
+response's reads and continuations go to the instance that holds it
+(``find_stored``). The policies:
 
 - ``round_robin``: the healthy instances in turn;
 - ``least_load``: the fewest requests running plus waiting, read from each
@@ -54,24 +56,22 @@ import asyncio
 import itertools
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, AsyncIterator, Optional
 
 import httpx
-from litestar import Litestar, Request, Response, get, post
-from litestar.response import Stream
 
-from appliance.errors import ConfigError
-from appliance.server.auth import SIGNATURE_HEADER, load_internal_key, sign_request
+from appliance.server.auth import SIGNATURE_HEADER, sign_request
 from appliance.server.router_events import EventSubscriber, PrefixIndex, curve_client_keys
 from appliance.server.tracing import TRACE_HEADERS, RequestSpan, Tracing
 
 log = logging.getLogger("appliance.router")
 
 POLICIES = ("round_robin", "least_load", "kv_aware", "pd")
-FORWARDED_HEADERS = ("authorization", "x-request-id", "x-data-parallel-rank", *TRACE_HEADERS)
+FORWARDED_HEADERS = ("authorization", "x-api-key", "anthropic-version", "anthropic-beta", "x-request-id",
+                     "x-data-parallel-rank", *TRACE_HEADERS)
+PD_PATHS = ("/v1/completions", "/v1/chat/completions")  # what pd prefills on a producer (others: on the consumer)
 
 
 @dataclass
@@ -233,8 +233,11 @@ class Router:
                        span: Optional[RequestSpan]) -> tuple[int, dict, Any]:
         if "kv_transfer_params" in body:  # a client's: only the router says whose KV a consumer takes
             body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-        if self.policy == "pd":
+        if self.policy == "pd" and path in PD_PATHS:
             body = await self._prefill_first(path, body, headers)
+        pinned = None  # a Responses request goes on from a response stored on one instance: that instance
+        if path == "/v1/responses" and isinstance(body.get("previous_response_id"), str):
+            pinned = await self.find_stored(body["previous_response_id"], headers)
         tokens = None
         if self.policy == "kv_aware":
             try:
@@ -243,7 +246,7 @@ class Router:
                 log.debug("no prompt tokens for routing: %s", e)
         tried: set[str] = set()
         while True:
-            inst = self.choose(tokens, frozenset(tried))
+            inst = pinned if pinned is not None and not tried else self.choose(tokens, frozenset(tried))
             if inst is None:
                 return 503, {"content-type": "application/json"}, \
                     b'{"error": {"message": "no healthy instance", "type": "ServiceUnavailable", "code": 503}}'
@@ -279,6 +282,33 @@ class Router:
                 await resp.aclose()
                 inst.in_flight -= 1
             return resp.status_code, out_headers, content
+
+    async def find_stored(self, response_id: str, headers: dict) -> Optional[Instance]:
+        """The healthy instance that stored ``response_id`` for the caller (its own key), or None."""
+        for inst in [i for i in self.instances if i.healthy]:
+            status, _, _ = await self._ask(inst, "GET", f"/v1/responses/{response_id}", headers)
+            if status == 200:
+                return inst
+        return None
+
+    async def stored(self, method: str, response_id: str, headers: dict) -> tuple[int, dict, bytes]:
+        """GET or DELETE a stored response on the instance that holds it: the
+        first healthy instance's answer that is not a 404 (else the last 404)."""
+        answer = (404, {"content-type": "application/json"},
+                  b'{"error": {"message": "no healthy instance", "type": "not_found_error", "code": 404}}')
+        for inst in [i for i in self.instances if i.healthy]:
+            answer = await self._ask(inst, method, f"/v1/responses/{response_id}", headers)
+            if answer[0] != 404:
+                break
+        return answer
+
+    async def _ask(self, inst: Instance, method: str, path: str, headers: dict) -> tuple[int, dict, bytes]:
+        fwd = {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
+        try:
+            r = await self.client.request(method, f"{inst.url}{path}", headers=fwd)
+        except httpx.TransportError as e:
+            return _upstream_failed(inst, e)
+        return r.status_code, {"content-type": r.headers.get("content-type", "application/json")}, r.content
 
     async def _prefill_first(self, path: str, body: dict, headers: dict) -> dict:
         """``pd``: the prompt's prefill on a producer; the body for a consumer
@@ -412,88 +442,3 @@ def _upstream_failed(inst: Instance, e: httpx.TransportError, stream: bool = Fal
     message = f"the instance serving this request {what}; retry the request"
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return status, {"content-type": "application/json"}, json.dumps(body).encode()
-
-
-def build_app(router: Router) -> Any:
-    """The router's HTTP app (litestar)."""
-
-    async def proxy(request: Request, path: str) -> Response:
-        try:
-            body = await request.json()
-        except Exception:
-            return Response(content={"error": {"message": "the body must be a JSON object", "type": "BadRequestError",
-                                               "code": 400}}, status_code=400)
-        if not isinstance(body, dict):
-            return Response(content={"error": {"message": "the body must be a JSON object", "type": "BadRequestError",
-                                               "code": 400}}, status_code=400)
-        status, headers, content = await router.forward(path, body, dict(request.headers))
-        if isinstance(content, (bytes, bytearray)):
-            return Response(content=bytes(content), status_code=status, media_type=headers["content-type"])
-        return Stream(content, status_code=status, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    @post("/v1/completions", status_code=200)
-    async def completions(request: Request) -> Response:
-        return await proxy(request, "/v1/completions")
-
-    @post("/v1/chat/completions", status_code=200)
-    async def chat(request: Request) -> Response:
-        return await proxy(request, "/v1/chat/completions")
-
-    @get("/v1/models")
-    async def models() -> Response:
-        for inst in router.instances:
-            if inst.healthy:
-                try:
-                    r = await router.client.get(f"{inst.url}/v1/models", timeout=10.0)
-                    return Response(content=r.content, status_code=r.status_code, media_type="application/json")
-                except httpx.HTTPError:
-                    continue
-        return Response(content={"error": {"message": "no healthy instance", "code": 503}}, status_code=503)
-
-    @get("/health")
-    async def health() -> Response:
-        ok = any(i.healthy for i in router.instances)
-        return Response(content={"healthy": [i.url for i in router.instances if i.healthy]},
-                        status_code=200 if ok else 503)
-
-    @get("/metrics")
-    async def metrics() -> Response:
-        return Response(content=router.metrics_text(), media_type="text/plain; version=0.0.4")
-
-    return Litestar(route_handlers=[completions, chat, models, health, metrics],
-                    on_startup=[router.start], on_shutdown=[router.stop])
-
-
-def route_forever(cfg: Any) -> int:
-    """``appliance route``: the router of ``cfg.router`` on its host and port, the model's tokenizer for kv_aware."""
-    import uvicorn
-
-    r = cfg.router
-    tokenizer = None
-    if r.policy == "kv_aware":
-        from appliance.models.loader import load_tokenizer
-
-        tokenizer = load_tokenizer(cfg.model, cfg.quantization.method)
-    try:
-        curve = None if r.kv_events_client_key_file is None else (
-            os.path.expanduser(r.kv_events_client_key_file), os.path.expanduser(r.kv_events_server_key_file))
-        router = Router(list(r.instances), r.policy, tokenizer, list(r.kv_events), r.kv_load_weight,
-                        r.health_interval_s, r.request_timeout_s, cfg.kv_events.topic, r.kv_match_threshold,
-                        list(r.prefill_instances), list(r.kv_events_replay), load_internal_key(cfg.server), curve)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    endpoint = cfg.server.otlp_traces_endpoint
-    if endpoint is not None:
-
-        def dropped(n: int) -> None:
-            router.trace_spans_dropped += n
-
-        router.tracing = Tracing(endpoint, {"appliance.router.policy": r.policy}, dropped,
-                                 service_name="appliance-router")
-    print(f"routing {len(router.instances)} instance(s) by {r.policy} on http://{r.host}:{r.port}")
-    try:
-        uvicorn.run(build_app(router), host=r.host, port=r.port, log_level="warning")
-    finally:
-        if router.tracing is not None:
-            router.tracing.shutdown()
-    return 0

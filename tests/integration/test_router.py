@@ -1,7 +1,8 @@
 """`appliance route` over two appliance instances on loopback: a multi-turn
 chat workload's prefix-cache hit rate under kv_aware against one instance
 serving everything and against round_robin, answers unchanged through the
-router (whole and streamed), an instance that dies taken out of the
+router (whole and streamed; Messages, Responses and /tokenize too, a
+stored response found where it is), an instance that dies taken out of the
 rotation (its requests in flight answered with OpenAI errors), and
 disaggregated prefill (pd) between a producer and a consumer."""
 
@@ -115,6 +116,7 @@ def test_answers_pass_through_and_a_dead_instance_leaves_the_rotation(instances)
             assert r.headers["content-type"].startswith("text/event-stream")
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and len(events) > 2
+        _other_endpoints_pass_through(router.url, servers[0].url)
         extra.stop()  # dies: connections refused, then /health fails
         for _ in range(4):
             r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
@@ -128,6 +130,25 @@ def test_answers_pass_through_and_a_dead_instance_leaves_the_rotation(instances)
         if router is not None:
             router.stop()
         extra.stop()
+
+
+def _other_endpoints_pass_through(url, instance):
+    """Messages and /tokenize answered; a stored response read, continued and deleted where it is stored."""
+    model = "tiny-random-llama"
+    msg = httpx.post(f"{url}/v1/messages", json={"model": model, "max_tokens": 4,
+                                                 "messages": [{"role": "user", "content": "Hi"}]}, timeout=60)
+    assert msg.status_code == 200 and msg.json()["type"] == "message"
+    tokens = httpx.post(f"{url}/tokenize", json={"prompt": "Hello there"}, timeout=60).json()["tokens"]
+    assert tokens == httpx.post(f"{instance}/tokenize", json={"prompt": "Hello there"}, timeout=60).json()["tokens"]
+    first = httpx.post(f"{url}/v1/responses", json={"model": model, "input": "Hi", "max_output_tokens": 4},
+                       timeout=60).json()
+    for _ in range(2):  # round robin alternates: each continuation still goes where the first is stored
+        r = httpx.post(f"{url}/v1/responses", json={"model": model, "input": "More", "max_output_tokens": 4,
+                                                    "previous_response_id": first["id"]}, timeout=60)
+        assert r.status_code == 200, r.text
+    assert httpx.get(f"{url}/v1/responses/{first['id']}", timeout=60).json()["id"] == first["id"]
+    assert httpx.delete(f"{url}/v1/responses/{first['id']}", timeout=60).json()["deleted"] is True
+    assert httpx.get(f"{url}/v1/responses/{first['id']}", timeout=60).status_code == 404
 
 
 def _keyless_answer(digest: str):
