@@ -190,6 +190,21 @@ def test_speculation_over_pipeline_stages_keeps_the_targets_tokens(tiny_referenc
     assert llm.engine.stats().spec_drafts > 0
 
 
+def test_beams_over_stages_equal_one_rank():
+    """Beam search at pp2: each stage copies the forks' blocks before its layers write, over pipelined steps
+    (two in flight); the beams are one rank's."""
+    small = [*TINY, "cache.block_size=4"]  # forks mid-block: copies
+    params = SamplingParams(n=3, use_beam_search=True, max_tokens=10)
+    ref = [[o.token_ids for o in out.outputs] for out in LLM(overrides=small).generate(PROMPTS[:3], params,
+                                                                                        use_tqdm=False)]
+    llm = LLM(overrides=[*small, "parallel.pipeline_parallel_size=2"])
+    try:
+        outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    finally:
+        llm.engine.runner.close()
+    assert [[o.token_ids for o in out.outputs] for out in outs] == ref
+
+
 def test_smollm2_gguf_blocks_split_over_three_ranks_equal_one_rank(monkeypatch):
     """The Q4_1 file's own blocks (quantization=gguf) cut over tp3, against one rank's torch layer path;
     fp32 rows in the ranks' int4 GEMMs on every CPU (see the quantized checkpoints' test)."""
