@@ -232,8 +232,7 @@ async def _completions(request: Request, st: ServerState, span: Optional[Request
                           *token_id_options(body))
     gen = Generation(st, g, new_id("cmpl"), "n" if len(prompts) == 1 else "prompt", span)
     created = now()
-    echo_text = [(texts[i] if texts[i] is not None else st.tokenizer.decode(prompts[i])) if echo else ""
-                 for i in range(len(prompts))]
+    echo_text = [(t if t is not None else str(st.tokenizer.decode(p))) if echo else "" for p, t in zip(prompts, texts)]
     if not stream:
         return _json(completion_body(st, gen, created, await gen.collect(request), echo_text))
     return _sse_stream(completion_events(st, gen, created, echo_text))
@@ -256,7 +255,8 @@ async def _chat_completions(request: Request, st: ServerState, span: Optional[Re
     priority, salt = common_extensions(body)
     keep = prompt_truncation(body, st.max_model_len)
     ids, text = await tokenize(st, chat_prompt, body, True, tools.tools if tools is not None else None)
-    prompts, texts = [ids], [text]
+    prompts = [ids]
+    texts: list[Optional[str]] = [text]
     truncated(prompts, texts, keep)
     check_length(st, len(prompts[0]), params, "messages")
     await _check_kv_transfer(request, st, params, stream, 1)

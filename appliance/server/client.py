@@ -179,6 +179,7 @@ class EngineClient:
         tag = uuid.uuid4().hex[:8]
         in_addr = f"ipc://{self._dir}/in-{tag}"
         out_addr = f"ipc://{self._dir}/out-{tag}"
+        assert self.ctx is not None  # start() made it
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.bind(in_addr)
         self.pull = self.ctx.socket(zmq.PULL)
@@ -250,6 +251,7 @@ class EngineClient:
     def _send(self, msg: ToCore) -> None:
         """Queue a message to the core without awaiting it: a send never waits on
         a core that has died (closing its socket drops what is queued)."""
+        assert self.push is not None  # callers send only while the core is up
         self.push.send(encode(msg))
 
     def _fail_waiters(self, exc: Exception) -> None:
@@ -322,7 +324,8 @@ class EngineClient:
                     self.on_lost()
                 continue
             self.restarting, self.down_reason = False, ""
-            log.info("%s restarted (pid %s, ready after %.1f s)", self.core_name, self.ready_info.pid, self.start_s)
+            log.info("%s restarted (pid %s, ready after %.1f s)", self.core_name,
+                     self.ready_info.pid if self.ready_info is not None else "?", self.start_s)
             return
 
     def _backoff(self) -> float:
@@ -394,10 +397,12 @@ class EngineClient:
         """The running core's process has ended or is ending, and its
         watchdog has not yet taken it for lost."""
         proc = self.proc
-        return self.up and proc is not None and (not proc.is_alive() or process_ending(proc.pid))
+        return self.up and proc is not None and (not proc.is_alive() or (proc.pid is not None
+                                                                            and process_ending(proc.pid)))
 
     async def _output_loop(self) -> None:
         try:
+            assert self.pull is not None  # the loop starts once the core's sockets are bound
             await self._read_outputs(self.pull)
         except asyncio.CancelledError:
             raise

@@ -91,7 +91,7 @@ def run_core(deployment: Deployment, build_engine: BuildEngine, in_addr: str, ou
         engine, tokenizer = build_engine(deployment)
         _warm_up(engine, tokenizer)
         push.send(encode(Ready(num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size,
-                               backend=deployment.execution.backend, pid=os.getpid())))
+                               backend=deployment.execution.backend or "", pid=os.getpid())))
         _loop(engine, pull, push, heartbeat_interval_s(deployment.cfg.server.core_heartbeat_timeout_s))
         if engine.kv_events is not None:
             engine.kv_events.close()  # what is queued goes out before the core exits

@@ -39,6 +39,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+from functools import partial
 from typing import AsyncIterator, Callable, Optional
 
 from appliance.config.deployment import Deployment, ExpertGroupAddress
@@ -71,8 +72,8 @@ class DataParallelClient:
         self.deployment = deployment
         self.clients = [
             EngineClient(deployment.for_data_parallel_rank(r), build_engine,
-                         on_stats=(lambda old, new, r=r: on_stats(r, old, new)) if on_stats else None,
-                         on_restart=(lambda r=r: on_restart(r)) if on_restart else None,
+                         on_stats=partial(on_stats, r) if on_stats else None,
+                         on_restart=partial(on_restart, r) if on_restart else None,
                          on_fatal=on_fatal, rank=r if deployment.layout.data_parallel_size > 1 else None)
             for r in range(deployment.layout.data_parallel_size)
         ]

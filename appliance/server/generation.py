@@ -212,6 +212,7 @@ class Generation:
                     continue
                 if isinstance(item, BaseException):
                     raise item
+                assert child is not None  # only a cut comes without its child, as an exception
                 yield child, item
         except BaseException as e:
             if isinstance(e, (asyncio.CancelledError, GeneratorExit)):

@@ -89,10 +89,11 @@ def external_hash(block_hash: Any) -> int:
     return int(block_hash) & (1 << 64) - 1
 
 
-def to_wire(events: list[Any], medium: str, include_token_ids: bool = False) -> list[KVCacheEvent]:
+def to_wire(events: list[Any], medium: str,
+            include_token_ids: bool = False) -> list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]:
     """The block pool's events (``engine.kv_cache.block_pool.KVCacheEvent``)
     as the wire's; a stored block's token ids only with ``include_token_ids``."""
-    out: list[KVCacheEvent] = []
+    out: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]] = []
     for e in events:
         if e.kind == "BlockStored":
             parent = None if e.parent_block_hash is None else external_hash(e.parent_block_hash)

@@ -78,6 +78,7 @@ class Drain:
             if now - self.started < self.timeout_s:
                 return False
             self._cut(now, f"still running after server.shutdown_timeout_s={self.timeout_s:g} s")
+        assert self.cut_at is not None  # _cut set it
         return now - self.cut_at >= CUT_GRACE_S
 
 
@@ -186,11 +187,10 @@ async def _serve(deployment: Deployment, build_engine: BuildEngine,
         print(f"appliance run: error: {e}", file=sys.stderr)
         await client.shutdown()
         return 1
+    tokenize_pool = ThreadPoolExecutor(cfg.server.tokenizer_threads, thread_name_prefix="appliance-tokenize",
+                                       initializer=_lower_priority)
     state = ServerState(deployment=deployment, client=client, tokenizer=tokenizer, metrics=metrics, api_keys=api_keys,
-                        internal_key=internal_key, tracing=_tracing(deployment, metrics),
-                        tokenize_pool=ThreadPoolExecutor(cfg.server.tokenizer_threads,
-                                                         thread_name_prefix="appliance-tokenize",
-                                                         initializer=_lower_priority))
+                        internal_key=internal_key, tracing=_tracing(deployment, metrics), tokenize_pool=tokenize_pool)
     server = _uvicorn_server(cfg, create_app(state), state, Drain(state, cfg.server.shutdown_timeout_s), fatal)
     _log_start(deployment, client.ready_info)
     try:
@@ -198,7 +198,7 @@ async def _serve(deployment: Deployment, build_engine: BuildEngine,
     finally:
         state.shutting_down = True
         await client.shutdown(timeout_s=cfg.server.shutdown_timeout_s)
-        state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        tokenize_pool.shutdown(wait=False, cancel_futures=True)
         if state.tracing is not None:
             state.tracing.shutdown()
     if fatal:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar, cast
 
 from appliance.sampling_params import SamplingParams
 from appliance.server.protocol import MAX_PROMPTS, OpenAIError, typed, token_id_list
@@ -182,8 +182,9 @@ def chat_prompt(st: ServerState, body: dict, tools: Optional[list[dict]] = None)
                                "'add_generation_prompt': false", param="continue_final_message")
     kwargs = template_kwargs(st.tokenizer, body, tools)
     try:
-        text = st.tokenizer.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=add_gen,
-                                                continue_final_message=cont, **kwargs)
+        text = str(st.tokenizer.apply_chat_template(conv, tools=cast(Any, tools), tokenize=False,
+                                                    add_generation_prompt=add_gen, continue_final_message=cont,
+                                                    **kwargs))
     except Exception as e:
         raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
     add_special = typed(body, "add_special_tokens", (bool,), False)  # the template writes them

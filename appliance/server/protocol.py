@@ -491,8 +491,8 @@ def now() -> int:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
-    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-         "total_tokens": prompt_tokens + completion_tokens}
+    u: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
     if cached:
         u["prompt_tokens_details"] = {"cached_tokens": cached}
     return u

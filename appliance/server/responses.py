@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Optional, Sequence, Union
 
 from appliance.engine.outputs import TokenLogprob
 from appliance.engine.parallel_sampling import Child
@@ -38,17 +38,17 @@ def token_text(tokenizer: PreTrainedTokenizerBase, as_ids: bool = False) -> Toke
     stays identifiable)."""
     if as_ids:
         return lambda tok: f"token_id:{tok}"
-    return lambda tok: tokenizer.decode([tok])
+    return lambda tok: str(tokenizer.decode([tok]))
 
 
 def format_logprobs(token_str: TokenText, mode: str, lps: Optional[Sequence[Optional[TokenLogprob]]],
                     text_offset: int) -> dict:
     """``mode`` "chat": ``{"content": [...]}``; "completion": the legacy
     tokens / token_logprobs / top_logprobs / text_offset lists."""
-    lps = [lp for lp in lps or () if lp is not None]
+    given = [lp for lp in lps or () if lp is not None]
     if mode == "chat":
         content = []
-        for lp in lps:
+        for lp in given:
             tok = token_str(lp.token_id)
             content.append({
                 "token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
@@ -56,7 +56,7 @@ def format_logprobs(token_str: TokenText, mode: str, lps: Optional[Sequence[Opti
                                  for i, v in lp.top],
             })
         return {"content": content}
-    return _legacy_logprobs(token_str, ((lp.token_id, lp) for lp in lps), text_offset)
+    return _legacy_logprobs(token_str, ((lp.token_id, lp) for lp in given), text_offset)
 
 
 def _legacy_logprobs(token_str: TokenText, entries: Iterable[tuple[int, Optional[TokenLogprob]]],
@@ -278,7 +278,7 @@ def chat_body(st: ServerState, gen: Generation, created: int, children: list[Chi
         if g.return_token_ids:
             choice["token_ids"] = c.token_ids
         choices.append(choice)
-    body = {
+    body: dict[str, Any] = {
         **_head(st, gen, "chat.completion", created),
         "choices": choices,
         "usage": usage(len(g.prompts[0]), sum(c.num_output_tokens for c in children),

@@ -116,6 +116,7 @@ def _format(body: dict) -> dict:
     if kind == "json_object":
         return {"response_format": {"type": "json_object"}}
     if kind == "json_schema":
+        assert isinstance(fmt, dict)  # it has a type
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"response_format": {"type": "json_schema", "json_schema": spec}}
     raise _bad("text", "'text' must be {'format': {'type': 'text' | 'json_object' | 'json_schema', ...}}")
@@ -187,7 +188,7 @@ class _Output:
         assert self.open is not None
         self.open["content"][0]["text"] += piece
         kind_event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
         return out + [self._event(kind_event, item_id=self.open["id"], output_index=len(self.items) - 1,
                                   content_index=0, delta=piece, **extra)]
 

@@ -58,7 +58,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, cast
 
 import httpx
 
@@ -130,19 +130,25 @@ class Router:
             if not kv_events or len(kv_events) != len(instances):
                 raise ValueError("router.policy=kv_aware needs router.kv_events: each instance's KV events endpoint, "
                                  "in the order of router.instances")
-            replays = list(kv_events_replay or [None] * len(kv_events))
+            replays: list[Optional[str]] = list(kv_events_replay) if kv_events_replay else [None] * len(kv_events)
             if len(replays) != len(kv_events):
                 raise ValueError("router.kv_events_replay: one replay endpoint per instance, in the order of "
                                  "router.instances")
             keys = None if kv_events_curve is None else curve_client_keys(*kv_events_curve)
             self.subscribers = [EventSubscriber(e, inst.index, kv_events_topic, r, keys)
                                 for e, inst, r in zip(kv_events, self.instances, replays)]
-        self.client: Optional[httpx.AsyncClient] = None
+        self.client: Optional[httpx.AsyncClient] = None  # made by start()
         self._poller: Optional[asyncio.Task] = None
         self.tracing: Optional[Tracing] = None  # server.otlp_traces_endpoint: a span per request, its context sent on
         self.trace_spans_dropped = 0
 
     # -- lifecycle ------------------------------------------------------------------
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The client the router reaches its instances with (while started)."""
+        assert self.client is not None, "the router is not started"
+        return self.client
+
     async def start(self) -> None:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout_s, connect=5.0))
         for s in self.subscribers:
@@ -156,7 +162,7 @@ class Router:
         for s in self.subscribers:
             s.stop()
         if self.client is not None:
-            await self.client.aclose()
+            await self.http.aclose()
 
     async def _poll_forever(self) -> None:
         while True:
@@ -167,10 +173,10 @@ class Router:
         """Every instance's health (and load, for least_load), concurrently."""
         async def one(inst: Instance) -> None:
             try:
-                r = await self.client.get(f"{inst.url}/health", timeout=5.0)
+                r = await self.http.get(f"{inst.url}/health", timeout=5.0)
                 healthy = r.status_code == 200
                 if healthy and self.policy == "least_load":
-                    m = await self.client.get(f"{inst.url}/metrics", timeout=5.0)
+                    m = await self.http.get(f"{inst.url}/metrics", timeout=5.0)
                     inst.load = parse_load(m.text)
             except httpx.HTTPError:
                 healthy = False
@@ -186,7 +192,7 @@ class Router:
         from appliance.server.prompts import chat_prompt
 
         if path.endswith("chat/completions"):
-            return chat_prompt(SimpleNamespace(tokenizer=self.tokenizer), body)[0]
+            return chat_prompt(cast(Any, SimpleNamespace(tokenizer=self.tokenizer)), body)[0]
         p = body.get("prompt")
         if isinstance(p, list) and p and isinstance(p[0], list):
             p = p[0]
@@ -254,10 +260,10 @@ class Router:
             if span is not None:
                 span.set_attribute("appliance.instance", inst.url)
             fwd = {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
-            req = self.client.build_request("POST", f"{inst.url}{path}", **self._post(body, fwd))
+            req = self.http.build_request("POST", f"{inst.url}{path}", **self._post(body, fwd))
             inst.in_flight += 1
             try:
-                resp = await self.client.send(req, stream=True)
+                resp = await self.http.send(req, stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 inst.in_flight -= 1
                 inst.healthy = False
@@ -305,7 +311,7 @@ class Router:
     async def _ask(self, inst: Instance, method: str, path: str, headers: dict) -> tuple[int, dict, bytes]:
         fwd = {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
         try:
-            r = await self.client.request(method, f"{inst.url}{path}", headers=fwd)
+            r = await self.http.request(method, f"{inst.url}{path}", headers=fwd)
         except httpx.TransportError as e:
             return _upstream_failed(inst, e)
         return r.status_code, {"content-type": r.headers.get("content-type", "application/json")}, r.content
@@ -335,7 +341,7 @@ class Router:
             tried.add(inst.url)
             inst.in_flight += 1
             try:
-                resp = await self.client.post(f"{inst.url}{path}", **self._post(pre, fwd))
+                resp = await self.http.post(f"{inst.url}{path}", **self._post(pre, fwd))
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 inst.healthy = False
                 log.warning("producer %s refused a prefill (%s); trying another", inst.url, e)

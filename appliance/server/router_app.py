@@ -58,7 +58,7 @@ def build_app(router: Router) -> Any:
         for inst in router.instances:
             if inst.healthy:
                 try:
-                    r = await router.client.get(f"{inst.url}/v1/models", timeout=10.0)
+                    r = await router.http.get(f"{inst.url}/v1/models", timeout=10.0)
                     return Response(content=r.content, status_code=r.status_code, media_type="application/json")
                 except httpx.HTTPError:
                     continue

@@ -45,9 +45,9 @@ class PrefixIndex:
                         parent = h
                 elif kind == "BlockRemoved":
                     for h in ev.block_hashes:
-                        key = self._key_of.pop(h, None)
-                        if key is not None and self._by_key.get(key) == h:
-                            del self._by_key[key]
+                        gone = self._key_of.pop(h, None)
+                        if gone is not None and self._by_key.get(gone) == h:
+                            del self._by_key[gone]
                 elif kind == "AllBlocksCleared":
                     self._by_key.clear()
                     self._key_of.clear()
@@ -107,7 +107,7 @@ class EventSubscriber(threading.Thread):
         from appliance.server.kv_events import KVEventBatch
 
         decoder = msgspec.msgpack.Decoder(KVEventBatch)
-        ctx = zmq.Context.instance()
+        ctx: Any = zmq.Context.instance()
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         self._curve_client(sock)
@@ -162,7 +162,7 @@ class EventSubscriber(threading.Thread):
         order, as far as they come without a gap; how many were applied."""
         import zmq
 
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock: Any = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         applied = 0
         try:

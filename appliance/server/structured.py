@@ -109,8 +109,8 @@ def constraint_from_body(body: dict, tools: Optional[ToolRequest]) -> tuple[Opti
     if so is not None:
         found.append(("structured_outputs", so))
     for key, kind in _GUIDED.items():
-        if body.get(key) is not None:
-            found.append((key, _from_structured_outputs({kind: body[key]})))
+        if body.get(key) is not None and (guided := _from_structured_outputs({kind: body[key]})) is not None:
+            found.append((key, guided))
     if tools is not None and (schema := tools.constraint_schema()) is not None:
         found.append(("tool_choice", StructuredOutputsParams(json=schema)))
     if len(found) > 1:
@@ -193,6 +193,7 @@ class ConstraintChecker:
                 self._spelling = TokenSpelling(info)
                 self._sandbox = CompileSandbox(info, cfg.num_threads, cfg.compile_timeout_s,
                                                cfg.compile_memory_mib << 20, cfg.num_threads)
+            assert self._spelling is not None  # made with the sandbox
             return self._sandbox, self._spelling
 
     def _tried(self, digest: bytes, trial: Future) -> None:

@@ -42,6 +42,7 @@ class ToolRequest:
     def constraint_schema(self) -> Optional[dict]:
         """The JSON schema that constrains generation for a forced choice; None for "none" and "auto"."""
         if self.choice == "named":
+            assert self.function is not None  # a named choice names its function
             return self.parameters(self.function)
         if self.choice != "required":
             return None
@@ -132,7 +133,9 @@ def parse_tools(body: dict) -> Optional[ToolRequest]:
     if not (tools or functions):
         return None
     if functions:
+        assert legacy_choice is not None  # a mode when its list is given
         return ToolRequest(functions, legacy_choice, legacy_function)
+    assert choice is not None
     return ToolRequest(tools, choice, function)
 
 

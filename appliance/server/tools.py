@@ -277,6 +277,7 @@ class ToolCallStream:
         elif fragment:
             out.append(ToolCallDelta(0, arguments=fragment))
         if final and self._named_id is not None and _parses(self._text):
+            assert self.function is not None  # named mode names its function
             self._calls.append(ToolCall(self._named_id, self.function, self._text))
         return out
 
@@ -300,19 +301,23 @@ class ToolCallStream:
         """Advances the current call object: its name delta once the name is known, then its arguments
         as they arrive; records the call when it closes."""
         call = self._call
+        assert call is not None  # only in the "call" state
         call.advance(self._text)
         out: list[Delta] = []
+        first = None
         if call.name is not None and call.id is None:
             call.id, call.index = _call_id(), self._started
             self._started += 1
-            out.append(ToolCallDelta(call.index, call.id, call.name))
+            first = ToolCallDelta(call.index, call.id, call.name)
+            out.append(first)
         if call.id is not None:
             fragment = call.take_arguments(self._text)
-            if out:
-                out[0].arguments = fragment
+            if first is not None:
+                first.arguments = fragment
             elif fragment:
                 out.append(ToolCallDelta(call.index, arguments=fragment))
         if call.end is not None:
+            assert call.id is not None and call.name is not None  # a call closes with its name, which gave it an id
             self._calls.append(ToolCall(call.id, call.name, call.arguments))
         return out
 
@@ -371,10 +376,12 @@ class ToolCallStream:
                     self._state, self.failed = "skip", True
             elif self._state == "call":
                 out += self._call_deltas()
-                if self._call.end is not None:
-                    self._pos, self._call, self._state = self._call.end, None, "close"
-                elif self._call.failed or final:
-                    self._pos, self._call, self._state, self.failed = self._call.pos, None, "skip", True
+                call = self._call
+                assert call is not None  # _call_deltas ran on it
+                if call.end is not None:
+                    self._pos, self._call, self._state = call.end, None, "close"
+                elif call.failed or final:
+                    self._pos, self._call, self._state, self.failed = call.pos, None, "skip", True
                 else:
                     return out
             elif self._state == "close":
