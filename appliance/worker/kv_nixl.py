@@ -168,7 +168,7 @@ class NixlWorker(P2PWorker):
         super().close()
         with self._agent_lock:
             for load in self._reading:
-                self._release(load)
+                self._release_read(load)
             self._reading.clear()
             if self._registered is not None:
                 self._agent.deregister_memory(self._registered)
@@ -258,20 +258,20 @@ class NixlWorker(P2PWorker):
             except Exception as e:  # the agent's error: the read is over
                 state = f"ERR ({type(e).__name__}: {e})"
             if state == "DONE":
-                if not self._release(load):
+                if not self._release_read(load):
                     return "the NIXL read could not be released"
                 return layers_problem(cached_layers(self._caches, load.spec.block_ids), self._caches[0].dtype,
                                       load.checksum)
             if state.startswith("ERR"):
-                self._release(load)
+                self._release_read(load)
                 return f"the NIXL read failed: {state}"
             if now < load.deadline:
                 return READING
-            if not self._release(load):  # still writing into our blocks: the load stays until it can end
+            if not self._release_read(load):  # still writing into our blocks: the load stays until it can end
                 return READING
         return "the NIXL read did not end before the producer's hold (or this consumer's timeout)"
 
-    def _release(self, load: _Load) -> bool:
+    def _release_read(self, load: _Load) -> bool:
         """(under the agent lock) Release a load's read, aborting it if it
         still moves; whether it is released."""
         try:

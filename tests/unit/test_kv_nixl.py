@@ -4,7 +4,8 @@ producer's prefill straight out of its KV cache through NIXL's UCX backend
 adds a producer's agent once; a fetch that fails (another engine, other
 tokens, nobody listening) is computed instead; a producer's answer that
 does not fit this cache is refused before anything is read; a read that
-does not end in time is aborted before its load is given up; the caches of
+does not end in time is aborted before its load is given up; a transfer it
+will not fetch is released at its producer; the caches of
 other dtypes move as they are; a machine without NIXL, or without a
 backend asked for, is told so."""
 
@@ -184,6 +185,25 @@ def test_a_read_past_its_deadline_ends_only_once_aborted():
     assert load.reading == "handle" and worker._agent.released == []
     assert "did not end" in worker._progress(load, now=12.0)
     assert worker._agent.released == ["handle"] and load.reading is None
+
+
+def test_a_nixl_consumer_tells_a_producer_what_it_will_not_fetch():
+    """The puller's release of a transfer is p2p's message to the producer, from a NIXL consumer too (NIXL's
+    release of a read handle is a method of its own, which once took its name: the puller's call raised)."""
+    sent = []
+
+    class _Socket:
+        def send_multipart(self, frames, flags=0):
+            sent.append(frames)
+
+        def close(self):
+            pass
+
+    worker = NixlWorker.__new__(NixlWorker)  # the release alone: no agent, no sockets of its own
+    worker._socket = lambda host, port, limit: _Socket()
+    worker._done = lambda transfer: [transfer.encode()]
+    worker._release("127.0.0.1", 5, "t-1")
+    assert sent == [[b"t-1"]]
 
 
 def test_without_nixl_the_connector_says_what_to_install(monkeypatch):
