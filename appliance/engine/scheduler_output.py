@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from appliance.engine.request import Request
+    from appliance.sampling_params import SamplingParams
 
 
 @dataclass
@@ -22,7 +23,7 @@ class NewRequestData:
     num_prompt_tokens: int
     block_ids: tuple[list[int], ...]  # per KV-cache group
     num_computed_tokens: int
-    sampling_params: object
+    sampling_params: SamplingParams
     resumed: bool = False
     # the last of the computed tokens whose KV a KV connector supplied: the target's, not a draft model's
     num_external_tokens: int = 0

@@ -18,7 +18,8 @@ from __future__ import annotations
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional, Sequence, Union
+from functools import partial
+from typing import Any, Callable, Optional, Sequence, Union, cast
 
 import torch
 
@@ -39,7 +40,7 @@ def _threads() -> ThreadPoolExecutor:
 def _host_bytes(data: torch.Tensor) -> memoryview:
     if not data.is_contiguous():
         raise ValueError("KV bytes are hashed from a contiguous tensor")
-    return memoryview(data.detach().cpu().view(torch.uint8).reshape(-1).numpy())
+    return memoryview(cast(Any, data.detach().cpu().view(torch.uint8).reshape(-1).numpy()))
 
 
 def kv_digest(data: Union[torch.Tensor, Buffer]) -> str:
@@ -94,14 +95,18 @@ def layers_problem(layers: Sequence[Layer], dtype: torch.dtype, checksum: object
 
 def gathered_layers(data: torch.Tensor) -> list[Layer]:
     """The layers of blocks gathered into one tensor, ``[layers, 2, blocks, ...]`` uint8."""
-    return [lambda layer=layer: data[layer] for layer in range(data.shape[0])]
+    return [partial(data.__getitem__, layer) for layer in range(data.shape[0])]
 
 
 def cached_layers(caches: list[torch.Tensor], block_ids: list[int]) -> list[Layer]:
     """The layers of blocks where they lie: each layer's K and V of
     ``block_ids`` (in that order) gathered as bytes when hashed."""
     ids = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
-    return [lambda c=c: c.view(torch.uint8).index_select(1, ids) for c in caches]
+    return [partial(_blocks_of, c, ids) for c in caches]
+
+
+def _blocks_of(cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return cache.view(torch.uint8).index_select(1, ids)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

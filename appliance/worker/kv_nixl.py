@@ -53,7 +53,7 @@ import torch
 
 from appliance.engine.kv_p2p import P2PMetadata, RecvSpec, seal, token_digest
 from appliance.worker.kv_checksum import cached_layers, kv_digest, layers_digest, layers_problem
-from appliance.worker.kv_p2p import READING, P2PWorker, _Load, _Send
+from appliance.worker.kv_p2p import READING, P2PWorker, _Load, _Send, is_int
 
 log = logging.getLogger("appliance.kv_nixl")
 
@@ -192,7 +192,7 @@ class NixlWorker(P2PWorker):
         blocks = spec.block_ids[first:first + count]
         metadata = metadata if msg.get("metadata") is True else b""
         header = {**geometry, "transfer": spec.transfer_id, "digest": token_digest(spec.token_ids[:tokens]),
-                  "agent": self.agent_name, "blocks": blocks, "checksum": layers_digest(cached_layers(self._caches, blocks)),
+                  "agent": self.agent_name, "blocks": blocks, "checksum": layers_digest(cached_layers(self.caches, blocks)),
                   "metadata_checksum": kv_digest(metadata), "hold_s": max(0.0, send.deadline - time.monotonic())}
         return seal(self._key, b"ok", msgspec.msgpack.encode(header), metadata)
 
@@ -214,6 +214,7 @@ class NixlWorker(P2PWorker):
         if problem is not None:
             log.debug("request %s: the producer's answer does not fit this cache: %s", spec.request_id, problem)
             return "an answer that does not fit this cache (another KV layout?)"
+        assert ours is not None  # _answer_problem refuses a cache not registered yet
         metadata = payload_frame.bytes
         if kv_digest(metadata) != header.get("metadata_checksum"):
             return "NIXL metadata that does not match its checksum"
@@ -260,7 +261,7 @@ class NixlWorker(P2PWorker):
             if state == "DONE":
                 if not self._release_read(load):
                     return "the NIXL read could not be released"
-                return layers_problem(cached_layers(self._caches, load.spec.block_ids), self._caches[0].dtype,
+                return layers_problem(cached_layers(self.caches, load.spec.block_ids), self.caches[0].dtype,
                                       load.checksum)
             if state.startswith("ERR"):
                 self._release_read(load)
@@ -283,10 +284,6 @@ class NixlWorker(P2PWorker):
         return True
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _answer_problem(header: dict, ours: Optional[dict], peer: str, count: int) -> Optional[str]:
     """Why a producer's answer (past its digest) cannot be read into this
     cache, or None."""
@@ -295,15 +292,15 @@ def _answer_problem(header: dict, ours: Optional[dict], peer: str, count: int) -
     if header.get("agent") != peer:
         return f"the answer names NIXL agent {str(header.get('agent'))[:80]!r}, not {peer!r}"
     regions, blocks, num_blocks = header.get("regions"), header.get("blocks"), header.get("num_blocks")
-    if not isinstance(regions, list) or len(regions) != len(ours["regions"]) or not all(map(_is_int, regions)):
+    if not isinstance(regions, list) or len(regions) != len(ours["regions"]) or not all(map(is_int, regions)):
         return f"the producer's cache has {len(regions) if isinstance(regions, list) else '?'} layers, not " \
                f"{len(ours['regions'])}"
     if header.get("block_bytes") != ours["block_bytes"]:
         return f"the producer's blocks take {header.get('block_bytes')} bytes, not {ours['block_bytes']}"
-    if not _is_int(num_blocks) or not _is_int(header.get("device")) or header.get("mem") not in ("DRAM", "VRAM"):
+    if not is_int(num_blocks) or not is_int(header.get("device")) or header.get("mem") not in ("DRAM", "VRAM"):
         return "a malformed answer (its cache's place)"
     if (not isinstance(blocks, list) or len(blocks) != count
-            or not all(_is_int(b) and 0 <= b < num_blocks for b in blocks)):
+            or not all(is_int(b) and 0 <= b < num_blocks for b in blocks)):
         return "the answer's blocks are not the transfer's"
     hold = header.get("hold_s")
     if not isinstance(hold, (int, float)) or isinstance(hold, bool):

@@ -34,7 +34,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -128,7 +128,7 @@ class HostTierWorker(_Tier):
         self.max_bytes, self.agree, self._layers = max_bytes, agree, []
         self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # least recently used first
         self._bytes = 0
-        self._copying: list[tuple[bytes, torch.Tensor, object]] = []  # (hash, block, CUDA event or None)
+        self._copying: list[tuple[bytes, torch.Tensor, Any]] = []  # (hash, block, CUDA event or None)
         self._dropped: list[bytes] = []
 
     def _load(self, meta: OffloadMetadata, kv_caches: list[torch.Tensor]) -> None:

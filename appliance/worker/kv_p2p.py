@@ -54,7 +54,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, TypeGuard, cast
 
 import msgspec
 import torch
@@ -104,6 +104,11 @@ def _close_open_workers() -> None:
         worker.close()
 
 
+
+def is_int(v: Any) -> TypeGuard[int]:
+    """An int from a peer's message (a bool is not one)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
 class P2PWorker(KVConnectorWorker):
     """One rank's transfers (see the module docstring; nothing is saved per
     layer: a producer's blocks are read when their consumer asks). An engine core of
@@ -150,6 +155,12 @@ class P2PWorker(KVConnectorWorker):
         _OPEN.add(self)
 
     # -- the model runner's calls ------------------------------------------------------
+    @property
+    def caches(self) -> list[torch.Tensor]:
+        """The KV caches the model runner hands over with every step (transfers start with one)."""
+        assert self._caches is not None, "no step has handed the KV caches over yet"
+        return self._caches
+
     def start_load_kv(self, meta: Optional[P2PMetadata], kv_caches: list[torch.Tensor]) -> None:
         """Register the step's finished prefills for their consumers and start
         the step's loads (in the background; ``get_finished`` says when)."""
@@ -160,10 +171,10 @@ class P2PWorker(KVConnectorWorker):
             for spec in meta.sends:  # a failed step hands them over again: once is enough
                 if spec.transfer_id not in self._sends and spec.transfer_id not in self._ended:
                     self._sends[spec.transfer_id] = _Send(spec, time.monotonic() + spec.timeout_s)
-        for spec in meta.recvs:
-            if spec.request_id not in self._known:
-                self._known.add(spec.request_id)
-                self._recvs.put(spec)
+        for recv in meta.recvs:
+            if recv.request_id not in self._known:
+                self._known.add(recv.request_id)
+                self._recvs.put(recv)
         for host, port, transfer in meta.releases:
             self._recvs.put((host, port + self.peer_offset, transfer))
 
@@ -282,7 +293,7 @@ class P2PWorker(KVConnectorWorker):
         if msg.get("layout") != self.layout:
             return self._error(b"another KV layout (model, dtype or block shape differ)")
         n = len(spec.block_ids)
-        if (not all(isinstance(v, int) and not isinstance(v, bool) for v in (first, count, tokens))
+        if (not (is_int(first) and is_int(count) and is_int(tokens))
                 or not 0 <= first < first + count <= n or not 0 < tokens <= len(spec.token_ids)):
             return self._error(b"blocks or tokens outside the transfer")
         return self._serve_blocks(send, first, count, tokens, msg)
@@ -291,13 +302,13 @@ class P2PWorker(KVConnectorWorker):
         """The answer to a valid pull of the transfer's blocks ``first`` to
         ``first + count``: their K and V and its checksum, with the digest of
         its first ``tokens`` tokens."""
-        spec, caches = send.spec, self._caches
+        spec, caches = send.spec, self.caches
         data = gather_blocks(caches, spec.block_ids[first:first + count])
         shape = [len(caches), caches[0].shape[0], count, *caches[0].shape[2:]]
         header = msgspec.msgpack.encode({"transfer": spec.transfer_id, "digest": token_digest(spec.token_ids[:tokens]),
                                          "shape": shape, "dtype": dtype_name(caches[0].dtype),
                                          "checksum": layers_digest(gathered_layers(data))})
-        return seal(self._key, b"ok", header, memoryview(data.numpy()))
+        return seal(self._key, b"ok", header, memoryview(cast(Any, data.numpy())))
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -413,8 +424,8 @@ class P2PWorker(KVConnectorWorker):
 
     def _answer_bytes(self, spec: RecvSpec) -> int:
         """The most an answer to a pull of ``spec`` may take (past its header): the blocks' K and V."""
-        like = self._caches[0]
-        return len(self._caches) * like[:, 0].numel() * like.element_size() * len(spec.block_ids)
+        like = self.caches[0]
+        return len(self.caches) * like[:, 0].numel() * like.element_size() * len(spec.block_ids)
 
     def _pull_fields(self, spec: RecvSpec) -> dict:
         """What else a pull asks for (none here)."""
@@ -440,7 +451,7 @@ class P2PWorker(KVConnectorWorker):
 
     def _take(self, load: _Load, header: dict, payload_frame: Any) -> Optional[str]:
         """Write the blocks a valid answer carries; why it could not be, or None."""
-        spec, caches = load.spec, self._caches
+        spec, caches = load.spec, self.caches
         like = caches[0]
         shape = [len(caches), like.shape[0], len(spec.block_ids), *like.shape[2:]]
         if header.get("shape") != shape or header.get("dtype") != dtype_name(like.dtype):

@@ -47,7 +47,7 @@ which calls the backend per layer for attention.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import numpy as np
 import torch
@@ -291,7 +291,7 @@ class ModelRunner:
             return self._execute(so, out)
         except Exception as e:
             # what a KV connector reported finished is not lost with the step (the engine core applies it)
-            e.kv_connector_output = out.kv_connector_output
+            cast(Any, e).kv_connector_output = out.kv_connector_output
             raise
 
     @torch.inference_mode()
@@ -390,6 +390,7 @@ class ModelRunner:
         row = 0
         for s, start, end in spans:
             n = end - start
+            assert s.params.prompt_logprobs is not None  # the spans are of requests that asked
             out.prompt_logprobs[s.req_id] = (start + 1, prompt_logprobs(
                 logits[row : row + n], s.token_ids[start + 1 : end + 1], s.params.prompt_logprobs))
             row += n
@@ -424,6 +425,7 @@ class ModelRunner:
                 emitted, lps = verify_drafts(logits[starts[j] : starts[j + 1]], rows, s.spec, self.generator, q)
                 s.num_computed_tokens -= nd + 1 - len(emitted)  # rejected positions are recomputed
                 accepted = len(emitted) - 1
+                assert self.proposer is not None  # drafts come from it
                 s.draft_limit = min(self.proposer.k, s.draft_limit + 1) if accepted == nd else accepted + 1
                 s.draft_computed += min(accepted, s.draft_fed)  # fed drafts that proved real
                 self._emit(s, emitted, lps, out)

@@ -208,10 +208,12 @@ def init_rank(group: RankGroup, rank: int, init_method: str, segments: Optional[
     elif segments is not None or (cores is not None and tp * pp == 1):  # one rank: no segments of its core
         from appliance.kernels.shm_comm import ShmComm
 
-        def link(s: int, member: int) -> tuple[Any, int]:
-            return ShmComm(segments[f"link{s}"], member, tp + 1, timeout_s), 0
+        segs = segments or {}  # none only for one rank alone, which needs none
 
-        comms = RankCollectives(tp=ShmComm(segments[f"tp{stage}"], tp_rank, tp, timeout_s) if tp > 1 else None,
+        def link(s: int, member: int) -> tuple[Any, int]:
+            return ShmComm(segs[f"link{s}"], member, tp + 1, timeout_s), 0
+
+        comms = RankCollectives(tp=ShmComm(segs[f"tp{stage}"], tp_rank, tp, timeout_s) if tp > 1 else None,
                                 receive=link(stage - 1, 1 + tp_rank) if stage > 0 else None,
                                 send=link(stage, 0) if sends else None)
         if cores is not None:  # this rank's peers in the other cores: a segment per stage and tensor-parallel index

@@ -162,13 +162,13 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest], default_generator: t
         if unseeded:
             q[unseeded] = exp1(vocab, default_generator, len(unseeded))
         for j, i in enumerate(rand):
-            if reqs[i].generator is not None:
-                q[j] = exp1(vocab, reqs[i].generator)[0]
+            if (gen := reqs[i].generator) is not None:
+                q[j] = exp1(vocab, gen)[0]
         for i, t in zip(rand, (probs / q).argmax(dim=-1).tolist()):
             tokens[i] = t
     logprobs: list[Optional[TokenLogprobs]] = []
     for i, r in enumerate(reqs):
-        if not want_lp[i]:
+        if raw_lp is None or r.params.logprobs is None:
             logprobs.append(None)
             continue
         logprobs.append(_token_logprobs(raw_lp[i], tokens[i], r.params.logprobs))
@@ -261,5 +261,6 @@ def verify_drafts(logits: torch.Tensor, rows: list[SampleRequest], drafts: list[
         else:
             j = len(drafts)
             emitted.append(_race(_probs(logits[j], p, normalize=False), rows[j].generator or default_generator))
-    logprobs = [None if raw_lp is None else _token_logprobs(raw_lp[j], tok, p.logprobs) for j, tok in enumerate(emitted)]
+    logprobs = [None if raw_lp is None or p.logprobs is None else _token_logprobs(raw_lp[j], tok, p.logprobs)
+                for j, tok in enumerate(emitted)]
     return emitted, logprobs
