@@ -91,7 +91,7 @@ class AttentionBackend:
             raise ValueError(f"the {cls.name} backend has no {kv_cache_dtype} KV cache")
         return cls.kv_dtypes[kv_cache_dtype]
 
-    def build_native_forward(self, model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    def build_native_forward(self, model: torch.nn.Module) -> Callable[..., Optional[torch.Tensor]]:
         """The whole-step forward of ``model`` (backends with ``native_forward``)."""
         raise NotImplementedError(f"the {self.name} backend has no native forward")
 

@@ -39,7 +39,8 @@ class _Router:
     the C frames; it is kept and raised once the step returns."""
 
     def __init__(self, route: Any):
-        self.route, self.error = route, None
+        self.route = route
+        self.error: Optional[BaseException] = None
         self.fn = RouteFn(self)
 
     def __call__(self, logits_ptr: int, t: int, n_experts: int, k: int, ids_ptr: int, weights_ptr: int) -> None:
@@ -67,7 +68,8 @@ class _Reducer:
     kept, the call reports failure and the step stops there."""
 
     def __init__(self, comm: Any):
-        self.comm, self.error = comm, None
+        self.comm = comm
+        self.error: Optional[BaseException] = None
         self.fn = ReduceFn(self)
 
     def __call__(self, _ctx: int, data: int, n: int) -> int:
@@ -144,7 +146,7 @@ class NativeForward:
             arch.head_dim, arch.vocab_size, cos.shape[0], arch.rms_norm_eps, arch.head_dim ** -0.5, 0,
             int(embed is not None and embed.dtype == torch.bfloat16), _ptr(embed),
             self._hold(weights.final_norm) if last else None, self._hold(cos), self._hold(sin),
-            self._lm_head.struct if last else Linear(), ctypes.cast(self._layers, ctypes.POINTER(Layer)),
+            self._lm_head.struct if self._lm_head is not None else Linear(), ctypes.cast(self._layers, ctypes.POINTER(Layer)),
         )
         if cos.shape[1] != arch.rope_dim:
             raise ValueError(f"rope tables of {cos.shape[1]} channels for a rope over {arch.rope_dim} of each head")

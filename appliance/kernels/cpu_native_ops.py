@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 
@@ -436,7 +436,7 @@ class NativeLinear:
                     module.weight_q4 = torch.empty(0, dtype=torch.uint8)
                 else:
                     module.weight_q8 = torch.empty(0, dtype=torch.int8)
-                module.q_scale = module.q_min = torch.empty(0, dtype=qparams.dtype)
+                module.q_scale = module.q_min = torch.empty(0, dtype=cast(torch.Tensor, qparams).dtype)
             elif wtype in (WTYPE_I8, WTYPE_I8A8):
                 module.weight_int8 = torch.empty(0, dtype=torch.int8)
                 if wtype == WTYPE_I8A8:

@@ -84,7 +84,7 @@ class FlashAttn3Backend(AttentionBackend):
             self.provider, self._fn = load_fa3(q.dtype, self.kv_cache_dtype)
         fp8 = kv_cache.dtype == torch.float8_e4m3fn
         self.write_kv(k, v, kv_cache, md.common.slot_mapping)
-        kw = {}
+        kw: dict[str, Any] = {}
         if fp8:
             shape = (md.common.num_reqs, self.num_kv_heads)
             kw = {

@@ -77,7 +77,10 @@ def fused_experts(x: torch.Tensor, w31: torch.Tensor, w2: torch.Tensor, weights:
     local = w31.shape[0]
     if num_slots % local or first % local:
         raise ValueError(f"slots {first}..{first + local - 1} of {num_slots} are not one of even ranks' shares")
-    out = (kernel or _kernel())(x.contiguous(), ids.to(torch.int32).contiguous(), weights.float().contiguous(),
+    run = kernel or _kernel()
+    if run is None:
+        raise RuntimeError("FlashInfer's fused MoE does not import here")
+    out = run(x.contiguous(), ids.to(torch.int32).contiguous(), weights.float().contiguous(),
                                 w31, w2, x.dtype, quant_scales=None, ep_size=num_slots // local,
                                 ep_rank=first // local)
     return out[0] if isinstance(out, (list, tuple)) else out

@@ -25,7 +25,7 @@ Layouts (Marlin's, as vLLM and sgl-kernel define them):
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 
@@ -102,7 +102,7 @@ def pack_zero_points(z: torch.Tensor) -> torch.Tensor:
     g, n = z.shape
     zp = z.to(torch.int64).reshape(-1, len(SCALE_PERM))[:, SCALE_PERM]
     zp = zp.reshape(-1, 8)[:, ZERO_INTERLEAVE].reshape(g, n)
-    words = sum(zp[:, i::8] << (4 * i) for i in range(8))
+    words = cast(torch.Tensor, sum(zp[:, i::8] << (4 * i) for i in range(8)))
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 

@@ -77,7 +77,7 @@ def _libraries(module) -> list[str]:
     roots = list(getattr(top, "__path__", [])) or [os.path.dirname(getattr(top, "__file__", "") or ".")]
     files = [f for r in roots for f in glob.glob(os.path.join(r, "**", "*.so"), recursive=True)]
     if not getattr(top, "__path__", None) and getattr(top, "__file__", "").endswith(".so"):
-        files.append(top.__file__)
+        files.append(str(top.__file__))
     return sorted(set(files))
 
 
@@ -97,7 +97,7 @@ def _probe(module: str, needs: frozenset[str]) -> Optional[str]:
         mod = importlib.import_module(module)
     except Exception as e:  # ImportError, or a library that does not load (built for another torch or CUDA)
         return f"does not import: {type(e).__name__}: {e}".splitlines()[0]
-    target = mod
+    target: Any = mod
     for part in p.kernel.split(".") if p.kernel else ():
         target = getattr(target, part, None)
         if target is None:
@@ -128,7 +128,7 @@ def host_notes(module: str, cfg: Any, dtype: str) -> list[str]:
 
 def first_usable(modules: tuple[str, ...], needs: frozenset[str] = frozenset()) -> tuple[Optional[str], list[str]]:
     """(the first of ``modules`` that serves, the reason each one before it does not)."""
-    rejected = []
+    rejected: list[str] = []
     for module in modules:
         why = probe(module, needs)
         if why is None:

@@ -116,6 +116,7 @@ class BackendCapabilities:
         tile = self.kv_tile(cfg, dtype)
         if tile == 0:
             target = hw.compute_capability
+            assert target is not None  # a tile is computed only for a named target
             need = triton_attention_shared_bytes(TRITON_MIN_KV_TILE, cfg.model.head_dim, DTYPE_BYTES[dtype],
                                                  triton_block_m(cfg.model.num_heads, cfg.model.num_kv_heads), target)
             reasons.append(f"head_dim {cfg.model.head_dim} in {dtype} needs about {need} bytes of shared memory per "
@@ -136,6 +137,7 @@ class BackendCapabilities:
         tile = self.kv_tile(cfg, dtype)
         if tile and tile < cfg.cache.block_size:
             target = cfg.hardware.compute_capability
+            assert target is not None  # a tile is computed only for a named target
             return [f"reads each {cfg.cache.block_size}-token KV block in tiles of {tile} keys: a whole block "
                     f"(head_dim {cfg.model.head_dim}, {dtype}) would take more shared memory than a thread block "
                     f"has on {target} ({shared_memory_limit(target)} bytes)"]

@@ -111,6 +111,7 @@ class ShmComm:
         ctx = ShmReduceCtx(self._base, self.rank, self.world_size, self.slot_bytes, self.timeout_ns,
                            ctypes.pointer(self._seq))
         fn = ctypes.cast(_LIB.appl_shm_reduce_f32, _p).value
+        assert fn is not None  # the library exports it
         return fn, ctypes.addressof(ctx), ctx
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:

@@ -34,7 +34,8 @@ class TorchSDPABackend(AttentionBackend):
     def build_metadata(self, common: CommonAttentionMetadata) -> SDPAMetadata:
         qsl = common.query_start_loc_cpu
         seq_lens = common.seq_lens_cpu
-        decode, prefill = [], []
+        decode: list[int] = []
+        prefill: list[int] = []
         for i in range(common.num_reqs):
             (decode if qsl[i + 1] - qsl[i] == 1 else prefill).append(i)
         decode_mask = decode_bt = None
@@ -86,6 +87,7 @@ class TorchSDPABackend(AttentionBackend):
         bs = c.block_size
         gqa = self.num_heads != self.num_kv_heads
         if md.decode_bt is not None:
+            assert md.decode_mask is not None  # made with the block table
             n = md.decode_bt.shape[0]
             kv = kv_cache[:, md.decode_bt]  # one gather for K and V: [2, n, blocks, block_size, kvh, d]
             kk = kv[0].view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
