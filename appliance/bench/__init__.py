@@ -11,6 +11,7 @@ KINDS = {
     "throughput": "appliance.bench.throughput",
     "serve": "appliance.bench.serve",
     "apis": "appliance.bench.apis",
+    "beams": "appliance.bench.beams",
     "latency": "appliance.bench.latency",
     "long-context": "appliance.bench.long_context",
     "mix": "appliance.bench.mix",

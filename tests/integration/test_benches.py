@@ -241,6 +241,23 @@ def test_mix_starts_its_own_server(out, cli):
     assert (out / "mix.png").stat().st_size > 0
 
 
+def test_beams_against_samples_and_hf(out, cli):
+    r = cli("bench", "beams", *TINY, "cache.block_size=4", "--beams", "2,3", "--num-prompts", "2", "--input-len", "6",
+            "--output-len", "5", "--repeat", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    res = load(out, "beams")
+    assert set(res["widths"]) == {"2", "3"}
+    for n, w in res["widths"].items():
+        tokens = 2 * int(n) * 5  # every sequence decodes --output-len tokens
+        assert w["beam"]["tokens"] == w["sample"]["tokens"] == w["hf"]["tokens"] == tokens
+        assert w["beam"]["kv_blocks_copied"] > 0 and w["sample"]["kv_blocks_copied"] == 0  # forks mid-block
+        assert len(w["beam"]["runs_elapsed_s"]) == 2 and w["beam"]["elapsed_s"] in w["beam"]["runs_elapsed_s"]
+        assert w["ratio_vs_hf"] == pytest.approx(w["beam"]["tok_s"] / w["hf"]["tok_s"])
+        assert w["beam_vs_sample"] == pytest.approx(w["beam"]["tok_s"] / w["sample"]["tok_s"])
+        assert 0 < w["beam"]["bandwidth_fraction"] and w["beam"]["steps"] >= 5
+    assert (out / "beams.png").stat().st_size > 0
+
+
 def test_spec(out, cli):
     r = cli("bench", "spec", *TINY, "--output-len", "12", "--concurrency", "1,2", "--repeat", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr
