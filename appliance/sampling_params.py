@@ -129,7 +129,7 @@ class SamplingParams:
         for name, used in _NOT_WITH_BEAMS:
             if used(self):
                 bad(f"'{name}' does not apply to beam search (not built yet for 'use_beam_search': true)", name)
-        per_beam = max(2, 2 + len(set(self.stop_token_ids)))  # transformers' beams_to_keep, the EOS counted
+        per_beam = 2 + len(set(self.stop_token_ids))  # transformers' max(2, 1 + stop tokens), the EOS one of them
         if self.n * per_beam > MAX_BEAM_CANDIDATES:
             bad(f"beam search ranks n x {per_beam} candidates a step (n beams, {per_beam} each with "
                 f"{len(set(self.stop_token_ids))} stop_token_ids), at most {MAX_BEAM_CANDIDATES}: n={self.n} is too "
