@@ -49,7 +49,6 @@ from appliance.server.responses import (ToolOutput, chat_body, chat_events, comp
                                         tool_output)
 from appliance.server.structured import ConstraintChecker, constraint_from_body
 from appliance.server.tool_requests import ToolRequest, parse_tools
-from appliance.server.response_store import ResponseStore
 from appliance.server.state import ServerState
 from appliance.server.tracing import RequestSpan
 
@@ -323,17 +322,16 @@ async def responses(request: Request) -> Response:
         history: list[dict] = []
         previous = typed(body, "previous_response_id", (str,))
         if previous is not None:
-            found = _stored(st).get(tenant, previous)
+            found = st.stored_responses.get(tenant, previous)
             if found is None:
-                raise OpenAIError(404, f"no stored response '{previous[:80]}'", param="previous_response_id",
-                                  code="not_found")
+                raise _not_stored(previous, "previous_response_id")
             history = found.conversation
         chat = responses_api.chat_request(body, history)
         gen, calls, stream = await _as_chat(request, st, chat, span, "resp")
 
         def keep(response: dict) -> None:
             if store:
-                _stored(st).put(tenant, response, responses_api.conversation(chat, response))
+                st.stored_responses.put(tenant, response, responses_api.conversation(chat, response))
 
         if not stream:
             response = responses_api.response_body(st, gen, body, now(), (await gen.collect(request))[0], calls)
@@ -342,26 +340,25 @@ async def responses(request: Request) -> Response:
         return _sse_stream(responses_api.response_events(st, gen, body, calls, keep))
 
 
-def _stored(st: ServerState) -> ResponseStore:
-    assert st.stored_responses is not None  # made with the state
-    return st.stored_responses
+def _not_stored(response_id: str, param: Optional[str] = None) -> OpenAIError:
+    return OpenAIError(404, f"no stored response '{response_id[:80]}'", param=param, code="not_found")
 
 
 @get("/v1/responses/{response_id:str}")
 async def get_response(request: Request) -> Response:
     """A stored response, to the API key that made it."""
     st, response_id = _state(request), request.path_params["response_id"]
-    found = _stored(st).get(_check_auth(request, st), response_id)
+    found = st.stored_responses.get(_check_auth(request, st), response_id)
     if found is None:
-        raise OpenAIError(404, f"no stored response '{response_id[:80]}'", code="not_found")
+        raise _not_stored(response_id)
     return _json(found.response)
 
 
 @delete("/v1/responses/{response_id:str}", status_code=200)
 async def delete_response(request: Request) -> Response:
     st, response_id = _state(request), request.path_params["response_id"]
-    if not _stored(st).delete(_check_auth(request, st), response_id):
-        raise OpenAIError(404, f"no stored response '{response_id[:80]}'", code="not_found")
+    if not st.stored_responses.delete(_check_auth(request, st), response_id):
+        raise _not_stored(response_id)
     return _json({"id": response_id, "object": "response", "deleted": True})
 
 

@@ -105,9 +105,11 @@ def prepare(input_path: str, output_path: str) -> tuple[list, int]:
 
 
 async def run_batch(url: str, input_path: str, output_path: str, headers: Optional[dict] = None,
-                    max_concurrency: int = 64, progress: bool = True) -> dict:
-    """Every line of ``input_path`` through the server at ``url`` into ``output_path``; what was done."""
-    parsed, start = prepare(input_path, output_path)
+                    max_concurrency: int = 64, progress: bool = True,
+                    prepared: Optional[tuple[list, int]] = None) -> dict:
+    """Every line of ``input_path`` through the server at ``url`` into ``output_path``; what was done.
+    ``prepared``: what ``prepare`` made of them, if it ran already."""
+    parsed, start = prepared if prepared is not None else prepare(input_path, output_path)
     results: dict[int, dict] = {}
     sem = asyncio.Semaphore(max_concurrency)
     bar = tqdm(total=len(parsed), initial=start, desc="run-batch", disable=not progress)
@@ -140,7 +142,7 @@ def run_batch_cli(input_path: str, output_path: str, overrides: list[str], max_c
     """Start the deployment on loopback, run the batch through it, stop it."""
     from appliance.server.local import LocalServer
 
-    parsed, start = prepare(input_path, output_path)  # a wrong output is refused before anything starts
+    prepared = parsed, start = prepare(input_path, output_path)  # a wrong output is refused before anything starts
     if start == len(parsed):
         print(f"run-batch: {output_path} already holds all {start} results")
         return 0
@@ -148,7 +150,7 @@ def run_batch_cli(input_path: str, output_path: str, overrides: list[str], max_c
     server = LocalServer([*overrides, f"server.api_key={key}"], ready_path="/ready")
     try:
         done = asyncio.run(run_batch(server.url, input_path, output_path, {"Authorization": f"Bearer {key}"},
-                                     max_concurrency))
+                                     max_concurrency, prepared=prepared))
     finally:
         server.stop()
     print(f"run-batch: {done['written']} results written to {output_path}"

@@ -36,12 +36,11 @@ class ServerState:
     generations: set[Generation] = field(default_factory=set)  # running generations (a drain cuts them)
     cut_reason: Optional[str] = None  # set when a drain has cut running generations
     tracing: Optional[Tracing] = None  # server.otlp_traces_endpoint: a span per request
-    stored_responses: Optional[ResponseStore] = None  # the Responses API's store (made from the config when None)
+    stored_responses: ResponseStore = field(init=False)  # the Responses API's store, made from the config
 
     def __post_init__(self) -> None:
-        if self.stored_responses is None:
-            s = self.cfg.server
-            self.stored_responses = ResponseStore(s.responses_store_max, s.responses_store_mib << 20)
+        s = self.cfg.server
+        self.stored_responses = ResponseStore(s.responses_store_max, s.responses_store_mib << 20)
 
     @property
     def resolved(self) -> ResolvedConfig:

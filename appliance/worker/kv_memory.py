@@ -26,7 +26,8 @@ def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> 
 def copy_kv_blocks(caches: Sequence[torch.Tensor], copies: Sequence[tuple[int, int]]) -> None:
     """Copy each (src, dst) block's K and V in every cache tensor (the backends' layout, ``[2, blocks, ...]``;
     a tensor that several layers share is copied once): the forks of beam search, before a step writes."""
-    src = torch.tensor([s for s, _ in copies], dtype=torch.int64)
-    dst = torch.tensor([d for _, d in copies], dtype=torch.int64)
+    device = caches[0].device  # one rank's caches share it
+    src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
+    dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=device)
     for cache in {id(c): c for c in caches}.values():
-        cache[:, dst.to(cache.device)] = cache[:, src.to(cache.device)]
+        cache[:, dst] = cache[:, src]

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from appliance.worker.kv_memory import zeroed_kv_cache
+from appliance.worker.kv_memory import copy_kv_blocks, zeroed_kv_cache
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
@@ -40,3 +40,18 @@ def test_start_up_writes_none_of_the_budget():
     t[:64].fill_(1.0)  # 32 MiB written
     grown = _resident_bytes() - before
     assert 32 << 20 <= grown < 96 << 20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_forked_blocks_are_copied_in_every_kv_dtype(dtype):
+    """Beam search's copies on write: each (src, dst) block's K and V, bit for bit, in every tensor (one that two
+    layers share, as KV-cache groups do, too), every other block as it was."""
+    shape = (2, 6, 4, 2, 8)  # [K/V, blocks, block_size, kv heads, head_dim]
+    a = torch.randn(shape).to(dtype)
+    b = torch.randn(shape).to(dtype)
+    before_a, before_b = a.clone(), b.clone()
+    copy_kv_blocks([a, b, a], [(1, 4), (2, 5)])
+    for cache, before in ((a, before_a), (b, before_b)):
+        raw, old = cache.view(torch.uint8), before.view(torch.uint8)
+        assert torch.equal(raw[:, 4], old[:, 1]) and torch.equal(raw[:, 5], old[:, 2])
+        assert torch.equal(raw[:, :4], old[:, :4])
