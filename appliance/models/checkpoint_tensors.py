@@ -20,7 +20,7 @@ from appliance.errors import ModelLoadError
 from appliance.models.fp8 import CHECKPOINT_TENSORS as FP8_TENSORS
 from appliance.models.int4_checkpoints import UNPACK
 from appliance.models.mxfp4 import expert_weight_from_mxfp4
-from appliance.models.layers.linear import packed_target
+from appliance.models.layers.linear import Projections
 from appliance.models.layers.parallel import fused_shard_rows, tensor_shard
 from appliance.models.llama import canonical_name
 
@@ -35,6 +35,7 @@ class CheckpointTensors:
         self.model, self.arch, self.full_arch = model, model.arch, full_arch  # arch: this rank's dimensions
         self.tp, self.ep, self.dtype, self.device, self.method = tp, ep, dtype, device, method
         self.expected = dict(model.named_parameters())
+        self.projections = Projections(model)  # which linear (and rows) each checkpoint projection fills
         self.loaded: set[str] = set()
         self.packed_rows: dict[str, int] = {}  # packed (or stacked expert) parameter -> rows filled so far
         self.int4_parts: dict[str, dict[str, torch.Tensor]] = {}  # AWQ/GPTQ projection weight name -> its tensors
@@ -76,33 +77,40 @@ class CheckpointTensors:
             self.mxfp4_parts.setdefault(f"{prefix}.{stem}", {})[part] = sf.get_tensor(stored)
             return
         if ".mlp.experts." in name and not getattr(model, "stacked_experts", False):
-            self.loaded |= _load_expert(model, sf, stored, name, self.full_arch, tp, self.ep, self.expected,
-                                        self.dtype, self.device, self.packed_rows)
+            self.loaded |= _load_expert(model, sf, stored, name, self._shard(name) if self.ep is None else None,
+                                        self.expected, self.dtype, self.device, self.packed_rows)
             return
-        packed = packed_target(arch, name)
-        target = packed[0] if packed else name
+        fill = self.projections.find(name)
+        packed = fill is not None and fill.packed
+        target = fill.target if fill is not None else name
         if target not in self.expected:
             if "rotary_emb" in name:
                 return
             raise ModelLoadError(f"{file_name}: unexpected tensor {name} for {arch.architecture}")
-        fused = fused_shard_rows(self.full_arch, tp.rank, tp.size, name) if tp else None
+        fused = fused_shard_rows(self.full_arch, tp.rank, tp.size, name, self.projections) if tp else None
         if fused is not None:  # a fused projection (Phi-3's): the rank's rows of each part, in order
             whole = sf.get_slice(stored)
             t = torch.cat([whole[start:stop] for start, stop in fused])
         else:
-            t = _read_shard(sf, stored, tensor_shard(self.full_arch, tp.rank, tp.size, name) if tp else None)
+            t = _read_shard(sf, stored, self._shard(name))
         want = tuple(self.expected[target].shape)
-        if packed:
-            want = (packed[2],) + want[1:]
+        if fill is not None and packed:
+            first, rows = fill.rows
+            want = (rows,) + want[1:]
         if tuple(t.shape) != want:
             raise ModelLoadError(f"{file_name}: tensor {name} has shape {tuple(t.shape)}, the model expects {want}")
-        if packed:
-            self._fill_rows(target, packed[1], packed[2], t)
+        if fill is not None and packed:
+            self._fill_rows(target, first, rows, t)
             return
         router = name.endswith(".mlp.gate.weight")  # routers stay fp32 (gpt-oss's runs in the model's dtype)
         set_module_tensor_to_device(model, name, self.device, value=t,
                                     dtype=torch.float32 if router else self.dtype)
         self.loaded.add(name)
+
+    def _shard(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of checkpoint tensor ``name`` that this rank holds; None: all of it."""
+        tp = self.tp
+        return None if tp is None else tensor_shard(self.full_arch, tp.rank, tp.size, name, self.projections)
 
     def _fill_rows(self, target: str, first: int, rows: int, t: Any) -> None:
         """Rows ``first:first + rows`` of the fused parameter ``target``,
@@ -129,21 +137,22 @@ class CheckpointTensors:
             blocks, others = ({local: v for name, v in d.items() if (local := model.local_name(name)) is not None}
                               for d in gguf_blocks)
             try:
-                self.loaded |= keep_gguf_blocks(model, _rank_blocks(blocks, full_arch, tp, ep), others)
+                self.loaded |= keep_gguf_blocks(model, _rank_blocks(blocks, full_arch, tp, ep, self.projections),
+                                                others)
             except ValueError as e:
                 raise ModelLoadError(f"model.path={model_path}: {e}") from None
         if self.int4_parts:
             qc = hf.get("quantization_config") or {}
             bits = qc.get("bits", qc.get("w_bit", 4))
             self.loaded |= _install_int4_checkpoint(model, self.method, self.int4_parts, folder, bits, full_arch,
-                                                    tp, ep)
+                                                    tp, ep, self.projections)
         if self.fp8_parts:
             from appliance.models.fp8 import install_fp8
 
             block = (hf.get("quantization_config") or {}).get("weight_block_size")
             try:
                 self.loaded |= install_fp8(model, self.fp8_parts, _checkpoint_activations(hf), block, full_arch,
-                                           tp, ep)
+                                           tp, ep, self.projections)
             except ValueError as e:
                 raise ModelLoadError(f"{folder}: {e}") from None
         for target, parts in self.mxfp4_parts.items():
@@ -161,7 +170,7 @@ class CheckpointTensors:
             t = expert_weight_from_mxfp4(parts["blocks"], parts["scales"])
         except ValueError as e:
             raise ModelLoadError(f"{folder}: {target}: {e}") from None
-        shard = tensor_shard(self.full_arch, self.tp.rank, self.tp.size, target) if self.tp else None
+        shard = self._shard(target)
         if shard is not None:  # this rank's channels of the whole projection
             dim, start, stop = shard
             t = t.narrow(dim, start, stop - start)
@@ -227,7 +236,7 @@ def _set_kv_scales(model: Any, scales: dict[int, dict[str, torch.Tensor]], folde
 
 
 def _install_int4_checkpoint(model: Any, method: str, parts: dict[str, dict], folder: Path, bits: int,
-                             full_arch: Any, tp: Any, ep: Any) -> set[str]:
+                             full_arch: Any, tp: Any, ep: Any, projections: Projections) -> set[str]:
     """The AWQ/GPTQ projections as int4 (or, 8-bit, grouped int8) linears
     (with ``tp``, this rank's part of each); the module weights they fill."""
     from appliance.models.int4_checkpoints import checkpoint_blocks
@@ -235,12 +244,13 @@ def _install_int4_checkpoint(model: Any, method: str, parts: dict[str, dict], fo
 
     try:
         blocks = {name: checkpoint_blocks(method, p, bits) for name, p in parts.items()}
-        return install_int4(model, _rank_blocks(blocks, full_arch, tp, ep), method)
+        return install_int4(model, _rank_blocks(blocks, full_arch, tp, ep, projections), method)
     except ValueError as e:
         raise ModelLoadError(f"{folder}: {e}") from None
 
 
-def _rank_blocks(blocks: dict[str, tuple], full_arch: Any, tp: Any, ep: Any = None) -> dict[str, tuple]:
+def _rank_blocks(blocks: dict[str, tuple], full_arch: Any, tp: Any, ep: Any,
+                 projections: Projections) -> dict[str, tuple]:
     """Whole projections' blocks cut to a tensor-parallel rank's part (as is
     without ``tp``); with expert parallelism (``ep``) the experts stay whole
     (a rank takes its own experts' blocks, ``quant.install_expert_blocks``)."""
@@ -249,7 +259,8 @@ def _rank_blocks(blocks: dict[str, tuple], full_arch: Any, tp: Any, ep: Any = No
     if tp is None:
         return blocks
     whole = {name: b for name, b in blocks.items() if ep is not None and ".mlp.experts." in name}
-    return {**shard_blocks(full_arch, tp.rank, tp.size, {n: b for n, b in blocks.items() if n not in whole}), **whole}
+    mine = shard_blocks(full_arch, tp.rank, tp.size, {n: b for n, b in blocks.items() if n not in whole}, projections)
+    return {**mine, **whole}
 
 
 def _read_shard(sf: Any, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
@@ -269,16 +280,15 @@ def _read_shard(sf: Any, name: str, shard: tuple[int, int, int] | None) -> torch
     return t
 
 
-def _load_expert(model: Any, sf: Any, stored: str, name: str, full_arch: Any, tp: Any, ep: Any,
+def _load_expert(model: Any, sf: Any, stored: str, name: str, shard: tuple[int, int, int] | None,
                  expected: dict, dtype: Any, device: Any, filled: dict[str, int]) -> set[str]:
     """Copy one expert projection into every slot of its layer's stacked
     weight that holds the expert (this rank's slice of it under tensor
-    parallelism; nothing for an expert other ranks hold); the stacked
-    weights this completed."""
+    parallelism, ``shard``; nothing for an expert other ranks hold); the
+    stacked weights this completed."""
     targets = model.expert_targets(name)
     if not targets:
         return set()
-    shard = tensor_shard(full_arch, tp.rank, tp.size, name) if tp is not None and ep is None else None
     t = _read_shard(sf, stored, shard)
     done = set()
     for target, slot, start, rows in targets:

@@ -23,11 +23,13 @@ per call and an ordinary GEMM in the activation dtype; correct, not fast.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from appliance.models.layers.linear import Projections, replace_linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -178,7 +180,8 @@ def _row_scales(p: dict[str, torch.Tensor], block: list[int] | None) -> torch.Te
 
 
 def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], activations: bool,
-                block: list[int] | None = None, full_arch: Any = None, tp: Any = None, ep: Any = None) -> set[str]:
+                block: list[int] | None = None, full_arch: Any = None, tp: Any = None, ep: Any = None,
+                projections: Optional[Projections] = None) -> set[str]:
     """An fp8 checkpoint's projections (by checkpoint weight name: its
     ``weight``, ``weight_scale`` and optional ``input_scale``; with
     ``block`` = weight_block_size, ``weight_scale_inv`` per block) as
@@ -186,13 +189,13 @@ def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], act
     scales on its rows and the largest static input scale (as vLLM takes).
     With ``tp`` (a ``layers.parallel.TensorParallel``; ``full_arch`` the whole
     model's), each part is cut to the rank's rows or inputs as
-    ``llama.tensor_shard`` cuts a dense weight, its scales with it (block
+    ``layers.parallel.tensor_shard`` cuts a dense weight (``projections``:
+    the model's linears, found here when not given), its scales with it (block
     scales by whole blocks of inputs). Experts' projections
     (``...mlp.experts.E.gate_proj.weight``) become their layers' experts
     (``install_fp8_experts``): each rank's slice of every expert, or with
     expert parallelism (``ep``) its whole experts. Returns the module
     weight names replaced."""
-    from appliance.models.layers.linear import fused_parts, replace_linear
     from appliance.models.layers.parallel import tensor_shard
 
     experts = {name: p for name, p in parts.items() if ".mlp.experts." in name}
@@ -204,12 +207,13 @@ def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], act
         if missing:
             raise ValueError(f"fp8 projection {name} lacks {', '.join(missing)}")
     parts_all, parts = parts, {name: p for name, p in parts.items() if name not in experts}
-    groups = fused_parts(model.arch, parts)
+    projections = projections or Projections(model)
+    groups = projections.fused_parts(parts)
 
     def rank_part(name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight, scales on its rows) of this rank."""
         weight, scale = parts_all[name]["weight"], _row_scales(parts_all[name], block)
-        span = None if tp is None else tensor_shard(full_arch, tp.rank, tp.size, name)
+        span = None if tp is None else tensor_shard(full_arch, tp.rank, tp.size, name, projections)
         if span is None:
             return weight, scale
         dim, start, stop = span

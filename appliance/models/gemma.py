@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from appliance.models.arch import ModelArch
 from appliance.models.layers.attention import Attention
+from appliance.models.layers.decoder import LayerSpec
 from appliance.models.layers.mlp import MLP
 from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.parallel import TensorParallel
@@ -55,39 +55,23 @@ class Gemma3Attention(Attention):
 class GeGLU(MLP):
     """The gated MLP with GELU (tanh approximation) on the gate."""
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out = self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        if self.tp is not None:
-            self.tp.comm.all_reduce(out)
-        return out
+    def activation(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh")
 
 
-class GemmaDecoderLayer(nn.Module):
-    """Normed attention and MLP, each output normed again before its residual
-    add; a local layer takes the local rope rows (``GemmaForCausalLM.rope_rows``)."""
+def _gemma_attention(arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None) -> Attention:
+    return (Gemma3Attention if arch.qk_norm else Attention)(arch, backend, tp)
 
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
-                 index: int = 0, ep: Optional[ExpertParallel] = None):
-        super().__init__()
-        self.local = index in arch.sliding_layers
-        eps = arch.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(arch.hidden_size, eps)
-        self.self_attn = (Gemma3Attention if arch.qk_norm else Attention)(arch, backend, tp)
-        self.post_attention_layernorm = GemmaRMSNorm(arch.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(arch.hidden_size, eps)
-        self.mlp = GeGLU(arch, tp)
-        self.post_feedforward_layernorm = GemmaRMSNorm(arch.hidden_size, eps)
 
-    def forward(self, x, cos, sin, kv_cache, attn_metadata):
-        c, s = cos[self.local], sin[self.local]
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), c, s, kv_cache, attn_metadata))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+def _geglu(arch: ModelArch, tp: Optional[TensorParallel], index: int, ep: Optional[ExpertParallel]) -> GeGLU:
+    return GeGLU(arch, tp)
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
-    layer_class = GemmaDecoderLayer
-    norm_class = GemmaRMSNorm
+    # normed attention and MLP, each output normed again before its residual add; a local layer takes the
+    # local rope rows (``rope_rows``)
+    layer_spec = LayerSpec(norm=GemmaRMSNorm, norms="sandwich", attention=_gemma_attention, mlp=_geglu,
+                           local_rope=True)
     llama_layers = False  # weights_view cannot describe them
     rope_local: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # the local layers' (cos, sin), by rope_cache
 
@@ -103,7 +87,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
             self.rope_local = (cos.to(dtype), sin.to(dtype))
 
     def rope_rows(self, positions: torch.Tensor) -> tuple[Any, Any]:
-        """(global, local) cos rows and sin rows: a layer takes its kind's (``GemmaDecoderLayer.local``)."""
+        """(global, local) cos rows and sin rows: a layer takes its kind's (``DecoderLayer.rope_kind``)."""
         assert self.rope is not None and self.rope_local is not None
         (cos, sin), (cos_l, sin_l) = self.rope, self.rope_local
         return ((cos[positions].unsqueeze(1), cos_l[positions].unsqueeze(1)),

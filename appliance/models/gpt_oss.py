@@ -22,14 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from appliance.models.arch import ModelArch
-from appliance.models.layers.attention import Attention
+from appliance.models.layers.decoder import LayerSpec
 from appliance.models.layers.moe import grouped_experts
 from appliance.models.layers.norm import WeightFirstRMSNorm
 from appliance.models.layers.parallel import TensorParallel
 from appliance.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from appliance.kernels.base import AttentionBackend
     from appliance.models.layers.moe import ExpertParallel
 
 
@@ -79,27 +78,15 @@ class GptOssMoe(nn.Module):
         return out
 
 
-class GptOssDecoderLayer(nn.Module):
-    """Attention (with sinks), then the experts, each after its norm and before its residual add."""
-
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
-                 index: int = 0, ep: Optional[ExpertParallel] = None):
-        super().__init__()
-        self.input_layernorm = WeightFirstRMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, backend, tp)
-        self.post_attention_layernorm = WeightFirstRMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = GptOssMoe(arch, tp)
-        self.sparse = False  # its experts are its own, not the Llama family's (no EPLB, no expert installing)
-
-    def forward(self, x, cos, sin, kv_cache, attn_metadata):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+def _experts(arch: ModelArch, tp: Optional[TensorParallel], index: int, ep: Optional[ExpertParallel]) -> GptOssMoe:
+    # its experts are its own, not the Llama family's (no EPLB, no expert installing)
+    return GptOssMoe(arch, tp)
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
     family = "gpt_oss"
-    layer_class = GptOssDecoderLayer
-    norm_class = WeightFirstRMSNorm
+    # attention (with sinks), then the experts, each after its norm and before its residual add
+    layer_spec = LayerSpec(norm=WeightFirstRMSNorm, mlp=_experts)
     llama_layers = False  # weights_view cannot describe them
     stacked_experts = True  # the checkpoint's expert tensors are the parameters, as stored
 

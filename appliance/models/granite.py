@@ -7,28 +7,15 @@ apply them: on ``cpu_native`` the layers run one by one over its attention."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from appliance.models.arch import ModelArch
-from appliance.models.llama import DecoderLayer, LlamaForCausalLM
-
-
-class GraniteDecoderLayer(DecoderLayer):
-    def __init__(self, arch: ModelArch, *args: Any, **kwargs: Any):
-        super().__init__(arch, *args, **kwargs)
-        self.residual_multiplier = arch.residual_multiplier
-
-    def forward(self, x, cos, sin, kv_cache, attn_metadata):
-        r = self.residual_multiplier
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_metadata) * r
-        return x + self.mlp(self.post_attention_layernorm(x)) * r
+from appliance.models.layers.decoder import LayerSpec
+from appliance.models.llama import LlamaForCausalLM
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
     family = "granite"
-    layer_class = GraniteDecoderLayer
+    layer_spec = LayerSpec(residual_multiplier=True)
     llama_layers = False  # weights_view cannot carry the multipliers
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ projects only the rows in ``logits_indices`` (the last scheduled position
 of each sampling request) through the LM head. Parameter names follow
 Hugging Face's so checkpoints load by name, except the packed projections
 (``qkv_proj`` = q|k|v, ``gate_up_proj`` = gate|up), which the loader fills
-from the checkpoint's separate tensors (``layers.linear.PACKED``).
+from the checkpoint's separate tensors as the linears declare
+(``layers.linear``).
 """
 
 from __future__ import annotations
@@ -24,10 +25,8 @@ import torch.nn.functional as F
 
 from appliance.config.architectures import support
 from appliance.models.arch import ModelArch
-from appliance.models.layers.attention import Attention
-from appliance.models.layers.mlp import MLP
+from appliance.models.layers.decoder import DEFAULT_SPEC, DecoderLayer, LayerSpec
 from appliance.models.layers.moe import ExpertParallel, SparseMoe
-from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.parallel import PipelineParallel, TensorParallel, shard_arch
 from appliance.models.layers.rotary import rope_long_rows, rope_tables
 
@@ -51,34 +50,13 @@ def canonical_name(name: str) -> str:
     return name
 
 
-class DecoderLayer(nn.Module):
-    """Layer ``index`` of the whole model: attention, then a dense MLP or,
-    in a sparse layer, the router and experts (``SparseMoe``)."""
-
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
-                 index: int = 0, ep: Optional[ExpertParallel] = None):
-        super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, backend, tp)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.sparse = index in arch.sparse_layers
-        if self.sparse:
-            self.mlp = SparseMoe(arch, ep.comm if ep is not None else (tp.comm if tp is not None else None), ep)
-        else:
-            self.mlp = MLP(arch, tp)
-
-    def forward(self, x, cos, sin, kv_cache, attn_metadata):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class Backbone(nn.Module):
     """The decoder layers a rank holds (all, or a pipeline stage's), with the
     embedding and the final norm where the stage needs them."""
 
     def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
                  layers: Optional[range] = None, embed: bool = True, norm: bool = True,
-                 ep: Optional[ExpertParallel] = None, layer_class: Any = None, norm_class: Any = RMSNorm):
+                 ep: Optional[ExpertParallel] = None, spec: LayerSpec = DEFAULT_SPEC):
         super().__init__()
         if embed:
             # filled by the loader: no random init (nn.Embedding's normal_ on the loader's meta
@@ -86,9 +64,9 @@ class Backbone(nn.Module):
             self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
                                              _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         held = range(arch.num_layers) if layers is None else layers
-        self.layers = nn.ModuleList((layer_class or DecoderLayer)(arch, backend, tp, i, ep) for i in held)
+        self.layers = nn.ModuleList(DecoderLayer(spec, arch, backend, tp, i, ep) for i in held)
         if norm:
-            self.norm = norm_class(arch.hidden_size, arch.rms_norm_eps)
+            self.norm = spec.norm(arch.hidden_size, arch.rms_norm_eps)
 
 
 @dataclass(frozen=True)
@@ -142,8 +120,7 @@ class LlamaForCausalLM(nn.Module):
     maps a checkpoint's names)."""
 
     family = "llama"  # the architecture rows (config/architectures.py) this class builds
-    layer_class: Any = DecoderLayer
-    norm_class: Any = RMSNorm  # the final norm's
+    layer_spec = DEFAULT_SPEC  # its decoder layers (``layers.decoder``); the final norm is ``layer_spec.norm``
     llama_layers = True  # its layers are the Llama family's, as ``weights_view`` describes them
 
     def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
@@ -161,8 +138,7 @@ class LlamaForCausalLM(nn.Module):
         self.holds_embedding = first or (last and arch.tie_word_embeddings)
         self.holds_head = last
         self.model = Backbone(arch, backend, tp, None if pp is None else range(pp.start, pp.end),
-                              embed=self.holds_embedding, norm=last, ep=ep, layer_class=self.layer_class,
-                              norm_class=self.norm_class)
+                              embed=self.holds_embedding, norm=last, ep=ep, spec=self.layer_spec)
         if not arch.tie_word_embeddings and last:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         # (cos, sin) [positions, head_dim] in the model dtype, set by rope_cache(); a

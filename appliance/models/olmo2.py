@@ -11,18 +11,16 @@ import dataclasses
 from typing import TYPE_CHECKING, Optional
 
 import torch
-from torch import nn
 
 from appliance.models.arch import ModelArch
 from appliance.models.layers.attention import Attention
-from appliance.models.layers.mlp import MLP
+from appliance.models.layers.decoder import LayerSpec, dense
 from appliance.models.layers.norm import WeightFirstRMSNorm
 from appliance.models.layers.parallel import TensorParallel
 from appliance.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from appliance.kernels.base import AttentionBackend
-    from appliance.models.layers.moe import ExpertParallel
 
 
 class Olmo2Attention(Attention):
@@ -53,24 +51,8 @@ class Olmo2Attention(Attention):
                 v.reshape(t, self.num_kv_heads, self.head_dim))
 
 
-class Olmo2DecoderLayer(nn.Module):
-    """Attention, then the MLP, each followed by its norm before the residual add."""
-
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
-                 index: int = 0, ep: Optional[ExpertParallel] = None):
-        super().__init__()
-        self.self_attn = Olmo2Attention(arch, backend, tp)
-        self.post_attention_layernorm = WeightFirstRMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch, tp)
-        self.post_feedforward_layernorm = WeightFirstRMSNorm(arch.hidden_size, arch.rms_norm_eps)
-
-    def forward(self, x, cos, sin, kv_cache, attn_metadata):
-        x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, kv_cache, attn_metadata))
-        return x + self.post_feedforward_layernorm(self.mlp(x))
-
-
 class Olmo2ForCausalLM(LlamaForCausalLM):
     family = "olmo2"
-    layer_class = Olmo2DecoderLayer
-    norm_class = WeightFirstRMSNorm
+    # attention, then the MLP, each followed by its norm before the residual add
+    layer_spec = LayerSpec(norm=WeightFirstRMSNorm, norms="post", attention=Olmo2Attention, mlp=dense)
     llama_layers = False  # weights_view cannot describe them

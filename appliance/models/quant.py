@@ -393,13 +393,13 @@ def install_int4(model: nn.Module, blocks: dict[str, tuple], method: str = "int4
     become their layers' experts (``install_expert_blocks``, labelled
     ``method``). Returns the module weight names replaced (every part of a
     fused projection must be given)."""
-    from appliance.models.layers.linear import fused_parts, replace_linear
+    from appliance.models.layers.linear import Projections, replace_linear
 
     experts = {name: b for name, b in blocks.items() if ".mlp.experts." in name}
     filled = install_expert_blocks(model, experts, method) if experts else set()
     blocks = {name: b for name, b in blocks.items() if name not in experts}
     arch = model.arch
-    parts = fused_parts(arch, (n for n in blocks if n != "lm_head.weight"))
+    parts = Projections(model).fused_parts(n for n in blocks if n != "lm_head.weight")
 
     def linear(names: list[str], target: str, bias: torch.Tensor | None) -> nn.Module:
         return block_linear([blocks[n] for n in names], target, bias)

@@ -285,30 +285,41 @@ def test_served_layout_answers_as_one_rank(tiny_reference, layout):
 
 
 # -- the pieces ------------------------------------------------------------------------
+def _projections(arch):
+    """The linears of a model of ``arch``, as the loaders find them (built on the meta device: no weights)."""
+    from appliance.models.layers.linear import Projections
+    from appliance.models.llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        return Projections(LlamaForCausalLM(arch, backend=None))
+
+
 def test_each_rank_reads_its_rows_and_columns():
     arch = ModelArch("LlamaForCausalLM", 2, 64, 128, 4, 2, 16, 500, 1024, 1e4, 1e-5, True)
+    lin = _projections(arch)
     assert padded_vocab(500, 2) == 512 and shard_arch(arch, 2).vocab_size == 256
     local = shard_arch(arch, 4)
     assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (1, 1, 32)
     layer = "model.layers.1."
-    assert tensor_shard(arch, 1, 2, layer + "self_attn.q_proj.weight") == (0, 32, 64)
-    assert tensor_shard(arch, 1, 2, layer + "self_attn.k_proj.weight") == (0, 16, 32)
-    assert tensor_shard(arch, 3, 4, layer + "self_attn.v_proj.weight") == (0, 16, 32)  # KV head 1, shared by 2 and 3
-    assert tensor_shard(arch, 2, 4, layer + "self_attn.v_proj.weight") == (0, 16, 32)
-    assert tensor_shard(arch, 1, 4, layer + "self_attn.k_proj.weight") == (0, 0, 16)
-    assert tensor_shard(arch, 1, 2, layer + "self_attn.o_proj.weight") == (1, 32, 64)
-    assert tensor_shard(arch, 1, 2, layer + "mlp.up_proj.weight") == (0, 64, 128)
-    assert tensor_shard(arch, 0, 2, layer + "mlp.down_proj.weight") == (1, 0, 64)
-    assert tensor_shard(arch, 1, 2, "model.embed_tokens.weight") == (0, 256, 512)  # past 500: zero rows
-    assert tensor_shard(arch, 1, 2, layer + "input_layernorm.weight") is None
+    assert tensor_shard(arch, 1, 2, layer + "self_attn.q_proj.weight", lin) == (0, 32, 64)
+    assert tensor_shard(arch, 1, 2, layer + "self_attn.k_proj.weight", lin) == (0, 16, 32)
+    # KV head 1, shared by ranks 2 and 3
+    assert tensor_shard(arch, 3, 4, layer + "self_attn.v_proj.weight", lin) == (0, 16, 32)
+    assert tensor_shard(arch, 2, 4, layer + "self_attn.v_proj.weight", lin) == (0, 16, 32)
+    assert tensor_shard(arch, 1, 4, layer + "self_attn.k_proj.weight", lin) == (0, 0, 16)
+    assert tensor_shard(arch, 1, 2, layer + "self_attn.o_proj.weight", lin) == (1, 32, 64)
+    assert tensor_shard(arch, 1, 2, layer + "mlp.up_proj.weight", lin) == (0, 64, 128)
+    assert tensor_shard(arch, 0, 2, layer + "mlp.down_proj.weight", lin) == (1, 0, 64)
+    assert tensor_shard(arch, 1, 2, "model.embed_tokens.weight", lin) == (0, 256, 512)  # past 500: zero rows
+    assert tensor_shard(arch, 1, 2, layer + "input_layernorm.weight", lin) is None
     # a fused projection (Phi-3's): each part's rows of the rank, in order; not one range
-    assert fused_shard_rows(arch, 1, 2, layer + "self_attn.qkv_proj.weight") == [(32, 64), (64 + 16, 64 + 32),
-                                                                               (96 + 16, 96 + 32)]
-    assert fused_shard_rows(arch, 3, 4, layer + "mlp.gate_up_proj.weight") == [(96, 128), (128 + 96, 128 + 128)]
-    assert fused_shard_rows(arch, 1, 2, layer + "self_attn.q_proj.weight") is None
+    assert fused_shard_rows(arch, 1, 2, layer + "self_attn.qkv_proj.weight", lin) == [
+        (32, 64), (64 + 16, 64 + 32), (96 + 16, 96 + 32)]
+    assert fused_shard_rows(arch, 3, 4, layer + "mlp.gate_up_proj.weight", lin) == [(96, 128), (128 + 96, 128 + 128)]
+    assert fused_shard_rows(arch, 1, 2, layer + "self_attn.q_proj.weight", lin) is None
     with pytest.raises(ValueError, match="fused projection's rows of one tensor-parallel rank are cut for "
                                          "unquantized weights only"):
-        tensor_shard(arch, 1, 2, layer + "self_attn.qkv_proj.weight")
+        tensor_shard(arch, 1, 2, layer + "self_attn.qkv_proj.weight", lin)
 
 
 def test_quantized_blocks_are_cut_as_their_dense_weights():
@@ -324,6 +335,7 @@ def test_quantized_blocks_are_cut_as_their_dense_weights():
         return q, sc.float(), -(sc.float() * z.float())
 
     arch = ModelArch("LlamaForCausalLM", 2, 64, 128, 4, 2, 16, 500, 1024, 1e4, 1e-5, False)
+    lin = _projections(arch)
     g = torch.Generator().manual_seed(0)
     layer = "model.layers.0."
     shapes = {layer + "self_attn.q_proj.weight": (64, 64), layer + "self_attn.k_proj.weight": (32, 64),
@@ -332,9 +344,9 @@ def test_quantized_blocks_are_cut_as_their_dense_weights():
     blocks = {n: quantize_groups_int4(torch.randn(*shape, generator=g), 16) for n, shape in shapes.items()}
     for tp in (2, 4):
         for rank in range(tp):
-            ours = shard_blocks(arch, rank, tp, blocks)
+            ours = shard_blocks(arch, rank, tp, blocks, lin)
             for name, b in blocks.items():
-                dim, start, stop = tensor_shard(arch, rank, tp, name)
+                dim, start, stop = tensor_shard(arch, rank, tp, name, lin)
                 whole = dequantize_int4(*b)
                 if name == "lm_head.weight":
                     whole = torch.cat([whole, torch.zeros(padded_vocab(500, tp) - 500, 64)])
@@ -343,12 +355,12 @@ def test_quantized_blocks_are_cut_as_their_dense_weights():
     perm = torch.randperm(64, generator=g)
     act_order = {layer + "self_attn.o_proj.weight": (*blocks[layer + "self_attn.o_proj.weight"], perm)}
     with pytest.raises(ValueError, match="act-order"):
-        shard_blocks(arch, 0, 2, act_order)
+        shard_blocks(arch, 0, 2, act_order, lin)
     coarse = {layer + "mlp.down_proj.weight": quantize_groups_int4(torch.randn(64, 128, generator=g), 128)}
     with pytest.raises(ValueError, match="cut its groups of 128"):
-        shard_blocks(arch, 0, 2, coarse)
+        shard_blocks(arch, 0, 2, coarse, lin)
     q_act = {layer + "self_attn.q_proj.weight": (*blocks[layer + "self_attn.q_proj.weight"], perm)}
-    assert torch.equal(shard_blocks(arch, 1, 2, q_act)[layer + "self_attn.q_proj.weight"][3], perm)  # inputs whole
+    assert torch.equal(shard_blocks(arch, 1, 2, q_act, lin)[layer + "self_attn.q_proj.weight"][3], perm)  # inputs whole
 
 
 def test_stages_split_the_layers_and_read_their_own_tensors():

@@ -11,10 +11,10 @@ import math
 from typing import TYPE_CHECKING, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from appliance.models.arch import ModelArch
+from appliance.models.layers.linear import QKVParallelLinear, RowParallelLinear, row_parallel_output
 from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.parallel import TensorParallel
 from appliance.models.layers.rotary import apply_rope
@@ -30,9 +30,9 @@ class Attention(nn.Module):
         h, kv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
         # q, k and v projections packed into one GEMM (rows q | k | v).
-        self.qkv_proj = nn.Linear(arch.hidden_size, (h + 2 * kv) * d, bias=arch.qkv_bias)
+        self.qkv_proj = QKVParallelLinear(arch, bias=arch.qkv_bias)
         self.q_size, self.kv_size = h * d, kv * d
-        self.o_proj = nn.Linear(h * d, arch.hidden_size, bias=arch.o_bias)
+        self.o_proj = RowParallelLinear(h * d, arch.hidden_size, "o_proj", "q", bias=arch.o_bias)
         # a logit per head beside its scores in the softmax, its probability dropped (the checkpoint's)
         self.sinks = nn.Parameter(torch.empty(h), requires_grad=False) if arch.attention_sinks else None
         if arch.qk_norm:
@@ -69,10 +69,4 @@ class Attention(nn.Module):
             out = self.backend.forward(q, k, v, kv_cache, attn_metadata)
         else:
             out = self.backend.forward(q, k, v, kv_cache, attn_metadata, sinks=self.sinks)
-        out = out.reshape(t, self.num_heads * self.head_dim)
-        if self.tp is None:
-            return self.o_proj(out)
-        # a biased o_proj's bias once in the sum: rank 0's
-        out = self.o_proj(out) if self.tp.rank == 0 or self.o_proj.bias is None else F.linear(out, self.o_proj.weight)
-        self.tp.comm.all_reduce(out)
-        return out
+        return row_parallel_output(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), self.tp)

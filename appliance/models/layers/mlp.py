@@ -1,14 +1,17 @@
-"""The dense gated MLP: one packed gate|up projection, SiLU(gate) * up, the
-down projection (all-reduced across tensor-parallel ranks)."""
+"""The dense gated MLP: one packed gate|up projection, act(gate) * up (SiLU;
+a subclass's ``activation``), the down projection (all-reduced across
+tensor-parallel ranks)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import nn
 import torch.nn.functional as F
 
 from appliance.models.arch import ModelArch
+from appliance.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear, row_parallel_output
 from appliance.models.layers.parallel import TensorParallel
 
 
@@ -17,13 +20,14 @@ class MLP(nn.Module):
         super().__init__()
         self.tp = tp
         # gate and up projections packed into one GEMM (rows gate | up).
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, ("gate_proj", "up_proj"), "inter",
+                                                       arch.intermediate_size)
         self.intermediate_size = arch.intermediate_size
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, "down_proj", "inter")
 
-    def forward(self, x):
+    def activation(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
-        if self.tp is not None:
-            self.tp.comm.all_reduce(out)
-        return out
+        return row_parallel_output(self.down_proj, self.activation(gate) * up, self.tp)

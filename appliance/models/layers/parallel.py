@@ -1,7 +1,7 @@
 """Tensor and pipeline parallelism: which part of the model a rank holds
 (``shard_arch``: its dimensions; ``tensor_shard``/``shard_blocks``: the
-rows or columns of each checkpoint tensor, column-parallel q/k/v and
-gate/up, row-parallel o/down, vocabulary-parallel embedding and LM head),
+rows or columns of each checkpoint tensor: a projection's as its linear
+declares, ``layers.linear``; the vocabulary-parallel embedding and LM head),
 and a pipeline stage's hand-offs (``PipelineParallel``)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from appliance.config.architectures import ARCHITECTURES
 from appliance.models.arch import ModelArch
+from appliance.models.layers.linear import Projections
 
 
 @dataclass(frozen=True)
@@ -152,11 +153,9 @@ def shard_arch(arch: ModelArch, tp_size: int, expert_parallel: bool = False) -> 
                                vocab_size=padded_vocab(arch.vocab_size, tp_size) // tp_size)
 
 
-_COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "inter", "up_proj": "inter"}
-_ROW = {"o_proj": "q", "down_proj": "inter"}
 def _spans(arch: ModelArch, rank: int, tp_size: int) -> dict[str, tuple[int, int]]:
     """(first row, rows) of rank ``rank``'s q heads, KV heads (a replicated KV head's, when fewer than the ranks)
-    and MLP rows in the full model's projections."""
+    and MLP rows in the full model's projections (``layers.linear.SPANS``)."""
     local, d = shard_arch(arch, tp_size), arch.head_dim
     kv_start = (rank * local.num_kv_heads if arch.num_kv_heads % tp_size == 0
                 else rank * arch.num_kv_heads // tp_size)
@@ -168,64 +167,74 @@ def _spans(arch: ModelArch, rank: int, tp_size: int) -> dict[str, tuple[int, int
 # every rank's (rank 0 adds it)
 _STACKED_EXPERTS = {"gate_up_proj": (2, 2), "gate_up_proj_bias": (1, 2), "down_proj": (1, 1)}
 
-# a checkpoint's fused projections (Phi-3's): their parts, each column-parallel, in row order
-_FUSED = {"qkv_proj": ("q", "kv", "kv"), "gate_up_proj": ("inter", "inter")}
+# the Llama family's experts, one checkpoint tensor per expert projection (their layer stacks them; no linears):
+# split as the dense MLP's, over each expert's intermediate rows
+_EXPERT_SPLIT = {"gate_proj": "column", "up_proj": "column", "down_proj": "row"}
 
 
-def fused_shard_rows(arch: ModelArch, rank: int, tp_size: int, name: str) -> Optional[list[tuple[int, int]]]:
+def fused_shard_rows(arch: ModelArch, rank: int, tp_size: int, name: str,
+                     projections: Projections) -> Optional[list[tuple[int, int]]]:
     """The row ranges of a checkpoint's fused projection tensor ``name``
-    (q | k | v, or gate | up; ``arch`` the full model's) whose rows, in
-    order, are rank ``rank``'s of the packed projection; None for any other
-    tensor."""
-    module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
-    if module not in _FUSED:
+    (one tensor filling every part of a linear: Phi-3's q | k | v and
+    gate | up; ``arch`` the full model's) whose rows, in order, are rank
+    ``rank``'s of the linear; None for any other tensor."""
+    fill = projections.find(name)
+    if fill is None or fill.packed or len(fill.parts) < 2:
         return None
     d = arch.head_dim
     whole = {"q": arch.num_heads * d, "kv": arch.num_kv_heads * d, "inter": arch.intermediate_size}
     mine = _spans(arch, rank, tp_size)
     rows, offset = [], 0
-    for part in _FUSED[module]:
-        start, n = mine[part]
+    for part in fill.linear.parts:
+        start, n = mine[part.span]
         rows.append((offset + start, offset + start + n))
-        offset += whole[part]
+        offset += whole[part.span]
     return rows
 
 
-def tensor_shard(arch: ModelArch, rank: int, tp_size: int, name: str) -> Optional[tuple[int, int, int]]:
+def tensor_shard(arch: ModelArch, rank: int, tp_size: int, name: str,
+                 projections: Projections) -> Optional[tuple[int, int, int]]:
     """(dim, start, stop) of the checkpoint tensor ``name`` (full ``arch``)
     that rank ``rank`` of ``tp_size`` holds; None: every rank holds it whole
-    (norms). Vocabulary rows may stop past the checkpoint's (padding)."""
+    (norms, a row-parallel bias). A projection is cut as its linear declares
+    (``projections``: the model's); vocabulary rows may stop past the
+    checkpoint's (padding)."""
     local = shard_arch(arch, tp_size)
     spans = _spans(arch, rank, tp_size)
-    module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+    leaf = name.rsplit(".", 1)[-1]
     if name.startswith(("model.embed_tokens.", "lm_head.")):
         return 0, rank * local.vocab_size, (rank + 1) * local.vocab_size
-    if ".mlp.experts." in name:  # every rank's slice of each expert's intermediate rows (no expert parallelism)
-        spans["inter"] = (rank * local.moe_intermediate_size, local.moe_intermediate_size)
     if name.endswith(".self_attn.sinks"):  # gpt-oss's: a sink per q head
         return 0, rank * local.num_heads, (rank + 1) * local.num_heads
-    stacked = _STACKED_EXPERTS.get(name.rsplit(".", 1)[-1]) if ".mlp.experts." in name else None
-    if stacked is not None:  # gpt-oss's, as the checkpoint stacks them (its gate and up channels interleaved)
-        dim, pairs = stacked
-        start, n = spans["inter"]
-        return dim, pairs * start, pairs * (start + n)
-    if module in _COLUMN:
-        start, n = spans[_COLUMN[module]]
-        return 0, start, start + n
-    if module in _FUSED:  # not one range: the unquantized reader takes fused_shard_rows
-        raise ValueError(f"{name}: a fused projection's rows of one tensor-parallel rank are cut for unquantized "
-                         f"weights only; serve this checkpoint with parallel.tensor_parallel_size=1")
+    if ".mlp.experts." in name:  # every rank's slice of each expert's intermediate rows (no expert parallelism)
+        start, n = rank * local.moe_intermediate_size, local.moe_intermediate_size
+        stacked = _STACKED_EXPERTS.get(leaf)
+        if stacked is not None:  # gpt-oss's, as the checkpoint stacks them (its gate and up channels interleaved)
+            dim, pairs = stacked
+            return dim, pairs * start, pairs * (start + n)
+        split = _EXPERT_SPLIT.get(name.rsplit(".", 2)[-2])
+        if split == "column":
+            return 0, start, start + n
+        return (1, start, start + n) if split == "row" and leaf == "weight" else None
+    fill = projections.find(name)
+    if fill is not None:
+        if len(fill.parts) > 1:  # not one range: the unquantized reader takes fused_shard_rows
+            raise ValueError(f"{name}: a fused projection's rows of one tensor-parallel rank are cut for "
+                             f"unquantized weights only; serve this checkpoint with parallel.tensor_parallel_size=1")
+        start, n = spans[fill.linear.parts[fill.parts[0]].span]
+        if fill.linear.split == "column":
+            return 0, start, start + n
+        return (1, start, start + n) if leaf == "weight" else None
+    module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
     row = ARCHITECTURES.get(arch.architecture)
     if module in ("q_norm", "k_norm") and row is not None and row.qk_norm_over_all_heads:
         start, n = spans["q" if module == "q_norm" else "kv"]  # a norm weight per element of all heads: the rank's
         return 0, start, start + n
-    if module in _ROW and name.endswith(".weight"):
-        start, n = spans[_ROW[module]]
-        return 1, start, start + n
     return None
 
 
-def shard_blocks(arch: ModelArch, rank: int, tp_size: int, blocks: dict[str, tuple]) -> dict[str, tuple]:
+def shard_blocks(arch: ModelArch, rank: int, tp_size: int, blocks: dict[str, tuple],
+                 projections: Projections) -> dict[str, tuple]:
     """Rank ``rank``'s part of quantized projections given whole as blocks
     ((q, d, m) or (q, d, m, perm) by checkpoint weight name, weight d * q + m
     per group of inputs; ``arch`` the full model's), as ``tensor_shard`` cuts
@@ -236,7 +245,7 @@ def shard_blocks(arch: ModelArch, rank: int, tp_size: int, blocks: dict[str, tup
     way: ValueError, as for groups that straddle the ranks."""
     out = {}
     for name, b in blocks.items():
-        span = tensor_shard(arch, rank, tp_size, name)
+        span = tensor_shard(arch, rank, tp_size, name, projections)
         if span is None:
             out[name] = b
             continue
