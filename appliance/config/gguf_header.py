@@ -153,7 +153,7 @@ def gguf_head_bits(tensors: dict[str, tuple[int, int]]) -> Optional[float]:
 
 def gguf_embedding_in_head(tensors: dict[str, tuple[int, int]]) -> bool:
     """Whether a GGUF file's embedding is tied to its head as grouped int8 blocks (Q8_0, Q5_K, Q6_K), which
-    quantization=gguf holds once: the head runs them and lookups read them (``quant.TiedBlockEmbedding``;
+    quantization=gguf holds once: the head runs them and lookups read them (``gguf_blocks.TiedBlockEmbedding``;
     on one rank, the layout the loader does it for)."""
     embed = tensors.get("token_embd.weight")
     return "output.weight" not in tensors and embed is not None and embed[0] in GGUF_INT8_GROUP

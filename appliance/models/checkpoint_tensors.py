@@ -131,7 +131,7 @@ class CheckpointTensors:
         file's blocks, AWQ/GPTQ int4, fp8), and the layers' KV cache scales."""
         model, full_arch, tp, ep = self.model, self.full_arch, self.tp, self.ep
         if gguf_blocks is not None:
-            from appliance.models.quant import keep_gguf_blocks
+            from appliance.models.gguf_blocks import keep_gguf_blocks
 
             # a pipeline stage's tensors by its own names; a tensor-parallel rank's part of each
             blocks, others = ({local: v for name, v in d.items() if (local := model.local_name(name)) is not None}

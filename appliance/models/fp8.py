@@ -23,13 +23,17 @@ per call and an ordinary GEMM in the activation dtype; correct, not fast.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from appliance.models.layers.linear import Projections, replace_linear
+
+if TYPE_CHECKING:
+    from appliance.models.layers.moe import SparseMoe
+    from appliance.models.llama import LlamaForCausalLM
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -69,6 +73,11 @@ class Fp8Linear(nn.Module):
     """``weight_scale``: one, one per row, or (with ``block_k``) one per row
     per block of ``block_k`` inputs ([rows, ceil(k / block_k)]: a checkpoint's
     block scales repeated over their rows)."""
+
+    weight_fp8: torch.Tensor  # buffers
+    weight_scale: torch.Tensor
+    input_scale: Optional[torch.Tensor]
+    _fnuz: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # the weight as AMD CDNA3's GEMM takes it
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                  activations: bool, input_scale: torch.Tensor | None = None, block_k: int = 0):
@@ -145,7 +154,7 @@ class Fp8Linear(nn.Module):
         value, and 0x80 is its NaN), converted once; e4m3fn elsewhere."""
         if not _fnuz_device(self.weight_fp8.device):
             return self.weight_fp8, self.weight_scale
-        if getattr(self, "_fnuz", None) is None:
+        if self._fnuz is None:
             self._fnuz = (_to_fnuz(self.weight_fp8), self.weight_scale * 2)
         return self._fnuz
 
@@ -179,7 +188,7 @@ def _row_scales(p: dict[str, torch.Tensor], block: list[int] | None) -> torch.Te
     return s.repeat_interleave(bn, dim=0)[:rows]
 
 
-def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], activations: bool,
+def install_fp8(model: LlamaForCausalLM, parts: dict[str, dict[str, torch.Tensor]], activations: bool,
                 block: list[int] | None = None, full_arch: Any = None, tp: Any = None, ep: Any = None,
                 projections: Optional[Projections] = None) -> set[str]:
     """An fp8 checkpoint's projections (by checkpoint weight name: its
@@ -228,7 +237,7 @@ def install_fp8(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], act
         return weight[:, start:stop], scale[:, start // bk : stop // bk]
 
     def make(names: list[str]):
-        def build(lin: nn.Module) -> nn.Module:
+        def build(lin: nn.Linear) -> nn.Module:
             out = _stacked_fp8([rank_part(n) for n in names], [parts[n] for n in names], activations, block,
                                None if lin.bias is None else lin.bias.data)
             if (out.out_features, out.in_features) != (lin.out_features, lin.in_features):
@@ -256,7 +265,7 @@ def _stacked_fp8(cut: list[tuple[torch.Tensor, torch.Tensor]], parts: list[dict[
                      input_scale, block_k=block[1] if block else 0)
 
 
-def install_fp8_experts(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], activations: bool,
+def install_fp8_experts(model: LlamaForCausalLM, parts: dict[str, dict[str, torch.Tensor]], activations: bool,
                         block: list[int] | None,
                         cut: Callable[[str], tuple[torch.Tensor, torch.Tensor]]) -> set[str]:
     """Each sparse layer's experts from an fp8 checkpoint's tensors: gate|up
@@ -271,14 +280,15 @@ def install_fp8_experts(model: nn.Module, parts: dict[str, dict[str, torch.Tenso
     return install_checkpoint_experts(model, parts, "fp8", build)
 
 
-def quantize_fp8(model: nn.Module, activations: bool) -> nn.Module:
+def quantize_fp8(model: LlamaForCausalLM, activations: bool) -> LlamaForCausalLM:
     """Every decoder projection and expert to fp8 with per-channel scales, in
     place (the LM head, embedding and routers stay in the model dtype, as
     vLLM keeps them)."""
     from appliance.models.quant import replace_projections
 
     replace_projections(model, lambda w, b: Fp8Linear(*quantize_per_channel_fp8(w), b, activations))
-    for layer in model.model.layers:
-        if getattr(layer, "sparse", False):  # every expert's gate|up and down, per output channel the same way
-            layer.mlp.experts.quantize("fp8", lambda w: Fp8Linear(*quantize_per_channel_fp8(w), None, activations))
+    for layer in model.model.decoder_layers():
+        if layer.sparse:  # every expert's gate|up and down, per output channel the same way
+            cast("SparseMoe", layer.mlp).experts.quantize(
+                "fp8", lambda w: Fp8Linear(*quantize_per_channel_fp8(w), None, activations))
     return model

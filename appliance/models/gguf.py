@@ -187,7 +187,7 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.nd
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # block types that are int4 panels as they are (quantization=gguf)
 
 
-def int4_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def int4_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A Q4_0, Q4_1 or Q4_K tensor as (q uint8 [n, k] in 0..15, d [n, k / 32],
     m [n, k / 32]) with weight = d * q + m, exactly the block formula:
     Q4_1 stores d and m (fp16); Q4_0's d * (q - 8) is m = -8 d (a power of
@@ -218,7 +218,7 @@ INT8_TYPES = ("Q8_0", "Q5_K", "Q6_K")  # block types kept as grouped int8 (quant
 KEPT_TYPES = INT4_TYPES + INT8_TYPES
 
 
-def int8_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def int8_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A Q8_0, Q5_K or Q6_K tensor as (q int8 [n, k], d fp32, m fp32 [n, k / group])
     with weight = d * q + m exactly as the block formula computes it: Q8_0
     d * q (groups of 32, m = 0); Q5_K (d sc) q - dmin m (32); Q6_K
@@ -333,7 +333,7 @@ def gguf_config(meta: dict[str, Any], tensors: list[GGUFTensor]) -> dict:
     names = {t.name for t in tensors}
     vocab = field(f"{arch}.vocab_size") or field("tokenizer.ggml.tokens")  # the array's length
     layers = int(field(f"{arch}.block_count"))
-    moe = {}
+    moe: dict[str, Any] = {}
     if row.experts == "every":  # Mixtral: every layer sparse, experts ffn-wide
         moe = {"num_local_experts": int(field(f"{arch}.expert_count")),
                "num_experts_per_tok": int(field(f"{arch}.expert_used_count"))}
@@ -411,7 +411,7 @@ def read_block_tensors(gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str
         parts = (int4_blocks if kind in INT4_TYPES else int8_blocks)(t.data, kind, shape)
         n_head = next((h for suffix, h in heads.items() if name.endswith(suffix)), None)
         if n_head is not None:
-            parts = tuple(unpermute(x, n_head) for x in parts)
+            parts = (unpermute(parts[0], n_head), unpermute(parts[1], n_head), unpermute(parts[2], n_head))
         blocks[name] = parts
     return blocks, others
 

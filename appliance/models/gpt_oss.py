@@ -40,6 +40,8 @@ class GptOssExperts(nn.Module):
     def __init__(self, arch: ModelArch, down_bias: bool = True):
         super().__init__()
         e, h, i = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
+        if arch.swiglu_limit is None or arch.swiglu_alpha is None:
+            raise ValueError("gpt-oss's experts need swiglu_limit and swiglu_alpha (its config.json's)")
         self.num_experts, self.limit, self.alpha = e, arch.swiglu_limit, arch.swiglu_alpha
         self.down_bias = down_bias  # False on tensor-parallel ranks but the first: the bias once in their sum
         self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i), requires_grad=False)

@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -153,8 +154,10 @@ def quantize_zero_point(w: torch.Tensor, group: int, bits: int = 4) -> tuple[tor
     return q.reshape(out, k).to(torch.uint8), z.to(torch.uint8), s
 
 
-UNPACK = {"awq": (unpack_awq, ("qweight", "qzeros", "scales")),
-          "gptq": (unpack_gptq, ("qweight", "qzeros", "scales", "g_idx"))}
+# a checkpoint layout -> (its unpacker, the tensors it reads by suffix)
+UNPACK: dict[str, tuple[Callable[..., tuple], tuple[str, ...]]] = {
+    "awq": (unpack_awq, ("qweight", "qzeros", "scales")),
+    "gptq": (unpack_gptq, ("qweight", "qzeros", "scales", "g_idx"))}
 
 
 def checkpoint_blocks(method: str, parts: dict[str, torch.Tensor], bits: int = 4):

@@ -17,7 +17,7 @@ from the checkpoint's separate tensors as the linears declare
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import torch
 from torch import nn
@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from appliance.config.architectures import support
 from appliance.models.arch import ModelArch
 from appliance.models.layers.decoder import DEFAULT_SPEC, DecoderLayer, LayerSpec
-from appliance.models.layers.moe import ExpertParallel, SparseMoe
+from appliance.models.layers.mlp import MLP
+from appliance.models.layers.moe import ExpertParallel, FusedExperts, SparseMoe
+from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.parallel import PipelineParallel, TensorParallel, shard_arch
 from appliance.models.layers.rotary import rope_long_rows, rope_tables
 
@@ -54,6 +56,10 @@ class Backbone(nn.Module):
     """The decoder layers a rank holds (all, or a pipeline stage's), with the
     embedding and the final norm where the stage needs them."""
 
+    layers: nn.ModuleList
+    embed_tokens: nn.Module  # an nn.Embedding, or lookups from the head's blocks (gguf_blocks.TiedBlockEmbedding)
+    norm: RMSNorm
+
     def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
                  layers: Optional[range] = None, embed: bool = True, norm: bool = True,
                  ep: Optional[ExpertParallel] = None, spec: LayerSpec = DEFAULT_SPEC):
@@ -67,6 +73,9 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, arch, backend, tp, i, ep) for i in held)
         if norm:
             self.norm = spec.norm(arch.hidden_size, arch.rms_norm_eps)
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return cast(list[DecoderLayer], list(self.layers))
 
 
 @dataclass(frozen=True)
@@ -108,7 +117,7 @@ class ModelWeights:
     vocab_size: int
     tp: Optional[TensorParallel] = None
     pp: Optional[PipelineParallel] = None  # a pipeline stage's: ``layers`` are its own
-    # ids -> their rows, where the embedding is no table (``quant.TiedBlockEmbedding``: read from the head's blocks)
+    # ids -> their rows, where the embedding is no table (``gguf_blocks.TiedBlockEmbedding``: the head's blocks)
     embed_rows: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
@@ -120,6 +129,8 @@ class LlamaForCausalLM(nn.Module):
     maps a checkpoint's names)."""
 
     family = "llama"  # the architecture rows (config/architectures.py) this class builds
+    model: Backbone
+    lm_head: nn.Linear
     layer_spec = DEFAULT_SPEC  # its decoder layers (``layers.decoder``); the final norm is ``layer_spec.norm``
     llama_layers = True  # its layers are the Llama family's, as ``weights_view`` describes them
 
@@ -127,8 +138,10 @@ class LlamaForCausalLM(nn.Module):
                  pp: Optional[PipelineParallel] = None, ep: Optional[ExpertParallel] = None):
         super().__init__()
         row, why = support(arch.architecture)
-        if row is None or row.family != self.family:
-            raise ValueError(why or f"{arch.architecture} is built by the {row.family} implementation, not this one")
+        if row is None:
+            raise ValueError(why)
+        if row.family != self.family:
+            raise ValueError(f"{arch.architecture} is built by the {row.family} implementation, not this one")
         self.tp, self.pp, self.ep = tp, pp, ep
         self.vocab_size = arch.vocab_size  # the logits' width
         if tp is not None:
@@ -176,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         slot here holding that expert (none when other ranks hold it)."""
         head, _, rest = name.partition(".mlp.experts.")
         index, _, tail = rest.partition(".")
-        experts = self.get_submodule(head + ".mlp.experts")
+        experts = cast(FusedExperts, self.get_submodule(head + ".mlp.experts"))
         part = tail.partition(".")[0]
         if part not in ("gate_proj", "up_proj", "down_proj"):
             raise ValueError(f"{name}: not an expert projection (gate_proj, up_proj or down_proj)")
@@ -196,12 +209,15 @@ class LlamaForCausalLM(nn.Module):
         from appliance.models.eplb import Eplb
 
         arch, ep = self.arch, self.ep
-        sparse = [layer.mlp for layer in self.model.layers if layer.sparse]
+        assert ep is not None, "EPLB balances experts over expert-parallel ranks"
+        sparse = [layer.mlp for layer in self.model.decoder_layers() if layer.sparse]
         self.eplb = Eplb(sparse, arch.num_experts, arch.num_physical_experts or arch.num_experts, ep.rank, ep.size,
                          ep.group, window_size, step_interval, share=ep.comm if ep.dispatches else None)
 
     def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
+        if self.arch.tie_word_embeddings:
+            return cast(nn.Embedding, self.model.embed_tokens).weight
+        return self.lm_head.weight
 
     def rope_cache(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
         cos, sin = rope_tables(self.arch, max_positions, device)
@@ -221,17 +237,17 @@ class LlamaForCausalLM(nn.Module):
         if cos.dtype != torch.float32:  # fp32 angles, not bf16-rounded ones
             cos, sin = rope_tables(self.arch, self.rope_positions)
         layers = []
-        for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+        for layer in self.model.decoder_layers():
+            attn, mlp = layer.self_attn, cast(MLP, layer.mlp)
             dense = not layer.sparse
             layers.append(LayerWeights(
-                input_norm=layer.input_layernorm.weight.data,
-                post_attention_norm=layer.post_attention_layernorm.weight.data,
+                input_norm=cast(RMSNorm, layer.input_layernorm).weight.data,
+                post_attention_norm=cast(RMSNorm, layer.post_attention_layernorm).weight.data,
                 q_norm=attn.q_norm.weight.data if self.arch.qk_norm else None,
                 k_norm=attn.k_norm.weight.data if self.arch.qk_norm else None,
                 qkv_proj=attn.qkv_proj, o_proj=attn.o_proj, gate_up_proj=mlp.gate_up_proj if dense else None,
                 down_proj=mlp.down_proj if dense else None, k_scale=attn.backend.k_scale,
-                v_scale=attn.backend.v_scale, moe=None if dense else mlp,
+                v_scale=attn.backend.v_scale, moe=None if dense else cast(SparseMoe, layer.mlp),
             ))
         if not self.holds_head:
             lm_head = None
@@ -240,11 +256,11 @@ class LlamaForCausalLM(nn.Module):
         else:
             lm_head = None if self.arch.tie_word_embeddings else self.lm_head
         embed = self.model.embed_tokens if self.holds_embedding else None
-        table = isinstance(embed, nn.Embedding)
-        return ModelWeights(arch=self.arch, embed=embed.weight.data if table else None,
+        table = embed if isinstance(embed, nn.Embedding) else None
+        return ModelWeights(arch=self.arch, embed=table.weight.data if table is not None else None,
                             final_norm=self.model.norm.weight.data if self.holds_head else None, layers=tuple(layers),
                             lm_head=lm_head, rope_cos=cos, rope_sin=sin, vocab_size=self.vocab_size, tp=self.tp,
-                            pp=self.pp, embed_rows=embed if embed is not None and not table else None)
+                            pp=self.pp, embed_rows=embed if embed is not None and table is None else None)
 
     def forward(
         self,
@@ -279,13 +295,14 @@ class LlamaForCausalLM(nn.Module):
             return logits
 
         def stage(x: Optional[torch.Tensor], last: bool) -> torch.Tensor:
-            x = layers(self._embed(input_ids) if x is None else x)
-            return self._logits(x, logits_indices) if last else x
+            rows = layers(self._embed(input_ids) if x is None else x)
+            return self._logits(rows, logits_indices) if last else rows
 
-        logits = pp.run(stage, (input_ids.shape[0], self.arch.hidden_size), self.rope[0].dtype, input_ids.device)
+        stage_logits = pp.run(stage, (input_ids.shape[0], self.arch.hidden_size), self.rope[0].dtype,
+                              input_ids.device)
         if self.eplb is not None:  # this stage's sparse layers, balanced over its ranks
             self.eplb.after_forward()
-        return logits
+        return stage_logits
 
     def idle_forward(self) -> None:
         """An engine core with nothing to run, while its data-parallel peers
@@ -294,9 +311,9 @@ class LlamaForCausalLM(nn.Module):
         engine cores)."""
         assert self.rope is not None, "call rope_cache() once before idle_forward"
         empty = torch.empty((0, self.arch.hidden_size), dtype=self.rope[0].dtype, device=self.rope[0].device)
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers():
             if layer.sparse:
-                layer.mlp.exchange(empty)
+                cast(SparseMoe, layer.mlp).exchange(empty)
         if self.eplb is not None:
             self.eplb.after_forward()
 

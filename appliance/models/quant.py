@@ -26,12 +26,17 @@ larger batches dequantize the weight and use the fp32 GEMM
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Callable, Optional, cast
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
 from appliance.config.quantization import INT4_GROUP_SIZES
+
+if TYPE_CHECKING:
+    from appliance.models.layers.moe import SparseMoe
+    from appliance.models.llama import LlamaForCausalLM
 
 INT8_KERNEL_MAX_ROWS = 4
 
@@ -60,6 +65,10 @@ class Int8WeightOnlyLinear(nn.Module):
     quantizes its rows to int8 (``quantize_rows_int8``), sums the products
     exactly in int32 and scales the sums, ((float)sum * row scale) * channel
     scale + bias, the native kernel's result bit for bit on every CPU."""
+
+    weight_int8: torch.Tensor  # buffers
+    scale: torch.Tensor
+    scale_bf16: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activations: bool = False):
         super().__init__()
@@ -132,6 +141,9 @@ class _GroupedLinear(nn.Module):
     projection's inputs in that order: stored column j is input in_perm[j]."""
 
     weight_attr = ""
+    q_scale: torch.Tensor  # buffers (and the weights under ``weight_attr``)
+    q_min: torch.Tensor
+    in_perm: Optional[torch.Tensor]
 
     def _hold(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None,
               in_perm: torch.Tensor | None = None) -> None:
@@ -179,12 +191,21 @@ class Int4WeightOnlyLinear(_GroupedLinear):
     GEMM."""
 
     weight_attr = "weight_q4"
+    weight_q4: torch.Tensor  # buffers
+    weight_rows: Optional[torch.Tensor]
+    marlin_words: Optional[torch.Tensor]
+    marlin_scales: Optional[torch.Tensor]
+    marlin_zeros: Optional[torch.Tensor]
 
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, group: int = 32,
                  blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                  in_perm: torch.Tensor | None = None):
         super().__init__()
-        q, d, m = blocks if blocks is not None else quantize_groups_int4(weight, group)
+        if blocks is None:
+            if weight is None:
+                raise ValueError("an int4 linear is made from a float weight or from its blocks")
+            blocks = quantize_groups_int4(weight, group)
+        q, d, m = blocks
         if q.dtype != torch.uint8 or d.dtype not in (torch.float16, torch.float32) or m.dtype != d.dtype \
                 or d.shape != m.shape:
             raise ValueError("int4 blocks are uint8 q with fp16 (or fp32) scales and mins of one dtype and shape")
@@ -231,18 +252,21 @@ class Int4WeightOnlyLinear(_GroupedLinear):
         from appliance.kernels.triton_int4 import int4_gemm
 
         self.pack_rows()
-        return self._through(x, lambda rows: int4_gemm(rows, self.weight_rows, self.q_scale, self.q_min, self.bias))
+        packed = self.weight_rows
+        assert packed is not None
+        return self._through(x, lambda rows: int4_gemm(rows, packed, self.q_scale, self.q_min, self.bias))
 
     def _marlin(self, x: torch.Tensor) -> torch.Tensor:
         """CUDA: the Marlin GEMM (appliance/kernels/marlin_int4.py), its tiles made on first use."""
         from appliance.kernels import marlin_int4
 
+        words, scales, zeros = self.marlin_words, self.marlin_scales, self.marlin_zeros
+        assert words is not None and scales is not None and zeros is not None, "prepare_for() chose Marlin"
         if not self.marlin_tiled:
-            self.marlin_words = marlin_int4.repack(self.marlin_words, self.out_features, self.in_features)
+            words = self.marlin_words = marlin_int4.repack(words, self.out_features, self.in_features)
             self.marlin_tiled = True
         return self._through(x, lambda rows: marlin_int4.gemm(
-            rows.to(self.marlin_scales.dtype), self.marlin_words, self.marlin_scales, self.marlin_zeros,
-            self.out_features, self.bias).to(x.dtype))
+            rows.to(scales.dtype), words, scales, zeros, self.out_features, self.bias).to(x.dtype))
 
 
 class GroupedInt8Linear(_GroupedLinear):
@@ -253,6 +277,9 @@ class GroupedInt8Linear(_GroupedLinear):
     elsewhere the torch path."""
 
     weight_attr = "weight_q8"
+    weight_q8: torch.Tensor  # buffers (the native backend's panels once it packs them)
+    weight_packed: torch.Tensor
+    qparams_packed: torch.Tensor
 
     def __init__(self, blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bias: torch.Tensor | None,
                  in_perm: torch.Tensor | None = None):
@@ -294,29 +321,13 @@ class GroupedInt8Linear(_GroupedLinear):
         return q.float() * d.repeat_interleave(self.group, dim=1) + m.repeat_interleave(self.group, dim=1)
 
 
-class TiedBlockEmbedding(nn.Module):
-    """The lookups of an embedding tied to a grouped-int8 LM head (a GGUF's
-    Q8_0 ``token_embd`` kept at its width): each token's row read from the
-    head's blocks and cast to the model dtype, so the table is held once, as
-    the file stores it, instead of a dequantized copy beside the head's
-    blocks. The head is not a submodule (it is the model's ``lm_head_q``)."""
-
-    def __init__(self, head: GroupedInt8Linear, dtype: torch.dtype):
-        super().__init__()
-        self._head = (head,)  # a tuple: not registered twice
-        self.dtype = dtype
-        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._head[0].rows(ids).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
-
-
 def _input_order(target: str, parts: list[tuple]) -> torch.Tensor | None:
     """The input order (``perm``, a 4th block entry) the fused parts share;
     parts read one input, so they must share it."""
     perms = [p[3] if len(p) > 3 else None for p in parts]
+    first = perms[0]
     if any(p is None for p in perms) != all(p is None for p in perms) or \
-            any(p is not None and not torch.equal(p, perms[0]) for p in perms):
+            any(p is not None and first is not None and not torch.equal(p, first) for p in perms):
         raise ValueError(f"{target}: its parts hold their inputs in different act-order orders (GPTQ g_idx), and "
                          f"fused parts read one input; fusing them is not supported")
     return perms[0]
@@ -337,10 +348,11 @@ def _as_grouped_int8(parts: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, to
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-def replace_projections(model: nn.Module, make) -> None:
+def replace_projections(model: LlamaForCausalLM,
+                        make: Callable[[torch.Tensor, Optional[torch.Tensor]], nn.Module]) -> None:
     """Every decoder projection replaced by ``make(weight, bias or None)``
     (a sparse layer's experts are quantized by ``quantize_experts``)."""
-    for layer in model.model.layers:
+    for layer in model.model.decoder_layers():
         for path in PROJECTIONS:
             parent_name, name = path.split(".")
             if parent_name == "mlp" and getattr(layer, "sparse", False):
@@ -350,7 +362,7 @@ def replace_projections(model: nn.Module, make) -> None:
             setattr(parent, name, make(lin.weight.data, lin.bias.data if lin.bias is not None else None))
 
 
-def _int8_lm_head(model: nn.Module) -> None:
+def _int8_lm_head(model: LlamaForCausalLM) -> None:
     # Tied models keep the embedding for lookups; the LM head gets its own int8 copy.
     if not getattr(model, "holds_head", True):  # a pipeline stage before the last has none
         return
@@ -359,18 +371,18 @@ def _int8_lm_head(model: nn.Module) -> None:
         del model.lm_head
 
 
-def quantize_experts(model: nn.Module, method: str, group: int = 32) -> None:
+def quantize_experts(model: LlamaForCausalLM, method: str, group: int = 32) -> None:
     """Every sparse layer's experts to ``method`` (``int8_wo``, ``w8a8_int8``
     or ``int4_wo``); routers stay fp32."""
     make = {"int8_wo": lambda w: Int8WeightOnlyLinear(w, None),
             "w8a8_int8": lambda w: Int8WeightOnlyLinear(w, None, activations=True),
             "int4_wo": lambda w: Int4WeightOnlyLinear(w, None, group)}[method]
-    for layer in model.model.layers:
-        if getattr(layer, "sparse", False):
-            layer.mlp.experts.quantize(method, make)
+    for layer in model.model.decoder_layers():
+        if layer.sparse:
+            cast("SparseMoe", layer.mlp).experts.quantize(method, make)
 
 
-def quantize_int8_weight_only(model: nn.Module, activations: bool = False) -> nn.Module:
+def quantize_int8_weight_only(model: LlamaForCausalLM, activations: bool = False) -> LlamaForCausalLM:
     """Replace every decoder projection, the experts and the LM head in place;
     with ``activations`` (W8A8) the projections and experts quantize their
     rows per call, while the LM head stays weight-only (logits keep fp32
@@ -382,7 +394,7 @@ def quantize_int8_weight_only(model: nn.Module, activations: bool = False) -> nn
     return model
 
 
-def install_int4(model: nn.Module, blocks: dict[str, tuple], method: str = "int4") -> set[str]:
+def install_int4(model: LlamaForCausalLM, blocks: dict[str, tuple], method: str = "int4") -> set[str]:
     """Replace the projections and the LM head given as blocks
     ((q, d, m) by checkpoint weight name, e.g. ``...self_attn.q_proj.weight``;
     q uint8 0..15 for int4, int8 for grouped int8; a 4th entry is an
@@ -405,7 +417,7 @@ def install_int4(model: nn.Module, blocks: dict[str, tuple], method: str = "int4
         return block_linear([blocks[n] for n in names], target, bias)
 
     def make(names: list[str], target: str):
-        def build(lin: nn.Module) -> nn.Module:
+        def build(lin: nn.Linear) -> nn.Module:
             rows = sum(blocks[name][0].shape[0] for name in names)
             if rows != lin.out_features:
                 raise ValueError(f"{target}: int4 blocks give {rows} of its {lin.out_features} rows")
@@ -437,7 +449,7 @@ def block_linear(parts: list[tuple], target: str, bias: torch.Tensor | None) -> 
     return Int4WeightOnlyLinear(None, bias, blocks=(q, d, m), in_perm=perm)
 
 
-def install_expert_blocks(model: nn.Module, blocks: dict[str, tuple], method: str) -> set[str]:
+def install_expert_blocks(model: LlamaForCausalLM, blocks: dict[str, tuple], method: str) -> set[str]:
     """Each sparse layer's experts from their blocks (by checkpoint name,
     ``...mlp.experts.E.gate_proj.weight``): gate|up stacked into one
     linear, down another (``block_linear``), the experts ``quantized`` as
@@ -448,32 +460,7 @@ def install_expert_blocks(model: nn.Module, blocks: dict[str, tuple], method: st
                                       lambda names: block_linear([blocks[n] for n in names], names[0], None))
 
 
-def keep_gguf_blocks(model: nn.Module, blocks: dict[str, tuple], others: dict[str, str]) -> set[str]:
-    """``install_int4`` for a GGUF file's block tensors
-    (``appliance.models.gguf.read_block_tensors``), returning the module
-    weights they fill; raises ValueError naming the projections of another
-    type (they would run dequantized, at a width the plan does not count)."""
-    from appliance.models.gguf import KEPT_TYPES
-
-    arch = model.arch
-    wide = sorted(f"{name} ({kind})" for name, kind in others.items()
-                  if ".layers." in name and name.endswith("_proj.weight"))
-    if not arch.tie_word_embeddings and "lm_head.weight" in others:
-        wide.append(f"lm_head.weight ({others['lm_head.weight']})")
-    if wide:
-        raise ValueError(f"quantization=gguf keeps block-quantized projections ({', '.join(KEPT_TYPES)}); this file's "
-                         f"{', '.join(wide[:4])}{' ...' if len(wide) > 4 else ''} are not built at their width yet: "
-                         f"serve it with quantization=none (dequantized at load)")
-    filled = install_int4(model, blocks, "gguf")
-    embed = getattr(model.model, "embed_tokens", None)
-    if arch.tie_word_embeddings and isinstance(model.lm_head_q, GroupedInt8Linear) and isinstance(embed, nn.Embedding) \
-            and model.tp is None and model.pp is None:
-        # the table once, at the file's width: lookups read the head's blocks (the loaded dense copy is dropped)
-        model.model.embed_tokens = TiedBlockEmbedding(model.lm_head_q, embed.weight.dtype)
-    return filled
-
-
-def quantize_int4_weight_only(model: nn.Module, group: int = 32) -> nn.Module:
+def quantize_int4_weight_only(model: LlamaForCausalLM, group: int = 32) -> LlamaForCausalLM:
     """Every decoder projection and expert to int4 groups of ``group``, the LM head to int8, in place."""
     replace_projections(model, lambda w, b: Int4WeightOnlyLinear(w, b, group))
     quantize_experts(model, "int4_wo", group)

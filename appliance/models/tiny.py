@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from appliance.config.architectures import ARCHITECTURES
 
@@ -58,7 +58,7 @@ def build_tokenizer(vocab_size: int):
 
 
 def hf_config_dict(m: ModelConfig, vocab_size: int) -> dict:
-    cfg = {
+    cfg: dict[str, Any] = {
         "architectures": [m.architecture],
         "hidden_size": m.hidden_size,
         "intermediate_size": m.intermediate_size,

@@ -227,7 +227,7 @@ def test_a_tied_q8_0_embedding_is_held_once_at_the_files_width():
     packed), equal to the file's dequantized table in the model dtype; no dense table is held beside them."""
     from appliance.models.gguf import dequant_q8_0, read_gguf
     from appliance.models.loader import find_wheel_gguf
-    from appliance.models.quant import TiedBlockEmbedding
+    from appliance.models.gguf_blocks import TiedBlockEmbedding
 
     llm = LLM(overrides=["+profile=cpu", "cache.kv_cache_memory_gib=0.25", "model.max_model_len=2048"])
     assert paris_margin(llm) > 1

@@ -209,7 +209,8 @@ def _checkpoint_blocks(model):
 def test_gguf_blocks_replace_each_projection_in_its_row_order():
     import torch
 
-    from appliance.models.quant import PROJECTIONS, Int4WeightOnlyLinear, dequantize_int4, keep_gguf_blocks
+    from appliance.models.gguf_blocks import keep_gguf_blocks
+    from appliance.models.quant import PROJECTIONS, Int4WeightOnlyLinear, dequantize_int4
 
     model = _tiny_model()
     blocks = _checkpoint_blocks(model)
@@ -231,7 +232,7 @@ def test_gguf_blocks_replace_each_projection_in_its_row_order():
 
 
 def test_gguf_projections_of_another_width_are_refused_by_name():
-    from appliance.models.quant import keep_gguf_blocks
+    from appliance.models.gguf_blocks import keep_gguf_blocks
 
     model = _tiny_model()
     blocks = _checkpoint_blocks(model)
@@ -246,7 +247,8 @@ def test_a_projection_with_an_8_bit_part_becomes_grouped_int8_of_the_same_weight
     groups of 16: the fused qkv holds all three exactly, at groups of 16."""
     import torch
 
-    from appliance.models.quant import GroupedInt8Linear, Int4WeightOnlyLinear, dequantize_int4, keep_gguf_blocks
+    from appliance.models.gguf_blocks import keep_gguf_blocks
+    from appliance.models.quant import GroupedInt8Linear, Int4WeightOnlyLinear, dequantize_int4
 
     model = _tiny_model()
     blocks = _checkpoint_blocks(model)
@@ -270,7 +272,7 @@ def test_mixed_block_layers_generate_alike_on_both_paths():
 
     from appliance import LLM, SamplingParams
     from appliance.kernels.registry import Selection
-    from appliance.models.quant import keep_gguf_blocks
+    from appliance.models.gguf_blocks import keep_gguf_blocks
     from tests.kernel_helpers import float_rows
 
     overrides = ["+profile=cpu", "model=tiny_random", "cache.kv_cache_memory_gib=0.01", "model.dtype=float32"]

@@ -93,7 +93,8 @@ def test_grouped_int8_rows_read_the_blocks_row_major_and_from_the_native_panels(
     """What an embedding tied to a grouped-int8 head looks its tokens up with: the dequantized weight's rows,
     exactly, before and after the native backend packs the blocks and lets the row-major copy go."""
     from appliance.kernels.cpu_native import NativeLinear
-    from appliance.models.quant import GroupedInt8Linear, TiedBlockEmbedding
+    from appliance.models.gguf_blocks import TiedBlockEmbedding
+    from appliance.models.quant import GroupedInt8Linear
 
     g = torch.Generator().manual_seed(0)
     n, k, group = 37, 64, 32  # rows past a whole panel of 16

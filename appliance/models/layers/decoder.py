@@ -36,7 +36,7 @@ from appliance.models.layers.parallel import TensorParallel
 if TYPE_CHECKING:  # the backend is handed in; the layer never picks one
     from appliance.kernels.base import AttentionBackend
 
-AttentionFactory = Callable[[ModelArch, "AttentionBackend", Optional[TensorParallel]], nn.Module]
+AttentionFactory = Callable[[ModelArch, "AttentionBackend", Optional[TensorParallel]], Attention]
 # (arch, tp, the layer's index in the whole model, ep) -> the layer's MLP
 MlpFactory = Callable[[ModelArch, Optional[TensorParallel], int, Optional[ExpertParallel]], nn.Module]
 
@@ -96,7 +96,7 @@ class DecoderLayer(nn.Module):
         for name in self.norm_names:
             if name is not None:
                 setattr(self, name, spec.norm(arch.hidden_size, arch.rms_norm_eps))
-        self.self_attn = spec.attention(arch, backend, tp)
+        self.self_attn: Attention = spec.attention(arch, backend, tp)
         self.mlp = spec.mlp(arch, tp, index, ep)
         self.sparse = isinstance(self.mlp, SparseMoe)
         self.multiplier = arch.residual_multiplier if spec.residual_multiplier else None

@@ -19,7 +19,7 @@ its columns, and the layer all-reduces the partial sums
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Optional, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -101,8 +101,10 @@ def row_parallel_output(proj: nn.Module, x: torch.Tensor, tp: Optional[TensorPar
     (rank 0's). ``proj`` is the linear or the module that replaced it."""
     if tp is None:
         return proj(x)
-    bias = getattr(proj, "bias", None)
-    out = proj(x) if tp.rank == 0 or bias is None else F.linear(x, proj.weight)
+    if tp.rank == 0 or getattr(proj, "bias", None) is None:
+        out = proj(x)
+    else:  # the weight alone: the ranks after the first leave the bias out of their partial sums
+        out = F.linear(x, cast(torch.Tensor, proj.weight))
     tp.comm.all_reduce(out)
     return out
 
@@ -169,7 +171,7 @@ class Projections:
         return {target: [n for _, n in sorted(g)] for target, g in groups.items()}
 
 
-def replace_linear(model: nn.Module, weight_name: str, make: Callable[[nn.Module], nn.Module]) -> None:
+def replace_linear(model: nn.Module, weight_name: str, make: Callable[[nn.Linear], nn.Module]) -> None:
     """The quantization hook: swap the linear that owns ``weight_name`` for
     ``make(old_linear)``."""
     parent_path, attr = weight_name[: -len(".weight")].rsplit(".", 1)

@@ -26,13 +26,16 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
 from appliance.kernels import flashinfer_moe
+
+if TYPE_CHECKING:
+    from appliance.models.llama import LlamaForCausalLM
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,7 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, f
     return out
 
 
-def install_checkpoint_experts(model: nn.Module, parts: dict[str, Any], method: str,
+def install_checkpoint_experts(model: LlamaForCausalLM, parts: dict[str, Any], method: str,
                                build: Callable[[list[str]], nn.Module]) -> set[str]:
     """Each sparse layer's experts from a checkpoint's per-expert tensors
     (``parts`` by checkpoint weight name, ``...mlp.experts.E.gate_proj.
@@ -151,10 +154,10 @@ def install_checkpoint_experts(model: nn.Module, parts: dict[str, Any], method: 
     stacked in row order, gate|up and then down for each local expert; the
     experts ``quantized`` as ``method``. Returns the module weights filled."""
     filled = set()
-    for i, layer in enumerate(model.model.layers):
-        if not getattr(layer, "sparse", False):
+    for i, layer in enumerate(model.model.decoder_layers()):
+        if not layer.sparse:
             continue
-        experts, pre = layer.mlp.experts, f"model.layers.{i}.mlp.experts."
+        experts, pre = cast(SparseMoe, layer.mlp).experts, f"model.layers.{i}.mlp.experts."
         linears = []
         for e in experts.slot_experts:
             names = [f"{pre}{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
@@ -356,7 +359,11 @@ class SparseMoe(nn.Module):
         rows: an idle core, which takes part all the same so the ranks'
         collectives line up): ``dispatch`` where the comm has all-to-all,
         else ``gather``."""
-        return self.dispatch(x) if self.ep.dispatches else self.gather(x)
+        return self.dispatch(x) if self._parallel().dispatches else self.gather(x)
+
+    def _parallel(self) -> ExpertParallel:
+        assert self.ep is not None, "an exchange runs under expert parallelism across cores"
+        return self.ep
 
     def dispatch(self, x: torch.Tensor) -> torch.Tensor:
         """Each (token, expert) pair of this core's rows sent to the rank
@@ -365,12 +372,12 @@ class SparseMoe(nn.Module):
         tensor-parallel ranks in the cores (every one holding the core's
         rows), rank t carries the pairs of the ranks of its tensor-parallel
         index, and the core's ranks sum their parts."""
-        ep, ex = self.ep, self.experts
+        ep, ex = self._parallel(), self.experts
         tp_size = ep.tp.world_size if ep.tp is not None else 1
         weights, ids = self._slots(x)
         slots, k = ids.reshape(-1), ids.shape[1]
         owner = slots // ex.num_local  # the rank of the group holding each pair's slot
-        pairs = torch.nonzero(owner % tp_size == ep.rank % tp_size).squeeze(1)
+        pairs = torch.nonzero(torch.eq(owner % tp_size, ep.rank % tp_size)).squeeze(1)
         pairs = pairs[torch.argsort(owner[pairs] // tp_size, stable=True)]  # by the core they go to
         send = torch.bincount(owner[pairs] // tp_size, minlength=ep.comm.world_size).tolist()
         rows, recv = ep.comm.all_to_all(x[pairs // k], send)
@@ -388,7 +395,8 @@ class SparseMoe(nn.Module):
         experts run on all of them, the partial sums all-reduced over every
         rank (in rank order, the same bits on every rank); this core's rows
         returned."""
-        comm = self.ep.comm
+        ep = self._parallel()
+        comm = ep.comm
         counts = [int(c) for c in comm.all_gather(torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device))]
         most = max(counts)
         if most == 0:
@@ -403,6 +411,6 @@ class SparseMoe(nn.Module):
         for r, n in enumerate(counts):
             out[r * most:r * most + n] = partial[start:start + n]
             start += n
-        self.ep.group.all_reduce(out)
-        me = self.ep.core
+        ep.group.all_reduce(out)
+        me = ep.core
         return out[me * most:me * most + x.shape[0]]

@@ -124,7 +124,9 @@ class PipelineParallel:
     def _receive(self, rows: tuple[int, int], device: torch.device, check: bool) -> torch.Tensor:
         buf = torch.empty(rows[0] * rows[1] + 1, dtype=torch.float32, device=device)
         self._received = True
-        self.receive.comm.broadcast(buf, self.receive.src)
+        link = self.receive
+        assert link is not None, "the first stage receives nothing"
+        link.comm.broadcast(buf, link.src)
         if check and float(buf[-1]) != _OK:
             raise RuntimeError(f"pipeline stage {self.stage - 1} failed this step; stage {self.stage} cannot run it")
         return buf[:-1]
@@ -134,7 +136,9 @@ class PipelineParallel:
         buf[:-1] = flat
         buf[-1] = status
         self._sent = True
-        self.send.comm.broadcast(buf, self.send.src)
+        link = self.send
+        assert link is not None, "the last stage hands nothing on"
+        link.comm.broadcast(buf, link.src)
 
 
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
