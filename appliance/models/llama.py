@@ -16,8 +16,7 @@ from the checkpoint's separate tensors as the linears declare
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, cast
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 from torch import nn
@@ -26,11 +25,11 @@ import torch.nn.functional as F
 from appliance.config.architectures import support
 from appliance.models.arch import ModelArch
 from appliance.models.layers.decoder import DEFAULT_SPEC, DecoderLayer, LayerSpec
-from appliance.models.layers.mlp import MLP
 from appliance.models.layers.moe import ExpertParallel, FusedExperts, SparseMoe
 from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.parallel import PipelineParallel, TensorParallel, shard_arch
 from appliance.models.layers.rotary import rope_long_rows, rope_tables
+from appliance.models.weights_view import ModelWeights, weights_view
 
 if TYPE_CHECKING:  # the backend is handed in; the model never picks one
     from appliance.kernels.base import AttentionBackend
@@ -76,49 +75,6 @@ class Backbone(nn.Module):
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return cast(list[DecoderLayer], list(self.layers))
-
-
-@dataclass(frozen=True)
-class LayerWeights:
-    """One decoder layer: norm weights and the live projection modules
-    (``nn.Linear`` or a quantized linear such as ``Int8WeightOnlyLinear``)."""
-
-    input_norm: torch.Tensor
-    post_attention_norm: torch.Tensor
-    q_norm: Optional[torch.Tensor]  # qk_norm models only
-    k_norm: Optional[torch.Tensor]
-    qkv_proj: nn.Module  # rows q | k | v
-    o_proj: nn.Module
-    gate_up_proj: Optional[nn.Module]  # rows gate | up; None in a sparse layer
-    down_proj: Optional[nn.Module]
-    k_scale: float = 1.0  # an fp8 KV cache holds k / k_scale (and v / v_scale)
-    v_scale: float = 1.0
-    moe: Optional[SparseMoe] = None  # a sparse layer's router and experts
-
-
-@dataclass(frozen=True)
-class ModelWeights:
-    """What ``LlamaForCausalLM.weights_view`` hands an executor that runs the
-    whole step itself: the architecture, the tensors and projection modules
-    (not copies), and fp32 rope tables over the cached positions. A
-    tensor-parallel rank's (``tp``) are its part: ``arch`` the dimensions it
-    holds (its vocabulary rows among them), ``vocab_size`` the whole
-    vocabulary, the logits' width."""
-
-    arch: ModelArch
-    embed: Optional[torch.Tensor]  # [vocab, hidden], looked up one row per token; None on a middle pipeline stage
-    # (or where the model looks its rows up itself: ``embed_rows``)
-    final_norm: Optional[torch.Tensor]  # None on a pipeline stage before the last
-    layers: tuple[LayerWeights, ...]
-    lm_head: Optional[nn.Module]  # the LM head's own projection (untied or quantized); None: tied to ``embed``
-    # (or, on a pipeline stage before the last, no head)
-    rope_cos: torch.Tensor  # [positions, head_dim] fp32
-    rope_sin: torch.Tensor
-    vocab_size: int
-    tp: Optional[TensorParallel] = None
-    pp: Optional[PipelineParallel] = None  # a pipeline stage's: ``layers`` are its own
-    # ids -> their rows, where the embedding is no table (``gguf_blocks.TiedBlockEmbedding``: the head's blocks)
-    embed_rows: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -229,38 +185,10 @@ class LlamaForCausalLM(nn.Module):
         assert self.rope is not None
         return self.rope[0][positions].unsqueeze(1), self.rope[1][positions].unsqueeze(1)
 
-    def weights_view(self) -> "ModelWeights":
+    def weights_view(self) -> ModelWeights:
         """The model's tensors and projections as they are now (after any
         quantization), for an executor that runs the whole step itself."""
-        assert self.rope is not None, "call rope_cache() once before weights_view()"
-        cos, sin = self.rope
-        if cos.dtype != torch.float32:  # fp32 angles, not bf16-rounded ones
-            cos, sin = rope_tables(self.arch, self.rope_positions)
-        layers = []
-        for layer in self.model.decoder_layers():
-            attn, mlp = layer.self_attn, cast(MLP, layer.mlp)
-            dense = not layer.sparse
-            layers.append(LayerWeights(
-                input_norm=cast(RMSNorm, layer.input_layernorm).weight.data,
-                post_attention_norm=cast(RMSNorm, layer.post_attention_layernorm).weight.data,
-                q_norm=attn.q_norm.weight.data if self.arch.qk_norm else None,
-                k_norm=attn.k_norm.weight.data if self.arch.qk_norm else None,
-                qkv_proj=attn.qkv_proj, o_proj=attn.o_proj, gate_up_proj=mlp.gate_up_proj if dense else None,
-                down_proj=mlp.down_proj if dense else None, k_scale=attn.backend.k_scale,
-                v_scale=attn.backend.v_scale, moe=None if dense else cast(SparseMoe, layer.mlp),
-            ))
-        if not self.holds_head:
-            lm_head = None
-        elif self.lm_head_q is not None:
-            lm_head = self.lm_head_q
-        else:
-            lm_head = None if self.arch.tie_word_embeddings else self.lm_head
-        embed = self.model.embed_tokens if self.holds_embedding else None
-        table = embed if isinstance(embed, nn.Embedding) else None
-        return ModelWeights(arch=self.arch, embed=table.weight.data if table is not None else None,
-                            final_norm=self.model.norm.weight.data if self.holds_head else None, layers=tuple(layers),
-                            lm_head=lm_head, rope_cos=cos, rope_sin=sin, vocab_size=self.vocab_size, tp=self.tp,
-                            pp=self.pp, embed_rows=embed if embed is not None and table is None else None)
+        return weights_view(self)
 
     def forward(
         self,
