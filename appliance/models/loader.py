@@ -139,7 +139,7 @@ def resolve_model_folder(m: ModelConfig, quantization: str = "none") -> Path:
     tensors it does not keep as blocks (those are read from the file itself),
     never a full fp32 copy."""
     path = m.path
-    without_kept = quantization == "gguf"
+    without_kept = QUANTIZATION_METHODS[quantization].kept_blocks
     if path == "smollm2_gguf":
         return _converted(find_wheel_gguf(), without_kept)
     if path == "tiny_random":
@@ -228,7 +228,8 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     folder = resolve_model_folder(m, quantization)
     hf = read_hf_config(folder)
     check_checkpoint(m, hf, folder)
-    gguf_blocks = _gguf_blocks(m) if quantization == "gguf" else None  # the file's projections as blocks
+    # the file's projections as blocks
+    gguf_blocks = _gguf_blocks(m) if QUANTIZATION_METHODS[quantization].kept_blocks else None
     full_arch = ModelArch.from_model_config(m)
     if redundant_experts:
         full_arch = dataclasses.replace(full_arch, num_physical_experts=m.num_experts + redundant_experts)
