@@ -81,7 +81,7 @@ class CheckpointTensors:
                                         self.expected, self.dtype, self.device, self.packed_rows)
             return
         fill = self.projections.find(name)
-        packed = fill is not None and fill.packed
+        packed = fill if fill is not None and fill.packed else None  # it fills some rows of a linear
         target = fill.target if fill is not None else name
         if target not in self.expected:
             if "rotary_emb" in name:
@@ -94,13 +94,12 @@ class CheckpointTensors:
         else:
             t = _read_shard(sf, stored, self._shard(name))
         want = tuple(self.expected[target].shape)
-        if fill is not None and packed:
-            first, rows = fill.rows
-            want = (rows,) + want[1:]
+        if packed is not None:
+            want = (packed.rows[1],) + want[1:]
         if tuple(t.shape) != want:
             raise ModelLoadError(f"{file_name}: tensor {name} has shape {tuple(t.shape)}, the model expects {want}")
-        if fill is not None and packed:
-            self._fill_rows(target, first, rows, t)
+        if packed is not None:
+            self._fill_rows(target, *packed.rows, t)
             return
         router = name.endswith(".mlp.gate.weight")  # routers stay fp32 (gpt-oss's runs in the model's dtype)
         set_module_tensor_to_device(model, name, self.device, value=t,
