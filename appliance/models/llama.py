@@ -29,6 +29,7 @@ from appliance.models.layers.moe import ExpertParallel, FusedExperts, SparseMoe
 from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.parallel import PipelineParallel, TensorParallel, shard_arch
 from appliance.models.layers.rotary import rope_long_rows, rope_tables
+from appliance.models.layers.vocab import VocabParallelEmbedding, vocab_parallel_logits
 from appliance.models.weights_view import ModelWeights, weights_view
 
 if TYPE_CHECKING:  # the backend is handed in; the model never picks one
@@ -61,13 +62,11 @@ class Backbone(nn.Module):
 
     def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
                  layers: Optional[range] = None, embed: bool = True, norm: bool = True,
-                 ep: Optional[ExpertParallel] = None, spec: LayerSpec = DEFAULT_SPEC):
+                 ep: Optional[ExpertParallel] = None, spec: LayerSpec = DEFAULT_SPEC, vocab_size: int = 0):
         super().__init__()
-        if embed:
-            # filled by the loader: no random init (nn.Embedding's normal_ on the loader's meta
-            # tensors would import torch._dynamo, 1.5 s in every process)
-            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
-                                             _weight=torch.empty(arch.vocab_size, arch.hidden_size))
+        if embed:  # ``arch.vocab_size``: this rank's rows of the ``vocab_size`` vocabulary (tensor parallelism)
+            self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size,
+                                                       vocab_size or arch.vocab_size, tp)
         held = range(arch.num_layers) if layers is None else layers
         self.layers = nn.ModuleList(DecoderLayer(spec, arch, backend, tp, i, ep) for i in held)
         if norm:
@@ -107,7 +106,8 @@ class LlamaForCausalLM(nn.Module):
         self.holds_embedding = first or (last and arch.tie_word_embeddings)
         self.holds_head = last
         self.model = Backbone(arch, backend, tp, None if pp is None else range(pp.start, pp.end),
-                              embed=self.holds_embedding, norm=last, ep=ep, spec=self.layer_spec)
+                              embed=self.holds_embedding, norm=last, ep=ep, spec=self.layer_spec,
+                              vocab_size=self.vocab_size)
         if not arch.tie_word_embeddings and last:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         # (cos, sin) [positions, head_dim] in the model dtype, set by rope_cache(); a
@@ -251,19 +251,7 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head_q(x).float()
         else:
             logits = F.linear(x, self.lm_head_weight()).float()
-        if self.tp is None:
-            return logits
-        return torch.cat(self.tp.comm.all_gather(logits), dim=-1)[:, : self.vocab_size]
+        return vocab_parallel_logits(logits, self.tp, self.vocab_size)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp is None:
-            return self.model.embed_tokens(input_ids)
-        if input_ids.numel() and not (0 <= int(input_ids.min()) and int(input_ids.max()) < self.vocab_size):
-            raise ValueError(f"a token id is outside the vocabulary (0..{self.vocab_size - 1})")
-        rows = self.arch.vocab_size
-        local = input_ids - self.tp.rank * rows
-        outside = (local < 0) | (local >= rows)
-        x = self.model.embed_tokens(local.clamp(0, rows - 1))
-        x[outside] = 0
-        self.tp.comm.all_reduce(x)
-        return x
+        return self.model.embed_tokens(input_ids)

@@ -132,3 +132,43 @@ def test_a_row_parallel_output_counts_its_bias_once():
     rank1 = row_parallel_output(parts[1], halves[1], TensorParallel(1, 2, _SumOfRanks(parts[0](halves[0]))))
     torch.testing.assert_close(rank1, whole)
     assert torch.equal(row_parallel_output(proj, x, None), whole)
+
+
+class _Alone:
+    """A rank's collectives with the others left out: its own partial sum, its own logits."""
+
+    def all_reduce(self, t):
+        pass
+
+
+class _Gathered:
+    def __init__(self, parts):
+        self.parts = parts
+
+    def all_gather(self, t):
+        return self.parts
+
+
+def test_the_vocabulary_split_over_ranks_embeds_and_projects_as_the_whole():
+    from appliance.models.layers.vocab import VocabParallelEmbedding, vocab_parallel_logits
+
+    torch.manual_seed(0)
+    whole = torch.randn(10, 4)
+    padded = torch.cat([whole, torch.zeros(2, 4)])  # a vocabulary of 10 padded to 12: 6 rows a rank
+    ranks = []
+    for rank in (0, 1):
+        emb = VocabParallelEmbedding(6, 4, 10, TensorParallel(rank, 2, _Alone()))
+        emb.weight.data = padded[6 * rank: 6 * rank + 6].clone()
+        ranks.append(emb)
+    ids = torch.tensor([0, 5, 6, 9, 3])
+    other = ranks[1](ids)  # rank 1's rows: zeros for ids it does not hold
+    assert torch.equal(other[0], torch.zeros(4)) and torch.equal(other[2], whole[6])
+    ranks[0].tp = TensorParallel(0, 2, _SumOfRanks(other))
+    assert torch.equal(ranks[0](ids), whole[ids])
+    with pytest.raises(ValueError, match=r"a token id is outside the vocabulary \(0..9\)"):
+        ranks[0](torch.tensor([10]))
+    x = torch.randn(3, 4)
+    parts = [x @ padded[:6].T, x @ padded[6:].T]
+    logits = vocab_parallel_logits(parts[0], TensorParallel(0, 2, _Gathered(parts)), 10)
+    torch.testing.assert_close(logits, x @ whole.T)
+    assert vocab_parallel_logits(parts[0], None, 10) is parts[0]

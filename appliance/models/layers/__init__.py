@@ -9,6 +9,8 @@ vLLM's ``model_executor/layers``):
 - ``parallel``: tensor parallelism (column- and row-parallel projections,
   the vocabulary-parallel embedding and LM head: which rows or columns of a
   checkpoint tensor a rank holds) and the pipeline stages' hand-offs;
+- ``vocab``: the vocabulary-parallel embedding and the LM head's logits
+  gathered over the ranks;
 - ``rotary``: rotary embeddings and their scalings;
 - ``norm``: RMSNorm;
 - ``attention``: q/k/v, optional q/k norm, rope, the attention backend over
