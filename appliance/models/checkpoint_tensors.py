@@ -9,8 +9,9 @@ fp8 KV cache scales set on their layers."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from accelerate.utils import set_module_tensor_to_device
@@ -38,9 +39,9 @@ class CheckpointTensors:
         self.projections = Projections(model)  # which linear (and rows) each checkpoint projection fills
         self.loaded: set[str] = set()
         self.packed_rows: dict[str, int] = {}  # packed (or stacked expert) parameter -> rows filled so far
-        self.int4_parts: dict[str, dict[str, torch.Tensor]] = {}  # AWQ/GPTQ projection weight name -> its tensors
-        self.fp8_parts: dict[str, dict[str, torch.Tensor]] = {}  # an fp8 checkpoint's projections, the same way
-        self.mxfp4_parts: dict[str, dict[str, torch.Tensor]] = {}  # gpt-oss's MXFP4 experts: "blocks", "scales"
+        # a quantized checkpoint's projections (QUANTIZED_TENSORS[method]): projection -> part name -> tensor
+        self.quantized = QUANTIZED_TENSORS.get(method)
+        self.quantized_parts: dict[str, dict[str, torch.Tensor]] = {}
         self.kv_scales: dict[int, dict[str, torch.Tensor]] = {}  # layer -> "k" / "v" -> its fp8 KV cache scale
 
     def read(self, folder: Path) -> None:
@@ -64,17 +65,9 @@ class CheckpointTensors:
             for which in kv_scale[1]:
                 self.kv_scales.setdefault(kv_scale[0], {})[which] = t
             return
-        prefix, _, suffix = name.rpartition(".")
-        if self.method in UNPACK and suffix in UNPACK[self.method][1]:
-            self.int4_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(stored)
-            return
-        if self.method == "fp8" and suffix in FP8_TENSORS and (
-                suffix != "weight" or sf.get_slice(stored).get_dtype() == "F8_E4M3"):
-            self.fp8_parts.setdefault(prefix + ".weight", {})[suffix] = sf.get_tensor(stored)
-            return
-        if self.method == "mxfp4" and suffix.endswith(("_blocks", "_scales")):
-            stem, _, part = suffix.rpartition("_")
-            self.mxfp4_parts.setdefault(f"{prefix}.{stem}", {})[part] = sf.get_tensor(stored)
+        part = self.quantized.part(name, sf, stored) if self.quantized is not None else None
+        if part is not None:
+            self.quantized_parts.setdefault(part[0], {})[part[1]] = sf.get_tensor(stored)
             return
         if ".mlp.experts." in name and not getattr(model, "stacked_experts", False):
             self.loaded |= _load_expert(model, sf, stored, name, self._shard(name) if self.ep is None else None,
@@ -127,7 +120,9 @@ class CheckpointTensors:
 
     def install(self, folder: Path, hf: dict, gguf_blocks: Any, model_path: str) -> None:
         """The quantized projections read aside as their modules (a GGUF
-        file's blocks, AWQ/GPTQ int4, fp8), and the layers' KV cache scales."""
+        file's blocks; a quantized checkpoint's parts, as its
+        ``QUANTIZED_TENSORS`` entry installs them), and the layers' KV cache
+        scales."""
         model, full_arch, tp, ep = self.model, self.full_arch, self.tp, self.ep
         if gguf_blocks is not None:
             from appliance.models.gguf_blocks import keep_gguf_blocks
@@ -140,25 +135,11 @@ class CheckpointTensors:
                                                 others)
             except ValueError as e:
                 raise ModelLoadError(f"model.path={model_path}: {e}") from None
-        if self.int4_parts:
-            qc = hf.get("quantization_config") or {}
-            bits = qc.get("bits", qc.get("w_bit", 4))
-            self.loaded |= _install_int4_checkpoint(model, self.method, self.int4_parts, folder, bits, full_arch,
-                                                    tp, ep, self.projections)
-        if self.fp8_parts:
-            from appliance.models.fp8 import install_fp8
-
-            block = (hf.get("quantization_config") or {}).get("weight_block_size")
-            try:
-                self.loaded |= install_fp8(model, self.fp8_parts, _checkpoint_activations(hf), block, full_arch,
-                                           tp, ep, self.projections)
-            except ValueError as e:
-                raise ModelLoadError(f"{folder}: {e}") from None
-        for target, parts in self.mxfp4_parts.items():
-            self._set_mxfp4(target, parts, folder)
+        if self.quantized is not None and self.quantized_parts:
+            self.loaded |= self.quantized.install(self, folder, hf)
         _set_kv_scales(model, self.kv_scales, folder)
 
-    def _set_mxfp4(self, target: str, parts: dict[str, torch.Tensor], folder: Path) -> None:
+    def set_mxfp4(self, target: str, parts: dict[str, torch.Tensor], folder: Path) -> None:
         """An expert projection of gpt-oss's MXFP4 checkpoint, dequantized into its parameter."""
         if target not in self.expected:
             raise ModelLoadError(f"{folder}: MXFP4 tensors of {target}, a projection this model does not have")
@@ -177,7 +158,6 @@ class CheckpointTensors:
         if tuple(t.shape) != want:
             raise ModelLoadError(f"{folder}: MXFP4 {target} dequantizes to {tuple(t.shape)}, the model expects {want}")
         set_module_tensor_to_device(self.model, target, self.device, value=t, dtype=self.dtype)
-        self.loaded.add(target)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -304,3 +284,72 @@ def _load_expert(model: Any, sf: Any, stored: str, name: str, shard: tuple[int, 
         if filled[target] == full[0] * full[1]:
             done.add(target)
     return done
+
+
+@dataclass(frozen=True)
+class QuantizedTensors:
+    """How a quantized checkpoint's projections load, by the method its
+    quantization_config names (``checkpoint.checkpoint_quant_method``):
+    ``part(name, file, stored)``, which stored tensors are parts of a
+    projection (the projection's key and the part's name; None: a tensor
+    of its own), and ``install(tensors, folder, hf)``, the parts set aside
+    made into modules (the module weights they fill). ``named``: serving
+    the checkpoint needs ``quantization=`` its method (gpt-oss's MXFP4
+    experts dequantize at load, so they need not)."""
+
+    part: Callable[[str, Any, str], Optional[tuple[str, str]]]
+    install: Callable[[CheckpointTensors, Path, dict], set[str]]
+    named: bool = True
+
+
+def _int4_part(method: str) -> Callable[[str, Any, str], Optional[tuple[str, str]]]:
+    def part(name: str, sf: Any, stored: str) -> Optional[tuple[str, str]]:
+        prefix, _, suffix = name.rpartition(".")
+        return (prefix + ".weight", suffix) if suffix in UNPACK[method][1] else None
+    return part
+
+
+def _install_int4(t: CheckpointTensors, folder: Path, hf: dict) -> set[str]:
+    qc = hf.get("quantization_config") or {}
+    return _install_int4_checkpoint(t.model, t.method, t.quantized_parts, folder, qc.get("bits", qc.get("w_bit", 4)),
+                                    t.full_arch, t.tp, t.ep, t.projections)
+
+
+def _fp8_part(name: str, sf: Any, stored: str) -> Optional[tuple[str, str]]:
+    prefix, _, suffix = name.rpartition(".")  # an fp8 weight (not a float one beside them) and its scales
+    if suffix in FP8_TENSORS and (suffix != "weight" or sf.get_slice(stored).get_dtype() == "F8_E4M3"):
+        return prefix + ".weight", suffix
+    return None
+
+
+def _install_fp8(t: CheckpointTensors, folder: Path, hf: dict) -> set[str]:
+    from appliance.models.fp8 import install_fp8
+
+    block = (hf.get("quantization_config") or {}).get("weight_block_size")
+    try:
+        return install_fp8(t.model, t.quantized_parts, _checkpoint_activations(hf), block, t.full_arch, t.tp, t.ep,
+                           t.projections)
+    except ValueError as e:
+        raise ModelLoadError(f"{folder}: {e}") from None
+
+
+def _mxfp4_part(name: str, sf: Any, stored: str) -> Optional[tuple[str, str]]:
+    prefix, _, suffix = name.rpartition(".")  # gpt-oss's experts: gate_up_proj_blocks, ..._scales
+    if not suffix.endswith(("_blocks", "_scales")):
+        return None
+    stem, _, part = suffix.rpartition("_")
+    return f"{prefix}.{stem}", part
+
+
+def _install_mxfp4(t: CheckpointTensors, folder: Path, hf: dict) -> set[str]:
+    for target, parts in t.quantized_parts.items():
+        t.set_mxfp4(target, parts, folder)
+    return set(t.quantized_parts)
+
+
+QUANTIZED_TENSORS: dict[str, QuantizedTensors] = {
+    "awq": QuantizedTensors(_int4_part("awq"), _install_int4),
+    "gptq": QuantizedTensors(_int4_part("gptq"), _install_int4),
+    "fp8": QuantizedTensors(_fp8_part, _install_fp8),
+    "mxfp4": QuantizedTensors(_mxfp4_part, _install_mxfp4, named=False),
+}

@@ -221,8 +221,7 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     from accelerate import init_empty_weights
 
     from appliance.models.arch import ModelArch
-    from appliance.models.checkpoint_tensors import CheckpointTensors
-    from appliance.models.int4_checkpoints import UNPACK
+    from appliance.models.checkpoint_tensors import QUANTIZED_TENSORS, CheckpointTensors
     from appliance.models.registry import model_class
 
     folder = resolve_model_folder(m, quantization)
@@ -236,8 +235,9 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
     with init_empty_weights():
         model = model_class(full_arch.architecture)(full_arch, backend, tp, pp, ep)
     checkpoint_method = checkpoint_quant_method(hf)
-    quantized = (*UNPACK, "fp8")  # checkpoint formats whose tensors load as quantized modules
-    if (checkpoint_method in quantized or quantization in UNPACK) and checkpoint_method != quantization:
+    stored = QUANTIZED_TENSORS.get(checkpoint_method)  # its projections load as quantized modules
+    checkpoint_only = bool(QUANTIZATION_METHODS[quantization].without_checkpoint)
+    if ((stored is not None and stored.named) or checkpoint_only) and checkpoint_method != quantization:
         raise ModelLoadError(
             f"{folder}: quantization={quantization} but the checkpoint's quantization_config says "
             f"{checkpoint_method or 'none (unquantized)'}; set quantization={checkpoint_method or 'none'}")

@@ -338,3 +338,19 @@ def test_an_older_folders_quantize_config_file_is_read(checkpoints, tmp_path, va
     got = LLM(overrides=BASE + [f"model.path={folder}"]).generate(PROMPTS[:1], p, use_tqdm=False)
     want = LLM(overrides=BASE + [f"model.path={checkpoints[variant]}"]).generate(PROMPTS[:1], p, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("folder, quantization, says", [
+    ("awq", "none", "the checkpoint's quantization_config says awq; set quantization=awq"),
+    ("gptq", "awq", "the checkpoint's quantization_config says gptq; set quantization=gptq"),
+    ("plain", "gptq", "the checkpoint's quantization_config says none \\(unquantized\\); set quantization=none"),
+])
+def test_the_loader_refuses_a_method_other_than_the_checkpoints(checkpoints, folder, quantization, says):
+    """Past validation (a caller of the loader itself), a quantized checkpoint loads only as its own method, and
+    a checkpoint-only method only from its checkpoints."""
+    from appliance.errors import ModelLoadError
+    from appliance.models.loader import load_model
+
+    spec = resolve(BASE + [f"model.path={checkpoints[folder]}"], check=False).cfg.model
+    with pytest.raises(ModelLoadError, match=f"quantization={quantization} but {says}"):
+        load_model(spec, None, torch.float32, torch.device("cpu"), quantization)  # refused before a backend runs
