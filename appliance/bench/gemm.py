@@ -30,6 +30,7 @@ import time
 import torch
 
 from appliance.bench.common import plot_lines, split_overrides, write_results
+from appliance.config.quantization import QUANTIZATION_METHODS
 from appliance.errors import ConfigError
 
 
@@ -41,19 +42,22 @@ def projections(cfg) -> dict[str, tuple[int, int]]:
             "gate_up": (m.hidden_size, 2 * m.intermediate_size), "down": (m.intermediate_size, m.hidden_size)}
 
 
-# Bytes a weight of each format holds in memory (int4: a byte per two, fp16 scale and min per group of 32).
-WEIGHT_BYTES = {"int8_wo": 1.0, "int4_wo": 0.5 + 4 / 32}
+GROUP = 32  # the 4-bit weights' group
+# Bytes a weight of each weight-only CPU format holds in memory (its bits, and its group's scale and min: int4's
+# fp16 pair per group of 32 inputs; int8's scale per output channel, a rounding error).
+WEIGHT_BYTES = {q.name: q.bits[0] / 8 + q.group_param_bits / (8 * GROUP) for q in QUANTIZATION_METHODS.values()
+                if q.cpu_at_load and not q.activation_dtype}
 
 
 def make_module(k: int, n: int, dtype: torch.dtype, method: str) -> torch.nn.Module:
     """A random [n, k] projection in the bench's weight format."""
     from appliance.models.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
-    if method == "int8_wo":
+    if method not in WEIGHT_BYTES:
+        return torch.nn.Linear(k, n, bias=False).to(dtype)
+    if QUANTIZATION_METHODS[method].bits[0] == 8:
         return Int8WeightOnlyLinear(torch.randn(n, k), None)
-    if method == "int4_wo":
-        return Int4WeightOnlyLinear(torch.randn(n, k), None, 32)
-    return torch.nn.Linear(k, n, bias=False).to(dtype)
+    return Int4WeightOnlyLinear(torch.randn(n, k), None, GROUP)
 
 
 def time_linear(k: int, n: int, rows: int, dtype: torch.dtype, mib: int, repeat: int, paths: list,
@@ -117,7 +121,7 @@ def run(cfg, rows: list[int], mib: int, repeat: int, machine: dict, against_torc
     if against_torch:
         paths.append("torch")
     nbytes = WEIGHT_BYTES.get(method, dtype.itemsize)
-    tiles_from = amx_min_rows(grouped=method == "int4_wo")
+    tiles_from = amx_min_rows(grouped=QUANTIZATION_METHODS[method].scales == "group")
 
     def peak_of(on, m: int) -> str:
         """The peak a path's row runs against: torch's in its dtype; AMX tiles' (bf16) from their row count

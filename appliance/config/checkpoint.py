@@ -291,7 +291,7 @@ def _apply_gguf_width(cfg: dict, path: Path, overrides: Sequence[str]) -> list[s
     if q["method"] == "none" and _quantization_override(overrides) is None and cfg["hardware"]["device_kind"] == "cpu":
         q.update(method="gguf", weight_bits=bits, group_size=32, activations=False)
         return []
-    if q["method"] != "gguf":
+    if not QUANTIZATION_METHODS[q["method"]].kept_blocks:
         return []
     explicit = "quantization.weight_bits" in {o.partition("=")[0].lstrip("+~") for o in overrides}
     if explicit and not same(q["weight_bits"], bits):

@@ -13,7 +13,7 @@ from appliance.config.execution import choose_dtype
 from appliance.config.kv_connectors import kv_transfer_problems
 from appliance.config.kv_groups import LAYER_TYPES, SLIDING, kv_group_problems
 from appliance.config.memory import GIB, blocks_per_request, device_memory, max_model_len
-from appliance.config.quantization import FP8_HARDWARE, quantization_problems
+from appliance.config.quantization import FP8_HARDWARE, method_of, quantization_problems
 from appliance.config.hf_facts import LONGROPE_KEYS, MOE_KEYS, YARN_KEYS
 from appliance.config.sizes import rotary_dim
 from appliance.config.schema import ApplianceConfig, EplbConfig, ModelConfig, RopeScaling, SchedulerConfig
@@ -54,7 +54,7 @@ def _architecture_problems(cfg: ApplianceConfig) -> list[str]:
     if row.gpt_oss:
         problems += [f"{m.architecture}'s experts clamp their SwiGLU: set model.{k} (positive)"
                      for k, v in swiglu.items() if v is None or not v > 0]
-        if cfg.quantization.method not in ("none", "mxfp4"):
+        if method_of(cfg).scales != "none":  # float weights only: unquantized, or its MXFP4 dequantized at load
             problems.append(f"quantization={cfg.quantization.method} on {m.architecture} is not built yet (its "
                             f"experts run in the model dtype: a checkpoint's bf16, or its MXFP4 dequantized)")
         if not m.norm_topk_prob:

@@ -228,32 +228,25 @@ def amx_min_rows(int8: bool = False, grouped: bool = False) -> int:
     return int(_LIB.appl_amx_min_rows(int(int8), int(grouped)))
 
 
-# Weight formats whose GEMMs take vdpbf16ps (and AMX-BF16 tiles from amx_min_rows) while bf16_dot is on: bf16 weights,
-# and int8 weight-only, grouped int8 and int4 ones (their integers as bf16).
-_BF16_DOT_QUANT = ("none", "int8_wo", "gguf", "awq", "gptq", "int4_wo")
-# Those of them with grouped weights (int4, GGUF's grouped int8), which AMX takes from more rows.
-_GROUPED_QUANT = ("gguf", "awq", "gptq", "int4_wo")
-
-
 def host_notes(cfg: Any, dtype: str) -> list[str]:
     """What the native kernels run on this CPU for a deployment of compute ``dtype``, as the run-time
     switches stand (CPUID, then the APPLIANCE_CPU_* variables): for ``appliance plan``."""
-    q = cfg.quantization.method
+    q, caps = cfg.quantization.method, BACKENDS["cpu_native"]
     kv = dtype if cfg.cache.kv_cache_dtype == "auto" else cfg.cache.kv_cache_dtype
-    tiles = (f", and from {amx_min_rows(grouped=q in _GROUPED_QUANT)} rows on AMX tiles (tdpbf16ps, the rows "
-             "rounded to bf16)" if amx() and bf16_dot() else "")
-    if q == "w8a8_int8":
+    tiles = (f", and from {amx_min_rows(grouped=q in caps.grouped_quantizations)} rows on AMX tiles (tdpbf16ps, "
+             "the rows rounded to bf16)" if amx() and bf16_dot() else "")
+    if q in caps.w8a8_quantizations:
         gemm = (f"W8A8 GEMMs on AMX-INT8 tiles (tdpbssd) from {amx_min_rows(int8=True)} rows, " if amx()
                 else "W8A8 GEMMs ") + \
                ("on AVX512-VNNI (vpdpbusd)" if vnni() else "on AVX2 (vpmaddwd)") + ", exact in int32"
-    elif q in BACKENDS["cpu_native"].int8_gemm_quantizations and int8_rows():
+    elif q in caps.int8_gemm_quantizations and int8_rows():
         gemm = ("GEMMs on integer dot products (AVX512-VNNI vpdpbusd; the rows quantized "
                 "to int8 per group of inputs, the sums exact in int32; q/k/v and the LM head keep float rows"
-                + (", in AVX-512 fp32 FMAs" if q == "int8_wo" and fma_rows() and avx512()
+                + (", in AVX-512 fp32 FMAs" if q in caps.fma_row_quantizations and fma_rows() and avx512()
                    else ", on vdpbf16ps" if bf16_dot() else "") + ")" + tiles)
     elif dtype == "bfloat16" and q == "none" and fma_rows() and avx512():
         gemm = "GEMMs in AVX-512 fp32 FMAs, the bf16 weights widened in registers, the rows fp32" + tiles
-    elif (dtype == "bfloat16" or q != "none") and q in _BF16_DOT_QUANT and bf16_dot():
+    elif (dtype == "bfloat16" or q != "none") and q in caps.bf16_dot_quantizations and bf16_dot():
         gemm = "GEMMs on vdpbf16ps, the rows rounded to bf16" + tiles
     else:
         gemm = "GEMMs in fp32 FMAs" + (" over weights widened to fp32" if dtype != "float32" or q != "none" else "")

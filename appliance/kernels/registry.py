@@ -64,6 +64,15 @@ class BackendCapabilities:
     # Weight formats whose batched GEMMs it runs on int8 products (the rows quantized to int8) where the
     # hardware has int8 dot products (hardware.peak_tflops.int8 > 0); w8a8_int8 does everywhere.
     int8_gemm_quantizations: tuple[str, ...] = ()
+    # Weight formats whose GEMMs take bf16 dot products (vdpbf16ps; AMX-BF16 tiles from their row count) where the
+    # CPU has them: bf16 weights, and 4- and 8-bit weights as their integers in bf16.
+    bf16_dot_quantizations: tuple[str, ...] = ()
+    # Those with weights in groups of inputs (int4, GGUF's grouped int8), which the tiles take from more rows.
+    grouped_quantizations: tuple[str, ...] = ()
+    # Those whose GEMMs quantize the activations to int8 too (W8A8: tiles of int8, sums exact in int32).
+    w8a8_quantizations: tuple[str, ...] = ()
+    # Those whose float rows (q/k/v, the LM head) run in fp32 FMAs on AVX-512 (int8 per channel).
+    fma_row_quantizations: tuple[str, ...] = ()
     # What of a model's attention it computes beyond causal softmax over a (windowed) context: "sinks" (a learned
     # logit per head in the softmax, gpt-oss's).
     features: tuple[str, ...] = ("sinks",)
@@ -242,6 +251,10 @@ BACKENDS: dict[str, BackendCapabilities] = {
         quantizations=("none", "gguf", "int8_wo", "w8a8_int8", "int4_wo", "awq", "gptq", "mxfp4"),
         # 4- and 8-bit weights' GEMMs: int8 rows on AVX512-VNNI (cpu_native.int8_rows)
         int8_gemm_quantizations=("gguf", "int8_wo", "int4_wo", "awq", "gptq"),
+        bf16_dot_quantizations=("none", "int8_wo", "gguf", "awq", "gptq", "int4_wo"),
+        grouped_quantizations=("gguf", "awq", "gptq", "int4_wo"),
+        w8a8_quantizations=("w8a8_int8",),
+        fma_row_quantizations=("int8_wo",),
     ),
     "triton": BackendCapabilities(
         name="triton",

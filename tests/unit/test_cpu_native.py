@@ -1172,6 +1172,10 @@ def test_the_plan_says_which_kernels_run_on_this_cpu():
     if HAS_VNNI:  # int8 rows where the CPU has VNNI
         with _pinned(int8_rows, True):
             assert "GEMMs on integer dot products" in note("quantization=int4_wo")
+            if HAS_AVX512:  # int8 per channel keeps its float rows in FMAs; int4's take vdpbf16ps or fp32
+                with _pinned(fma_rows, True):
+                    assert "keep float rows, in AVX-512 fp32 FMAs" in note("quantization=int8_wo")
+                    assert "in AVX-512 fp32 FMAs" not in note("quantization=int4_wo")
     with _bf16_dot(False):  # int8_rows off
         assert "integer dot products" not in note("quantization=int4_wo")
     assert "W8A8 GEMMs" in note("quantization=w8a8_int8", "quantization.activations=true")
