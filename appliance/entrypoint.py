@@ -12,7 +12,7 @@ import itertools
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union, cast
 
 from appliance.config.compose import ResolvedConfig, resolve
 from appliance.config.execution import Execution
@@ -98,7 +98,10 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts, list) and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         if any(p.kv_transfer_params is not None and p.n != 1 for p in params_list):
@@ -127,10 +130,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """``tools`` (OpenAI function definitions) are given to the chat template;
         to force a call, constrain the output (``SamplingParams.structured_outputs``)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.apply_chat_template(c, tools=tools, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
+        conversations = cast(list[list[dict]], [messages] if messages and isinstance(messages[0], dict) else messages)
+        prompts = [  # tokenize=False: the rendered text
+            cast(str, self.tokenizer.apply_chat_template(c, tools=cast(Any, tools), tokenize=False,
+                                                         add_generation_prompt=add_generation_prompt))
             for c in conversations
         ]
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]

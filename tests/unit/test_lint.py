@@ -1,6 +1,5 @@
 """The linters the suite runs: ruff over the whole tree (the rule set in
-pyproject.toml's ``[tool.ruff.lint]``), mypy over the engine, the config
-layer, the composition root, the server, the worker, the models, the kernels, structured outputs and the benchmarks
+pyproject.toml's ``[tool.ruff.lint]``), mypy over the whole package
 (``[tool.mypy]``), no ``Any`` parameter in the engine's functions, and
 sizes a reader can hold: every module of the package under
 ``MAX_MODULE_LINES``, every function under ``MAX_FUNCTION_LINES``."""
