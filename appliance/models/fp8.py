@@ -23,7 +23,7 @@ per call and an ordinary GEMM in the activation dtype; correct, not fast.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, cast
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,6 @@ from torch import nn
 from appliance.models.layers.linear import Projections, replace_linear
 
 if TYPE_CHECKING:
-    from appliance.models.layers.moe import SparseMoe
     from appliance.models.llama import LlamaForCausalLM
 
 FP8 = torch.float8_e4m3fn
@@ -277,7 +276,7 @@ def install_fp8_experts(model: LlamaForCausalLM, parts: dict[str, dict[str, torc
     def build(names: list[str]) -> Fp8Linear:
         return _stacked_fp8([cut(n) for n in names], [parts[n] for n in names], activations, block, None)
 
-    return install_checkpoint_experts(model, parts, "fp8", build)
+    return install_checkpoint_experts(model.model.sparse_mlps(), parts, "fp8", build)
 
 
 def quantize_fp8(model: LlamaForCausalLM, activations: bool) -> LlamaForCausalLM:
@@ -287,8 +286,6 @@ def quantize_fp8(model: LlamaForCausalLM, activations: bool) -> LlamaForCausalLM
     from appliance.models.quant import replace_projections
 
     replace_projections(model, lambda w, b: Fp8Linear(*quantize_per_channel_fp8(w), b, activations))
-    for layer in model.model.decoder_layers():
-        if layer.sparse:  # every expert's gate|up and down, per output channel the same way
-            cast("SparseMoe", layer.mlp).experts.quantize(
-                "fp8", lambda w: Fp8Linear(*quantize_per_channel_fp8(w), None, activations))
+    for _, mlp in model.model.sparse_mlps():  # every expert's gate|up and down, per output channel the same way
+        mlp.experts.quantize("fp8", lambda w: Fp8Linear(*quantize_per_channel_fp8(w), None, activations))
     return model

@@ -75,6 +75,10 @@ class Backbone(nn.Module):
     def decoder_layers(self) -> list[DecoderLayer]:
         return cast(list[DecoderLayer], list(self.layers))
 
+    def sparse_mlps(self) -> list[tuple[int, SparseMoe]]:
+        """(index among the layers held, its router and experts) of each sparse layer."""
+        return [(i, cast(SparseMoe, layer.mlp)) for i, layer in enumerate(self.decoder_layers()) if layer.sparse]
+
 
 class LlamaForCausalLM(nn.Module):
     """``arch`` is the whole model's; with ``tp`` the module holds rank
@@ -166,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
 
         arch, ep = self.arch, self.ep
         assert ep is not None, "EPLB balances experts over expert-parallel ranks"
-        sparse = [layer.mlp for layer in self.model.decoder_layers() if layer.sparse]
+        sparse = [mlp for _, mlp in self.model.sparse_mlps()]
         self.eplb = Eplb(sparse, arch.num_experts, arch.num_physical_experts or arch.num_experts, ep.rank, ep.size,
                          ep.group, window_size, step_interval, share=ep.comm if ep.dispatches else None)
 
@@ -239,9 +243,8 @@ class LlamaForCausalLM(nn.Module):
         engine cores)."""
         assert self.rope is not None, "call rope_cache() once before idle_forward"
         empty = torch.empty((0, self.arch.hidden_size), dtype=self.rope[0].dtype, device=self.rope[0].device)
-        for layer in self.model.decoder_layers():
-            if layer.sparse:
-                cast(SparseMoe, layer.mlp).exchange(empty)
+        for _, mlp in self.model.sparse_mlps():
+            mlp.exchange(empty)
         if self.eplb is not None:
             self.eplb.after_forward()
 

@@ -26,7 +26,7 @@ larger batches dequantize the weight and use the fp32 GEMM
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, Optional, cast
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import nn
@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from appliance.config.quantization import INT4_GROUP_SIZES
 
 if TYPE_CHECKING:
-    from appliance.models.layers.moe import SparseMoe
     from appliance.models.llama import LlamaForCausalLM
 
 INT8_KERNEL_MAX_ROWS = 4
@@ -377,9 +376,8 @@ def quantize_experts(model: LlamaForCausalLM, method: str, group: int = 32) -> N
     make = {"int8_wo": lambda w: Int8WeightOnlyLinear(w, None),
             "w8a8_int8": lambda w: Int8WeightOnlyLinear(w, None, activations=True),
             "int4_wo": lambda w: Int4WeightOnlyLinear(w, None, group)}[method]
-    for layer in model.model.decoder_layers():
-        if layer.sparse:
-            cast("SparseMoe", layer.mlp).experts.quantize(method, make)
+    for _, mlp in model.model.sparse_mlps():
+        mlp.experts.quantize(method, make)
 
 
 def quantize_int8_weight_only(model: LlamaForCausalLM, activations: bool = False) -> LlamaForCausalLM:
@@ -456,7 +454,7 @@ def install_expert_blocks(model: LlamaForCausalLM, blocks: dict[str, tuple], met
     ``method``. Returns the module weights filled."""
     from appliance.models.layers.moe import install_checkpoint_experts
 
-    return install_checkpoint_experts(model, blocks, method,
+    return install_checkpoint_experts(model.model.sparse_mlps(), blocks, method,
                                       lambda names: block_linear([blocks[n] for n in names], names[0], None))
 
 

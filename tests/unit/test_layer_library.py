@@ -11,9 +11,9 @@ import torch
 
 from appliance.models.arch import ModelArch
 from appliance.models.layers.decoder import DecoderLayer, LayerSpec, dense
-from appliance.models.layers.linear import Projections, QKVParallelLinear, RowParallelLinear, row_parallel_output
+from appliance.models.layers.linear import Projections, QKVParallelLinear, RowParallelLinear
 from appliance.models.layers.moe import SparseMoe
-from appliance.models.layers.parallel import TensorParallel
+from appliance.models.layers.parallel import TensorParallel, row_parallel_output
 from appliance.models.llama import LlamaForCausalLM
 
 ARCH = ModelArch("LlamaForCausalLM", 2, 64, 128, 4, 2, 16, 500, 1024, 1e4, 1e-5, True)

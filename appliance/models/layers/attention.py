@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from appliance.models.arch import ModelArch
-from appliance.models.layers.linear import QKVParallelLinear, RowParallelLinear, row_parallel_output
+from appliance.models.layers.linear import QKVParallelLinear, RowParallelLinear
 from appliance.models.layers.norm import RMSNorm
-from appliance.models.layers.parallel import TensorParallel
+from appliance.models.layers.parallel import TensorParallel, row_parallel_output
 from appliance.models.layers.rotary import apply_rope
 
 if TYPE_CHECKING:  # the backend is handed in; the layer never picks one

@@ -14,20 +14,17 @@ rows. A checkpoint fills a part from its own tensor (``q_proj`` into
 as the linear (Phi-3's ``qkv_proj``). A row-parallel linear's inputs are one
 such dimension (o_proj's the q heads, down_proj's the MLP rows): a rank holds
 its columns, and the layer all-reduces the partial sums
-(``row_parallel_output``)."""
+(``parallel.row_parallel_output``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Optional, Sequence
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
     from appliance.models.arch import ModelArch
-    from appliance.models.layers.parallel import TensorParallel
 
 SPANS = ("q", "kv", "inter")  # the model dimensions a projection's rows (or inputs) can be
 
@@ -93,20 +90,6 @@ class RowParallelLinear(ParallelLinear):
     def __init__(self, in_features: int, out_features: int, name: str, span: str, bias: bool = False):
         super().__init__(in_features, out_features, bias=bias)
         self.parts = (Part(name, span, in_features),)
-
-
-def row_parallel_output(proj: nn.Module, x: torch.Tensor, tp: Optional[TensorParallel]) -> torch.Tensor:
-    """A row-parallel projection's output: ``proj(x)`` alone, or with ``tp``
-    this rank's partial sum all-reduced over the ranks, a bias counted once
-    (rank 0's). ``proj`` is the linear or the module that replaced it."""
-    if tp is None:
-        return proj(x)
-    if tp.rank == 0 or getattr(proj, "bias", None) is None:
-        out = proj(x)
-    else:  # the weight alone: the ranks after the first leave the bias out of their partial sums
-        out = F.linear(x, cast(torch.Tensor, proj.weight))
-    tp.comm.all_reduce(out)
-    return out
 
 
 @dataclass(frozen=True)

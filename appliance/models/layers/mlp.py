@@ -11,8 +11,8 @@ from torch import nn
 import torch.nn.functional as F
 
 from appliance.models.arch import ModelArch
-from appliance.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear, row_parallel_output
-from appliance.models.layers.parallel import TensorParallel
+from appliance.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from appliance.models.layers.parallel import TensorParallel, row_parallel_output
 
 
 class MLP(nn.Module):

@@ -26,16 +26,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Callable, Optional, cast
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
 from appliance.kernels import flashinfer_moe
-
-if TYPE_CHECKING:
-    from appliance.models.llama import LlamaForCausalLM
 
 
 @dataclass(frozen=True)
@@ -146,18 +143,16 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, f
     return out
 
 
-def install_checkpoint_experts(model: LlamaForCausalLM, parts: dict[str, Any], method: str,
+def install_checkpoint_experts(sparse: list[tuple[int, SparseMoe]], parts: dict[str, Any], method: str,
                                build: Callable[[list[str]], nn.Module]) -> set[str]:
-    """Each sparse layer's experts from a checkpoint's per-expert tensors
+    """Each sparse layer's experts (``sparse``: the model's ``sparse_mlps``) from a checkpoint's per-expert tensors
     (``parts`` by checkpoint weight name, ``...mlp.experts.E.gate_proj.
     weight``): ``build(names)`` makes one linear of the named projections
     stacked in row order, gate|up and then down for each local expert; the
     experts ``quantized`` as ``method``. Returns the module weights filled."""
     filled = set()
-    for i, layer in enumerate(model.model.decoder_layers()):
-        if not layer.sparse:
-            continue
-        experts, pre = cast(SparseMoe, layer.mlp).experts, f"model.layers.{i}.mlp.experts."
+    for i, mlp in sparse:
+        experts, pre = mlp.experts, f"model.layers.{i}.mlp.experts."
         linears = []
         for e in experts.slot_experts:
             names = [f"{pre}{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from appliance.config.architectures import ARCHITECTURES
 from appliance.models.arch import ModelArch
@@ -34,6 +36,20 @@ class TensorParallel:
     rank: int
     size: int
     comm: Any
+
+
+def row_parallel_output(proj: nn.Module, x: torch.Tensor, tp: Optional[TensorParallel]) -> torch.Tensor:
+    """A row-parallel projection's output: ``proj(x)`` alone, or with ``tp``
+    this rank's partial sum all-reduced over the ranks, a bias counted once
+    (rank 0's). ``proj`` is the linear or the module that replaced it."""
+    if tp is None:
+        return proj(x)
+    if tp.rank == 0 or getattr(proj, "bias", None) is None:
+        out = proj(x)
+    else:  # the weight alone: the ranks after the first leave the bias out of their partial sums
+        out = F.linear(x, cast(torch.Tensor, proj.weight))
+    tp.comm.all_reduce(out)
+    return out
 
 
 @dataclass(frozen=True)
