@@ -260,7 +260,7 @@ class Int4WeightOnlyLinear(_GroupedLinear):
         from appliance.kernels import marlin_int4
 
         words, scales, zeros = self.marlin_words, self.marlin_scales, self.marlin_zeros
-        assert words is not None and scales is not None and zeros is not None, "prepare_for() chose Marlin"
+        assert words is not None and scales is not None, "prepare_for() chose Marlin"  # zeros: None when symmetric
         if not self.marlin_tiled:
             words = self.marlin_words = marlin_int4.repack(words, self.out_features, self.in_features)
             self.marlin_tiled = True
