@@ -8,7 +8,7 @@ answers to, the implementation that builds it (``family``: a class in
 ``models/registry.py``), the GGUF ``general.architecture`` values that
 convert to it, and its capabilities: how its layers hold experts, its q/k/v
 bias and q/k norm, the parallelism it supports, the attention kinds its
-layers use, whether it pools. ``NOT_BUILT`` lists architectures people bring
+layers use, whether it pools, its chat format. ``NOT_BUILT`` lists architectures people bring
 that are not served yet, each with what it needs; ``support`` answers for any
 name, with the reason when it is not served.
 
@@ -57,6 +57,10 @@ class Architecture:
     # experts of stacked weights with biases and the clamped SwiGLU, routed top-k then softmax
     gpt_oss: bool = False
     pooling: bool = False  # an embedding, reranking or classification head
+    # how chat requests become prompts and outputs answers: "template" (the tokenizer's Jinja chat template,
+    # server.reasoning_parser and server.tool_parser read the output) or "harmony" (gpt-oss's format through
+    # openai-harmony: its channels carry the reasoning and the tool calls; server/harmony.py)
+    chat_format: str = "template"
 
     @property
     def moe(self) -> bool:
@@ -103,7 +107,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # layer (no whole-step native forward); a tensor-parallel rank holds every expert's slice (no expert
     # parallelism yet)
     Architecture("GptOssForCausalLM", "gpt_oss", "gpt_oss", experts="every", attention=SLIDING_TOO,
-                 window="pattern", global_every=2, gpt_oss=True, expert_parallel=False),
+                 window="pattern", global_every=2, gpt_oss=True, expert_parallel=False,
+                 chat_format="harmony"),
 )}
 
 # Architectures people bring that are not served yet, and what each needs.
@@ -150,3 +155,11 @@ def describe(name: str) -> str:
     """A served architecture's capabilities, or why it is not served (``appliance plan``)."""
     row, why = support(name)
     return row.capabilities() if row is not None else why
+
+
+def tool_format(architecture: str, tool_parser: str) -> str:
+    """How tool calls are read from a model's output: ``server.tool_parser``, or under ``auto`` the
+    architecture's own format (harmony's messages to functions.NAME; hermes for a chat template)."""
+    if tool_parser != "auto":
+        return tool_parser
+    return "harmony" if ARCHITECTURES[architecture].chat_format == "harmony" else "hermes"

@@ -72,6 +72,7 @@ class StructuredBackend(StrEnum):
 
 
 class ToolParser(StrEnum):
+    auto = "auto"  # the model's own: harmony's channels on a harmony model, hermes otherwise
     hermes = "hermes"
     llama3_json = "llama3_json"
 

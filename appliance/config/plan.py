@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from appliance.config.architectures import describe
+from appliance.config.architectures import describe, tool_format
 from appliance.config.execution import Execution, resolve_execution
 from appliance.config.kv_connectors import describe_kv_transfer
 from appliance.config.kv_groups import SLIDING, kv_layout
@@ -333,7 +333,16 @@ def describe_structured_output(cfg: ApplianceConfig) -> str:
             + ("; compact JSON unless a request allows whitespace" if so.disable_any_whitespace else
                f"; at most {so.max_json_whitespace} whitespace characters between JSON tokens"
                if so.max_json_whitespace is not None else "")
-            + f"; tool calls read as {cfg.server.tool_parser}"
+            + _chat_output(cfg))
+
+
+def _chat_output(cfg: ApplianceConfig) -> str:
+    """How chat outputs are read: harmony's channels, or the tool format and reasoning parser."""
+    tools = tool_format(cfg.model.architecture, cfg.server.tool_parser)
+    if tools == "harmony":
+        return ("; chat in harmony's format (openai-harmony renders the prompts; the analysis channel is the "
+                "reasoning, messages to functions.NAME the tool calls; constraints on the final channel only)")
+    return (f"; tool calls read as {tools}"
             + (f"; reasoning read as {cfg.server.reasoning_parser} (<think>...</think> apart from the answer, "
                f"constraints on the answer only)" if cfg.server.reasoning_parser is not None else ""))
 

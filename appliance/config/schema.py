@@ -294,11 +294,13 @@ class ServerConfig:
     dev_mode: bool = False
     # How tool calls are read from the model's text under tool_choice=auto:
     # hermes (<tool_call>{...}</tool_call>, Qwen and SmolLM-style templates) or
-    # llama3_json ({"name": ..., "parameters": ...}, Llama 3.x).
-    tool_parser: ToolParser = ToolParser.hermes
+    # llama3_json ({"name": ..., "parameters": ...}, Llama 3.x); auto: the model's own (messages to
+    # functions.NAME on a harmony model, gpt-oss; hermes otherwise).
+    tool_parser: ToolParser = ToolParser.auto
     # A thinking model's <think>...</think> text returned apart, as chat's reasoning_content (server/reasoning.py):
     # deepseek_r1 (the output opens in reasoning) or qwen3 (only an output that opens with <think>); output
-    # constraints then apply to the answer after </think>. null: the text is all content.
+    # constraints then apply to the answer after </think>. null: the text is all content (a harmony model's
+    # analysis channel is its reasoning whatever this says: it takes none).
     reasoning_parser: Optional[ReasoningParserName] = None
     # The Responses API's stored responses (store, previous_response_id, GET/DELETE /v1/responses/{id}), per API
     # key, in the server's memory: at most this many, and this many MiB, the least recently used dropped first.

@@ -17,8 +17,8 @@ from appliance.config.quantization import FP8_HARDWARE, method_of, quantization_
 from appliance.config.hf_facts import LONGROPE_KEYS, MOE_KEYS, YARN_KEYS
 from appliance.config.sizes import rotary_dim
 from appliance.config.schema import ApplianceConfig, EplbConfig, ModelConfig, RopeScaling, SchedulerConfig
-from appliance.config.validate_serving import (chat_template_problems, kv_events_problems, router_problems,
-                                                tracing_problems)
+from appliance.config.validate_serving import (chat_format_problems, chat_template_problems, kv_events_problems,
+                                                router_problems, tracing_problems)
 from appliance.kernels.registry import BACKENDS
 
 DEFAULTS = ApplianceConfig()
@@ -467,6 +467,7 @@ def validate(cfg: ApplianceConfig) -> list[str]:
     problems += kv_transfer_problems(cfg)
     problems += router_problems(cfg)
     problems += chat_template_problems(cfg.model.chat_template)
+    problems += chat_format_problems(cfg)
     problems += _speculative_problems(cfg)
     if not problems:  # the memory account needs a config that holds together
         problems += _memory_problems(cfg, dtype)

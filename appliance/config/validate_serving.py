@@ -9,6 +9,7 @@ import dataclasses
 import ipaddress
 from typing import Optional
 
+from appliance.config.architectures import ARCHITECTURES
 from appliance.config.schema import ApplianceConfig, KVEventsConfig
 
 
@@ -61,6 +62,25 @@ def kv_events_problems(cfg: ApplianceConfig) -> list[str]:
 
 
 MAX_CHAT_TEMPLATE_BYTES = 1 << 20
+
+
+def chat_format_problems(cfg: ApplianceConfig) -> list[str]:
+    """A harmony model (gpt-oss) reads its reasoning and tool calls from harmony's channels and renders its
+    prompts with openai-harmony: the keys of the other chat format have nothing to do there."""
+    m, s = cfg.model, cfg.server
+    if ARCHITECTURES[m.architecture].chat_format != "harmony":
+        return []
+    why = f"{m.architecture} speaks harmony (openai-harmony renders its prompts and reads its channels)"
+    problems = []
+    if s.reasoning_parser is not None:
+        problems.append(f"server.reasoning_parser={s.reasoning_parser}: {why}, its analysis channel is its "
+                        f"reasoning; leave it null")
+    if s.tool_parser != "auto":
+        problems.append(f"server.tool_parser={s.tool_parser}: {why}, its calls are messages to functions.NAME; "
+                        f"leave it auto")
+    if m.chat_template is not None:
+        problems.append(f"model.chat_template={m.chat_template}: {why}, not a Jinja template; leave it null")
+    return problems
 
 
 def chat_template_problems(path: Optional[str]) -> list[str]:

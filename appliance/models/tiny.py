@@ -34,9 +34,11 @@ CHAT_TEMPLATE = (
 )
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# a harmony model's (gpt-oss's) message tokens, which its outputs are read by
+HARMONY_SPECIAL = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
 
 
-def build_tokenizer(vocab_size: int):
+def build_tokenizer(vocab_size: int, special: tuple[str, ...] = tuple(SPECIAL)):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -45,7 +47,7 @@ def build_tokenizer(vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL,
+        special_tokens=list(special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -130,7 +132,8 @@ def generate_tiny(m: ModelConfig, out_dir: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    tok = build_tokenizer(m.vocab_size)
+    harmony = ARCHITECTURES[m.architecture].chat_format == "harmony"
+    tok = build_tokenizer(m.vocab_size, tuple(SPECIAL + HARMONY_SPECIAL) if harmony else tuple(SPECIAL))
     if len(tok) != m.vocab_size:
         raise ValueError(f"tokenizer came out with {len(tok)} tokens, the config says {m.vocab_size}")
     model_type = ARCHITECTURES[m.architecture].model_type

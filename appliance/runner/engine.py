@@ -8,6 +8,7 @@ import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Optional
 
+from appliance.config.architectures import ARCHITECTURES
 from appliance.config.deployment import Deployment
 from appliance.config.kv_connectors import connector_of
 from appliance.runner.kv import connector_sides, kv_event_publisher, kv_group_specs
@@ -90,16 +91,22 @@ def _token_budget(deployment: Deployment) -> Optional[TokenBudget]:
 
 def _grammars(cfg: Any, tokenizer: Any, eos: Optional[int]):
     """The output constraints' compiler (``structured_output``) for this tokenizer;
-    a grammar ends on the model's end-of-sequence token."""
+    a grammar ends on the model's end-of-sequence token. With a reasoning parser,
+    or a harmony model's channels, constraints apply to the answer only."""
+    from appliance.server.harmony import ANSWER_START, REASONING_START
     from appliance.server.reasoning import REASONING_PARSERS
     from appliance.structured_output import ConstraintLimits, Grammars, ReasoningTags
 
     so = cfg.structured_output
-    tags = None
-    if cfg.server.reasoning_parser is not None:  # constraints apply to the answer, after the reasoning
+    tags: Optional[tuple[str, str]] = None
+    if cfg.server.reasoning_parser is not None:  # after the reasoning's end tag
         parser = REASONING_PARSERS[str(cfg.server.reasoning_parser)]
-        tags = ReasoningTags(*(tuple(tokenizer.encode(t, add_special_tokens=False)) for t in (parser.start, parser.end)))
+        tags = parser.start, parser.end
+    elif ARCHITECTURES[cfg.model.architecture].chat_format == "harmony":  # on the final channel
+        tags = REASONING_START, ANSWER_START
+    reasoning = None if tags is None else ReasoningTags(
+        *(tuple(tokenizer.encode(t, add_special_tokens=False)) for t in tags))
     return Grammars(tokenizer, cfg.model.vocab_size, [] if eos is None else [eos], so.num_threads,
                     so.cache_size_mib << 20, any_whitespace=not so.disable_any_whitespace,
                     max_whitespace=so.max_json_whitespace,
-                    limits=ConstraintLimits(so.max_schema_bytes, so.max_schema_depth), reasoning=tags)
+                    limits=ConstraintLimits(so.max_schema_bytes, so.max_schema_depth), reasoning=reasoning)

@@ -31,11 +31,10 @@ from appliance.engine.parallel_sampling import Child
 from appliance.server.generation import Generation, map_engine_error
 from appliance.server.prompts import joined_text
 from appliance.server.protocol import OpenAIError, typed
-from appliance.server.reasoning import split
-from appliance.server.responses import AnswerStream, ToolOutput, reasoning_parser
+from appliance.server.responses import ToolOutput, answer_stream, read_answer
 from appliance.server.state import ServerState
 from appliance.server.tool_requests import foreign_tools
-from appliance.server.tools import ContentDelta, ToolCall, ToolCallDelta, extract_tool_calls
+from appliance.server.tools import ContentDelta, ToolCall, ToolCallDelta
 
 FIELDS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
                     "top_k", "tools", "tool_choice", "metadata", "cache_salt"})
@@ -167,16 +166,9 @@ def _head(st: ServerState, gen: Generation) -> dict:
 
 
 def message_body(st: ServerState, gen: Generation, c: Child, calls: Optional[ToolOutput]) -> dict:
-    text, blocks = c.text, []
-    parser = reasoning_parser(st)
-    if parser is not None:
-        thought, text = split(parser, text)
-        if thought is not None:
-            blocks.append({"type": "thinking", "thinking": thought, "signature": ""})
-    found: list[ToolCall] = []
-    if calls is not None:
-        content, found = extract_tool_calls(calls.mode, calls.parser, calls.function, text)
-        text = content or ""
+    thought, content, found = read_answer(st, calls, c.text)
+    blocks = [] if thought is None else [{"type": "thinking", "thinking": thought, "signature": ""}]
+    text = content or ""
     if text or not found:
         blocks.append({"type": "text", "text": text})
     blocks += [_tool_use(call) for call in found]
@@ -230,7 +222,7 @@ async def message_events(st: ServerState, gen: Generation, calls: Optional[ToolO
     yield _event("message_start", {"message": {**_head(st, gen), "content": [], "stop_reason": None,
                                                "stop_sequence": None,
                                                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
-    answer = AnswerStream(reasoning_parser(st), calls)
+    answer = answer_stream(st, calls)
     blocks, child = _Blocks(), gen.parent.children[0]
     try:
         async for child, d in gen.deltas():

@@ -237,6 +237,14 @@ async def _completions(request: Request, st: ServerState, span: Optional[Request
     return _sse_stream(completion_events(st, gen, created, echo_text))
 
 
+def _chat_format(st: ServerState, body: dict, params: SamplingParams, tools: Optional[ToolRequest]) -> None:
+    """A harmony model's chat request: what its format does not take is refused (before the output
+    constraint is made); its sampling keeps the special tokens and stops at an answer's or a call's end."""
+    if st.harmony is not None:
+        st.harmony.check_request(body, tools.choice if tools is not None else None)
+        st.harmony.adjust(params)
+
+
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request) -> Response:
     st = _state(request)
@@ -249,6 +257,7 @@ async def _chat_completions(request: Request, st: ServerState, span: Optional[Re
     reject_unsupported(body)
     params, lp_mode = sampling_from_body(body, chat=True, vocab_size=st.cfg.model.vocab_size)
     tools = parse_tools(body)
+    _chat_format(st, body, params, tools)
     params.structured_outputs = await _constraint(request, body, tools)
     stream, include_usage, continuous_usage = stream_options(body)
     priority, salt = common_extensions(body)
@@ -264,7 +273,7 @@ async def _chat_completions(request: Request, st: ServerState, span: Optional[Re
                           *token_id_options(body))
     gen = Generation(st, g, new_id("chatcmpl"), span=span)
     created = now()
-    calls = tool_output(tools, st.cfg.server.tool_parser)
+    calls = tool_output(st, tools)
     if not stream:
         return _json(chat_body(st, gen, created, await gen.collect(request), calls))
     return _sse_stream(chat_events(st, gen, created, calls))
@@ -296,13 +305,14 @@ async def _as_chat(request: Request, st: ServerState, body: dict, span: Optional
     generation, how its tool calls are read, and whether it streams."""
     params, _ = sampling_from_body(body, chat=True, vocab_size=st.cfg.model.vocab_size)
     tools = parse_tools(body)
+    _chat_format(st, body, params, tools)
     params.structured_outputs = await _constraint(request, body, tools)
     stream = typed(body, "stream", (bool,), False)
     _, salt = common_extensions(body)
     ids, text = await tokenize(st, chat_prompt, body, True, tools.tools if tools is not None else None)
     check_length(st, len(ids), params, "messages")
     g = GenerationRequest([ids], [text], params, stream, False, 0, salt)
-    return Generation(st, g, new_id(prefix), span=span), tool_output(tools, st.cfg.server.tool_parser), stream
+    return Generation(st, g, new_id(prefix), span=span), tool_output(st, tools), stream
 
 
 async def _messages(request: Request, st: ServerState, span: Optional[RequestSpan]) -> Response:

@@ -162,12 +162,18 @@ async def _serve(deployment: Deployment, build_engine: BuildEngine,
     from appliance.server.app import create_app
     from appliance.server.client import EngineDeadError
     from appliance.server.data_parallel import DataParallelClient
+    from appliance.server.harmony import HarmonyUnavailable, harmony_chat
     from appliance.server.metrics import Metrics
     from appliance.server.state import ServerState
 
     cfg = deployment.cfg
     # prepare (convert/generate) once, before the core starts
     tokenizer = load_tokenizer(cfg.model, cfg.quantization.method)
+    try:
+        harmony = harmony_chat(cfg, tokenizer)  # before the core starts, as the keys below
+    except HarmonyUnavailable as e:
+        print(f"appliance run: error: {e}", file=sys.stderr)
+        return 1
     api_keys = load_api_keys(cfg.server)  # before the core starts: an unreadable key file stops nothing half-started
     internal_key = load_internal_key(cfg.server)
     dp = deployment.layout.data_parallel_size
@@ -190,7 +196,8 @@ async def _serve(deployment: Deployment, build_engine: BuildEngine,
     tokenize_pool = ThreadPoolExecutor(cfg.server.tokenizer_threads, thread_name_prefix="appliance-tokenize",
                                        initializer=_lower_priority)
     state = ServerState(deployment=deployment, client=client, tokenizer=tokenizer, metrics=metrics, api_keys=api_keys,
-                        internal_key=internal_key, tracing=_tracing(deployment, metrics), tokenize_pool=tokenize_pool)
+                        internal_key=internal_key, tracing=_tracing(deployment, metrics), tokenize_pool=tokenize_pool,
+                        harmony=harmony)
     server = _uvicorn_server(cfg, create_app(state), state, Drain(state, cfg.server.shutdown_timeout_s), fatal)
     _log_start(deployment, client.ready_info)
     try:

@@ -119,8 +119,8 @@ def joined_text(content: Any, param: str, kinds: tuple[str, ...] = ("text",)) ->
 
 
 def _tool_calls(calls: Any, i: int) -> list[dict]:
-    """An assistant message's ``tool_calls`` for the chat template: arguments
-    as an object where they parse (templates print them as JSON)."""
+    """An assistant message's ``tool_calls``, checked: ``{"id", "name", "arguments"}`` each (the arguments as
+    the client's JSON text)."""
     param = f"messages[{i}].tool_calls"
     if not isinstance(calls, list):
         raise OpenAIError(400, f"'{param}' must be a list", param=param)
@@ -130,16 +130,27 @@ def _tool_calls(calls: Any, i: int) -> list[dict]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
             raise OpenAIError(400, f"'{param}[{j}]' must be {{'id', 'type': 'function', 'function': {{'name', "
                                    f"'arguments' (a JSON string)}}}}", param=f"{param}[{j}]")
-        try:
-            args: Any = json.loads(fn["arguments"])
-        except ValueError:
-            args = fn["arguments"]
-        out.append({"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+        out.append({"id": c.get("id"), "name": fn["name"], "arguments": fn["arguments"]})
     return out
 
 
-def chat_prompt(st: ServerState, body: dict, tools: Optional[list[dict]] = None) -> tuple[list[int], str]:
-    """The chat template over the messages (and the request's ``tools``)."""
+def _template_calls(calls: list[dict]) -> list[dict]:
+    """Tool calls as chat templates read them: arguments as an object where they parse (templates print them
+    as JSON)."""
+    out = []
+    for c in calls:
+        try:
+            args: Any = json.loads(c["arguments"])
+        except ValueError:
+            args = c["arguments"]
+        out.append({"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": args}})
+    return out
+
+
+def conversation(body: dict) -> list[dict]:
+    """The request's ``messages``, checked: each a role (system, developer, user, assistant or tool) and its
+    content as one text; an assistant's ``tool_calls`` (``_tool_calls``) and ``reasoning_content``; a tool
+    result's ``tool_call_id`` and ``name``."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise OpenAIError(400, "'messages' must be a non-empty list", param="messages")
@@ -162,11 +173,13 @@ def chat_prompt(st: ServerState, body: dict, tools: Optional[list[dict]] = None)
         if not isinstance(content, str):
             raise OpenAIError(400, f"messages[{i}].content must be a string or a list of text parts",
                               param=f"messages[{i}].content")
-        role = "system" if m["role"] == "developer" else m["role"]
-        msg: dict[str, Any] = {"role": role, "content": content}
-        if role == "assistant" and m.get("tool_calls"):
-            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
-        if role == "tool":
+        msg: dict[str, Any] = {"role": m["role"], "content": content}
+        if m["role"] == "assistant":
+            if m.get("tool_calls"):
+                msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+            if isinstance(m.get("reasoning_content"), str):
+                msg["reasoning_content"] = m["reasoning_content"]
+        if m["role"] == "tool":
             call_id = m.get("tool_call_id")
             if not isinstance(call_id, str):
                 raise OpenAIError(400, f"messages[{i}] (role tool) needs a string 'tool_call_id'",
@@ -175,6 +188,22 @@ def chat_prompt(st: ServerState, body: dict, tools: Optional[list[dict]] = None)
             if isinstance(m.get("name"), str):
                 msg["name"] = m["name"]
         conv.append(msg)
+    return conv
+
+
+def chat_prompt(st: ServerState, body: dict, tools: Optional[list[dict]] = None) -> tuple[list[int], str]:
+    """The prompt of a chat request: its messages (and ``tools``) through the model's chat format, harmony's
+    (``st.harmony``) or the chat template."""
+    conv = conversation(body)
+    harmony = st.harmony
+    if harmony is not None:
+        return harmony.prompt(conv, body, tools)
+    for msg in conv:  # as templates take them: a developer's message is a system message, no reasoning
+        msg.pop("reasoning_content", None)
+        if msg["role"] == "developer":
+            msg["role"] = "system"
+        if "tool_calls" in msg:
+            msg["tool_calls"] = _template_calls(msg["tool_calls"])
     add_gen = typed(body, "add_generation_prompt", (bool,), True)
     cont = typed(body, "continue_final_message", (bool,), False)
     if cont and (add_gen or conv[-1]["role"] != "assistant"):

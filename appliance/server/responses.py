@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Optional, Sequence, Union
 
+from appliance.config.architectures import tool_format
 from appliance.engine.outputs import TokenLogprob
 from appliance.engine.parallel_sampling import Child
 from appliance.server.generation import Generation, map_engine_error
@@ -17,10 +18,12 @@ from appliance.server.protocol import GenerationRequest, usage
 from appliance.server.reasoning import REASONING_PARSERS, ReasoningParser, ReasoningSplit, split
 from appliance.server.state import ServerState
 from appliance.server.tool_requests import ToolRequest
-from appliance.server.tools import ContentDelta, Delta, ToolCallStream, extract_tool_calls
+from appliance.server.tools import ContentDelta, Delta, ToolCall, ToolCallDelta, ToolCallStream, extract_tool_calls
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from appliance.server.harmony import HarmonyAnswer
 
 DONE = "data: [DONE]\n\n"
 
@@ -239,25 +242,48 @@ def reasoning_parser(st: ServerState) -> Optional[ReasoningParser]:
     return None if name is None else REASONING_PARSERS[str(name)]
 
 
-def tool_output(tools: Optional[ToolRequest], parser: str) -> Optional[ToolOutput]:
+def tool_output(st: ServerState, tools: Optional[ToolRequest]) -> Optional[ToolOutput]:
+    """How a request's tool calls are read (None: it offers none, or ``tool_choice: "none"``)."""
     if tools is None or tools.choice == "none":
         return None
-    return ToolOutput(tools.choice, parser, tools.function)
+    return ToolOutput(tools.choice, tool_format(st.cfg.model.architecture, st.cfg.server.tool_parser), tools.function)
 
 
-def _message(text: str, calls: Optional[ToolOutput], reasoning: Optional[ReasoningParser]) -> tuple[dict, bool]:
-    """The assistant message of an output: its reasoning apart (with a reasoning parser), then tool calls read
-    from the answer."""
-    thought = None
+def read_answer(st: ServerState, calls: Optional[ToolOutput], text: str
+                ) -> tuple[Optional[str], Optional[str], list[ToolCall]]:
+    """A whole output's (reasoning, None when it has none or no parser reads it; the answer's content; its
+    tool calls): with a reasoning parser and the request's tool format, or a harmony model's messages, exactly
+    as streaming it reassembles."""
+    if st.harmony is not None:
+        return _whole(answer_stream(st, calls), text)
+    thought, reasoning = None, reasoning_parser(st)
     if reasoning is not None:
         thought, text = split(reasoning, text)
-    msg: dict = {"role": "assistant", "content": text if text or thought is None else None}
-    if reasoning is not None:
-        msg["reasoning_content"] = thought
     if calls is None:
-        return msg, False
+        return thought, text, []
     content, found = extract_tool_calls(calls.mode, calls.parser, calls.function, text)
-    msg["content"] = content if content or thought is None else None
+    return thought, content, found
+
+
+def _whole(answer: AnswerStream, text: str) -> tuple[Optional[str], Optional[str], list[ToolCall]]:
+    thought, pieces = answer.feed(text, True)
+    content = "".join(p.text for p in pieces if isinstance(p, ContentDelta))
+    found: list[ToolCall] = []
+    for p in pieces:
+        if isinstance(p, ToolCallDelta) and p.name is not None:
+            found.append(ToolCall(p.id or "", p.name, p.arguments))
+        elif isinstance(p, ToolCallDelta):
+            found[p.index].arguments += p.arguments
+    return thought or None, content or (None if found else ""), found
+
+
+def _message(st: ServerState, text: str, calls: Optional[ToolOutput]) -> tuple[dict, bool]:
+    """The assistant message of an output: its reasoning apart (with a reasoning parser, or a harmony
+    model's), then its content and tool calls."""
+    thought, content, found = read_answer(st, calls, text)
+    msg: dict = {"role": "assistant", "content": content if content or thought is None else None}
+    if st.harmony is not None or reasoning_parser(st) is not None:
+        msg["reasoning_content"] = thought
     if found:
         msg["tool_calls"] = [c.to_openai() for c in found]
     return msg, bool(found)
@@ -268,9 +294,8 @@ def chat_body(st: ServerState, gen: Generation, created: int, children: list[Chi
     g = gen.request
     token_str = token_text(st.tokenizer, g.tokens_as_ids)
     choices = []
-    reasoning = reasoning_parser(st)
     for c in children:
-        msg, called = _message(c.text, calls, reasoning)
+        msg, called = _message(st, c.text, calls)
         choice = {"index": c.index, "message": msg,
                   "logprobs": format_logprobs(token_str, "chat", c.logprobs, 0) if g.logprobs_mode else None,
                   "finish_reason": calls.finish_reason(c.finish_reason, called) if calls else c.finish_reason,
@@ -294,14 +319,19 @@ def chat_body(st: ServerState, gen: Generation, created: int, children: list[Chi
 class AnswerStream:
     """One output's text, fed as it arrives, as its reasoning (with a
     reasoning parser) and its answer's pieces: text, or with tools the
-    content and tool-call deltas the answer completes. Chat, Messages and
-    Responses stream through it."""
+    content and tool-call deltas the answer completes; a harmony model's
+    messages read by ``harmony``. Chat, Messages and Responses stream
+    through it (``answer_stream``)."""
 
-    def __init__(self, reasoning: Optional[ReasoningParser], calls: Optional[ToolOutput]):
+    def __init__(self, reasoning: Optional[ReasoningParser], calls: Optional[ToolOutput],
+                 harmony: Optional[HarmonyAnswer] = None):
+        self.harmony = harmony
         self.thinking = ReasoningSplit(reasoning) if reasoning is not None else None
-        self.tools = calls.stream() if calls is not None else None
+        self.tools = calls.stream() if calls is not None and harmony is None else None
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[Delta]]:
+        if self.harmony is not None:
+            return self.harmony.feed(text, finished)
         thought = ""
         if self.thinking is not None:
             thought, text = self.thinking.feed(text) if text else ("", "")
@@ -315,7 +345,16 @@ class AnswerStream:
     @property
     def called(self) -> bool:
         """Tool calls were read from the answer."""
+        if self.harmony is not None:
+            return self.harmony.called
         return self.tools is not None and bool(self.tools.calls)
+
+
+def answer_stream(st: ServerState, calls: Optional[ToolOutput]) -> AnswerStream:
+    """How this model's outputs are read: harmony's messages, or the reasoning parser and the tool format."""
+    if st.harmony is not None:
+        return AnswerStream(None, calls, st.harmony.answer(calls is not None))
+    return AnswerStream(reasoning_parser(st), calls)
 
 
 def _chat_deltas(text: str, finished: bool, answer: AnswerStream) -> list[dict]:
@@ -337,7 +376,7 @@ async def chat_events(st: ServerState, gen: Generation, created: int,
                                         "logprobs": None, "finish_reason": None, "stop_reason": None}], **first,
                    **_usage_field(so_far)})
     completion_tokens = 0
-    answers = {k: AnswerStream(reasoning_parser(st), calls) for k in range(g.params.n)}
+    answers = {k: answer_stream(st, calls) for k in range(g.params.n)}
     try:
         async for child, d in gen.deltas():
             if so_far is not None:

@@ -40,7 +40,7 @@ from appliance.engine.parallel_sampling import Child
 from appliance.server.generation import Generation, map_engine_error
 from appliance.server.prompts import joined_text
 from appliance.server.protocol import OpenAIError, now, usage
-from appliance.server.responses import AnswerStream, ToolOutput, reasoning_parser
+from appliance.server.responses import ToolOutput, answer_stream
 from appliance.server.state import ServerState
 from appliance.server.tool_requests import foreign_tools
 from appliance.server.tools import ContentDelta, ToolCallDelta
@@ -229,7 +229,7 @@ class _Answer:
     """One output's text (``AnswerStream``) into ``_Output`` items."""
 
     def __init__(self, st: ServerState, calls: Optional[ToolOutput]):
-        self.stream = AnswerStream(reasoning_parser(st), calls)
+        self.stream = answer_stream(st, calls)
         self.output = _Output()
 
     def feed(self, text: str, finished: bool) -> list[dict]:

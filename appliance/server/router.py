@@ -106,7 +106,8 @@ class Router:
                  kv_load_weight: float = 256.0, health_interval_s: float = 2.0, request_timeout_s: float = 600.0,
                  kv_events_topic: str = "", kv_match_threshold: float = 0.5,
                  prefill_instances: Optional[list[str]] = None, kv_events_replay: Optional[list[str]] = None,
-                 internal_key: Optional[bytes] = None, kv_events_curve: Optional[tuple[str, str]] = None):
+                 internal_key: Optional[bytes] = None, kv_events_curve: Optional[tuple[str, str]] = None,
+                 harmony: Any = None):
         if policy not in POLICIES:
             raise ValueError(f"router.policy={policy} is not built; built: {', '.join(POLICIES)}")
         if not instances:
@@ -122,6 +123,7 @@ class Router:
         self.internal_key = internal_key
         self._rr_prefill = itertools.count()
         self.policy, self.tokenizer, self.kv_load_weight = policy, tokenizer, kv_load_weight
+        self.harmony = harmony  # a harmony model's chat format (server/harmony.py), as the instances render chats
         self.kv_match_threshold = kv_match_threshold
         self.health_interval_s, self.request_timeout_s = health_interval_s, request_timeout_s
         self._rr = itertools.count()
@@ -190,9 +192,12 @@ class Router:
     def prompt_tokens(self, path: str, body: dict) -> list[int]:
         """The request's prompt tokens as an instance builds them (kv_aware)."""
         from appliance.server.prompts import chat_prompt
+        from appliance.server.tool_requests import parse_tools
 
         if path.endswith("chat/completions"):
-            return chat_prompt(cast(Any, SimpleNamespace(tokenizer=self.tokenizer)), body)[0]
+            tools = parse_tools(body)  # the model is told of them (and a bad request raises: the instance answers)
+            return chat_prompt(cast(Any, SimpleNamespace(tokenizer=self.tokenizer, harmony=self.harmony)), body,
+                               tools.tools if tools is not None else None)[0]
         p = body.get("prompt")
         if isinstance(p, list) and p and isinstance(p[0], list):
             p = p[0]

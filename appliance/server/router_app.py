@@ -83,17 +83,23 @@ def route_forever(cfg: Any) -> int:
     import uvicorn
 
     r = cfg.router
-    tokenizer = None
+    tokenizer = harmony = None
     if r.policy == "kv_aware":
         from appliance.models.loader import load_tokenizer
+        from appliance.server.harmony import HarmonyUnavailable, harmony_chat
 
         tokenizer = load_tokenizer(cfg.model, cfg.quantization.method)
+        try:
+            harmony = harmony_chat(cfg, tokenizer)
+        except HarmonyUnavailable as e:
+            raise ConfigError(str(e)) from None
     try:
         curve = None if r.kv_events_client_key_file is None else (
             os.path.expanduser(r.kv_events_client_key_file), os.path.expanduser(r.kv_events_server_key_file))
         router = Router(list(r.instances), r.policy, tokenizer, list(r.kv_events), r.kv_load_weight,
                         r.health_interval_s, r.request_timeout_s, cfg.kv_events.topic, r.kv_match_threshold,
-                        list(r.prefill_instances), list(r.kv_events_replay), load_internal_key(cfg.server), curve)
+                        list(r.prefill_instances), list(r.kv_events_replay), load_internal_key(cfg.server), curve,
+                        harmony)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     endpoint = cfg.server.otlp_traces_endpoint

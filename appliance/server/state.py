@@ -1,6 +1,6 @@
 """What every handler of the HTTP front end reads: the deployment, the
-engine client, the tokenizer, metrics, keys, and the counters of admitted
-and running generations."""
+engine client, the tokenizer (and a harmony model's chat format), metrics,
+keys, and the counters of admitted and running generations."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from appliance.config.compose import ResolvedConfig
 from appliance.config.deployment import Deployment
 from appliance.config.schema import ApplianceConfig
 from appliance.server.data_parallel import DataParallelClient
+from appliance.server.harmony import HarmonyChat, harmony_chat
 from appliance.server.metrics import Metrics
 from appliance.server.response_store import ResponseStore
 
@@ -37,10 +38,13 @@ class ServerState:
     cut_reason: Optional[str] = None  # set when a drain has cut running generations
     tracing: Optional[Tracing] = None  # server.otlp_traces_endpoint: a span per request
     stored_responses: ResponseStore = field(init=False)  # the Responses API's store, made from the config
+    harmony: Optional[HarmonyChat] = None  # a harmony model's chat format (gpt-oss); loaded here when not given
 
     def __post_init__(self) -> None:
         s = self.cfg.server
         self.stored_responses = ResponseStore(s.responses_store_max, s.responses_store_mib << 20)
+        if self.harmony is None:
+            self.harmony = harmony_chat(self.cfg, self.tokenizer)
 
     @property
     def resolved(self) -> ResolvedConfig:

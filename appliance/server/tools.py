@@ -74,7 +74,7 @@ _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
 
 
-def _call_id() -> str:
+def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
@@ -272,7 +272,7 @@ class ToolCallStream:
         fragment, self._pos = self._text[self._pos:], len(self._text)
         out: list[Delta] = []
         if fragment and self._named_id is None:
-            self._named_id = _call_id()
+            self._named_id = call_id()
             out.append(ToolCallDelta(0, self._named_id, self.function, fragment))
         elif fragment:
             out.append(ToolCallDelta(0, arguments=fragment))
@@ -306,7 +306,7 @@ class ToolCallStream:
         out: list[Delta] = []
         first = None
         if call.name is not None and call.id is None:
-            call.id, call.index = _call_id(), self._started
+            call.id, call.index = call_id(), self._started
             self._started += 1
             first = ToolCallDelta(call.index, call.id, call.name)
             out.append(first)

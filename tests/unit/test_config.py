@@ -578,9 +578,17 @@ def test_gpt_oss_checkpoint_facts_and_what_it_refuses():
                        (["model.swiglu_limit=null"], "GptOssForCausalLM's experts clamp their SwiGLU: set "
                                                      "model.swiglu_limit"),
                        (["parallel.enable_expert_parallel=true", "parallel.data_parallel_size=2",
-                         "hardware.num_devices=2"], "GptOssForCausalLM has no expert-parallel implementation yet")]:
+                         "hardware.num_devices=2"], "GptOssForCausalLM has no expert-parallel implementation yet"),
+                       # its chat format is harmony's: the other format's keys have nothing to do
+                       (["server.reasoning_parser=deepseek_r1"], "server.reasoning_parser=deepseek_r1: "
+                                                                 "GptOssForCausalLM speaks harmony"),
+                       (["server.tool_parser=hermes"], "server.tool_parser=hermes: GptOssForCausalLM speaks harmony"),
+                       (["model.chat_template=/dev/null"], "model.chat_template=/dev/null: GptOssForCausalLM speaks "
+                                                           "harmony")]:
         with pytest.raises(ConfigError, match=re.escape(why)):
             resolve(gpt_oss + extra)
+    assert "chat in harmony's format" in make_plan(resolve(gpt_oss).cfg).structured_output
+    assert "tool calls read as hermes" in make_plan(resolve(["+profile=cpu"]).cfg).structured_output
     # on an H100 FlashAttention-3 and FlashInfer have no sinks (not wired yet): the profile's next backend runs it
     h100 = resolve(["+profile=h100_bf16", "model=tiny_random", *TINY_VARIANTS["gpt_oss"], "model.dtype=bfloat16",
                     "model.head_dim=64"]).cfg

@@ -85,6 +85,7 @@ RUN_TIME_KEYS = {
 ALTERNATIVES = {
     "router.policy": "least_load",
     "server.reasoning_parser": "qwen3",
+    "server.tool_parser": "llama3_json",  # auto reads as hermes on a chat-template model
     "router.instances": ["http://127.0.0.1:8001"],
     "parallel.executor": "mp",  # one rank in a worker process
     "parallel.pp_layer_partition": [13, 17],
