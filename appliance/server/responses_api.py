@@ -8,8 +8,9 @@ A request is checked at the boundary and turned into the chat request it
 means (``chat_request``): ``instructions`` as the system message, ``input``
 as a string or items (messages with ``input_text`` / ``output_text`` parts,
 ``function_call`` items as an assistant's tool calls, ``function_call_output``
-items as tool messages; earlier ``reasoning`` items are left out, as chat
-templates leave reasoning out of the history), ``max_output_tokens``,
+items as tool messages; a ``reasoning`` item's text as the next assistant
+turn's ``reasoning_content``, which chat templates leave out of the history
+and harmony keeps where the turn called a tool), ``max_output_tokens``,
 ``temperature`` / ``top_p``, function ``tools`` and ``tool_choice``,
 ``text.format`` (``json_schema`` / ``json_object``: the chat path's output
 constraints) and ``reasoning.effort`` (the template's ``reasoning_effort``).
@@ -64,26 +65,32 @@ def _items(items: Any) -> list[dict]:
     if not isinstance(items, list) or not items:
         raise _bad("input", "'input' must be a string or a non-empty list of items")
     out: list[dict] = []
+    thought: dict = {}  # reasoning items' text, as the next assistant turn's reasoning_content
     for i, it in enumerate(items):
         param = f"input[{i}]"
         kind = it.get("type", "message") if isinstance(it, dict) else None
         if kind == "message" and it.get("role") in ("user", "assistant", "system", "developer"):
-            out.append({"role": it["role"], "content": joined_text(it.get("content"), f"{param}.content", TEXT_PARTS)})
+            text = joined_text(it.get("content"), f"{param}.content", TEXT_PARTS)
+            out.append({"role": it["role"], "content": text, **(thought if it["role"] == "assistant" else {})})
+            thought = {} if it["role"] == "assistant" else thought
         elif kind == "function_call":
             if not all(isinstance(it.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise _bad(param, f"'{param}' (function_call) needs string 'call_id', 'name' and 'arguments'")
             call = {"id": it["call_id"], "type": "function",
                     "function": {"name": it["name"], "arguments": it["arguments"]}}
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") and not thought:
                 out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                out.append({"role": "assistant", "content": "", "tool_calls": [call], **thought})
+                thought = {}
         elif kind == "function_call_output":
             if not isinstance(it.get("call_id"), str) or not isinstance(it.get("output"), str):
                 raise _bad(param, f"'{param}' (function_call_output) needs string 'call_id' and 'output'")
             out.append({"role": "tool", "tool_call_id": it["call_id"], "content": it["output"]})
         elif kind == "reasoning":
-            continue
+            if it.get("content") is not None:
+                text = joined_text(it["content"], f"{param}.content", ("reasoning_text",))
+                thought = {"reasoning_content": thought.get("reasoning_content", "") + text}
         else:
             raise _bad(param, f"'{param}': items of type {str(kind)[:40]!r} are not supported here; this server takes "
                               f"messages, function_call, function_call_output and reasoning items")
@@ -281,13 +288,18 @@ def store_wanted(st: ServerState, body: dict) -> bool:
 
 def conversation(chat: dict, response: dict) -> list[dict]:
     """The conversation to keep with a response: its chat messages without the instructions, then the answer
-    as an assistant turn (its text and calls; reasoning is left out, as templates leave it)."""
+    as an assistant turn (its text, calls and reasoning; templates leave the reasoning out)."""
     messages = chat["messages"][1:] if "instructions" in response and response["instructions"] is not None \
         else chat["messages"]
-    text = "".join(part["text"] for it in response["output"] if it["type"] == "message" for part in it["content"])
+
+    def texts(kind: str) -> str:
+        return "".join(part["text"] for it in response["output"] if it["type"] == kind for part in it["content"])
+
     calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
              for it in response["output"] if it["type"] == "function_call"]
-    return [*messages, {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
+    thought = texts("reasoning")
+    return [*messages, {"role": "assistant", "content": texts("message"), **({"tool_calls": calls} if calls else {}),
+                        **({"reasoning_content": thought} if thought else {})}]
 
 
 def response_body(st: ServerState, gen: Generation, body: dict, created: int, c: Child,

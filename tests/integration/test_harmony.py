@@ -236,3 +236,24 @@ def test_the_kv_aware_router_renders_chats_as_the_instances_do(front_end):
         ids = c.post("/tokenize", json={"messages": MSGS, "tools": [ADD]}).json()["tokens"]
     assert router.prompt_tokens("/v1/chat/completions", {"messages": MSGS, "tools": [ADD]}) == ids
 
+
+def test_a_responses_conversation_keeps_the_reasoning_of_a_call(front_end):
+    """The reasoning before a tool call is rendered on the analysis channel in the next turn, whether the
+    conversation comes back as input items or through previous_response_id."""
+    tok = front_end.tokenizer
+    tool = ADD["function"] | {"type": "function"}
+    client = ScriptedClient(scripted(THOUGHT_THEN_CALL, 9))
+    with front_end(client) as c:
+        first = c.post("/v1/responses", json={"input": "What is 2+2?", "tools": [tool]}).json()
+        call = first["output"][1]
+        result = {"type": "function_call_output", "call_id": call["call_id"], "output": "4"}
+        c.post("/v1/responses", json={"previous_response_id": first["id"], "input": [result], "tools": [tool]})
+        items = [{"role": "user", "content": "What is 2+2?"}, first["output"][0],
+                 {k: call[k] for k in ("type", "call_id", "name", "arguments")}, result]
+        c.post("/v1/responses", json={"input": items, "tools": [tool], "store": False})
+    expected = ('<|start|>user<|message|>What is 2+2?<|end|><|start|>assistant<|channel|>analysis<|message|>Two and '
+                'two: add them.<|end|><|start|>assistant to=functions.add<|channel|>commentary json<|message|>{"a": 2, '
+                '"b": 2}<|call|><|start|>functions.add to=assistant<|channel|>commentary<|message|>4<|end|><|start|>'
+                'assistant')
+    for prompt, _ in client.requests[1:]:
+        assert tok.decode(prompt, skip_special_tokens=False).endswith(expected)
