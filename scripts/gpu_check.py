@@ -3,7 +3,7 @@
 Cases, in sections (``GPU_CHECK_SECTIONS=moe,gemm,attention,e2e,serve,compile``, all by default):
 a sparse layer's experts through
 the Triton fused MoE and FlashInfer's against the grouped torch path (``moe``); the
-fp8 W8A8 GEMM (torch._scaled_mm), the Triton int4 and grouped int8 GEMMs and the
+fp8 W8A8 GEMM (torch._scaled_mm), the Triton int4, grouped int8 and MXFP4 GEMMs and the
 Marlin int4 GEMM against the dequantized bf16 GEMM (``gemm``); every attention
 backend against torch_sdpa on realistic shapes (``attention``) and a short
 generation on each (``e2e``); the GPU profile served over HTTP against the
@@ -199,6 +199,23 @@ def int8_gemm_case(m: int, n: int = 4096, k: int = 4096, group: int = 16) -> dic
             "ms": time_ms(lambda: int8_gemm(x, q, d, mn)), "bf16_ms": time_ms(lambda: x @ w.t())}
 
 
+def mxfp4_gemm_case(m: int, n: int = 5760, k: int = 2880) -> dict:
+    """The Triton MXFP4 GEMM (gpt-oss's experts as stored; gate|up's shape) against the dequantized bf16 GEMM."""
+    from appliance.kernels.triton_mxfp4 import mxfp4_gemm
+    from appliance.models.mxfp4 import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(m)
+    blocks = torch.randint(0, 256, (n, k // 32, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(118, 124, (n, k // 32), generator=g, dtype=torch.uint8)
+    w = dequantize_mxfp4(blocks, scales).to("cuda", torch.bfloat16)
+    blocks, scales = blocks.cuda(), scales.cuda()
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    got, ref = mxfp4_gemm(x, blocks, scales), x @ w.t()
+    err = (got.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+    return {"gemm": "mxfp4", "m": m, "n": n, "k": k, "max_rel_err": err, "ok": err < 2e-2,
+            "ms": time_ms(lambda: mxfp4_gemm(x, blocks, scales)), "bf16_ms": time_ms(lambda: x @ w.t())}
+
+
 def moe_case(kernel: str, tokens: int, experts: int = 64, top_k: int = 8, hidden: int = 2048,
              inter: int = 768) -> dict:
     """One sparse layer's bf16 experts (Qwen3-30B-A3B's shape) through the
@@ -295,7 +312,7 @@ def main(argv: list[str]) -> int:
                 report.run("moe", {"kernel": kernel, "tokens": tokens}, moe_case, kernel, tokens)
     if "gemm" in sections:
         for case, name in ((fp8_gemm_case, "fp8 W8A8"), (int4_gemm_case, "int4"), (marlin_gemm_case, "int4 Marlin"),
-                           (int8_gemm_case, "int8 grouped")):
+                           (int8_gemm_case, "int8 grouped"), (mxfp4_gemm_case, "mxfp4")):
             for m in (1, 16, 100, 2048):
                 report.run("gemm", {"gemm": name, "m": m}, case, m)
     for name in ("triton", "flashinfer", "flash_attn3"):

@@ -114,10 +114,14 @@ def gemm_case(target: str, kernel: str, dtype: str, bits: int = 4):
     what = {"kernel": kernel, "target": target, "dtype": dtype} | ({"bits": bits} if kernel == "int_gemm" else {})
 
     def run() -> dict:
-        from appliance.kernels import triton_int4, triton_moe
+        from appliance.kernels import triton_int4, triton_moe, triton_mxfp4
 
         t = TYPE[dtype]
-        if kernel == "moe_gemm":
+        if kernel == "mxfp4_gemm":
+            c = compile_kernel(triton_mxfp4._mxfp4_gemm_kernel, target,
+                               {"x_ptr": t, "b_ptr": "u8", "s_ptr": "u8", "out_ptr": t},
+                               dict(BLOCK_M=64, BLOCK_N=64, IEEE=dtype == "float32"))
+        elif kernel == "moe_gemm":
             c = compile_kernel(triton_moe._grouped_gemm_kernel, target,
                                {"a_ptr": t, "b_ptr": t, "c_ptr": t, "w_ptr": "fp32", "sorted_ptr": "i32",
                                 "experts_ptr": "i32"},
@@ -153,6 +157,7 @@ def compile_cases(full: bool = False, targets: tuple[str, ...] = tuple(TARGETS))
             yield cache_write_case(target, dtype, kv)
         for dtype in ("bfloat16", "float32"):
             yield gemm_case(target, "moe_gemm", dtype)
+            yield gemm_case(target, "mxfp4_gemm", dtype)
             for bits in (4, 8):
                 yield gemm_case(target, "int_gemm", dtype, bits)
 

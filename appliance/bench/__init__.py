@@ -20,6 +20,7 @@ KINDS = {
     "structured": "appliance.bench.structured",
     "parallel": "appliance.bench.parallel",
     "moe": "appliance.bench.moe",
+    "mxfp4": "appliance.bench.mxfp4",
     "perplexity": "appliance.bench.perplexity",
     "offload": "appliance.bench.offload",
     "pd": "appliance.bench.pd",

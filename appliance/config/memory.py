@@ -28,7 +28,7 @@ from appliance.config.checkpoint import gguf_file
 from appliance.config.execution import kv_dtype
 from appliance.config.gguf_header import gguf_embedding_in_head, gguf_head_bits, gguf_header
 from appliance.config.kv_groups import kv_layout
-from appliance.config.quantization import method_of
+from appliance.config.quantization import method_of, mxfp4_dequantized_share
 from appliance.config.schema import ApplianceConfig, ModelConfig
 from appliance.config.sizes import parameter_counts, pipeline_partition, sparse_layers
 from appliance.kernels.registry import BACKENDS
@@ -63,6 +63,9 @@ def _target_weight_bytes(cfg: ApplianceConfig, dtype: str) -> int:
     counts = parameter_counts(cfg.model)
     full = DTYPE_BYTES[dtype]
     q, row = cfg.quantization, method_of(cfg)
+    if row.expert_bits:  # experts kept in the checkpoint's format (but a share dequantized), the rest float
+        kept = int(counts["experts"] * (1 - mxfp4_dequantized_share(cfg)))
+        return int(kept * row.expert_bits / 8) + (counts["total"] - kept) * full
     if row.scales == "none":
         return counts["total"] * full
     bits = q.weight_bits

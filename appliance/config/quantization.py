@@ -207,9 +207,20 @@ def _mxfp4_experts(cfg: ApplianceConfig) -> list[str]:
     return []
 
 
+def mxfp4_dequantized_share(cfg: ApplianceConfig) -> float:
+    """The share of gpt-oss's MXFP4 expert weights a deployment dequantizes at load: down_proj's (a third) where
+    a tensor-parallel rank's share of its inputs is not whole groups of 32, else none."""
+    per_rank = cfg.model.moe_intermediate_size // cfg.parallel.tensor_parallel_size
+    return 1 / 3 if per_rank % 32 else 0.0
+
+
 def _mxfp4_notes(cfg: ApplianceConfig) -> list[str]:
-    return ["mxfp4: the checkpoint's MXFP4 experts dequantized to the model dtype at load (the plan counts them "
-            "so); 4-bit expert kernels not built yet"]
+    tp = cfg.parallel.tensor_parallel_size
+    down = (f"; down_proj dequantized to the model dtype at load: a rank's {cfg.model.moe_intermediate_size // tp} "
+            f"of its inputs at tp={tp} are not whole groups of 32" if mxfp4_dequantized_share(cfg) else "")
+    return ["mxfp4: the checkpoint's MXFP4 experts kept at 4 bits (4.25 a weight with their e8m0 scales), "
+            "multiplied by the native MXFP4 GEMM on CPUs with AVX2/FMA (else dequantized per call) and by the "
+            "Triton one on GPUs" + down]
 
 
 _INT_GROUPS_ONLY = ("loads an {name} checkpoint, and model.path={{path}} has no quantization_config; use "
@@ -244,6 +255,9 @@ class QuantizationMethod:
     # a method that only reads checkpoints: what it loads and what to use instead, said when it is named for a
     # folder with no quantization_config (``{path}``: model.path)
     without_checkpoint: str = ""
+    # bits an expert weight keeps, its scales counted (mxfp4: 4-bit codes and an 8-bit scale per 32); 0: the
+    # experts are stored as the other weights are
+    expert_bits: float = 0.0
 
     @property
     def kept_blocks(self) -> bool:
@@ -269,8 +283,8 @@ QUANTIZATION_METHODS: dict[str, QuantizationMethod] = {q.name: q for q in (
     QuantizationMethod("w8a8_int8", (8.0,), "channel", activation_dtype="int8", activations_required=True,
                        cpu_at_load=True, plan_notes=_w8a8_notes),
     QuantizationMethod("int4_wo", (4.0,), "group", group_param_bits=32, cpu_at_load=True, problems=_int4_groups),
-    # gpt-oss's checkpoints: MXFP4 experts, dequantized at load (so its weights are counted as float ones)
-    QuantizationMethod("mxfp4", (), "none", problems=_mxfp4_experts, plan_notes=_mxfp4_notes,
+    # gpt-oss's checkpoints: MXFP4 experts kept at 4 bits, the other weights float
+    QuantizationMethod("mxfp4", (), "none", problems=_mxfp4_experts, plan_notes=_mxfp4_notes, expert_bits=4.25,
                        checkpoint_readers=(("mxfp4", _mxfp4_checkpoint),),
                        without_checkpoint="loads gpt-oss's MXFP4 experts, and model.path={path} has no "
                                           "quantization_config; drop the override"),

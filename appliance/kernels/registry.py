@@ -247,7 +247,7 @@ BACKENDS: dict[str, BackendCapabilities] = {
         kv_dtypes=("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"),
         head_sizes=tuple(range(8, 513, 8)),
         block_size_multiple=1,
-        # fp8: the torch reference path; mxfp4: its experts dequantized at load (float weights)
+        # fp8: the torch reference path; mxfp4: its experts kept at 4 bits, multiplied by the native MXFP4 GEMM
         quantizations=("none", "gguf", "int8_wo", "w8a8_int8", "int4_wo", "awq", "gptq", "mxfp4"),
         # 4- and 8-bit weights' GEMMs: int8 rows on AVX512-VNNI (cpu_native.int8_rows)
         int8_gemm_quantizations=("gguf", "int8_wo", "int4_wo", "awq", "gptq"),

@@ -27,6 +27,15 @@ INT8_BLOCK_K = (32, 16)  # int8: the larger that divides the group (GGUF's Q6_K 
 
 
 @triton.jit
+def dot_tile(acc, x, w, IEEE: tl.constexpr):
+    """acc + x @ w.T for a tile of dequantized weights: fp32 rows in IEEE products (no TF32), else w in x's
+    dtype."""
+    if IEEE:
+        return acc + tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+    return acc + tl.dot(x, tl.trans(w.to(x.dtype)))
+
+
+@triton.jit
 def _grouped_gemm_kernel(x_ptr, q_ptr, d_ptr, m_ptr, out_ptr, M, N, K, G, stride_xm, stride_om,
                          GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          IEEE: tl.constexpr, BITS: tl.constexpr):
@@ -52,10 +61,7 @@ def _grouped_gemm_kernel(x_ptr, q_ptr, d_ptr, m_ptr, out_ptr, M, N, K, G, stride
         d = tl.load(d_ptr + rn * G + g, mask=n_ok, other=0.0).to(tl.float32)
         mn = tl.load(m_ptr + rn * G + g, mask=n_ok, other=0.0).to(tl.float32)
         w = w * d[:, None] + mn[:, None]
-        if IEEE:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        acc = dot_tile(acc, x, w, IEEE)
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 

@@ -20,7 +20,7 @@ from appliance.config.checkpoint import quantization_facts
 from appliance.errors import ModelLoadError
 from appliance.models.fp8 import CHECKPOINT_TENSORS as FP8_TENSORS
 from appliance.models.int4_checkpoints import UNPACK
-from appliance.models.mxfp4 import expert_weight_from_mxfp4
+from appliance.models.mxfp4 import check_mxfp4, expert_weight_from_mxfp4, rank_mxfp4
 from appliance.models.layers.linear import Projections
 from appliance.models.layers.parallel import fused_shard_rows, tensor_shard
 from appliance.models.llama import canonical_name
@@ -140,17 +140,33 @@ class CheckpointTensors:
         _set_kv_scales(model, self.kv_scales, folder)
 
     def set_mxfp4(self, target: str, parts: dict[str, torch.Tensor], folder: Path) -> None:
-        """An expert projection of gpt-oss's MXFP4 checkpoint, dequantized into its parameter."""
+        """An expert projection of gpt-oss's MXFP4 checkpoint, kept at 4 bits (``hold_mxfp4``), or dequantized
+        into its parameter where this rank's inputs are not whole groups."""
         if target not in self.expected:
             raise ModelLoadError(f"{folder}: MXFP4 tensors of {target}, a projection this model does not have")
         if set(parts) != {"blocks", "scales"}:
             raise ModelLoadError(f"{folder}: {target} has MXFP4 {' and '.join(sorted(parts))} but not both blocks "
                                  f"and scales")
+        blocks, scales = parts["blocks"], parts["scales"]
         try:
-            t = expert_weight_from_mxfp4(parts["blocks"], parts["scales"])
+            check_mxfp4(blocks, scales)
         except ValueError as e:
             raise ModelLoadError(f"{folder}: {target}: {e}") from None
         shard = self._shard(target)
+        kept = rank_mxfp4(blocks, scales, shard)
+        if kept is not None:
+            b, s = kept
+            experts, k, n = self.expected[target].shape
+            if tuple(b.shape) != (experts, n, k // 32, 16) or k % 32:
+                raise ModelLoadError(f"{folder}: MXFP4 {target} holds {tuple(b.shape)} blocks, the model expects "
+                                     f"{(experts, n, k // 32, 16)} ({experts} experts, {n} outputs of {k} inputs)")
+            if int(s.min()) < 0 or int(s.max()) > 255:
+                raise ModelLoadError(f"{folder}: MXFP4 {target} has scales outside e8m0's 0..255")
+            module, _, name = target.rpartition(".")
+            self.model.get_submodule(module).hold_mxfp4(name, b.contiguous().to(self.device),
+                                                        s.to(torch.uint8).contiguous().to(self.device))
+            return
+        t = expert_weight_from_mxfp4(blocks, scales)
         if shard is not None:  # this rank's channels of the whole projection
             dim, start, stop = shard
             t = t.narrow(dim, start, stop - start)

@@ -10,8 +10,9 @@ through the clamped SwiGLU. Norms weight the fp32 rows before the cast back
 (OLMo 2's). The native whole-step forward does not compute these layers: on
 ``cpu_native`` they run layer by layer over its attention. Tensor-parallel
 ranks hold their heads (and sinks) and every expert's slice of channels;
-pipeline stages their layers. A checkpoint's MXFP4 experts are dequantized
-at load (``models/mxfp4.py``)."""
+pipeline stages their layers. A checkpoint's MXFP4 experts stay at 4 bits
+(``models/mxfp4.py``; a tensor-parallel rank's share of down_proj's inputs
+that is not whole groups of 32 is dequantized at load)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from appliance.models.layers.moe import grouped_experts
 from appliance.models.layers.norm import WeightFirstRMSNorm
 from appliance.models.layers.parallel import TensorParallel
 from appliance.models.llama import LlamaForCausalLM
+from appliance.models.mxfp4 import mxfp4_linear
 
 if TYPE_CHECKING:
     from appliance.models.layers.moe import ExpertParallel
@@ -35,7 +37,11 @@ if TYPE_CHECKING:
 class GptOssExperts(nn.Module):
     """A layer's experts as the checkpoint stacks them, the torch path grouping each step's tokens by expert
     (``grouped_experts``): x @ gate_up_proj[e] + bias, the interleaved gate and up channels through
-    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g) with g = min(gate, limit), then @ down_proj[e] + bias."""
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g) with g = min(gate, limit), then @ down_proj[e] + bias.
+    A projection an MXFP4 checkpoint gives is kept at 4 bits (``hold_mxfp4``: its blocks and scales by output
+    row, [experts, out, in / 32, 16] and [experts, out, in / 32]) and multiplied by ``mxfp4_linear``."""
+
+    PROJECTIONS = ("gate_up_proj", "down_proj")
 
     def __init__(self, arch: ModelArch, down_bias: bool = True):
         super().__init__()
@@ -48,11 +54,27 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(e, i, h), requires_grad=False)
         self.down_proj_bias = nn.Parameter(torch.empty(e, h), requires_grad=False)
+        for name in self.PROJECTIONS:
+            self.register_buffer(f"{name}_blocks", None)
+            self.register_buffer(f"{name}_scales", None)
+
+    def hold_mxfp4(self, name: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        """Projection ``name`` kept as MXFP4 blocks and scales; its float parameter freed."""
+        setattr(self, f"{name}_blocks", blocks)
+        setattr(self, f"{name}_scales", scales)
+        setattr(self, name, nn.Parameter(torch.empty(0, dtype=self.gate_up_proj_bias.dtype,
+                                                     device=blocks.device), requires_grad=False))
+
+    def _project(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        blocks = getattr(self, f"{name}_blocks")
+        if blocks is None:
+            return x @ getattr(self, name)[e]
+        return mxfp4_linear(x, blocks[e], getattr(self, f"{name}_scales")[e])
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+        gate_up = self._project("gate_up_proj", e, x) + self.gate_up_proj_bias[e]
         gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
-        out = ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ self.down_proj[e]
+        out = self._project("down_proj", e, (up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
         return out + self.down_proj_bias[e] if self.down_bias else out
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,23 @@ def test_gemm(out, cli):
     assert (out / "gemm.png").stat().st_size > 0
 
 
+def test_mxfp4(out, cli):
+    r = cli("bench", "mxfp4", "--hidden", "64", "--inter", "96", "--rows", "1,16", "--mib", "1", "--repeat", "1",
+            "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    g = load(out, "mxfp4")
+    by = {(x["projection"], x["rows"], x["path"]): x for x in g["results"]}
+    assert {(x["projection"], x["k"], x["n"]) for x in g["results"]} == {("gate_up", 64, 192), ("down", 96, 64)}
+    assert {p for _, _, p in by} == {"mxfp4 native", "mxfp4 widened bf16", "bf16 torch", "fp32 torch"}
+    for (name, rows, path), x in by.items():  # each path against the dequantized ones, same run
+        assert x["speedup_over_bf16"] == pytest.approx(by[name, rows, "bf16 torch"]["ms"] / x["ms"])
+        bytes_per_weight = {"bf16 torch": 2, "fp32 torch": 4}.get(path, 17 / 32)
+        assert x["weight_GBps"] == pytest.approx(x["k"] * x["n"] * bytes_per_weight / x["ms"] / 1e6)
+        assert x["share_of_peak_gflops"] == pytest.approx(x["gflops"] / g["machine_peak_gflops_fp32"])
+    assert (out / "mxfp4.png").stat().st_size > 0
+    assert cli("bench", "mxfp4", "--hidden", "60", "--out", str(out)).returncode != 0  # not whole groups
+
+
 def test_gemm_of_int4_weights_against_float_rows(out, cli):
     r = cli("bench", "gemm", "--rows", "1,8", "--mib", "1", "--repeat", "1", "--out", str(out), "model=tiny_random",
             "quantization=int4_wo")

@@ -103,6 +103,10 @@ def test_an_mxfp4_checkpoint_serves_what_transformers_dequantizes(mxfp4_checkpoi
 
     llm = LLM(overrides=["+profile=cpu", f"model.path={mxfp4_checkpoint}", "model.dtype=float32"])
     assert llm.resolved.cfg.quantization.method == "mxfp4" and llm.engine.runner.backend.name == "cpu_native"
+    for layer in llm.engine.runner.model.model.layers:  # kept at 4 bits, the float parameters freed
+        experts = layer.mlp.experts
+        assert experts.gate_up_proj_blocks.dtype == experts.down_proj_scales.dtype == torch.uint8
+        assert experts.gate_up_proj.numel() == experts.down_proj.numel() == 0
     hf = AutoModelForCausalLM.from_pretrained(mxfp4_checkpoint, dtype=torch.float32,
                                               quantization_config=Mxfp4Config(dequantize=True)).eval()
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
@@ -143,7 +147,8 @@ def test_an_mxfp4_checkpoint_missing_its_scales_is_refused(mxfp4_checkpoint, tmp
 
 
 def test_an_mxfp4_checkpoint_over_two_ranks_equals_one(mxfp4_checkpoint):
-    """Each tensor-parallel rank dequantizes the whole projection and keeps its channels (and heads, sinks)."""
+    """Each tensor-parallel rank keeps its channels of every expert at 4 bits (gate_up's output rows, down's
+    input groups: 32 of 64 each) and its heads and sinks."""
     base = ["+profile=cpu", f"model.path={mxfp4_checkpoint}", "model.dtype=float32", "cache.kv_cache_memory_gib=0.05"]
     p = SamplingParams(max_tokens=12, temperature=0)
     one = [o.outputs[0].token_ids for o in LLM(overrides=base).generate(PROMPTS, p, use_tqdm=False)]
@@ -152,3 +157,38 @@ def test_an_mxfp4_checkpoint_over_two_ranks_equals_one(mxfp4_checkpoint):
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, use_tqdm=False)] == one
     finally:
         llm.engine.runner.close()
+
+
+def test_a_ranks_share_of_the_blocks_is_its_channels_or_none():
+    """gate_up's output rows are split anywhere; down's inputs only in whole groups of 32 (else the loader
+    dequantizes the projection)."""
+    from appliance.models.mxfp4 import rank_mxfp4
+
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (2, 48, 4, 16), dtype=torch.uint8, generator=g)  # 2 experts, 48 out, 128 in
+    scales = torch.randint(120, 130, (2, 48, 4), dtype=torch.uint8, generator=g)
+    whole = dequantize_mxfp4(blocks, scales)  # [2, 48, 128]
+    rows = rank_mxfp4(blocks, scales, (2, 24, 48))
+    assert torch.equal(dequantize_mxfp4(*rows), whole[:, 24:48])
+    inputs = rank_mxfp4(blocks, scales, (1, 64, 128))
+    assert torch.equal(dequantize_mxfp4(*inputs), whole[:, :, 64:128])
+    assert rank_mxfp4(blocks, scales, (1, 48, 96)) is None and rank_mxfp4(blocks, scales, None) == (blocks, scales)
+
+
+
+def test_the_plan_counts_kept_experts_at_4_25_bits(mxfp4_checkpoint):
+    from appliance.config.compose import resolve
+    from appliance.config.memory import weight_bytes
+    from appliance.config.plan import make_plan
+    from appliance.config.quantization import mxfp4_dequantized_share
+    from appliance.config.sizes import parameter_counts
+
+    cfg = resolve(["+profile=cpu", f"model.path={mxfp4_checkpoint}", "model.dtype=float32"]).cfg
+    counts = parameter_counts(cfg.model)
+    assert weight_bytes(cfg, "float32") == int(counts["experts"] * 4.25 / 8) + (counts["total"] - counts["experts"]) * 4
+    assert any("MXFP4 experts kept at 4 bits" in n for n in make_plan(cfg).notes)
+    # down_proj's inputs over two ranks: 32 each are whole groups; 24 are not, and that third is dequantized
+    assert mxfp4_dequantized_share(resolve([*GPT_OSS, "parallel.tensor_parallel_size=2"]).cfg) == 0
+    narrow = resolve([*GPT_OSS, "model.intermediate_size=48", "model.moe_intermediate_size=48",
+                      "parallel.tensor_parallel_size=2"]).cfg
+    assert mxfp4_dequantized_share(narrow) == 1 / 3

@@ -26,7 +26,8 @@ def test_every_kernel_compiles_within_the_targets_shared_memory(args):
     assert r.returncode == 0, r.stderr[-3000:]
     cases = [json.loads(line) for line in r.stdout.splitlines()]
     assert len(cases) >= 15
-    assert {c["kernel"] for c in cases} == {"unified_attention", "reshape_and_cache", "moe_gemm", "int_gemm"}
+    assert {c["kernel"] for c in cases} == {"unified_attention", "reshape_and_cache", "moe_gemm", "int_gemm",
+                                            "mxfp4_gemm"}
     bad = [c for c in cases if not c["ok"]]
     assert not bad, bad
 

@@ -17,7 +17,8 @@
  * (except W8A8's int32 sums, and where batched bf16 GEMMs run on
  * AVX512-BF16 or AMX, see below); the KV cache is fp32,
  * bf16 or fp8 (e4m3 or e5m2, holding k / k_scale and v / v_scale with a
- * scale per layer, 1 unless the checkpoint gives one).
+ * scale per layer, 1 unless the checkpoint gives one). Beside the step: an
+ * MXFP4 GEMM for gpt-oss's experts (see "MXFP4").
  *
  * Built at first use by kernels/cpu_native.py (gcc -O3 -mavx2 -mfma -mf16c -ffp-contract=off
  * -fopenmp; the AVX-512 functions (F/BW, BF16, VNNI) and the AMX ones by target attribute, chosen
@@ -2370,6 +2371,82 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
     }
     free(xb);
     free(xs);
+}
+
+/* ----------------------------------------------------------- MXFP4 */
+/* gpt-oss's experts as stored: 4-bit e2m1 codes (sign, two exponent bits, one mantissa bit), two a byte, and an
+ * e8m0 scale (2^(s - 127)) per group of 32 inputs. A row of w is blocks[g][16] per group g, byte j holding input
+ * 32g + 2j in its low nibble and 32g + 2j + 1 in its high one; scales[g] its groups' scales. Each group's values
+ * are the magnitude table times the scale (exact: a power of two), picked by the code's low three bits, the sign
+ * bit flipped by its fourth, then multiplied into fp32 sums (8 lanes, in k order within a lane). */
+static const float FP4_MAGNITUDES[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+static inline float e8m0_scale(uint8_t s) {
+    const uint32_t bits = s == 0 ? 0x00400000u : s == 255 ? 0x7fc00000u : (uint32_t)s << 23; /* 2^-127, NaN */
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* One group's 32 values, in k order, as four vectors of 8. */
+static inline void mxfp4_group(const uint8_t *b, uint8_t scale, __m256 w[4]) {
+    const __m256 lut = _mm256_mul_ps(_mm256_loadu_ps(FP4_MAGNITUDES), _mm256_set1_ps(e8m0_scale(scale)));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)b), nib = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(bytes, nib), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nib);
+    const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi); /* k = 0..15, 16..31 */
+    const __m128i codes[4] = {c0, _mm_srli_si128(c0, 8), c1, _mm_srli_si128(c1, 8)};
+    for (int q = 0; q < 4; q++) {
+        const __m256i c = _mm256_cvtepu8_epi32(codes[q]);
+        const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(c, 3), 31);
+        w[q] = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, c), _mm256_castsi256_ps(sign));
+    }
+}
+
+/* out[r][j] = sum_k x[r][k] w[j][k] (+ bias[j]) for m rows of x and n rows of w (k a multiple of 32): each row of
+ * w decoded once per 8 rows of x. */
+void appl_mxfp4_linear(const float *x, int64_t ldx, const uint8_t *blocks, const uint8_t *scales, const float *bias,
+                       float *out, int64_t ldo, int64_t m, int64_t n, int64_t k) {
+    const int64_t groups = k / 32;
+#pragma omp parallel for schedule(static) if (n >= 64)
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *bj = blocks + j * groups * 16, *sj = scales + j * groups;
+        for (int64_t r0 = 0; r0 < m; r0 += 8) {
+            const int rows = (int)(m - r0 < 8 ? m - r0 : 8);
+            __m256 acc[8];
+            for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+            for (int64_t g = 0; g < groups; g++) {
+                __m256 w[4];
+                mxfp4_group(bj + g * 16, sj[g], w);
+                for (int r = 0; r < rows; r++) {
+                    const float *xr = x + (r0 + r) * ldx + g * 32;
+                    __m256 a = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w[0], acc[r]);
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w[1], a);
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], a);
+                    acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], a);
+                }
+            }
+            for (int r = 0; r < rows; r++) out[(r0 + r) * ldo + j] = hsum8(acc[r]) + (bias != NULL ? bias[j] : 0.0f);
+        }
+    }
+}
+
+/* The weights of rows x groups MXFP4 blocks as bf16 [rows][32 * groups] (exact: an e2m1 value times a power of
+ * two has bf16's range and at most two significant bits), for a bf16 GEMM of many rows. */
+void appl_mxfp4_to_bf16(const uint8_t *blocks, const uint8_t *scales, int64_t rows, int64_t groups, uint16_t *out) {
+#pragma omp parallel for schedule(static) if (rows >= 64)
+    for (int64_t j = 0; j < rows; j++) {
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 w[4];
+            mxfp4_group(blocks + (j * groups + g) * 16, scales[j * groups + g], w);
+            uint16_t *o = out + (j * groups + g) * 32;
+            for (int h = 0; h < 2; h++) { /* the high halves of fp32 are the bf16 values, exactly */
+                const __m256i a = _mm256_srli_epi32(_mm256_castps_si256(w[2 * h]), 16);
+                const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(w[2 * h + 1]), 16);
+                const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+                _mm256_storeu_si256((__m256i *)(o + 16 * h), packed);
+            }
+        }
+    }
 }
 
 /* ----------------------------------------------------------- elementwise */
