@@ -145,8 +145,15 @@ def chat_request(body: dict) -> dict:
 
 # -- the answer ----------------------------------------------------------------------------
 def _tool_use(call: ToolCall) -> dict:
-    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
-            "input": json.loads(call.arguments)}
+    """A call as a tool_use block; arguments that are not a JSON object (a harmony model's calls are its text
+    as written) as a text block instead, so nothing is lost."""
+    try:
+        args = json.loads(call.arguments)
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        return {"type": "text", "text": call.arguments}
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name, "input": args}
 
 
 def _stop(c: Child, called: bool) -> tuple[str, Optional[str]]:
@@ -172,7 +179,7 @@ def message_body(st: ServerState, gen: Generation, c: Child, calls: Optional[Too
     if text or not found:
         blocks.append({"type": "text", "text": text})
     blocks += [_tool_use(call) for call in found]
-    reason, sequence = _stop(c, bool(found))
+    reason, sequence = _stop(c, any(b["type"] == "tool_use" for b in blocks))
     return {**_head(st, gen), "content": blocks, "stop_reason": reason, "stop_sequence": sequence,
             "usage": {"input_tokens": len(gen.request.prompts[0]), "output_tokens": c.num_output_tokens}}
 

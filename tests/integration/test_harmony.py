@@ -129,6 +129,9 @@ def test_messages_and_responses_read_the_channels(front_end):
         assert [it["type"] for it in r["output"]] == ["reasoning", "function_call"]
         assert r["output"][0]["content"][0]["text"] == "Two and two: add them."
         assert r["output"][1]["name"] == "add" and r["output"][1]["arguments"] == '{"a": 2, "b": 2}'
+    with front_end(ScriptedClient(scripted(THOUGHT_THEN_CALL.replace('"b": 2}', '"b"'), 7))) as c:  # cut short
+        m = c.post("/v1/messages", json={"messages": MSGS[1:2], "max_tokens": 20, "tools": [anthropic_tool]}).json()
+        assert m["content"][1] == {"type": "text", "text": '{"a": 2, "b"'} and m["stop_reason"] == "end_turn"
 
 
 @pytest.mark.parametrize("text, thought, content", [
