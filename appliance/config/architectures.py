@@ -157,9 +157,15 @@ def describe(name: str) -> str:
     return row.capabilities() if row is not None else why
 
 
+def chat_format(architecture: str) -> str:
+    """An architecture's chat format (``Architecture.chat_format``; "template" for one not served)."""
+    row = ARCHITECTURES.get(architecture)
+    return row.chat_format if row is not None else "template"
+
+
 def tool_format(architecture: str, tool_parser: str) -> str:
     """How tool calls are read from a model's output: ``server.tool_parser``, or under ``auto`` the
     architecture's own format (harmony's messages to functions.NAME; hermes for a chat template)."""
     if tool_parser != "auto":
         return tool_parser
-    return "harmony" if ARCHITECTURES[architecture].chat_format == "harmony" else "hermes"
+    return "harmony" if chat_format(architecture) == "harmony" else "hermes"

@@ -9,7 +9,7 @@ import dataclasses
 import ipaddress
 from typing import Optional
 
-from appliance.config.architectures import ARCHITECTURES
+from appliance.config.architectures import chat_format
 from appliance.config.schema import ApplianceConfig, KVEventsConfig
 
 
@@ -68,7 +68,7 @@ def chat_format_problems(cfg: ApplianceConfig) -> list[str]:
     """A harmony model (gpt-oss) reads its reasoning and tool calls from harmony's channels and renders its
     prompts with openai-harmony: the keys of the other chat format have nothing to do there."""
     m, s = cfg.model, cfg.server
-    if ARCHITECTURES[m.architecture].chat_format != "harmony":
+    if chat_format(m.architecture) != "harmony":
         return []
     why = f"{m.architecture} speaks harmony (openai-harmony renders its prompts and reads its channels)"
     problems = []

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from appliance.config.architectures import ARCHITECTURES
+from appliance.config.architectures import ARCHITECTURES, chat_format
 
 if TYPE_CHECKING:
     from appliance.config.schema import ModelConfig
@@ -132,7 +132,7 @@ def generate_tiny(m: ModelConfig, out_dir: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    harmony = ARCHITECTURES[m.architecture].chat_format == "harmony"
+    harmony = chat_format(m.architecture) == "harmony"
     tok = build_tokenizer(m.vocab_size, tuple(SPECIAL + HARMONY_SPECIAL) if harmony else tuple(SPECIAL))
     if len(tok) != m.vocab_size:
         raise ValueError(f"tokenizer came out with {len(tok)} tokens, the config says {m.vocab_size}")

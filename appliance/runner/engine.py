@@ -8,7 +8,7 @@ import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Optional
 
-from appliance.config.architectures import ARCHITECTURES
+from appliance.config.architectures import chat_format
 from appliance.config.deployment import Deployment
 from appliance.config.kv_connectors import connector_of
 from appliance.runner.kv import connector_sides, kv_event_publisher, kv_group_specs
@@ -102,7 +102,7 @@ def _grammars(cfg: Any, tokenizer: Any, eos: Optional[int]):
     if cfg.server.reasoning_parser is not None:  # after the reasoning's end tag
         parser = REASONING_PARSERS[str(cfg.server.reasoning_parser)]
         tags = parser.start, parser.end
-    elif ARCHITECTURES[cfg.model.architecture].chat_format == "harmony":  # on the final channel
+    elif chat_format(cfg.model.architecture) == "harmony":  # on the final channel
         tags = REASONING_START, ANSWER_START
     reasoning = None if tags is None else ReasoningTags(
         *(tuple(tokenizer.encode(t, add_special_tokens=False)) for t in tags))

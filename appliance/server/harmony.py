@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from appliance.config.architectures import ARCHITECTURES
+from appliance.config.architectures import chat_format
 from appliance.server.protocol import OpenAIError, typed
 from appliance.server.tools import ContentDelta, Delta, ToolCallDelta, call_id
 
@@ -125,7 +125,7 @@ def load_encoding(tokenizer: Any, cache: Path) -> tuple[Any, bool]:
 def harmony_chat(cfg: Any, tokenizer: Any) -> Optional[HarmonyChat]:
     """The chat format of ``cfg``'s model when it is harmony's (None: it has a chat template);
     ``HarmonyUnavailable`` when openai-harmony cannot load."""
-    if ARCHITECTURES[cfg.model.architecture].chat_format != "harmony":
+    if chat_format(cfg.model.architecture) != "harmony":
         return None
     from appliance.models.loader import cache_dir
 
@@ -186,11 +186,14 @@ class HarmonyChat:
         if "none" in (body.get("tool_choice"), body.get("function_call")):  # the model is not told of them
             tools = None
         messages = self._messages(conv, body, tools)
-        if typed(body, "add_generation_prompt", (bool,), True):
-            ids = self.encoding.render_conversation_for_completion(Conversation.from_messages(messages),
-                                                                   Role.ASSISTANT)
-        else:
-            ids = self.encoding.render_conversation(Conversation.from_messages(messages))
+        try:
+            if typed(body, "add_generation_prompt", (bool,), True):
+                ids = self.encoding.render_conversation_for_completion(Conversation.from_messages(messages),
+                                                                       Role.ASSISTANT)
+            else:
+                ids = self.encoding.render_conversation(Conversation.from_messages(messages))
+        except Exception as e:  # openai-harmony's HarmonyError (a tool schema it cannot write, ...)
+            raise _bad("messages", f"openai-harmony cannot render this conversation: {str(e)[:200]}") from None
         text = self.encoding.decode_utf8(ids)
         if self.native:
             return list(ids), text

@@ -260,3 +260,27 @@ def test_a_responses_conversation_keeps_the_reasoning_of_a_call(front_end):
                 'assistant')
     for prompt, _ in client.requests[1:]:
         assert tok.decode(prompt, skip_special_tokens=False).endswith(expected)
+
+
+
+class _Refusing:
+    """openai-harmony's encoding, its rendering refused (as it refuses what it cannot write)."""
+
+    def __init__(self, encoding):
+        self.encoding = encoding
+
+    def __getattr__(self, name):
+        return getattr(self.encoding, name)
+
+    def render_conversation_for_completion(self, *args, **kwargs):
+        from openai_harmony import HarmonyError
+
+        raise HarmonyError("cannot write this schema")
+
+
+def test_a_conversation_harmony_cannot_render_is_a_400(front_end, monkeypatch):
+    with front_end(ScriptedClient([])) as c:
+        harmony = c.app.state["appliance"].harmony
+        monkeypatch.setattr(harmony, "encoding", _Refusing(harmony.encoding))
+        r = c.post(CHAT, json={"messages": MSGS[1:2], "max_tokens": 4})
+        assert r.status_code == 400 and "cannot render this conversation: cannot write this schema" in r.text
