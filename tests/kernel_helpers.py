@@ -30,7 +30,7 @@ def float_rows():
 def fake_packages(monkeypatch, importable):
     """Only the backends named in ``importable`` import on this machine."""
 
-    def probe(name, dtype="bfloat16", kv_cache_dtype="auto"):
+    def probe(name, dtype="bfloat16", kv_cache_dtype="auto", model_needs=()):
         if name in importable:
             return reg.BACKENDS[name].probe_modules[0], None
         return None, f"{reg.BACKENDS[name].probe_modules[0]}: ModuleNotFoundError: No module named 'x'"

@@ -13,7 +13,9 @@ The K and V pools are passed as a tuple in NHD layout
 ([num_blocks, block_size, num_kv_heads, head_dim] each); causal masking in
 FlashInfer aligns the query's end with the KV end, which is our
 "prefix visible, causal inside the chunk" rule. fp8 KV is written scaled by
-1/k_scale and passed with ``k_scale``/``v_scale``. The kernel runs only on
+1/k_scale and passed with ``k_scale``/``v_scale``; a layer's attention sinks
+(gpt-oss's) as ``run(sinks=...)``, fp32 per head, which flashinfer-python
+takes from the versions that have them (the provider probe checks). The kernel runs only on
 CUDA; the metadata builder is plain torch and is tested on CPU.
 """
 
@@ -93,8 +95,10 @@ class FlashInferBackend(AttentionBackend):
         self._shared.planned_for = None  # plan lazily on the first layer, with the real dtypes
         return md
 
-    def _plan(self, md: FlashInferMetadata, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    def _plan(self, md: FlashInferMetadata, q_dtype: torch.dtype, kv_dtype: torch.dtype, sinks: bool) -> None:
         w = self._get_wrapper(md.qo_indptr.device)
+        if sinks:  # stashed as vLLM does, so "auto" plans a kernel that takes them (not cuDNN's paged prefill)
+            w._sinks = True
         w.plan(
             md.qo_indptr, md.paged_kv_indptr, md.paged_kv_indices, md.paged_kv_last_page_len,
             self.num_heads, self.num_kv_heads, self.head_dim, md.common.block_size,
@@ -105,12 +109,11 @@ class FlashInferBackend(AttentionBackend):
         self._shared.planned_for = id(md)
 
     def forward(self, q, k, v, kv_cache, md: FlashInferMetadata, sinks=None):
-        if sinks is not None:
-            raise ValueError(f"the {self.name} backend does not take attention sinks; torch_sdpa, cpu_native and "
-                             f"triton do")
         fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         self.write_kv(k, v, kv_cache, md.common.slot_mapping)
         if self._shared.planned_for != id(md):
-            self._plan(md, q.dtype, kv_cache.dtype)
-        kw = {"k_scale": self.k_scale, "v_scale": self.v_scale} if fp8 else {}
+            self._plan(md, q.dtype, kv_cache.dtype, sinks is not None)
+        kw: dict[str, Any] = {"k_scale": self.k_scale, "v_scale": self.v_scale} if fp8 else {}
+        if sinks is not None:  # a logit per head beside the scaled scores in each softmax (fp32 [num_heads])
+            kw["sinks"] = sinks.to(torch.float32).contiguous()
         return self._shared.wrapper.run(q.contiguous(), (kv_cache[0], kv_cache[1]), **kw)

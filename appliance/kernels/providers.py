@@ -20,6 +20,7 @@ import functools
 import glob
 import importlib
 import importlib.util
+import inspect
 import mmap
 import os
 import shutil
@@ -44,6 +45,9 @@ class Provider:
     missing_features: Optional[dict[str, bytes]] = None  # features a build can lack, found in its libraries
     jit: bool = False  # compiles kernels at first use: needs nvcc, or one of ``precompiled``
     precompiled: tuple[str, ...] = ()
+    # features a version takes as a keyword of the kernel's method: feature -> the method (the keyword is the
+    # feature's name), absent from the versions before the feature
+    keyword_features: Optional[dict[str, str]] = None
 
 
 PROVIDERS: dict[str, Provider] = {p.module: p for p in (
@@ -51,7 +55,7 @@ PROVIDERS: dict[str, Provider] = {p.module: p for p in (
     Provider("triton", "triton", "jit"),
     Provider("appliance.kernels.cpu_native", "appliance", "CpuNativeBackend"),
     Provider("flashinfer", "flashinfer-python", "BatchPrefillWithPagedKVCacheWrapper", jit=True,
-             precompiled=FLASHINFER_PRECOMPILED),
+             precompiled=FLASHINFER_PRECOMPILED, keyword_features={"sinks": "run"}),
     Provider("flashinfer.fused_moe", "flashinfer-python", "cutlass_fused_moe", jit=True,
              precompiled=FLASHINFER_PRECOMPILED),
     Provider("flash_attn_interface", "flash-attention's hopper/ build (FA3)", "flash_attn_with_kvcache",
@@ -90,6 +94,14 @@ def _holds(path: str, needle: bytes) -> bool:
             return False
 
 
+def _keywords(fn: Any) -> frozenset[str]:
+    """The keyword parameters ``fn`` takes (none where it is not a callable with a signature)."""
+    try:
+        return frozenset(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
 @functools.cache
 def _probe(module: str, needs: frozenset[str]) -> Optional[str]:
     p = PROVIDERS.get(module) or Provider(module, module, "")
@@ -102,6 +114,10 @@ def _probe(module: str, needs: frozenset[str]) -> Optional[str]:
         target = getattr(target, part, None)
         if target is None:
             return (f"has no {p.kernel} (a placeholder package, or another build of {p.package})")
+    for feature, method in (p.keyword_features or {}).items():
+        if feature in needs and feature not in _keywords(getattr(target, method, None)):
+            return (f"its {p.kernel}.{method}() takes no {feature} (a {p.package} from before them), which this "
+                    f"deployment needs")
     if p.missing_features:
         libs = _libraries(mod)
         lacking = sorted(f for f in needs if f in p.missing_features

@@ -284,7 +284,9 @@ BACKENDS: dict[str, BackendCapabilities] = {
         kv_dtypes=("auto", "fp8_e4m3", "fp8_e5m2"),
         head_sizes=(64, 128, 256),
         block_size_multiple=1,
-        features=(),  # its sinks not wired yet
+        # sinks: its wrapper's run() takes them in the flashinfer-python builds that have them (the provider
+        # probe checks the installed one's)
+        features=("sinks",),
     ),
     "flash_attn3": BackendCapabilities(
         name="flash_attn3",
@@ -302,11 +304,12 @@ BACKENDS: dict[str, BackendCapabilities] = {
 }
 
 
-def probe_provider(name: str, dtype: str = "bfloat16", kv_cache_dtype: str = "auto"
+def probe_provider(name: str, dtype: str = "bfloat16", kv_cache_dtype: str = "auto", model_needs: tuple[str, ...] = ()
                    ) -> tuple[Optional[str], Optional[str]]:
     """(the first of the backend's packages that serves here, None) or (None, why each one does not):
-    it must import, have its kernel and every feature a deployment of these dtypes needs (providers.probe)."""
-    needs = providers.attention_needs(name, dtype, kv_cache_dtype)
+    it must import, have its kernel and every feature a deployment of these dtypes and the model's attention
+    (``model_needs``: sinks) needs (providers.probe)."""
+    needs = providers.attention_needs(name, dtype, kv_cache_dtype) | frozenset(model_needs)
     module, rejected = providers.first_usable(BACKENDS[name].probe_modules, needs)
     return (module, None) if module else (None, " | ".join(rejected))
 
@@ -360,7 +363,7 @@ def select_backend(cfg: ApplianceConfig, dtype: str, check_import: bool, needs: 
         reasons = BACKENDS[name].validate(cfg, dtype, needs)
         provider = None
         if not reasons and check_import:
-            provider, err = probe_provider(name, dtype, cfg.cache.kv_cache_dtype)
+            provider, err = probe_provider(name, dtype, cfg.cache.kv_cache_dtype, needs)
             if provider is None:
                 reasons = [f"no usable package: {err}"]
         if reasons:

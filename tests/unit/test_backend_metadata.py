@@ -35,6 +35,37 @@ def test_flashinfer_csr_by_hand():
     assert md.paged_kv_indices.dtype == torch.int32 and md.paged_kv_indices.tolist() == [7, 3, 5, 1, 2, 9]
 
 
+class _Wrapper:
+    """Stands in for FlashInfer's BatchPrefillWithPagedKVCacheWrapper: records what a layer hands it."""
+
+    def __init__(self):
+        self.plans, self.runs = [], []
+
+    def plan(self, *args, **kwargs):
+        self.plans.append({**kwargs, "stashed_sinks": getattr(self, "_sinks", None)})
+
+    def run(self, q, kv, **kwargs):
+        self.runs.append(kwargs)
+        return q
+
+
+def test_flashinfer_gets_a_layers_sinks_as_fp32_per_head():
+    common, q, k, v, cache = make_problem([(0, 5), (3, 1)], 16, 4, 2, 64, dtype=torch.bfloat16)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.bfloat16)
+    for with_sinks in (False, True):
+        b = FlashInferBackend(4, 2, 64, 0.125)
+        b._shared.wrapper = wrapper = _Wrapper()
+        md = b.build_metadata(common)
+        for _ in range(2):  # two layers of one step: one plan
+            b.forward(q, k, v, cache, md, sinks=sinks if with_sinks else None)
+        assert len(wrapper.plans) == 1 and wrapper.plans[0]["stashed_sinks"] is (True if with_sinks else None)
+        if not with_sinks:
+            assert "sinks" not in wrapper.runs[0]
+        else:  # fp32 per head; the plan was told, so FlashInfer's "auto" picks a kernel that takes them
+            assert wrapper.runs[1]["sinks"].dtype == torch.float32 and torch.equal(wrapper.runs[1]["sinks"],
+                                                                                  sinks.float())
+
+
 def test_fa3_metadata_by_hand():
     md = build_fa3_metadata(_common())
     assert md.cu_seqlens_q.tolist() == [0, 5, 6, 9]
@@ -74,6 +105,30 @@ def test_cuda_kernels_match_sdpa(name):
     b = load_backend(name)(8, 2, 128, 128 ** -0.5)
     out = b.forward(q.to(dev), k.to(dev), v.to(dev), cache.to(dev), b.build_metadata(common))
     torch.testing.assert_close(out.float().cpu(), ref, rtol=3e-2, atol=3e-2)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["flashinfer", "triton"])
+@pytest.mark.parametrize("window", [None, 8])
+def test_cuda_kernels_take_sinks(name, window):
+    """gpt-oss's attention (a sink logit per head in each softmax, sliding or not) on the GPU backends that
+    take it, against the direct computation."""
+    from appliance.kernels.registry import load_backend, probe_provider
+    from tests.kernel_helpers import windowed_problem
+
+    if probe_provider(name, model_needs=("sinks",))[0] is None:
+        pytest.skip(f"{name} with sinks not importable here")
+    sinks = torch.tensor([2.0, -1.0, 0.5, 8.0, 0.0, 1.0, -3.0, 4.0])
+    common, q, k, v, cache, expected = windowed_problem([(0, 37), (50, 1), (16, 9)], window, 16, 8, 2, 64,
+                                                        sinks=sinks)
+    dev = torch.device("cuda")
+    common = type(common)(**{f: (getattr(common, f).to(dev) if torch.is_tensor(getattr(common, f)) else getattr(common, f))
+                             for f in common.__dataclass_fields__})
+    b = load_backend(name)(8, 2, 64, 64 ** -0.5)
+    out = b.forward(*(t.to(dev, torch.bfloat16) for t in (q, k, v, cache)), b.build_metadata(common),
+                    sinks=sinks.to(dev))
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=3e-2, atol=3e-2)
 
 
 def test_torch_sdpa_makes_its_masks_where_the_batch_is():

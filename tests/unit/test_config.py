@@ -589,11 +589,11 @@ def test_gpt_oss_checkpoint_facts_and_what_it_refuses():
             resolve(gpt_oss + extra)
     assert "chat in harmony's format" in make_plan(resolve(gpt_oss).cfg).structured_output
     assert "tool calls read as hermes" in make_plan(resolve(["+profile=cpu"]).cfg).structured_output
-    # on an H100 FlashAttention-3 and FlashInfer have no sinks (not wired yet): the profile's next backend runs it
+    # on an H100 FlashAttention-3 has no sinks (not wired yet): the profile's next backend, FlashInfer, runs it
     h100 = resolve(["+profile=h100_bf16", "model=tiny_random", *TINY_VARIANTS["gpt_oss"], "model.dtype=bfloat16",
                     "model.head_dim=64"]).cfg
     sel = resolve_execution(h100).selection
-    assert sel.chosen == "triton" and dict(sel.rejected)["flash_attn3"] == [
+    assert sel.chosen == "flashinfer" and dict(sel.rejected)["flash_attn3"] == [
         "no attention sinks (GptOssForCausalLM has them)"]
     with pytest.raises(ConfigError, match=re.escape("model.swiglu_alpha=1.5 is gpt-oss's (GptOssForCausalLM); "
                                                     "LlamaForCausalLM has none: leave it null")):

@@ -54,6 +54,23 @@ def test_a_build_without_paged_kv_or_fp16_is_rejected_for_what_it_lacks(site):
     assert providers.probe("fa3_fwd_interface") is None  # nothing needed that it lacks
 
 
+def test_a_flashinfer_from_before_sinks_is_rejected_where_the_model_has_them(site):
+    """The wrapper's run() must take ``sinks`` for a model with attention sinks (gpt-oss's); any build serves
+    the others."""
+    package(site, "flashinfer_jit_cache")  # precompiled kernels: no nvcc needed
+    old = "class BatchPrefillWithPagedKVCacheWrapper:\n    def run(self, q, paged_kv_cache, *args, k_scale=None):\n" \
+          "        pass\n"
+    package(site, "flashinfer", old)
+    assert providers.probe("flashinfer", frozenset({"sinks"})) == (
+        "its BatchPrefillWithPagedKVCacheWrapper.run() takes no sinks (a flashinfer-python from before them), which "
+        "this deployment needs")
+    assert providers.probe("flashinfer") is None
+    providers._probe.cache_clear()
+    del sys.modules["flashinfer"]
+    (site / "flashinfer" / "__init__.py").write_text(old.replace("k_scale=None", "k_scale=None, sinks=None"))
+    assert providers.probe("flashinfer", frozenset({"sinks"})) is None
+
+
 def test_a_full_build_serves(site):
     package(site, "fa3_fwd_interface", FA3, [b"an ordinary library"])
     assert providers.probe("fa3_fwd_interface", providers.attention_needs("flash_attn3", "float16", "fp8_e4m3")) is None
