@@ -159,16 +159,11 @@ class HarmonyChat:
 
     # -- the request ------------------------------------------------------------------------
     def check_request(self, body: dict, tool_choice: Optional[str]) -> None:
-        """What this format does not take (before the request's output constraint is made)."""
+        """What this format's generation does not take (before the request's output constraint is made; the
+        prompt's fields are ``prompt``'s)."""
         if tool_choice in ("required", "named"):
             raise _bad("tool_choice", "tool_choice 'required' or a named function is not built yet for gpt-oss's "
                                       "chat format (harmony): use 'auto' or 'none'")
-        if body.get("chat_template_kwargs"):
-            raise _bad("chat_template_kwargs", "this model's chat format is harmony, not a chat template: it "
-                                               "reads no template variables ('reasoning_effort' sets its effort)")
-        if body.get("continue_final_message"):
-            raise _bad("continue_final_message", "continuing a final message is not built yet for gpt-oss's chat "
-                                                 "format (harmony)")
         if body.get("skip_special_tokens") is True:
             raise _bad("skip_special_tokens", "harmony's messages are read from their special tokens: "
                                               "'skip_special_tokens' must be false or unset on this model")
@@ -180,8 +175,19 @@ class HarmonyChat:
         params.stop_token_ids = list(dict.fromkeys([*params.stop_token_ids, *self.stop_token_ids]))
 
     def prompt(self, conv: list[dict], body: dict, tools: Optional[list[dict]]) -> tuple[list[int], str]:
-        """The prompt's token ids and text for ``conv`` (``prompts.conversation``'s messages)."""
+        """The prompt's token ids and text for ``conv`` (``prompts.conversation``'s messages); the fields of a
+        chat template's prompt refused (chat requests and /tokenize alike)."""
         from openai_harmony import Conversation, Role
+
+        if body.get("chat_template_kwargs"):
+            raise _bad("chat_template_kwargs", "this model's chat format is harmony, not a chat template: it "
+                                               "reads no template variables ('reasoning_effort' sets its effort)")
+        if body.get("continue_final_message"):
+            raise _bad("continue_final_message", "continuing a final message is not built yet for gpt-oss's chat "
+                                                 "format (harmony)")
+        if body.get("add_special_tokens") is True:
+            raise _bad("add_special_tokens", "openai-harmony writes every special token of this model's prompts: "
+                                             "'add_special_tokens' must be false or unset on this model")
 
         if "none" in (body.get("tool_choice"), body.get("function_call")):  # the model is not told of them
             tools = None

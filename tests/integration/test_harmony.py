@@ -161,6 +161,7 @@ def test_what_the_format_refuses(front_end):
                               "tool_choice"),
                              ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
                              ({"skip_special_tokens": True}, "skip_special_tokens"),
+                             ({"add_special_tokens": True}, "add_special_tokens"),
                              ({"reasoning_effort": "max"}, "reasoning_effort"),
                              ({"messages": [MSGS[1], {"role": "assistant", "content": "It"}],
                                "continue_final_message": True, "add_generation_prompt": False},
@@ -169,6 +170,9 @@ def test_what_the_format_refuses(front_end):
                               "messages[1].tool_call_id")]:
             r = c.post(CHAT, json={"messages": MSGS[1:2], "max_tokens": 4, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+        for extra in ({"add_special_tokens": True}, {"chat_template_kwargs": {"x": 1}}):  # /tokenize renders as chat
+            r = c.post("/tokenize", json={"messages": MSGS[1:2], **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), r.text
 
 
 class SimpleTokenizer:
