@@ -59,7 +59,7 @@ rc=$?
 [ $rc = 0 ] || failed+=("gpu_check.py (exit $rc$([ $rc = 124 ] && echo ': timed out'))")
 
 # 3. the GPU tests (skipped with the reason where there is no GPU; the rest of those files runs)
-read -r -a TESTS <<< "${GPU_CHECK_TESTS:-tests/unit/test_backend_metadata.py tests/unit/test_collectives_device.py}"
+read -r -a TESTS <<< "${GPU_CHECK_TESTS:-tests/unit/test_backend_metadata.py tests/unit/test_collectives_device.py tests/unit/test_chunked_attention.py}"
 timeout "${PYTEST_TIMEOUT_S:-120}" "$PY" -m pytest -q -rs -p no:cacheprovider "${TESTS[@]}" > "$OUT/pytest.log" 2>&1
 rc=$?
 tail -n 15 "$OUT/pytest.log"

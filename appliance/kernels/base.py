@@ -7,7 +7,9 @@
    writes the step's K/V into the paged cache at ``slot_mapping`` and then
    attends over each request's whole context, or the last
    ``metadata.sliding_window`` positions of it (a sliding-window KV-cache
-   group's), its scores soft-capped where the backend has a ``soft_cap``,
+   group's), or only each token's own chunk of ``metadata.attention_chunk``
+   positions (a chunked-local-attention group's, Llama 4's), its scores
+   soft-capped where the backend has a ``soft_cap``,
    its softmax over each head's attention sink too where the layer has them.
 
 KV cache layout, one tensor per layer (layers of different KV-cache groups
@@ -56,7 +58,10 @@ class CommonAttentionMetadata:
     # at position p to keys p - sliding_window + 1 .. p); their blocks before that may be another's or the
     # null block, never to be read. None: full attention.
     sliding_window: Optional[int] = None
-
+    # The layers of this metadata's KV-cache group attend within their chunk only (chunked local attention,
+    # Llama 4's): a token at position p to keys p - p % attention_chunk .. p; their blocks before that chunk may
+    # be another's or the null block, never to be read. None: no chunks. A group has a window or chunks, not both.
+    attention_chunk: Optional[int] = None
 
 
 class AttentionBackend:

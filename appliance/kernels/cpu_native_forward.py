@@ -218,6 +218,9 @@ class NativeForward:
         (a list, one per layer) each layer's KV-cache group's; then the
         groups' block tables, slots and windows as the native call reads
         them, each layer told its group (None: one group, full attention)."""
+        if any(m.common.attention_chunk for m in (md if isinstance(md, list) else [md])):
+            raise ValueError("cpu_native's whole-step forward has no chunked local attention (a KV-cache group "
+                             "with attention_chunk set): a model with chunked layers runs layer by layer")
         if not isinstance(md, list) and not md.common.sliding_window:
             return md, None
         per_layer = md if isinstance(md, list) else [md] * len(self._layers)

@@ -76,7 +76,7 @@ _LIB.appl_linear.argtypes = [ctypes.POINTER(Linear), _p, _i64, _p, _i64, _i64, c
 _LIB.appl_linear.restype = None
 _LIB.appl_attention.argtypes = [_p, _i64, _p, _i64, _p, _p, ctypes.c_int, ctypes.c_int, _p, _p, _p,
                                 ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, _f32, ctypes.c_int,
-                                _f32, _f32, ctypes.c_int, _f32, _p]
+                                _f32, _f32, ctypes.c_int, ctypes.c_int, _f32, _p]  # ..., window, chunk, softcap, sinks
 _LIB.appl_attention.restype = None
 _LIB.appl_phase_times.argtypes = [ctypes.POINTER(ctypes.c_double), ctypes.c_int]
 _LIB.appl_phase_times.restype = ctypes.c_int
@@ -475,7 +475,7 @@ def paged_attention(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, 
                     sinks: Optional[torch.Tensor] = None) -> None:
     """q [T, H*D] (row stride may exceed H*D), out [T, H*D]: attention over the paged
     cache (fp32, bf16 or fp8; an fp8 one holds k / k_scale and v / v_scale) in place,
-    within the metadata's sliding window where it has one, the scores soft-capped
+    within the metadata's sliding window or each token's chunk where it has one, the scores soft-capped
     (``soft_cap * tanh(score / soft_cap)``) where ``soft_cap`` is set, each head's attention sink (``sinks``
     [H], a learned logit) in the softmax's denominator where given."""
     c = md.common
@@ -484,7 +484,7 @@ def paged_attention(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, 
                         kv_cache[1].data_ptr(), c.num_actual_tokens, c.num_reqs, md.qsl.data_ptr(),
                         md.seq_lens.data_ptr(), md.block_table.data_ptr(), md.block_table.stride(0), c.block_size,
                         num_heads, num_kv_heads, head_dim, scale, KV_TYPES[kv_cache.dtype], k_scale, v_scale,
-                        c.sliding_window or 0, soft_cap or 0.0,
+                        c.sliding_window or 0, c.attention_chunk or 0, soft_cap or 0.0,
                         None if held is None else held.data_ptr())
 
 

@@ -14,8 +14,11 @@ expose ``flash_attn_with_kvcache`` taking a varlen query:
     cu_seqlens_q  = query_start_loc, max_seqlen_q = max query length
     causal=True   (aligned to the end of the KV: prefix visible)
 
-fp8 KV passes per-(request, kv head) descale factors. The kernel runs only
-on SM90; the metadata is plain torch and is tested on CPU.
+fp8 KV passes per-(request, kv head) descale factors. Chunked local
+attention (``attention_chunk``), which the kernel does not take, runs as
+causal attention over the step's virtual batch (``local_attention``): the
+metadata describes that batch. The kernel runs only on SM90; the metadata
+is plain torch and is tested on CPU.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
+from appliance.kernels.local_attention import virtual_batches
 from appliance.kernels.providers import attention_needs, first_usable
 from appliance.kernels.registry import BACKENDS
 
@@ -53,6 +57,9 @@ class FA3Metadata:
 
 
 def build_fa3_metadata(common: CommonAttentionMetadata) -> FA3Metadata:
+    """The kernel's arguments for ``common`` (its virtual batch where it has chunks, which ``common`` of the
+    result then is)."""
+    common = virtual_batches(common)
     max_blocks = -(-common.max_seq_len // common.block_size)
     return FA3Metadata(
         common,

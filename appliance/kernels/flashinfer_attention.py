@@ -15,8 +15,11 @@ FlashInfer aligns the query's end with the KV end, which is our
 "prefix visible, causal inside the chunk" rule. fp8 KV is written scaled by
 1/k_scale and passed with ``k_scale``/``v_scale``; a layer's attention sinks
 (gpt-oss's) as ``run(sinks=...)``, fp32 per head, which flashinfer-python
-takes from the versions that have them (the provider probe checks). The kernel runs only on
-CUDA; the metadata builder is plain torch and is tested on CPU.
+takes from the versions that have them (the provider probe checks). Chunked
+local attention (``attention_chunk``), which the wrapper does not take, is
+planned as causal attention over the step's virtual batch
+(``local_attention``). The kernel runs only on CUDA; the metadata builder is
+plain torch and is tested on CPU.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 import torch
 
 from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
+from appliance.kernels.local_attention import virtual_batches
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -83,6 +87,7 @@ class FlashInferBackend(AttentionBackend):
         return st.wrapper
 
     def build_metadata(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        common = virtual_batches(common)  # chunked local attention: causal over the virtual batch
         qo, kv_indptr, indices, last = build_csr(common)
         dev = common.block_table.device
         md = FlashInferMetadata(

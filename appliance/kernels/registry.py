@@ -42,6 +42,10 @@ def triton_interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes", "y")
 
 
+# What a refusal calls a feature of BackendCapabilities.features (else "attention <feature>").
+FEATURE_NAMES = {"sinks": "attention sinks", "chunked": "chunked local attention"}
+
+
 @dataclass(frozen=True)
 class BackendCapabilities:
     name: str
@@ -74,7 +78,8 @@ class BackendCapabilities:
     # Those whose float rows (q/k/v, the LM head) run in fp32 FMAs on AVX-512 (int8 per channel).
     fma_row_quantizations: tuple[str, ...] = ()
     # What of a model's attention it computes beyond causal softmax over a (windowed) context: "sinks" (a learned
-    # logit per head in the softmax, gpt-oss's).
+    # logit per head in the softmax, gpt-oss's), "chunked" (chunked local attention, Llama 4's: a token attends
+    # within its chunk of CommonAttentionMetadata.attention_chunk positions).
     features: tuple[str, ...] = ("sinks",)
 
     def supports_block_size(self, block_size: int) -> bool:
@@ -92,8 +97,8 @@ class BackendCapabilities:
         need (``features``). Whether a package serves it here is checked separately (probe_provider)
         so that ``plan`` can reason about a machine it is not running on.
         """
-        reasons = [f"no attention {need} ({cfg.model.architecture} has them)" for need in needs
-                   if need not in self.features]
+        reasons = [f"no {FEATURE_NAMES.get(need, 'attention ' + need)} ({cfg.model.architecture} has them)"
+                   for need in needs if need not in self.features]
         hw = cfg.hardware
         kind = hw.device_kind
         if kind in self.interpreter_device_kinds:
@@ -236,6 +241,7 @@ BACKENDS: dict[str, BackendCapabilities] = {
         kv_dtypes=("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"),
         head_sizes=tuple(range(8, 513, 8)),
         block_size_multiple=1,
+        features=("sinks", "chunked"),
     ),
     "cpu_native": BackendCapabilities(
         name="cpu_native",
@@ -255,6 +261,8 @@ BACKENDS: dict[str, BackendCapabilities] = {
         grouped_quantizations=("gguf", "awq", "gptq", "int4_wo"),
         w8a8_quantizations=("w8a8_int8",),
         fma_row_quantizations=("int8_wo",),
+        # chunked: in the layer-by-layer forward (its whole-step forward refuses chunked groups)
+        features=("sinks", "chunked"),
     ),
     "triton": BackendCapabilities(
         name="triton",
@@ -273,6 +281,7 @@ BACKENDS: dict[str, BackendCapabilities] = {
         block_size_multiple=16,
         block_size_power_of_two=True,
         shared_memory_tiles=True,
+        features=("sinks", "chunked"),
     ),
     "flashinfer": BackendCapabilities(
         name="flashinfer",
@@ -285,8 +294,8 @@ BACKENDS: dict[str, BackendCapabilities] = {
         head_sizes=(64, 128, 256),
         block_size_multiple=1,
         # sinks: its wrapper's run() takes them in the flashinfer-python builds that have them (the provider
-        # probe checks the installed one's)
-        features=("sinks",),
+        # probe checks the installed one's); chunked: as causal attention over a virtual batch (local_attention)
+        features=("sinks", "chunked"),
     ),
     "flash_attn3": BackendCapabilities(
         name="flash_attn3",
@@ -299,7 +308,7 @@ BACKENDS: dict[str, BackendCapabilities] = {
         kv_dtypes=("auto", "fp8_e4m3"),
         head_sizes=(64, 96, 128, 192, 256),
         block_size_multiple=16,
-        features=(),  # its sinks not wired yet
+        features=("chunked",),  # chunked: over a virtual batch (local_attention); its sinks not wired yet
     ),
 }
 

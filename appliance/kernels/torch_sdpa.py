@@ -3,7 +3,9 @@ reference every other backend is tested against.
 
 Decodes (query length 1) are batched into one SDPA call over their padded
 contexts; prefill chunks run one SDPA call each, causal inside the chunk
-with the already-computed prefix fully visible.
+with the already-computed prefix fully visible. A sliding window or a chunk
+of chunked local attention masks the keys further, and the blocks wholly
+before the first key a query reads are not gathered.
 """
 
 from __future__ import annotations
@@ -15,6 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
+
+
+def first_key(position: int, window: Optional[int], chunk: Optional[int]) -> int:
+    """The first key position a query at ``position`` attends: its window's (``window`` positions ending at
+    it), its chunk's (the multiple of ``chunk`` at or before it), or 0 (None: neither)."""
+    first = max(0, position - window + 1) if window else 0
+    return max(first, position // chunk * chunk) if chunk else first
 
 
 @dataclass
@@ -43,9 +52,9 @@ class TorchSDPABackend(AttentionBackend):
         decode_reqs = torch.tensor(decode, dtype=torch.long).to(dev)
         decode_tokens = torch.tensor([qsl[i] for i in decode], dtype=torch.long).to(dev)
         if decode:
-            bs, window = common.block_size, common.sliding_window
-            # each decode's blocks from the first its window reaches (all: full attention)
-            first = [max(0, seq_lens[i] - window) // bs if window else 0 for i in decode]
+            bs, window, chunk = common.block_size, common.sliding_window, common.attention_chunk
+            # each decode's blocks from the first its window or chunk reaches (all: full attention)
+            first = [first_key(seq_lens[i] - 1, window, chunk) // bs for i in decode]
             nblocks = max(-(-seq_lens[i] // bs) - f for i, f in zip(decode, first))
             first_t = torch.tensor(first, dtype=torch.long).to(dev).view(-1, 1)
             cols = (first_t + torch.arange(nblocks, device=dev).view(1, -1)).clamp_(max=common.block_table.shape[1] - 1)
@@ -55,6 +64,8 @@ class TorchSDPABackend(AttentionBackend):
             visible = positions < lens
             if window:
                 visible &= positions >= lens - window
+            if chunk:  # the decode's own chunk: from the start of the chunk of its position lens - 1
+                visible &= positions >= (lens - 1) // chunk * chunk
             decode_mask = visible.view(len(decode), 1, 1, -1)
         return SDPAMetadata(common, decode_reqs, decode_tokens, decode_mask, decode_bt, prefill)
 
@@ -96,7 +107,7 @@ class TorchSDPABackend(AttentionBackend):
             o = self._attend(qq, self.read_kv(kk, q.dtype, self.k_scale), self.read_kv(vv, q.dtype, self.v_scale),
                              md.decode_mask, sinks)
             out[md.decode_tokens] = o.squeeze(2)
-        qsl, seq_lens, window = c.query_start_loc_cpu, c.seq_lens_cpu, c.sliding_window
+        qsl, seq_lens, window, chunk = c.query_start_loc_cpu, c.seq_lens_cpu, c.sliding_window, c.attention_chunk
         for i in md.prefill_reqs:
             start, end = qsl[i], qsl[i + 1]
             q_len, ctx = end - start, seq_lens[i]
@@ -109,19 +120,21 @@ class TorchSDPABackend(AttentionBackend):
                 kk = self.as_cached(k[start:end], kv_cache.dtype, self.k_scale).transpose(0, 1)
                 vv = self.as_cached(v[start:end], kv_cache.dtype, self.v_scale).transpose(0, 1)
                 keys = queries
-            else:  # from the first block the chunk's window reaches (all: full attention)
-                first = max(0, prefix - window + 1) // bs if window else 0
+            else:  # from the first block its first query's window or chunk reaches (all: full attention)
+                first = first_key(prefix, window, chunk) // bs
                 bt = c.block_table[i, first : -(-ctx // bs)].long()
                 kk = key_cache[bt].reshape(-1, self.num_kv_heads, self.head_dim)[: ctx - first * bs].transpose(0, 1)
                 vv = value_cache[bt].reshape(-1, self.num_kv_heads, self.head_dim)[: ctx - first * bs].transpose(0, 1)
                 kk, vv = self.read_kv(kk, q.dtype, self.k_scale), self.read_kv(vv, q.dtype, self.v_scale)
                 keys = torch.arange(first * bs, ctx, device=q.device)
-            if prefix == 0 and not window and not self.soft_cap and sinks is None:
+            if prefix == 0 and not window and not chunk and not self.soft_cap and sinks is None:
                 o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=self.scale, enable_gqa=gqa)
             else:
                 mask = keys.view(1, -1) <= queries.view(-1, 1)
                 if window:
                     mask &= keys.view(1, -1) > queries.view(-1, 1) - window
+                if chunk:  # each query's own chunk
+                    mask &= keys.view(1, -1) >= queries.view(-1, 1) // chunk * chunk
                 o = self._attend(qq, kk, vv, mask, sinks)
             out[start:end] = o.transpose(0, 1)
         return out

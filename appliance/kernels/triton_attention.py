@@ -9,7 +9,10 @@ Work decomposition (grid = (num_q_tiles, num_kv_heads)):
     m // QPKV_PAD of the tile, head kv_head * NUM_QPKV + m % QPKV_PAD.
 Masking: key position k is visible to query position p iff k <= p, with
     p = (seq_len - query_len) + query index: the computed prefix is fully
-    visible, causal inside the chunk.
+    visible, causal inside the chunk; with a sliding window (window > 0) also
+    k > p - window, with chunked local attention (chunk > 0) k >= p - p % chunk.
+    A tile walks the KV from the tile holding the first key its first query
+    sees, so blocks wholly before a window or chunk are never read.
 HEAD_DIM is padded to a power of two (HEAD_DIM_PAD) and masked, so any head
 size in the registry's range works (16 ... 256 in steps of 8).
 KV is read in tiles of TILE_N keys, a power of two dividing the block size: the
@@ -72,10 +75,18 @@ def _reshape_and_cache_kernel(
 
 
 @triton.jit
+def _first_key(q_pos, window, chunk):
+    """The first key position a query at ``q_pos`` sees: the start of its sliding window (window > 0), of its
+    chunk (chunk > 0: chunked local attention), else 0."""
+    first = tl.where(chunk > 0, q_pos - q_pos % tl.maximum(chunk, 1), 0)
+    return tl.maximum(first, tl.where(window > 0, q_pos - window + 1, 0))
+
+
+@triton.jit
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr, tile_req_ptr, tile_q_ptr,
-    scale, k_scale, v_scale, window, softcap,
+    scale, k_scale, v_scale, window, chunk, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_QPKV: tl.constexpr, QPKV_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -113,8 +124,8 @@ def _unified_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     last_q = tl.minimum(q_tile_start + BLOCK_Q, q_len) - 1
     num_tiles = (prefix + last_q) // TILE_N + 1
-    # a sliding window (window > 0): from the tile of the oldest key the tile's first query reads
-    first_tile = tl.maximum(prefix + q_tile_start - window + 1, 0) // TILE_N if window > 0 else 0
+    q_first = _first_key(q_pos, window, chunk)  # each row's first visible key: its window's or chunk's start
+    first_tile = _first_key(prefix + q_tile_start, window, chunk) // TILE_N  # that of the tile's first query
     n = tl.arange(0, TILE_N)
     for j in range(first_tile, num_tiles):
         first = j * TILE_N
@@ -137,7 +148,7 @@ def _unified_attention_kernel(
             t = tl.exp(-2.0 * tl.abs(s / softcap))
             s = tl.where(s < 0, -softcap, softcap) * (1.0 - t) / (1.0 + t)
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
-        visible = visible & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
+        visible = visible & (k_pos[None, :] >= q_first[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -237,7 +248,8 @@ class TritonAttentionBackend(AttentionBackend):
         _unified_attention_kernel[grid](
             q, k_cache, v_cache, out, sinks.float().contiguous() if sinks is not None else out,
             bt, c.seq_lens, c.query_start_loc, md.tile_req, md.tile_q,
-            self.scale, self.k_scale, self.v_scale, c.sliding_window or 0, self.soft_cap or 0.0,
+            self.scale, self.k_scale, self.v_scale, c.sliding_window or 0, c.attention_chunk or 0,
+            self.soft_cap or 0.0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0),
             NUM_QPKV=self.qpkv, QPKV_PAD=self.qpkv_pad, BLOCK_Q=md.block_q, BLOCK_M=md.block_q * self.qpkv_pad,

@@ -3769,17 +3769,28 @@ static void att_lay_head(const void *k_cache, const void *v_cache, int kv_type, 
     else att_widen_f32((const float *)k_cache + off, (const float *)v_cache + off, bt, bs, kv_stride, n, d, kt, vb);
 }
 
+/* The first position a token that sees positions [0, n_vis) attends: the start of its sliding window
+ * (window > 0) or of its chunk (chunk > 0, chunked local attention), else 0. */
+static inline int att_first_pos(int n_vis, int window, int chunk) {
+    const int lo = window && n_vis > window ? n_vis - window : 0;
+    const int c = chunk > 0 ? (n_vis - 1) / chunk * chunk : 0;
+    return c > lo ? c : lo;
+}
+
 /*
  * Paged attention read in place: token t of request r (query row t) attends
  * positions [0, seq_lens[r] - (qsl[r+1] - 1 - t)) of its sequence, whose
  * K/V sit at slot block_table[r][pos / bs] * bs + pos % bs; with a sliding
- * window (window > 0) only the last window of them, its blocks before those
+ * window (window > 0) only the last window of them, with chunked local
+ * attention (chunk > 0) only those of its own chunk (from the multiple of
+ * chunk at or before its position, Llama 4's), its blocks before those
  * never read (they may be the null block or another request's); with
  * softcap > 0 the scores are soft-capped, softcap * tanh(score / softcap);
  * with sinks (n_heads floats, NULL: none) each head's learned logit joins the
  * softmax's denominator (gpt-oss). A request's run of ATT_MIN_QUERY tokens or
  * more goes by prefill tiles (full attention, no cap or sinks only); the
- * other tokens (decodes, and every token under a window, a cap or sinks) by
+ * other tokens (decodes, and every token under a window, chunks, a cap or
+ * sinks) by
  * flash-decoding items of one token (all its heads)
  * and a split of its visible positions, merged after, so that a single long
  * decode still keeps every thread reading. Needs head_dim % 8 == 0.
@@ -3787,7 +3798,7 @@ static void att_lay_head(const void *k_cache, const void *v_cache, int kv_type, 
 void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const void *k_cache,
                     const void *v_cache, int n_tokens, int n_reqs, const int32_t *qsl, const int32_t *seq_lens,
                     const int32_t *block_table, int bt_stride, int bs, int n_heads, int n_kv_heads, int d,
-                    float scale, int kv_type, float k_scale, float v_scale, int window, float softcap,
+                    float scale, int kv_type, float k_scale, float v_scale, int window, int chunk, float softcap,
                     const float *sinks) {
     const int grp = n_heads / n_kv_heads;
     const int fp8 = kv_type == KV_FP8_E4M3 || kv_type == KV_FP8_E5M2;
@@ -3795,7 +3806,7 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
     /* prefill runs (a request with ATT_MIN_QUERY tokens or more here) by tiles of ATT_QT tokens and one kv
      * head (see "Prefill tiles"); the other tokens by decode items below */
     int64_t n_tiles = 0, tiled_tokens = 0;
-    for (int r = 0; r < n_reqs && !window && !(softcap > 0.0f) && !sinks; r++)
+    for (int r = 0; r < n_reqs && !window && chunk <= 0 && !(softcap > 0.0f) && !sinks; r++)
         if (qsl[r + 1] - qsl[r] >= ATT_MIN_QUERY) {
             n_tiles++;
             tiled_tokens += qsl[r + 1] - qsl[r];
@@ -3873,7 +3884,7 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
         const int qlen = qsl[r + 1] - qsl[r];
         if (n_tiles && qlen >= ATT_MIN_QUERY) continue;
         for (int t = qsl[r]; t < qsl[r + 1]; t++) {
-            const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t), lo = window && n_vis > window ? n_vis - window : 0;
+            const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t), lo = att_first_pos(n_vis, window, chunk);
             const int splits = (n_vis - lo + DEC_SPLIT - 1) / DEC_SPLIT;
             n_items += splits;
             if (splits > 1) n_partial += splits;
@@ -3888,7 +3899,7 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
         const int qlen = qsl[r + 1] - qsl[r];
         if (n_tiles && qlen >= ATT_MIN_QUERY) continue;
         for (int t = qsl[r]; t < qsl[r + 1]; t++) {
-            const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t), lo = window && n_vis > window ? n_vis - window : 0;
+            const int n_vis = seq_lens[r] - (qsl[r + 1] - 1 - t), lo = att_first_pos(n_vis, window, chunk);
             const int splits = (n_vis - lo + DEC_SPLIT - 1) / DEC_SPLIT;
             for (int sp = 0; sp < splits; sp++, i++) {
                 int32_t *it = items + 5 * i;
@@ -4174,7 +4185,7 @@ void appl_forward(const Model *M, Step *S) {
         g_phase[PH_ROPE_KV] += now_s() - t_rope;
         PHASE(PH_ATTN, appl_attention(qkv, qkv_w, att, attn_w, L->k_cache, L->v_cache, (int)T, S->n_reqs, S->qsl,
                                       S->seq_lens, block_table, S->bt_stride, S->block_size, H, KVH, (int)d,
-                                      M->attn_scale, M->kv_type, L->k_scale, L->v_scale, window, 0.0f, NULL));
+                                      M->attn_scale, M->kv_type, L->k_scale, L->v_scale, window, 0, 0.0f, NULL));
         if (residual_linear(M, &L->o, att, attn_w, h, x, T, PH_O)) { /* h: scratch here, normed again below */
             S->failed = 1;
             return;
