@@ -60,12 +60,21 @@ TINY_VARIANTS = {
                 "model.layer_types=[sliding_attention,full_attention]", "model.num_experts=4",
                 "model.num_experts_per_tok=2", "model.intermediate_size=48", "model.moe_intermediate_size=48",
                 "model.swiglu_limit=0.3", "model.swiglu_alpha=1.702"],
+    # Llama 4: a rope layer attending in 16-token chunks (q/k L2-normed) with a dense MLP, and a NoPE layer of
+    # full attention (queries tempered from position 3 on) with 4 experts (top 2, sigmoid scores on the input)
+    # beside a shared expert; interleaved rope pairs (layer by layer)
+    "llama4": ["model.architecture=Llama4ForCausalLM", "model.qk_norm=true", "model.attention_chunk_size=16",
+               "model.layer_types=[chunked_attention,full_attention]", "model.nope_layers=[1]",
+               "model.attn_temperature_floor_scale=4", "model.attn_temperature_scale=0.1", "model.num_experts=4",
+               "model.num_experts_per_tok=2", "model.moe_intermediate_size=48",
+               "model.shared_expert_intermediate_size=48", "model.decoder_sparse_step=2",
+               "model.norm_topk_prob=false"],
     # Granite: multipliers on the embedding, the residual branches, the attention scores and the logits
     "granite": ["model.architecture=GraniteForCausalLM", "model.embedding_multiplier=12.0",
                 "model.residual_multiplier=0.22", "model.attention_multiplier=0.0625", "model.logits_scaling=8.0"],
 }
 # the variants the native whole-step forward runs
-NATIVE_VARIANTS = [v for v in TINY_VARIANTS if v not in ("olmo2", "granite", "gemma2", "gemma3", "gpt_oss")]
+NATIVE_VARIANTS = [v for v in TINY_VARIANTS if v not in ("olmo2", "granite", "gemma2", "gemma3", "gpt_oss", "llama4")]
 
 
 @functools.lru_cache(maxsize=None)

@@ -56,6 +56,11 @@ class Architecture:
     # gpt-oss's: q, k, v and o biased where config.json's attention_bias says, a learned attention sink per head,
     # experts of stacked weights with biases and the clamped SwiGLU, routed top-k then softmax
     gpt_oss: bool = False
+    # Llama 4's: rope over interleaved channel pairs, none in its NoPE layers (which attend to everything, their
+    # queries tempered by position) and chunked local attention in the others, whose q and k are L2-normed
+    # (no weight); sparse layers of stacked experts that take each token scaled by its sigmoid router score,
+    # beside a shared expert
+    llama4: bool = False
     pooling: bool = False  # an embedding, reranking or classification head
     # how chat requests become prompts and outputs answers: "template" (the tokenizer's Jinja chat template,
     # server.reasoning_parser and server.tool_parser read the output) or "harmony" (gpt-oss's format through
@@ -78,6 +83,7 @@ class Architecture:
 
 
 SLIDING_TOO = ("full", "sliding window")  # layers of either kind, in their own KV-cache groups (config/kv_groups.py)
+CHUNKED_TOO = ("full", "chunked local")  # the same, chunked local attention beside full
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("LlamaForCausalLM", "llama", "llama", gguf=("llama",), gguf_permuted_qk=True),
@@ -109,10 +115,16 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("GptOssForCausalLM", "gpt_oss", "gpt_oss", experts="every", attention=SLIDING_TOO,
                  window="pattern", global_every=2, gpt_oss=True, expert_parallel=False,
                  chat_format="harmony"),
+    # chunked local attention in its rope layers, full in its NoPE ones (config.json's no_rope_layers), its own
+    # experts and a shared expert: layer by layer (no whole-step native forward), over pipeline stages (no tensor or
+    # expert parallelism yet)
+    Architecture("Llama4ForCausalLM", "llama4_text", "llama4", experts="some", attention=CHUNKED_TOO, llama4=True,
+                 tensor_parallel=False, expert_parallel=False),
 )}
 
 # Architectures people bring that are not served yet, and what each needs.
 NOT_BUILT: dict[str, str] = {
+    "Llama4ForConditionalGeneration": "an image encoder (its text model is served as Llama4ForCausalLM)",
     "Gemma3ForConditionalGeneration": "an image encoder (its text model is served as Gemma3ForCausalLM)",
     "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) and DeepSeek's shared experts",
     "DeepseekV3ForCausalLM": "multi-head latent attention (MLA), DeepSeek's shared experts and grouped top-k routing",

@@ -147,7 +147,8 @@ def _gguf_moe_facts(meta: dict[str, Any], names: list[str], arch: str, row: Arch
     norm = bool(meta.get(f"{arch}.expert_weights_norm", True))
     return facts + [Fact("norm_topk_prob", norm, f"{arch}.expert_weights_norm={shown(norm)} (default true)"),
                     Fact("decoder_sparse_step", 1, f"general.architecture={arch}"),
-                    Fact("mlp_only_layers", dense, f"layers without ffn_gate_inp: {shown(dense)}")]
+                    Fact("mlp_only_layers", dense, f"layers without ffn_gate_inp: {shown(dense)}"),
+                    Fact("shared_expert_intermediate_size", 0, f"general.architecture={arch} (no shared expert)")]
 
 
 def read_facts(path: Path) -> tuple[list[Fact], list[str]]:

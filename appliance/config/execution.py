@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from appliance.config.architectures import ARCHITECTURES
+from appliance.config.kv_groups import kv_layout
 from appliance.config.detect import CpuInfo, DeviceDescription, cpu_info, detect_device
 from appliance.config.quantization import QUANTIZATION_METHODS
 from appliance.config.schema import ApplianceConfig
@@ -159,9 +160,13 @@ def choose_dtype(cfg: ApplianceConfig, probe: bool = False) -> tuple[str, str]:
 
 def attention_needs(cfg: ApplianceConfig) -> tuple[str, ...]:
     """What of the model's attention a backend must compute (``BackendCapabilities.features``): its layers'
-    attention sinks (gpt-oss's)."""
-    row = ARCHITECTURES.get(cfg.model.architecture)
-    return ("sinks",) if row is not None and row.gpt_oss else ()
+    attention sinks (gpt-oss's), chunked local attention (Llama 4's, where a chunk ends before max_model_len)."""
+    m = cfg.model
+    row = ARCHITECTURES.get(m.architecture)
+    sinks = ("sinks",) if row is not None and row.gpt_oss else ()
+    chunked = any(g.attention_chunk is not None
+                  for g in kv_layout(m, m.max_model_len or m.max_position_embeddings).groups)
+    return sinks + (("chunked",) if chunked else ())
 
 
 def resolve_execution(cfg: ApplianceConfig, probe: bool = False, device: Optional[DeviceDescription] = None) -> Execution:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from appliance.config import schema
 from appliance.config.architectures import Architecture, by_model_type, support
 from appliance.config.facts import Fact, shown
-from appliance.config.kv_groups import FULL, SLIDING
+from appliance.config.kv_groups import CHUNKED, FULL, SLIDING
 
 ROPE_SCALING_TYPES = ("llama3", "linear", "yarn", "longrope")
 YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
@@ -35,8 +35,9 @@ def hf_facts(hf: dict) -> tuple[list[Fact], list[str]]:
         return [], [why]
     facts = [Fact("architecture", arch, f"architectures={shown([arch])}")]
     problems = []
+    dense_width = "intermediate_size_mlp" if row.llama4 else "intermediate_size"  # Llama 4's: its experts'
     for hf_key, key in [("num_hidden_layers", "num_layers"), ("hidden_size", "hidden_size"),
-                        ("intermediate_size", "intermediate_size"), ("num_attention_heads", "num_heads"),
+                        (dense_width, "intermediate_size"), ("num_attention_heads", "num_heads"),
                         ("vocab_size", "vocab_size"), ("max_position_embeddings", "max_position_embeddings")]:
         if hf_key in hf:
             facts.append(Fact(key, hf[hf_key], f"{hf_key}={hf[hf_key]}"))
@@ -57,7 +58,7 @@ def hf_facts(hf: dict) -> tuple[list[Fact], list[str]]:
     tie = bool(hf.get("tie_word_embeddings", False))
     facts.append(Fact("tie_word_embeddings", tie, f"tie_word_embeddings={shown(tie)}"))
     for more, more_problems in (_rope_facts(hf, row), _window_facts(hf, row), _multiplier_facts(hf, row),
-                                _gemma_facts(hf, row), _swiglu_facts(hf, row)):
+                                _gemma_facts(hf, row), _swiglu_facts(hf, row), _llama4_facts(hf, row)):
         facts += more
         problems += more_problems
     if row.qkv_bias == "always":  # as in transformers: Qwen2's q/k/v projections always carry a bias
@@ -69,8 +70,12 @@ def hf_facts(hf: dict) -> tuple[list[Fact], list[str]]:
         problems.append(f"attention_bias=true on {arch} (a bias on the output projection too) is not supported")
     else:
         facts.append(Fact("qkv_bias", False, f"architectures={shown([arch])} without attention_bias"))
-    qk_norm = row.qk_norm
-    facts.append(Fact("qk_norm", qk_norm, f"architectures={shown([arch])} ({'with' if qk_norm else 'no'} q/k norm)"))
+    if row.llama4:
+        qk_norm = bool(hf.get("use_qk_norm", True))
+        facts.append(Fact("qk_norm", qk_norm, f"use_qk_norm={shown(qk_norm)}"))
+    else:
+        qk_norm = row.qk_norm
+        facts.append(Fact("qk_norm", qk_norm, f"architectures={shown([arch])} ({'with' if qk_norm else 'no'} q/k norm)"))
     moe, moe_problems = _moe_facts(hf, row)
     return facts + moe, problems + moe_problems
 
@@ -158,7 +163,29 @@ def _window_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
         how = "layer_types" if hf.get("layer_types") else f"max_window_layers={first}"
         return [Fact("sliding_window", int(window), f"sliding_window={window} (use_sliding_window)"),
                 Fact("layer_types", list(kinds), f"{kinds.count(SLIDING)} of {n} layers slide ({how})")], []
+    if row.llama4:  # its layer_types: _llama4_facts
+        return [Fact("sliding_window", None, "no sliding window")], []
     return [Fact("sliding_window", None, "no sliding window"), Fact("layer_types", None, "no sliding window")], []
+
+
+def _llama4_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
+    """Llama 4's attention, as transformers defaults it: its NoPE layers (no_rope_layers' zeros, else every
+    no_rope_layer_interval-th), chunked local attention in the others (attention_chunk_size, 8192), and the NoPE
+    layers' query temperature (attn_temperature_tuning, floor_scale 8192, attn_scale 0.1)."""
+    if not row.llama4:
+        return [], []
+    n, every = int(hf.get("num_hidden_layers", 0)), int(hf.get("no_rope_layer_interval", 4))
+    rope = hf.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)]
+    nope = [i for i, r in enumerate(rope) if not r]
+    chunk = hf.get("attention_chunk_size", 8192)
+    kinds = hf.get("layer_types") or [CHUNKED if r and chunk is not None else FULL for r in rope]
+    facts = [Fact("nope_layers", nope, f"{len(nope)} of {n} layers without rope (no_rope_layers)"),
+             Fact("attention_chunk_size", None if chunk is None else int(chunk), f"attention_chunk_size={chunk}"),
+             Fact("layer_types", list(kinds), f"{kinds.count(CHUNKED)} of {n} layers attend in chunks")]
+    tuning = bool(hf.get("attn_temperature_tuning", True))
+    floor, scale = (int(hf.get("floor_scale", 8192)), float(hf.get("attn_scale", 0.1))) if tuning else (None, None)
+    return facts + [Fact("attn_temperature_floor_scale", floor, f"floor_scale={floor}" if tuning else "no tuning"),
+                    Fact("attn_temperature_scale", scale, f"attn_scale={scale}" if tuning else "no tuning")], []
 
 
 def _swiglu_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
@@ -202,7 +229,7 @@ def dense_facts(source: str) -> list[Fact]:
 
 
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-            "mlp_only_layers")
+            "mlp_only_layers", "shared_expert_intermediate_size")
 
 
 def _moe_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
@@ -217,13 +244,17 @@ def _moe_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
             facts.append(Fact(key, hf[hf_key], f"{hf_key}={hf[hf_key]}"))
         else:
             problems.append(f"config.json has no {hf_key}")
+    if row.llama4:
+        more, more_problems = _llama4_experts(hf)
+        return facts + more, problems + more_problems
     if row.experts == "every":  # Mixtral: experts of intermediate_size, weights always renormalized
         if "intermediate_size" in hf:
             facts.append(Fact("moe_intermediate_size", hf["intermediate_size"],
                               f"intermediate_size={hf['intermediate_size']} (Mixtral's experts)"))
         return facts + [Fact("norm_topk_prob", True, "Mixtral (top-k weights renormalized)"),
                         Fact("decoder_sparse_step", 1, "Mixtral (every layer sparse)"),
-                        Fact("mlp_only_layers", [], "Mixtral (every layer sparse)")], problems
+                        Fact("mlp_only_layers", [], "Mixtral (every layer sparse)"),
+                        Fact("shared_expert_intermediate_size", 0, "Mixtral (no shared expert)")], problems
     if hf.get("moe_intermediate_size"):
         facts.append(Fact("moe_intermediate_size", hf["moe_intermediate_size"],
                           f"moe_intermediate_size={hf['moe_intermediate_size']}"))
@@ -236,5 +267,28 @@ def _moe_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
         problems.append(f"decoder_sparse_step={step} must be at least 1")
     facts += [Fact("norm_topk_prob", norm, f"norm_topk_prob={shown(norm)}"),
               Fact("decoder_sparse_step", step, f"decoder_sparse_step={step}"),
-              Fact("mlp_only_layers", dense, f"mlp_only_layers={shown(dense)}")]
+              Fact("mlp_only_layers", dense, f"mlp_only_layers={shown(dense)}"),
+              Fact("shared_expert_intermediate_size", 0, f"architectures={shown([row.name])} (no shared expert)")]
     return facts, problems
+
+
+def _llama4_experts(hf: dict) -> tuple[list[Fact], list[str]]:
+    """Llama 4's experts and its shared expert, intermediate_size wide; its sparse layers (moe_layers, else
+    every interleave_moe_layer_step-th); sigmoid scores, never renormalized."""
+    n, step = int(hf.get("num_hidden_layers", 0)), int(hf.get("interleave_moe_layer_step", 1))
+    if step < 1:
+        return [], [f"interleave_moe_layer_step={step} must be at least 1"]
+    pattern = [i for i in range(n) if (i + 1) % step == 0]
+    named = [int(i) for i in hf["moe_layers"]] if hf.get("moe_layers") is not None else pattern
+    if named != pattern:  # every layer a candidate, the others dense
+        step, how = 1, f"moe_layers={shown(named)}"
+    else:
+        how = f"interleave_moe_layer_step={step}"
+    width = hf.get("intermediate_size")
+    if not width:
+        return [], ["config.json has no intermediate_size (Llama 4's experts)"]
+    return [Fact("moe_intermediate_size", width, f"intermediate_size={width} (Llama 4's experts)"),
+            Fact("shared_expert_intermediate_size", width, f"intermediate_size={width} (its shared expert)"),
+            Fact("norm_topk_prob", False, "Llama 4 (sigmoid scores, not renormalized)"),
+            Fact("decoder_sparse_step", step, how),
+            Fact("mlp_only_layers", [i for i in range(n) if (i + 1) % step == 0 and i not in named], how)], []

@@ -1,8 +1,8 @@
 """How a model's layers keep their KV: the KV-cache groups and the cache
 tensors they share (vLLM's hybrid allocator, uniform page size).
 
-Layers of one attention kind (full, or a sliding window of W tokens) fall
-into groups of ``group_size`` layers; every group has its own block table
+Layers of one attention kind (full, a sliding window of W tokens, or
+chunked local attention over chunks of C tokens: Llama 4's) fall into groups of ``group_size`` layers; every group has its own block table
 per request, all drawn from one block pool. The cache is ``group_size``
 tensors of ``num_blocks`` pages each, and tensor j holds layer j of every
 group: a block handed to a group is page b of each tensor for that group's
@@ -14,8 +14,8 @@ group can use.
 ``group_size`` is the smallest kind's layer count (a larger kind splits
 into several groups, its last padded), or the largest when the counts are
 within 25% of each other (fewer groups, little padding), as vLLM chooses.
-A window as long as ``max_model_len`` never slides: its layers count as
-full attention.
+A window as long as ``max_model_len`` never slides, and a chunk as long
+never ends: their layers count as full attention.
 """
 
 from __future__ import annotations
@@ -25,16 +25,24 @@ from typing import Optional
 
 from appliance.config.schema import ApplianceConfig, ModelConfig
 
-FULL, SLIDING = "full_attention", "sliding_attention"
-LAYER_TYPES = (FULL, SLIDING)
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+LAYER_TYPES = (FULL, SLIDING, CHUNKED)
 
 
 @dataclass(frozen=True)
 class KVGroup:
-    sliding_window: Optional[int]  # None: full attention
+    sliding_window: Optional[int]  # None: no window
     layers: tuple[int, ...]  # the model's layer indices; layer layers[j] lives in cache tensor j
+    attention_chunk: Optional[int] = None  # chunked local attention over chunks of this many tokens (None: none)
+
+    @property
+    def gives_back(self) -> bool:
+        """Its blocks behind what the next token reads are given back (a window or chunks)."""
+        return self.sliding_window is not None or self.attention_chunk is not None
 
     def describe(self) -> str:
+        if self.attention_chunk is not None:
+            return f"chunked local attention {self.attention_chunk}"
         return "full attention" if self.sliding_window is None else f"sliding window {self.sliding_window}"
 
 
@@ -55,9 +63,13 @@ class KVLayout:
     def blocks_per_request(self, num_tokens: int, block_size: int, chunk: int) -> list[int]:
         """Blocks each group holds for a request of ``num_tokens`` at most
         (a sliding window's: the window, the step's chunk of at most
-        ``chunk`` tokens beside it, and one block the window straddles)."""
+        ``chunk`` tokens beside it, and one block the window straddles;
+        chunked local attention's: the current chunk's tokens before the
+        step and the step's, from the chunk's first block)."""
         full = -(-num_tokens // block_size)
-        return [full if g.sliding_window is None
+        return [min(full, -(-min(g.attention_chunk - 1 + chunk, num_tokens) // block_size))
+                if g.attention_chunk is not None
+                else full if g.sliding_window is None
                 else min(full, -(-min(g.sliding_window - 1 + chunk, num_tokens) // block_size) + 1)
                 for g in self.groups]
 
@@ -70,38 +82,54 @@ def layer_kinds(m: ModelConfig) -> list[str]:
     return [SLIDING if m.sliding_window is not None else FULL] * m.num_layers
 
 
-def layer_windows(m: ModelConfig, max_model_len: int) -> list[Optional[int]]:
-    """Each layer's attention window (None: full attention, as is a window
-    that ``max_model_len`` never outgrows)."""
+# a layer's attention as its KV-cache group keeps it: (sliding window, chunk), each None where it has none
+LayerAttention = tuple[Optional[int], Optional[int]]
+
+
+def layer_attention(m: ModelConfig, max_model_len: int) -> list[LayerAttention]:
+    """Each layer's (sliding window, attention chunk); (None, None): full
+    attention, as is a window or a chunk that ``max_model_len`` never
+    outgrows."""
     window = m.sliding_window if m.sliding_window is not None and m.sliding_window < max_model_len else None
-    return [window if kind == SLIDING else None for kind in layer_kinds(m)]
+    chunk = m.attention_chunk_size if m.attention_chunk_size is not None and m.attention_chunk_size < max_model_len \
+        else None
+    return [(window, None) if kind == SLIDING else (None, chunk) if kind == CHUNKED else (None, None)
+            for kind in layer_kinds(m)]
+
+
+def _order(kind: LayerAttention) -> tuple[int, int]:
+    """Full attention first (its hit bounds the others'), then windows, then chunks, each by size."""
+    window, chunk = kind
+    return (0, 0) if kind == (None, None) else (1, window) if window is not None else (2, chunk or 0)
 
 
 def kv_layout(m: ModelConfig, max_model_len: int) -> KVLayout:
-    windows = layer_windows(m, max_model_len)
-    kinds: dict[Optional[int], list[int]] = {}
-    for layer, w in enumerate(windows):
-        kinds.setdefault(w, []).append(layer)
+    kinds: dict[LayerAttention, list[int]] = {}
+    for layer, kind in enumerate(layer_attention(m, max_model_len)):
+        kinds.setdefault(kind, []).append(layer)
     if len(kinds) <= 1:  # one kind (none: a config validation refuses, which the plan may still read)
-        w, layers = next(iter(kinds.items()), (None, []))
-        return KVLayout((KVGroup(w, tuple(layers)),), len(layers))
+        (w, c), layers = next(iter(kinds.items()), ((None, None), []))
+        return KVLayout((KVGroup(w, tuple(layers), c),), len(layers))
     sizes = [len(v) for v in kinds.values()]
     size = max(sizes) if max(sizes) < 1.25 * min(sizes) else min(sizes)
-    order = sorted(kinds, key=lambda w: -1 if w is None else w)  # full attention first: its hit bounds the others
-    groups = tuple(KVGroup(w, tuple(kinds[w][i : i + size])) for w in order for i in range(0, len(kinds[w]), size))
+    groups = tuple(KVGroup(w, tuple(kinds[(w, c)][i : i + size]), c) for w, c in sorted(kinds, key=_order)
+                   for i in range(0, len(kinds[(w, c)]), size))
     return KVLayout(groups, size)
 
 
 def kv_group_problems(cfg: ApplianceConfig, max_model_len: int) -> list[str]:
-    """What is not built beside KV-cache groups: the KV connectors move one
-    group's blocks, all kept; the KV events describe one group's; a draft
+    """What is not built beside KV-cache groups that give blocks back: the
+    KV connectors move one group's blocks, all kept; the KV events describe one group's; a draft
     model keeps its KV at the first group's blocks, which must all be kept
     (full attention)."""
     layout = kv_layout(cfg.model, max_model_len)
-    slides = [g for g in layout.groups if g.sliding_window is not None]
-    if not slides:
+    giving = [g for g in layout.groups if g.gives_back]
+    if not giving:
         return []
-    why = (f"with sliding-window layers (model.sliding_window={cfg.model.sliding_window} < "
+    m = cfg.model
+    why = (f"with sliding-window layers (model.sliding_window={m.sliding_window} < max_model_len={max_model_len}: "
+           f"KV-cache groups that give blocks back)" if giving[0].sliding_window is not None else
+           f"with chunked local attention layers (model.attention_chunk_size={m.attention_chunk_size} < "
            f"max_model_len={max_model_len}: KV-cache groups that give blocks back)")
     problems = []
     if cfg.kv_transfer.connector is not None:
@@ -109,7 +137,7 @@ def kv_group_problems(cfg: ApplianceConfig, max_model_len: int) -> list[str]:
     if cfg.kv_events.enabled and len(layout.groups) > 1:
         problems.append(f"kv_events.enabled=true with {len(layout.groups)} KV-cache groups is not built yet "
                         f"(the events describe one group's blocks)")
-    if cfg.speculative.method == "draft_model" and layout.groups[0].sliding_window is not None:
+    if cfg.speculative.method == "draft_model" and layout.groups[0].gives_back:
         problems.append(f"speculative.method=draft_model {why} in every layer is not built yet (the draft keeps "
                         f"its KV at blocks of a full-attention group)")
     return problems

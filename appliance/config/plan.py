@@ -10,7 +10,7 @@ from typing import Any, Optional
 from appliance.config.architectures import describe, tool_format
 from appliance.config.execution import Execution, resolve_execution
 from appliance.config.kv_connectors import describe_kv_transfer
-from appliance.config.kv_groups import SLIDING, kv_layout
+from appliance.config.kv_groups import CHUNKED, SLIDING, kv_layout
 from appliance.config.memory import (DTYPE_BYTES, GIB, DeviceMemory, active_weight_bytes, blocks_per_request,
                                      device_memory, draft_model, expert_bytes, experts_plan, int8_gemm,
                                      kv_bytes_per_token, kv_layer_bytes, lm_head_bytes, max_model_len, weight_bytes)
@@ -68,7 +68,7 @@ class Plan:
     kv_events: str = "off"  # where the KV cache's block events are published, in words
     kv_transfer: str = "off"  # the KV connector, in words
     # the KV-cache groups (config/kv_groups.py): each one's attention, layers, and blocks one max_model_len request
-    # holds in it; and, for a model with sliding windows, the concurrency it would have if all were full attention
+    # holds in it; and, for a model with sliding windows or chunks, the concurrency it would have if all were full attention
     kv_cache_groups: list[dict[str, Any]] = field(default_factory=list)
     max_concurrency_as_full_attention: Optional[float] = None
     kv_read_at_max_len: int = 0  # KV bytes a decode step of one max_model_len sequence reads on a device
@@ -91,6 +91,11 @@ def describe_architecture(m: ModelConfig) -> str:
     if m.sliding_window is not None:
         sliding = m.num_layers if m.layer_types is None else m.layer_types.count(SLIDING)
         extras.append(f"sliding window {m.sliding_window} in {sliding} of {m.num_layers} layers")
+    if m.attention_chunk_size is not None and m.layer_types is not None:
+        extras.append(f"chunked local attention {m.attention_chunk_size} in {m.layer_types.count(CHUNKED)} of "
+                      f"{m.num_layers} layers")
+    if m.nope_layers:
+        extras.append(f"no rope in {len(m.nope_layers)} of {m.num_layers} layers")
     return (f"{m.architecture}: {m.num_layers} layers, hidden {m.hidden_size}, intermediate {m.intermediate_size}, "
             f"{m.num_heads} heads / {m.num_kv_heads} kv heads x {m.head_dim}, vocab {m.vocab_size}"
             + (f"; {', '.join(extras)}" if extras else ""))
@@ -114,12 +119,12 @@ def _provider_here(cfg: ApplianceConfig, ex: Execution) -> tuple[Optional[str], 
 def kv_read_at_max_len(cfg: ApplianceConfig, dtype: str, per_tok: int) -> int:
     """KV bytes a device reads for one sequence at ``max_model_len`` in a decode
     step: every position of every layer's (``per_tok`` a token), or, with
-    sliding windows, each sliding layer's window only."""
+    sliding windows or chunks, each such layer's window or chunk only."""
     m, mml = cfg.model, max_model_len(cfg)
     layout = kv_layout(m, mml)
-    if all(g.sliding_window is None for g in layout.groups):
+    if not any(g.gives_back for g in layout.groups):
         return mml * per_tok
-    positions = sum(len(g.layers) * min(mml, g.sliding_window or mml) for g in layout.groups)
+    positions = sum(len(g.layers) * min(mml, g.sliding_window or g.attention_chunk or mml) for g in layout.groups)
     return positions * kv_layer_bytes(cfg, m, dtype) // cfg.parallel.pipeline_parallel_size
 
 
@@ -171,7 +176,7 @@ def _notes(cfg: ApplianceConfig, offloaded: int, comm: dict[str, Any]) -> list[s
 
 
 def _kv_groups(cfg: ApplianceConfig, dtype: str, mem: DeviceMemory) -> dict[str, Any]:
-    """The KV-cache groups, and what a model with sliding windows gains from
+    """The KV-cache groups, and what a model with sliding windows or chunks gains from
     them: the concurrency at max_model_len were every layer full attention
     (a tensor per layer, every block kept) beside the plan's."""
     m, mml, bs = cfg.model, max_model_len(cfg), cfg.cache.block_size
@@ -179,7 +184,7 @@ def _kv_groups(cfg: ApplianceConfig, dtype: str, mem: DeviceMemory) -> dict[str,
     blocks = layout.blocks_per_request(mml, bs, cfg.scheduler.max_num_batched_tokens)
     groups = [{"attention": g.describe(), "layers": len(g.layers), "blocks_per_request": n}
               for g, n in zip(layout.groups, blocks)]
-    if all(g.sliding_window is None for g in layout.groups):
+    if not any(g.gives_back for g in layout.groups):
         return {"kv_cache_groups": groups}
     full_blocks = mem.kv_cache // (bs * kv_layer_bytes(cfg, m, dtype) * max(
         pipeline_partition(m.num_layers, cfg.parallel.pipeline_parallel_size, cfg.parallel.pp_layer_partition)))

@@ -83,12 +83,19 @@ class ModelConfig:
     # A layer with a sliding window attends to the last sliding_window tokens only (itself included); its KV
     # lives in a KV-cache group that gives back blocks behind the window (config/kv_groups.py). null: none.
     sliding_window: Optional[int] = None
-    # Each layer's attention, full_attention or sliding_attention (a checkpoint's layer_types: Qwen2's
-    # use_sliding_window); null: every layer alike, sliding when sliding_window is set (Mistral v0.1, Phi-3).
+    # Each layer's attention, full_attention, sliding_attention or chunked_attention (a checkpoint's layer_types:
+    # Qwen2's use_sliding_window, Llama 4's rope layers); null: every layer alike, sliding when sliding_window is
+    # set (Mistral v0.1, Phi-3).
     layer_types: Optional[list[str]] = None
-    # Gemma's (a checkpoint's; other architectures leave them null): attention scores scaled by
-    # query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5, and the rope base of its sliding-window layers
-    # (rope_theta and rope_scaling are its full-attention layers')
+    # Llama 4's (a checkpoint's): a chunked_attention layer attends within its chunk of attention_chunk_size
+    # tokens (position p to p - p % size .. p; its KV in a group that gives back finished chunks; null: none); the
+    # layers without rope (NoPE); their queries scaled by 1 + scale * log(1 + floor((p + 1) / floor_scale))
+    attention_chunk_size: Optional[int] = None
+    nope_layers: list[int] = field(default_factory=list)
+    attn_temperature_floor_scale: Optional[int] = None
+    attn_temperature_scale: Optional[float] = None
+    # Gemma's (a checkpoint's; others leave them null): attention scores scaled by query_pre_attn_scalar ** -0.5,
+    # not head_dim ** -0.5; its sliding layers' rope base (rope_theta and rope_scaling: its full layers')
     query_pre_attn_scalar: Optional[float] = None
     rope_local_theta: Optional[float] = None
     # Gemma 2's (and Gemma 3's where its checkpoint names them): attention scores and final logits soft-capped,
@@ -118,6 +125,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # A gated MLP of this width beside the routed experts of a sparse layer, for every token (Llama 4's); 0: none
+    shared_expert_intermediate_size: int = 0
     dtype: DType = DType.auto
     max_model_len: Optional[int] = None
     seed: int = 0

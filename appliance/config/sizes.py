@@ -37,24 +37,25 @@ def parameter_counts(m: ModelConfig) -> dict[str, int]:
     """Parameters of a Llama-family decoder by where they live. ``linear``
     counts every projection, experts included (``experts`` of them);
     ``active`` is what one token reads (its ``num_experts_per_tok``
-    experts of each sparse layer, not all of them). Routers are ``other``
+    experts of each sparse layer, not all of them, and its shared expert). Routers are ``other``
     (they stay unquantized, in fp32)."""
     embed = m.vocab_size * m.hidden_size
     q = m.hidden_size * m.num_heads * m.head_dim
     kv = 2 * m.hidden_size * m.num_kv_heads * m.head_dim
     o = m.num_heads * m.head_dim * m.hidden_size
     bias = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim if m.qkv_bias else 0
-    qk_norm = 2 * m.head_dim if m.qk_norm else 0
+    row = ARCHITECTURES.get(m.architecture)
+    qk_norm = 2 * m.head_dim if m.qk_norm and not (row is not None and row.llama4) else 0  # Llama 4's: no weight
     mlp = 3 * m.hidden_size * m.intermediate_size
     expert = 3 * m.hidden_size * m.moe_intermediate_size
-    row = ARCHITECTURES.get(m.architecture)
     norms = (4 if row is not None and row.gemma else 2) * m.hidden_size  # Gemma 3's: before and after each
     sparse = len(sparse_layers(m))
     dense = m.num_layers - sparse
     experts = sparse * m.num_experts * expert
     router = sparse * m.num_experts * m.hidden_size
     attention = m.num_layers * (q + kv + o)
-    linear = attention + dense * mlp + experts
+    shared = sparse * 3 * m.hidden_size * m.shared_expert_intermediate_size  # every token reads it
+    linear = attention + dense * mlp + experts + shared
     other = m.num_layers * (bias + qk_norm + norms) + router + m.hidden_size
     lm_head = 0 if m.tie_word_embeddings else embed
     total = embed + lm_head + linear + other

@@ -11,12 +11,13 @@ from __future__ import annotations
 from appliance.config.architectures import ARCHITECTURES, support
 from appliance.config.execution import choose_dtype
 from appliance.config.kv_connectors import kv_transfer_problems
-from appliance.config.kv_groups import LAYER_TYPES, SLIDING, kv_group_problems
+from appliance.config.kv_groups import kv_group_problems
 from appliance.config.memory import GIB, blocks_per_request, device_memory, max_model_len
 from appliance.config.quantization import FP8_HARDWARE, method_of, quantization_problems
 from appliance.config.hf_facts import LONGROPE_KEYS, MOE_KEYS, YARN_KEYS
 from appliance.config.sizes import rotary_dim
 from appliance.config.schema import ApplianceConfig, EplbConfig, ModelConfig, RopeScaling, SchedulerConfig
+from appliance.config.validate_layers import layer_type_problems, llama4_problems
 from appliance.config.validate_serving import (chat_format_problems, chat_template_problems, kv_events_problems,
                                                 router_problems, tracing_problems)
 from appliance.kernels.registry import BACKENDS
@@ -256,21 +257,6 @@ def _block_size_problems(cfg: ApplianceConfig) -> list[str]:
     return problems
 
 
-def _layer_type_problems(m: ModelConfig) -> list[str]:
-    """``model.layer_types``: one known kind per layer, sliding ones with a window to slide."""
-    if m.layer_types is None:
-        return []
-    problems = []
-    if len(m.layer_types) != m.num_layers:
-        problems.append(f"model.layer_types has {len(m.layer_types)} entries for {m.num_layers} layers")
-    unknown = sorted(set(m.layer_types) - set(LAYER_TYPES))
-    if unknown:
-        problems.append(f"model.layer_types: {unknown} not built; each layer is one of {list(LAYER_TYPES)}")
-    if SLIDING in m.layer_types and m.sliding_window is None:
-        problems.append("model.layer_types names sliding_attention layers but model.sliding_window is null")
-    return problems
-
-
 def _rope_scaling_problems(m: ModelConfig) -> list[str]:
     """Keys of one rope scaling set under another (YaRN's, LongRoPE's factor lists), and LongRoPE without its
     lists or with lists that do not name every rotated pair."""
@@ -319,7 +305,7 @@ def _length_problems(cfg: ApplianceConfig) -> list[str]:
             f"model.max_model_len={mml} exceeds {m.name}'s max_position_embeddings={m.max_position_embeddings}; "
             f"lower model.max_model_len"
         )
-    problems += _layer_type_problems(m)
+    problems += layer_type_problems(m) + llama4_problems(cfg, mml)
     problems += _rope_scaling_problems(m) + _rotary_problems(m)
     if m.sliding_window is not None and m.sliding_window < 1:
         problems.append(f"model.sliding_window={m.sliding_window} must be at least 1 (or null: none)")

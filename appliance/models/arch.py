@@ -51,6 +51,11 @@ class ModelArch:
     swiglu_limit: Optional[float] = None
     swiglu_alpha: Optional[float] = None
     final_logit_softcapping: Optional[float] = None  # Gemma's: the logits soft-capped, cap * tanh(logits / cap)
+    # Llama 4's: the layers without rope, their query temperature (floor scale, scale; None: none), the width of
+    # the shared expert beside the routed ones in each sparse layer (0: none)
+    nope_layers: tuple[int, ...] = ()
+    attn_temperature: Optional[tuple[int, float]] = None
+    shared_expert_intermediate_size: int = 0
 
     @staticmethod
     def from_model_config(m: ModelConfig) -> "ModelArch":
@@ -111,6 +116,10 @@ class ModelArch:
             swiglu_limit=m.swiglu_limit,
             swiglu_alpha=m.swiglu_alpha,
             final_logit_softcapping=m.final_logit_softcapping,
+            nope_layers=tuple(m.nope_layers),
+            attn_temperature=None if m.attn_temperature_floor_scale is None or m.attn_temperature_scale is None
+            else (m.attn_temperature_floor_scale, m.attn_temperature_scale),
+            shared_expert_intermediate_size=m.shared_expert_intermediate_size,
         )
 
     @property

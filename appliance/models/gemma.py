@@ -46,8 +46,9 @@ class GemmaRMSNorm(RMSNorm):
 class Gemma3Attention(Attention):
     """Attention with Gemma's q/k norms over each head."""
 
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None):
-        super().__init__(arch, backend, tp)
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
+                 index: int = 0):
+        super().__init__(arch, backend, tp, index)
         self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
 
@@ -59,8 +60,14 @@ class GeGLU(MLP):
         return F.gelu(gate, approximate="tanh")
 
 
-def _gemma_attention(arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None) -> Attention:
-    return (Gemma3Attention if arch.qk_norm else Attention)(arch, backend, tp)
+def _gemma_attention(arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
+                     index: int = 0) -> Attention:
+    return (Gemma3Attention if arch.qk_norm else Attention)(arch, backend, tp, index)
+
+
+def _local_rows(arch: ModelArch, index: int) -> int:
+    """A local layer takes the local rope rows (``GemmaForCausalLM.rope_rows``)."""
+    return int(index in arch.sliding_layers)
 
 
 def _geglu(arch: ModelArch, tp: Optional[TensorParallel], index: int, ep: Optional[ExpertParallel]) -> GeGLU:
@@ -71,7 +78,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     # normed attention and MLP, each output normed again before its residual add; a local layer takes the
     # local rope rows (``rope_rows``)
     layer_spec = LayerSpec(norm=GemmaRMSNorm, norms="sandwich", attention=_gemma_attention, mlp=_geglu,
-                           local_rope=True)
+                           rope_kind=_local_rows)
     llama_layers = False  # weights_view cannot describe them
     rope_local: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # the local layers' (cos, sin), by rope_cache
 

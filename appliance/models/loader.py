@@ -51,9 +51,13 @@ def _facts_hash(m: ModelConfig) -> str:
                                         "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings",
                                         "rope_theta", "rms_norm_eps", "tie_word_embeddings", "qkv_bias", "qk_norm",
                                         "seed")}
-    if m.num_experts:  # a dense model's hash stays what it was
-        facts.update({k: getattr(m, k) for k in MOE_KEYS})
+    if m.num_experts:  # a dense model's hash stays what it was (and one without a shared expert)
+        facts.update({k: getattr(m, k) for k in MOE_KEYS if k != "shared_expert_intermediate_size"
+                      or m.shared_expert_intermediate_size})
         facts["mlp_only_layers"] = list(m.mlp_only_layers)
+    if m.attention_chunk_size is not None or m.nope_layers:  # Llama 4's
+        facts["llama4"] = [m.attention_chunk_size, list(m.nope_layers), m.attn_temperature_floor_scale,
+                           m.attn_temperature_scale]
     if m.sliding_window is not None:  # models without one keep their hash
         facts["sliding_window"] = m.sliding_window
     if m.layer_types is not None:

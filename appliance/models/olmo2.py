@@ -30,8 +30,9 @@ class Olmo2Attention(Attention):
     sum of squares over the ranks' widths; KV heads that several ranks hold
     are each held by as many, so the mean is the same)."""
 
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None):
-        super().__init__(dataclasses.replace(arch, qk_norm=False), backend, tp)
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
+                 index: int = 0):
+        super().__init__(dataclasses.replace(arch, qk_norm=False), backend, tp, index)
         self.q_norm = WeightFirstRMSNorm(self.q_size, arch.rms_norm_eps)
         self.k_norm = WeightFirstRMSNorm(self.kv_size, arch.rms_norm_eps)
 

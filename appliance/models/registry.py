@@ -8,10 +8,12 @@ from appliance.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from appliance.models.gpt_oss import GptOssForCausalLM
 from appliance.models.granite import GraniteForCausalLM
 from appliance.models.llama import LlamaForCausalLM
+from appliance.models.llama4 import Llama4ForCausalLM
 from appliance.models.olmo2 import Olmo2ForCausalLM
 
 MODEL_CLASSES: dict[str, type] = {"llama": LlamaForCausalLM, "olmo2": Olmo2ForCausalLM, "granite": GraniteForCausalLM,
-                                  "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM, "gpt_oss": GptOssForCausalLM}
+                                  "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM, "gpt_oss": GptOssForCausalLM,
+                                  "llama4": Llama4ForCausalLM}
 
 
 def model_class(architecture: str) -> type:

@@ -103,7 +103,19 @@ def hf_config_dict(m: ModelConfig, vocab_size: int) -> dict:
         cfg.update(use_sliding_window=True, sliding_window=m.sliding_window,
                    layer_types=list(m.layer_types or ["sliding_attention"] * m.num_layers))
     row = ARCHITECTURES[m.architecture]
-    if row.experts == "every":  # Mixtral: every layer sparse; its experts' size is intermediate_size
+    if row.llama4:  # its layer kinds and NoPE layers, the query temperature, its experts and shared expert
+        tuning = m.attn_temperature_floor_scale is not None
+        cfg.update(layer_types=list(m.layer_types or []) or None, attention_chunk_size=m.attention_chunk_size,
+                   no_rope_layers=[int(i not in m.nope_layers) for i in range(m.num_layers)],
+                   use_qk_norm=m.qk_norm, attn_temperature_tuning=tuning,
+                   floor_scale=m.attn_temperature_floor_scale or 8192, attn_scale=m.attn_temperature_scale or 0.1,
+                   intermediate_size_mlp=m.intermediate_size, intermediate_size=m.moe_intermediate_size,
+                   num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+                   interleave_moe_layer_step=m.decoder_sparse_step,
+                   moe_layers=[i for i in range(m.num_layers) if (i + 1) % m.decoder_sparse_step == 0
+                               and i not in m.mlp_only_layers],
+                   rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta})
+    elif row.experts == "every":  # Mixtral: every layer sparse; its experts' size is intermediate_size
         cfg.update(num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
                    intermediate_size=m.moe_intermediate_size)
     elif row.moe:

@@ -236,4 +236,4 @@ def kv_group_specs(deployment: Deployment) -> list[Any]:
     from appliance.engine.kv_cache.single_type import KVCacheGroupSpec
 
     layout = kv_layout(deployment.cfg.model, deployment.max_model_len)
-    return [KVCacheGroupSpec(g.sliding_window) for g in layout.groups]
+    return [KVCacheGroupSpec(g.sliding_window, g.attention_chunk) for g in layout.groups]

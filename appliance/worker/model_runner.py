@@ -266,8 +266,10 @@ class ModelRunner:
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
             sliding_window=self.kv_groups[0].sliding_window,
+            attention_chunk=self.kv_groups[0].attention_chunk,
         )
-        groups = [common] + [replace(common, block_table=bt, slot_mapping=slots, sliding_window=spec.sliding_window)
+        groups = [common] + [replace(common, block_table=bt, slot_mapping=slots, sliding_window=spec.sliding_window,
+                                     attention_chunk=spec.attention_chunk)
                              for (bt, slots), spec in zip(tables[1:], self.kv_groups[1:])]
         return input_ids, positions, groups, qsl
 

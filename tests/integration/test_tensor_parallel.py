@@ -64,13 +64,14 @@ def test_tiny_model_tokens_equal_one_rank(tiny_reference, tp, pp, collectives):
 
 
 @pytest.mark.parametrize("variant,tp,pp", [
-    ("gemma3", 2, 1), ("qwen2_window", 1, 2), ("olmo2", 4, 1), ("phi3", 2, 1), ("gpt_oss", 2, 1),
+    ("gemma3", 2, 1), ("qwen2_window", 1, 2), ("olmo2", 4, 1), ("phi3", 2, 1), ("gpt_oss", 2, 1), ("llama4", 1, 2),
     *(pytest.param(*case, marks=pytest.mark.slow) for case in [
         ("gemma3", 1, 2), ("gemma2", 2, 1), ("gemma2", 1, 2), ("qwen2_window", 2, 1), ("granite", 2, 1),
         ("granite", 1, 2), ("olmo2", 2, 1), ("olmo2", 1, 2), ("phi3", 4, 1), ("gpt_oss", 1, 2)]),
 ])
 def test_layer_by_layer_models_over_ranks_equal_one_rank(variant, tp, pp):
-    """Models with a full-attention and a sliding-window layer (two KV-cache groups), their windows outgrown,
+    """Models with a full-attention and a sliding-window or chunked layer (two KV-cache groups), their windows
+    outgrown (Llama 4's chunks ended, its stages one group each),
     Granite's multipliers, OLMo 2's q/k norms over all heads (a rank's share of them; with 4 ranks over 2 KV
     heads, each head on two) and Phi-3's fused q/k/v and gate/up tensors (a rank's rows of each part): each
     rank's groups over its KV heads, or each stage holding one layer (one group's)."""

@@ -50,7 +50,7 @@ class _Affine(torch.nn.Module):
 def test_a_layer_runs_its_branches_in_the_spec_order():
     """x += n2(attn(n1(x))); x += n4(mlp(n3(x))) with stand-in branches, each norm a distinct scale."""
     torch.manual_seed(0)
-    spec = LayerSpec(norms="sandwich", residual_multiplier=True, attention=lambda arch, backend, tp: _Affine(3, 1),
+    spec = LayerSpec(norms="sandwich", residual_multiplier=True, attention=lambda arch, backend, tp, index: _Affine(3, 1),
                      mlp=lambda arch, tp, index, ep: _Affine(5, -2))
     layer = DecoderLayer(spec, dataclasses.replace(ARCH, residual_multiplier=0.5), backend=None)
     for i, name in enumerate(layer.norm_names):
@@ -71,8 +71,9 @@ def test_the_spec_picks_the_mlp_and_the_rope_rows():
     with torch.device("meta"):
         sparse = DecoderLayer(LayerSpec(), arch, backend=None, index=1)
         dense_layer = DecoderLayer(LayerSpec(mlp=dense), arch, backend=None, index=1)
-        local = DecoderLayer(LayerSpec(local_rope=True), arch, backend=None, index=0)
-        glob = DecoderLayer(LayerSpec(local_rope=True), arch, backend=None, index=1)
+        kind = LayerSpec(rope_kind=lambda a, i: int(i in a.sliding_layers))
+        local = DecoderLayer(kind, arch, backend=None, index=0)
+        glob = DecoderLayer(kind, arch, backend=None, index=1)
     assert sparse.sparse and isinstance(sparse.mlp, SparseMoe)
     assert not dense_layer.sparse
     assert (local.rope_kind, glob.rope_kind) == (1, 0)

@@ -3,7 +3,8 @@ BlockPool (torch-free).
 
 A model whose layers all attend the same way has one group; one with
 sliding-window layers beside full-attention ones (Gemma, gpt-oss, Qwen2's
-``use_sliding_window``) has a group per kind, each with its own block table
+``use_sliding_window``), or chunked local attention beside them (Llama 4),
+has a group per kind, each with its own block table
 per request (``single_type``), every group's blocks drawn from the one pool.
 The scheduler sees one request-level interface: how many tokens every
 group can serve from the prefix cache, whether a step's slots fit in all
@@ -61,7 +62,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, block_size, enable_caching, enable_events, len(groups))
         self.groups: list[SingleTypeManager] = [single_type_manager(self.pool, block_size, g, spec)
                                                 for g, spec in enumerate(groups)]
-        self.sliding = [g for g in self.groups if g.spec.sliding_window is not None]  # the groups that give back
+        self.giving_back = [g for g in self.groups if g.spec.gives_back]  # a window's or chunks' groups
         self.stats = PrefixCacheStats()
         self._copies: list[tuple[int, int]] = []  # (src, dst) block KV the worker copies before the next step
 
@@ -114,7 +115,8 @@ class KVCacheManager:
     #
     #  Blocks are appended to the request's table (append-only; a sliding
     #  window's group first gives back the blocks wholly behind its window,
-    #  their entries becoming the null block); full blocks whose KV this
+    #  a chunked group those of finished chunks, their entries becoming the
+    #  null block); full blocks whose KV this
     #  step computes are registered in the prefix cache at once: a later
     #  request in the same step may hit them, because every layer writes
     #  the whole step's K/V before it attends.
@@ -122,10 +124,10 @@ class KVCacheManager:
                           hits: Optional[GroupBlocks], num_lookahead_tokens: int) -> Optional[list[int]]:
         """Blocks the pool must hand out to each group for the step, beyond
         those held and hit; None when the pool cannot fit them. The one
-        place the block arithmetic lives. Blocks behind a sliding window are
-        given back first (no later token reads them, whatever is decided)."""
+        place the block arithmetic lives. Blocks behind a sliding window or
+        of a finished chunk are given back first (no later token reads them, whatever is decided)."""
         rid = request.request_id
-        for g in self.sliding:
+        for g in self.giving_back:
             g.remove_skipped_blocks(rid, request.num_computed_tokens)
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
         if hits is None:
@@ -288,7 +290,7 @@ class KVCacheManager:
             for rid, blocks in g.req_to_blocks.items():
                 ids = [b.block_id for b in blocks if not b.is_null]
                 assert len(ids) == len(set(ids)), f"{rid} holds a block twice in group {g.group}: {ids}"
-                if g.spec.sliding_window is None:
+                if not g.spec.gives_back:
                     assert len(ids) == len(blocks), f"{rid} holds the null block in full-attention group {g.group}"
                 else:  # given-back blocks are a leading run of nulls
                     nulls = len(blocks) - len(ids)

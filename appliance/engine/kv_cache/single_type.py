@@ -11,9 +11,14 @@ its kind's rules:
   before it) needs only the blocks that hold the last W - 1 computed
   tokens: blocks wholly before them are given back to the pool (their table
   entries become the null block) as the sequence moves on, and a prefix hit
-  needs only the cached blocks inside the window at the hit's end.
+  needs only the cached blocks inside the window at the hit's end;
+- chunked local attention over chunks of C tokens (a token attends to the
+  tokens of its chunk up to itself; C a multiple of the block size) needs
+  only the blocks of the current chunk: blocks of finished chunks are given
+  back, and a prefix hit needs only the cached blocks of the chunk the hit
+  ends in (a hit may end where a chunk begins with nothing cached).
 
-A state group (Mamba, linear attention) would be a third manager here; the
+A state group (Mamba, linear attention) would be another manager here; the
 coordinator (``manager.KVCacheManager``) and the scheduler see only this
 interface.
 """
@@ -33,14 +38,25 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
-    """The attention kind of a group's layers: full (``sliding_window``
-    None) or a sliding window of that many tokens."""
+    """The attention kind of a group's layers: full (both None), a sliding
+    window of ``sliding_window`` tokens, or chunked local attention over
+    chunks of ``attention_chunk`` tokens."""
 
     sliding_window: Optional[int] = None
+    attention_chunk: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"a sliding window holds at least one token, got {self.sliding_window}")
+        if self.attention_chunk is not None and self.attention_chunk < 1:
+            raise ValueError(f"an attention chunk holds at least one token, got {self.attention_chunk}")
+        if self.sliding_window is not None and self.attention_chunk is not None:
+            raise ValueError("a KV-cache group has a sliding window or attention chunks, not both")
+
+    @property
+    def gives_back(self) -> bool:
+        """Its blocks behind what the next token reads are given back (a window or chunks)."""
+        return self.sliding_window is not None or self.attention_chunk is not None
 
 
 FULL_ATTENTION = KVCacheGroupSpec()
@@ -63,6 +79,19 @@ class SingleTypeManager:
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Give back the blocks no later token attends to (none for full attention)."""
+
+    def _give_back(self, request_id: str, num_skipped: int) -> None:
+        """The request's first ``num_skipped`` blocks back to the pool, their entries the null block."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        null, gone = self.pool.null_block, []
+        for i in range(min(num_skipped, len(blocks)) - 1, -1, -1):
+            if blocks[i].is_null:
+                break  # every block before it was given back already
+            gone.append(blocks[i])
+            blocks[i] = null
+        self.pool.free_blocks(gone)
 
     def num_new_blocks(self, request_id: str, num_tokens: int, num_hit_blocks: int) -> int:
         """Blocks the pool must hand out so the request holds ``num_tokens`` slots."""
@@ -189,19 +218,48 @@ class SlidingWindowManager(SingleTypeManager):
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         # the next token (at num_computed_tokens) attends back to num_computed_tokens - W + 1
-        num_skipped = max(0, num_computed_tokens - self.window + 1) // self.block_size
-        blocks = self.req_to_blocks.get(request_id)
-        if not blocks:
-            return
-        null, gone = self.pool.null_block, []
-        for i in range(min(num_skipped, len(blocks)) - 1, -1, -1):
-            if blocks[i].is_null:
-                break  # every block before it was given back already
-            gone.append(blocks[i])
-            blocks[i] = null
-        self.pool.free_blocks(gone)
+        self._give_back(request_id, max(0, num_computed_tokens - self.window + 1) // self.block_size)
+
+
+class ChunkedLocalAttentionManager(SingleTypeManager):
+    """Chunked local attention over chunks of C tokens (a multiple of the
+    block size): the first token after a hit of n blocks attends to the
+    tokens of its chunk before it, which lie in the hit's blocks from the
+    chunk's first; the earlier ones may be anything (null). Blocks are given
+    back a whole chunk at a time, as the sequence enters the next."""
+
+    def __init__(self, pool: BlockPool, block_size: int, group: int, spec: KVCacheGroupSpec):
+        super().__init__(pool, block_size, group, spec)
+        assert spec.attention_chunk is not None
+        if spec.attention_chunk % block_size:
+            raise ValueError(f"an attention chunk of {spec.attention_chunk} tokens is not whole blocks of "
+                             f"{block_size}")
+        self.chunk_blocks = spec.attention_chunk // block_size
+
+    def find_cache_hit(self, hashes: Sequence[BlockHash], tokens: Sequence[int], max_blocks: int) -> list[KVCacheBlock]:
+        bs = self.block_size
+        n = min(max_blocks, len(hashes))
+        first = n // self.chunk_blocks * self.chunk_blocks  # the first block of the chunk a hit of n blocks ends in
+        found: list[KVCacheBlock] = [self.pool.null_block] * first
+        for i in range(first, n):  # the chunk's cached run from its first block
+            block = self.pool.get_cached_block(hashes[i], tokens[i * bs : (i + 1) * bs], self.group)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def most_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The current chunk's tokens before a step and the step's chunk, from the chunk's first block (as the plan
+        counts them: ``config.kv_groups.KVLayout.blocks_per_request``)."""
+        c = self.chunk_blocks * self.block_size
+        return min(cdiv(num_tokens, self.block_size), cdiv(min(c - 1 + chunk, num_tokens), self.block_size))
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        # the next token (at num_computed_tokens) attends back to its chunk's first token
+        self._give_back(request_id, num_computed_tokens // self.block_size // self.chunk_blocks * self.chunk_blocks)
 
 
 def single_type_manager(pool: BlockPool, block_size: int, group: int, spec: KVCacheGroupSpec) -> SingleTypeManager:
-    cls = FullAttentionManager if spec.sliding_window is None else SlidingWindowManager
+    cls = (ChunkedLocalAttentionManager if spec.attention_chunk is not None
+           else FullAttentionManager if spec.sliding_window is None else SlidingWindowManager)
     return cls(pool, block_size, group, spec)

@@ -24,7 +24,10 @@ if TYPE_CHECKING:  # the backend is handed in; the layer never picks one
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None):
+    """``index``: its layer's in the whole model (for architectures whose layers' attention differ)."""
+
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
+                 index: int = 0):
         super().__init__()
         self.tp = tp
         h, kv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim

@@ -1,8 +1,8 @@
 """The decoder layer every architecture is built from, parametrized by a
 ``LayerSpec``: which norm, where the norms sit around attention and the MLP,
 which attention and which MLP (dense, the Llama family's sparse experts, or
-a model's own), a residual multiplier, and whether sliding-window layers
-take rope rows of their own. An architecture declares its spec; the layer's
+a model's own), a residual multiplier, and which of the model's rope rows
+each layer takes where its kinds of layers take different ones. An architecture declares its spec; the layer's
 parameter names are Hugging Face's for each placement, so checkpoints load
 by name:
 
@@ -36,7 +36,8 @@ from appliance.models.layers.parallel import TensorParallel
 if TYPE_CHECKING:  # the backend is handed in; the layer never picks one
     from appliance.kernels.base import AttentionBackend
 
-AttentionFactory = Callable[[ModelArch, "AttentionBackend", Optional[TensorParallel]], Attention]
+# (arch, backend, tp, the layer's index in the whole model) -> the layer's attention
+AttentionFactory = Callable[[ModelArch, "AttentionBackend", Optional[TensorParallel], int], Attention]
 # (arch, tp, the layer's index in the whole model, ep) -> the layer's MLP
 MlpFactory = Callable[[ModelArch, Optional[TensorParallel], int, Optional[ExpertParallel]], nn.Module]
 
@@ -72,9 +73,10 @@ class LayerSpec:
     attention: AttentionFactory = Attention
     mlp: MlpFactory = dense_or_sparse
     residual_multiplier: bool = False  # each branch's output times ``arch.residual_multiplier`` (Granite)
-    # a layer in ``arch.sliding_layers`` takes the local rope rows: the model's rope rows come as
-    # (global, local) pairs (Gemma 3's local layers have their own rope base)
-    local_rope: bool = False
+    # the entry of the model's rope rows a layer takes, by its index (None: the rows are every layer's): the
+    # rows then come as tuples, one entry per kind (Gemma 3's local layers' own rope base; Llama 4's NoPE
+    # layers' query temperature)
+    rope_kind: Optional[Callable[[ModelArch, int], int]] = None
 
     def __post_init__(self) -> None:
         if self.norms not in _NORMS:
@@ -96,11 +98,11 @@ class DecoderLayer(nn.Module):
         for name in self.norm_names:
             if name is not None:
                 setattr(self, name, spec.norm(arch.hidden_size, arch.rms_norm_eps))
-        self.self_attn: Attention = spec.attention(arch, backend, tp)
+        self.self_attn: Attention = spec.attention(arch, backend, tp, index)
         self.mlp = spec.mlp(arch, tp, index, ep)
         self.sparse = isinstance(self.mlp, SparseMoe)
         self.multiplier = arch.residual_multiplier if spec.residual_multiplier else None
-        self.rope_kind = int(index in arch.sliding_layers) if spec.local_rope else None
+        self.rope_kind = spec.rope_kind(arch, index) if spec.rope_kind is not None else None
 
     def _norm(self, i: int, x: torch.Tensor) -> torch.Tensor:
         name = self.norm_names[i]

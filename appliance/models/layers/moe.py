@@ -128,17 +128,18 @@ def dispatch_order(ids: torch.Tensor, first: int, count: int) -> tuple[torch.Ten
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first: int, count: int,
-                    expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                    expert: Callable[[int, torch.Tensor], torch.Tensor], weigh_input: bool = False) -> torch.Tensor:
     """Sum over each token's routed experts ``first .. first + count - 1`` of weight x ``expert(e, its rows)``
-    (``e`` local), one call per active expert on the rows routed to it (``dispatch_order``)."""
+    (``e`` local), or of ``expert(e, weight x its rows)`` (``weigh_input``: Llama 4's), one call per active
+    expert on the rows routed to it (``dispatch_order``)."""
     out = torch.zeros_like(x)
     tokens, positions, counts = dispatch_order(ids, first, count)
     pair_weights = weights.reshape(-1)[positions]
     start = 0
     for e, n in enumerate(counts):
         if n:
-            rows = tokens[start:start + n]
-            out.index_add_(0, rows, expert(e, x[rows]) * pair_weights[start:start + n, None].to(x.dtype))
+            rows, w = tokens[start:start + n], pair_weights[start:start + n, None].to(x.dtype)
+            out.index_add_(0, rows, expert(e, x[rows] * w) if weigh_input else expert(e, x[rows]) * w)
         start += n
     return out
 
