@@ -110,11 +110,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("Gemma2ForCausalLM", "gemma2", "gemma2", attention=SLIDING_TOO, window="pattern", global_every=2,
                  gemma=True),
     # alternating sliding-window and full layers (config.json's layer_types), sinks, its own experts: layer by
-    # layer (no whole-step native forward); a tensor-parallel rank holds every expert's slice (no expert
-    # parallelism yet)
+    # layer (no whole-step native forward); a tensor-parallel rank holds every expert's slice, or with expert
+    # parallelism whole experts (over one engine core's ranks: not across data-parallel cores, nor EPLB, yet)
     Architecture("GptOssForCausalLM", "gpt_oss", "gpt_oss", experts="every", attention=SLIDING_TOO,
-                 window="pattern", global_every=2, gpt_oss=True, expert_parallel=False,
-                 chat_format="harmony"),
+                 window="pattern", global_every=2, gpt_oss=True, chat_format="harmony"),
     # chunked local attention in its rope layers, full in its NoPE ones (config.json's no_rope_layers), its own
     # experts and a shared expert: layer by layer (no whole-step native forward), over pipeline stages (no tensor or
     # expert parallelism yet)

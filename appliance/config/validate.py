@@ -116,6 +116,11 @@ def _moe_problems(cfg: ApplianceConfig) -> list[str]:
     if par.enable_expert_parallel and row is not None and row.moe and not row.expert_parallel:
         problems.append(f"parallel.enable_expert_parallel=true: {m.architecture} has no expert-parallel "
                         f"implementation yet")
+    elif par.enable_expert_parallel and row is not None and row.gpt_oss and (par.data_parallel_size > 1
+                                                                            or eplb.enabled):
+        problems.append(f"parallel.enable_expert_parallel=true on {m.architecture} splits its experts over one "
+                        f"engine core's ranks; across data-parallel engine cores (parallel.data_parallel_size="
+                        f"{par.data_parallel_size}) or with parallel.eplb.enabled=true is not built yet")
     if par.enable_expert_parallel and m.num_experts > 0:
         ep = par.tensor_parallel_size * par.data_parallel_size
         slots = m.num_experts + eplb.num_redundant_experts

@@ -22,6 +22,7 @@ from appliance.models.fp8 import CHECKPOINT_TENSORS as FP8_TENSORS
 from appliance.models.int4_checkpoints import UNPACK
 from appliance.models.mxfp4 import check_mxfp4, expert_weight_from_mxfp4, rank_mxfp4
 from appliance.models.layers.linear import Projections
+from appliance.models.layers.moe import expert_range
 from appliance.models.layers.parallel import fused_shard_rows, tensor_shard
 from appliance.models.llama import canonical_name
 
@@ -100,8 +101,11 @@ class CheckpointTensors:
         self.loaded.add(name)
 
     def _shard(self, name: str) -> tuple[int, int, int] | None:
-        """(dim, start, stop) of checkpoint tensor ``name`` that this rank holds; None: all of it."""
-        tp = self.tp
+        """(dim, start, stop) of checkpoint tensor ``name`` that this rank holds; None: all of it. Under expert
+        parallelism a stacked expert tensor's (gpt-oss's) are its experts, whole."""
+        tp, ep = self.tp, self.ep
+        if ep is not None and ".mlp.experts." in name:
+            return (0, *expert_range(self.full_arch.num_experts, ep.rank, ep.size))
         return None if tp is None else tensor_shard(self.full_arch, tp.rank, tp.size, name, self.projections)
 
     def _fill_rows(self, target: str, first: int, rows: int, t: Any) -> None:

@@ -9,14 +9,14 @@ interleaved, ``down_proj`` [experts, inter, hidden], each with its bias)
 through the clamped SwiGLU. Norms weight the fp32 rows before the cast back
 (OLMo 2's). The native whole-step forward does not compute these layers: on
 ``cpu_native`` they run layer by layer over its attention. Tensor-parallel
-ranks hold their heads (and sinks) and every expert's slice of channels;
-pipeline stages their layers. A checkpoint's MXFP4 experts stay at 4 bits
+ranks hold their heads (and sinks) and every expert's slice of channels, or
+with expert parallelism whole experts; pipeline stages their layers. A checkpoint's MXFP4 experts stay at 4 bits
 (``models/mxfp4.py``; a tensor-parallel rank's share of down_proj's inputs
 that is not whole groups of 32 is dequantized at load)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,14 +24,11 @@ from torch import nn
 
 from appliance.models.arch import ModelArch
 from appliance.models.layers.decoder import LayerSpec
-from appliance.models.layers.moe import grouped_experts
+from appliance.models.layers.moe import ExpertParallel, expert_range, grouped_experts
 from appliance.models.layers.norm import WeightFirstRMSNorm
 from appliance.models.layers.parallel import TensorParallel
 from appliance.models.llama import LlamaForCausalLM
 from appliance.models.mxfp4 import mxfp4_linear
-
-if TYPE_CHECKING:
-    from appliance.models.layers.moe import ExpertParallel
 
 
 class GptOssExperts(nn.Module):
@@ -43,9 +40,11 @@ class GptOssExperts(nn.Module):
 
     PROJECTIONS = ("gate_up_proj", "down_proj")
 
-    def __init__(self, arch: ModelArch, down_bias: bool = True):
+    def __init__(self, arch: ModelArch, down_bias: bool = True, experts: Optional[tuple[int, int]] = None):
         super().__init__()
-        e, h, i = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
+        # the experts held: [first, last) of the model's (expert parallelism), else all of them
+        self.first, last = experts if experts is not None else (0, arch.num_experts)
+        e, h, i = last - self.first, arch.hidden_size, arch.moe_intermediate_size
         if arch.swiglu_limit is None or arch.swiglu_alpha is None:
             raise ValueError("gpt-oss's experts need swiglu_limit and swiglu_alpha (its config.json's)")
         self.num_experts, self.limit, self.alpha = e, arch.swiglu_limit, arch.swiglu_alpha
@@ -78,33 +77,40 @@ class GptOssExperts(nn.Module):
         return out + self.down_proj_bias[e] if self.down_bias else out
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return grouped_experts(x, weights, ids, 0, self.num_experts, self.expert)
+        return grouped_experts(x, weights, ids, self.first, self.num_experts, self.expert)
 
 
 class GptOssMoe(nn.Module):
     """The router (biased: each token's top-k logits softmaxed into its experts' weights), then the experts; a
-    tensor-parallel rank holds its slice of every expert's intermediate channels, the partial sums all-reduced.
-    The router runs in the model's dtype, as transformers and vLLM run gpt-oss's (in bf16 a near tie between
-    two experts' logits falls as theirs; an fp32 router parted from them at a prompt's first token)."""
+    tensor-parallel rank holds its slice of every expert's intermediate channels, or under expert parallelism
+    (``ep``: the tensor-parallel ranks of one engine core) whole experts, a run of them (``expert_range``), each
+    with its biases; the partial sums all-reduced. The router runs in the model's dtype, as transformers and
+    vLLM run gpt-oss's (in bf16 a near tie between two experts' logits falls as theirs; an fp32 router parted
+    from them at a prompt's first token)."""
 
-    def __init__(self, arch: ModelArch, tp: Optional[TensorParallel] = None):
+    def __init__(self, arch: ModelArch, tp: Optional[TensorParallel] = None, ep: Optional[ExpertParallel] = None):
         super().__init__()
-        self.top_k, self.tp = arch.num_experts_per_tok, tp
+        if ep is not None and not ep.replicated:
+            raise ValueError("gpt-oss's experts split over one engine core's ranks, not across engine cores")
+        self.top_k, self.comm = arch.num_experts_per_tok, ep.comm if ep is not None else tp.comm if tp else None
         self.router = nn.Linear(arch.hidden_size, arch.num_experts, bias=True)
-        self.experts = GptOssExperts(arch, down_bias=tp is None or tp.rank == 0)
+        if ep is not None:  # whole experts, each bias once (on the rank holding the expert)
+            self.experts = GptOssExperts(arch, experts=expert_range(arch.num_experts, ep.rank, ep.size))
+        else:
+            self.experts = GptOssExperts(arch, down_bias=tp is None or tp.rank == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.router.weight, self.router.bias)
         top, ids = torch.topk(logits, self.top_k, dim=-1)
         out = self.experts(x, torch.softmax(top, dim=-1), ids)
-        if self.tp is not None:
-            self.tp.comm.all_reduce(out)
+        if self.comm is not None:
+            self.comm.all_reduce(out)
         return out
 
 
 def _experts(arch: ModelArch, tp: Optional[TensorParallel], index: int, ep: Optional[ExpertParallel]) -> GptOssMoe:
     # its experts are its own, not the Llama family's (no EPLB, no expert installing)
-    return GptOssMoe(arch, tp)
+    return GptOssMoe(arch, tp, ep)
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

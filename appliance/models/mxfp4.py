@@ -43,12 +43,15 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 def rank_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, shard: Optional[tuple[int, int, int]]
                ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """A tensor-parallel rank's part of an expert projection's blocks and scales ([experts, out, in / 32, ...]),
-    ``shard`` (dim, start, stop) naming it in the parameter's [experts, in, out] layout; None where the rank's
-    inputs are not whole groups of 32 (the caller dequantizes then)."""
+    """A rank's part of an expert projection's blocks and scales ([experts, out, in / 32, ...]), ``shard`` (dim,
+    start, stop) naming it in the parameter's [experts, in, out] layout: whole experts (expert parallelism), or a
+    tensor-parallel rank's channels; None where the rank's inputs are not whole groups of 32 (the caller
+    dequantizes then)."""
     if shard is None:
         return blocks, scales
     dim, start, stop = shard
+    if dim == 0:  # whole experts
+        return blocks.narrow(0, start, stop - start), scales.narrow(0, start, stop - start)
     if dim == 2:  # output rows
         return blocks.narrow(1, start, stop - start), scales.narrow(1, start, stop - start)
     if dim == 1 and start % 32 == 0 and stop % 32 == 0:  # whole groups of inputs

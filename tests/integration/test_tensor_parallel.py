@@ -83,6 +83,17 @@ def test_layer_by_layer_models_over_ranks_equal_one_rank(variant, tp, pp):
     assert_same(outs, ref)
 
 
+def test_gpt_oss_experts_split_whole_over_ranks_equal_one_rank():
+    """Expert parallelism over one engine core's two ranks: each holds two of gpt-oss's four experts whole, with
+    their biases, and its heads and sinks; the router on both."""
+    base = [*TINY, *TINY_VARIANTS["gpt_oss"]]
+    ref = generate(base, PROMPTS, 24)[0]
+    outs, llm = generate([*base, "parallel.tensor_parallel_size=2", "parallel.enable_expert_parallel=true"],
+                         PROMPTS, 24)
+    assert len(llm.engine.runner.pids) == 2
+    assert_same(outs, ref)
+
+
 def test_bf16_ranks_stay_close_to_one_rank():
     """bf16 on every CPU (native or emulated): two ranks against one under the closeness rule."""
     bf16 = [*TINY[:-1], "model.dtype=bfloat16"]

@@ -572,13 +572,17 @@ def test_gpt_oss_checkpoint_facts_and_what_it_refuses():
     assert (facts["rope_scaling.type"], facts["rope_scaling.factor"], facts["rope_scaling.truncate"]) == \
         ("yarn", 32.0, False)
     gpt_oss = ["+profile=cpu", "model=tiny_random", *TINY_VARIANTS["gpt_oss"]]
-    assert make_plan(resolve(gpt_oss).cfg).implementation.endswith("; tensor, pipeline parallel")  # not expert
+    assert make_plan(resolve(gpt_oss).cfg).implementation.endswith("; tensor, pipeline, expert parallel")
+    experts = make_plan(resolve(gpt_oss + ["parallel=tp2", "hardware.num_devices=2",
+                                           "parallel.enable_expert_parallel=true"]).cfg).experts
+    assert (experts["expert_parallel_size"], experts["experts_per_rank"]) == (2, 2)
     for extra, why in [(["quantization=int8_wo"], "quantization=int8_wo on GptOssForCausalLM is not built yet"),
                        (["model.norm_topk_prob=false"], "model.norm_topk_prob=false: GptOssForCausalLM softmaxes"),
                        (["model.swiglu_limit=null"], "GptOssForCausalLM's experts clamp their SwiGLU: set "
                                                      "model.swiglu_limit"),
                        (["parallel.enable_expert_parallel=true", "parallel.data_parallel_size=2",
-                         "hardware.num_devices=2"], "GptOssForCausalLM has no expert-parallel implementation yet"),
+                         "hardware.num_devices=2"], "across data-parallel engine cores (parallel.data_parallel_size=2) "
+                                                    "or with parallel.eplb.enabled=true is not built yet"),
                        # its chat format is harmony's: the other format's keys have nothing to do
                        (["server.reasoning_parser=deepseek_r1"], "server.reasoning_parser=deepseek_r1: "
                                                                  "GptOssForCausalLM speaks harmony"),

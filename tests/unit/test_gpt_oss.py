@@ -146,13 +146,16 @@ def test_an_mxfp4_checkpoint_missing_its_scales_is_refused(mxfp4_checkpoint, tmp
         LLM(overrides=["+profile=cpu", f"model.path={broken}", "model.dtype=float32"])
 
 
-def test_an_mxfp4_checkpoint_over_two_ranks_equals_one(mxfp4_checkpoint):
+@pytest.mark.parametrize("experts", ["sliced", "whole"])
+def test_an_mxfp4_checkpoint_over_two_ranks_equals_one(mxfp4_checkpoint, experts):
     """Each tensor-parallel rank keeps its channels of every expert at 4 bits (gate_up's output rows, down's
-    input groups: 32 of 64 each) and its heads and sinks."""
+    input groups: 32 of 64 each), or with expert parallelism two of the four experts whole, and its heads and
+    sinks."""
     base = ["+profile=cpu", f"model.path={mxfp4_checkpoint}", "model.dtype=float32", "cache.kv_cache_memory_gib=0.05"]
     p = SamplingParams(max_tokens=12, temperature=0)
     one = [o.outputs[0].token_ids for o in LLM(overrides=base).generate(PROMPTS, p, use_tqdm=False)]
-    llm = LLM(overrides=[*base, "parallel.tensor_parallel_size=2"])
+    llm = LLM(overrides=[*base, "parallel.tensor_parallel_size=2",
+                         f"parallel.enable_expert_parallel={experts == 'whole'}"])
     try:
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, use_tqdm=False)] == one
     finally:
@@ -173,6 +176,8 @@ def test_a_ranks_share_of_the_blocks_is_its_channels_or_none():
     inputs = rank_mxfp4(blocks, scales, (1, 64, 128))
     assert torch.equal(dequantize_mxfp4(*inputs), whole[:, :, 64:128])
     assert rank_mxfp4(blocks, scales, (1, 48, 96)) is None and rank_mxfp4(blocks, scales, None) == (blocks, scales)
+    expert = rank_mxfp4(blocks, scales, (0, 1, 2))  # expert parallelism: whole experts
+    assert torch.equal(dequantize_mxfp4(*expert), whole[1:2])
 
 
 
