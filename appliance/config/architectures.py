@@ -121,10 +121,17 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  tensor_parallel=False, expert_parallel=False),
 )}
 
+# Image-text checkpoints whose text model is served (their images are not built yet): a checkpoint of one reads as
+# its text model's architecture (config/hf_facts.text_model_config), its image encoder's tensors left unread.
+TEXT_OF: dict[str, str] = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
+}
+
 # Architectures people bring that are not served yet, and what each needs.
 NOT_BUILT: dict[str, str] = {
-    "Llama4ForConditionalGeneration": "an image encoder (its text model is served as Llama4ForCausalLM)",
-    "Gemma3ForConditionalGeneration": "an image encoder (its text model is served as Gemma3ForCausalLM)",
+    **{name: f"an image encoder (a checkpoint of it serves its text model, read as {text})"
+       for name, text in TEXT_OF.items()},
     "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) and DeepSeek's shared experts",
     "DeepseekV3ForCausalLM": "multi-head latent attention (MLA), DeepSeek's shared experts and grouped top-k routing",
     "Qwen2VLForConditionalGeneration": "an image encoder and multimodal rotary embeddings",

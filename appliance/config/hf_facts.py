@@ -9,7 +9,7 @@ the model option at resolve time. Torch-free."""
 from __future__ import annotations
 
 from appliance.config import schema
-from appliance.config.architectures import Architecture, by_model_type, support
+from appliance.config.architectures import TEXT_OF, Architecture, by_model_type, support
 from appliance.config.facts import Fact, shown
 from appliance.config.kv_groups import CHUNKED, FULL, SLIDING
 
@@ -26,14 +26,39 @@ ROPE_SCALING_KEYS = {
 }
 
 
+def text_model_config(hf: dict) -> dict:
+    """The config of an image-text checkpoint's text model (``architectures.TEXT_OF``) as transformers reads it
+    (its ``text_config`` with the text model's defaults filled in and older keys, such as ``rope_scaling``,
+    read as transformers 5 does), named as the text architecture; other configs as they are."""
+    arch = (hf.get("architectures") or [None])[0]
+    text_arch = TEXT_OF.get(arch) if isinstance(arch, str) else None
+    if text_arch is None:
+        return hf
+    from transformers import AutoConfig  # the reference reader of these configs (imported for them only: it brings torch)
+
+    whole = {k: v for k, v in hf.items() if k not in ("model_type", "quantization_config")}
+    text = AutoConfig.for_model(hf.get("model_type", ""), **whole).get_text_config().to_dict()
+    text["architectures"] = [text_arch]
+    if "quantization_config" in hf:
+        text["quantization_config"] = hf["quantization_config"]
+    return text
+
+
 def hf_facts(hf: dict) -> tuple[list[Fact], list[str]]:
     """The facts a config.json states, and what of it this model cannot run."""
+    image_text = (hf.get("architectures") or [None])[0]
+    if image_text in TEXT_OF:
+        try:
+            hf = text_model_config(hf)
+        except (ValueError, TypeError, KeyError) as e:
+            return [], [f"cannot read {image_text}'s text_config ({e})"]
     typed = by_model_type(hf.get("model_type"))
     arch = (hf.get("architectures") or [typed.name if typed else str(hf.get("model_type"))])[0]
     row, why = support(arch)
     if row is None:
         return [], [why]
-    facts = [Fact("architecture", arch, f"architectures={shown([arch])}")]
+    facts = [Fact("architecture", arch, f"architectures={shown([image_text])} (its text model; images not built yet)"
+                  if image_text in TEXT_OF else f"architectures={shown([arch])}")]
     problems = []
     dense_width = "intermediate_size_mlp" if row.llama4 else "intermediate_size"  # Llama 4's: its experts'
     for hf_key, key in [("num_hidden_layers", "num_layers"), ("hidden_size", "hidden_size"),

@@ -24,7 +24,7 @@ from appliance.models.mxfp4 import check_mxfp4, expert_weight_from_mxfp4, rank_m
 from appliance.models.layers.linear import Projections
 from appliance.models.layers.moe import expert_range
 from appliance.models.layers.parallel import fused_shard_rows, tensor_shard
-from appliance.models.llama import canonical_name
+from appliance.models.llama import canonical_name, text_model_name
 
 
 class CheckpointTensors:
@@ -57,7 +57,10 @@ class CheckpointTensors:
         """One stored tensor: set aside (KV scales, quantized parts), into an
         expert's slots, into its rows of a fused projection, or materialized."""
         model, arch, tp = self.model, self.arch, self.tp
-        name = model.local_name(canonical_name(stored))
+        text = text_model_name(stored)
+        if text is None:
+            return  # an image-text checkpoint's image encoder
+        name = model.local_name(canonical_name(text))
         if name is None or (name == "lm_head.weight" and arch.tie_word_embeddings):
             return  # another pipeline stage's, or tied to the embedding
         kv_scale = _kv_scale_target(name)

@@ -40,6 +40,26 @@ _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w
                   (".w2.", ".down_proj."))
 
 
+# an image-text checkpoint's text model tensors (transformers 5's names and the older ones) -> a text checkpoint's
+_TEXT_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                        ("language_model.lm_head.", "lm_head."))
+# and its image encoder's tensors, not read (images are not built yet)
+_IMAGE_PREFIXES = ("vision_tower.", "vision_model.", "multi_modal_projector.", "model.vision_tower.",
+                   "model.vision_model.", "model.multi_modal_projector.")
+
+
+def text_model_name(name: str) -> Optional[str]:
+    """A checkpoint tensor's name as a text model's checkpoint names it: an image-text checkpoint's text model
+    tensors (``model.language_model.*``, ``language_model.model.*``, ``language_model.lm_head.*``) as the text
+    model's own, its image encoder's and projector's None (not read); other names unchanged."""
+    if name.startswith(_IMAGE_PREFIXES):
+        return None
+    for old, new in _TEXT_MODEL_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def canonical_name(name: str) -> str:
     """A checkpoint tensor's name as this model names it: Mixtral's
     ``block_sparse_moe.experts.E.w1`` (gate), ``w3`` (up) and ``w2`` (down)

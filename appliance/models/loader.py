@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from appliance.config.architectures import support
 from appliance.config.checkpoint import checkpoint_quant_method, wheel_gguf
-from appliance.config.hf_facts import MOE_KEYS, hf_facts
+from appliance.config.hf_facts import MOE_KEYS, hf_facts, text_model_config
 from appliance.config.facts import same, shown
 from appliance.config.quantization import QUANTIZATION_METHODS
 from appliance.config.schema import ModelConfig, QuantizationConfig
@@ -191,7 +191,7 @@ def check_checkpoint(m: ModelConfig, hf: dict, folder: Path) -> None:
     """Defence behind resolve-time reading: every fact the folder's config.json
     states must match the model config (a Hugging Face id or ``check=False``
     reaches here unchecked)."""
-    row, why = support((hf.get("architectures") or ["?"])[0])
+    row, why = support((text_model_config(hf).get("architectures") or ["?"])[0])
     if row is None:
         raise ModelLoadError(f"{folder}: {why}")
     facts, problems = hf_facts(hf)
