@@ -8,6 +8,8 @@ the model option at resolve time. Torch-free."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from appliance.config import schema
 from appliance.config.architectures import TEXT_OF, Architecture, by_model_type, support
 from appliance.config.facts import Fact, shown
@@ -34,9 +36,14 @@ def text_model_config(hf: dict) -> dict:
     text_arch = TEXT_OF.get(arch) if isinstance(arch, str) else None
     if text_arch is None:
         return hf
-    from transformers import AutoConfig  # the reference reader of these configs (imported for them only: it brings torch)
+    from transformers import CONFIG_MAPPING, AutoConfig  # the reference reader (imported for these only: it brings torch)
 
     whole = {k: v for k, v in hf.items() if k not in ("model_type", "quantization_config")}
+    sub = dict(whole.get("text_config") or {})
+    if sub.get("model_type") in CONFIG_MAPPING:  # switches released checkpoints write as numbers (Llama 4's
+        # attn_temperature_tuning: 4), which transformers' strict fields refuse, read as the flags they are
+        flags = {f.name for f in dataclasses.fields(CONFIG_MAPPING[sub["model_type"]]) if f.type in (bool, "bool")}
+        whole["text_config"] = {k: bool(v) if k in flags and isinstance(v, int) else v for k, v in sub.items()}
     text = AutoConfig.for_model(hf.get("model_type", ""), **whole).get_text_config().to_dict()
     text["architectures"] = [text_arch]
     if "quantization_config" in hf:
@@ -50,8 +57,8 @@ def hf_facts(hf: dict) -> tuple[list[Fact], list[str]]:
     if image_text in TEXT_OF:
         try:
             hf = text_model_config(hf)
-        except (ValueError, TypeError, KeyError) as e:
-            return [], [f"cannot read {image_text}'s text_config ({e})"]
+        except Exception as e:  # transformers' config errors are of several kinds (strict fields: their own)
+            return [], [f"cannot read {image_text}'s text_config ({type(e).__name__}: {e})"]
     typed = by_model_type(hf.get("model_type"))
     arch = (hf.get("architectures") or [typed.name if typed else str(hf.get("model_type"))])[0]
     row, why = support(arch)

@@ -42,6 +42,32 @@ def test_an_image_text_config_reads_as_its_text_model():
         resolve(["+profile=cpu", "model=tiny_random", "model.architecture=Gemma3ForConditionalGeneration"])
 
 
+LLAMA4_SCOUT_TEXT = {  # meta-llama/Llama-4-Scout-17B-16E-Instruct's text_config (its switch written as a number)
+    "attention_chunk_size": 8192, "attn_scale": 0.1, "attn_temperature_tuning": 4, "floor_scale": 8192,
+    "head_dim": 128, "hidden_size": 5120, "interleave_moe_layer_step": 1, "intermediate_size": 8192,
+    "intermediate_size_mlp": 16384, "max_position_embeddings": 10485760, "model_type": "llama4_text",
+    "no_rope_layers": [], "num_attention_heads": 40, "num_experts_per_tok": 1, "num_hidden_layers": 48,
+    "num_key_value_heads": 8, "num_local_experts": 16, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "use_qk_norm": True, "vocab_size": 202048,
+}
+
+
+def test_llama4_scouts_config_reads_as_its_text_model():
+    hf = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "tie_word_embeddings": False,
+          "text_config": LLAMA4_SCOUT_TEXT, "vision_config": {"model_type": "llama4_vision_model"}}
+    facts, problems = hf_facts(hf)
+    got = {f.key: f.value for f in facts}
+    assert not problems and got["architecture"] == "Llama4ForCausalLM"
+    assert got["nope_layers"] == list(range(3, 48, 4)) and got["attention_chunk_size"] == 8192
+    assert (got["attn_temperature_floor_scale"], got["attn_temperature_scale"]) == (8192, 0.1)
+    assert (got["num_experts"], got["moe_intermediate_size"], got["intermediate_size"]) == (16, 8192, 16384)
+    assert (got["rope_scaling.type"], got["rope_scaling.factor"], got["tie_word_embeddings"]) == ("llama3", 8.0, False)
+    broken = {**hf, "text_config": {**LLAMA4_SCOUT_TEXT, "num_hidden_layers": "many"}}
+    assert "cannot read Llama4ForConditionalGeneration's text_config" in hf_facts(broken)[1][0]
+
+
 def test_the_image_encoders_tensors_are_not_read():
     assert text_model_name("model.language_model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
     assert text_model_name("language_model.model.norm.weight") == "model.norm.weight"
