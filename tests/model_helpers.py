@@ -69,12 +69,21 @@ TINY_VARIANTS = {
                "model.num_experts_per_tok=2", "model.moe_intermediate_size=48",
                "model.shared_expert_intermediate_size=48", "model.decoder_sparse_step=2",
                "model.norm_topk_prob=false"],
+    # GLM-4.5: a dense layer, then a sparse one routing as DeepSeek-V3 (sigmoid scores corrected by a random bias,
+    # 2 of 4 groups of 2 experts, top 2 renormalized and scaled) beside a shared expert; biased q/k/v, q/k norms,
+    # rope over half of each head (layer by layer)
+    "glm4_moe": ["model.architecture=Glm4MoeForCausalLM", "model.qkv_bias=true", "model.qk_norm=true",
+                 "model.partial_rotary_factor=0.5", "model.num_experts=8", "model.num_experts_per_tok=2",
+                 "model.moe_intermediate_size=32", "model.shared_expert_intermediate_size=32",
+                 "model.mlp_only_layers=[0]", "model.scoring_func=sigmoid", "model.n_group=4", "model.topk_group=2",
+                 "model.routed_scaling_factor=2.5"],
     # Granite: multipliers on the embedding, the residual branches, the attention scores and the logits
     "granite": ["model.architecture=GraniteForCausalLM", "model.embedding_multiplier=12.0",
                 "model.residual_multiplier=0.22", "model.attention_multiplier=0.0625", "model.logits_scaling=8.0"],
 }
 # the variants the native whole-step forward runs
-NATIVE_VARIANTS = [v for v in TINY_VARIANTS if v not in ("olmo2", "granite", "gemma2", "gemma3", "gpt_oss", "llama4")]
+NATIVE_VARIANTS = [v for v in TINY_VARIANTS
+                   if v not in ("olmo2", "granite", "gemma2", "gemma3", "gpt_oss", "llama4", "glm4_moe")]
 
 
 @functools.lru_cache(maxsize=None)

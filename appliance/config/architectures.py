@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 EXPERT_LAYOUTS = ("none", "some", "every")
-QKV_BIAS = ("never", "always")
+QKV_BIAS = ("never", "always", "config")
+ROUTINGS = ("softmax", "deepseek")
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,12 @@ class Architecture:
     # "none": dense; "some": sparse layers chosen by decoder_sparse_step and mlp_only_layers (Qwen3-MoE);
     # "every": every layer sparse, experts intermediate_size wide, top-k weights renormalized (Mixtral)
     experts: str = "none"
+    # "config": on q, k and v where config.json's attention_bias says, never on o (GLM-4.5)
     qkv_bias: str = "never"  # "always": on q, k and v whatever config.json says (Qwen2); "never": none (a
     # checkpoint with attention_bias is refused: its output projection would carry one too)
     qk_norm: bool = False  # an RMSNorm over each head of q and k before rope...
     qk_norm_over_all_heads: bool = False  # ... or over all of q's heads at once, and all of k's (OLMo 2)
+    config_qk_norm: bool = False  # the q/k norm where config.json's use_qk_norm says (qk_norm: its default)
     gguf: tuple[str, ...] = ()  # GGUF general.architecture values of its dense checkpoints
     gguf_experts: tuple[str, ...] = ()  # ... and of its checkpoints with experts
     gguf_permuted_qk: bool = False  # llama.cpp's converter interleaves its Q and K rows
@@ -53,6 +56,10 @@ class Architecture:
     gemma: bool = False
     multipliers: bool = False  # Granite's embedding, residual, attention and logit multipliers
     partial_rotary: bool = False  # rope over the first partial_rotary_factor of each head's channels (Phi-3's)
+    rotary_default: float = 1.0  # ... where config.json names none (GLM-4.5's half, as transformers defaults it)
+    # how its sparse layers route ("softmax": the router's softmax, Qwen3-MoE's and Mixtral's; "deepseek": sigmoid
+    # scores, the bias-corrected group-limited choice, the scaling factor, shared experts, the first layers dense)
+    routing: str = "softmax"
     # gpt-oss's: q, k, v and o biased where config.json's attention_bias says, a learned attention sink per head,
     # experts of stacked weights with biases and the clamped SwiGLU, routed top-k then softmax
     gpt_oss: bool = False
@@ -118,7 +125,11 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # experts and a shared expert: layer by layer (no whole-step native forward), over pipeline stages (no tensor or
     # expert parallelism yet)
     Architecture("Llama4ForCausalLM", "llama4_text", "llama4", experts="some", attention=CHUNKED_TOO, llama4=True,
-                 tensor_parallel=False, expert_parallel=False),
+                 qk_norm=True, config_qk_norm=True, tensor_parallel=False, expert_parallel=False),
+    # the Llama layers with biased q/k/v, rope over half of each head and DeepSeek-V3's routing: sparse layers
+    # after the first few dense ones, shared experts beside the routed (its multi-token-prediction layer not read)
+    Architecture("Glm4MoeForCausalLM", "glm4_moe", "glm4_moe", experts="some", qkv_bias="config", config_qk_norm=True,
+                 partial_rotary=True, rotary_default=0.5, routing="deepseek"),
 )}
 
 # Image-text checkpoints whose text model is served (their images are not built yet): a checkpoint of one reads as

@@ -30,7 +30,7 @@ from appliance.config import schema
 from appliance.config.architectures import Architecture, by_gguf, gguf_names
 from appliance.config.facts import Fact, same, shown
 from appliance.config.gguf_header import gguf_header, gguf_projection_bits
-from appliance.config.hf_facts import dense_facts, hf_facts
+from appliance.config.hf_facts import dense_facts, hf_facts, softmax_routing
 from appliance.config.quantization import QUANTIZATION_METHODS, checkpoint_method, checkpoint_quantization
 
 BUILTIN_SOURCES = ("smollm2_gguf", "tiny_random")
@@ -148,7 +148,8 @@ def _gguf_moe_facts(meta: dict[str, Any], names: list[str], arch: str, row: Arch
     return facts + [Fact("norm_topk_prob", norm, f"{arch}.expert_weights_norm={shown(norm)} (default true)"),
                     Fact("decoder_sparse_step", 1, f"general.architecture={arch}"),
                     Fact("mlp_only_layers", dense, f"layers without ffn_gate_inp: {shown(dense)}"),
-                    Fact("shared_expert_intermediate_size", 0, f"general.architecture={arch} (no shared expert)")]
+                    Fact("shared_expert_intermediate_size", 0, f"general.architecture={arch} (no shared expert)"),
+                    *softmax_routing(f"general.architecture={arch} (softmax routing)")]
 
 
 def read_facts(path: Path) -> tuple[list[Fact], list[str]]:

@@ -98,12 +98,15 @@ def hf_facts(hf: dict) -> tuple[list[Fact], list[str]]:
     elif row.gpt_oss:  # q, k, v and o alike (transformers' default: biased)
         bias = bool(hf.get("attention_bias", True))
         facts.append(Fact("qkv_bias", bias, f"attention_bias={shown(bias)} (q, k, v and o)"))
+    elif row.qkv_bias == "config":  # q, k and v alike, never o
+        bias = bool(hf.get("attention_bias", False))
+        facts.append(Fact("qkv_bias", bias, f"attention_bias={shown(bias)} (q, k and v)"))
     elif hf.get("attention_bias"):
         problems.append(f"attention_bias=true on {arch} (a bias on the output projection too) is not supported")
     else:
         facts.append(Fact("qkv_bias", False, f"architectures={shown([arch])} without attention_bias"))
-    if row.llama4:
-        qk_norm = bool(hf.get("use_qk_norm", True))
+    if row.config_qk_norm:
+        qk_norm = bool(hf.get("use_qk_norm", row.qk_norm))
         facts.append(Fact("qk_norm", qk_norm, f"use_qk_norm={shown(qk_norm)}"))
     else:
         qk_norm = row.qk_norm
@@ -129,7 +132,7 @@ def _rope_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
     theta = float(hf.get("rope_theta", rope.get("rope_theta", 1e6 if per_kind else 10000.0)))
     facts.append(Fact("rope_theta", theta, f"rope_theta={theta}"))
     problems: list[str] = []
-    partial = float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor")) or 1.0)
+    partial = float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor")) or row.rotary_default)
     if row.partial_rotary:
         facts.append(Fact("partial_rotary_factor", partial, f"partial_rotary_factor={partial}"))
     elif partial != 1.0:  # transformers' implementation of the architecture turns whole heads too
@@ -261,7 +264,15 @@ def dense_facts(source: str) -> list[Fact]:
 
 
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-            "mlp_only_layers", "shared_expert_intermediate_size")
+            "mlp_only_layers", "shared_expert_intermediate_size", "scoring_func", "n_group", "topk_group",
+            "routed_scaling_factor")
+DEEPSEEK_ROUTING_KEYS = ("scoring_func", "n_group", "topk_group", "routed_scaling_factor")
+
+
+def softmax_routing(source: str) -> list[Fact]:
+    """The routing keys of an architecture whose router softmaxes (DeepSeek-V3's at their defaults)."""
+    defaults = schema.ModelConfig()
+    return [Fact(key, getattr(defaults, key), source) for key in DEEPSEEK_ROUTING_KEYS]
 
 
 def _moe_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
@@ -270,7 +281,7 @@ def _moe_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
     if not row.moe:
         return dense_facts(f"architectures={shown([row.name])} (dense)"), []
     facts, problems = [], []
-    experts_key = "num_local_experts" if "num_local_experts" in hf else "num_experts"
+    experts_key = next((k for k in ("num_local_experts", "n_routed_experts") if k in hf), "num_experts")
     for hf_key, key in [(experts_key, "num_experts"), ("num_experts_per_tok", "num_experts_per_tok")]:
         if hf.get(hf_key):
             facts.append(Fact(key, hf[hf_key], f"{hf_key}={hf[hf_key]}"))
@@ -278,6 +289,9 @@ def _moe_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
             problems.append(f"config.json has no {hf_key}")
     if row.llama4:
         more, more_problems = _llama4_experts(hf)
+        return facts + more + softmax_routing("Llama 4 (its own router)"), problems + more_problems
+    if row.routing == "deepseek":
+        more, more_problems = _deepseek_experts(hf)
         return facts + more, problems + more_problems
     if row.experts == "every":  # Mixtral: experts of intermediate_size, weights always renormalized
         if "intermediate_size" in hf:
@@ -286,7 +300,8 @@ def _moe_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
         return facts + [Fact("norm_topk_prob", True, "Mixtral (top-k weights renormalized)"),
                         Fact("decoder_sparse_step", 1, "Mixtral (every layer sparse)"),
                         Fact("mlp_only_layers", [], "Mixtral (every layer sparse)"),
-                        Fact("shared_expert_intermediate_size", 0, "Mixtral (no shared expert)")], problems
+                        Fact("shared_expert_intermediate_size", 0, "Mixtral (no shared expert)"),
+                        *softmax_routing("Mixtral (softmax routing)")], problems
     if hf.get("moe_intermediate_size"):
         facts.append(Fact("moe_intermediate_size", hf["moe_intermediate_size"],
                           f"moe_intermediate_size={hf['moe_intermediate_size']}"))
@@ -300,7 +315,8 @@ def _moe_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
     facts += [Fact("norm_topk_prob", norm, f"norm_topk_prob={shown(norm)}"),
               Fact("decoder_sparse_step", step, f"decoder_sparse_step={step}"),
               Fact("mlp_only_layers", dense, f"mlp_only_layers={shown(dense)}"),
-              Fact("shared_expert_intermediate_size", 0, f"architectures={shown([row.name])} (no shared expert)")]
+              Fact("shared_expert_intermediate_size", 0, f"architectures={shown([row.name])} (no shared expert)"),
+              *softmax_routing(f"architectures={shown([row.name])} (softmax routing)")]
     return facts, problems
 
 
@@ -324,3 +340,28 @@ def _llama4_experts(hf: dict) -> tuple[list[Fact], list[str]]:
             Fact("norm_topk_prob", False, "Llama 4 (sigmoid scores, not renormalized)"),
             Fact("decoder_sparse_step", step, how),
             Fact("mlp_only_layers", [i for i in range(n) if (i + 1) % step == 0 and i not in named], how)], []
+
+
+def _deepseek_experts(hf: dict) -> tuple[list[Fact], list[str]]:
+    """DeepSeek-V3's routing as GLM-4.5 configures it: sigmoid scores, the bias-corrected choice within the
+    topk_group best of n_group groups, routed_scaling_factor, n_shared_experts experts' width of shared expert,
+    the first first_k_dense_replace layers dense."""
+    problems = []
+    width = hf.get("moe_intermediate_size")
+    if not width:
+        return [], ["config.json has no moe_intermediate_size"]
+    n, first_dense = int(hf.get("num_hidden_layers", 0)), int(hf.get("first_k_dense_replace", 1))
+    if not 0 <= first_dense <= n:
+        problems.append(f"first_k_dense_replace={first_dense} is outside 0..{n}")
+    shared = int(hf.get("n_shared_experts") or 0) * width
+    return [Fact("moe_intermediate_size", width, f"moe_intermediate_size={width}"),
+            Fact("norm_topk_prob", bool(hf.get("norm_topk_prob", True)), f"norm_topk_prob={hf.get('norm_topk_prob', True)}"),
+            Fact("decoder_sparse_step", 1, "every layer past the dense ones sparse"),
+            Fact("mlp_only_layers", list(range(first_dense)), f"first_k_dense_replace={first_dense}"),
+            Fact("shared_expert_intermediate_size", shared, f"n_shared_experts={hf.get('n_shared_experts')} of "
+                                                            f"{width}"),
+            Fact("scoring_func", "sigmoid", "DeepSeek-V3's routing (sigmoid scores)"),
+            Fact("n_group", int(hf.get("n_group", 1)), f"n_group={hf.get('n_group', 1)}"),
+            Fact("topk_group", int(hf.get("topk_group", 1)), f"topk_group={hf.get('topk_group', 1)}"),
+            Fact("routed_scaling_factor", float(hf.get("routed_scaling_factor", 1.0)),
+                 f"routed_scaling_factor={hf.get('routed_scaling_factor', 1.0)}")], problems

@@ -47,9 +47,8 @@ class RopeScaling:
     mscale_all_dim: Optional[float] = None
     attention_factor: Optional[float] = None  # yarn's and longrope's (longrope's null: from factor)
     truncate: bool = True
-    # longrope (Phi-3's): each frequency's divisor, one per pair of rotated dimensions; a sequence of more tokens
-    # than original_max_position_embeddings takes long_factor at every position (one that grows past it is
-    # computed again, as transformers' Phi-3 does), a shorter one short_factor
+    # longrope (Phi-3's): each frequency's divisor, one per rotated pair; a sequence of more tokens than
+    # original_max_position_embeddings takes long_factor at every position (computed again as it grows past)
     short_factor: Optional[list[float]] = None
     long_factor: Optional[list[float]] = None
 
@@ -57,8 +56,7 @@ class RopeScaling:
 @dataclass
 class ModelConfig:
     name: str = "???"
-    # Where weights come from: a folder, a .gguf file, a Hugging Face id, or one
-    # of the built-in sources "smollm2_gguf" / "tiny_random".
+    # Where weights come from: a folder, a .gguf file, a Hugging Face id, or "smollm2_gguf" / "tiny_random".
     path: str = "???"
     architecture: str = "LlamaForCausalLM"
     num_layers: int = 0
@@ -83,9 +81,8 @@ class ModelConfig:
     # A layer with a sliding window attends to the last sliding_window tokens only (itself included); its KV
     # lives in a KV-cache group that gives back blocks behind the window (config/kv_groups.py). null: none.
     sliding_window: Optional[int] = None
-    # Each layer's attention, full_attention, sliding_attention or chunked_attention (a checkpoint's layer_types:
-    # Qwen2's use_sliding_window, Llama 4's rope layers); null: every layer alike, sliding when sliding_window is
-    # set (Mistral v0.1, Phi-3).
+    # Each layer's attention, full_attention, sliding_attention or chunked_attention (a checkpoint's layer_types);
+    # null: every layer alike, sliding when sliding_window is set (Mistral v0.1, Phi-3).
     layer_types: Optional[list[str]] = None
     # Llama 4's (a checkpoint's): a chunked_attention layer attends within its chunk of attention_chunk_size
     # tokens (position p to p - p % size .. p; its KV in a group that gives back finished chunks; null: none); the
@@ -106,32 +103,35 @@ class ModelConfig:
     # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
     swiglu_limit: Optional[float] = None
     swiglu_alpha: Optional[float] = None
-    # Granite's multipliers (a checkpoint's; other architectures keep the defaults): the embedding's output,
-    # each attention and MLP output before its residual add, the attention scores (null: head_dim ** -0.5),
-    # and the logits' divisor
+    # Granite's multipliers (a checkpoint's; others keep the defaults): the embedding's output, each attention and
+    # MLP output before its residual add, the attention scores (null: head_dim ** -0.5), and the logits' divisor
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     attention_multiplier: Optional[float] = None
     logits_scaling: float = 1.0
-    # Mixture of experts (num_experts=0: a dense model). A sparse layer routes
-    # each token to num_experts_per_tok of num_experts experts of
-    # moe_intermediate_size, weighted by the router's softmax (renormalized
-    # over the chosen experts with norm_topk_prob). Layer i is sparse when
-    # (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers
-    # (those run a dense MLP of intermediate_size), as Qwen3-MoE configures.
+    # Mixture of experts (num_experts=0: dense). A sparse layer routes each token to num_experts_per_tok of
+    # num_experts experts of moe_intermediate_size by the router's scoring_func, softmax or sigmoid (a sigmoid's
+    # choice adds the checkpoint's e_score_correction_bias and keeps to the topk_group best of n_group groups of
+    # experts: DeepSeek-V3's), weighted by the scores (renormalized over the chosen with norm_topk_prob) times
+    # routed_scaling_factor. Layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in
+    # mlp_only_layers (those run a dense MLP of intermediate_size), as Qwen3-MoE configures.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
-    # A gated MLP of this width beside the routed experts of a sparse layer, for every token (Llama 4's); 0: none
+    # A gated MLP of this width beside the routed experts of a sparse layer, for every token; 0: none
     shared_expert_intermediate_size: int = 0
     dtype: DType = DType.auto
     max_model_len: Optional[int] = None
     seed: int = 0
-    # A Jinja chat template file used instead of the checkpoint's (chat requests, /tokenize, the offline LLM's
-    # chat); null: the checkpoint's. Requests never bring their own template text.
+    # A Jinja chat template file used instead of the checkpoint's (chat, /tokenize, the offline LLM's chat); null:
+    # the checkpoint's. Requests never bring their own template text.
     chat_template: Optional[str] = None
 
 

@@ -17,7 +17,7 @@ from appliance.config.quantization import FP8_HARDWARE, method_of, quantization_
 from appliance.config.hf_facts import LONGROPE_KEYS, MOE_KEYS, YARN_KEYS
 from appliance.config.sizes import rotary_dim
 from appliance.config.schema import ApplianceConfig, EplbConfig, ModelConfig, RopeScaling, SchedulerConfig
-from appliance.config.validate_layers import layer_type_problems, llama4_problems
+from appliance.config.validate_layers import layer_type_problems, llama4_problems, routing_problems
 from appliance.config.validate_serving import (chat_format_problems, chat_template_problems, kv_events_problems,
                                                 router_problems, tracing_problems)
 from appliance.kernels.registry import BACKENDS
@@ -452,7 +452,7 @@ def validate(cfg: ApplianceConfig) -> list[str]:
     problems = [*_range_problems(cfg), *_dtype_problems(cfg, dtype), *_block_size_problems(cfg),
                 *_length_problems(cfg), *_parallel_problems(cfg)]
     problems += _architecture_problems(cfg)
-    problems += _moe_problems(cfg)
+    problems += _moe_problems(cfg) + routing_problems(cfg)
     problems += kv_events_problems(cfg)
     problems += kv_group_problems(cfg, max_model_len(cfg))
     problems += kv_transfer_problems(cfg)

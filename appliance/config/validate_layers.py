@@ -1,13 +1,17 @@
-"""Validation of how a model's layers attend: their kinds (``model.layer_types``)
-with the window or chunk each kind needs, Llama 4's NoPE layers, their query
-temperature and its shared expert, each refused on an architecture that does
-not build it. Torch-free."""
+"""Validation of how a model's layers attend and route: their kinds
+(``model.layer_types``) with the window or chunk each kind needs, Llama 4's
+NoPE layers, their query temperature and its shared expert, DeepSeek-V3's
+routing (GLM-4.5's), each refused on an architecture that does not build
+it. Torch-free."""
 
 from __future__ import annotations
 
 from appliance.config.architectures import ARCHITECTURES
+from appliance.config.hf_facts import DEEPSEEK_ROUTING_KEYS
 from appliance.config.kv_groups import CHUNKED, LAYER_TYPES, SLIDING
 from appliance.config.schema import ApplianceConfig, ModelConfig
+
+SCORING_FUNCS = ("softmax", "sigmoid")
 
 
 def layer_type_problems(m: ModelConfig) -> list[str]:
@@ -38,12 +42,9 @@ def llama4_problems(cfg: ApplianceConfig, max_model_len: int) -> list[str]:
     temperature = {"attn_temperature_floor_scale": m.attn_temperature_floor_scale,
                    "attn_temperature_scale": m.attn_temperature_scale}
     if not row.llama4:
-        owned = {"attention_chunk_size": m.attention_chunk_size, **temperature,
-                 "nope_layers": m.nope_layers or None,
-                 "shared_expert_intermediate_size": m.shared_expert_intermediate_size or None}
+        owned = {"attention_chunk_size": m.attention_chunk_size, **temperature, "nope_layers": m.nope_layers or None}
         problems = [f"model.{k}={v} is Llama 4's (Llama4ForCausalLM); {m.architecture} does not build it: leave it "
-                    f"{'0' if k == 'shared_expert_intermediate_size' else '[]' if k == 'nope_layers' else 'null'}"
-                    for k, v in owned.items() if v is not None]
+                    f"{'[]' if k == 'nope_layers' else 'null'}" for k, v in owned.items() if v is not None]
         if m.layer_types is not None and CHUNKED in m.layer_types:
             problems.append(f"model.layer_types names chunked_attention layers: {m.architecture} does not build "
                             f"chunked local attention (Llama4ForCausalLM does)")
@@ -71,4 +72,40 @@ def llama4_problems(cfg: ApplianceConfig, max_model_len: int) -> list[str]:
     if m.num_experts > 0 and m.norm_topk_prob:
         problems.append(f"model.norm_topk_prob=true: {m.architecture} weighs each chosen expert by the sigmoid of "
                         f"its router logit (never renormalized); set it false")
+    return problems
+
+
+def routing_problems(cfg: ApplianceConfig) -> list[str]:
+    """DeepSeek-V3's routing (GLM-4.5's): sigmoid scores over groups of experts, refused on the architectures that
+    route otherwise; its groups must split the experts and hold the top-k."""
+    m = cfg.model
+    row = ARCHITECTURES.get(m.architecture)
+    if row is None or m.num_experts <= 0:  # an unserved name, or a dense model: the other checks'
+        return []
+    if m.scoring_func not in SCORING_FUNCS:
+        return [f"model.scoring_func={m.scoring_func} is not one of {', '.join(SCORING_FUNCS)}"]
+    defaults = ModelConfig()
+    if row.routing != "deepseek":
+        deepseek = ", ".join(a.name for a in ARCHITECTURES.values() if a.routing == "deepseek")
+        problems = [f"model.{k}={getattr(m, k)} is DeepSeek-V3-style routing's ({deepseek}); {m.architecture} "
+                    f"routes otherwise: leave it at {getattr(defaults, k)}"
+                    for k in DEEPSEEK_ROUTING_KEYS if getattr(m, k) != getattr(defaults, k)]
+        if m.shared_expert_intermediate_size and not row.llama4:
+            owners = ", ".join(a.name for a in ARCHITECTURES.values() if a.llama4 or a.routing == "deepseek")
+            problems.append(f"model.shared_expert_intermediate_size={m.shared_expert_intermediate_size}: "
+                            f"{m.architecture} has no shared experts ({owners} have): leave it 0")
+        return problems
+    problems = []
+    if m.scoring_func != "sigmoid":
+        problems.append(f"model.scoring_func={m.scoring_func} on {m.architecture}: group-limited routing of "
+                        f"softmax scores (DeepSeek-V2's) is not built yet")
+    if m.n_group < 1 or m.num_experts % m.n_group:
+        problems.append(f"model.n_group={m.n_group} must split model.num_experts={m.num_experts} evenly")
+    elif not 1 <= m.topk_group <= m.n_group:
+        problems.append(f"model.topk_group={m.topk_group} must be in 1..{m.n_group} (model.n_group)")
+    elif m.num_experts_per_tok > m.topk_group * (m.num_experts // m.n_group):
+        problems.append(f"model.num_experts_per_tok={m.num_experts_per_tok} is more than the {m.topk_group} "
+                        f"chosen groups hold ({m.topk_group * (m.num_experts // m.n_group)} experts)")
+    if not m.routed_scaling_factor > 0:
+        problems.append(f"model.routed_scaling_factor={m.routed_scaling_factor} must be positive")
     return problems

@@ -53,6 +53,11 @@ class ModelArch:
     final_logit_softcapping: Optional[float] = None  # Gemma's: the logits soft-capped, cap * tanh(logits / cap)
     # Llama 4's: the layers without rope, their query temperature (floor scale, scale; None: none), the width of
     # the shared expert beside the routed ones in each sparse layer (0: none)
+    # DeepSeek-V3's routing (GLM-4.5's): sigmoid scores, the choice within the topk_group best of n_group groups
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     nope_layers: tuple[int, ...] = ()
     attn_temperature: Optional[tuple[int, float]] = None
     shared_expert_intermediate_size: int = 0
@@ -116,6 +121,10 @@ class ModelArch:
             swiglu_limit=m.swiglu_limit,
             swiglu_alpha=m.swiglu_alpha,
             final_logit_softcapping=m.final_logit_softcapping,
+            scoring_func=m.scoring_func,
+            n_group=m.n_group,
+            topk_group=m.topk_group,
+            routed_scaling_factor=m.routed_scaling_factor,
             nope_layers=tuple(m.nope_layers),
             attn_temperature=None if m.attn_temperature_floor_scale is None or m.attn_temperature_scale is None
             else (m.attn_temperature_floor_scale, m.attn_temperature_scale),

@@ -44,6 +44,7 @@ class CheckpointTensors:
         self.quantized = QUANTIZED_TENSORS.get(method)
         self.quantized_parts: dict[str, dict[str, torch.Tensor]] = {}
         self.kv_scales: dict[int, dict[str, torch.Tensor]] = {}  # layer -> "k" / "v" -> its fp8 KV cache scale
+        self.prediction_layers = 0  # the checkpoint's multi-token-prediction layers, not read (num_nextn_predict_layers)
 
     def read(self, folder: Path) -> None:
         from safetensors import safe_open
@@ -61,8 +62,8 @@ class CheckpointTensors:
         if text is None:
             return  # an image-text checkpoint's image encoder
         name = model.local_name(canonical_name(text))
-        if name is None or (name == "lm_head.weight" and arch.tie_word_embeddings):
-            return  # another pipeline stage's, or tied to the embedding
+        if name is None or (name == "lm_head.weight" and arch.tie_word_embeddings) or self._prediction_layer(text):
+            return  # another pipeline stage's, tied to the embedding, or a multi-token-prediction layer
         kv_scale = _kv_scale_target(name)
         if kv_scale is not None:
             t = sf.get_tensor(stored)
@@ -98,10 +99,19 @@ class CheckpointTensors:
         if packed is not None:
             self._fill_rows(target, *packed.rows, t)
             return
-        router = name.endswith(".mlp.gate.weight")  # routers stay fp32 (gpt-oss's runs in the model's dtype)
+        # routers and their score corrections stay fp32 (gpt-oss's runs in the model's dtype)
+        router = name.endswith((".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"))
         set_module_tensor_to_device(model, name, self.device, value=t,
                                     dtype=torch.float32 if router else self.dtype)
         self.loaded.add(name)
+
+    def _prediction_layer(self, name: str) -> bool:
+        """A checkpoint's multi-token-prediction layer (``num_nextn_predict_layers`` of them after the model's:
+        GLM-4.5's, DeepSeek-V3's): a draft's, not the model's."""
+        head, sep, rest = name.partition("model.layers.")
+        index = rest.partition(".")[0]
+        return bool(sep) and not head and index.isdigit() and \
+            self.full_arch.num_layers <= int(index) < self.full_arch.num_layers + self.prediction_layers
 
     def _shard(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, stop) of checkpoint tensor ``name`` that this rank holds; None: all of it. Under expert

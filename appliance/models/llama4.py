@@ -110,7 +110,7 @@ class Llama4Moe(nn.Module):
         self.top_k = arch.num_experts_per_tok
         self.router = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)
         self.experts = Llama4Experts(arch)
-        self.shared_expert = MLP(replace(arch, intermediate_size=arch.shared_expert_intermediate_size))
+        self.shared_expert = MLP(arch, span="shared")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top, ids = torch.topk(F.linear(x, self.router.weight), self.top_k, dim=-1)

@@ -246,6 +246,7 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
             f"{folder}: quantization={quantization} but the checkpoint's quantization_config says "
             f"{checkpoint_method or 'none (unquantized)'}; set quantization={checkpoint_method or 'none'}")
     tensors = CheckpointTensors(model, full_arch, tp, ep, dtype, device, checkpoint_method)
+    tensors.prediction_layers = int(text_model_config(hf).get("num_nextn_predict_layers") or 0)
     tensors.read(folder)
     tensors.install(folder, hf, gguf_blocks, m.path)
     missing = sorted(set(tensors.expected) - tensors.loaded)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from appliance.config.architectures import support
 from appliance.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from appliance.models.glm4_moe import Glm4MoeForCausalLM
 from appliance.models.gpt_oss import GptOssForCausalLM
 from appliance.models.granite import GraniteForCausalLM
 from appliance.models.llama import LlamaForCausalLM
@@ -13,7 +14,7 @@ from appliance.models.olmo2 import Olmo2ForCausalLM
 
 MODEL_CLASSES: dict[str, type] = {"llama": LlamaForCausalLM, "olmo2": Olmo2ForCausalLM, "granite": GraniteForCausalLM,
                                   "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM, "gpt_oss": GptOssForCausalLM,
-                                  "llama4": Llama4ForCausalLM}
+                                  "llama4": Llama4ForCausalLM, "glm4_moe": Glm4MoeForCausalLM}
 
 
 def model_class(architecture: str) -> type:

@@ -102,26 +102,7 @@ def hf_config_dict(m: ModelConfig, vocab_size: int) -> dict:
     elif ARCHITECTURES[m.architecture].window == "optional" and m.sliding_window is not None:  # Qwen2/3
         cfg.update(use_sliding_window=True, sliding_window=m.sliding_window,
                    layer_types=list(m.layer_types or ["sliding_attention"] * m.num_layers))
-    row = ARCHITECTURES[m.architecture]
-    if row.llama4:  # its layer kinds and NoPE layers, the query temperature, its experts and shared expert
-        tuning = m.attn_temperature_floor_scale is not None
-        cfg.update(layer_types=list(m.layer_types or []) or None, attention_chunk_size=m.attention_chunk_size,
-                   no_rope_layers=[int(i not in m.nope_layers) for i in range(m.num_layers)],
-                   use_qk_norm=m.qk_norm, attn_temperature_tuning=tuning,
-                   floor_scale=m.attn_temperature_floor_scale or 8192, attn_scale=m.attn_temperature_scale or 0.1,
-                   intermediate_size_mlp=m.intermediate_size, intermediate_size=m.moe_intermediate_size,
-                   num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
-                   interleave_moe_layer_step=m.decoder_sparse_step,
-                   moe_layers=[i for i in range(m.num_layers) if (i + 1) % m.decoder_sparse_step == 0
-                               and i not in m.mlp_only_layers],
-                   rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta})
-    elif row.experts == "every":  # Mixtral: every layer sparse; its experts' size is intermediate_size
-        cfg.update(num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
-                   intermediate_size=m.moe_intermediate_size)
-    elif row.moe:
-        cfg.update(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
-                   moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob,
-                   decoder_sparse_step=m.decoder_sparse_step, mlp_only_layers=list(m.mlp_only_layers))
+    cfg.update(_experts_config(m))
     rs = m.rope_scaling
     rs_type = rs.type
     if rs_type == "longrope":  # its own keys; Phi-3's original context is config.json's own key (it comes first)
@@ -137,6 +118,41 @@ def hf_config_dict(m: ModelConfig, vocab_size: int) -> dict:
             cfg["rope_scaling"].update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, truncate=rs.truncate,
                                        **{k: v for k in ("mscale", "mscale_all_dim", "attention_factor")
                                           if (v := getattr(rs, k)) is not None})
+    return cfg
+
+
+def _experts_config(m: ModelConfig) -> dict:
+    """config.json's keys of the model's experts (and Llama 4's attention), as its architecture names them."""
+    row = ARCHITECTURES[m.architecture]
+    cfg: dict[str, Any] = {}
+    if row.llama4:  # its layer kinds and NoPE layers, the query temperature, its experts and shared expert
+        tuning = m.attn_temperature_floor_scale is not None
+        cfg.update(layer_types=list(m.layer_types or []) or None, attention_chunk_size=m.attention_chunk_size,
+                   no_rope_layers=[int(i not in m.nope_layers) for i in range(m.num_layers)],
+                   use_qk_norm=m.qk_norm, attn_temperature_tuning=tuning,
+                   floor_scale=m.attn_temperature_floor_scale or 8192, attn_scale=m.attn_temperature_scale or 0.1,
+                   intermediate_size_mlp=m.intermediate_size, intermediate_size=m.moe_intermediate_size,
+                   num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+                   interleave_moe_layer_step=m.decoder_sparse_step,
+                   moe_layers=[i for i in range(m.num_layers) if (i + 1) % m.decoder_sparse_step == 0
+                               and i not in m.mlp_only_layers],
+                   rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta})
+    elif row.routing == "deepseek":  # GLM-4.5: its first layers dense, shared experts, DeepSeek-V3's routing
+        if m.shared_expert_intermediate_size % m.moe_intermediate_size or list(m.mlp_only_layers) != list(
+                range(len(m.mlp_only_layers))):
+            raise ValueError("a tiny GLM-4.5 needs whole shared experts and its dense layers first")
+        cfg.update(n_routed_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+                   moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob,
+                   n_shared_experts=m.shared_expert_intermediate_size // m.moe_intermediate_size,
+                   first_k_dense_replace=len(m.mlp_only_layers), n_group=m.n_group, topk_group=m.topk_group,
+                   routed_scaling_factor=m.routed_scaling_factor, use_qk_norm=m.qk_norm)
+    elif row.experts == "every":  # Mixtral: every layer sparse; its experts' size is intermediate_size
+        cfg.update(num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+                   intermediate_size=m.moe_intermediate_size)
+    elif row.moe:
+        cfg.update(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+                   moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob,
+                   decoder_sparse_step=m.decoder_sparse_step, mlp_only_layers=list(m.mlp_only_layers))
     return cfg
 
 
@@ -164,6 +180,9 @@ def generate_tiny(m: ModelConfig, out_dir: Path) -> Path:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))  # non-trivial norms exercise the loader
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing correction: one that matters
+                b.normal_(0.0, 0.3)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(tmp), safe_serialization=True)

@@ -83,6 +83,18 @@ def test_layer_by_layer_models_over_ranks_equal_one_rank(variant, tp, pp):
     assert_same(outs, ref)
 
 
+@pytest.mark.parametrize("experts", ["sliced", "whole"])
+def test_glm4_moe_over_ranks_equals_one_rank(experts):
+    """DeepSeek-V3's routing over two ranks: the router on both, each rank's slice of every expert or its whole
+    experts, and its rows of the shared expert (a width of its own, split as the dense MLP's is)."""
+    base = [*TINY, *TINY_VARIANTS["glm4_moe"]]
+    ref = generate(base, PROMPTS, 24)[0]
+    outs, llm = generate([*base, "parallel.tensor_parallel_size=2",
+                          f"parallel.enable_expert_parallel={experts == 'whole'}"], PROMPTS, 24)
+    assert len(llm.engine.runner.pids) == 2
+    assert_same(outs, ref)
+
+
 def test_gpt_oss_experts_split_whole_over_ranks_equal_one_rank():
     """Expert parallelism over one engine core's two ranks: each holds two of gpt-oss's four experts whole, with
     their biases, and its heads and sinks; the router on both."""

@@ -543,7 +543,7 @@ def test_longrope_takes_a_divisor_for_every_rotated_pair_and_only_its_own_keys()
                                           r"head's 16 channels \(between 0 and 1; it turns 11\)"):
         resolve([*base, "model.partial_rotary_factor=0.7"])
     with pytest.raises(ConfigError, match=r"model.partial_rotary_factor=0.5: LlamaForCausalLM turns whole heads "
-                                          r"\(only Phi3ForCausalLM take part of each\)"):
+                                          r"\(only Phi3ForCausalLM, Glm4MoeForCausalLM take part of each\)"):
         resolve(["+profile=cpu", "model=tiny_random", "model.partial_rotary_factor=0.5"])
     with pytest.raises(ConfigError, match=r"model.rope_scaling.short_factor=\[.*\] is LongRoPE's; "
                                           r"model.rope_scaling.type=yarn"):

@@ -52,7 +52,7 @@ def dense_or_sparse(arch: ModelArch, tp: Optional[TensorParallel], index: int,
     """The Llama family's MLP: the router and experts (``SparseMoe``) in a
     sparse layer (``arch.sparse_layers``), the dense gated MLP elsewhere."""
     if index in arch.sparse_layers:
-        return SparseMoe(arch, ep.comm if ep is not None else (tp.comm if tp is not None else None), ep)
+        return SparseMoe(arch, ep.comm if ep is not None else (tp.comm if tp is not None else None), ep, tp)
     return MLP(arch, tp)
 
 

@@ -26,7 +26,8 @@ from torch import nn
 if TYPE_CHECKING:
     from appliance.models.arch import ModelArch
 
-SPANS = ("q", "kv", "inter")  # the model dimensions a projection's rows (or inputs) can be
+SPANS = ("q", "kv", "inter", "shared")  # the model dimensions a projection's rows (or inputs) can be ("shared": a
+# sparse layer's shared experts' rows)
 
 
 @dataclass(frozen=True)

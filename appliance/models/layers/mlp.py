@@ -16,14 +16,17 @@ from appliance.models.layers.parallel import TensorParallel, row_parallel_output
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, tp: Optional[TensorParallel] = None):
+    """``span``: the rows it has, the dense MLP's ("inter": ``intermediate_size``) or a sparse layer's shared
+    experts' ("shared": ``shared_expert_intermediate_size``)."""
+
+    def __init__(self, arch: ModelArch, tp: Optional[TensorParallel] = None, span: str = "inter"):
         super().__init__()
         self.tp = tp
+        width = arch.intermediate_size if span == "inter" else arch.shared_expert_intermediate_size
         # gate and up projections packed into one GEMM (rows gate | up).
-        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, ("gate_proj", "up_proj"), "inter",
-                                                       arch.intermediate_size)
-        self.intermediate_size = arch.intermediate_size
-        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, "down_proj", "inter")
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, ("gate_proj", "up_proj"), span, width)
+        self.intermediate_size = width
+        self.down_proj = RowParallelLinear(width, arch.hidden_size, "down_proj", span)
 
     def activation(self, gate: torch.Tensor) -> torch.Tensor:
         return F.silu(gate)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import nn
@@ -110,6 +110,26 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def grouped_route(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                  renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing (GLM-4.5's), as transformers computes it: sigmoid scores; each token's experts
+    chosen by score plus the checkpoint's correction ``bias``, within the ``topk_group`` groups (of ``n_group``)
+    whose two best corrected scores sum highest; weighted by their uncorrected scores (renormalized with
+    ``renormalize``) times ``scale``. (weights fp32 [T, k], expert ids int64 [T, k])."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + bias.float()
+    t, experts = choice.shape
+    group_scores = choice.view(t, n_group, experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    groups = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+    choice = choice.masked_fill(~keep.repeat_interleave(experts // n_group, dim=1), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
 
 
 def dispatch_order(ids: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -268,17 +288,28 @@ class FusedExperts(nn.Module):
 
 
 class SparseMoe(nn.Module):
-    """A sparse layer's MLP: the fp32 router, then this rank's experts;
-    ``comm`` (tensor or expert parallelism) all-reduces the partial sums."""
+    """A sparse layer's MLP: the fp32 router (its softmax, or DeepSeek-V3's
+    routing: ``grouped_route``, the checkpoint's ``gate.e_score_correction_bias``),
+    then this rank's experts; ``comm`` (tensor or expert parallelism)
+    all-reduces the partial sums. Shared experts where the model has them
+    (``shared_experts``, a tensor-parallel MLP every token goes through) are
+    added to the routed ones' sum."""
 
-    def __init__(self, arch: Any, comm: Any = None, ep: Optional[ExpertParallel] = None):
+    def __init__(self, arch: Any, comm: Any = None, ep: Optional[ExpertParallel] = None, tp: Any = None):
         super().__init__()
+        from appliance.models.layers.mlp import MLP
+
         self.ep = ep
         self.top_k, self.renormalize = arch.num_experts_per_tok, arch.norm_topk_prob
         self.num_experts = arch.num_experts
+        self.grouped = arch.scoring_func == "sigmoid"
+        self.n_group, self.topk_group, self.scale = arch.n_group, arch.topk_group, arch.routed_scaling_factor
         slots = arch.num_physical_experts or arch.num_experts  # redundant slots for load balancing
         first, end = (0, slots) if ep is None else expert_range(slots, ep.rank, ep.size)
         self.gate = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)
+        if self.grouped:
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(arch.num_experts), requires_grad=False)
+        self.shared_experts = MLP(arch, tp, span="shared") if arch.shared_expert_intermediate_size else None
         self.experts = FusedExperts(end - first, arch.hidden_size, arch.moe_intermediate_size, first,
                                     [p % arch.num_experts for p in range(first, end)],  # eplb.initial_placement
                                     num_slots=slots)
@@ -324,7 +355,10 @@ class SparseMoe(nn.Module):
         return F.linear(x.float(), self.gate.weight.float())
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, expert ids) [T, top_k] of each token (``route``)."""
+        """(weights, expert ids) [T, top_k] of each token (``route``, or ``grouped_route``)."""
+        if self.grouped:
+            return grouped_route(router_logits, cast(torch.Tensor, self.gate.e_score_correction_bias), self.top_k, self.n_group,
+                                 self.topk_group, self.renormalize, self.scale)
         return route(router_logits, self.top_k, self.renormalize)
 
     def _slots(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,11 +378,12 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ep is not None and not self.ep.replicated:
-            return self.exchange(x)
-        out = self._experts(x)
-        if self.comm is not None:
-            self.comm.all_reduce(out)
-        return out
+            out = self.exchange(x)
+        else:
+            out = self._experts(x)
+            if self.comm is not None:
+                self.comm.all_reduce(out)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
     def exchange(self, x: torch.Tensor) -> torch.Tensor:
         """Expert parallelism over cores with their own tokens (``x`` of no

@@ -170,6 +170,7 @@ def shard_arch(arch: ModelArch, tp_size: int, expert_parallel: bool = False) -> 
     moe_inter = arch.moe_intermediate_size if expert_parallel else arch.moe_intermediate_size // tp_size
     return dataclasses.replace(arch, num_heads=arch.num_heads // tp_size, num_kv_heads=kv,
                                intermediate_size=arch.intermediate_size // tp_size, moe_intermediate_size=moe_inter,
+                               shared_expert_intermediate_size=arch.shared_expert_intermediate_size // tp_size,
                                vocab_size=padded_vocab(arch.vocab_size, tp_size) // tp_size)
 
 
@@ -180,7 +181,8 @@ def _spans(arch: ModelArch, rank: int, tp_size: int) -> dict[str, tuple[int, int
     kv_start = (rank * local.num_kv_heads if arch.num_kv_heads % tp_size == 0
                 else rank * arch.num_kv_heads // tp_size)
     return {"q": (rank * local.num_heads * d, local.num_heads * d), "kv": (kv_start * d, local.num_kv_heads * d),
-            "inter": (rank * local.intermediate_size, local.intermediate_size)}
+            "inter": (rank * local.intermediate_size, local.intermediate_size),
+            "shared": (rank * local.shared_expert_intermediate_size, local.shared_expert_intermediate_size)}
 
 
 # gpt-oss's stacked expert tensors a rank cuts: (dim, channels an intermediate row takes there); down_proj_bias is
