@@ -83,16 +83,20 @@ def test_layer_by_layer_models_over_ranks_equal_one_rank(variant, tp, pp):
     assert_same(outs, ref)
 
 
-@pytest.mark.parametrize("experts", ["sliced", "whole"])
+@pytest.mark.parametrize("experts", ["sliced", "whole", "balanced"])
 def test_glm4_moe_over_ranks_equals_one_rank(experts):
     """DeepSeek-V3's routing over two ranks: the router on both, each rank's slice of every expert or its whole
-    experts, and its rows of the shared expert (a width of its own, split as the dense MLP's is)."""
+    experts (moved by the load balancer every 5 steps, 2 redundant slots), and its rows of the shared expert (a
+    width of its own, split as the dense MLP's is)."""
     base = [*TINY, *TINY_VARIANTS["glm4_moe"]]
     ref = generate(base, PROMPTS, 24)[0]
+    eplb = ["parallel.eplb.enabled=true", "parallel.eplb.num_redundant_experts=2", "parallel.eplb.step_interval=5",
+            "parallel.eplb.window_size=5"] if experts == "balanced" else []
     outs, llm = generate([*base, "parallel.tensor_parallel_size=2",
-                          f"parallel.enable_expert_parallel={experts == 'whole'}"], PROMPTS, 24)
+                          f"parallel.enable_expert_parallel={experts != 'sliced'}", *eplb], PROMPTS, 24)
     assert len(llm.engine.runner.pids) == 2
     assert_same(outs, ref)
+    assert (llm.engine.last_stats.eplb_rebalances > 0) == (experts == "balanced")
 
 
 def test_gpt_oss_experts_split_whole_over_ranks_equal_one_rank():
