@@ -10,9 +10,10 @@ through the clamped SwiGLU. Norms weight the fp32 rows before the cast back
 (OLMo 2's). The native whole-step forward does not compute these layers: on
 ``cpu_native`` they run layer by layer over its attention. Tensor-parallel
 ranks hold their heads (and sinks) and every expert's slice of channels, or
-with expert parallelism whole experts; pipeline stages their layers. A checkpoint's MXFP4 experts stay at 4 bits
-(``models/mxfp4.py``; a tensor-parallel rank's share of down_proj's inputs
-that is not whole groups of 32 is dequantized at load)."""
+with expert parallelism whole experts; pipeline stages their layers. A
+checkpoint's MXFP4 experts stay at 4 bits (``models/mxfp4.py``; a
+tensor-parallel rank's share of down_proj's inputs that is not whole groups
+of 32 is dequantized at load)."""
 
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from appliance.kernels import flashinfer_moe
+from appliance.models.layers.mlp import MLP
 
 
 @dataclass(frozen=True)
@@ -297,8 +298,6 @@ class SparseMoe(nn.Module):
 
     def __init__(self, arch: Any, comm: Any = None, ep: Optional[ExpertParallel] = None, tp: Any = None):
         super().__init__()
-        from appliance.models.layers.mlp import MLP
-
         self.ep = ep
         self.top_k, self.renormalize = arch.num_experts_per_tok, arch.norm_topk_prob
         self.num_experts = arch.num_experts
@@ -357,8 +356,9 @@ class SparseMoe(nn.Module):
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids) [T, top_k] of each token (``route``, or ``grouped_route``)."""
         if self.grouped:
-            return grouped_route(router_logits, cast(torch.Tensor, self.gate.e_score_correction_bias), self.top_k, self.n_group,
-                                 self.topk_group, self.renormalize, self.scale)
+            bias = cast(torch.Tensor, self.gate.e_score_correction_bias)
+            return grouped_route(router_logits, bias, self.top_k, self.n_group, self.topk_group, self.renormalize,
+                                 self.scale)
         return route(router_logits, self.top_k, self.renormalize)
 
     def _slots(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
