@@ -77,13 +77,18 @@ TINY_VARIANTS = {
                  "model.moe_intermediate_size=32", "model.shared_expert_intermediate_size=32",
                  "model.mlp_only_layers=[0]", "model.scoring_func=sigmoid", "model.n_group=4", "model.topk_group=2",
                  "model.routed_scaling_factor=2.5"],
+    # Qwen2-MoE: a dense layer, then 4 experts (top 2, softmax, not renormalized) beside a shared expert gated per
+    # token (layer by layer)
+    "qwen2_moe": ["model.architecture=Qwen2MoeForCausalLM", "model.qkv_bias=true", "model.num_experts=4",
+                  "model.num_experts_per_tok=2", "model.moe_intermediate_size=32",
+                  "model.shared_expert_intermediate_size=48", "model.norm_topk_prob=false", "model.mlp_only_layers=[0]"],
     # Granite: multipliers on the embedding, the residual branches, the attention scores and the logits
     "granite": ["model.architecture=GraniteForCausalLM", "model.embedding_multiplier=12.0",
                 "model.residual_multiplier=0.22", "model.attention_multiplier=0.0625", "model.logits_scaling=8.0"],
 }
 # the variants the native whole-step forward runs
 NATIVE_VARIANTS = [v for v in TINY_VARIANTS
-                   if v not in ("olmo2", "granite", "gemma2", "gemma3", "gpt_oss", "llama4", "glm4_moe")]
+                   if v not in ("olmo2", "granite", "gemma2", "gemma3", "gpt_oss", "llama4", "glm4_moe", "qwen2_moe")]
 
 
 @functools.lru_cache(maxsize=None)

@@ -60,6 +60,7 @@ class Architecture:
     # how its sparse layers route ("softmax": the router's softmax, Qwen3-MoE's and Mixtral's; "deepseek": sigmoid
     # scores, the bias-corrected group-limited choice, the scaling factor, shared experts, the first layers dense)
     routing: str = "softmax"
+    shared_expert_gate: bool = False  # a shared expert beside the routed, its output gated per token (Qwen2-MoE)
     # gpt-oss's: q, k, v and o biased where config.json's attention_bias says, a learned attention sink per head,
     # experts of stacked weights with biases and the clamped SwiGLU, routed top-k then softmax
     gpt_oss: bool = False
@@ -100,6 +101,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "llama", experts="some", qk_norm=True, gguf_experts=("qwen3moe",),
                  window="optional", attention=SLIDING_TOO),
     # llama.cpp writes Mixtral as general.architecture=llama with experts
+    # Qwen2's layers and Qwen3-MoE's routing beside a gated shared expert: layer by layer (no whole-step forward)
+    Architecture("Qwen2MoeForCausalLM", "qwen2_moe", "qwen2_moe", experts="some", qkv_bias="always",
+                 window="optional", attention=SLIDING_TOO, shared_expert_gate=True),
     Architecture("MixtralForCausalLM", "mixtral", "llama", experts="every", gguf_experts=("llama",),
                  gguf_permuted_qk=True, window="every", attention=SLIDING_TOO),
     # its checkpoints' q/k/v and gate/up come fused, as this implementation packs them (a tensor-parallel rank

@@ -95,6 +95,8 @@ def hf_facts(hf: dict) -> tuple[list[Fact], list[str]]:
         problems += more_problems
     if row.qkv_bias == "always":  # as in transformers: Qwen2's q/k/v projections always carry a bias
         facts.append(Fact("qkv_bias", True, f"architectures={shown([arch])} (always a q/k/v bias)"))
+        if hf.get("qkv_bias") is False:  # Qwen2-MoE's config names it (transformers' default: true)
+            problems.append(f"qkv_bias=false on {arch} is not built (its q/k/v projections carry a bias)")
     elif row.gpt_oss:  # q, k, v and o alike (transformers' default: biased)
         bias = bool(hf.get("attention_bias", True))
         facts.append(Fact("qkv_bias", bias, f"attention_bias={shown(bias)} (q, k, v and o)"))
@@ -180,7 +182,8 @@ def _longrope_facts(hf: dict, scaling: dict) -> list[Fact]:
 def _window_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
     """The attention window its layers keep (``model.sliding_window``, ``model.layer_types``), as its architecture
     reads config.json (the row's ``window``): every layer's with sliding_window set (Mistral, Phi-3), or, with
-    use_sliding_window, the layers layer_types names (else those from max_window_layers on: Qwen2/3)."""
+    use_sliding_window, the layers layer_types names (else those from max_window_layers on: Qwen2/3; every other
+    one below it: Qwen2-MoE)."""
     window = hf.get("sliding_window")
     if row.window == "every" and window:
         return [Fact("sliding_window", int(window), f"sliding_window={window}"),
@@ -194,7 +197,10 @@ def _window_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
     if row.window == "optional" and hf.get("use_sliding_window") and window:
         n = int(hf["num_hidden_layers"])
         first = int(hf.get("max_window_layers", n))
-        kinds = hf.get("layer_types") or [SLIDING if i >= first else FULL for i in range(n)]
+        if row.model_type == "qwen2_moe":  # transformers' Qwen2-MoE: every other layer below max_window_layers
+            kinds = hf.get("layer_types") or [SLIDING if (i + 1) % 2 and i < first else FULL for i in range(n)]
+        else:
+            kinds = hf.get("layer_types") or [SLIDING if i >= first else FULL for i in range(n)]
         how = "layer_types" if hf.get("layer_types") else f"max_window_layers={first}"
         return [Fact("sliding_window", int(window), f"sliding_window={window} (use_sliding_window)"),
                 Fact("layer_types", list(kinds), f"{kinds.count(SLIDING)} of {n} layers slide ({how})")], []
@@ -315,9 +321,17 @@ def _moe_facts(hf: dict, row: Architecture) -> tuple[list[Fact], list[str]]:
     facts += [Fact("norm_topk_prob", norm, f"norm_topk_prob={shown(norm)}"),
               Fact("decoder_sparse_step", step, f"decoder_sparse_step={step}"),
               Fact("mlp_only_layers", dense, f"mlp_only_layers={shown(dense)}"),
-              Fact("shared_expert_intermediate_size", 0, f"architectures={shown([row.name])} (no shared expert)"),
+              _shared_expert(hf, row),
               *softmax_routing(f"architectures={shown([row.name])} (softmax routing)")]
     return facts, problems
+
+
+def _shared_expert(hf: dict, row: Architecture) -> Fact:
+    """The width of the gated shared expert (Qwen2-MoE's, as transformers defaults it), or none."""
+    if not row.shared_expert_gate:
+        return Fact("shared_expert_intermediate_size", 0, f"architectures={shown([row.name])} (no shared expert)")
+    width = int(hf.get("shared_expert_intermediate_size", 5632))
+    return Fact("shared_expert_intermediate_size", width, f"shared_expert_intermediate_size={width}")
 
 
 def _llama4_experts(hf: dict) -> tuple[list[Fact], list[str]]:

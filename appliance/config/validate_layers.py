@@ -90,8 +90,12 @@ def routing_problems(cfg: ApplianceConfig) -> list[str]:
         problems = [f"model.{k}={getattr(m, k)} is DeepSeek-V3-style routing's ({deepseek}); {m.architecture} "
                     f"routes otherwise: leave it at {getattr(defaults, k)}"
                     for k in DEEPSEEK_ROUTING_KEYS if getattr(m, k) != getattr(defaults, k)]
-        if m.shared_expert_intermediate_size and not row.llama4:
-            owners = ", ".join(a.name for a in ARCHITECTURES.values() if a.llama4 or a.routing == "deepseek")
+        if row.shared_expert_gate and m.shared_expert_intermediate_size < 1:
+            problems.append(f"{m.architecture}'s sparse layers hold a gated shared expert: set "
+                            f"model.shared_expert_intermediate_size (positive)")
+        if m.shared_expert_intermediate_size and not (row.llama4 or row.shared_expert_gate):
+            owners = ", ".join(a.name for a in ARCHITECTURES.values()
+                               if a.llama4 or a.routing == "deepseek" or a.shared_expert_gate)
             problems.append(f"model.shared_expert_intermediate_size={m.shared_expert_intermediate_size}: "
                             f"{m.architecture} has no shared experts ({owners} have): leave it 0")
         return problems

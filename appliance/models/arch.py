@@ -61,6 +61,7 @@ class ModelArch:
     nope_layers: tuple[int, ...] = ()
     attn_temperature: Optional[tuple[int, float]] = None
     shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x @ gate) per token (Qwen2-MoE's)
 
     @staticmethod
     def from_model_config(m: ModelConfig) -> "ModelArch":
@@ -129,6 +130,7 @@ class ModelArch:
             attn_temperature=None if m.attn_temperature_floor_scale is None or m.attn_temperature_scale is None
             else (m.attn_temperature_floor_scale, m.attn_temperature_scale),
             shared_expert_intermediate_size=m.shared_expert_intermediate_size,
+            shared_expert_gate=row is not None and row.shared_expert_gate,
         )
 
     @property

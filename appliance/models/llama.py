@@ -64,10 +64,12 @@ def canonical_name(name: str) -> str:
     """A checkpoint tensor's name as this model names it: Mixtral's
     ``block_sparse_moe.experts.E.w1`` (gate), ``w3`` (up) and ``w2`` (down)
     become ``mlp.experts.E.gate_proj`` / ``up_proj`` / ``down_proj``, its
-    router ``mlp.gate``; Llama 4's ``feed_forward`` becomes ``mlp``; other
-    names are unchanged."""
+    router ``mlp.gate``; Llama 4's ``feed_forward`` becomes ``mlp``, Qwen2-MoE's
+    ``mlp.shared_expert`` ``mlp.shared_experts``; other names are unchanged."""
     if ".feed_forward." in name:
         return name.replace(".feed_forward.", ".mlp.")
+    if ".mlp.shared_expert." in name:
+        return name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
     if ".block_sparse_moe." not in name:
         return name
     for old, new in _MIXTRAL_NAMES:

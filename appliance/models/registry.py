@@ -11,10 +11,12 @@ from appliance.models.granite import GraniteForCausalLM
 from appliance.models.llama import LlamaForCausalLM
 from appliance.models.llama4 import Llama4ForCausalLM
 from appliance.models.olmo2 import Olmo2ForCausalLM
+from appliance.models.qwen2_moe import Qwen2MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type] = {"llama": LlamaForCausalLM, "olmo2": Olmo2ForCausalLM, "granite": GraniteForCausalLM,
                                   "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM, "gpt_oss": GptOssForCausalLM,
-                                  "llama4": Llama4ForCausalLM, "glm4_moe": Glm4MoeForCausalLM}
+                                  "llama4": Llama4ForCausalLM, "glm4_moe": Glm4MoeForCausalLM,
+                                  "qwen2_moe": Qwen2MoeForCausalLM}
 
 
 def model_class(architecture: str) -> type:

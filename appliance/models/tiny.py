@@ -153,6 +153,8 @@ def _experts_config(m: ModelConfig) -> dict:
         cfg.update(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
                    moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob,
                    decoder_sparse_step=m.decoder_sparse_step, mlp_only_layers=list(m.mlp_only_layers))
+        if row.shared_expert_gate:  # Qwen2-MoE's gated shared expert
+            cfg.update(shared_expert_intermediate_size=m.shared_expert_intermediate_size)
     return cfg
 
 
@@ -167,7 +169,7 @@ def generate_tiny(m: ModelConfig, out_dir: Path) -> Path:
     model_type = ARCHITECTURES[m.architecture].model_type
     raw = hf_config_dict(m, m.vocab_size)
     raw.pop("architectures")
-    if model_type in ("qwen2", "mixtral", "phi3", "gemma3_text", "gemma2"):
+    if model_type in ("qwen2", "qwen2_moe", "mixtral", "phi3", "gemma3_text", "gemma2"):
         raw.pop("attention_bias")  # Qwen2 always has qkv bias, Mixtral and Phi-3 none
     # the special tokens first: Phi-3's embedding is built with its padding row
     config = AutoConfig.for_model(model_type, **raw, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,

@@ -83,12 +83,13 @@ def test_layer_by_layer_models_over_ranks_equal_one_rank(variant, tp, pp):
     assert_same(outs, ref)
 
 
-@pytest.mark.parametrize("experts", ["sliced", "whole", "balanced"])
-def test_glm4_moe_over_ranks_equals_one_rank(experts):
-    """DeepSeek-V3's routing over two ranks: the router on both, each rank's slice of every expert or its whole
-    experts (moved by the load balancer every 5 steps, 2 redundant slots), and its rows of the shared expert (a
-    width of its own, split as the dense MLP's is)."""
-    base = [*TINY, *TINY_VARIANTS["glm4_moe"]]
+@pytest.mark.parametrize("variant,experts", [("glm4_moe", "sliced"), ("glm4_moe", "whole"), ("glm4_moe", "balanced"),
+                                             ("qwen2_moe", "sliced"), ("qwen2_moe", "whole")])
+def test_shared_experts_over_ranks_equal_one_rank(variant, experts):
+    """GLM-4.5's DeepSeek-V3 routing and Qwen2-MoE's gated shared expert over two ranks: the router on both, each
+    rank's slice of every expert or its whole experts (moved by the load balancer every 5 steps, 2 redundant
+    slots), and its rows of the shared expert (a width of its own, split as the dense MLP's is)."""
+    base = [*TINY, *TINY_VARIANTS[variant]]
     ref = generate(base, PROMPTS, 24)[0]
     eplb = ["parallel.eplb.enabled=true", "parallel.eplb.num_redundant_experts=2", "parallel.eplb.step_interval=5",
             "parallel.eplb.window_size=5"] if experts == "balanced" else []

@@ -293,8 +293,9 @@ class SparseMoe(nn.Module):
     routing: ``grouped_route``, the checkpoint's ``gate.e_score_correction_bias``),
     then this rank's experts; ``comm`` (tensor or expert parallelism)
     all-reduces the partial sums. Shared experts where the model has them
-    (``shared_experts``, a tensor-parallel MLP every token goes through) are
-    added to the routed ones' sum."""
+    (``shared_experts``, a tensor-parallel MLP every token goes through, its
+    output gated per token where the model gates it: Qwen2-MoE's) are added
+    to the routed ones' sum."""
 
     def __init__(self, arch: Any, comm: Any = None, ep: Optional[ExpertParallel] = None, tp: Any = None):
         super().__init__()
@@ -309,6 +310,8 @@ class SparseMoe(nn.Module):
         if self.grouped:
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(arch.num_experts), requires_grad=False)
         self.shared_experts = MLP(arch, tp, span="shared") if arch.shared_expert_intermediate_size else None
+        # Qwen2-MoE's: the shared expert's output gated per token (every rank the whole gate)
+        self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False) if arch.shared_expert_gate else None
         self.experts = FusedExperts(end - first, arch.hidden_size, arch.moe_intermediate_size, first,
                                     [p % arch.num_experts for p in range(first, end)],  # eplb.initial_placement
                                     num_slots=slots)
@@ -383,7 +386,12 @@ class SparseMoe(nn.Module):
             out = self._experts(x)
             if self.comm is not None:
                 self.comm.all_reduce(out)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        if self.shared_experts is None:
+            return out
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out + shared
 
     def exchange(self, x: torch.Tensor) -> torch.Tensor:
         """Expert parallelism over cores with their own tokens (``x`` of no
