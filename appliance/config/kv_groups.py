@@ -2,14 +2,15 @@
 tensors they share (vLLM's hybrid allocator, uniform page size).
 
 Layers of one attention kind (full, a sliding window of W tokens, or
-chunked local attention over chunks of C tokens: Llama 4's) fall into groups of ``group_size`` layers; every group has its own block table
-per request, all drawn from one block pool. The cache is ``group_size``
-tensors of ``num_blocks`` pages each, and tensor j holds layer j of every
-group: a block handed to a group is page b of each tensor for that group's
-layers. So a block costs ``group_size`` layers' KV whichever group holds it,
-a model of one kind is one group of all its layers (one tensor per layer),
-and a group that gives blocks back (a sliding window) frees memory any
-group can use.
+chunked local attention over chunks of C tokens: Llama 4's) fall into
+groups of ``group_size`` layers; every group has its own block table per
+request, all drawn from one block pool. The cache is ``group_size`` tensors
+of ``num_blocks`` pages each, and tensor j holds layer j of every group: a
+block handed to a group is page b of each tensor for that group's layers.
+So a block costs ``group_size`` layers' KV whichever group holds it, a
+model of one kind is one group of all its layers (one tensor per layer),
+and a group that gives blocks back (a sliding window, finished chunks)
+frees memory any group can use.
 
 ``group_size`` is the smallest kind's layer count (a larger kind splits
 into several groups, its last padded), or the largest when the counts are
@@ -119,9 +120,9 @@ def kv_layout(m: ModelConfig, max_model_len: int) -> KVLayout:
 
 def kv_group_problems(cfg: ApplianceConfig, max_model_len: int) -> list[str]:
     """What is not built beside KV-cache groups that give blocks back: the
-    KV connectors move one group's blocks, all kept; the KV events describe one group's; a draft
-    model keeps its KV at the first group's blocks, which must all be kept
-    (full attention)."""
+    KV connectors move one group's blocks, all kept; the KV events describe
+    one group's; a draft model keeps its KV at the first group's blocks,
+    which must all be kept (full attention)."""
     layout = kv_layout(cfg.model, max_model_len)
     giving = [g for g in layout.groups if g.gives_back]
     if not giving:

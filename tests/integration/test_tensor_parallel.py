@@ -67,7 +67,8 @@ def test_tiny_model_tokens_equal_one_rank(tiny_reference, tp, pp, collectives):
     ("gemma3", 2, 1), ("qwen2_window", 1, 2), ("olmo2", 4, 1), ("phi3", 2, 1), ("gpt_oss", 2, 1), ("llama4", 1, 2),
     *(pytest.param(*case, marks=pytest.mark.slow) for case in [
         ("gemma3", 1, 2), ("gemma2", 2, 1), ("gemma2", 1, 2), ("qwen2_window", 2, 1), ("granite", 2, 1),
-        ("granite", 1, 2), ("olmo2", 2, 1), ("olmo2", 1, 2), ("phi3", 4, 1), ("gpt_oss", 1, 2)]),
+        ("granite", 1, 2), ("olmo2", 2, 1), ("olmo2", 1, 2), ("phi3", 4, 1), ("gpt_oss", 1, 2), ("glm4_moe", 1, 2),
+        ("qwen2_moe", 1, 2)]),
 ])
 def test_layer_by_layer_models_over_ranks_equal_one_rank(variant, tp, pp):
     """Models with a full-attention and a sliding-window or chunked layer (two KV-cache groups), their windows

@@ -101,8 +101,8 @@ def test_deepseek_routing_refuses_what_it_cannot_run(override, message):
 @pytest.mark.parametrize("override,message", [
     (["model.scoring_func=sigmoid"], "model.scoring_func=sigmoid is DeepSeek-V3-style routing's"),
     (["model.routed_scaling_factor=2.5"], "Qwen3MoeForCausalLM routes otherwise: leave it at 1.0"),
-    (["model.shared_expert_intermediate_size=32"], "Qwen3MoeForCausalLM has no shared experts "
-                                                   "(Llama4ForCausalLM, Glm4MoeForCausalLM have): leave it 0"),
+    (["model.shared_expert_intermediate_size=32"], "Qwen3MoeForCausalLM has no shared experts (Qwen2MoeForCausalLM, "
+                                                   "Llama4ForCausalLM, Glm4MoeForCausalLM have): leave it 0"),
 ])
 def test_other_mixtures_of_experts_refuse_deepseek_routing(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -261,7 +261,7 @@ def _dispatching_rank(rank, port, q):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     arch = SimpleNamespace(num_experts_per_tok=2, norm_topk_prob=True, num_experts=8, num_physical_experts=None,
                            hidden_size=16, moe_intermediate_size=8, scoring_func="softmax", n_group=1, topk_group=1,
-                           routed_scaling_factor=1.0, shared_expert_intermediate_size=0)
+                           routed_scaling_factor=1.0, shared_expert_intermediate_size=0, shared_expert_gate=False)
     g = torch.Generator().manual_seed(0)
     gate, w13, w2 = torch.randn(8, 16, generator=g), torch.randn(8, 16, 16, generator=g), torch.randn(8, 16, 8, generator=g)
     rows = [torch.randn(n, 16, generator=g) for n in (5, 3)]  # each core's own rows
