@@ -118,11 +118,6 @@ class Llama4Moe(nn.Module):
         return self.shared_expert(x) + self.experts(x, scores, ids)
 
 
-def _attention(arch: ModelArch, backend: AttentionBackend, tp: Optional[TensorParallel] = None,
-               index: int = 0) -> Attention:
-    return Llama4Attention(arch, backend, tp, index)
-
-
 def _mlp(arch: ModelArch, tp: Optional[TensorParallel], index: int, ep: Optional[ExpertParallel]) -> nn.Module:
     """The router, experts and shared expert in a sparse layer, the dense gated MLP elsewhere."""
     return Llama4Moe(arch) if index in arch.sparse_layers else MLP(arch, tp)
@@ -135,7 +130,7 @@ def _rows_of(arch: ModelArch, index: int) -> int:
 
 class Llama4ForCausalLM(LlamaForCausalLM):
     family = "llama4"
-    layer_spec = LayerSpec(attention=_attention, mlp=_mlp, rope_kind=_rows_of)
+    layer_spec = LayerSpec(attention=Llama4Attention, mlp=_mlp, rope_kind=_rows_of)
     llama_layers = False  # weights_view cannot describe them
     stacked_experts = True  # the checkpoint's expert tensors are the parameters, as stored
 
