@@ -190,8 +190,9 @@ def read_hf_config(folder: Path) -> dict:
 def check_checkpoint(m: ModelConfig, hf: dict, folder: Path) -> None:
     """Defence behind resolve-time reading: every fact the folder's config.json
     states must match the model config (a Hugging Face id or ``check=False``
-    reaches here unchecked)."""
-    row, why = support((text_model_config(hf).get("architectures") or ["?"])[0])
+    reaches here unchecked). ``hf``: the config as its text model reads
+    (``text_model_config``)."""
+    row, why = support((hf.get("architectures") or ["?"])[0])
     if row is None:
         raise ModelLoadError(f"{folder}: {why}")
     facts, problems = hf_facts(hf)
@@ -230,7 +231,11 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
 
     folder = resolve_model_folder(m, quantization)
     hf = read_hf_config(folder)
-    check_checkpoint(m, hf, folder)
+    try:
+        text = text_model_config(hf)  # an image-text checkpoint's text model, read once
+    except Exception as e:  # transformers' config errors are of several kinds
+        raise ModelLoadError(f"{folder}: cannot read its text_config ({type(e).__name__}: {e})") from None
+    check_checkpoint(m, text, folder)
     # the file's projections as blocks
     gguf_blocks = _gguf_blocks(m) if QUANTIZATION_METHODS[quantization].kept_blocks else None
     full_arch = ModelArch.from_model_config(m)
@@ -246,7 +251,7 @@ def load_model(m: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, de
             f"{folder}: quantization={quantization} but the checkpoint's quantization_config says "
             f"{checkpoint_method or 'none (unquantized)'}; set quantization={checkpoint_method or 'none'}")
     tensors = CheckpointTensors(model, full_arch, tp, ep, dtype, device, checkpoint_method)
-    tensors.prediction_layers = int(text_model_config(hf).get("num_nextn_predict_layers") or 0)
+    tensors.prediction_layers = int(text.get("num_nextn_predict_layers") or 0)
     tensors.read(folder)
     tensors.install(folder, hf, gguf_blocks, m.path)
     missing = sorted(set(tensors.expected) - tensors.loaded)
