@@ -84,6 +84,17 @@ def test_each_token_attends_within_its_chunk_and_nothing_before_is_read(backend,
 
 
 @pytest.mark.parametrize("backend", cpu_backends(), ids=["torch_sdpa", "cpu_native"])
+def test_a_bf16_cache_keeps_to_its_chunks(backend):
+    """bf16 rows and cache (cpu_native's bf16 KV reads, on the decode items this CPU runs: AVX-512F or AVX2), within
+    bf16's rounding of the fp32 reference; the poisoned blocks still never read."""
+    common, q, k, v, cache, expected = chunked_problem(specs_for(8), 8, 4, 4, 2, 16)
+    b = backend(4, 2, 16, 16 ** -0.5)
+    out = b.forward(*(t.to(torch.bfloat16) for t in (q, k, v, cache)), b.build_metadata(common))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("backend", cpu_backends(), ids=["torch_sdpa", "cpu_native"])
 def test_long_chunks_with_split_decode_contexts(backend):
     """Chunks longer than cpu_native's split of a decode's context (256 positions): a decode whose chunk
     holds 389 keys (split and merged), one just past a boundary, a prefill chunk across one."""
