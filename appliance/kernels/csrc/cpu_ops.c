@@ -776,16 +776,21 @@ DOT_TARGET static inline __attribute__((always_inline)) void dot_pair(__m512 a[D
 /* mr rows (<= MR_LAID) by np (<= NP_LAID) panels re-laid by panel_pairs, one after the other (PW * kp halves
  * apart): each k pair of the panels loaded once for every row, each row's pair broadcast once for every panel
  * (np * mr chains of vdpbf16ps, 24 at most: one instruction a cycle on Zen 4). A chain is dot_pair's, from
- * zero over k in order, so a row's sums are the stored panels' (dtile_stored, dtile_i8) bit for bit. c:
+ * zero over k in order, so a row's sums are the stored panels' (dtile_stored, dtile_i8) bit for bit. Asks
+ * pf_lines cache lines from pf into the cache on the way, pf_step a k pair (the next panels' share). c:
  * [np][DR][PW]. */
 #define MR_LAID 6
 #define NP_LAID 4
 DOT_TARGET static inline __attribute__((always_inline)) void dtile(const uint16_t *xb, int64_t kp, const uint16_t *pp,
-                                                                   const int np, const int mr, float c[][DR][PW]) {
+                                                                   const int np, const int mr, const char *pf,
+                                                                   int64_t pf_lines, int64_t pf_step,
+                                                                   float c[][DR][PW]) {
     __m512 a[NP_LAID][MR_LAID];
     for (int q = 0; q < np; q++)
         for (int i = 0; i < mr; i++) a[q][i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < kp / 2; j++) {
+        for (int64_t l = j * pf_step; l < (j + 1) * pf_step && l < pf_lines; l++) /* pf_step lines a k pair */
+            _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
         __m512bh w[NP_LAID];
         for (int q = 0; q < np; q++) w[q] = (__m512bh)_mm512_loadu_si512(pp + q * PW * kp + j * 2 * PW);
         for (int i = 0; i < mr; i++) {
@@ -825,9 +830,9 @@ DOT_TARGET static inline __attribute__((always_inline)) void dtile_stored(const 
     for (int i = 0; i < mr; i++) _mm512_storeu_ps(c[i], a[i]);
 }
 
-#define DTILE_CASE(R, NP) case R: dtile(xr, kp, pbuf, NP, R, c4); break;
+#define DTILE_CASE(R, NP) case R: dtile(xr, kp, pbuf, NP, R, pf, pf_lines, pf_step, c4); break;
 #define DTILE_ROWS(NP) \
-    switch (mr) { DTILE_CASE(6, NP) DTILE_CASE(5, NP) DTILE_CASE(4, NP) DTILE_CASE(3, NP) DTILE_CASE(2, NP) default: dtile(xr, kp, pbuf, NP, 1, c4); }
+    switch (mr) { DTILE_CASE(6, NP) DTILE_CASE(5, NP) DTILE_CASE(4, NP) DTILE_CASE(3, NP) DTILE_CASE(2, NP) default: dtile(xr, kp, pbuf, NP, 1, pf, pf_lines, pf_step, c4); }
 #define GTILE_CASE(R) case R: gtile(L, pn, 1, pbuf, xr, kp, xsr, R, (float(*)[DR][PW])c); break;
 #define DTILE_STORED_CASE(R) case R: dtile_stored(xr, kp, pb, L->k, R, c); break;
 
@@ -1102,13 +1107,23 @@ DOT_TARGET static void panel_pairs(const Linear *L, int64_t pn, int64_t k0, int6
 DOT_TARGET static void laid_rows_dot(const Linear *L, const uint16_t *xb, int64_t kp, float *out, int64_t ldo,
                                      int64_t m0, int64_t m1, int64_t p0, int64_t p1, int accumulate, uint16_t *pbuf) {
     float c4[NP_LAID][DR][PW];
+    const int64_t elt = L->wtype == WTYPE_BF16 ? 2 : 1, tiles = (m1 - m0 + MR_LAID - 1) / MR_LAID;
     for (int64_t pn = p0; pn < p1; pn += NP_LAID) {
         const int np = p1 - pn < NP_LAID ? (int)(p1 - pn) : NP_LAID;
         for (int q = 0; q < np; q++) panel_pairs(L, pn + q, 0, kp, pbuf + q * PW * kp, NULL);
-        for (int64_t m = m0, mr; m < m1; m += mr) {
+        /* the next panels' stored bytes asked into the cache while these run, a share for each row tile,
+         * so that re-laying them reads the cache, not memory */
+        const int64_t next = p1 - pn - np < NP_LAID ? p1 - pn - np : NP_LAID;
+        const char *pf0 = (const char *)L->w + (pn + np) * L->k * PW * elt;
+        const int64_t share = (next * L->k * PW * elt / 64 + tiles - 1) / tiles;
+        for (int64_t m = m0, mr, t = 0; m < m1; m += mr, t++) {
             const int64_t left = m1 - m; /* six-row tiles; a short remainder shares the last 12 rows evenly */
             mr = left >= 2 * MR_LAID || left <= MR_LAID ? (left < MR_LAID ? left : MR_LAID) : (left + 1) / 2;
             const uint16_t *xr = xb + m * kp;
+            const int64_t first = t * share, total = next * L->k * PW * elt / 64;
+            const int64_t pf_lines = first < total ? (total - first < share ? total - first : share) : 0;
+            const char *pf = pf0 + 64 * first;
+            const int64_t pf_step = (pf_lines + kp / 2 - 1) / (kp / 2);
             switch (np) {
                 case 4: DTILE_ROWS(4) break;
                 case 3: DTILE_ROWS(3) break;
