@@ -500,15 +500,17 @@ def test_amx_outputs_of_16_mib_or_more_go_to_memory_with_the_same_bits():
 @needs_bf16_dot
 def test_a_rows_result_on_vdpbf16ps_does_not_depend_on_the_rows_beside_it():
     """Every row count runs on vdpbf16ps (up to twelve rows reading the stored panels, the weights made into
-    bf16 pairs in registers; more re-laying each panel once): a row's result is the same bits alone, in a
-    decode batch and in a prefill chunk, so the load on a server does not change a greedy answer. (AMX tiles,
-    where the CPU has them, take 16 rows and more and sum in their own order: off here.)"""
+    bf16 pairs in registers, in one tile or two; up to 24 bf16 rows in tiles of at most eight against the
+    stored panels; more re-laying four panels at a time for tiles of six rows): a row's result is the same bits
+    alone, in a decode batch and in a prefill chunk, so the load on a server does not change a greedy answer.
+    (AMX tiles, where the CPU has them, take 16 rows and more and sum in their own order: off here.)"""
     x = torch.randn(40, 257, generator=torch.Generator().manual_seed(0))
     for name, mod, k in _float_row_modules():
         lin = NativeLinear(mod)
         with _bf16_dot(True), _pinned(amx, False):
             whole = lin(x[:, :k])
-            for rows in (slice(0, 1), slice(5, 6), slice(0, 3), slice(3, 15), slice(16, 28), slice(28, 40)):
+            for rows in (slice(0, 1), slice(5, 6), slice(0, 3), slice(3, 15), slice(16, 28), slice(28, 40),
+                         slice(10, 30)):
                 assert torch.equal(lin(x[rows, :k]), whole[rows]), (name, rows)
 
 

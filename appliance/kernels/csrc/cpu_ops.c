@@ -1097,8 +1097,8 @@ DOT_TARGET static void panel_pairs(const Linear *L, int64_t pn, int64_t k0, int6
     if (2 * j < kp) memset(pbuf + j * 2 * PW, 0, sizeof(uint16_t) * (size_t)(kp - 2 * j) * PW);
 }
 
-/* Up to this many rows read a bf16 panel as stored (two row tiles; the second finds it in the cache); more
- * re-lay NP_LAID panels at a time once for all their row tiles (dtile). */
+/* Up to this many rows read a bf16 panel as stored (row tiles of at most DIRECT_TILE_ROWS, the later ones
+ * finding it in the cache); more re-lay NP_LAID panels at a time once for all their row tiles (dtile). */
 #define DOT_STORED_ROWS (2 * DR)
 
 /* Rows [m0, m1) (m1 - m0 > DOT_STORED_ROWS, or int8 panels) of xb (bf16, row stride kp) against bf16 or
@@ -1169,7 +1169,6 @@ DOT_TARGET static void packed_rows_dot(const Linear *L, const uint16_t *xb, int6
                 }
             } else {
                 switch (mr) {
-                    DTILE_STORED_CASE(12) DTILE_STORED_CASE(11) DTILE_STORED_CASE(10) DTILE_STORED_CASE(9)
                     DTILE_STORED_CASE(8) DTILE_STORED_CASE(7) DTILE_STORED_CASE(6) DTILE_STORED_CASE(5)
                     DTILE_STORED_CASE(4) DTILE_STORED_CASE(3) DTILE_STORED_CASE(2) default: dtile_stored(xr, kp, pb, L->k, 1, c);
                 }
