@@ -7,7 +7,9 @@ same-run baseline, with AVX2 FMAs over weights widened to fp32 (the path of
 AVX2-only CPUs: ``cpu_native.bf16_dot(False)`` and ``fma_rows(False)``). With
 ``quantization=int4_wo`` or ``int8_wo`` the weights are those formats (random,
 quantized at the bench's start) and the baseline keeps the rows floating point
-(``cpu_native.int8_rows(False)``: vdpbf16ps, or fp32 FMAs). With ``--torch``
+(``cpu_native.int8_rows(False)``: vdpbf16ps, or fp32 FMAs); each path's weights
+are packed under its own switches (int8 ones as the int8 rows' k quads for the
+default, ``cpu_native.int8_quads``). With ``--torch``
 (float weights) torch's own ``F.linear`` runs the same weights too, its rows and
 output in the weights' dtype (oneDNN where torch has it: AMX tiles on CPUs with
 AMX), and each default row says its speed against it. A layer's weights
@@ -72,23 +74,30 @@ def time_linear(k: int, n: int, rows: int, dtype: torch.dtype, mib: int, repeat:
     nbytes = WEIGHT_BYTES.get(method, dtype.itemsize)
     copies = max(2, -(-mib * 2**20 // int(k * n * nbytes)))
     modules = [make_module(k, n, dtype, method) for _ in range(copies)]
-    linears = [NativeLinear(mod) for mod in modules]
     x, out = torch.randn(rows, k), torch.empty(rows, n)
     xt = x.to(dtype)
 
-    def native(i):
-        linears[i](x, out)
+    def switched(on) -> None:
+        for switch, default in zip(switches, before):
+            switch(on is True and default)
+
+    def packed(on) -> list:  # packed under the path's switches: int8 weights take the int8 rows' quads for them
+        switched(on)
+        return [NativeLinear(mod) for mod in modules]
 
     def torch_linear(i):
         torch.nn.functional.linear(xt, modules[i].weight)
 
+    def native(on):
+        return lambda i: linears[on][i](x, out)
+
     best: dict = {}
     try:
+        linears = {on: packed(on) for on in paths if on != "torch"}
         for _ in range(repeat):  # the paths interleaved, so all see the same machine
             for on in paths:
-                for switch, default in zip(switches, before):
-                    switch(on is True and default)
-                call = torch_linear if on == "torch" else native
+                switched(on)
+                call = torch_linear if on == "torch" else native(on)
                 call(0)
                 t = time.perf_counter()
                 for i in range(copies):

@@ -22,8 +22,9 @@ each step through ``NativeForward`` instead (``build_native_forward``),
 which reads the model through ``weights_view()`` (``ModelWeights``).
 
 The library's Python face is ``cpu_native_ops`` (loaded library, ISA
-switches, packers, ``NativeLinear``, paged attention) and the whole-step
-forward ``cpu_native_forward``; this module, the backend, names both.
+switches, ``NativeLinear``, paged attention) over ``cpu_native_pack`` (the
+weights' panel layouts), and the whole-step forward ``cpu_native_forward``;
+this module, the backend, names them.
 """
 
 from __future__ import annotations
@@ -34,11 +35,18 @@ import torch
 
 from appliance.kernels.base import AttentionBackend, CommonAttentionMetadata
 from appliance.kernels.cpu_native_forward import NativeForward
+from appliance.kernels.cpu_native_pack import (  # noqa: F401 (named from here too)
+    PANEL,
+    pack_group_params,
+    pack_int8_quads,
+    pack_panels,
+    pack_q4_panels,
+    pack_vnni_panels,
+)
 from appliance.kernels.cpu_native_ops import (  # noqa: F401 (the library's Python face, named from here)
     _LIB,
     KV_DTYPES,
     KV_TYPES,
-    PANEL,
     PHASES,
     NativeLinear,
     NativeMetadata,
@@ -52,11 +60,8 @@ from appliance.kernels.cpu_native_ops import (  # noqa: F401 (the library's Pyth
     decode_tiles,
     fma_rows,
     host_notes,
+    int8_quads,
     int8_rows,
-    pack_group_params,
-    pack_panels,
-    pack_q4_panels,
-    pack_vnni_panels,
     paged_attention,
     phase_times,
     vnni,

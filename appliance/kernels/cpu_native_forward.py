@@ -105,16 +105,16 @@ class NativeForward:
         route = None
         for i, lw in enumerate(weights.layers):
             mlp = (lw.gate_up_proj, lw.down_proj) if lw.moe is None else ()
-            lins = [NativeLinear(m, release=True) for m in (lw.qkv_proj, lw.o_proj, *mlp)]
+            # q/k/v take the normed rows unrounded: int8 rows on every projection cost SmolLM2 1.44% perplexity,
+            # on all but q/k/v 0.68% (docs/benchmarks.md)
+            lins = [NativeLinear(lw.qkv_proj, release=True, float_rows=True)]
+            lins += [NativeLinear(m, release=True) for m in (lw.o_proj, *mlp)]
             self._lin += lins
             L = self._layers[i]
             L.ln1 = self._hold(lw.input_norm)
             L.ln2 = self._hold(lw.post_attention_norm)
             if arch.qk_norm:
                 L.q_norm, L.k_norm = self._hold(lw.q_norm), self._hold(lw.k_norm)
-            # q/k/v take the normed rows unrounded: int8 rows on every projection cost SmolLM2 1.44% perplexity,
-            # on all but q/k/v 0.68% (docs/benchmarks.md)
-            lins[0].struct.float_rows = 1
             L.qkv, L.o = lins[0].struct, lins[1].struct
             if lw.moe is None:
                 L.gate_up, L.down = lins[2].struct, lins[3].struct
@@ -127,8 +127,7 @@ class NativeForward:
         if not last:  # its rows go on to the next stage: no head
             self._lm_head = None
         elif weights.lm_head is not None:
-            self._lm_head = NativeLinear(weights.lm_head, release=True)
-            self._lm_head.struct.float_rows = 1  # the logits take the final rows unrounded
+            self._lm_head = NativeLinear(weights.lm_head, release=True, float_rows=True)  # the logits: rows unrounded
         else:  # tied: the embedding stays row-major for lookups, so pack a copy
             self._lm_head = NativeLinear.from_weight(weights.embed)
         cos, sin = weights.rope_cos, weights.rope_sin  # fp32, like the activations

@@ -1,8 +1,8 @@
 """The native CPU library (``csrc/cpu_ops.c``, see ``cpu_native``) as Python
 sees it: the loaded library, the structures ``appl_forward`` reads, the ISA
 switches (``bf16_dot``, ``fma_rows``, ``int8_rows``, ``vnni``, ``amx``,
-``avx512``, ``bf16_attention``), the weight packers and ``NativeLinear``,
-paged attention, and the constrained-logits bitmask kernel."""
+``avx512``, ``bf16_attention``), ``NativeLinear`` (its layout from
+``cpu_native_pack``), paged attention, and the constrained-logits bitmask kernel."""
 
 from __future__ import annotations
 
@@ -15,12 +15,14 @@ import torch
 
 from appliance.kernels.base import CommonAttentionMetadata
 from appliance.kernels.cpu_build import build_library
+from appliance.kernels.cpu_native_pack import (pack_group_params, pack_int8_quads, pack_panels, pack_q4_panels,
+                                             pack_vnni_panels)
 from appliance.kernels.registry import BACKENDS
 
 # Load after torch so the library's libgomp.so.1 resolves to the one torch loaded.
 _LIB = ctypes.CDLL(str(build_library()))
 
-WTYPE_F32, WTYPE_I8, WTYPE_BF16, WTYPE_Q4, WTYPE_Q8G, WTYPE_I8A8 = 0, 1, 2, 3, 4, 5
+WTYPE_F32, WTYPE_I8, WTYPE_BF16, WTYPE_Q4, WTYPE_Q8G, WTYPE_I8A8, WTYPE_I8Q = 0, 1, 2, 3, 4, 5, 6
 _p = ctypes.c_void_p
 _i32, _i64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
@@ -94,6 +96,8 @@ _LIB.appl_vnni.argtypes = [ctypes.c_int]
 _LIB.appl_vnni.restype = ctypes.c_int
 _LIB.appl_int8_rows.argtypes = [ctypes.c_int]
 _LIB.appl_int8_rows.restype = ctypes.c_int
+_LIB.appl_int8_quads.argtypes = []
+_LIB.appl_int8_quads.restype = ctypes.c_int
 _LIB.appl_amx.argtypes = [ctypes.c_int]
 _LIB.appl_amx.restype = ctypes.c_int
 _LIB.appl_amx_min_rows.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -200,6 +204,20 @@ def int8_rows(enabled: Optional[bool] = None) -> bool:
     stay there. ``enabled`` switches it; on is refused, returning False,
     where the CPU lacks VNNI."""
     return bool(_LIB.appl_int8_rows(-1 if enabled is None else int(enabled)))
+
+
+def int8_quads() -> bool:
+    """Whether int8 per-channel weights (``int8_wo``) packed now are stored
+    for the int8 rows: each panel's channels as k quads plus 128, the
+    unsigned operand of vpdpbusd, so no GEMM re-lays a panel per call (1.4x
+    at 8 rows on a 1B model's MLP, where the re-lay cost as much as the
+    weights' memory). So while ``int8_rows`` runs and AMX-BF16 tiles do not
+    take the larger GEMMs (they read the plain panels). Layers that keep
+    float rows (q/k/v, the LM head) are packed plainly whatever this says;
+    weights packed as quads still run every other path, re-laid whole for
+    each call (the switches turned off after packing: comparisons, not
+    deployments)."""
+    return bool(_LIB.appl_int8_quads())
 
 
 def decode_tiles(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> bool:
@@ -326,56 +344,7 @@ def _small_f32(t: torch.Tensor, what: str) -> torch.Tensor:
     return _f32_contig(t.float() if t.dtype == torch.bfloat16 else t, what)
 
 
-PANEL = 16  # output channels per packed panel (PW in cpu_ops.c)
 WEIGHT_DTYPES = {torch.float32: WTYPE_F32, torch.bfloat16: WTYPE_BF16}  # unquantized weights, packed as they are
-
-
-def pack_panels(w: torch.Tensor) -> torch.Tensor:
-    """[n, k] -> [ceil(n / 16), k, 16]: each panel holds 16 output channels with
-    the channels of one k contiguous; rows past n are zero."""
-    n, k = w.shape
-    panels = -(-n // PANEL)
-    padded = torch.zeros(panels * PANEL, k, dtype=w.dtype)
-    padded[:n] = w
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
-
-
-def pack_vnni_panels(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 weights [n, k] -> (int8 [ceil(n / 16), ceil(k / 4), 16, 4]: the
-    channels of a panel as k quads, the operand layout of vpdpbusd; k and n
-    zero-padded; int32 [ceil(n / 16) * 16] each channel's sum of weights,
-    which the kernel subtracts 128 times for its unsigned rows)."""
-    n, k = q.shape
-    panels, quads = -(-n // PANEL), -(-k // 4)
-    padded = torch.zeros(panels * PANEL, quads * 4, dtype=torch.int8)
-    padded[:n, :k] = q
-    packed = padded.view(panels, PANEL, quads, 4).transpose(1, 2).contiguous()
-    return packed, padded.to(torch.int32).sum(dim=1, dtype=torch.int32)
-
-
-def pack_q4_panels(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int4 values q (uint8 [n, k], 0..15) with group scales d and mins m
-    ([n, k / group], both fp16 or both fp32) -> (bytes [ceil(n / 16), k / 2,
-    16]: channel c of k pair j in byte c of row j, k = 2j in its low nibble;
-    qparams in d's dtype [ceil(n / 16), k / group, 2, 16]: each group's 16
-    scales, then 16 mins). Channels past n are zero."""
-    n, k = q.shape
-    panels = -(-n // PANEL)
-    qp = torch.zeros(panels * PANEL, k, dtype=torch.uint8)
-    qp[:n] = q
-    pairs = qp.view(panels, PANEL, k // 2, 2)
-    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()
-    return packed, pack_group_params(d, m)
-
-
-def pack_group_params(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Group scales d and mins m [n, groups] -> [ceil(n / 16), groups, 2, 16]
-    in their dtype: each group's 16 scales, then its 16 mins (zero past n)."""
-    n, groups = d.shape
-    panels = -(-n // PANEL)
-    params = torch.zeros(2, panels * PANEL, groups, dtype=d.dtype)
-    params[0, :n], params[1, :n] = d, m
-    return params.view(2, panels, PANEL, groups).permute(1, 3, 0, 2).contiguous()
 
 
 class NativeLinear:
@@ -387,9 +356,13 @@ class NativeLinear:
     With ``release`` the packed weight is stored on the module
     (``weight_packed``, and ``qparams_packed`` for int4) and the row-major
     original is freed, so the weights are held once; the module is then
-    usable only through this view."""
+    usable only through this view.
 
-    def __init__(self, module: Any, release: bool = False):
+    ``float_rows``: the rows stay floating point where int8 rows would run
+    (q/k/v, the LM head); int8 per-channel weights are then packed plainly
+    rather than as quads (``int8_quads``)."""
+
+    def __init__(self, module: Any, release: bool = False, float_rows: bool = False):
         packed = getattr(module, "weight_packed", None)
         packed_before = packed is not None
         qparams, group = None, 0
@@ -404,10 +377,17 @@ class NativeLinear:
                 qparams = module.qparams_packed
             scale, wtype, group = None, WTYPE_Q4 if q4 else WTYPE_Q8G, module.group
         elif hasattr(module, "weight_int8"):
-            wtype = WTYPE_I8A8 if getattr(module, "act_int8", False) else WTYPE_I8
+            if getattr(module, "act_int8", False):
+                wtype = WTYPE_I8A8
+            elif packed is not None:
+                wtype = WTYPE_I8Q if packed.dtype == torch.uint8 else WTYPE_I8  # as packed before
+            else:
+                wtype = WTYPE_I8Q if not float_rows and module.in_features % 4 == 0 and int8_quads() else WTYPE_I8
             if packed is None:
                 if wtype == WTYPE_I8A8:
                     packed, qparams = pack_vnni_panels(module.weight_int8)
+                elif wtype == WTYPE_I8Q:
+                    packed = pack_int8_quads(module.weight_int8)
                 else:
                     packed = pack_panels(module.weight_int8)
             elif wtype == WTYPE_I8A8:
@@ -430,7 +410,7 @@ class NativeLinear:
                 else:
                     module.weight_q8 = torch.empty(0, dtype=torch.int8)
                 module.q_scale = module.q_min = torch.empty(0, dtype=cast(torch.Tensor, qparams).dtype)
-            elif wtype in (WTYPE_I8, WTYPE_I8A8):
+            elif wtype in (WTYPE_I8, WTYPE_I8Q, WTYPE_I8A8):
                 module.weight_int8 = torch.empty(0, dtype=torch.int8)
                 if wtype == WTYPE_I8A8:
                     module.qparams_packed = qparams
@@ -442,7 +422,7 @@ class NativeLinear:
         perm = None if perm is None else perm.to(torch.int32).contiguous()
         self._keep = (packed, scale, bias, qparams, perm)
         self.struct = Linear(_ptr(packed), _ptr(scale), _ptr(bias), _ptr(qparams), _ptr(perm), n, k, wtype, group,
-                             int(qparams is not None and qparams.dtype == torch.float32), 0)
+                             int(qparams is not None and qparams.dtype == torch.float32), int(float_rows))
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> "NativeLinear":

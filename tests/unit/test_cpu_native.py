@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from appliance import LLM, SamplingParams
 from appliance.kernels.cpu_native import (CpuNativeBackend, NativeLinear, amx, amx_min_rows, avx512, bf16_attention, bf16_dot, decode_tiles, fma_rows,
-                                          int8_rows, pack_q4_panels, vnni)
+                                          int8_quads, int8_rows, pack_int8_quads, pack_q4_panels, pack_vnni_panels,
+                                          vnni)
 from appliance.kernels.registry import Selection
 from appliance.models.quant import (GroupedInt8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4,
                                     int8_matmul, quantize_int8_weight_only, quantize_rows_int8)
@@ -1082,6 +1083,62 @@ def test_int8_rows_results_do_not_depend_on_the_batch():
         parts = [NativeLinear(mod)(x[:m]) for m in (1, 5, 7)]
     assert torch.equal(whole, moved.flip(0))
     assert all(torch.equal(whole[:len(p)], p) for p in parts)
+
+
+WTYPE_I8, WTYPE_I8Q = 1, 6  # cpu_ops.c: int8 per channel as stored panels, and as the int8 rows' k quads
+
+
+def test_int8_quads_are_the_vnni_panels_offset_to_unsigned_bytes():
+    q = torch.randint(-127, 128, (20, 12), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    quads = pack_int8_quads(q)
+    assert quads.dtype == torch.uint8 and quads.shape == (2, 3, 16, 4)
+    assert torch.equal(quads.view(torch.int8) ^ -128, pack_vnni_panels(q)[0])
+    assert torch.equal(quads[1, 2, 3].to(torch.int32) - 128, q[19, 8:12].to(torch.int32))  # channel 19, k 8..11
+    with pytest.raises(ValueError, match="multiple of 4"):
+        pack_int8_quads(q[:, :10])
+
+
+@needs_int8_rows
+@pytest.mark.parametrize("k", [256, 200])  # rows in groups of 32 and of 8
+@pytest.mark.parametrize("m", [1, 5, 7, 13, 40])
+@pytest.mark.parametrize("n", [7, 50])
+def test_int8_weights_packed_as_quads_for_the_int8_rows_give_the_stored_panels_sums(k, m, n):
+    """With the int8 rows on, int8 per-channel weights are packed as vpdpbusd's k quads (no panel re-laid per
+    call): the same bits as the stored panels on the int8 rows, and, with the rows switched back to floating
+    point after packing, as the stored panels there too (the quads re-laid for the call)."""
+    mod, _, _ = _module("int8", n, k, bias=True, seed=m * 10 + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    base = torch.randn(m, n)
+    with _pinned(amx, False):
+        with _pinned(int8_rows, True):
+            assert int8_quads()
+            quads = NativeLinear(mod)
+        with _pinned(int8_rows, False):
+            assert not int8_quads()
+            stored = NativeLinear(mod)
+        assert (quads.struct.wtype, stored.struct.wtype) == (WTYPE_I8Q, WTYPE_I8)
+        for rows in (True, False):
+            with _pinned(int8_rows, rows):
+                assert torch.equal(quads(x), stored(x))
+                acc_q, acc_s = base.clone(), base.clone()
+                quads(x, out=acc_q, accumulate=True)
+                stored(x, out=acc_s, accumulate=True)
+                assert torch.equal(acc_q, acc_s)
+
+
+@needs_int8_rows
+def test_int8_weights_that_keep_float_rows_or_odd_inputs_are_packed_as_stored_panels():
+    """q/k/v and the LM head keep float rows (``float_rows``), and in_features not a multiple of 4 have no
+    quads: both stay in the stored panels; a module released as quads is read as quads again."""
+    with _pinned(amx, False), _pinned(int8_rows, True):
+        mod, *_ = _module("int8", 20, 64, bias=False, seed=3)
+        assert NativeLinear(mod, float_rows=True).struct.wtype == WTYPE_I8
+        assert NativeLinear(_module("int8", 20, 66, bias=False, seed=3)[0]).struct.wtype == WTYPE_I8
+        x = torch.randn(3, 64)
+        want = NativeLinear(mod)(x)
+        assert NativeLinear(mod, release=True).struct.wtype == WTYPE_I8Q and mod.weight_int8.numel() == 0
+        again = NativeLinear(mod)
+        assert again.struct.wtype == WTYPE_I8Q and torch.equal(again(x), want)
 
 
 @pytest.mark.parametrize("switch,variable", [pytest.param("bf16_dot", "APPLIANCE_CPU_BF16_DOT", marks=needs_bf16_dot),

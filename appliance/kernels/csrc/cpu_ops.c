@@ -47,6 +47,7 @@
 #define WTYPE_Q4 3
 #define WTYPE_Q8G 4 /* int8 [ceil(n / 16), k, 16] with a group scale and min (fp32 qparams, as int4's) */
 #define WTYPE_I8A8 5 /* int8 [ceil(n / 16), ceil(k / 4), 16, 4], rows quantized per call (see "W8A8 int8") */
+#define WTYPE_I8Q 6  /* int8 per channel as WTYPE_I8, stored as k quads + 128 for the int8 rows (see appl_int8_quads) */
 #define Q4_ROWS_MAX 6 /* rows of one pass of the int4 row kernels */
 /* int4 GEMMs up to this many rows read the 4-bit panels directly, in passes (AVX-512F, AVX2); more widen them */
 #define Q4_DIRECT_MAX 15
@@ -1115,12 +1116,12 @@ DOT_TARGET static void laid_rows_dot(const Linear *L, const uint16_t *xb, int64_
          * so that re-laying them reads the cache, not memory */
         const int64_t next = p1 - pn - np < NP_LAID ? p1 - pn - np : NP_LAID;
         const char *pf0 = (const char *)L->w + (pn + np) * L->k * PW * elt;
-        const int64_t share = (next * L->k * PW * elt / 64 + tiles - 1) / tiles;
+        const int64_t total = next * L->k * PW * elt / 64, share = (total + tiles - 1) / tiles;
         for (int64_t m = m0, mr, t = 0; m < m1; m += mr, t++) {
             const int64_t left = m1 - m; /* six-row tiles; a short remainder shares the last 12 rows evenly */
             mr = left >= 2 * MR_LAID || left <= MR_LAID ? (left < MR_LAID ? left : MR_LAID) : (left + 1) / 2;
             const uint16_t *xr = xb + m * kp;
-            const int64_t first = t * share, total = next * L->k * PW * elt / 64;
+            const int64_t first = t * share;
             const int64_t pf_lines = first < total ? (total - first < share ? total - first : share) : 0;
             const char *pf = pf0 + 64 * first;
             const int64_t pf_step = (pf_lines + kp / 2 - 1) / (kp / 2);
@@ -1749,6 +1750,15 @@ static void amx_linear(const Linear *L, const float *x, int64_t ldx, float *out,
 
 static int g_has_vnni, g_vnni, g_int8_rows;
 
+/* acc + vpdpbusd(a unsigned bytes, b signed bytes): _mm512_dpbusd_epi32 as one instruction on the accumulator's
+ * register. GCC 12 copies the intrinsic's accumulators to other registers and back on every pass of a tile's
+ * loop (24 moves beside 12 vpdpbusd in the 6-by-2 int8 rows tile), which held the tiles to about 60% of the
+ * instruction's rate on Zen 4. */
+VNNI_TARGET static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+
 /* The vpdpbusd path: set < 0 asks, 0 turns it off, 1 on (where the CPU has it). Returns the state. */
 int appl_vnni(int set) {
     if (set >= 0) g_vnni = set && g_has_vnni;
@@ -1813,7 +1823,7 @@ VNNI_TARGET static inline __attribute__((always_inline)) void a8_tile_vnni(const
             int32_t quad;
             memcpy(&quad, xq + r * kq + 4 * j, sizeof(quad));
             const __m512i xb = _mm512_set1_epi32(quad);
-            for (int q = 0; q < NP; q++) a[r][q] = _mm512_dpbusd_epi32(a[r][q], xb, w[q]);
+            for (int q = 0; q < NP; q++) a[r][q] = dpbusd(a[r][q], xb, w[q]);
         }
     }
     for (int q = 0; q < NP; q++) {
@@ -2058,13 +2068,17 @@ AVX512_TARGET static void q4_rows_passes(const Linear *L, const float *x, int64_
  * mins against the rows' exact fp32 group sums (int8 per channel: d = 1,
  * m = 0, the channel's scale on the way out). vpdpbusd multiplies unsigned
  * by signed bytes, so the weights enter unsigned: int4 as stored (0..15),
- * int8 offset by 128, each group then subtracting 128 sum_k q_k. Up to
+ * int8 offset by 128, each group then subtracting 128 sum_k q_k (int8 per
+ * channel: the row's sum over groups of 128 q s, once a row). Up to
  * G8_DIRECT_ROWS rows read the stored panels, each k quad put in
  * vpdpbusd's operand order in registers (1.15x the fp32 GEMV at one row);
  * more rows re-lay each panel once a block of rows into k quads
  * ([k / 4][16][4] bytes): a quarter of the bytes of the vdpbf16ps path's
  * bf16 re-lay, and one instruction does 64 multiply-adds against
- * vdpbf16ps's 32. Every row is quantized alike whatever the batch, so a
+ * vdpbf16ps's 32. int8 per-channel weights packed for these rows
+ * (WTYPE_I8Q, appl_int8_quads) are those quads already: every row count
+ * reads them as stored (1.33x the re-laid panels at 8 rows, 1.1x at 32
+ * and 256 on Zen 4). Every row is quantized alike whatever the batch, so a
  * request's results do not depend on what shares its step. Where AMX-BF16
  * tiles take the rows (from AMX_MIN_ROWS; grouped panels from
  * AMX_MIN_ROWS_GROUPED), they stay there.
@@ -2080,13 +2094,15 @@ int appl_int8_rows(int set) {
 }
 
 /* Rows [0, m) of x quantized per group of G (a multiple of 4 dividing k): q [m][k] int8; per row per
- * group ([m][k / G] each) the scale s, the exact fp32 sum xsum and the sum of q, qsum. */
+ * group ([m][k / G] each) the scale s, the exact fp32 sum xsum and the sum of q, qsum; per row, corr =
+ * sum over groups of 128 * qsum * s (what weights offset by 128 add to the row's products, rounded once). */
 static void g8_quantize(const float *x, int64_t ldx, int64_t m, int64_t k, int G, int8_t *q, float *s, float *xsum,
-                        int32_t *qsum) {
+                        int32_t *qsum, float *corr) {
     const int64_t groups = k / G;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
 #pragma omp parallel for schedule(static) if (m * k >= 65536)
-    for (int64_t r = 0; r < m; r++)
+    for (int64_t r = 0; r < m; r++) {
+        double offset = 0.0;
         for (int64_t g = 0; g < groups; g++) {
             const float *xg = x + r * ldx + g * G;
             int8_t *qg = q + r * k + g * G;
@@ -2123,13 +2139,17 @@ static void g8_quantize(const float *x, int64_t ldx, int64_t m, int64_t k, int G
                 qt += qg[i];
             }
             qsum[o] = qt;
+            offset += 128.0 * qt * (double)s[o];
         }
+        corr[r] = (float)offset;
+    }
 }
 
 /* Quad j (k = 4j .. 4j + 3) of panel pn of int4 or int8 weights as 16 channels of four unsigned bytes, vpdpbusd's
  * operand: int4 as stored (pair rows 2j and 2j + 1 hold them as lo, hi, lo, hi), int8 + 128. */
 VNNI_TARGET static inline __attribute__((always_inline)) __m512i g8_quad(const Linear *L, int64_t pn, int64_t j) {
     const int64_t k = L->k;
+    if (L->wtype == WTYPE_I8Q) return _mm512_loadu_si512((const uint8_t *)L->w + pn * k * PW + j * 4 * PW);
     if (L->wtype == WTYPE_Q4) {
         const uint8_t *p = (const uint8_t *)L->w + pn * (k * PW / 2) + 2 * j * PW;
         const __m512i lo = _mm512_set1_epi32(0x0f), hi = _mm512_set1_epi32(0xf0);
@@ -2156,14 +2176,16 @@ VNNI_TARGET static void g8_relay(const Linear *L, int64_t pn, uint8_t *u) {
 #define G8_GROUPED 1 /* grouped int8 (+ 128), each group's scale and min */
 #define G8_CHANNEL 2 /* int8 per output channel (+ 128): the channel's scale applies on the way out */
 
-/* R rows of quantized x (row stride k; s, xsum, qsum row stride k / G) by NP panels from pn: re-laid at u, or
+/* R rows of quantized x (row stride k; s, xsum, qsum row stride k / G; corr one a row) by NP panels from pn:
+ * re-laid at u, or
  * (DIRECT) read from the stored panels, each quad re-laid in registers; c[r][q * PW + j] = channel j of panel
  * pn + q for row r. */
 VNNI_TARGET static inline __attribute__((always_inline)) void g8_tile(const Linear *L, const int64_t G,
                                                                      const int8_t *xq, const float *s,
                                                                      const float *xsum, const int32_t *qsum,
-                                                                     const uint8_t *u, int64_t pn, const int R,
+                                                                     const float *corr, const uint8_t *u, int64_t pn, const int R,
                                                                      const int NP, const int MODE, const int DIRECT,
+                                                                     const char *pf, int64_t pf_lines, int64_t pf_step,
                                                                      float c[G8_ROWS][2 * PW]) {
     const int64_t k = L->k, groups = k / G, qstride = groups * 2 * PW, qp = pn * qstride;
     __m512 acc[G8_ROWS][2];
@@ -2176,6 +2198,8 @@ VNNI_TARGET static inline __attribute__((always_inline)) void g8_tile(const Line
         const uint8_t *ug = u + g * G * PW;
         const int8_t *xg = xq + g * G;
         for (int64_t j = 0; j < G / 4; j++) {
+            const int64_t l0 = (g * G / 4 + j) * pf_step; /* pf_step lines of the next panels a quad */
+            for (int64_t l = l0; l < l0 + pf_step && l < pf_lines; l++) _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
             __m512i w[2];
             for (int q = 0; q < NP; q++)
                 w[q] = DIRECT ? g8_quad(L, pn + q, g * G / 4 + j) : _mm512_loadu_si512(ug + q * k * PW + j * 4 * PW);
@@ -2183,7 +2207,7 @@ VNNI_TARGET static inline __attribute__((always_inline)) void g8_tile(const Line
                 int32_t quad;
                 memcpy(&quad, xg + r * k + 4 * j, sizeof(quad));
                 const __m512i xb = _mm512_set1_epi32(quad);
-                for (int q = 0; q < NP; q++) ia[r][q] = _mm512_dpbusd_epi32(ia[r][q], w[q], xb);
+                for (int q = 0; q < NP; q++) ia[r][q] = dpbusd(ia[r][q], w[q], xb);
             }
         }
         for (int q = 0; q < NP; q++) {
@@ -2192,10 +2216,10 @@ VNNI_TARGET static inline __attribute__((always_inline)) void g8_tile(const Line
             const __m512 mn = MODE == G8_CHANNEL ? _mm512_setzero_ps() : load_qp512(L, dm + PW);
             for (int r = 0; r < R; r++) {
                 const int64_t o = r * groups + g;
-                const __m512i t = MODE == G8_INT4 ? ia[r][q] : _mm512_sub_epi32(ia[r][q], _mm512_set1_epi32(128 * qsum[o]));
-                if (MODE == G8_CHANNEL) {
-                    acc[r][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(s[o]), acc[r][q]);
+                if (MODE == G8_CHANNEL) { /* the offset's products leave with corr, once a row */
+                    acc[r][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][q]), _mm512_set1_ps(s[o]), acc[r][q]);
                 } else {
+                    const __m512i t = MODE == G8_INT4 ? ia[r][q] : _mm512_sub_epi32(ia[r][q], _mm512_set1_epi32(128 * qsum[o]));
                     const __m512 base = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[o]), acc[r][q]);
                     acc[r][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, _mm512_set1_ps(s[o])), base);
                 }
@@ -2203,16 +2227,17 @@ VNNI_TARGET static inline __attribute__((always_inline)) void g8_tile(const Line
         }
     }
     for (int r = 0; r < R; r++)
-        for (int q = 0; q < NP; q++) _mm512_storeu_ps(&c[r][q * PW], acc[r][q]);
+        for (int q = 0; q < NP; q++)
+            _mm512_storeu_ps(&c[r][q * PW], MODE == G8_CHANNEL ? _mm512_sub_ps(acc[r][q], _mm512_set1_ps(corr[r])) : acc[r][q]);
 }
 
 #define G8_MODES(R, NP, DIRECT)                                                                      \
     if (mode == G8_INT4)                                                                             \
-        g8_tile(L, G, xq, s, xsum, qsum, u, pn, R, NP, G8_INT4, DIRECT, c);                          \
+        g8_tile(L, G, xq, s, xsum, qsum, corr, u, pn, R, NP, G8_INT4, DIRECT, pf, pf_lines, pf_step, c);                          \
     else if (mode == G8_GROUPED)                                                                     \
-        g8_tile(L, G, xq, s, xsum, qsum, u, pn, R, NP, G8_GROUPED, DIRECT, c);                       \
+        g8_tile(L, G, xq, s, xsum, qsum, corr, u, pn, R, NP, G8_GROUPED, DIRECT, pf, pf_lines, pf_step, c);                       \
     else                                                                                             \
-        g8_tile(L, G, xq, s, xsum, qsum, u, pn, R, NP, G8_CHANNEL, DIRECT, c);
+        g8_tile(L, G, xq, s, xsum, qsum, corr, u, pn, R, NP, G8_CHANNEL, DIRECT, pf, pf_lines, pf_step, c);
 
 #define G8_CASE(R, DIRECT)          \
     case R:                         \
@@ -2224,8 +2249,9 @@ VNNI_TARGET static inline __attribute__((always_inline)) void g8_tile(const Line
         break;
 
 VNNI_TARGET static void g8_rows(const Linear *L, int64_t G, const int8_t *xq, const float *s, const float *xsum,
-                                const int32_t *qsum, const uint8_t *u, int64_t pn, int mr, int np, int mode,
-                                float c[G8_ROWS][2 * PW]) {
+                                const int32_t *qsum, const float *corr, const uint8_t *u, int64_t pn, int mr,
+                                int np, int mode,
+                                const char *pf, int64_t pf_lines, int64_t pf_step, float c[G8_ROWS][2 * PW]) {
     if (!u) { /* a few rows: the stored panels directly */
         switch (mr) {
             G8_CASE(6, 1) G8_CASE(5, 1) G8_CASE(4, 1) G8_CASE(3, 1) G8_CASE(2, 1) default: G8_CASE(1, 1)
@@ -2240,7 +2266,7 @@ VNNI_TARGET static void g8_rows(const Linear *L, int64_t G, const int8_t *xq, co
 /* The group the rows quantize in: the weights' for grouped ones; 32 inputs (or the most of 16, 8, 4 that
  * divide k) against int8 per channel; 0: k has no such group (the path does not apply). */
 static int64_t g8_group(const Linear *L) {
-    if (L->wtype != WTYPE_I8) return L->group % 4 == 0 ? L->group : 0;
+    if (L->wtype != WTYPE_I8 && L->wtype != WTYPE_I8Q) return L->group % 4 == 0 ? L->group : 0;
     for (int64_t G = 32; G >= 4; G /= 2)
         if (L->k % G == 0) return G;
     return 0;
@@ -2253,19 +2279,20 @@ static void g8_linear(const Linear *L, int64_t G, const float *x, int64_t ldx, f
                       int accumulate) {
     const int64_t k = L->k, n = L->n, groups = k / G, panels = (n + PW - 1) / PW;
     const int mode = L->wtype == WTYPE_Q4 ? G8_INT4 : L->wtype == WTYPE_Q8G ? G8_GROUPED : G8_CHANNEL;
+    const int direct = m <= G8_DIRECT_ROWS || L->wtype == WTYPE_I8Q; /* stored quads: no re-lay */
     int8_t *xq = (int8_t *)malloc((size_t)(m * k));
     float *s = (float *)malloc(sizeof(float) * (size_t)(2 * m * groups));
     int32_t *qsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(m * groups));
-    if (!xq || !s || !qsum) abort();
+    float *corr = (float *)malloc(sizeof(float) * (size_t)m);
+    if (!xq || !s || !qsum || !corr) abort();
     float *xsum = s + m * groups;
-    g8_quantize(x, ldx, m, k, (int)G, xq, s, xsum, qsum);
+    g8_quantize(x, ldx, m, k, (int)G, xq, s, xsum, qsum, corr);
     int64_t mc = (512 * 1024) / k;
     mc = mc < 2 * G8_ROWS ? 2 * G8_ROWS : (mc / G8_ROWS) * G8_ROWS;
 #pragma omp parallel
     {
         int64_t p0, p1;
         thread_panels(panels, &p0, &p1);
-        const int direct = m <= G8_DIRECT_ROWS;
         uint8_t *u = p0 < p1 && !direct ? (uint8_t *)malloc((size_t)(2 * k * PW)) : NULL;
         float c[G8_ROWS][2 * PW];
         for (int64_t m0 = 0; p0 < p1 && m0 < m; m0 += mc) {
@@ -2275,12 +2302,20 @@ static void g8_linear(const Linear *L, int64_t G, const float *x, int64_t ldx, f
                 const int np = p1 - pn < 2 ? 1 : 2;
                 const int nv = (int)(n - n0 < np * PW ? n - n0 : np * PW);
                 for (int q = 0; u && q < np; q++) g8_relay(L, pn + q, u + q * k * PW);
-                for (int64_t r = m0, mr; r < m1; r += mr) {
+                /* the next panels' stored bytes asked into the cache while these run, a share for each row
+                 * tile, so that they come from the cache, not memory */
+                const int64_t next = p1 - pn - np < 2 ? p1 - pn - np : 2, tiles = (m1 - m0 + 5) / 6;
+                const int64_t pbytes = mode == G8_INT4 ? k * PW / 2 : k * PW;
+                const int64_t total = next * pbytes / 64, share = (total + tiles - 1) / tiles;
+                for (int64_t r = m0, mr, t = 0; r < m1; r += mr, t++) {
                     /* six-row tiles, a short remainder shared evenly (as packed_rows) */
                     const int64_t left = m1 - r;
                     mr = left >= 12 || left <= 6 ? (left < 6 ? (int)left : 6) : (int)((left + 1) / 2);
-                    g8_rows(L, G, xq + r * k, s + r * groups, xsum + r * groups, qsum + r * groups, u, pn, (int)mr,
-                            np, mode, c);
+                    const int64_t first = t * share;
+                    const int64_t pf_lines = first < total ? (total - first < share ? total - first : share) : 0;
+                    const char *pf = (const char *)L->w + (pn + np) * pbytes + 64 * first;
+                    g8_rows(L, G, xq + r * k, s + r * groups, xsum + r * groups, qsum + r * groups, corr + r, u, pn, (int)mr,
+                            np, mode, pf, pf_lines, (pf_lines + k / 4 - 1) / (k / 4), c);
                     for (int i = 0; i < (int)mr; i++) store_out(L, out + (r + i) * ldo + n0, n0, c[i], nv, accumulate);
                 }
             }
@@ -2290,6 +2325,7 @@ static void g8_linear(const Linear *L, int64_t G, const float *x, int64_t ldx, f
     free(xq);
     free(s);
     free(qsum);
+    free(corr);
 }
 
 /* One row: groups of four panels. xs: the row's group sums (int4 weights). */
@@ -2315,12 +2351,45 @@ static void packed_gemv(const Linear *L, const float *x, const float *xs, float 
     }
 }
 
+/* Whether int8 per-channel weights packed now are packed for the int8 rows (WTYPE_I8Q): k quads + 128, what
+ * vpdpbusd reads, so that no GEMM re-lays a panel. So while the int8 rows run (int8_rows and vnni on) and AMX-BF16
+ * tiles do not take the larger GEMMs (they read WTYPE_I8). A layer whose rows stay floating point (float_rows)
+ * is packed as WTYPE_I8 whatever this says. */
+int appl_int8_quads(void) { return g_int8_rows && g_vnni && !(g_amx && g_has_amx_bf16 && g_bf16_dot); }
+
+void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m, int accumulate);
+
+/* appl_linear for WTYPE_I8Q weights where the int8 rows do not take them (int8_rows or vnni turned off since
+ * they were packed, or float_rows set): the whole weight re-laid into WTYPE_I8's order for the call, the same
+ * sums as weights packed that way. A switch for comparisons, not a path a deployment runs. */
+static void i8q_linear_relaid(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m,
+                              int accumulate) {
+    const int64_t k = L->k, panels = (L->n + PW - 1) / PW;
+    int8_t *w = (int8_t *)malloc((size_t)(panels * k * PW));
+    if (!w) abort();
+    const uint8_t *q = (const uint8_t *)L->w;
+#pragma omp parallel for schedule(static)
+    for (int64_t pn = 0; pn < panels; pn++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int c = 0; c < PW; c++)
+                w[(pn * k + kk) * PW + c] = (int8_t)(q[pn * k * PW + (kk / 4) * 4 * PW + c * 4 + kk % 4] ^ 0x80);
+    Linear stored = *L;
+    stored.w = w;
+    stored.wtype = WTYPE_I8;
+    appl_linear(&stored, x, ldx, out, ldo, m, accumulate);
+    free(w);
+}
+
 /* out[m, n] = (accumulate ? out : 0) + scale[n] * <x[m, :], w[n, :]> + bias[n],
  * w packed in panels (see PW); threads split the panels. Rows are blocked so
  * a block of activations stays in L2 while the panels pass over it. */
 void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m, int accumulate) {
     if (L->wtype == WTYPE_I8A8) {
         a8_linear(L, x, ldx, out, ldo, m, accumulate);
+        return;
+    }
+    if (L->wtype == WTYPE_I8Q && !(g_int8_rows && g_vnni && !L->float_rows && g8_group(L))) {
+        i8q_linear_relaid(L, x, ldx, out, ldo, m, accumulate);
         return;
     }
     if (L->perm) { /* gather the inputs into the stored order, then the plain product, PERM_ROWS rows at a time */
@@ -2345,7 +2414,7 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
     mc = mc < 6 ? 6 : (mc / 6) * 6;
     const int q4 = L->wtype == WTYPE_Q4, grouped = q4 || L->wtype == WTYPE_Q8G;
     const int64_t g8 =
-        (grouped || L->wtype == WTYPE_I8) && g_int8_rows && g_vnni && !L->float_rows ? g8_group(L) : 0;
+        (grouped || L->wtype == WTYPE_I8 || L->wtype == WTYPE_I8Q) && g_int8_rows && g_vnni && !L->float_rows ? g8_group(L) : 0;
     if (g8 && !amx_bf16_takes(L, m)) {
         g8_linear(L, g8, x, ldx, out, ldo, m, accumulate);
         return;
