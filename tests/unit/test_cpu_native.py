@@ -76,8 +76,8 @@ def _avx2_only():
     stack.enter_context(_pinned(bf16_dot, False))
     stack.enter_context(_pinned(fma_rows, False))
     stack.enter_context(_pinned(avx512, False))
+    stack.enter_context(_pinned(int8_rows, False))  # before vnni: with vnni off it reads off, and would stay so
     stack.enter_context(_pinned(vnni, False))
-    stack.enter_context(_pinned(int8_rows, False))
     stack.enter_context(_pinned(amx, False))
     return stack
 
