@@ -22,7 +22,7 @@ from appliance.kernels.registry import BACKENDS
 # Load after torch so the library's libgomp.so.1 resolves to the one torch loaded.
 _LIB = ctypes.CDLL(str(build_library()))
 
-WTYPE_F32, WTYPE_I8, WTYPE_BF16, WTYPE_Q4, WTYPE_Q8G, WTYPE_I8A8, WTYPE_I8Q = 0, 1, 2, 3, 4, 5, 6
+WTYPE_F32, WTYPE_I8, WTYPE_BF16, WTYPE_Q4, WTYPE_Q8G, WTYPE_I8A8, WTYPE_I8Q, WTYPE_Q8GQ = 0, 1, 2, 3, 4, 5, 6, 7
 _p = ctypes.c_void_p
 _i32, _i64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
@@ -207,11 +207,11 @@ def int8_rows(enabled: Optional[bool] = None) -> bool:
 
 
 def int8_quads() -> bool:
-    """Whether int8 per-channel weights (``int8_wo``) packed now are stored
-    for the int8 rows: each panel's channels as k quads plus 128, the
-    unsigned operand of vpdpbusd, so no GEMM re-lays a panel per call (1.4x
-    at 8 rows on a 1B model's MLP, where the re-lay cost as much as the
-    weights' memory). So while ``int8_rows`` runs and AMX-BF16 tiles do not
+    """Whether int8 weights (per channel: ``int8_wo``; grouped: GGUF's Q8_0)
+    packed now are stored for the int8 rows: each panel's channels as k
+    quads plus 128, the unsigned operand of vpdpbusd, so no GEMM re-lays a
+    panel per call (1.3x at 8 rows on a 1B model's MLP, where the re-lay
+    cost about as much as reading the weights). So while ``int8_rows`` runs and AMX-BF16 tiles do not
     take the larger GEMMs (they read the plain panels). Layers that keep
     float rows (q/k/v, the LM head) are packed plainly whatever this says;
     weights packed as quads still run every other path, re-laid whole for
@@ -347,6 +347,11 @@ def _small_f32(t: torch.Tensor, what: str) -> torch.Tensor:
 WEIGHT_DTYPES = {torch.float32: WTYPE_F32, torch.bfloat16: WTYPE_BF16}  # unquantized weights, packed as they are
 
 
+def _as_quads(module: Any, float_rows: bool) -> bool:
+    """Whether a module's int8 weights are packed as the int8 rows' k quads (``int8_quads``)."""
+    return not float_rows and module.in_features % 4 == 0 and int8_quads()
+
+
 class NativeLinear:
     """A ctypes view of an fp32 or bf16 nn.Linear, an int8 or int4
     weight-only linear, or a W8A8 int8 one (``act_int8``: the rows quantized
@@ -359,8 +364,8 @@ class NativeLinear:
     usable only through this view.
 
     ``float_rows``: the rows stay floating point where int8 rows would run
-    (q/k/v, the LM head); int8 per-channel weights are then packed plainly
-    rather than as quads (``int8_quads``)."""
+    (q/k/v, the LM head); int8 weights (per channel, grouped) are then
+    packed plainly rather than as quads (``int8_quads``)."""
 
     def __init__(self, module: Any, release: bool = False, float_rows: bool = False):
         packed = getattr(module, "weight_packed", None)
@@ -368,21 +373,24 @@ class NativeLinear:
         qparams, group = None, 0
         if hasattr(module, "weight_q4") or hasattr(module, "weight_q8"):
             q4 = hasattr(module, "weight_q4")
+            quads = not q4 and (packed.dtype == torch.uint8 if packed is not None else  # as packed before
+                                _as_quads(module, float_rows) and module.group % 4 == 0)
             if packed is None:
                 if q4:
                     packed, qparams = pack_q4_panels(module.weight_q4, module.q_scale, module.q_min)
                 else:
-                    packed, qparams = pack_panels(module.weight_q8), pack_group_params(module.q_scale, module.q_min)
+                    packed = pack_int8_quads(module.weight_q8) if quads else pack_panels(module.weight_q8)
+                    qparams = pack_group_params(module.q_scale, module.q_min)
             else:
                 qparams = module.qparams_packed
-            scale, wtype, group = None, WTYPE_Q4 if q4 else WTYPE_Q8G, module.group
+            scale, wtype, group = None, WTYPE_Q4 if q4 else WTYPE_Q8GQ if quads else WTYPE_Q8G, module.group
         elif hasattr(module, "weight_int8"):
             if getattr(module, "act_int8", False):
                 wtype = WTYPE_I8A8
             elif packed is not None:
                 wtype = WTYPE_I8Q if packed.dtype == torch.uint8 else WTYPE_I8  # as packed before
             else:
-                wtype = WTYPE_I8Q if not float_rows and module.in_features % 4 == 0 and int8_quads() else WTYPE_I8
+                wtype = WTYPE_I8Q if _as_quads(module, float_rows) else WTYPE_I8
             if packed is None:
                 if wtype == WTYPE_I8A8:
                     packed, qparams = pack_vnni_panels(module.weight_int8)
@@ -403,7 +411,7 @@ class NativeLinear:
         n, k = module.out_features, module.in_features
         if release and not packed_before:
             module.weight_packed = packed
-            if wtype in (WTYPE_Q4, WTYPE_Q8G):
+            if wtype in (WTYPE_Q4, WTYPE_Q8G, WTYPE_Q8GQ):
                 module.qparams_packed = qparams
                 if wtype == WTYPE_Q4:
                     module.weight_q4 = torch.empty(0, dtype=torch.uint8)

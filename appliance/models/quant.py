@@ -306,8 +306,9 @@ class GroupedInt8Linear(_GroupedLinear):
     def rows(self, channels: torch.Tensor) -> torch.Tensor:
         """The dequantized weight's rows (d q + m, fp32, as ``dequantize_int4`` computes them) of the given
         output channels, read from the blocks as stored: row-major, or in the native backend's panels
-        (``weight_packed`` [panels, in, 16], ``qparams_packed`` [panels, groups, 2, 16]) once it packed them
-        and let the row-major copy go. An embedding tied to this head looks its tokens up here."""
+        (``weight_packed`` int8 [panels, in, 16], or uint8 [panels, in / 4, 16, 4]: its int8 rows' k quads
+        + 128; ``qparams_packed`` [panels, groups, 2, 16]) once it packed them and let the row-major copy go.
+        An embedding tied to this head looks its tokens up here."""
         if self.in_perm is not None:
             raise ValueError("rows of an act-order (GPTQ g_idx) linear are stored in another input order")
         c = channels.reshape(-1).to(torch.int64)
@@ -315,7 +316,9 @@ class GroupedInt8Linear(_GroupedLinear):
             q, d, m = self.weight_q8[c], self.q_scale[c], self.q_min[c]
         else:
             panel, lane = c // 16, c % 16
-            q = self.weight_packed[panel, :, lane]
+            q = self.weight_packed[panel, :, lane]  # quads: [channels, in / 4, 4], k = 4 j + i
+            if self.weight_packed.dtype == torch.uint8:
+                q = q.reshape(len(c), -1).to(torch.int16) - 128
             d, m = self.qparams_packed[panel, :, 0, lane], self.qparams_packed[panel, :, 1, lane]
         return q.float() * d.repeat_interleave(self.group, dim=1) + m.repeat_interleave(self.group, dim=1)
 

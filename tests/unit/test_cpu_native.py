@@ -1052,7 +1052,7 @@ def test_int8_rows_sum_each_group_exactly(kind, k, m, n):
     """4- and 8-bit weights run on vpdpbusd: every row quantized per group, each group's integer sums
     exact; the result is the fp64 reference of that arithmetic up to fp32 rounding (one and two panels;
     up to six rows read from the stored panels, more from re-laid ones in row tiles of six and their
-    remainders; accumulate), and it stays within the rows' rounding (half a step of each group's scale)
+    remainders, int8 per channel from its stored k quads at every count; accumulate), and it stays within the rows' rounding (half a step of each group's scale)
     of the fp32 GEMM of the dequantized weights."""
     mod, q, d, mn, group, w, b = _int8_rows_case(kind, n, k, seed=m * 100 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -1085,7 +1085,8 @@ def test_int8_rows_results_do_not_depend_on_the_batch():
     assert all(torch.equal(whole[:len(p)], p) for p in parts)
 
 
-WTYPE_I8, WTYPE_I8Q = 1, 6  # cpu_ops.c: int8 per channel as stored panels, and as the int8 rows' k quads
+# cpu_ops.c: int8 per channel and grouped int8 as stored panels, and as the int8 rows' k quads
+WTYPE_I8, WTYPE_Q8G, WTYPE_I8Q, WTYPE_Q8GQ = 1, 4, 6, 7
 
 
 def test_int8_quads_are_the_vnni_panels_offset_to_unsigned_bytes():
@@ -1099,14 +1100,14 @@ def test_int8_quads_are_the_vnni_panels_offset_to_unsigned_bytes():
 
 
 @needs_int8_rows
-@pytest.mark.parametrize("k", [256, 200])  # rows in groups of 32 and of 8
+@pytest.mark.parametrize("kind,k", [("int8", 256), ("int8", 200), ("q8 g32", 256), ("q8 g16", 208)])
 @pytest.mark.parametrize("m", [1, 5, 7, 13, 40])
 @pytest.mark.parametrize("n", [7, 50])
-def test_int8_weights_packed_as_quads_for_the_int8_rows_give_the_stored_panels_sums(k, m, n):
-    """With the int8 rows on, int8 per-channel weights are packed as vpdpbusd's k quads (no panel re-laid per
-    call): the same bits as the stored panels on the int8 rows, and, with the rows switched back to floating
-    point after packing, as the stored panels there too (the quads re-laid for the call)."""
-    mod, _, _ = _module("int8", n, k, bias=True, seed=m * 10 + n)
+def test_int8_weights_packed_as_quads_for_the_int8_rows_give_the_stored_panels_sums(kind, k, m, n):
+    """With the int8 rows on, int8 weights (per channel; grouped) are packed as vpdpbusd's k quads (no panel
+    re-laid per call): the same bits as the stored panels on the int8 rows, and, with the rows switched back
+    to floating point after packing, as the stored panels there too (the quads re-laid for the call)."""
+    mod = _int8_rows_case(kind, n, k, seed=m * 10 + n)[0]
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     base = torch.randn(m, n)
     with _pinned(amx, False):
@@ -1116,7 +1117,8 @@ def test_int8_weights_packed_as_quads_for_the_int8_rows_give_the_stored_panels_s
         with _pinned(int8_rows, False):
             assert not int8_quads()
             stored = NativeLinear(mod)
-        assert (quads.struct.wtype, stored.struct.wtype) == (WTYPE_I8Q, WTYPE_I8)
+        assert (quads.struct.wtype, stored.struct.wtype) == ((WTYPE_I8Q, WTYPE_I8) if kind == "int8" else
+                                                            (WTYPE_Q8GQ, WTYPE_Q8G))
         for rows in (True, False):
             with _pinned(int8_rows, rows):
                 assert torch.equal(quads(x), stored(x))

@@ -89,10 +89,12 @@ def test_tiny_model_runs_int4_wo():
     assert all(len(o.outputs[0].token_ids) == 8 for o in q)
 
 
-def test_grouped_int8_rows_read_the_blocks_row_major_and_from_the_native_panels():
+@pytest.mark.parametrize("float_rows", [True, False])  # packed as the native forward packs a head; as k quads
+def test_grouped_int8_rows_read_the_blocks_row_major_and_from_the_native_panels(float_rows):
     """What an embedding tied to a grouped-int8 head looks its tokens up with: the dequantized weight's rows,
-    exactly, before and after the native backend packs the blocks and lets the row-major copy go."""
-    from appliance.kernels.cpu_native import NativeLinear
+    exactly, before and after the native backend packs the blocks (plain panels, or the int8 rows' k quads
+    where they run) and lets the row-major copy go."""
+    from appliance.kernels.cpu_native import NativeLinear, int8_quads
     from appliance.models.gguf_blocks import TiedBlockEmbedding
     from appliance.models.quant import GroupedInt8Linear
 
@@ -106,7 +108,8 @@ def test_grouped_int8_rows_read_the_blocks_row_major_and_from_the_native_panels(
     emb = TiedBlockEmbedding(lin, torch.bfloat16)
     assert torch.equal(lin.rows(ids), table[ids.reshape(-1)])
     assert torch.equal(emb(ids), table[ids].to(torch.bfloat16))
-    NativeLinear(lin, release=True)
+    NativeLinear(lin, release=True, float_rows=float_rows)
     assert lin.weight_q8.numel() == 0  # held once: the panels
+    assert lin.weight_packed.dtype == (torch.uint8 if int8_quads() and not float_rows else torch.int8)
     assert torch.equal(lin.rows(ids), table[ids.reshape(-1)]) and torch.equal(emb(ids), table[ids].to(torch.bfloat16))
     assert not list(emb.parameters()) and not list(emb.buffers())  # the head's blocks, not a copy

@@ -48,6 +48,7 @@
 #define WTYPE_Q8G 4 /* int8 [ceil(n / 16), k, 16] with a group scale and min (fp32 qparams, as int4's) */
 #define WTYPE_I8A8 5 /* int8 [ceil(n / 16), ceil(k / 4), 16, 4], rows quantized per call (see "W8A8 int8") */
 #define WTYPE_I8Q 6  /* int8 per channel as WTYPE_I8, stored as k quads + 128 for the int8 rows (see appl_int8_quads) */
+#define WTYPE_Q8GQ 7 /* grouped int8 as WTYPE_Q8G (the same qparams), stored as k quads + 128 (see appl_int8_quads) */
 #define Q4_ROWS_MAX 6 /* rows of one pass of the int4 row kernels */
 /* int4 GEMMs up to this many rows read the 4-bit panels directly, in passes (AVX-512F, AVX2); more widen them */
 #define Q4_DIRECT_MAX 15
@@ -68,6 +69,9 @@ typedef struct {
 
 /* Whether L's panels carry a scale and min per group of k (int4, grouped int8). */
 static inline int grouped_panels(const Linear *L) { return L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G; }
+
+/* Whether L's int8 panels are stored as the int8 rows' k quads ([k / 4][16][4] bytes + 128). */
+static inline int quad_panels(const Linear *L) { return L->wtype == WTYPE_I8Q || L->wtype == WTYPE_Q8GQ; }
 
 /* A sparse (mixture-of-experts) layer's MLP: the router, then experts
  * first .. first + n_local - 1 of n_experts, each a SiLU-gated MLP. */
@@ -2075,8 +2079,8 @@ AVX512_TARGET static void q4_rows_passes(const Linear *L, const float *x, int64_
  * more rows re-lay each panel once a block of rows into k quads
  * ([k / 4][16][4] bytes): a quarter of the bytes of the vdpbf16ps path's
  * bf16 re-lay, and one instruction does 64 multiply-adds against
- * vdpbf16ps's 32. int8 per-channel weights packed for these rows
- * (WTYPE_I8Q, appl_int8_quads) are those quads already: every row count
+ * vdpbf16ps's 32. int8 weights packed for these rows (WTYPE_I8Q,
+ * WTYPE_Q8GQ: appl_int8_quads) are those quads already: every row count
  * reads them as stored (1.33x the re-laid panels at 8 rows, 1.1x at 32
  * and 256 on Zen 4). Every row is quantized alike whatever the batch, so a
  * request's results do not depend on what shares its step. Where AMX-BF16
@@ -2146,10 +2150,11 @@ static void g8_quantize(const float *x, int64_t ldx, int64_t m, int64_t k, int G
 }
 
 /* Quad j (k = 4j .. 4j + 3) of panel pn of int4 or int8 weights as 16 channels of four unsigned bytes, vpdpbusd's
- * operand: int4 as stored (pair rows 2j and 2j + 1 hold them as lo, hi, lo, hi), int8 + 128. */
+ * operand: int4 as stored (pair rows 2j and 2j + 1 hold them as lo, hi, lo, hi), int8 + 128 (quad_panels: as
+ * stored). */
 VNNI_TARGET static inline __attribute__((always_inline)) __m512i g8_quad(const Linear *L, int64_t pn, int64_t j) {
     const int64_t k = L->k;
-    if (L->wtype == WTYPE_I8Q) return _mm512_loadu_si512((const uint8_t *)L->w + pn * k * PW + j * 4 * PW);
+    if (quad_panels(L)) return _mm512_loadu_si512((const uint8_t *)L->w + pn * k * PW + j * 4 * PW);
     if (L->wtype == WTYPE_Q4) {
         const uint8_t *p = (const uint8_t *)L->w + pn * (k * PW / 2) + 2 * j * PW;
         const __m512i lo = _mm512_set1_epi32(0x0f), hi = _mm512_set1_epi32(0xf0);
@@ -2177,13 +2182,13 @@ VNNI_TARGET static void g8_relay(const Linear *L, int64_t pn, uint8_t *u) {
 #define G8_CHANNEL 2 /* int8 per output channel (+ 128): the channel's scale applies on the way out */
 
 /* R rows of quantized x (row stride k; s, xsum, qsum row stride k / G; corr one a row) by NP panels from pn:
- * re-laid at u, or
- * (DIRECT) read from the stored panels, each quad re-laid in registers; c[r][q * PW + j] = channel j of panel
- * pn + q for row r. */
+ * re-laid at u, or (DIRECT) read from the stored panels (g8_quad); c[r][q * PW + j] = channel j of panel pn + q
+ * for row r. Asks pf_lines cache lines from pf into the cache on the way, pf_step a quad. */
 VNNI_TARGET static inline __attribute__((always_inline)) void g8_tile(const Linear *L, const int64_t G,
                                                                      const int8_t *xq, const float *s,
                                                                      const float *xsum, const int32_t *qsum,
-                                                                     const float *corr, const uint8_t *u, int64_t pn, const int R,
+                                                                     const float *corr, const uint8_t *u,
+                                                                     int64_t pn, const int R,
                                                                      const int NP, const int MODE, const int DIRECT,
                                                                      const char *pf, int64_t pf_lines, int64_t pf_step,
                                                                      float c[G8_ROWS][2 * PW]) {
@@ -2278,8 +2283,10 @@ static int64_t g8_group(const Linear *L) {
 static void g8_linear(const Linear *L, int64_t G, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m,
                       int accumulate) {
     const int64_t k = L->k, n = L->n, groups = k / G, panels = (n + PW - 1) / PW;
-    const int mode = L->wtype == WTYPE_Q4 ? G8_INT4 : L->wtype == WTYPE_Q8G ? G8_GROUPED : G8_CHANNEL;
-    const int direct = m <= G8_DIRECT_ROWS || L->wtype == WTYPE_I8Q; /* stored quads: no re-lay */
+    const int mode = L->wtype == WTYPE_Q4                                 ? G8_INT4
+                     : L->wtype == WTYPE_Q8G || L->wtype == WTYPE_Q8GQ ? G8_GROUPED
+                                                                       : G8_CHANNEL;
+    const int direct = m <= G8_DIRECT_ROWS || quad_panels(L); /* stored quads: no re-lay */
     int8_t *xq = (int8_t *)malloc((size_t)(m * k));
     float *s = (float *)malloc(sizeof(float) * (size_t)(2 * m * groups));
     int32_t *qsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(m * groups));
@@ -2351,18 +2358,18 @@ static void packed_gemv(const Linear *L, const float *x, const float *xs, float 
     }
 }
 
-/* Whether int8 per-channel weights packed now are packed for the int8 rows (WTYPE_I8Q): k quads + 128, what
- * vpdpbusd reads, so that no GEMM re-lays a panel. So while the int8 rows run (int8_rows and vnni on) and AMX-BF16
- * tiles do not take the larger GEMMs (they read WTYPE_I8). A layer whose rows stay floating point (float_rows)
- * is packed as WTYPE_I8 whatever this says. */
+/* Whether int8 weights (per channel, grouped) packed now are packed for the int8 rows (WTYPE_I8Q, WTYPE_Q8GQ):
+ * k quads + 128, what vpdpbusd reads, so that no GEMM re-lays a panel. So while the int8 rows run (int8_rows and
+ * vnni on) and AMX-BF16 tiles do not take the larger GEMMs (they read WTYPE_I8 and WTYPE_Q8G). A layer whose
+ * rows stay floating point (float_rows) is packed plainly whatever this says. */
 int appl_int8_quads(void) { return g_int8_rows && g_vnni && !(g_amx && g_has_amx_bf16 && g_bf16_dot); }
 
 void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m, int accumulate);
 
-/* appl_linear for WTYPE_I8Q weights where the int8 rows do not take them (int8_rows or vnni turned off since
- * they were packed, or float_rows set): the whole weight re-laid into WTYPE_I8's order for the call, the same
- * sums as weights packed that way. A switch for comparisons, not a path a deployment runs. */
-static void i8q_linear_relaid(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m,
+/* appl_linear for quad_panels weights where the int8 rows do not take them (int8_rows or vnni turned off since
+ * they were packed, or float_rows set): the whole weight re-laid into the plain panels (WTYPE_I8, WTYPE_Q8G) for
+ * the call, the same sums as weights packed that way. A switch for comparisons, not a path a deployment runs. */
+static void quads_linear_relaid(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m,
                               int accumulate) {
     const int64_t k = L->k, panels = (L->n + PW - 1) / PW;
     int8_t *w = (int8_t *)malloc((size_t)(panels * k * PW));
@@ -2375,7 +2382,7 @@ static void i8q_linear_relaid(const Linear *L, const float *x, int64_t ldx, floa
                 w[(pn * k + kk) * PW + c] = (int8_t)(q[pn * k * PW + (kk / 4) * 4 * PW + c * 4 + kk % 4] ^ 0x80);
     Linear stored = *L;
     stored.w = w;
-    stored.wtype = WTYPE_I8;
+    stored.wtype = L->wtype == WTYPE_I8Q ? WTYPE_I8 : WTYPE_Q8G;
     appl_linear(&stored, x, ldx, out, ldo, m, accumulate);
     free(w);
 }
@@ -2388,8 +2395,8 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
         a8_linear(L, x, ldx, out, ldo, m, accumulate);
         return;
     }
-    if (L->wtype == WTYPE_I8Q && !(g_int8_rows && g_vnni && !L->float_rows && g8_group(L))) {
-        i8q_linear_relaid(L, x, ldx, out, ldo, m, accumulate);
+    if (quad_panels(L) && !(g_int8_rows && g_vnni && !L->float_rows && g8_group(L))) {
+        quads_linear_relaid(L, x, ldx, out, ldo, m, accumulate);
         return;
     }
     if (L->perm) { /* gather the inputs into the stored order, then the plain product, PERM_ROWS rows at a time */
@@ -2414,7 +2421,7 @@ void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64
     mc = mc < 6 ? 6 : (mc / 6) * 6;
     const int q4 = L->wtype == WTYPE_Q4, grouped = q4 || L->wtype == WTYPE_Q8G;
     const int64_t g8 =
-        (grouped || L->wtype == WTYPE_I8 || L->wtype == WTYPE_I8Q) && g_int8_rows && g_vnni && !L->float_rows ? g8_group(L) : 0;
+        (grouped || L->wtype == WTYPE_I8 || quad_panels(L)) && g_int8_rows && g_vnni && !L->float_rows ? g8_group(L) : 0;
     if (g8 && !amx_bf16_takes(L, m)) {
         g8_linear(L, g8, x, ldx, out, ldo, m, accumulate);
         return;
