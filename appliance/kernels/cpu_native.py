@@ -40,7 +40,9 @@ from appliance.kernels.cpu_native_pack import (  # noqa: F401 (named from here t
     pack_group_params,
     pack_int8_quads,
     pack_panels,
+    pack_q4_pairs,
     pack_q4_panels,
+    pack_q4_quads,
     pack_vnni_panels,
 )
 from appliance.kernels.cpu_native_ops import (  # noqa: F401 (the library's Python face, named from here)

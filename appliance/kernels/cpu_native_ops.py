@@ -15,14 +15,14 @@ import torch
 
 from appliance.kernels.base import CommonAttentionMetadata
 from appliance.kernels.cpu_build import build_library
-from appliance.kernels.cpu_native_pack import (pack_group_params, pack_int8_quads, pack_panels, pack_q4_panels,
-                                             pack_vnni_panels)
+from appliance.kernels.cpu_native_pack import (pack_group_params, pack_int8_quads, pack_panels, pack_q4_pairs,
+                                             pack_q4_quads, pack_vnni_panels)
 from appliance.kernels.registry import BACKENDS
 
 # Load after torch so the library's libgomp.so.1 resolves to the one torch loaded.
 _LIB = ctypes.CDLL(str(build_library()))
 
-WTYPE_F32, WTYPE_I8, WTYPE_BF16, WTYPE_Q4, WTYPE_Q8G, WTYPE_I8A8, WTYPE_I8Q, WTYPE_Q8GQ = 0, 1, 2, 3, 4, 5, 6, 7
+WTYPE_F32, WTYPE_I8, WTYPE_BF16, WTYPE_Q4, WTYPE_Q8G, WTYPE_I8A8, WTYPE_I8Q, WTYPE_Q8GQ, WTYPE_Q4Q = range(9)
 _p = ctypes.c_void_p
 _i32, _i64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
@@ -207,10 +207,10 @@ def int8_rows(enabled: Optional[bool] = None) -> bool:
 
 
 def int8_quads() -> bool:
-    """Whether int8 weights (per channel: ``int8_wo``; grouped: GGUF's Q8_0)
-    packed now are stored for the int8 rows: each panel's channels as k
-    quads plus 128, the unsigned operand of vpdpbusd, so no GEMM re-lays a
-    panel per call (1.3x at 8 rows on a 1B model's MLP, where the re-lay
+    """Whether 4- and 8-bit weights (int8 per channel: ``int8_wo``; grouped
+    int8: GGUF's Q8_0; int4) packed now are stored for the int8 rows: each
+    panel's channels as k quads (int8 plus 128; int4 two quads a byte), the
+    unsigned operand of vpdpbusd, so no GEMM re-lays a panel per call (1.3x at 8 rows on a 1B model's MLP, where the re-lay
     cost about as much as reading the weights). So while ``int8_rows`` runs and AMX-BF16 tiles do not
     take the larger GEMMs (they read the plain panels). Layers that keep
     float rows (q/k/v, the LM head) are packed plainly whatever this says;
@@ -373,22 +373,23 @@ class NativeLinear:
         qparams, group = None, 0
         if hasattr(module, "weight_q4") or hasattr(module, "weight_q8"):
             q4 = hasattr(module, "weight_q4")
-            quads = not q4 and (packed.dtype == torch.uint8 if packed is not None else  # as packed before
-                                _as_quads(module, float_rows) and module.group % 4 == 0)
+            quads = packed.dim() == 4 if packed is not None else (  # as packed before
+                _as_quads(module, float_rows) and module.group % 4 == 0 and module.in_features % (8 if q4 else 4) == 0)
             if packed is None:
+                qparams = pack_group_params(module.q_scale, module.q_min)
                 if q4:
-                    packed, qparams = pack_q4_panels(module.weight_q4, module.q_scale, module.q_min)
+                    packed = pack_q4_quads(module.weight_q4) if quads else pack_q4_pairs(module.weight_q4)
                 else:
                     packed = pack_int8_quads(module.weight_q8) if quads else pack_panels(module.weight_q8)
-                    qparams = pack_group_params(module.q_scale, module.q_min)
             else:
                 qparams = module.qparams_packed
-            scale, wtype, group = None, WTYPE_Q4 if q4 else WTYPE_Q8GQ if quads else WTYPE_Q8G, module.group
+            wtype = (WTYPE_Q4Q if quads else WTYPE_Q4) if q4 else (WTYPE_Q8GQ if quads else WTYPE_Q8G)
+            scale, group = None, module.group
         elif hasattr(module, "weight_int8"):
             if getattr(module, "act_int8", False):
                 wtype = WTYPE_I8A8
             elif packed is not None:
-                wtype = WTYPE_I8Q if packed.dtype == torch.uint8 else WTYPE_I8  # as packed before
+                wtype = WTYPE_I8Q if packed.dim() == 4 else WTYPE_I8  # as packed before
             else:
                 wtype = WTYPE_I8Q if _as_quads(module, float_rows) else WTYPE_I8
             if packed is None:
@@ -411,9 +412,9 @@ class NativeLinear:
         n, k = module.out_features, module.in_features
         if release and not packed_before:
             module.weight_packed = packed
-            if wtype in (WTYPE_Q4, WTYPE_Q8G, WTYPE_Q8GQ):
+            if wtype in (WTYPE_Q4, WTYPE_Q4Q, WTYPE_Q8G, WTYPE_Q8GQ):
                 module.qparams_packed = qparams
-                if wtype == WTYPE_Q4:
+                if wtype in (WTYPE_Q4, WTYPE_Q4Q):
                     module.weight_q4 = torch.empty(0, dtype=torch.uint8)
                 else:
                     module.weight_q8 = torch.empty(0, dtype=torch.int8)

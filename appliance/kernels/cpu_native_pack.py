@@ -46,17 +46,39 @@ def pack_int8_quads(q: torch.Tensor) -> torch.Tensor:
 
 def pack_q4_panels(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int4 values q (uint8 [n, k], 0..15) with group scales d and mins m
-    ([n, k / group], both fp16 or both fp32) -> (bytes [ceil(n / 16), k / 2,
-    16]: channel c of k pair j in byte c of row j, k = 2j in its low nibble;
+    ([n, k / group], both fp16 or both fp32) -> (``pack_q4_pairs(q)``;
     qparams in d's dtype [ceil(n / 16), k / group, 2, 16]: each group's 16
-    scales, then 16 mins). Channels past n are zero."""
+    scales, then 16 mins)."""
+    return pack_q4_pairs(q), pack_group_params(d, m)
+
+
+def _padded_q4(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
-    panels = -(-n // PANEL)
-    qp = torch.zeros(panels * PANEL, k, dtype=torch.uint8)
+    qp = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.uint8)
     qp[:n] = q
-    pairs = qp.view(panels, PANEL, k // 2, 2)
-    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()
-    return packed, pack_group_params(d, m)
+    return qp
+
+
+def pack_q4_pairs(q: torch.Tensor) -> torch.Tensor:
+    """int4 values q (uint8 [n, k], 0..15) -> bytes [ceil(n / 16), k / 2, 16]:
+    channel c of k pair j in byte c of row j, k = 2j in its low nibble.
+    Channels past n are zero."""
+    k = q.shape[1]
+    pairs = _padded_q4(q).view(-1, PANEL, k // 2, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()
+
+
+def pack_q4_quads(q: torch.Tensor) -> torch.Tensor:
+    """int4 values q (uint8 [n, k], 0..15; k a multiple of 8) -> bytes
+    [ceil(n / 16), k / 8, 16, 4], the int8 rows' quads two to a byte: byte i
+    of channel c in row j holds k = 8j + i in its low nibble and 8j + 4 + i
+    in its high one (a row's 64 bytes are two of vpdpbusd's operands, one
+    mask and one shift apart). Channels past n are zero."""
+    k = q.shape[1]
+    if k % 8:
+        raise ValueError(f"int4 quads need in_features a multiple of 8, not {k}")
+    halves = _padded_q4(q).view(-1, PANEL, k // 8, 2, 4)
+    return (halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)).transpose(1, 2).contiguous()
 
 
 def pack_group_params(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

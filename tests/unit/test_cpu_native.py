@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from appliance import LLM, SamplingParams
 from appliance.kernels.cpu_native import (CpuNativeBackend, NativeLinear, amx, amx_min_rows, avx512, bf16_attention, bf16_dot, decode_tiles, fma_rows,
-                                          int8_quads, int8_rows, pack_int8_quads, pack_q4_panels, pack_vnni_panels,
-                                          vnni)
+                                          int8_quads, int8_rows, pack_int8_quads, pack_q4_panels, pack_q4_quads,
+                                          pack_vnni_panels, vnni)
 from appliance.kernels.registry import Selection
 from appliance.models.quant import (GroupedInt8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4,
                                     int8_matmul, quantize_int8_weight_only, quantize_rows_int8)
@@ -1085,8 +1085,9 @@ def test_int8_rows_results_do_not_depend_on_the_batch():
     assert all(torch.equal(whole[:len(p)], p) for p in parts)
 
 
-# cpu_ops.c: int8 per channel and grouped int8 as stored panels, and as the int8 rows' k quads
-WTYPE_I8, WTYPE_Q8G, WTYPE_I8Q, WTYPE_Q8GQ = 1, 4, 6, 7
+# cpu_ops.c: int8 per channel, int4 and grouped int8 as stored panels, and as the int8 rows' k quads
+WTYPE_I8, WTYPE_Q4, WTYPE_Q8G, WTYPE_I8Q, WTYPE_Q8GQ, WTYPE_Q4Q = 1, 3, 4, 6, 7, 8
+QUAD_TYPES = {"int8": (WTYPE_I8Q, WTYPE_I8), "q8": (WTYPE_Q8GQ, WTYPE_Q8G), "int4": (WTYPE_Q4Q, WTYPE_Q4)}
 
 
 def test_int8_quads_are_the_vnni_panels_offset_to_unsigned_bytes():
@@ -1099,14 +1100,26 @@ def test_int8_quads_are_the_vnni_panels_offset_to_unsigned_bytes():
         pack_int8_quads(q[:, :10])
 
 
+def test_int4_quads_hold_two_quads_a_byte():
+    q = torch.randint(0, 16, (20, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    quads = pack_q4_quads(q)
+    assert quads.shape == (2, 2, 16, 4)
+    assert torch.equal(quads[1, 1, 3] & 15, q[19, 8:12]) and torch.equal(quads[1, 1, 3] >> 4, q[19, 12:16])
+    assert torch.equal(quads[0, 0, 5] & 15, q[5, 0:4]) and not quads[1, :, 4:].any()  # channels past n: zero
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_q4_quads(q[:, :12])
+
+
 @needs_int8_rows
-@pytest.mark.parametrize("kind,k", [("int8", 256), ("int8", 200), ("q8 g32", 256), ("q8 g16", 208)])
+@pytest.mark.parametrize("kind,k", [("int8", 256), ("int8", 200), ("q8 g32", 256), ("q8 g16", 208),
+                                    ("int4 g32", 256), ("int4 g128", 384)])
 @pytest.mark.parametrize("m", [1, 5, 7, 13, 40])
 @pytest.mark.parametrize("n", [7, 50])
-def test_int8_weights_packed_as_quads_for_the_int8_rows_give_the_stored_panels_sums(kind, k, m, n):
-    """With the int8 rows on, int8 weights (per channel; grouped) are packed as vpdpbusd's k quads (no panel
-    re-laid per call): the same bits as the stored panels on the int8 rows, and, with the rows switched back
-    to floating point after packing, as the stored panels there too (the quads re-laid for the call)."""
+def test_weights_packed_as_quads_for_the_int8_rows_give_the_stored_panels_sums(kind, k, m, n):
+    """With the int8 rows on, 4- and 8-bit weights (int8 per channel, grouped int8, int4) are packed as
+    vpdpbusd's k quads (no panel re-laid per call): the same bits as the stored panels on the int8 rows, and,
+    with the rows switched back to floating point after packing, as the stored panels there too (the quads
+    re-laid for the call)."""
     mod = _int8_rows_case(kind, n, k, seed=m * 10 + n)[0]
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     base = torch.randn(m, n)
@@ -1117,8 +1130,7 @@ def test_int8_weights_packed_as_quads_for_the_int8_rows_give_the_stored_panels_s
         with _pinned(int8_rows, False):
             assert not int8_quads()
             stored = NativeLinear(mod)
-        assert (quads.struct.wtype, stored.struct.wtype) == ((WTYPE_I8Q, WTYPE_I8) if kind == "int8" else
-                                                            (WTYPE_Q8GQ, WTYPE_Q8G))
+        assert (quads.struct.wtype, stored.struct.wtype) == QUAD_TYPES[kind.split()[0]]
         for rows in (True, False):
             with _pinned(int8_rows, rows):
                 assert torch.equal(quads(x), stored(x))

@@ -49,6 +49,7 @@
 #define WTYPE_I8A8 5 /* int8 [ceil(n / 16), ceil(k / 4), 16, 4], rows quantized per call (see "W8A8 int8") */
 #define WTYPE_I8Q 6  /* int8 per channel as WTYPE_I8, stored as k quads + 128 for the int8 rows (see appl_int8_quads) */
 #define WTYPE_Q8GQ 7 /* grouped int8 as WTYPE_Q8G (the same qparams), stored as k quads + 128 (see appl_int8_quads) */
+#define WTYPE_Q4Q 8  /* int4 as WTYPE_Q4 (the same qparams), stored as pairs of k quads (see appl_int8_quads) */
 #define Q4_ROWS_MAX 6 /* rows of one pass of the int4 row kernels */
 /* int4 GEMMs up to this many rows read the 4-bit panels directly, in passes (AVX-512F, AVX2); more widen them */
 #define Q4_DIRECT_MAX 15
@@ -70,8 +71,11 @@ typedef struct {
 /* Whether L's panels carry a scale and min per group of k (int4, grouped int8). */
 static inline int grouped_panels(const Linear *L) { return L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q8G; }
 
-/* Whether L's int8 panels are stored as the int8 rows' k quads ([k / 4][16][4] bytes + 128). */
-static inline int quad_panels(const Linear *L) { return L->wtype == WTYPE_I8Q || L->wtype == WTYPE_Q8GQ; }
+/* Whether L's panels are stored as the int8 rows' k quads: int8 [k / 4][16][4] bytes + 128; int4
+ * [k / 8][16][4] bytes, byte i of channel c holding k = 8j + i in its low nibble and 8j + 4 + i in its high. */
+static inline int quad_panels(const Linear *L) {
+    return L->wtype == WTYPE_I8Q || L->wtype == WTYPE_Q8GQ || L->wtype == WTYPE_Q4Q;
+}
 
 /* A sparse (mixture-of-experts) layer's MLP: the router, then experts
  * first .. first + n_local - 1 of n_experts, each a SiLU-gated MLP. */
@@ -2079,8 +2083,9 @@ AVX512_TARGET static void q4_rows_passes(const Linear *L, const float *x, int64_
  * more rows re-lay each panel once a block of rows into k quads
  * ([k / 4][16][4] bytes): a quarter of the bytes of the vdpbf16ps path's
  * bf16 re-lay, and one instruction does 64 multiply-adds against
- * vdpbf16ps's 32. int8 weights packed for these rows (WTYPE_I8Q,
- * WTYPE_Q8GQ: appl_int8_quads) are those quads already: every row count
+ * vdpbf16ps's 32. Weights packed for these rows (WTYPE_I8Q, WTYPE_Q8GQ,
+ * WTYPE_Q4Q: appl_int8_quads) are those quads already (int4 two a byte,
+ * one mask or one shift apart): every row count
  * reads them as stored (1.33x the re-laid panels at 8 rows, 1.1x at 32
  * and 256 on Zen 4). Every row is quantized alike whatever the batch, so a
  * request's results do not depend on what shares its step. Where AMX-BF16
@@ -2154,6 +2159,10 @@ static void g8_quantize(const float *x, int64_t ldx, int64_t m, int64_t k, int G
  * stored). */
 VNNI_TARGET static inline __attribute__((always_inline)) __m512i g8_quad(const Linear *L, int64_t pn, int64_t j) {
     const int64_t k = L->k;
+    if (L->wtype == WTYPE_Q4Q) { /* quad j: the low or the high nibbles of its pair's 64 bytes */
+        const __m512i v = _mm512_loadu_si512((const uint8_t *)L->w + pn * (k * PW / 2) + (j / 2) * 4 * PW);
+        return _mm512_and_si512(j & 1 ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0f));
+    }
     if (quad_panels(L)) return _mm512_loadu_si512((const uint8_t *)L->w + pn * k * PW + j * 4 * PW);
     if (L->wtype == WTYPE_Q4) {
         const uint8_t *p = (const uint8_t *)L->w + pn * (k * PW / 2) + 2 * j * PW;
@@ -2283,7 +2292,7 @@ static int64_t g8_group(const Linear *L) {
 static void g8_linear(const Linear *L, int64_t G, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m,
                       int accumulate) {
     const int64_t k = L->k, n = L->n, groups = k / G, panels = (n + PW - 1) / PW;
-    const int mode = L->wtype == WTYPE_Q4                                 ? G8_INT4
+    const int mode = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q4Q        ? G8_INT4
                      : L->wtype == WTYPE_Q8G || L->wtype == WTYPE_Q8GQ ? G8_GROUPED
                                                                        : G8_CHANNEL;
     const int direct = m <= G8_DIRECT_ROWS || quad_panels(L); /* stored quads: no re-lay */
@@ -2358,31 +2367,43 @@ static void packed_gemv(const Linear *L, const float *x, const float *xs, float 
     }
 }
 
-/* Whether int8 weights (per channel, grouped) packed now are packed for the int8 rows (WTYPE_I8Q, WTYPE_Q8GQ):
- * k quads + 128, what vpdpbusd reads, so that no GEMM re-lays a panel. So while the int8 rows run (int8_rows and
- * vnni on) and AMX-BF16 tiles do not take the larger GEMMs (they read WTYPE_I8 and WTYPE_Q8G). A layer whose
- * rows stay floating point (float_rows) is packed plainly whatever this says. */
+/* Whether 4- and 8-bit weights packed now are packed for the int8 rows (WTYPE_I8Q, WTYPE_Q8GQ, WTYPE_Q4Q, see
+ * quad_panels): what vpdpbusd reads, so that no GEMM re-lays a panel. So while the int8 rows run (int8_rows and
+ * vnni on) and AMX-BF16 tiles do not take the larger GEMMs (they read the plain panels). A layer whose rows stay
+ * floating point (float_rows) is packed plainly whatever this says. */
 int appl_int8_quads(void) { return g_int8_rows && g_vnni && !(g_amx && g_has_amx_bf16 && g_bf16_dot); }
 
 void appl_linear(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m, int accumulate);
 
 /* appl_linear for quad_panels weights where the int8 rows do not take them (int8_rows or vnni turned off since
- * they were packed, or float_rows set): the whole weight re-laid into the plain panels (WTYPE_I8, WTYPE_Q8G) for
- * the call, the same sums as weights packed that way. A switch for comparisons, not a path a deployment runs. */
+ * they were packed, or float_rows set): the whole weight re-laid into the plain panels (WTYPE_I8, WTYPE_Q8G,
+ * WTYPE_Q4) for the call, the same sums as weights packed that way. A switch for comparisons, not a path a
+ * deployment runs. */
 static void quads_linear_relaid(const Linear *L, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m,
-                              int accumulate) {
-    const int64_t k = L->k, panels = (L->n + PW - 1) / PW;
-    int8_t *w = (int8_t *)malloc((size_t)(panels * k * PW));
+                                int accumulate) {
+    const int64_t k = L->k, panels = (L->n + PW - 1) / PW, q4 = L->wtype == WTYPE_Q4Q;
+    const int64_t pstride = q4 ? k * PW / 2 : k * PW;
+    uint8_t *w = (uint8_t *)malloc((size_t)(panels * pstride));
     if (!w) abort();
     const uint8_t *q = (const uint8_t *)L->w;
 #pragma omp parallel for schedule(static)
-    for (int64_t pn = 0; pn < panels; pn++)
-        for (int64_t kk = 0; kk < k; kk++)
-            for (int c = 0; c < PW; c++)
-                w[(pn * k + kk) * PW + c] = (int8_t)(q[pn * k * PW + (kk / 4) * 4 * PW + c * 4 + kk % 4] ^ 0x80);
+    for (int64_t pn = 0; pn < panels; pn++) {
+        const uint8_t *p = q + pn * pstride;
+        uint8_t *o = w + pn * pstride;
+        if (q4) /* k kk and kk + 1 (one quad, one nibble half) of channel c into pair row kk / 2 */
+            for (int64_t kk = 0; kk < k; kk += 2)
+                for (int c = 0; c < PW; c++) {
+                    const uint8_t *b = p + (kk / 8) * 4 * PW + c * 4 + kk % 4;
+                    const int shift = 4 * (int)((kk / 4) % 2);
+                    o[(kk / 2) * PW + c] = (uint8_t)(((b[0] >> shift) & 0x0f) | (((b[1] >> shift) & 0x0f) << 4));
+                }
+        else
+            for (int64_t kk = 0; kk < k; kk++)
+                for (int c = 0; c < PW; c++) o[kk * PW + c] = (uint8_t)(p[(kk / 4) * 4 * PW + c * 4 + kk % 4] ^ 0x80);
+    }
     Linear stored = *L;
     stored.w = w;
-    stored.wtype = L->wtype == WTYPE_I8Q ? WTYPE_I8 : WTYPE_Q8G;
+    stored.wtype = L->wtype == WTYPE_I8Q ? WTYPE_I8 : q4 ? WTYPE_Q4 : WTYPE_Q8G;
     appl_linear(&stored, x, ldx, out, ldo, m, accumulate);
     free(w);
 }
