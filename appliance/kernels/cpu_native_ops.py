@@ -210,13 +210,14 @@ def int8_quads() -> bool:
     """Whether 4- and 8-bit weights (int8 per channel: ``int8_wo``; grouped
     int8: GGUF's Q8_0; int4) packed now are stored for the int8 rows: each
     panel's channels as k quads (int8 plus 128; int4 two quads a byte), the
-    unsigned operand of vpdpbusd, so no GEMM re-lays a panel per call (1.3x at 8 rows on a 1B model's MLP, where the re-lay
-    cost about as much as reading the weights). So while ``int8_rows`` runs and AMX-BF16 tiles do not
-    take the larger GEMMs (they read the plain panels). Layers that keep
-    float rows (q/k/v, the LM head) are packed plainly whatever this says;
-    weights packed as quads still run every other path, re-laid whole for
-    each call (the switches turned off after packing: comparisons, not
-    deployments)."""
+    unsigned operand of vpdpbusd, so no GEMM re-lays a panel per call
+    (1.2-1.5x at 8 rows on a 1B model's MLP, where the re-lay cost about as
+    much as reading the weights). So while ``int8_rows`` runs and AMX-BF16
+    tiles do not take the larger GEMMs (they read the plain panels). Layers
+    that keep float rows (q/k/v, the LM head) are packed plainly whatever
+    this says; weights packed as quads still run every other path, re-laid
+    whole for each call (the switches turned off after packing:
+    comparisons, not deployments)."""
     return bool(_LIB.appl_int8_quads())
 
 
@@ -348,7 +349,7 @@ WEIGHT_DTYPES = {torch.float32: WTYPE_F32, torch.bfloat16: WTYPE_BF16}  # unquan
 
 
 def _as_quads(module: Any, float_rows: bool) -> bool:
-    """Whether a module's int8 weights are packed as the int8 rows' k quads (``int8_quads``)."""
+    """Whether a module's 4- or 8-bit weights are packed as the int8 rows' k quads (``int8_quads``)."""
     return not float_rows and module.in_features % 4 == 0 and int8_quads()
 
 
@@ -364,8 +365,8 @@ class NativeLinear:
     usable only through this view.
 
     ``float_rows``: the rows stay floating point where int8 rows would run
-    (q/k/v, the LM head); int8 weights (per channel, grouped) are then
-    packed plainly rather than as quads (``int8_quads``)."""
+    (q/k/v, the LM head); 4- and 8-bit weights are then packed plainly
+    rather than as quads (``int8_quads``)."""
 
     def __init__(self, module: Any, release: bool = False, float_rows: bool = False):
         packed = getattr(module, "weight_packed", None)

@@ -2085,9 +2085,9 @@ AVX512_TARGET static void q4_rows_passes(const Linear *L, const float *x, int64_
  * bf16 re-lay, and one instruction does 64 multiply-adds against
  * vdpbf16ps's 32. Weights packed for these rows (WTYPE_I8Q, WTYPE_Q8GQ,
  * WTYPE_Q4Q: appl_int8_quads) are those quads already (int4 two a byte,
- * one mask or one shift apart): every row count
- * reads them as stored (1.33x the re-laid panels at 8 rows, 1.1x at 32
- * and 256 on Zen 4). Every row is quantized alike whatever the batch, so a
+ * one mask or one shift apart): every row count reads them as stored
+ * (1.25-1.47x the re-laid panels at 8 rows, 1.06-1.13x at 32 and 256 on
+ * Zen 4). Every row is quantized alike whatever the batch, so a
  * request's results do not depend on what shares its step. Where AMX-BF16
  * tiles take the rows (from AMX_MIN_ROWS; grouped panels from
  * AMX_MIN_ROWS_GROUPED), they stay there.
