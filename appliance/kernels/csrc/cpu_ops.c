@@ -1006,6 +1006,7 @@ DOT_TARGET static void packed_rows_direct(const Linear *L, const uint16_t *xb, i
                                           float *out, int64_t ldo, int64_t m, int64_t p0, int64_t p1, int accumulate) {
     float c[4][DR][PW];
     const int64_t most = m <= 2 ? 4 : m <= 4 ? 2 : 1;
+    const int64_t h = (m + 1) / 2; /* past DIRECT_TILE_ROWS, one panel: the first tile's rows, the rest in c[1] */
     for (int64_t pn = p0; pn < p1;) {
         const int np = (int)(p1 - pn < most ? p1 - pn : most);
         if (np == 4) {
@@ -1022,7 +1023,7 @@ DOT_TARGET static void packed_rows_direct(const Linear *L, const uint16_t *xb, i
                 default: dtile_direct(L, pn, 1, xb, kp, xs, 1, c);
             }
         } else { /* two tiles against the panel, the second finding it in the cache: c[0] and c[1] */
-            const int64_t h = (m + 1) / 2, groups = grouped_panels(L) ? L->k / L->group : 0;
+            const int64_t groups = grouped_panels(L) ? L->k / L->group : 0;
             switch (h) { DTILE_DIRECT_CASE(6, 1) default: dtile_direct(L, pn, 1, xb, kp, xs, 5, c); }
             const uint16_t *xb2 = xb + h * kp;
             const float *xs2 = xs ? xs + h * groups : NULL;
@@ -1033,7 +1034,7 @@ DOT_TARGET static void packed_rows_direct(const Linear *L, const uint16_t *xb, i
             }
         }
         const int done = np >= 4 ? 4 : np >= 2 ? 2 : 1;
-        const int split = np == 1 && m > DIRECT_TILE_ROWS ? (int)((m + 1) / 2) : DR; /* rows from split in c[1] */
+        const int split = np == 1 && m > DIRECT_TILE_ROWS ? (int)h : DR; /* rows from split in c[1] */
         for (int q = 0; q < done; q++) {
             const int64_t n0 = (pn + q) * PW;
             const int nv = (int)(L->n - n0 < PW ? L->n - n0 : PW);
