@@ -30,8 +30,8 @@ OUTPUT_LEN=${OUTPUT_LEN:-128}
 PROFILES=${PROFILES:-cpu cpu_int4 cpu_int8}
 LONG_PROMPT=${LONG_PROMPT:-4000}  # the mixed-load case: this prompt arrives while LONG_STREAMS decode
 LONG_STREAMS=${LONG_STREAMS:-4}
-# the first profile runs again with scheduler.target_itl_ms set to this (null: the fixed token budget,
-# against the CPU profiles' latency objective; empty: no second run)
+# the first profile runs again with scheduler.target_itl_ms set to this in place of the CPU profiles'
+# objective (scheduler.max_itl_ratio; null: the fixed token budget; empty: no second run)
 TARGET_ITL_MS=${TARGET_ITL_MS-null}
 # each slot holds a stream of the mixed-load case (INPUT_LEN + 2048 tokens) or the long prompt
 SLOT_CTX=${SLOT_CTX:-$((LONG_PROMPT > 0 ? LONG_PROMPT + INPUT_LEN + 2048 + 64 : 512))}
@@ -80,7 +80,7 @@ done
 if [ -n "$TARGET_ITL_MS" ]; then
   p=${PROFILES%% *}
   "$A" bench serve --label "appliance-$p-itl-$TARGET_ITL_MS" "${COMMON[@]}" "+profile=$p" \
-    "scheduler.target_itl_ms=$TARGET_ITL_MS"
+    "scheduler.max_itl_ratio=null" "scheduler.target_itl_ms=$TARGET_ITL_MS"
   labels+=("appliance-$p-itl-$TARGET_ITL_MS")
 fi
 "$PY" -m appliance.bench.compare "$OUT" llama.cpp "${labels[@]}"

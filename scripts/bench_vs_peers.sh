@@ -41,7 +41,7 @@ CACHE=${APPLIANCE_CACHE_DIR:-$HOME/.cache/appliance}
 MODELS=${MODELS:-smollm2 1b}
 PEERS=${PEERS-vllm llama.cpp}  # PEERS= runs none (the appliance alone, compared with runs on record)
 DEPLOYMENTS=${DEPLOYMENTS-default bf16 int8 int4}  # the appliance's, per model (below)
-# overrides added to each of them, and what their labels say of it (e.g. "scheduler.target_itl_ms=null" / "fixed")
+# overrides added to each of them, and what their labels say of it (e.g. "scheduler.max_itl_ratio=null" / "fixed")
 APPLIANCE_EXTRA=${APPLIANCE_EXTRA:-}
 LABEL_SUFFIX=${LABEL_SUFFIX:+-$LABEL_SUFFIX}
 THREADS=${THREADS:-$(nproc)}

@@ -4,6 +4,8 @@ engine from. Its memory figures are ``config/memory.py``'s account."""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -261,7 +263,7 @@ def make_plan(cfg: ApplianceConfig, execution: Optional[Execution] = None) -> Pl
         max_concurrency_at_max_len=round(num_blocks / blocks_per_request(cfg), 2) if mml else 0.0,
         **{**rates, "prefill_roofline_tok_s": round(rates["prefill_roofline_tok_s"], 1)},
         swap_kv_blocks=swap_blocks,
-        **token_budget(cfg, rates["prefill_roofline_tok_s"]),
+        **token_budget(cfg, rates["prefill_roofline_tok_s"], rates["decode_roofline_tok_s"]),
         engine_cores=par.data_parallel_size,
         experts=experts,
         **_kv_groups(cfg, dtype, mem),
@@ -379,19 +381,28 @@ def _describe_draft(cfg: ApplianceConfig) -> str:
             f"one forward (greedy: equal to the target's argmax; sampled: rejection sampling)")
 
 
-def token_budget(cfg: ApplianceConfig, prefill_tok_s: float) -> dict[str, Any]:
+def token_budget(cfg: ApplianceConfig, prefill_tok_s: float, decode_tok_s: float) -> dict[str, Any]:
     """The tokens a step may schedule: ``scheduler.max_num_batched_tokens``,
-    or, with ``scheduler.target_itl_ms``, the prefill tokens the prefill
-    roofline fits in that time (a first estimate: the engine refits it to
-    measured step times, at most the cap, and never starving a prompt below
-    ``scheduler.min_prefill_share`` of a step)."""
+    or, under an objective, the prefill tokens the prefill roofline fits in
+    ``scheduler.target_itl_ms`` and in ``scheduler.max_itl_ratio`` decode
+    steps at the decode roofline, the smaller (a first estimate: the engine
+    refits it to measured step times, at most the cap, and never starving a
+    prompt below ``scheduler.min_prefill_share`` of a step)."""
     s = cfg.scheduler
     cap = s.max_num_batched_tokens
-    if s.target_itl_ms is None:
+    objectives = []  # (seconds a step may take, what says so)
+    if s.target_itl_ms is not None:
+        objectives.append((s.target_itl_ms / 1e3, f"scheduler.target_itl_ms={s.target_itl_ms:g}"))
+    if s.max_itl_ratio is not None:
+        objectives.append((s.max_itl_ratio / decode_tok_s if decode_tok_s else math.inf,
+                           f"scheduler.max_itl_ratio={s.max_itl_ratio:g} ({s.max_itl_ratio:g}x a decode step at "
+                           f"the {decode_tok_s:.0f} tok/s decode roofline)"))
+    if not objectives:
         return {"token_budget": cap, "token_budget_reason": "scheduler.max_num_batched_tokens"}
-    first = max(1, min(cap, int(s.target_itl_ms / 1e3 * prefill_tok_s))) if prefill_tok_s else cap
+    step_s = min(t for t, _ in objectives)
+    first = max(1, min(cap, int(step_s * prefill_tok_s))) if prefill_tok_s and step_s < math.inf else cap
     return {"token_budget": first,
-            "token_budget_reason": f"first estimate for scheduler.target_itl_ms={s.target_itl_ms:g} at the "
+            "token_budget_reason": f"first estimate for {' and '.join(why for _, why in objectives)} at the "
                                    f"{prefill_tok_s:.0f} tok/s prefill roofline; refitted to measured step times, "
                                    f"at most {cap} (max_num_batched_tokens); a waiting prompt gets at least "
                                    f"{s.min_prefill_share:.0%} of each step (scheduler.min_prefill_share), the "

@@ -190,19 +190,24 @@ def _range_problems(cfg: ApplianceConfig) -> list[str]:
             problems.append(f"{key}={gib} must not be negative")
     if not 0.0 < cache.memory_utilization <= 1.0:
         problems.append(f"cache.memory_utilization={cache.memory_utilization} must be in (0, 1]")
-    if s.target_itl_ms is not None:
-        if not s.target_itl_ms > 0:
-            problems.append(f"scheduler.target_itl_ms={s.target_itl_ms} must be positive")
-        if not s.enable_chunked_prefill:
-            problems.append("scheduler.target_itl_ms needs scheduler.enable_chunked_prefill=true (a prompt must be "
-                            "able to prefill in chunks of any budget)")
+    objective = s.target_itl_ms is not None or s.max_itl_ratio is not None
+    if s.target_itl_ms is not None and not s.target_itl_ms > 0:
+        problems.append(f"scheduler.target_itl_ms={s.target_itl_ms} must be positive")
+    if objective and not s.enable_chunked_prefill:
+        key = "target_itl_ms" if s.target_itl_ms is not None else "max_itl_ratio"
+        problems.append(f"scheduler.{key} needs scheduler.enable_chunked_prefill=true (a prompt must be "
+                        f"able to prefill in chunks of any budget)")
     if not 0.0 <= s.min_prefill_share < 1.0:
         problems.append(f"scheduler.min_prefill_share={s.min_prefill_share} must be in [0, 1) (a share of a step's "
                         f"time; the decodes keep the rest)")
-    elif s.target_itl_ms is None and s.min_prefill_share != SchedulerConfig.min_prefill_share:
-        problems.append(f"scheduler.min_prefill_share={s.min_prefill_share} has an effect only with "
-                        f"scheduler.target_itl_ms (without an objective every step may use "
+    elif not objective and s.min_prefill_share != SchedulerConfig.min_prefill_share:
+        problems.append(f"scheduler.min_prefill_share={s.min_prefill_share} has an effect only with an objective, "
+                        f"scheduler.target_itl_ms or scheduler.max_itl_ratio (without one every step may use "
                         f"scheduler.max_num_batched_tokens)")
+    elif s.max_itl_ratio is not None and not s.max_itl_ratio * (1.0 - s.min_prefill_share) >= 1.0:
+        problems.append(f"scheduler.max_itl_ratio={s.max_itl_ratio} would leave a waiting prompt less than "
+                        f"scheduler.min_prefill_share={s.min_prefill_share} of a step: it must be at least "
+                        f"1 / (1 - min_prefill_share) = {1.0 / (1.0 - s.min_prefill_share):g}")
     if not 0 < cfg.server.port < 65536:
         problems.append(f"server.port={cfg.server.port} must be in 1..65535")
     for key in ("request_timeout_s", "shutdown_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s",

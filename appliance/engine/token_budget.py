@@ -1,16 +1,23 @@
 """The token budget that keeps a step near a latency objective.
 
-``scheduler.target_itl_ms`` declares how long a running stream may wait
-for its next token. Every step decodes one token for each running stream
-and spends the rest of its budget on prefill chunks, so the step time, and
-with it every stream's inter-token gap, follows what is scheduled: the
-tokens (weights and MLPs) and the attention pairs (each new token attends
-to its whole context, so a long prompt's later chunks cost more).
+Two objectives bound how long a running stream waits for its next token
+while prompts prefill, either or both: ``scheduler.target_itl_ms``, a step's
+time, and ``scheduler.max_itl_ratio``, a multiple of the running decodes'
+own time (a stream's gap within that many of its inter-token latency alone,
+whatever the model and the machine: a profile serves both). Every step
+decodes one token for each running stream and spends the rest of its budget
+on prefill chunks, so the step time, and with it every stream's inter-token
+gap, follows what is scheduled: the tokens (weights and MLPs) and the
+attention pairs (each new token attends to its whole context, so a long
+prompt's later chunks cost more).
 ``TokenBudget`` fits ``step seconds = a + b * tokens + c * pairs`` by least
 squares over the steps it keeps and, before each step, sets the budget to the
-largest that fits the objective given the running decodes and the context
+largest that fits the objectives given the running decodes and the context
 the next prefill chunk starts from, at most ``cap``
-(``scheduler.max_num_batched_tokens``).
+(``scheduler.max_num_batched_tokens``). The decodes' own time is the median
+of the last decode-only steps of as many tokens where there are some (a
+line through chunks hundreds of tokens long misjudges a few tokens' step by
+tens of percent, and the ratio multiplies it), else the fit's.
 The steps kept are the last few of each shape (tokens and mean context, each
 to a power of two), the shapes seen last: a budget that meets its objective
 makes every step of a long prompt's prefill take the same time, chunks
@@ -27,6 +34,7 @@ would only add their wait to an objective missed either way. At 0 the
 objective holds prompts to one token a step beside decodes that overrun it;
 the budget never falls below the running decodes plus one (every stream
 advances, and so does the prompt).
+The ratio must leave a prompt that share: at least 1 / (1 - share).
 While the steps kept do not pin a cost down (decode-only steps of one
 size) it keeps the last fit they did give. Before any fit it
 keeps the plan's first estimate (never below the running decodes plus
@@ -40,6 +48,7 @@ every step, the steps cannot say more, so it doubles the budget to learn.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Iterable, Optional
 
@@ -56,14 +65,21 @@ def attention_pairs(num_new: int, context_after: int) -> int:
 class TokenBudget:
     MIN_SAMPLES = 4
 
-    def __init__(self, target_itl_ms: float, initial: int, cap: int, shapes: int = 32, per_shape: int = 4,
-                 min_prefill_share: float = 0.5):
+    def __init__(self, target_itl_ms: Optional[float], initial: int, cap: int, shapes: int = 32, per_shape: int = 4,
+                 min_prefill_share: float = 0.5, max_itl_ratio: Optional[float] = None):
         if cap < 1:
             raise ValueError(f"the token budget needs a cap of at least 1, got {cap}")
         if not 0.0 <= min_prefill_share < 1.0:
             raise ValueError(f"the prefill's share of a step must be in [0, 1), got {min_prefill_share}")
-        self.target_s = target_itl_ms / 1e3
+        if target_itl_ms is None and max_itl_ratio is None:
+            raise ValueError("the token budget needs an objective: target_itl_ms, max_itl_ratio or both")
+        self.target_s = math.inf if target_itl_ms is None else target_itl_ms / 1e3
+        if max_itl_ratio is not None and not max_itl_ratio * (1.0 - min_prefill_share) >= 1.0:
+            raise ValueError(f"a step of at most {max_itl_ratio} times the decodes' time leaves a prompt less than "
+                             f"its share {min_prefill_share} of it: the ratio must be at least "
+                             f"1 / (1 - share) = {1.0 / (1.0 - min_prefill_share):g}")
         self.min_prefill_share = min_prefill_share
+        self.max_itl_ratio = max_itl_ratio
         self.cap = cap
         self.budget = self._clamp(initial, 1)
         self.shapes, self.per_shape = shapes, per_shape
@@ -71,6 +87,8 @@ class TokenBudget:
         self._kept: OrderedDict[tuple[int, int], deque[tuple[int, int, int, float]]] = OrderedDict()
         self._order = 0
         self.model: Optional[tuple[float, float, float]] = None  # (a, b, c): the last fit the steps gave
+        # decode-only steps' seconds by their tokens, the last per_shape of each; the counts seen last at the end
+        self._decode_steps: OrderedDict[int, deque[float]] = OrderedDict()
 
     @property
     def samples(self) -> list[tuple[int, int, float]]:
@@ -80,6 +98,7 @@ class TokenBudget:
     def forget(self) -> None:
         """Drop the steps kept (the fit they gave stays until new steps give another)."""
         self._kept.clear()
+        self._decode_steps.clear()
 
     def calibration_prompt_len(self) -> int:
         """The prompt a warm-up prefills alone to give the first fit: the
@@ -115,10 +134,19 @@ class TokenBudget:
             return None
         return max(0.0, ms - b * mt - c * mp), b, c
 
-    def observe(self, tokens: int, pairs: int, seconds: float) -> None:
-        """Record a step of ``tokens`` new tokens and ``pairs`` attention pairs."""
+    def observe(self, tokens: int, pairs: int, seconds: float, decodes_only: bool = False) -> None:
+        """Record a step of ``tokens`` new tokens and ``pairs`` attention pairs
+        (``decodes_only``: every token a running stream's next)."""
         if tokens <= 0 or seconds <= 0:
             return
+        if decodes_only:
+            times = self._decode_steps.pop(tokens, None)
+            if times is None:
+                times = deque(maxlen=self.per_shape)
+                if len(self._decode_steps) >= self.shapes:
+                    self._decode_steps.popitem(last=False)
+            self._decode_steps[tokens] = times
+            times.append(seconds)
         shape = (tokens.bit_length(), (pairs // tokens).bit_length())
         steps = self._kept.pop(shape, None)
         if steps is None:
@@ -144,9 +172,12 @@ class TokenBudget:
             self.budget = self._clamp(self.budget, decodes + 1)
             return self.budget
         a, b, c = fitted
-        # a + b (decodes + x) + c (decode_pairs + x chunk_context + x (x + 1) / 2) = step, for the chunk x
-        decodes_s = a + b * decodes + c * decode_pairs
+        # decodes_s + b x + c (x chunk_context + x (x + 1) / 2) = step, for the chunk x
+        measured = self._decode_steps.get(decodes)
+        decodes_s = statistics.median(measured) if measured else a + b * decodes + c * decode_pairs
         step_s = max(self.target_s, decodes_s / (1.0 - self.min_prefill_share))
+        if self.max_itl_ratio is not None:
+            step_s = min(step_s, self.max_itl_ratio * decodes_s)
         rest = step_s - decodes_s
         lin = b + c * (chunk_context + 0.5)
         if rest <= 0:
@@ -175,9 +206,13 @@ class TokenBudget:
 
     def observe_step(self, sched_out: SchedulerOutput, requests: dict[str, Request], seconds: float) -> None:
         """A step's time with what it ran (``requests``: the scheduler's, computed counts before the step)."""
-        pairs = sum(attention_pairs(n, requests[rid].num_computed_tokens)
-                    for rid, n in sched_out.num_scheduled_tokens.items() if rid in requests)
-        self.observe(sched_out.total_num_scheduled_tokens, pairs, seconds)
+        pairs, decodes_only = 0, True
+        for rid, n in sched_out.num_scheduled_tokens.items():
+            req = requests.get(rid)
+            if req is not None:
+                pairs += attention_pairs(n, req.num_computed_tokens)
+                decodes_only = decodes_only and req.num_computed_tokens >= req.num_tokens - 1
+        self.observe(sched_out.total_num_scheduled_tokens, pairs, seconds, decodes_only)
 
     def calibration_prompt_within(self, max_model_len: int, free_tokens: int) -> int:
         """The calibration prompt's length (``calibration_prompt_len``) within what one

@@ -78,15 +78,16 @@ def _scheduler(deployment: Deployment, connector: Any) -> Scheduler:
 
 
 def _token_budget(deployment: Deployment) -> Optional[TokenBudget]:
-    """The step token budget that follows ``scheduler.target_itl_ms`` from the
-    plan's first estimate (None: the plan's fixed budget)."""
+    """The step token budget that follows ``scheduler.target_itl_ms`` and
+    ``scheduler.max_itl_ratio`` from the plan's first estimate (None, with
+    neither: the plan's fixed budget)."""
     from appliance.engine.token_budget import TokenBudget
 
     s = deployment.cfg.scheduler
-    if s.target_itl_ms is None:
+    if s.target_itl_ms is None and s.max_itl_ratio is None:
         return None
     return TokenBudget(s.target_itl_ms, deployment.plan.token_budget, s.max_num_batched_tokens,
-                       min_prefill_share=s.min_prefill_share)
+                       min_prefill_share=s.min_prefill_share, max_itl_ratio=s.max_itl_ratio)
 
 
 def _grammars(cfg: Any, tokenizer: Any, eos: Optional[int]):

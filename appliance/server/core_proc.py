@@ -108,7 +108,7 @@ def run_core(deployment: Deployment, build_engine: BuildEngine, in_addr: str, ou
 def _warm_up(engine: EngineCore, tokenizer: PreTrainedTokenizerBase) -> None:
     """One real generation before /ready (with lock-step peers, every core's
     at once, the steps taken together); under a latency objective
-    (``scheduler.target_itl_ms``) then a prompt of the token budget's first
+    (``scheduler.target_itl_ms``, ``scheduler.max_itl_ratio``) then a prompt of the token budget's first
     estimate, whose step times give the budget its first fit; then a clean
     cache and counters from zero."""
     ids = tokenizer.encode(WARMUP_PROMPT)

@@ -80,7 +80,7 @@ class Metrics:
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
         self.token_budget = gauge("token_budget", "Tokens the next engine step may schedule (follows "
-                                                  "scheduler.target_itl_ms when set)")
+                                                  "scheduler.target_itl_ms or max_itl_ratio when set)")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recompute)")

@@ -18,7 +18,7 @@ from appliance.sampling_params import SamplingParams
 def test_prompt_chunks_on_the_meta_device_reach_the_host_copy_of_the_logits():
     # torch_sdpa: the reference every GPU backend is checked against, and the layer-by-layer model path
     overrides = ["+profile=cpu", "model=tiny_random", "attention.backend=torch_sdpa", "cache.num_blocks=64",
-                 "scheduler.target_itl_ms=null", "scheduler.max_num_batched_tokens=16"]
+                 "scheduler.max_itl_ratio=null", "scheduler.max_num_batched_tokens=16"]
     engine, _ = build_engine(dataclasses.replace(compose(resolve(overrides)), device="meta"))
     assert all(c.device.type == "meta" for c in engine.runner.kv_caches)
     engine.add_request("r", list(range(1, 40)), SamplingParams(max_tokens=2))

@@ -144,9 +144,9 @@ def test_greedy_output_is_token_identical(plain, spec):
 
 
 @pytest.mark.parametrize("scenario", [
-    ["scheduler.max_num_batched_tokens=16", "scheduler.target_itl_ms=null"],  # chunked prefill beside drafts
+    ["scheduler.max_num_batched_tokens=16", "scheduler.max_itl_ratio=null"],  # chunked prefill beside drafts
     ["cache.block_size=4", "cache.num_blocks=24", "cache.kv_cache_memory_gib=null"],  # preemption
-    ["scheduler.max_num_seqs=2", "scheduler.max_num_batched_tokens=10", "scheduler.target_itl_ms=null"],
+    ["scheduler.max_num_seqs=2", "scheduler.max_num_batched_tokens=10", "scheduler.max_itl_ratio=null"],
 ])
 def test_greedy_output_is_identical_under_pressure(scenario):
     p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

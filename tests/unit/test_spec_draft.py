@@ -78,7 +78,7 @@ def test_the_target_drafting_for_itself_accepts_every_draft(plain):
 
 @pytest.mark.parametrize("scenario", [
     [],
-    ["scheduler.max_num_batched_tokens=16", "scheduler.target_itl_ms=null"],  # chunked prefill
+    ["scheduler.max_num_batched_tokens=16", "scheduler.max_itl_ratio=null"],  # chunked prefill
     ["cache.block_size=4", "cache.num_blocks=30", "cache.kv_cache_memory_gib=null"],  # preemption
 ])
 def test_another_draft_gives_the_targets_greedy_tokens(scenario):
@@ -136,7 +136,7 @@ def test_a_draft_behind_catches_up_within_the_token_cap(plain):
     """Drafting off while three requests run, the draft falls behind; once one
     runs alone it catches up over several steps, no forward past the step's
     token cap, and the output stays the target's."""
-    cap = ["scheduler.max_num_batched_tokens=16", "scheduler.target_itl_ms=null"]
+    cap = ["scheduler.max_num_batched_tokens=16", "scheduler.max_itl_ratio=null"]
     llm = LLM(overrides=BASE + OTHER[:3] + ["speculative.disable_by_batch_size=1"] + cap)
     proposer = llm.engine.runner.proposer
     sizes, orig = [], proposer._run

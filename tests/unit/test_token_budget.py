@@ -1,5 +1,6 @@
-"""scheduler.target_itl_ms: the plan's first token budget, the refit to
-measured step times, and the engine steering its scheduler with it."""
+"""scheduler.target_itl_ms and scheduler.max_itl_ratio: the plan's first
+token budget, the refit to measured step times, and the engine steering its
+scheduler with it."""
 
 import random
 
@@ -160,6 +161,64 @@ def test_the_share_lengthens_a_step_only_where_the_objective_leaves_a_prompt_les
     assert budgets[0] == budgets[1] == 80 and budgets[2] > 80  # at 0.9, 12 ms of decodes allow a 120 ms step
 
 
+@pytest.mark.parametrize("target_ms,ratio,budget", [(200, None, 380), (200, 5.0, 100), (200, 20.0, 380),
+                                                     (None, 5.0, 100), (None, 20.0, 460)])
+def test_a_ratio_holds_a_step_to_a_multiple_of_the_decodes_time(target_ms, ratio, budget):
+    """4 decodes take 12 ms and a token 0.5 ms: a 200 ms objective leaves a prompt 376 tokens; at most 5x the
+    decodes' time (60 ms) leaves it 96, with the objective or alone; 20x (240 ms) is past the objective and
+    changes nothing beside it, and alone leaves the prompt 456."""
+    tb = TokenBudget(target_itl_ms=target_ms, initial=100, cap=1024, max_itl_ratio=ratio)
+    for tokens in (4, 200, 4, 400, 4):
+        tb.observe(tokens, 0, 0.010 + 0.0005 * tokens)
+    assert tb.next_budget(4, 40, 0) == budget
+
+
+def test_the_decodes_time_is_what_their_own_steps_took():
+    """The line through the steps says 4 decodes take 12 ms; their last decode-only steps took 20 ms: the ratio
+    multiplies those (a 100 ms step, 80 ms of it the prompt's); forgotten with the steps kept."""
+    tb = TokenBudget(target_itl_ms=None, initial=100, cap=1024, max_itl_ratio=5.0)
+    for tokens in (200, 400, 100, 300):
+        tb.observe(tokens, 0, 0.010 + 0.0005 * tokens)
+    assert tb.next_budget(4, 40, 0) == 4 + 96
+    for seconds in (0.019, 0.020, 0.021):
+        tb.observe(4, 0, seconds, decodes_only=True)
+    assert tb.model is not None
+    a, b, c = tb.model  # the slow decodes moved the line too
+    assert c == 0 and a + 4 * b < 0.0195  # below the decodes' own 20 ms
+    assert tb.next_budget(4, 0, 0) == 4 + int(0.080 / b + 1e-6)  # 5 x 20 ms, 20 of them the decodes'
+    assert tb.next_budget(8, 0, 0) == 8 + int(4 * (a + 8 * b) / b + 1e-6)  # 8 decodes: none measured, the line's
+    tb.forget()
+    assert tb.next_budget(4, 0, 0) == 4 + int(4 * (a + 4 * b) / b + 1e-6)  # the last fit's again
+
+
+def test_a_step_is_the_decodes_own_when_every_request_in_it_decodes():
+    from types import SimpleNamespace
+
+    tb = TokenBudget(target_itl_ms=None, initial=100, cap=1024, max_itl_ratio=5.0)
+    decoding = {"a": SimpleNamespace(num_computed_tokens=9, num_tokens=10),
+                "b": SimpleNamespace(num_computed_tokens=4, num_tokens=5)}
+    prefilling = {**decoding, "c": SimpleNamespace(num_computed_tokens=0, num_tokens=30)}
+    tb.observe_step(SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 1}, total_num_scheduled_tokens=2),
+                    decoding, 0.010)
+    tb.observe_step(SimpleNamespace(num_scheduled_tokens={"a": 1, "c": 1}, total_num_scheduled_tokens=2),
+                    prefilling, 0.030)
+    assert list(tb._decode_steps[2]) == [0.010]
+
+
+def test_an_objective_is_needed():
+    with pytest.raises(ValueError, match="needs an objective"):
+        TokenBudget(target_itl_ms=None, initial=100, cap=1024)
+
+
+def test_a_ratio_never_takes_a_prompt_below_its_share():
+    tb = TokenBudget(target_itl_ms=10, initial=100, cap=1024, min_prefill_share=0.5, max_itl_ratio=2.0)
+    for tokens in (16, 200, 16, 400, 16):
+        tb.observe(tokens, 0, 0.020 + 0.001 * tokens)
+    assert tb.next_budget(16, 1600, 0) == 16 + 36  # 36 ms of decodes, 36 of the prompt: its share, the ratio's 2x
+    with pytest.raises(ValueError, match="at least 1 / \\(1 - share\\) = 2"):
+        TokenBudget(target_itl_ms=10, initial=100, cap=1024, min_prefill_share=0.5, max_itl_ratio=1.9)
+
+
 @pytest.mark.parametrize("share", [-0.1, 1.0])
 def test_a_share_outside_zero_to_one_is_refused(share):
     with pytest.raises(ValueError, match="share"):
@@ -172,11 +231,11 @@ def test_a_cap_below_one_is_refused():
 
 
 def test_the_plan_derives_the_first_budget_from_the_prefill_roofline():
-    fixed = compose(resolve(BASE + ["scheduler.target_itl_ms=null"]), here=False).plan
+    fixed = compose(resolve(BASE + ["scheduler.max_itl_ratio=null"]), here=False).plan
     assert fixed.token_budget == 2048 and fixed.token_budget_reason == "scheduler.max_num_batched_tokens"
-    p = compose(resolve(BASE), here=False).plan  # the CPU profiles declare 100 ms
+    p = compose(resolve(BASE + ["scheduler.max_itl_ratio=null", "scheduler.target_itl_ms=100"]), here=False).plan
     assert p.token_budget == max(1, min(2048, int(0.1 * p.prefill_roofline_tok_s)))
-    assert "target_itl_ms=100" in p.token_budget_reason and "at most 2048" in p.token_budget_reason
+    assert "target_itl_ms=100 at the" in p.token_budget_reason and "at most 2048" in p.token_budget_reason
 
 
 @pytest.mark.parametrize("override,message", [
@@ -184,6 +243,8 @@ def test_the_plan_derives_the_first_budget_from_the_prefill_roofline():
     ("scheduler.enable_chunked_prefill=false", "needs scheduler.enable_chunked_prefill=true"),
     ("scheduler.min_prefill_share=1.0", r"must be in \[0, 1\)"),
     ("scheduler.min_prefill_share=-0.5", r"must be in \[0, 1\)"),
+    ("scheduler.max_itl_ratio=1.5", r"less than scheduler.min_prefill_share=0.5 of a step: it must be at least "
+                                    r"1 / \(1 - min_prefill_share\) = 2"),
 ])
 def test_impossible_objectives_are_refused(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -191,10 +252,21 @@ def test_impossible_objectives_are_refused(override, message):
 
 
 def test_a_prefill_share_without_an_objective_is_refused():
-    with pytest.raises(ConfigError, match="has an effect only with scheduler.target_itl_ms"):
-        resolve(BASE + ["scheduler.target_itl_ms=null", "scheduler.min_prefill_share=0.2"])
+    with pytest.raises(ConfigError, match="has an effect only with an objective"):
+        resolve(BASE + ["scheduler.max_itl_ratio=null", "scheduler.min_prefill_share=0.2"])
     assert "gets at least 20% of each step" in compose(resolve(BASE + ["scheduler.min_prefill_share=0.2"]),
                                               here=False).plan.token_budget_reason
+
+
+def test_the_plan_estimates_a_ratio_from_the_decode_roofline():
+    p = compose(resolve(BASE), here=False).plan  # the CPU profiles: at most 8x the decodes' own step
+    assert p.token_budget == max(1, min(2048, int(8 / p.decode_roofline_tok_s * p.prefill_roofline_tok_s)))
+    assert "first estimate for scheduler.max_itl_ratio=8 (8x a decode step at the" in p.token_budget_reason
+    both = compose(resolve(BASE + ["scheduler.target_itl_ms=1000", "scheduler.max_itl_ratio=8"]), here=False).plan
+    assert both.token_budget == p.token_budget  # the smaller of the two
+    assert "scheduler.target_itl_ms=1000 and scheduler.max_itl_ratio=8" in both.token_budget_reason
+    assert compose(resolve(BASE + ["scheduler.target_itl_ms=null", "scheduler.max_itl_ratio=4",
+                                   "scheduler.min_prefill_share=0.75"]), here=False).plan.token_budget < p.token_budget
 
 
 def test_with_no_stream_decoding_a_prompt_prefills_at_the_cap():
@@ -223,7 +295,8 @@ def test_with_no_stream_decoding_a_prompt_prefills_at_the_cap():
 def test_the_engine_steers_its_scheduler_by_measured_steps():
     from appliance import LLM, SamplingParams
 
-    llm = LLM(overrides=BASE + ["model=tiny_random", "scheduler.target_itl_ms=5", "scheduler.max_num_seqs=4"])
+    llm = LLM(overrides=BASE + ["model=tiny_random", "scheduler.target_itl_ms=5", "scheduler.max_itl_ratio=null",
+                                "scheduler.max_num_seqs=4"])
     engine = llm.engine
     plan = llm.deployment.plan
     assert engine.step_token_budget == engine.scheduler.max_num_batched_tokens == plan.token_budget
@@ -244,7 +317,7 @@ def test_the_servers_warm_up_gives_the_budget_its_first_fit():
     from appliance import LLM
     from appliance.server.core_proc import _warm_up
 
-    llm = LLM(overrides=BASE + ["model=tiny_random", "scheduler.target_itl_ms=50"])
+    llm = LLM(overrides=BASE + ["model=tiny_random", "scheduler.target_itl_ms=50", "scheduler.max_itl_ratio=null"])
     engine, tb = llm.engine, llm.engine.token_budget
     first, free = tb.budget, engine.scheduler.kv.num_free_blocks
     assert tb.model is None and first == llm.deployment.plan.token_budget
@@ -262,5 +335,5 @@ def test_the_servers_warm_up_gives_the_budget_its_first_fit():
 def test_no_objective_no_budget_calibration():
     from appliance import LLM
 
-    llm = LLM(overrides=BASE + ["model=tiny_random", "scheduler.target_itl_ms=null"])
+    llm = LLM(overrides=BASE + ["model=tiny_random", "scheduler.max_itl_ratio=null"])
     assert llm.engine.token_budget is None and llm.engine.begin_budget_calibration() is None
