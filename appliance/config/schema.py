@@ -188,25 +188,17 @@ class SchedulerConfig:
     max_long_partial_prefills: int = 1
     policy: Policy = Policy.fcfs
     enable_chunked_prefill: bool = True
-    # A running stream's inter-token latency objective (ms). When set, the
-    # token budget of each step follows it (at most max_num_batched_tokens):
-    # the plan estimates it from the prefill roofline, the engine refits it
-    # to measured step times. null (and no max_itl_ratio): every step may use
-    # max_num_batched_tokens.
+    # Latency objectives for a running stream's inter-token gap, either or
+    # both (the token budget of each step then follows them, refitted to
+    # measured step times, at most max_num_batched_tokens; neither: every
+    # step may use it): a step's time in ms, and a multiple of the running
+    # decodes' own step (at least 1 / (1 - min_prefill_share)).
     target_itl_ms: Optional[float] = None
-    # With an objective (target_itl_ms or max_itl_ratio): a waiting prompt
-    # gets at least this share of each step's time; where the objective
-    # leaves it less (the running decodes take most of it, or alone overrun
-    # it) the step lasts the decodes' time / (1 - share). 0: the objective
-    # alone decides (one token a step where the decodes overrun it).
-    min_prefill_share: float = 0.5
-    # The objective as a multiple of the running decodes' own time: a step
-    # beside them lasts at most this many times their step alone, so a
-    # stream's gap while a prompt prefills stays within that many of its
-    # inter-token latency whatever the model and the machine. Alone or with
-    # target_itl_ms (a step then meets both). At least
-    # 1 / (1 - min_prefill_share). null: no such bound.
     max_itl_ratio: Optional[float] = None
+    # Under an objective a waiting prompt gets at least this share of each
+    # step; where it would leave less, the step lasts the decodes' time /
+    # (1 - share). 0: one token a step where the decodes overrun it.
+    min_prefill_share: float = 0.5
 
 
 @dataclass
