@@ -5,7 +5,6 @@ engine from. Its memory figures are ``config/memory.py``'s account."""
 from __future__ import annotations
 
 import math
-
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 

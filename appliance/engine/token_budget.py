@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Hashable, Iterable, Optional, TypeVar
 
 if TYPE_CHECKING:
     from appliance.engine.request import Request
@@ -60,6 +60,15 @@ if TYPE_CHECKING:
 def attention_pairs(num_new: int, context_after: int) -> int:
     """Query-key pairs of ``num_new`` tokens whose context ends at ``context_after``."""
     return num_new * context_after - num_new * (num_new - 1) // 2
+
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+def _decoding(req: Request) -> bool:
+    """Whether ``req``'s next tokens are a running stream's (its prompt computed), not a prefill chunk."""
+    return req.num_computed_tokens >= req.num_tokens - 1
 
 
 class TokenBudget:
@@ -134,27 +143,26 @@ class TokenBudget:
             return None
         return max(0.0, ms - b * mt - c * mp), b, c
 
+    def _last_of(self, store: OrderedDict[K, deque[V]], key: K) -> deque[V]:
+        """``store``'s steps under ``key`` (the last ``per_shape``), moved to the end as the key seen last; a
+        new key past ``shapes`` of them drops the key seen longest ago."""
+        steps = store.pop(key, None)
+        if steps is None:
+            steps = deque(maxlen=self.per_shape)
+            if len(store) >= self.shapes:
+                store.popitem(last=False)
+        store[key] = steps
+        return steps
+
     def observe(self, tokens: int, pairs: int, seconds: float, decodes_only: bool = False) -> None:
         """Record a step of ``tokens`` new tokens and ``pairs`` attention pairs
         (``decodes_only``: every token a running stream's next)."""
         if tokens <= 0 or seconds <= 0:
             return
         if decodes_only:
-            times = self._decode_steps.pop(tokens, None)
-            if times is None:
-                times = deque(maxlen=self.per_shape)
-                if len(self._decode_steps) >= self.shapes:
-                    self._decode_steps.popitem(last=False)
-            self._decode_steps[tokens] = times
-            times.append(seconds)
+            self._last_of(self._decode_steps, tokens).append(seconds)
         shape = (tokens.bit_length(), (pairs // tokens).bit_length())
-        steps = self._kept.pop(shape, None)
-        if steps is None:
-            steps = deque(maxlen=self.per_shape)
-            if len(self._kept) >= self.shapes:
-                self._kept.popitem(last=False)  # the shape seen longest ago
-        self._kept[shape] = steps
-        steps.append((self._order, tokens, pairs, seconds))
+        self._last_of(self._kept, shape).append((self._order, tokens, pairs, seconds))
         self._order += 1
         self.model = self.fit() or self.model
 
@@ -196,7 +204,7 @@ class TokenBudget:
         nobody waits for a next token, so prompts prefill at the cap."""
         decodes, pairs, chunk_context = 0, 0, 0
         for req in running:
-            if req.num_computed_tokens >= req.num_tokens - 1:
+            if _decoding(req):
                 n = 1 + len(req.spec_token_ids)
                 decodes += n
                 pairs += attention_pairs(n, req.num_computed_tokens + n)
@@ -211,7 +219,7 @@ class TokenBudget:
             req = requests.get(rid)
             if req is not None:
                 pairs += attention_pairs(n, req.num_computed_tokens)
-                decodes_only = decodes_only and req.num_computed_tokens >= req.num_tokens - 1
+                decodes_only = decodes_only and _decoding(req)
         self.observe(sched_out.total_num_scheduled_tokens, pairs, seconds, decodes_only)
 
     def calibration_prompt_within(self, max_model_len: int, free_tokens: int) -> int:
