@@ -2682,17 +2682,22 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
  * Decode attention (flash-decoding): one item is the query heads of one token attending positions [p0, p1) of
  * its sequence (a split of its context, or all of it). Positions go by chunks of DEC_CH, read in place from
  * the block pool (block table bt; a position's row holds every kv head's d elements, kv_stride = n_kv_heads *
- * d elements apart, at k_base / v_base; fp32, bf16 or fp8), every kv head's part of a chunk in turn (the
- * chunk's rows stay in the caches between them). Per chunk and kv head, its grp query heads: the scores
- * (each K row loaded once for all of them), an online softmax (per head a running max m and sum l, the
+ * d elements apart, at k_base / v_base; fp32, bf16 or fp8), a quad of positions' rows at a time, every kv
+ * head's part of them in turn (the rows are read in order). Per chunk and kv head, its grp query heads: the
+ * scores (each K row loaded once for all of them), an online softmax (per head a running max m and sum l, the
  * output accumulated so far rescaled when the max grows), then P V with each V row loaded once for all of
- * them. Leaves acc [nh][d] (not divided by l), m [nh] and l [nh]; s [grp][DEC_CH] and corr [grp] are
+ * them. Leaves acc [nh][d] (not divided by l), m [nh] and l [nh]; s [nh][DEC_CH] and corr [nh] are
  * scratch. scale includes an fp8 cache's k_scale. d % 8 == 0.
  */
 #define DEC_CH 64          /* key positions per chunk */
 #define DEC_SPLIT 256      /* positions a split of one context takes (a multiple of DEC_CH) */
 
-/* F(args..., n) with n a constant from 1 to 4 (the register tiles' row or head counts unroll). */
+/* F(args..., n) with n a constant from 1 to 2, and from 1 to 4 (the register tiles' row or head counts unroll). */
+#define UPTO2_CASE(n, F, ...)                 \
+    switch (n) {                              \
+    case 2: F(__VA_ARGS__, 2); break;         \
+    default: F(__VA_ARGS__, 1); break;        \
+    }
 #define UPTO4_CASE(n, F, ...)                 \
     switch (n) {                              \
     case 4: F(__VA_ARGS__, 4); break;         \
@@ -2771,11 +2776,33 @@ static void dec_prefetch(const void *k_base, const void *v_base, int64_t elt, co
     }
 }
 
-/* A split's body: its rows asked for (dec_prefetch), then chunk after chunk, each kv head's part in turn
- * (CHUNK: a dec_chunk function; QV: the query as it reads it; the names of decode_split's parameters). */
+/* The rows DEC_AHEAD positions past a chunk's (n of them: those inside the split), asked into L1 four at a time
+ * as the chunk's quads of keys are read (dec_ask): the loads of a quad then find their lines arriving, where the
+ * hardware's prefetchers start over at each block of the pool (1.4-1.8x on a cache read from memory, against
+ * asking for the split's rows all at once). */
+#define DEC_AHEAD 8
+typedef struct {
+    const char *k[DEC_CH], *v[DEC_CH];
+    int n;
+    int64_t row_bytes; /* a position's K (or V) row, every kv head */
+} DecAhead;
+
+static inline __attribute__((always_inline)) void dec_ask(const DecAhead *ah, int o) {
+    for (int x = o; x < o + 4 && x < ah->n; x++)
+        for (int64_t b = 0; b < ah->row_bytes; b += 64) {
+            _mm_prefetch(ah->k[x] + b, _MM_HINT_T0);
+            _mm_prefetch(ah->v[x] + b, _MM_HINT_T0);
+        }
+}
+
+/* A split's body: its first rows asked for (dec_prefetch), then chunk after chunk, every kv head's part of a
+ * quad of keys in turn, so the rows are read in order (CHUNK: a dec_chunk function; QV: the query as it reads
+ * it; the names of decode_split's parameters). */
 #define DEC_SPLIT_CHUNKS(KT, CHUNK, QV)                                                                               \
-    const KT *kr[DEC_CH], *vr[DEC_CH], *krg[DEC_CH], *vrg[DEC_CH];                                                    \
-    dec_prefetch(k_base, v_base, sizeof(KT), bt, bs, kv_stride, p0, p1);                                              \
+    const KT *kr[DEC_CH], *vr[DEC_CH];                                                                                \
+    DecAhead ahead;                                                                                                   \
+    ahead.row_bytes = kv_stride * (int64_t)sizeof(KT);                                                                   \
+    dec_prefetch(k_base, v_base, sizeof(KT), bt, bs, kv_stride, p0, p1 - p0 < DEC_AHEAD ? p1 : p0 + DEC_AHEAD);       \
     for (int c0 = p0; c0 < p1; c0 += DEC_CH) {                                                                        \
         const int cnt = p1 - c0 < DEC_CH ? p1 - c0 : DEC_CH;                                                          \
         for (int o = 0; o < cnt; o++) {                                                                               \
@@ -2783,21 +2810,52 @@ static void dec_prefetch(const void *k_base, const void *v_base, int64_t elt, co
             kr[o] = k_base + off;                                                                                     \
             vr[o] = v_base + off;                                                                                     \
         }                                                                                                             \
-        for (int g = 0; g < nkv; g++) {                                                                               \
-            for (int o = 0; o < cnt; o++) {                                                                           \
-                krg[o] = kr[o] + (int64_t)g * d;                                                                      \
-                vrg[o] = vr[o] + (int64_t)g * d;                                                                      \
-            }                                                                                                         \
-            const int64_t h0 = (int64_t)g * grp;                                                                      \
-            CHUNK((QV) + h0 * d, krg, vrg, cnt, grp, d, scale, softcap, acc + h0 * d, m + h0, l + h0, s, corr);         \
+        for (ahead.n = 0; ahead.n < cnt && c0 + DEC_AHEAD + ahead.n < p1; ahead.n++) {                                \
+            const int64_t off = dec_row(bt, bs, kv_stride, c0 + DEC_AHEAD + ahead.n) * (int64_t)sizeof(KT);           \
+            ahead.k[ahead.n] = (const char *)k_base + off;                                                            \
+            ahead.v[ahead.n] = (const char *)v_base + off;                                                            \
         }                                                                                                             \
+        CHUNK((QV), kr, vr, cnt, nkv, grp, d, scale, softcap, acc, m, l, s, corr, &ahead);                            \
     }
 
-/* acc[h][c0 .. c0 + 8 w) = acc * corr[h] + sum_o s[h][o] V[o][c0 ..] for heads h < nh (<= 4), w 1 or 2 vectors. */
+/* The body of a dec_chunk function (its parameters' names): per quad of keys, every kv head's part of their rows
+ * in turn (read in order, the rows ahead asked for as it goes), scores by QK (a dec_qk4 of up to HQ heads; QCASE
+ * unrolls their count); the online softmax of every head; then P V a kv head at a time by PV (a dec_pv of up to
+ * four heads over two slices of CW / 2 columns, one at a ragged end). s [n_heads][DEC_CH], corr [n_heads]. */
+#define DEC_CHUNK_BODY(KT, QK, QCASE, HQ, PV, CW)                                                                     \
+    for (int o = 0; o < cnt; o += 4) {                                                                                \
+        dec_ask(ahead, o);                                                                                            \
+        for (int g = 0; g < nkv; g++) {                                                                               \
+            const KT *quad[4];                                                                                        \
+            for (int x = 0; x < 4; x++) /* a ragged end repeats a key */                                              \
+                quad[x] = kr[o + x < cnt ? o + x : cnt - 1] + (int64_t)g * d;                                         \
+            for (int h = g * grp; h < (g + 1) * grp; h += HQ) {                                                       \
+                const int nh = (g + 1) * grp - h < HQ ? (g + 1) * grp - h : HQ;                                       \
+                QCASE(nh, QK, qv + (int64_t)h * d, quad, d, scale, s + h * DEC_CH + o)                                \
+            }                                                                                                         \
+        }                                                                                                             \
+    }                                                                                                                 \
+    dec_softmax(s, cnt, nkv * grp, m, l, corr, softcap);                                                              \
+    for (int g = 0; g < nkv; g++)                                                                                     \
+        for (int h = g * grp; h < (g + 1) * grp; h += 4) {                                                            \
+            const int nh = (g + 1) * grp - h < 4 ? (g + 1) * grp - h : 4;                                             \
+            float *ah = acc + (int64_t)h * d;                                                                         \
+            const float *sh = s + h * DEC_CH, *ch = corr + h;                                                         \
+            for (int c = 0; c < d; c += CW) {                                                                         \
+                if (d - c >= CW) {                                                                                    \
+                    UPTO4_CASE(nh, PV, vr, (int64_t)g * d, cnt, sh, ch, ah, d, c, 2)                                  \
+                } else {                                                                                              \
+                    UPTO4_CASE(nh, PV, vr, (int64_t)g * d, cnt, sh, ch, ah, d, c, 1)                                  \
+                }                                                                                                     \
+            }                                                                                                         \
+        }
+
+/* acc[h][c0 .. c0 + 8 w) = acc * corr[h] + sum_o s[h][o] V[o][voff + c0 ..] for heads h < nh (<= 4), w 1 or 2
+ * vectors (voff: the kv head's first element in a row). */
 #define DEFINE_DEC_PV(SUFFIX, KT, LOADKV)                                                                             \
-static inline __attribute__((always_inline)) void dec_pv_##SUFFIX(const KT *const *vr, int cnt, const float *s,      \
-                                                                  const float *corr, float *acc, int d, int c0,       \
-                                                                  const int w, const int nh) {                        \
+static inline __attribute__((always_inline)) void dec_pv_##SUFFIX(const KT *const *vr, int64_t voff, int cnt,        \
+                                                                  const float *s, const float *corr, float *acc,      \
+                                                                  int d, int c0, const int w, const int nh) {         \
     __m256 a0[4], a1[4];                                                                                              \
     for (int h = 0; h < nh; h++) {                                                                                    \
         const __m256 cv = _mm256_set1_ps(corr[h]);                                                                    \
@@ -2805,7 +2863,7 @@ static inline __attribute__((always_inline)) void dec_pv_##SUFFIX(const KT *cons
         a1[h] = w > 1 ? _mm256_mul_ps(_mm256_loadu_ps(acc + h * d + c0 + 8), cv) : a0[h];                             \
     }                                                                                                                 \
     for (int o = 0; o < cnt; o++) {                                                                                   \
-        const __m256 v0 = LOADKV(vr[o] + c0), v1 = w > 1 ? LOADKV(vr[o] + c0 + 8) : v0;                               \
+        const __m256 v0 = LOADKV(vr[o] + voff + c0), v1 = w > 1 ? LOADKV(vr[o] + voff + c0 + 8) : v0;                 \
         for (int h = 0; h < nh; h++) {                                                                                \
             const __m256 pb = _mm256_broadcast_ss(s + h * DEC_CH + o);                                                \
             a0[h] = _mm256_fmadd_ps(pb, v0, a0[h]);                                                                   \
@@ -2838,30 +2896,11 @@ static inline __attribute__((always_inline)) void dec_qk4_##SUFFIX(const float *
         _mm_storeu_ps(s + h * DEC_CH, _mm_mul_ps(hsum4(a[h][0], a[h][1], a[h][2], a[h][3]), _mm_set1_ps(scale)));     \
 }                                                                                                                     \
                                                                                                                       \
-/* One chunk of cnt keys (rows kr, vr, at the kv head) for the grp heads that share it. */                          \
-static void dec_chunk_##SUFFIX(const float *qg, const KT *const *kr, const KT *const *vr, int cnt, int grp, int d,     \
-                               float scale, float softcap, float *acc, float *m, float *l, float *s, float *corr) {   \
-    for (int o = 0; o < cnt; o += 4) {                                                                                \
-        const KT *quad[4];                                                                                            \
-        for (int x = 0; x < 4; x++) quad[x] = kr[o + x < cnt ? o + x : cnt - 1]; /* a ragged end repeats a key */     \
-        for (int h = 0; h < grp; h += 2) {                                                                            \
-            if (grp - h >= 2) dec_qk4_##SUFFIX(qg + h * d, quad, d, scale, s + h * DEC_CH + o, 2);                     \
-            else dec_qk4_##SUFFIX(qg + h * d, quad, d, scale, s + h * DEC_CH + o, 1);                                  \
-        }                                                                                                             \
-    }                                                                                                                 \
-    dec_softmax(s, cnt, grp, m, l, corr, softcap);                                                                    \
-    for (int h = 0; h < grp; h += 4) {                                                                                \
-        const int nh = grp - h < 4 ? grp - h : 4;                                                                     \
-        for (int c = 0; c < d; c += 16) {                                                                             \
-            float *ah = acc + (int64_t)h * d;                                                                         \
-            const float *sh = s + h * DEC_CH, *ch = corr + h;                                                         \
-            if (d - c >= 16) {                                                                                        \
-                UPTO4_CASE(nh, dec_pv_##SUFFIX, vr, cnt, sh, ch, ah, d, c, 2)                                         \
-            } else {                                                                                                  \
-                UPTO4_CASE(nh, dec_pv_##SUFFIX, vr, cnt, sh, ch, ah, d, c, 1)                                         \
-            }                                                                                                         \
-        }                                                                                                             \
-    }                                                                                                                 \
+/* One chunk of cnt keys (rows kr, vr) for every kv head and the grp query heads that share it (DEC_CHUNK_BODY). */ \
+static void dec_chunk_##SUFFIX(const float *qv, const KT *const *kr, const KT *const *vr, int cnt, int nkv, int grp,  \
+                               int d, float scale, float softcap, float *acc, float *m, float *l, float *s,           \
+                               float *corr, const DecAhead *ahead) {                                                  \
+    DEC_CHUNK_BODY(KT, dec_qk4_##SUFFIX, UPTO2_CASE, 2, dec_pv_##SUFFIX, 16)                                          \
 }                                                                                                                     \
                                                                                                                       \
 static void decode_split_##SUFFIX(const float *q, const KT *k_base, const KT *v_base, const int32_t *bt, int bs,      \
@@ -2972,10 +3011,11 @@ AVX512_TARGET static inline __attribute__((always_inline)) void dec512_qk4_##SUF
                                                        fold8(a[h][3])), _mm_set1_ps(scale)));                         \
 }                                                                                                                     \
                                                                                                                       \
-/* acc[h][c0 .. c0 + 32 w) = acc * corr[h] + sum_o s[h][o] V[o][c0 ..] for heads h < nh (<= 4), w 1 or 2 slices. */  \
+/* acc[h][c0 .. c0 + 32 w) = acc * corr[h] + sum_o s[h][o] V[o][voff + c0 ..] for heads h < nh (<= 4), w 1 or 2    \
+ * slices. */                                                                                                         \
 AVX512_TARGET static inline __attribute__((always_inline)) void dec512_pv_##SUFFIX(                                  \
-    const KT *const *vr, int cnt, const float *s, const float *corr, float *acc, int d, int c0, const int w,          \
-    const int nh) {                                                                                                   \
+    const KT *const *vr, int64_t voff, int cnt, const float *s, const float *corr, float *acc, int d, int c0,         \
+    const int w, const int nh) {                                                                                      \
     __m512 a[4][4];                                                                                                   \
     for (int h = 0; h < nh; h++) {                                                                                    \
         const __m512 cv = _mm512_set1_ps(corr[h]);                                                                    \
@@ -2983,7 +3023,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void dec512_pv_##SUFF
     }                                                                                                                 \
     for (int o = 0; o < cnt; o++) {                                                                                   \
         __m512 v[4];                                                                                                  \
-        for (int x = 0; x < w; x++) WIDEN(vr[o] + c0 + 32 * x, &v[2 * x], &v[2 * x + 1]);                             \
+        for (int x = 0; x < w; x++) WIDEN(vr[o] + voff + c0 + 32 * x, &v[2 * x], &v[2 * x + 1]);                      \
         for (int h = 0; h < nh; h++) {                                                                                \
             const __m512 pb = _mm512_set1_ps(s[h * DEC_CH + o]);                                                      \
             for (int x = 0; x < 2 * w; x++) a[h][x] = _mm512_fmadd_ps(pb, v[x], a[h][x]);                             \
@@ -2993,30 +3033,11 @@ AVX512_TARGET static inline __attribute__((always_inline)) void dec512_pv_##SUFF
         for (int x = 0; x < 2 * w; x++) _mm512_storeu_ps(acc + h * d + c0 + 16 * x, a[h][x]);                         \
 }                                                                                                                     \
                                                                                                                       \
-AVX512_TARGET static void dec512_chunk_##SUFFIX(const float *qp, const KT *const *kr, const KT *const *vr, int cnt,  \
-                                                int grp, int d, float scale, float softcap, float *acc, float *m,     \
-                                                float *l, float *s, float *corr) {                                    \
-    for (int o = 0; o < cnt; o += 4) {                                                                                \
-        const KT *quad[4];                                                                                            \
-        for (int x = 0; x < 4; x++) quad[x] = kr[o + x < cnt ? o + x : cnt - 1]; /* a ragged end repeats a key */     \
-        for (int h = 0; h < grp; h += 4) {                                                                            \
-            const int nh = grp - h < 4 ? grp - h : 4;                                                                 \
-            UPTO4_CASE(nh, dec512_qk4_##SUFFIX, qp + h * d, quad, d, scale, s + h * DEC_CH + o)                       \
-        }                                                                                                             \
-    }                                                                                                                 \
-    dec_softmax(s, cnt, grp, m, l, corr, softcap);                                                                    \
-    for (int h = 0; h < grp; h += 4) {                                                                                \
-        const int nh = grp - h < 4 ? grp - h : 4;                                                                     \
-        float *ah = acc + (int64_t)h * d;                                                                             \
-        const float *sh = s + h * DEC_CH, *ch = corr + h;                                                             \
-        for (int c = 0; c < d; c += 64) {                                                                             \
-            if (d - c >= 64) {                                                                                        \
-                UPTO4_CASE(nh, dec512_pv_##SUFFIX, vr, cnt, sh, ch, ah, d, c, 2)                                      \
-            } else {                                                                                                  \
-                UPTO4_CASE(nh, dec512_pv_##SUFFIX, vr, cnt, sh, ch, ah, d, c, 1)                                      \
-            }                                                                                                         \
-        }                                                                                                             \
-    }                                                                                                                 \
+/* dec_chunk_<type>'s chunk on AVX-512F. */                                                                          \
+AVX512_TARGET static void dec512_chunk_##SUFFIX(const float *qv, const KT *const *kr, const KT *const *vr, int cnt,  \
+                                                int nkv, int grp, int d, float scale, float softcap, float *acc,      \
+                                                float *m, float *l, float *s, float *corr, const DecAhead *ahead) {   \
+    DEC_CHUNK_BODY(KT, dec512_qk4_##SUFFIX, UPTO4_CASE, 4, dec512_pv_##SUFFIX, 64)                                    \
 }                                                                                                                     \
                                                                                                                       \
 /* decode_split_<type>'s item on AVX-512F; qp: n_heads * d floats of scratch (the query laid for a bf16 cache; other \
@@ -4088,7 +4109,7 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
     const int wide = g_avx512 && d % 32 == 0;
     const int dec_tiles = appl_decode_tiles(n_heads, n_kv_heads, d, kv_type);
     /* acc, m, l; s [grp][DEC_CH]; corr; the laid query of a wide item, or an AMX item's scratch */
-    const int64_t item_floats = dec_tiles ? dec_amx_floats(d, n_kv_heads) : (int64_t)grp * (DEC_CH + 1) + (wide ? (int64_t)n_heads * d : 0);
+    const int64_t item_floats = dec_tiles ? dec_amx_floats(d, n_kv_heads) : (int64_t)n_heads * (DEC_CH + 1) + (wide ? (int64_t)n_heads * d : 0);
     const int64_t scr_floats = part_floats + item_floats;
 #pragma omp parallel if (n_items > 1)
     {
@@ -4101,7 +4122,7 @@ void appl_attention(const float *q, int64_t ldq, float *out, int64_t ldo, const 
             const float *qt = q + (int64_t)it[1] * ldq;
             /* a split's sums in its partial slot, a whole context's in the scratch */
             float *acc = it[4] >= 0 ? partial + it[4] * part_floats : scr, *m = acc + (int64_t)n_heads * d;
-            float *l = m + n_heads, *s = scr + part_floats, *corr = s + grp * DEC_CH, *qp = corr + grp;
+            float *l = m + n_heads, *s = scr + part_floats, *corr = s + n_heads * DEC_CH, *qp = corr + n_heads;
             if (dec_tiles)
                 decode_split_amx(qt, (const uint16_t *)k_cache, (const uint16_t *)v_cache, bt, bs, kv_stride, it[2],
                                  it[3], n_kv_heads, grp, d, qk_scale, softcap, acc, m, l, scr + part_floats);
