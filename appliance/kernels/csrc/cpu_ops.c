@@ -2757,10 +2757,11 @@ static void dec_softmax(float *s, int cnt, int grp, float *m, float *l, float *c
     }
 }
 
-/* Positions [p0, p1) of a context's K and V rows (every kv head; elt bytes an element) asked into L2 before an
- * item reads them: a split is at most DEC_SPLIT positions (512 KiB of K and V in a bf16 cache with 1 KiB of K
- * a position), and the requests, issued at once, are in flight together where the item's own loads would
- * wait for one chunk's rows after another (1.2-1.6x on a cache read from memory). */
+/* Positions [p0, p1) of a context's K and V rows (every kv head; elt bytes an element) asked into L2 at once before
+ * an item reads them: the first rows of a split (the AVX2 and AVX-512 items then ask as they go, dec_ask), or a
+ * whole split of at most DEC_SPLIT positions (the AMX items: 512 KiB of K and V in a bf16 cache with 1 KiB of K a
+ * position; 1.2-1.6x on a cache read from memory where the item's own loads would wait for one chunk's rows after
+ * another). */
 static void dec_prefetch(const void *k_base, const void *v_base, int64_t elt, const int32_t *bt, int bs,
                          int64_t kv_stride, int p0, int p1) {
     const int64_t row = kv_stride * elt;
@@ -2801,7 +2802,7 @@ static inline __attribute__((always_inline)) void dec_ask(const DecAhead *ah, in
 #define DEC_SPLIT_CHUNKS(KT, CHUNK, QV)                                                                               \
     const KT *kr[DEC_CH], *vr[DEC_CH];                                                                                \
     DecAhead ahead;                                                                                                   \
-    ahead.row_bytes = kv_stride * (int64_t)sizeof(KT);                                                                   \
+    ahead.row_bytes = kv_stride * (int64_t)sizeof(KT);                                                                \
     dec_prefetch(k_base, v_base, sizeof(KT), bt, bs, kv_stride, p0, p1 - p0 < DEC_AHEAD ? p1 : p0 + DEC_AHEAD);       \
     for (int c0 = p0; c0 < p1; c0 += DEC_CH) {                                                                        \
         const int cnt = p1 - c0 < DEC_CH ? p1 - c0 : DEC_CH;                                                          \
