@@ -36,7 +36,7 @@ import torch
 
 from appliance.worker.kv_memory import zeroed_kv_cache
 from appliance.worker.model_runner import rope_table_rows
-from appliance.worker.sampler import _probs, _race, position_generator
+from appliance.worker.sampler import _draw, _probs, position_generator
 
 if TYPE_CHECKING:
     from appliance.worker.model_runner import CachedRequestState, ModelRunner
@@ -83,7 +83,7 @@ class DraftModelProposer:
         q = _probs(logits, p)
         seed = p.seed
         gen = runner.generator if seed is None else position_generator(seed ^ DRAFT_SALT, position)
-        return _race(q, gen), q
+        return _draw(q, gen), q
 
     def draft_step(self, runner: ModelRunner, states: list[CachedRequestState], ends: list[int], sampled: set[str],
                    enabled: bool) -> dict[str, tuple[list[int], Optional[torch.Tensor]]]:

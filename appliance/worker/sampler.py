@@ -4,9 +4,11 @@ verifying speculative drafts against them.
 Order of operations (as vLLM's): logprobs of the raw logits are taken
 first; then allowed_token_ids and bad_words masking, logit bias, min_tokens masking, repetition / frequency /
 presence penalties; greedy rows take the argmax; the others apply
-temperature, top-k, top-p and min-p and draw with the exponential race
-(argmax of p / q with q ~ Exp(1), q = -log U) from their own generator, so a seeded
-request draws the same tokens whatever else is in the batch.
+temperature, top-k, top-p and min-p and draw by the inverse of their
+cumulative distribution (the first token whose running sum of p passes
+U times the row's total, U uniform, one draw a row from its own
+generator), so a seeded request draws the same tokens whatever else is in
+the batch.
 
 ``verify_drafts`` is the rejection sampler: a request with k draft tokens
 brings k + 1 rows (the target's distribution at each draft position and
@@ -19,7 +21,7 @@ rejection emits a draw from normalize(max(p - q, 0)) and ends the run; all
 accepted, a bonus draw from the last row. Every emitted token is thereby
 distributed exactly as without drafts. Drafts given without q (n-gram: q
 one-hot) take the same acceptance, p(d), in its exact form: each position
-draws its token as plain sampling would (the same race from the same
+draws its token as plain sampling would (the same draw from the same
 generator) and the draft is accepted when it is that token, so a seeded
 request emits the very tokens it would without drafts.
 
@@ -125,9 +127,25 @@ def position_generator(seed: int, position: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed((seed * _MIX + position) % (1 << 63))
 
 
-def exp1(n: int, generator: torch.Generator, rows: int = 1) -> torch.Tensor:
-    """Exp(1) draws as -log(U): four times faster than Tensor.exponential_ on CPU."""
-    return torch.rand(rows, n, generator=generator).log_().neg_()
+def uniforms(n: int, generator: torch.Generator) -> torch.Tensor:
+    """n uniform draws in [0, 1), float64 (53 random bits each), from ``generator``."""
+    return torch.rand(n, generator=generator, dtype=torch.float64)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` ([rows, vocab], nonnegative; unnormalized is fine) for the uniforms ``u``
+    ([rows]): the first token whose cumulative mass exceeds u times the row's total. A token's chance moves by at
+    most about one fp32 rounding of the running sum (~1e-7 of the total) at each end of its interval, and a token
+    of zero mass is never drawn (its interval is empty). One uniform a row where the exponential race drew one a
+    token: at 64 rows of a 49,152-token vocabulary 1.3 ms against 9.6 on a 2-core Zen 5."""
+    c = probs.cumsum(-1)
+    idx = torch.searchsorted(c, (u.to(c.device, torch.float64).unsqueeze(1) * c[:, -1:]).to(c.dtype), right=True)
+    idx = idx.squeeze(1)
+    past = idx >= probs.shape[-1]  # u * total rounded up to the total: the last token that has mass
+    if bool(past.any()):
+        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
+        idx = torch.where(past, last, idx)
+    return idx
 
 
 def sample(logits: torch.Tensor, reqs: list[SampleRequest], default_generator: torch.Generator):
@@ -136,7 +154,7 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest], default_generator: t
     only rows with penalties, bias, min_tokens or top-k/p/min-p filters are
     processed one by one."""
     logits = logits.float()
-    n, vocab = logits.shape
+    n = logits.shape[0]
     want_lp = [r.params.logprobs is not None for r in reqs]
     raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
     process = [i for i, r in enumerate(reqs) if _needs_processing(r)]
@@ -157,14 +175,14 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest], default_generator: t
             p = reqs[i].params
             if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
                 probs[j] = _filter(probs[j], p)
-        q = torch.empty_like(probs)
+        u = torch.empty(len(rand), dtype=torch.float64)
         unseeded = [j for j, i in enumerate(rand) if reqs[i].generator is None]
         if unseeded:
-            q[unseeded] = exp1(vocab, default_generator, len(unseeded))
+            u[unseeded] = uniforms(len(unseeded), default_generator)
         for j, i in enumerate(rand):
             if (gen := reqs[i].generator) is not None:
-                q[j] = exp1(vocab, gen)[0]
-        for i, t in zip(rand, (probs / q).argmax(dim=-1).tolist()):
+                u[j] = uniforms(1, gen)[0]
+        for i, t in zip(rand, inverse_cdf(probs, u).tolist()):
             tokens[i] = t
     logprobs: list[Optional[TokenLogprobs]] = []
     for i, r in enumerate(reqs):
@@ -177,7 +195,7 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest], default_generator: t
 
 def _probs(logits_row: torch.Tensor, p: SamplingParams, normalize: bool = True) -> torch.Tensor:
     """A random row's distribution: temperature, then top-k / top-p / min-p
-    (renormalized unless ``normalize`` is off: the race takes it as ``sample`` does)."""
+    (renormalized unless ``normalize`` is off: the draw takes it as ``sample`` does)."""
     probs = torch.softmax(logits_row / p.temperature, dim=-1)
     if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
         probs = _filter(probs, p)
@@ -186,9 +204,9 @@ def _probs(logits_row: torch.Tensor, p: SamplingParams, normalize: bool = True) 
     return probs
 
 
-def _race(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One draw from ``probs`` (unnormalized is fine): the exponential race."""
-    return int((probs / exp1(probs.shape[0], generator)[0]).argmax())
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from ``probs`` (unnormalized is fine), as ``sample`` draws a row."""
+    return int(inverse_cdf(probs.unsqueeze(0), uniforms(1, generator))[0])
 
 
 def _token_logprobs(lp: torch.Tensor, tok: int, k: int) -> TokenLogprobs:
@@ -244,7 +262,7 @@ def verify_drafts(logits: torch.Tensor, rows: list[SampleRequest], drafts: list[
         for j, d in enumerate(drafts):
             gen = rows[j].generator or default_generator
             if draft_probs is None:  # q one-hot: the position's own draw, accepted when it is the draft
-                tok = _race(_probs(logits[j], p, normalize=False), gen)
+                tok = _draw(_probs(logits[j], p, normalize=False), gen)
                 emitted.append(tok)
                 if tok != d:
                     break
@@ -256,11 +274,11 @@ def verify_drafts(logits: torch.Tensor, rows: list[SampleRequest], drafts: list[
                 continue
             residual = (probs - draft_probs[j]).clamp_(min=0.0)
             probs = residual if float(residual.sum()) > 0 else probs
-            emitted.append(_race(probs, gen))
+            emitted.append(_draw(probs, gen))
             break
         else:
             j = len(drafts)
-            emitted.append(_race(_probs(logits[j], p, normalize=False), rows[j].generator or default_generator))
+            emitted.append(_draw(_probs(logits[j], p, normalize=False), rows[j].generator or default_generator))
     logprobs = [None if raw_lp is None or p.logprobs is None else _token_logprobs(raw_lp[j], tok, p.logprobs)
                 for j, tok in enumerate(emitted)]
     return emitted, logprobs

@@ -179,7 +179,7 @@ def test_a_seeded_request_is_the_same_alone_in_a_batch_and_without_drafts(plain)
     and among six (above disable_by_batch_size, not drafting) and without
     speculation, the same tokens."""
     spec = LLM(overrides=BASE + ["speculative=ngram", "speculative.prompt_lookup_min=1"])  # drafts off above 4
-    for seed in (1234, 7, 99):
+    for seed in (19, 7, 99):  # seeds whose continuations repeat, so drafts are proposed alone
         p = SamplingParams(max_tokens=24, temperature=0.6, seed=seed)
         before = spec.engine.stats().spec_drafts
         alone = spec.generate([REPEATING[0]], p, use_tqdm=False)[0].outputs[0].token_ids
