@@ -2935,8 +2935,8 @@ DEFINE_DEC_PV(e5m2, uint8_t, load_e5m2)
  * 16 lanes wide. A 32-element slice of a K or V row widens to two fp32 vectors; a bf16 slice with one load
  * and two integer operations, its even elements (x << 16) in the first vector and its odd ones (x with the
  * low half cleared) in the second. The query is laid in that order once per item (qp) and the output sums
- * stay in it until the split ends (dec512_unlay), so no lane is moved per key. fp32 and fp8 slices keep
- * their order (elements 0-15, 16-31). Scores: four keys by up to four heads a pass, each K slice loaded once
+ * stay in it until the split ends (dec512_unlay), so no lane is moved per key; an e4m3 slice is looked up as
+ * bf16 words and widened the same way. fp32 and e5m2 slices keep their order (elements 0-15, 16-31). Scores: four keys by up to four heads a pass, each K slice loaded once
  * for all of them; P V: up to four heads by 64 lanes of d, each V slice loaded once.
  */
 AVX512_TARGET static inline __attribute__((always_inline)) void dwiden_bf16(const uint16_t *p, __m512 *a, __m512 *b) {
@@ -2948,17 +2948,38 @@ AVX512_TARGET static inline __attribute__((always_inline)) void dwiden_f32(const
     *a = _mm512_loadu_ps(p);
     *b = _mm512_loadu_ps(p + 16);
 }
-/* fp8 as in load_e4m3 / load_e5m2, 32 bytes at a time */
+/* The bf16 bits of e4m3's 128 magnitudes, code 8 e + m: m 2^-9 for e = 0, (1 + m / 8) 2^(e - 7) after, code 127 NaN
+ * (every value exact in bf16), as four tables of 32 words for vpermi2w (dwiden_e4m3). */
+static const uint16_t E4M3_BF16[128] __attribute__((aligned(64))) = {
+    0x0000, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60,
+    0x3c80, 0x3c90, 0x3ca0, 0x3cb0, 0x3cc0, 0x3cd0, 0x3ce0, 0x3cf0,
+    0x3d00, 0x3d10, 0x3d20, 0x3d30, 0x3d40, 0x3d50, 0x3d60, 0x3d70,
+    0x3d80, 0x3d90, 0x3da0, 0x3db0, 0x3dc0, 0x3dd0, 0x3de0, 0x3df0,
+    0x3e00, 0x3e10, 0x3e20, 0x3e30, 0x3e40, 0x3e50, 0x3e60, 0x3e70,
+    0x3e80, 0x3e90, 0x3ea0, 0x3eb0, 0x3ec0, 0x3ed0, 0x3ee0, 0x3ef0,
+    0x3f00, 0x3f10, 0x3f20, 0x3f30, 0x3f40, 0x3f50, 0x3f60, 0x3f70,
+    0x3f80, 0x3f90, 0x3fa0, 0x3fb0, 0x3fc0, 0x3fd0, 0x3fe0, 0x3ff0,
+    0x4000, 0x4010, 0x4020, 0x4030, 0x4040, 0x4050, 0x4060, 0x4070,
+    0x4080, 0x4090, 0x40a0, 0x40b0, 0x40c0, 0x40d0, 0x40e0, 0x40f0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+    0x4180, 0x4190, 0x41a0, 0x41b0, 0x41c0, 0x41d0, 0x41e0, 0x41f0,
+    0x4200, 0x4210, 0x4220, 0x4230, 0x4240, 0x4250, 0x4260, 0x4270,
+    0x4280, 0x4290, 0x42a0, 0x42b0, 0x42c0, 0x42d0, 0x42e0, 0x42f0,
+    0x4300, 0x4310, 0x4320, 0x4330, 0x4340, 0x4350, 0x4360, 0x4370,
+    0x4380, 0x4390, 0x43a0, 0x43b0, 0x43c0, 0x43d0, 0x43e0, 0x7fc0,
+};
+
+/* 32 e4m3 bytes widened as a bf16 slice is (dwiden_bf16: even elements, then odd): each magnitude's bf16 looked up
+ * (two vpermi2w over 64 words, bit 6 choosing), the sign moved to bit 15; e5m2 as in load_e5m2, elements in order. */
 AVX512_TARGET static inline __attribute__((always_inline)) void dwiden_e4m3(const uint8_t *p, __m512 *a, __m512 *b) {
     const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
-    const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi16(0x7f));
-    __m512i h = _mm512_or_si512(_mm512_slli_epi16(mag, 7),
-                                _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8));
-    h = _mm512_or_si512(h, _mm512_maskz_mov_epi16(_mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)),
-                                                  _mm512_set1_epi16(0x7e00)));
-    const __m512 s256 = _mm512_set1_ps(256.0f);
-    *a = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), s256);
-    *b = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), s256);
+    const __m512i *t = (const __m512i *)E4M3_BF16;
+    const __m512i lo = _mm512_permutex2var_epi16(_mm512_load_si512(t), x, _mm512_load_si512(t + 1));
+    const __m512i hi = _mm512_permutex2var_epi16(_mm512_load_si512(t + 2), x, _mm512_load_si512(t + 3));
+    __m512i w = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, _mm512_set1_epi16(0x40)), lo, hi);
+    w = _mm512_ternarylogic_epi32(w, _mm512_slli_epi16(x, 8), _mm512_set1_epi16((short)0x8000), 0xf8); /* w | sign */
+    *a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    *b = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
 }
 AVX512_TARGET static inline __attribute__((always_inline)) void dwiden_e5m2(const uint8_t *p, __m512 *a, __m512 *b) {
     const __m512i h = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p)), 8);
@@ -3055,7 +3076,7 @@ AVX512_TARGET static void decode_split512_##SUFFIX(const float *q, const KT *k_b
 
 DEFINE_DEC512(f32, float, dwiden_f32, 0)
 DEFINE_DEC512(bf16, uint16_t, dwiden_bf16, 1)
-DEFINE_DEC512(e4m3, uint8_t, dwiden_e4m3, 0)
+DEFINE_DEC512(e4m3, uint8_t, dwiden_e4m3, 1)
 DEFINE_DEC512(e5m2, uint8_t, dwiden_e5m2, 0)
 
 /*
