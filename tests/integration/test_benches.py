@@ -174,6 +174,23 @@ def test_long_context(out, cli):
     assert (out / "long_context.png").stat().st_size > 0
 
 
+def test_long_context_over_http(out, cli):
+    r = cli("bench", "long-context", "--served", "--label", "tiny", "--contexts", "120,40", "--streams", "1,2",
+            "--steps", "3", "--out", str(out), *TINY)
+    assert r.returncode == 0, r.stderr
+    run = load(out, "long_context-tiny")["deployments"]["tiny"]
+    # tiny_random's fp32 KV: 2 layers, 2 kv heads of 16, K and V: 512 bytes a token, as the appliance plans it
+    assert run["kv_bytes_per_token"] == 2 * 2 * 16 * 2 * 4 and run["model"] and run["url"].startswith("http://")
+    rows = run["rows"]
+    assert [(x["context"], x["streams"]) for x in rows] == [(40, 1), (40, 2), (120, 1), (120, 2)]
+    for x in rows:
+        assert x["itl_ms"] > 0 and math.isclose(x["decode_tok_s"], x["streams"] / x["itl_ms"] * 1e3)
+        assert math.isclose(x["prefill_tok_s"], x["context"] / x["prefill_s"]) and x["ttft_max_ms"] > 0
+    assert (out / "long_context-tiny.png").stat().st_size > 0
+    r = cli("bench", "long-context", "--served", "--also", "cache.kv_cache_dtype=fp8_e4m3", "--out", str(out), *TINY)
+    assert r.returncode == 2 and "one server" in r.stderr
+
+
 def test_prefix(out, cli):
     r = cli("bench", "prefix", "--num-prompts", "3", "--prefix-len", "40", "--suffix-len", "5", "--output-len", "2",
             "--out", str(out), *TINY)

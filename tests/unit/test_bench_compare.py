@@ -78,3 +78,33 @@ def test_the_request_mix_compares_where_servers_ran_it(tmp_path):
     assert main([str(tmp_path), "vllm", "appliance-default", "appliance-bf16"]) == 0
     md = (tmp_path / "compare.md").read_text()
     assert "| appliance-default | 8 x 240 | 1000 (1.25x) | 260000 (1.30x) | 20000 (1.25x) | 0 | 16 of 16 |" in md
+
+
+def test_decode_at_long_context_compares_where_servers_ran_it(tmp_path):
+    def long_context(label, rows):
+        return {"host": {"cpu": "Test CPU", "cpus": 2, "cpu_isa": ["avx2"]},
+                "deployments": {label: {"server": label, "kv_bytes_per_token": 23040, "rows": [
+                    {"context": c, "streams": s, "prefill_tok_s": pf, "itl_ms": itl, "decode_tok_s": s / itl * 1e3,
+                     "ttft_max_ms": 30.0, **({"kv_GBps": 25.0} if c > 512 else {})}
+                    for c, s, pf, itl in rows]}}}
+
+    # only `bench long-context` ran in this sitting: no serve runs to compare
+    (tmp_path / "long_context-vllm.json").write_text(json.dumps(long_context("vllm", [
+        (512, 1, 1000.0, 20.0), (512, 4, 1000.0, 30.0), (6000, 1, 500.0, 40.0), (6000, 4, 500.0, 90.0)])))
+    (tmp_path / "long_context-appliance-default.json").write_text(json.dumps(long_context("appliance-default", [
+        (6000, 4, 750.0, 45.0), (512, 1, 1250.0, 5.0), (6000, 1, 750.0, 10.0), (2000, 1, 900.0, 7.0)])))
+    result = compare(tmp_path, "vllm", ["appliance-default"])
+    assert result["rows"] == [] and result["host"]["cpu"] == "Test CPU"
+    rows = {(m["server"], m["context"], m["streams"]): m for m in result["long_context"]}
+    ours = rows["appliance-default", 6000, 1]
+    assert ours["decode_speedup"] == 4.0 and ours["prefill_speedup"] == 1.5 and ours["itl_over_shortest"] == 2.0
+    assert rows["appliance-default", 6000, 4]["decode_speedup"] == 2.0
+    # four streams ran at no shorter context: the 6,000 one is their shortest
+    assert rows["appliance-default", 6000, 4]["itl_over_shortest"] == 1.0
+    assert rows["appliance-default", 2000, 1]["decode_speedup"] is None  # the baseline ran no such context
+    assert rows["vllm", 6000, 1]["decode_speedup"] == 1.0 and rows["vllm", 6000, 1]["itl_over_shortest"] == 2.0
+    assert main([str(tmp_path), "vllm", "appliance-default"]) == 0
+    md = (tmp_path / "compare.md").read_text()
+    assert "| appliance-default | 6000 | 1 | 750 | 1.50x | 10.00 | 4.00x | 2.00x | 25.0 | 30 |" in md
+    assert "| appliance-default | 2000 | 1 | 900 | - | 7.00 | - | 1.40x | 25.0 | 30 |" in md
+    assert "concurrency" not in md  # no levels table without levels
