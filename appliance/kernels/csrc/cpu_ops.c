@@ -2086,15 +2086,20 @@ AVX512_TARGET static void q4_rows_passes(const Linear *L, const float *x, int64_
  * bf16 re-lay, and one instruction does 64 multiply-adds against
  * vdpbf16ps's 32. Weights packed for these rows (WTYPE_I8Q, WTYPE_Q8GQ,
  * WTYPE_Q4Q: appl_int8_quads) are those quads already (int4 two a byte,
- * one mask or one shift apart): every row count reads them as stored
- * (1.25-1.47x the re-laid panels at 8 rows, 1.06-1.13x at 32 and 256 on
- * Zen 4). Every row is quantized alike whatever the batch, so a
+ * one mask or one shift apart): int8 ones are read as stored at every row
+ * count (1.25-1.47x the re-laid panels at 8 rows, 1.06-1.13x at 32 and 256
+ * on Zen 4); int4 ones up to G8_RELAY_Q4_ROWS rows, more re-lay each panel
+ * pair's nibbles into bytes once a block of rows, so that no row tile
+ * unpacks a quad (a mask and a shift a quad a panel, on the vector pipes
+ * vpdpbusd needs: at 512 rows on Zen 5 gate|up 1.1x, a 4,500-token
+ * prefill's GEMMs 1.1x; even at 16 rows, 0.9x at 8). Every row is quantized alike whatever the batch, so a
  * request's results do not depend on what shares its step. Where AMX-BF16
  * tiles take the rows (from AMX_MIN_ROWS; grouped panels from
  * AMX_MIN_ROWS_GROUPED), they stay there.
  */
 #define G8_ROWS 6     /* rows per tile, by two panels: 12 fp32 and 12 int32 zmm accumulators */
 #define G8_DIRECT_ROWS 6 /* up to this many rows read the stored panels, each quad re-laid in registers */
+#define G8_RELAY_Q4_ROWS 24 /* from this many rows int4 quads (WTYPE_Q4Q) are unpacked to bytes once a block */
 
 /* The int8 rows path: set < 0 asks, 0 turns it off, 1 on (where the CPU has AVX512-VNNI). Returns whether
  * it runs: it needs the vpdpbusd path (appl_vnni) on too. */
@@ -2289,14 +2294,16 @@ static int64_t g8_group(const Linear *L) {
 
 /* appl_linear for int4 or int8 weights on the integer-dot path, the rows quantized in groups of G
  * (g8_group): the rows quantized once, threads split the panels, each block of rows (kept in L2 as int8)
- * passing every panel pair re-laid once; up to G8_DIRECT_ROWS rows read the stored panels directly. */
+ * passing every panel pair re-laid once; up to G8_DIRECT_ROWS rows read the stored panels directly, as do
+ * stored quads (but int4's from G8_RELAY_Q4_ROWS rows). */
 static void g8_linear(const Linear *L, int64_t G, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m,
                       int accumulate) {
     const int64_t k = L->k, n = L->n, groups = k / G, panels = (n + PW - 1) / PW;
     const int mode = L->wtype == WTYPE_Q4 || L->wtype == WTYPE_Q4Q        ? G8_INT4
                      : L->wtype == WTYPE_Q8G || L->wtype == WTYPE_Q8GQ ? G8_GROUPED
                                                                        : G8_CHANNEL;
-    const int direct = m <= G8_DIRECT_ROWS || quad_panels(L); /* stored quads: no re-lay */
+    /* stored quads: no re-lay, but for int4's nibbles under many rows */
+    const int direct = m <= G8_DIRECT_ROWS || (quad_panels(L) && !(L->wtype == WTYPE_Q4Q && m >= G8_RELAY_Q4_ROWS));
     int8_t *xq = (int8_t *)malloc((size_t)(m * k));
     float *s = (float *)malloc(sizeof(float) * (size_t)(2 * m * groups));
     int32_t *qsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(m * groups));
