@@ -1017,7 +1017,8 @@ def _int8_rows_reference(x, q, d, mn, b, group):
     """What the integer-dot path computes, in fp64: the rows quantized per group (s = amax / 127,
     q = x / s rounded half to even), each group's exact integer sums times d * s, plus the min times
     the row's exact group sum; and the magnitude of those terms. d = None: int8 per channel (the
-    channel's scale in mn), groups of `group` inputs."""
+    channel's scale in mn), groups of `group` inputs, whose weights the kernel sums offset by 128, taking
+    the offset's products away once a row: their magnitude counts too."""
     m, k = x.shape
     n, gc = q.shape[0], k // group
     xg = x.view(m, gc, group)
@@ -1031,7 +1032,8 @@ def _int8_rows_reference(x, q, d, mn, b, group):
         products = torch.einsum("rng,ng,rg->rng", isum, d.double(), s)
         mins = torch.einsum("ng,rg->rng", mn.double(), xg.double().sum(-1))
     bias = torch.zeros(n, dtype=torch.float64) if b is None else b.double()
-    return (products + mins).sum(-1) + bias, (products.abs() + mins.abs()).sum(-1) + bias.abs(), s
+    offset = 0.0 if d is not None else 128 * (qx.sum(-1).abs() * s).sum(-1)[:, None] * mn.double().abs()[None, :]
+    return (products + mins).sum(-1) + bias, (products.abs() + mins.abs()).sum(-1) + bias.abs() + offset, s
 
 
 def _int8_rows_case(kind, n, k, seed):
@@ -1039,7 +1041,7 @@ def _int8_rows_case(kind, n, k, seed):
     per-channel scales stand in mn), the rows' group, and its dequantized weight and bias."""
     if kind == "int8":
         mod, w, b = _module("int8", n, k, bias=True, seed=seed)
-        return mod, mod.weight_int8, None, mod.scale, next(g for g in (32, 16, 8, 4) if k % g == 0), w, b
+        return mod, mod.weight_int8, None, mod.scale, next(g for g in (128, 64, 32, 16, 8, 4) if k % g == 0), w, b
     group = {"int4 g32": 32, "int4 g128": 128, "q8 g16": 16, "q8 g32": 32}[kind]
     mod, w, b = (_int4 if kind.startswith("int4") else _q8g)(n, k, group, seed=seed)
     q = mod.weight_q4 if kind.startswith("int4") else mod.weight_q8
@@ -1048,7 +1050,7 @@ def _int8_rows_case(kind, n, k, seed):
 
 @needs_int8_rows
 @pytest.mark.parametrize("kind,k", [("int4 g32", 384), ("int4 g128", 384), ("q8 g16", 256), ("q8 g32", 256),
-                                    ("int8", 256), ("int8", 200)])  # int8 per channel: rows in groups of 32 and 8
+                                    ("int8", 256), ("int8", 200), ("int8", 96)])  # int8 per channel: rows in groups of 128, 8 and 32
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 40])
 @pytest.mark.parametrize("n", [7, 50, 100])
 def test_int8_rows_sum_each_group_exactly(kind, k, m, n):
