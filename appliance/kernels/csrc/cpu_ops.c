@@ -3314,18 +3314,22 @@ AVX512_TARGET static inline __attribute__((always_inline)) void att_pv4_512(cons
         }                                                                                           \
     }
 
-/* A row's running max raised to bm where bm is larger, its O and sum scaled to match, on AVX-512. */
-AVX512_TARGET static inline void att_raise_max512(float *o, int d, float *mx, float *sum, float bm) {
-    if (!(bm > *mx)) return;
+/* A row's running max raised to the largest lane of mv where that is larger, its O scaled to match, on AVX-512;
+ * returns the factor the row's sum so far takes (1 where the max stays). The lanes are compared first, so a
+ * chunk that does not raise the max takes no reduction across them. */
+AVX512_TARGET static inline float att_raise_max512(float *o, int d, float *mx, __m512 mv) {
+    if (!_mm512_cmp_ps_mask(mv, _mm512_set1_ps(*mx), _CMP_GT_OQ)) return 1.0f;
+    const float bm = _mm512_reduce_max_ps(mv);
+    float corr = 0.0f; /* a first max: nothing summed yet */
     if (*mx != -INFINITY) {
-        const float corr = expf(*mx - bm);
+        corr = expf(*mx - bm);
         const __m512 cv = _mm512_set1_ps(corr);
-        *sum *= corr;
         int c = 0;
         for (; c + 16 <= d; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), cv));
         if (c < d) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), _mm256_set1_ps(corr)));
     }
     *mx = bm;
+    return corr;
 }
 
 #define ATT_PV512_ROWS(NV)                                                                          \
@@ -3368,8 +3372,7 @@ AVX512_TARGET static void attend_tile512(const float *q, int64_t ldq, float *out
             }
             const __mmask16 m = _mm512_cmp_ps_mask(lanes, _mm512_set1_ps((float)lim), _CMP_LT_OQ);
             const __m512 sm = _mm512_mask_blend_ps(m, ninf, _mm512_mul_ps(_mm512_loadu_ps(si), sv));
-            const float bm = _mm512_reduce_max_ps(sm);
-            att_raise_max512(o + i * d, d, mx + i, sum + i, bm);
+            sum[i] *= att_raise_max512(o + i * d, d, mx + i, sm);
             const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(sm, _mm512_set1_ps(mx[i]))));
             _mm512_storeu_ps(si, e);
             sum[i] += _mm512_reduce_add_ps(e);
@@ -3528,12 +3531,11 @@ DOT_TARGET static inline __attribute__((always_inline)) void atb_pv4(const uint3
     default: atb_pv4(pp + i0 * (ATB_KC / 2), vc, d, c0, o + i0 * d, npairs, tail, NV, 1); break;    \
     }
 
-/* Scratch floats for a bf16 tile of `rows` query rows of head size d: q pairs, O, S, P pairs, max, sum, n_vis. */
 #define ATA_KC 128 /* key positions per chunk of the AMX tile: four of the pairs' 32-key chunks */
 
 /* Scratch floats for a bf16 tile of `rows` query rows of head size d, chunks of kc keys: q pairs, O, S, P pairs,
- * max, sum, n_vis. */
-static inline int64_t atb_tile_floats(int rows, int d, int kc) { return (int64_t)rows * (d / 2 + d + kc + kc / 2 + 3); }
+ * max, sum, n_vis, the sums' 16 lanes. */
+static inline int64_t atb_tile_floats(int rows, int d, int kc) { return (int64_t)rows * (d / 2 + d + kc + kc / 2 + 19); }
 
 /* One chunk's scores (sc, nk a row: 32 or 128; keys j0 .. j0 + cnt) of rows [0, rows): scaled, masked past each
  * row's n_vis, the online softmax (running max and sum, O rescaled when the max grows), P rounded to bf16 pairs
@@ -3556,7 +3558,7 @@ AVX512_TARGET static inline __m512 exp16_bf16(__m512 x) {
 }
 
 DOT_TARGET static inline __attribute__((always_inline)) void atb_softmax(const float *sc, uint32_t *pp, float *o,
-                                                                         float *mx, float *sum, const int *vis,
+                                                                         float *mx, float *sumv, const int *vis,
                                                                          int rows, int d, int j0, int cnt, float scale,
                                                                          const int nk) {
     const __m512 lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -3572,29 +3574,32 @@ DOT_TARGET static inline __attribute__((always_inline)) void atb_softmax(const f
         __m512 sx[ATA_KC / 16], mxv = ninf;
         __mmask16 mk[ATA_KC / 16];
         for (int v = 0; v < nk / 16; v++) {
-            mk[v] = _mm512_cmp_ps_mask(_mm512_add_ps(lanes, _mm512_set1_ps((float)(16 * v))),
-                                       _mm512_set1_ps((float)lim), _CMP_LT_OQ);
+            mk[v] = lim >= nk ? (__mmask16)0xffff /* every key of the chunk seen */
+                              : _mm512_cmp_ps_mask(_mm512_add_ps(lanes, _mm512_set1_ps((float)(16 * v))),
+                                                   _mm512_set1_ps((float)lim), _CMP_LT_OQ);
             sx[v] = _mm512_mask_blend_ps(mk[v], ninf, _mm512_mul_ps(_mm512_loadu_ps(si + 16 * v), sv));
             mxv = _mm512_max_ps(mxv, sx[v]);
         }
-        att_raise_max512(o + i * d, d, mx + i, sum + i, _mm512_reduce_max_ps(mxv));
+        const float f = att_raise_max512(o + i * d, d, mx + i, mxv);
         const __m512 mv = _mm512_set1_ps(mx[i]);
-        __m512 acc = _mm512_setzero_ps();
+        __m512 acc = _mm512_loadu_ps(sumv + 16 * i); /* the sum in lanes, added across only at the end */
+        if (f != 1.0f) acc = _mm512_mul_ps(acc, _mm512_set1_ps(f));
         for (int v = 0; v < nk / 16; v++) {
             sx[v] = _mm512_maskz_mov_ps(mk[v], exp16_bf16(_mm512_sub_ps(sx[v], mv)));
             acc = _mm512_add_ps(acc, sx[v]);
         }
-        sum[i] += _mm512_reduce_add_ps(acc);
+        _mm512_storeu_ps(sumv + 16 * i, acc);
         for (int u = 0; u < nk / 32; u++) /* keys 32u .. 32u + 15 low, 32u + 16 .. 32u + 31 high */
             _mm512_storeu_si512(pi + 16 * u, (__m512i)_mm512_cvtne2ps_pbh(sx[2 * u + 1], sx[2 * u]));
     }
 }
 
 /* A bf16 tile's scratch (scr) for `rows` query rows with room for `cap` >= rows: q pairs, O, S, P pairs,
- * running max, sum and n_vis; the rows past `rows` zero (q, P, O). Row i is token i / grp, head i % grp. */
+ * running max, sum, n_vis and the sum in 16 lanes (sumv, what the softmax adds to a chunk at a time; sum is
+ * its lanes added, atb_sums); the rows past `rows` zero (q, P, O). Row i is token i / grp, head i % grp. */
 typedef struct {
     uint32_t *qs, *pp;
-    float *o, *sc, *mx, *sum;
+    float *o, *sc, *mx, *sum, *sumv;
     int *vis;
 } AtbScratch;
 
@@ -3609,16 +3614,22 @@ DOT_TARGET static AtbScratch atb_begin(const float *q, int64_t ldq, int rows, in
     t.mx = (float *)(t.pp + cap * (kc / 2));
     t.sum = t.mx + cap;
     t.vis = (int *)(t.sum + cap);
+    t.sumv = (float *)(t.vis + cap);
     for (int i = 0; i < rows; i++) {
         row_to_bf16(q + (int64_t)(i / grp) * ldq + (i % grp) * d, (uint16_t *)(t.qs + i * dp), d, d);
         t.mx[i] = -INFINITY;
-        t.sum[i] = 0.0f;
         t.vis[i] = n_vis0 + i / grp;
     }
+    memset(t.sumv, 0, sizeof(float) * (size_t)(16 * rows));
     memset(t.qs + rows * dp, 0, sizeof(uint32_t) * (size_t)((cap - rows) * dp));
     memset(t.pp + rows * (kc / 2), 0, sizeof(uint32_t) * (size_t)((cap - rows) * (kc / 2)));
     memset(t.o, 0, sizeof(float) * (size_t)(cap * d));
     return t;
+}
+
+/* Each row's sum: its 16 lanes added. */
+AVX512_TARGET static void atb_sums(const AtbScratch *t, int rows) {
+    for (int i = 0; i < rows; i++) t->sum[i] = _mm512_reduce_add_ps(_mm512_loadu_ps(t->sumv + 16 * i));
 }
 
 DOT_TARGET static void attend_tile_bf16(const float *q, int64_t ldq, float *out, int64_t ldo, const uint32_t *kt,
@@ -3637,12 +3648,13 @@ DOT_TARGET static void attend_tile_bf16(const float *q, int64_t ldq, float *out,
             const int nr = rows - i0 < 8 ? rows - i0 : 8;
             UPTO8_CASE(nr, atb_scores8, qs + i0 * dp, dp, kc, sc + i0 * ATB_KC)
         }
-        atb_softmax(sc, pp, o, mx, sum, vis, rows, d, j0, cnt, scale, ATB_KC);
+        atb_softmax(sc, pp, o, mx, t.sumv, vis, rows, d, j0, cnt, scale, ATB_KC);
         for (int i0 = 0; i0 < rows; i0 += 4) {
             const int nr = rows - i0 < 4 ? rows - i0 : 4;
             ATT_PV512_COLUMNS(ATB_PV_ROWS)
         }
     }
+    atb_sums(&t, rows);
     att_tile_finish(o, sum, out, ldo, rows, grp, d, v_scale);
 }
 
@@ -3686,7 +3698,7 @@ AMX_TARGET static void attend_tile_amx(const float *q, int64_t ldq, float *out, 
                 _tile_stored(1, sc + i0 * ATA_KC + ATB_KC * u + 16, ATA_KC * 4);
             }
         __asm__ volatile("" ::: "memory"); /* and C code reads what the tile stores wrote */
-        atb_softmax(sc, pp, o, mx, sum, vis, rows, d, j0, cnt, scale, ATA_KC);
+        atb_softmax(sc, pp, o, mx, t.sumv, vis, rows, d, j0, cnt, scale, ATA_KC);
         __asm__ volatile("" ::: "memory");
         for (int i0 = 0; i0 < rows16; i0 += 16)
             for (int c0 = 0; c0 < d; c0 += 16) {
@@ -3701,6 +3713,7 @@ AMX_TARGET static void attend_tile_amx(const float *q, int64_t ldq, float *out, 
         __asm__ volatile("" ::: "memory");
     }
     amx_end();
+    atb_sums(&t, rows);
     att_tile_finish(o, sum, out, ldo, rows, grp, d, v_scale);
 }
 
