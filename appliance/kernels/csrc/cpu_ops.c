@@ -2092,8 +2092,9 @@ AVX512_TARGET static void q4_rows_passes(const Linear *L, const float *x, int64_
  * pair's nibbles into bytes once a block of rows, so that no row tile
  * unpacks a quad (a mask and a shift a quad a panel, on the vector pipes
  * vpdpbusd needs: at 512 rows on Zen 5 gate|up 1.1x, a 4,500-token
- * prefill's GEMMs 1.1x; even at 16 rows, 0.9x at 8). Every row is quantized alike whatever the batch, so a
- * request's results do not depend on what shares its step. Where AMX-BF16
+ * prefill's GEMMs 1.1x; even at 16 rows, 0.9x at 8). Every row is
+ * quantized alike whatever the batch, so a request's results do not
+ * depend on what shares its step. Where AMX-BF16
  * tiles take the rows (from AMX_MIN_ROWS; grouped panels from
  * AMX_MIN_ROWS_GROUPED), they stay there.
  */
