@@ -117,6 +117,12 @@ def server_under_test(base_url: str | None, overrides: list[str]) -> tuple[str, 
     return own.url, own
 
 
+def result_name(bench: str, label: str) -> str:
+    """The results' file name (no suffix) of a server's run of ``bench`` labelled ``label``, as
+    `appliance.bench.compare` reads it."""
+    return f"{bench}-{label.replace('/', '_').replace(':', '_')}"
+
+
 def split_overrides(parser, argv: list[str]):
     """argparse options plus Hydra overrides (the remaining key=value words)."""
     args, rest = parser.parse_known_args(argv)

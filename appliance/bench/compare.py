@@ -29,9 +29,11 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from appliance.bench.common import result_name
+
 
 def _file(label: str, bench: str = "serve") -> str:
-    return f"{bench}-{label.replace('/', '_').replace(':', '_')}.json"
+    return f"{result_name(bench, label)}.json"
 
 
 def request_mix(out_dir: Path, baseline: str, labels: list[str]) -> list[dict]:

@@ -40,7 +40,8 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from appliance.bench.common import plot_lines, random_prompts, server_under_test, split_overrides, write_results
+from appliance.bench.common import (plot_lines, random_prompts, result_name, server_under_test, split_overrides,
+                                    write_results)
 from appliance.bench.latency import decode_ms
 from appliance.bench.machine import kernel_variants, load_or_measure
 
@@ -204,7 +205,7 @@ def main(argv: list[str]) -> int:
         finally:
             if own:
                 own.stop()
-        name = f"long_context-{label.replace('/', '_').replace(':', '_')}"
+        name = result_name("long_context", label)
     else:
         runs = {"appliance": deployment(overrides, contexts, streams, a.steps, bandwidth)}
         for extra in tqdm(a.also, desc="bench long-context: --also"):

@@ -40,7 +40,8 @@ from typing import Optional
 
 import httpx
 
-from appliance.bench.common import percentiles, plot_bars, server_under_test, split_overrides, write_results
+from appliance.bench.common import (percentiles, plot_bars, result_name, server_under_test, split_overrides,
+                                    write_results)
 
 WORDS = (
     "the of and to in is was for that with as on by at from his her they this which are have had not were but "
@@ -336,7 +337,7 @@ def main(argv: list[str]) -> int:
             own.stop()
     label = a.label or ("appliance" if own else url)
     res = summarize(sent, cut, elapsed)
-    path = write_results(a.out, f"mix-{label.replace('/', '_').replace(':', '_')}" if a.label else "mix",
+    path = write_results(a.out, result_name("mix", label) if a.label else "mix",
                          {"server": label, "model": model, "clients": a.clients, "duration_s": a.duration,
                           "seed": a.seed, "scale": a.scale, "continuous_usage": continuous, **res,
                           **({"verify": checked} if checked is not None else {})})

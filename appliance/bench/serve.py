@@ -37,8 +37,8 @@ from typing import Any, Optional
 import httpx
 from tqdm import tqdm
 
-from appliance.bench.common import (percentiles, plot_lines, random_prompts, server_under_test, split_overrides,
-                                    write_results)
+from appliance.bench.common import (percentiles, plot_lines, random_prompts, result_name, server_under_test,
+                                    split_overrides, write_results)
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: Optional[str], prompt: list[int], output_len: int,
@@ -383,7 +383,7 @@ def main(argv: list[str]) -> int:
         if own:
             own.stop()
     label = a.label or ("appliance" if own else url)
-    path = write_results(a.out, f"serve-{label.replace('/', '_').replace(':', '_')}" if a.label else "serve",
+    path = write_results(a.out, result_name("serve", label) if a.label else "serve",
                          {"server": label, "model": model, "input_len": a.input_len, "output_len": a.output_len,
                           "slo": {"ttft_ms": a.ttft_slo_ms, "itl_ms": a.itl_slo_ms}, "levels": levels,
                           **({"oversized_rejection": rejection} if rejection is not None else {}),
