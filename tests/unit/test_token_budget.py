@@ -274,8 +274,9 @@ def test_with_no_stream_decoding_a_prompt_prefills_at_the_cap():
     (or prompts with no stream decoding) takes the whole cap per step."""
     from appliance import LLM, SamplingParams
 
-    # no share for the prompt: the objective alone holds its chunks back beside a decode
-    llm = LLM(overrides=BASE + ["model=tiny_random", "scheduler.target_itl_ms=1", "scheduler.min_prefill_share=0",
+    # no share for the prompt: the objective alone holds its chunks back beside a decode (10 us: no step of
+    # the tiny model meets it however fast this host runs it)
+    llm = LLM(overrides=BASE + ["model=tiny_random", "scheduler.target_itl_ms=0.01", "scheduler.min_prefill_share=0",
                                 "scheduler.max_num_batched_tokens=256"])
     engine = llm.engine
     engine.add_request("long", [5 + i % 400 for i in range(600)], SamplingParams(max_tokens=2, ignore_eos=True))
